@@ -1,0 +1,32 @@
+"""comm: process groups and collectives on torch tensors (MPI, torch.distributed, local).
+
+Quick use::
+
+    import comm
+    group = comm.init()              # "auto": mpirun -> mpi, torchrun -> gloo/nccl, else local
+    t = torch.ones(4)
+    group.allreduce(t, op="avg")     # in place, returns t
+    h = group.alltoallv_async(rows, send_splits=[2, 3])
+    received = h.wait()              # [sum(recv_splits), *rows.shape[1:]]
+"""
+
+from comm.device import default_device
+from comm.group import ProcessGroup, ReduceOp
+from comm.handle import CommTimeoutError, Handle
+from comm.init import LaunchEnv, detect_launch, init
+from comm.local import LocalGroup
+from comm.topology import Role, Topology
+
+__all__ = [
+    "CommTimeoutError",
+    "Handle",
+    "LaunchEnv",
+    "LocalGroup",
+    "ProcessGroup",
+    "ReduceOp",
+    "Role",
+    "Topology",
+    "default_device",
+    "detect_launch",
+    "init",
+]

@@ -1,0 +1,200 @@
+"""Starting a process group: the one place that reads the launcher's environment.
+
+``comm.init("auto")`` picks the backend from how the process was started:
+
+=====================  ==========================================  ===============
+launcher               environment seen                            backend
+=====================  ==========================================  ===============
+``mpirun`` / mpiexec   PMI_RANK/PMI_SIZE (MPICH, Intel MPI),       ``mpi``
+                       OMPI_COMM_WORLD_RANK/SIZE (Open MPI),
+                       PMIX_RANK (PMIx launchers)
+``torchrun``           RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT  ``nccl`` with
+                       (TORCHELASTIC_RUN_ID)                       CUDA, else ``gloo``
+plain ``python``       none of the above                           ``local``
+=====================  ==========================================  ===============
+
+``gloo``/``nccl`` may also be asked for under ``mpirun``: rank and size come from
+the MPI launcher's variables, and the rendezvous address from MASTER_ADDR /
+MASTER_PORT when set, else rank 0 picks a free port and tells the others over
+MPI (typed buffers, no pickle).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from comm.group import ProcessGroup
+from comm.local import LocalGroup
+
+BACKENDS = ("auto", "local", "mpi", "gloo", "nccl")
+
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+_MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+_MPI_LOCAL_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchEnv:
+    """How this process was started, read once from the environment."""
+
+    launcher: str  # "mpirun" | "torchrun" | "none"
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
+    for name in names:
+        if name in env:
+            try:
+                return int(env[name])
+            except ValueError:
+                raise ValueError(
+                    f"launcher variable {name}={env[name]!r} is not an integer"
+                ) from None
+    return None
+
+
+def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read the launcher from ``env`` (default ``os.environ``)."""
+    env = os.environ if env is None else env
+    port = env.get("MASTER_PORT")
+    addr = env.get("MASTER_ADDR")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(
+            launcher="torchrun",
+            rank=int(env["RANK"]),
+            size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            master_addr=addr,
+            master_port=int(port) if port else None,
+        )
+    rank = _first_int(env, _MPI_RANK_VARS)
+    if rank is not None:
+        size = _first_int(env, _MPI_SIZE_VARS)
+        return LaunchEnv(
+            launcher="mpirun",
+            rank=rank,
+            size=size if size is not None else 1,
+            local_rank=_first_int(env, _MPI_LOCAL_VARS) or 0,
+            master_addr=addr,
+            master_port=int(port) if port else None,
+        )
+    return LaunchEnv(launcher="none")
+
+
+def init(
+    backend: str = "auto",
+    *,
+    timeout_s: float = 300.0,
+    validate: bool = True,
+    env: Mapping[str, str] | None = None,
+) -> ProcessGroup:
+    """Start (or join) the world process group and return it.
+
+    ``timeout_s`` bounds every wait (and the torch.distributed rendezvous);
+    ``validate`` turns on the cross-rank argument checks (see ProcessGroup).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    launch = detect_launch(env)
+    if backend == "auto":
+        if launch.launcher == "mpirun":
+            backend = "mpi"
+        elif launch.launcher == "torchrun":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        else:
+            backend = "local"
+    if backend == "local":
+        if launch.size > 1:
+            raise ValueError(
+                f"backend 'local' is a single process, but the launcher started {launch.size} "
+                f"ranks ({launch.launcher}); use backend 'auto', 'mpi' or 'gloo'"
+            )
+        return LocalGroup(timeout_s=timeout_s, validate=validate)
+    if backend == "mpi":
+        try:
+            from comm.mpi import MPIGroup
+        except ImportError as e:  # pragma: no cover - mpi4py is a dependency
+            raise RuntimeError(f"backend 'mpi' needs mpi4py and an MPI library: {e}") from e
+        return MPIGroup(timeout_s=timeout_s, validate=validate)
+    return _init_torch(backend, launch, timeout_s=timeout_s, validate=validate)
+
+
+def _init_torch(
+    backend: str, launch: LaunchEnv, *, timeout_s: float, validate: bool
+) -> ProcessGroup:
+    import torch.distributed as dist
+
+    from comm.torch_dist import TorchGroup
+
+    device = None
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'nccl' needs CUDA; use 'gloo' on CPU")
+        device = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        addr, port = launch.master_addr, launch.master_port
+        if port is None or addr is None:
+            addr, port = _agree_on_address(launch, addr)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{addr}:{port}",
+            rank=launch.rank,
+            world_size=launch.size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return TorchGroup(None, device=device, timeout_s=timeout_s, validate=validate)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _agree_on_address(launch: LaunchEnv, addr: str | None) -> tuple[str, int]:
+    """Rendezvous address when the launcher gave none: rank 0 picks, MPI tells the rest."""
+    if launch.size == 1:
+        host = addr or "127.0.0.1"
+        return host, _free_port(host)
+    if launch.launcher != "mpirun":
+        raise ValueError(
+            f"{launch.size} ranks but no MASTER_ADDR/MASTER_PORT set; start with torchrun or "
+            "mpirun, or set both variables"
+        )
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    # [port, address bytes...]: a fixed-size int64 buffer, so no pickle is needed.
+    msg = torch.zeros(257, dtype=torch.int64)
+    all_local = _all_local(world)  # collective: every rank takes part
+    if world.Get_rank() == 0:
+        host = addr or ("127.0.0.1" if all_local else socket.gethostname())
+        raw = host.encode()[:256]
+        msg[0] = _free_port("" if host != "127.0.0.1" else host)
+        msg[1 : 1 + len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
+    world.Bcast([msg, MPI.INT64_T], root=0)
+    host = bytes(int(b) for b in msg[1:].tolist() if b).decode()
+    return host, int(msg[0])
+
+
+def _all_local(world: object) -> bool:
+    """True when every rank runs on this host (then loopback is enough)."""
+    from mpi4py import MPI
+
+    comm = world  # type: ignore[assignment]
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # type: ignore[attr-defined]
+    try:
+        return bool(node.Get_size() == comm.Get_size())  # type: ignore[attr-defined]
+    finally:
+        node.Free()

@@ -1,0 +1,168 @@
+"""The MPI backend: mpi4py's upper-case (buffer) methods straight on torch tensors.
+
+No pickle: every message is a typed buffer. Every operation is the non-blocking
+MPI call (``Iallreduce``, ``Ialltoallv``, ...) so that waits can time out; the
+blocking and non-blocking paths measured the same bandwidth with MPICH
+(see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+from comm.group import ProcessGroup, ReduceOp
+from comm.handle import Handle
+
+# torch dtype -> (MPI datatype, whether MPI can reduce it). Half types travel as
+# 16-bit integers (MPI has no standard half type) and are reduced in float32.
+_MPI_TYPES: dict[torch.dtype, Any] = {
+    torch.float32: MPI.FLOAT,
+    torch.float64: MPI.DOUBLE,
+    torch.int64: MPI.INT64_T,
+    torch.int32: MPI.INT32_T,
+    torch.int16: MPI.INT16_T,
+    torch.int8: MPI.INT8_T,
+    torch.uint8: MPI.UINT8_T,
+    torch.complex64: MPI.C_FLOAT_COMPLEX,
+    torch.complex128: MPI.C_DOUBLE_COMPLEX,
+}
+_RAW_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.bool: torch.uint8}
+_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.MAX: MPI.MAX}
+
+
+def _buf(t: torch.Tensor, count: Any = None) -> list[Any]:
+    """An mpi4py buffer spec for a contiguous CPU tensor (zero copy)."""
+    if t.is_cuda:
+        raise ValueError("the mpi backend moves CPU tensors; use the nccl backend for CUDA")
+    raw = t.view(_RAW_VIEW[t.dtype]) if t.dtype in _RAW_VIEW else t
+    mtype = _MPI_TYPES.get(raw.dtype)
+    if mtype is None:
+        raise TypeError(f"the mpi backend does not support dtype {t.dtype}")
+    return [raw, mtype] if count is None else [raw, count, mtype]
+
+
+def _reducible(t: torch.Tensor) -> bool:
+    return t.dtype in _MPI_TYPES
+
+
+class MPIGroup(ProcessGroup):
+    """A process group over an MPI communicator (default ``MPI.COMM_WORLD``)."""
+
+    backend = "mpi"
+
+    def __init__(
+        self,
+        mpi_comm: Any = None,
+        *,
+        timeout_s: float = 300.0,
+        validate: bool = True,
+    ) -> None:
+        self._comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        super().__init__(
+            self._comm.Get_rank(), self._comm.Get_size(), timeout_s=timeout_s, validate=validate
+        )
+
+    @property
+    def mpi_comm(self) -> Any:
+        """The underlying mpi4py communicator, for code that talks MPI directly."""
+        return self._comm
+
+    def _handle(self, req: Any, finish: Any, what: str) -> Handle:
+        return Handle(
+            req.Test, finish, what=f"mpi {what} on rank {self.rank}", timeout_s=self.timeout_s
+        )
+
+    def _allreduce_async(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
+        # Half and bool tensors are reduced in a float32/uint8 working copy.
+        work = tensor if _reducible(tensor) else tensor.to(_reduce_dtype(tensor))
+        req = self._comm.Iallreduce(MPI.IN_PLACE, _buf(work), _MPI_OPS[op])
+        size = self.size
+
+        def finish() -> torch.Tensor:
+            if op is ReduceOp.AVG:
+                work.div_(size)
+            if work is not tensor:
+                tensor.copy_(work)
+            return tensor
+
+        return self._handle(req, finish, "allreduce")
+
+    def _broadcast_async(self, tensor: torch.Tensor, root: int) -> Handle:
+        req = self._comm.Ibcast(_buf(tensor), root=root)
+        return self._handle(req, lambda: tensor, "broadcast")
+
+    def _allgather_async(self, tensor: torch.Tensor) -> Handle:
+        out = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype)
+        req = self._comm.Iallgather(_buf(tensor), _buf(out))
+        return self._handle(req, lambda: out, "allgather")
+
+    def _allgatherv_async(self, tensor: torch.Tensor, counts: list[int]) -> Handle:
+        tail = tuple(tensor.shape[1:])
+        row = math.prod(tail)
+        out = torch.empty((sum(counts), *tail), dtype=tensor.dtype)
+        elems = [c * row for c in counts]
+        req = self._comm.Iallgatherv(_buf(tensor), _buf(out, (elems, _displs(elems))))
+        return self._handle(req, lambda: out, "allgatherv")
+
+    def _reduce_scatter_async(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
+        n = tensor.shape[0] // self.size
+        work = tensor if _reducible(tensor) else tensor.to(_reduce_dtype(tensor))
+        out = torch.empty((n, *tensor.shape[1:]), dtype=work.dtype)
+        req = self._comm.Ireduce_scatter_block(_buf(work), _buf(out), _MPI_OPS[op])
+        size = self.size
+
+        def finish() -> torch.Tensor:
+            if op is ReduceOp.AVG:
+                out.div_(size)
+            return out if out.dtype == tensor.dtype else out.to(tensor.dtype)
+
+        return self._handle(req, finish, "reduce_scatter")
+
+    def _alltoallv_async(self, tensor: torch.Tensor, send: list[int], recv: list[int]) -> Handle:
+        tail = tuple(tensor.shape[1:])
+        row = math.prod(tail)  # elements per row
+        out = torch.empty((sum(recv), *tail), dtype=tensor.dtype)
+        scounts = [s * row for s in send]
+        rcounts = [r * row for r in recv]
+        req = self._comm.Ialltoallv(
+            _buf(tensor, (scounts, _displs(scounts))),
+            _buf(out, (rcounts, _displs(rcounts))),
+        )
+        return self._handle(req, lambda: out, "alltoallv")
+
+    def _barrier_async(self) -> Handle:
+        return self._handle(self._comm.Ibarrier(), lambda: None, "barrier")
+
+    def _send_async(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
+        req = self._comm.Isend(_buf(tensor), dest=dst, tag=tag)
+        return self._handle(req, lambda: None, f"send to rank {dst}")
+
+    def _recv_async(self, tensor: torch.Tensor, src: int, tag: int) -> Handle:
+        req = self._comm.Irecv(_buf(tensor), source=src, tag=tag)
+        return self._handle(req, lambda: tensor, f"recv from rank {src}")
+
+    def _split(self, color: int, key: int) -> ProcessGroup:
+        return MPIGroup(
+            self._comm.Split(color, key), timeout_s=self.timeout_s, validate=self.validate
+        )
+
+    def close(self) -> None:
+        if self._comm not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
+            self._comm.Free()
+        self._comm = MPI.COMM_NULL
+
+
+def _displs(counts: list[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
+
+
+def _reduce_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.uint8 if t.dtype == torch.bool else torch.float32

@@ -1,0 +1,212 @@
+"""The torch.distributed backend (gloo on CPU, nccl on CUDA).
+
+Each operation is issued with ``async_op=True`` and wrapped in a :class:`Handle`
+that polls ``Work.is_completed()`` so waits can time out. Gloo lacks an average
+reduction, so "avg" is a sum followed by a division, as in the MPI backend.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from comm.group import ProcessGroup, ReduceOp
+from comm.handle import Handle, timeout_error
+
+_TORCH_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.AVG: dist.ReduceOp.SUM,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+}
+
+
+class TorchGroup(ProcessGroup):
+    """A process group over a torch.distributed group (``pg=None``: the world)."""
+
+    def __init__(
+        self,
+        pg: Any = None,
+        *,
+        global_ranks: list[int] | None = None,
+        device: torch.device | None = None,
+        timeout_s: float = 300.0,
+        validate: bool = True,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized; use comm.init('gloo')")
+        self._pg = pg
+        self.backend = str(dist.get_backend(pg))
+        rank, size = dist.get_rank(pg), dist.get_world_size(pg)
+        self._global_ranks = global_ranks if global_ranks is not None else list(range(size))
+        # nccl moves CUDA tensors only; small CPU tensors (signatures, counts) are staged.
+        self.device = device if device is not None else torch.device("cpu")
+        super().__init__(rank, size, timeout_s=timeout_s, validate=validate)
+
+    @property
+    def torch_group(self) -> Any:
+        """The underlying torch.distributed group (None means the default world group)."""
+        return self._pg
+
+    # ------------------------------------------------------------------ helpers
+
+    def _stage(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device) if t.device != self.device else t
+
+    def _handle(self, work: Any, finish: Callable[[], Any], what: str) -> Handle:
+        label = f"{self.backend} {what} on rank {self.rank}"
+
+        def block(limit: float) -> None:
+            # Work.wait re-raises errors the backend recorded; past the limit gloo
+            # raises "Timed out ..." (and closes the connection: the group is dead).
+            try:
+                work.wait(timeout=timedelta(seconds=limit))
+            except RuntimeError as e:
+                if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                    raise timeout_error(label, limit) from e
+                raise
+
+        return Handle(work.is_completed, finish, what=label, timeout_s=self.timeout_s, block=block)
+
+    # --------------------------------------------------------------- primitives
+
+    def _allreduce_async(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
+        work_t = self._stage(tensor)
+        work = dist.all_reduce(work_t, op=_TORCH_OPS[op], group=self._pg, async_op=True)
+        size = self.size
+
+        def finish() -> torch.Tensor:
+            if op is ReduceOp.AVG:
+                work_t.div_(size)
+            if work_t is not tensor:
+                tensor.copy_(work_t)
+            return tensor
+
+        return self._handle(work, finish, "allreduce")
+
+    def _broadcast_async(self, tensor: torch.Tensor, root: int) -> Handle:
+        work_t = self._stage(tensor)
+        work = dist.broadcast(work_t, group=self._pg, group_src=root, async_op=True)
+
+        def finish() -> torch.Tensor:
+            if work_t is not tensor:
+                tensor.copy_(work_t)
+            return tensor
+
+        return self._handle(work, finish, "broadcast")
+
+    def _allgather_async(self, tensor: torch.Tensor) -> Handle:
+        src = self._stage(tensor)
+        out = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype, device=src.device)
+        # all_gather into views of one buffer: supported by gloo and nccl alike.
+        work = dist.all_gather(list(out.unbind(0)), src, group=self._pg, async_op=True)
+        return self._handle(work, lambda: out.to(tensor.device), "allgather")
+
+    def _allgatherv_async(self, tensor: torch.Tensor, counts: list[int]) -> Handle:
+        # No variable-size allgather in torch.distributed: pad every rank to the
+        # largest row count, gather, then keep each rank's real rows.
+        src = self._stage(tensor)
+        tail = tuple(tensor.shape[1:])
+        most = max(counts)
+        padded = torch.zeros((most, *tail), dtype=tensor.dtype, device=src.device)
+        padded[: src.shape[0]] = src
+        out = torch.empty((self.size, most, *tail), dtype=tensor.dtype, device=src.device)
+        work = dist.all_gather(list(out.unbind(0)), padded, group=self._pg, async_op=True)
+
+        def finish() -> torch.Tensor:
+            parts = [out[r, : counts[r]] for r in range(self.size)]
+            return torch.cat(parts).to(tensor.device)
+
+        return self._handle(work, finish, "allgatherv")
+
+    def _reduce_scatter_async(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
+        n = tensor.shape[0] // self.size
+        lo = self.rank * n
+        size = self.size
+        if self.backend == "nccl":
+            src = self._stage(tensor)
+            out = torch.empty((n, *tensor.shape[1:]), dtype=tensor.dtype, device=src.device)
+            work = dist.reduce_scatter_tensor(
+                out, src, op=_TORCH_OPS[op], group=self._pg, async_op=True
+            )
+        else:
+            # gloo has no reduce_scatter: allreduce a copy and keep this rank's rows.
+            full = tensor.clone()
+            work = dist.all_reduce(full, op=_TORCH_OPS[op], group=self._pg, async_op=True)
+            out = full
+
+        def finish() -> torch.Tensor:
+            res = out if out.shape[0] == n else out[lo : lo + n].clone()
+            if op is ReduceOp.AVG:
+                res.div_(size)
+            return res.to(tensor.device)
+
+        return self._handle(work, finish, "reduce_scatter")
+
+    def _alltoallv_async(self, tensor: torch.Tensor, send: list[int], recv: list[int]) -> Handle:
+        src = self._stage(tensor)
+        out = torch.empty((sum(recv), *tensor.shape[1:]), dtype=tensor.dtype, device=src.device)
+        work = dist.all_to_all_single(
+            out, src, output_split_sizes=recv, input_split_sizes=send,
+            group=self._pg, async_op=True,
+        )  # fmt: skip
+        return self._handle(work, lambda: out.to(tensor.device), "alltoallv")
+
+    def _barrier_async(self) -> Handle:
+        work = dist.barrier(group=self._pg, async_op=True)
+        return self._handle(work, lambda: None, "barrier")
+
+    def _send_async(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
+        src = self._stage(tensor)
+        work = dist.isend(src, group=self._pg, group_dst=dst, tag=tag)
+        return self._handle(work, lambda: None, f"send to rank {dst}")
+
+    def _recv_async(self, tensor: torch.Tensor, src: int, tag: int) -> Handle:
+        buf = self._stage(tensor)
+        work = dist.irecv(buf, group=self._pg, group_src=src, tag=tag)
+
+        def finish() -> torch.Tensor:
+            if buf is not tensor:
+                tensor.copy_(buf)
+            return tensor
+
+        return self._handle(work, finish, f"recv from rank {src}")
+
+    def _split(self, color: int, key: int) -> ProcessGroup:
+        # torch.distributed needs every rank to call new_group for every new group,
+        # in the same order: learn all (color, key) pairs, then create them all.
+        mine = torch.tensor([color, key], dtype=torch.int64)
+        table = self._allgather_async(mine).wait().tolist()  # [size, 2]
+        result: TorchGroup | None = None
+        for c in sorted({row[0] for row in table}):
+            by_key = [
+                r for _, r in sorted((row[1], r) for r, row in enumerate(table) if row[0] == c)
+            ]
+            # torch orders a new group's ranks by global rank; say so if key asked otherwise.
+            if c == color and by_key != sorted(by_key):
+                warnings.warn(
+                    "split: torch.distributed orders sub-group ranks by global rank; the "
+                    f"keys asked for order {by_key}",
+                    stacklevel=3,
+                )
+            ranks = [self._global_ranks[r] for r in sorted(by_key)]
+            pg = dist.new_group(ranks=ranks, backend=self.backend)
+            if c == color:
+                result = TorchGroup(
+                    pg, global_ranks=ranks, device=self.device,
+                    timeout_s=self.timeout_s, validate=self.validate,
+                )  # fmt: skip
+        assert result is not None
+        return result
+
+    def close(self) -> None:
+        if not dist.is_initialized():
+            return
+        if self._pg is None:
+            dist.destroy_process_group()
+        else:
+            dist.destroy_process_group(self._pg)

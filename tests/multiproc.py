@@ -1,0 +1,151 @@
+"""One way to run a test body on several real processes.
+
+A multi-rank test is a script under ``tests/ranks/`` that does its work with
+``comm.init()`` and raises (non-zero exit) on failure. ``run_ranks`` starts it
+
+* under ``mpirun -n N`` (backend "mpi"), or
+* as N processes with torch.distributed env (backend "gloo": RANK, WORLD_SIZE,
+  MASTER_ADDR=127.0.0.1, MASTER_PORT=a free port), the same way torchrun would,
+
+waits at most ``timeout`` seconds, kills the whole process group on timeout and
+fails with every rank's output. Every exit code is checked.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RANKS_DIR = Path(__file__).resolve().parent / "ranks"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def mpirun_path() -> str:
+    """The mpirun beside this interpreter (the `mpich` wheel), else one on PATH."""
+    here = Path(sys.executable).parent / "mpirun"
+    found = str(here) if here.exists() else shutil.which("mpirun")
+    if found is None:
+        raise RuntimeError("mpirun not found: install the test extra (`make test` does)")
+    return found
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    # One thread per rank: several ranks share 2 cores.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return env
+
+
+def _script(script: str | Path) -> str:
+    p = Path(script)
+    if not p.is_absolute():
+        p = RANKS_DIR / p
+    if not p.exists():
+        raise FileNotFoundError(p)
+    return str(p)
+
+
+def run_ranks(
+    script: str | Path,
+    nprocs: int,
+    backend: str = "mpi",
+    args: list[str] | None = None,
+    timeout: float = 120.0,
+    extra_env: dict[str, str] | None = None,
+) -> list[str]:
+    """Run ``script`` on ``nprocs`` ranks; return each rank's combined output (gloo) or
+    one combined output (mpi). Raises AssertionError with the output on any failure."""
+    args = [str(a) for a in (args or [])]
+    env = _env()
+    env.update(extra_env or {})
+    path = _script(script)
+    if backend == "mpi":
+        cmd = [mpirun_path(), "-n", str(nprocs), sys.executable, path, *args]
+        env["HYBRIDREC_TEST_BACKEND"] = "mpi"
+        return [_run_one(cmd, env, timeout, f"mpirun -n {nprocs} {Path(path).name}")]
+    if backend in ("gloo", "nccl"):
+        port = free_port()
+        procs = []
+        for rank in range(nprocs):
+            e = dict(env)
+            e.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(nprocs),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                HYBRIDREC_TEST_BACKEND=backend,
+            )
+            procs.append(_start([sys.executable, path, *args], e))
+        return _collect(procs, timeout, f"{backend} x{nprocs} {Path(path).name}")
+    raise ValueError(f"unknown backend {backend!r}; expected 'mpi', 'gloo' or 'nccl'")
+
+
+def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # so a timeout can kill the rank and all its children
+    )
+
+
+def _kill(p: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _run_one(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> str:
+    return _collect([_start(cmd, env)], timeout, what)[0]
+
+
+def _collect(procs: list[subprocess.Popen[str]], timeout: float, what: str) -> list[str]:
+    import time
+
+    deadline = time.monotonic() + timeout
+    outs: list[str] = []
+    try:
+        for p in procs:
+            left = max(0.1, deadline - time.monotonic())
+            try:
+                out, _ = p.communicate(timeout=left)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    _kill(q)
+                texts = [q.communicate()[0] or "" for q in procs]
+                raise AssertionError(
+                    f"{what}: timed out after {timeout:g} s\n" + "\n----\n".join(texts)
+                ) from None
+            outs.append(out or "")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill(p)
+                p.wait()
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        body = "\n".join(
+            f"---- rank/process {i} (exit {c}) ----\n{o}"
+            for i, (c, o) in enumerate(zip(codes, outs, strict=True))
+        )
+        raise AssertionError(f"{what}: exit codes {codes}\n{body}")
+    return outs

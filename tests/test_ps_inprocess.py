@@ -1,0 +1,243 @@
+"""InProcessStore: validation before mutation, clocks, duplicate ids, optimizer math."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import comm
+import ps
+
+pytestmark = pytest.mark.timeout(60)
+
+ROWS, DIM = 20, 4
+
+
+def _store(optimizer: ps.Optimizer | None = None) -> ps.InProcessStore:
+    store = ps.InProcessStore()
+    opt = ps.RowWiseAdagrad(lr=0.1) if optimizer is None else optimizer
+    store.create_table(ps.TableSpec(name="t", num_rows=ROWS, dim=DIM, optimizer=opt))
+    return store
+
+
+def _snapshot(store: ps.Store) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    all_ids = torch.arange(ROWS)
+    got = store.pull("t", all_ids)
+    return got.rows.clone(), store.state("t", all_ids).clone(), got.clocks.clone()
+
+
+def _assert_unchanged(store: ps.Store, before: tuple[torch.Tensor, ...]) -> None:
+    after = _snapshot(store)
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)
+
+
+def _touch(store: ps.Store) -> None:
+    # Some history, so "unchanged" is not just "still initial".
+    store.push("t", torch.tensor([1, 2, 3]), torch.randn(3, DIM))
+
+
+GOOD_IDS = torch.tensor([0, 5])
+GOOD_GRADS = torch.ones(2, DIM)
+
+BAD_PUSHES = [
+    # (ids, grads, error type, regex the message must match)
+    (GOOD_IDS.int(), GOOD_GRADS, TypeError, r"table 't': ids must be int64, got torch.int32"),
+    (GOOD_IDS.float(), GOOD_GRADS, TypeError, r"table 't': ids must be int64, got torch.float32"),
+    ([0, 5], GOOD_GRADS, TypeError, r"table 't': ids must be a torch.Tensor"),
+    (GOOD_IDS.view(2, 1), GOOD_GRADS, ValueError, r"table 't': ids must be 1-D, got shape"),
+    (
+        torch.tensor([0, -3]),
+        GOOD_GRADS,
+        ValueError,
+        r"table 't': id -3 at position 1 is out of range; valid ids are \[0, 20\)",
+    ),
+    (
+        torch.tensor([0, 20]),
+        GOOD_GRADS,
+        ValueError,
+        r"table 't': id 20 at position 1 is out of range; valid ids are \[0, 20\)",
+    ),
+    (GOOD_IDS, GOOD_GRADS.double(), TypeError, r"table 't': grads must be float32, got"),
+    (
+        GOOD_IDS,
+        torch.ones(3, DIM),
+        ValueError,
+        r"table 't': grads have shape \(3, 4\), expected \(2, 4\)",
+    ),
+    (
+        GOOD_IDS,
+        torch.ones(2, DIM + 1),
+        ValueError,
+        r"table 't': grads have shape \(2, 5\), expected \(2, 4\)",
+    ),
+    (
+        GOOD_IDS,
+        torch.tensor([[1.0] * DIM, [1.0, math.nan, 1.0, 1.0]]),
+        ValueError,
+        r"table 't': gradient of row id 5 \(position 1\) contains NaN or Inf",
+    ),
+    (
+        torch.tensor([7, 9]),
+        torch.tensor([[math.inf] + [0.0] * (DIM - 1), [1.0] * DIM]),
+        ValueError,
+        r"table 't': gradient of row id 7 \(position 0\) contains NaN or Inf",
+    ),
+]
+
+
+@pytest.mark.parametrize("ids,grads,exc,msg", BAD_PUSHES)
+def test_bad_push_raises_and_changes_nothing(ids, grads, exc, msg) -> None:  # type: ignore[no-untyped-def]
+    store = _store()
+    _touch(store)
+    before = _snapshot(store)
+    with pytest.raises(exc, match=msg):
+        store.push("t", ids, grads)
+    with pytest.raises(exc, match=msg):
+        store.push_async("t", ids, grads)
+    _assert_unchanged(store, before)
+
+
+def test_bad_pull_and_unknown_table() -> None:
+    store = _store()
+    _touch(store)
+    before = _snapshot(store)
+    with pytest.raises(ValueError, match=r"unknown table 'nope'; known tables: \['t'\]"):
+        store.pull("nope", GOOD_IDS)
+    with pytest.raises(ValueError, match=r"unknown table 'nope'; known tables: \['t'\]"):
+        store.push("nope", GOOD_IDS, GOOD_GRADS)
+    with pytest.raises(ValueError, match=r"pull table 't': id 99 at position 0"):
+        store.pull("t", torch.tensor([99]))
+    with pytest.raises(TypeError, match=r"pull table 't': ids must be int64"):
+        store.pull("t", torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"clocks table 't': id -1"):
+        store.clocks("t", torch.tensor([-1]))
+    _assert_unchanged(store, before)
+
+
+def test_duplicate_create_table() -> None:
+    store = _store()
+    _touch(store)
+    before = _snapshot(store)
+    spec = ps.TableSpec(name="t", num_rows=5, dim=2, optimizer=ps.SGD(lr=1.0))
+    with pytest.raises(ValueError, match="table 't' already exists"):
+        store.create_table(spec)
+    _assert_unchanged(store, before)
+    assert store.num_rows("t") == ROWS and store.tables() == ["t"]
+
+
+def test_clocks_count_updates_and_duplicates_count_once() -> None:
+    store = _store()
+    ids = torch.arange(ROWS)
+    assert store.clocks("t", ids).tolist() == [0] * ROWS
+    store.push("t", torch.tensor([3, 3, 3, 4]), torch.ones(4, DIM))
+    store.push("t", torch.tensor([4, 5]), torch.ones(2, DIM))
+    store.push("t", torch.empty(0, dtype=torch.int64), torch.empty(0, DIM))
+    want = [0] * ROWS
+    want[3], want[4], want[5] = 1, 2, 1
+    assert store.clocks("t", ids).tolist() == want
+    assert store.pull("t", torch.tensor([4, 3])).clocks.tolist() == [2, 1]
+
+
+@pytest.mark.parametrize("optimizer", [ps.SGD(lr=0.5), ps.RowWiseAdagrad(lr=0.3, eps=1e-6)])
+def test_duplicate_ids_are_summed_before_one_update(optimizer: ps.Optimizer) -> None:
+    # One push of ids [2, 2, 2] equals one push of [2] with the summed gradient;
+    # it is not three successive updates.
+    gen = torch.Generator().manual_seed(0)
+    grads = torch.randn(3, DIM, generator=gen)
+    a, b = _store(optimizer), _store(optimizer)
+    a.push("t", torch.tensor([2, 2, 2]), grads)
+    b.push("t", torch.tensor([2]), grads.sum(0, keepdim=True))
+    assert torch.equal(a.pull("t", torch.arange(ROWS)).rows, b.pull("t", torch.arange(ROWS)).rows)
+    assert torch.equal(a.state("t", torch.arange(ROWS)), b.state("t", torch.arange(ROWS)))
+
+
+def test_rowwise_adagrad_matches_formula() -> None:
+    lr, eps, acc0 = 0.2, 1e-3, 0.5
+    store = _store(ps.RowWiseAdagrad(lr=lr, eps=eps, initial_accumulator=acc0))
+    ids = torch.tensor([4, 1])
+    w = store.pull("t", torch.arange(ROWS)).rows.double()
+    s = torch.full((ROWS,), acc0, dtype=torch.float64)
+    assert store.state("t", torch.arange(ROWS)).squeeze(1).tolist() == [acc0] * ROWS
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        g = torch.randn(2, DIM, generator=gen)
+        store.push("t", ids, g)
+        gd = g.double()
+        for row, gi in zip(ids.tolist(), gd, strict=True):
+            s[row] += float((gi**2).mean())
+            w[row] -= lr * gi / (math.sqrt(s[row]) + eps)
+    got = store.pull("t", torch.arange(ROWS)).rows.double()
+    torch.testing.assert_close(got, w, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        store.state("t", torch.arange(ROWS)).squeeze(1).double(), s, rtol=0, atol=1e-6
+    )
+
+
+def test_sgd_matches_formula_and_has_no_state() -> None:
+    store = _store(ps.SGD(lr=0.25))
+    w0 = store.pull("t", torch.arange(ROWS)).rows
+    g = torch.randn(2, DIM)
+    store.push("t", torch.tensor([0, 7]), g)
+    w1 = store.pull("t", torch.arange(ROWS)).rows
+    want = w0.clone()
+    want[[0, 7]] -= 0.25 * g
+    torch.testing.assert_close(w1, want, rtol=0, atol=1e-7)
+    assert store.state("t", torch.arange(ROWS)).shape == (ROWS, 0)
+
+
+def test_pull_returns_copies_and_async_handles() -> None:
+    store = _store()
+    h = store.pull_async("t", torch.tensor([1, 1]))
+    assert isinstance(h, comm.Handle) and h.is_completed()
+    got = h.wait()
+    assert isinstance(got, ps.PullResult)
+    assert got.rows.shape == (2, DIM) and got.rows.dtype == torch.float32
+    assert got.clocks.dtype == torch.int64
+    got.rows.add_(100.0)  # must not write through to the table
+    assert float(store.pull("t", torch.tensor([1])).rows.abs().max()) < 1.0
+    assert store.push_async("t", torch.tensor([1]), torch.ones(1, DIM)).wait() is None
+    assert store.clocks("t", torch.tensor([1])).tolist() == [1]
+
+
+def test_initial_rows_deterministic_and_in_bounds() -> None:
+    spec = ps.TableSpec(name="emb", num_rows=1000, dim=8, optimizer=ps.SGD(lr=1.0))
+    bound = math.sqrt(1.0 / 1000)
+    assert spec.init == ps.UniformInit(low=-bound, high=bound, seed=spec.init.seed)  # type: ignore[union-attr]
+    a, b = ps.InProcessStore(), ps.InProcessStore()
+    a.create_table(spec)
+    b.create_table(spec)
+    rows = a.pull("emb", torch.arange(1000)).rows
+    assert torch.equal(rows, b.pull("emb", torch.arange(1000)).rows)
+    assert float(rows.min()) >= -bound and float(rows.max()) < bound
+    # Roughly uniform: mean near 0, variance near bound^2 / 3.
+    assert abs(float(rows.mean())) < 0.05 * bound
+    assert abs(float(rows.var()) / (bound**2 / 3) - 1.0) < 0.05
+    # A row's value does not depend on which other rows are initialised with it.
+    some = spec.initial_rows(torch.tensor([999, 3]))
+    assert torch.equal(some, rows[[999, 3]])
+    # Different names give different default seeds; an explicit seed is honoured.
+    other = ps.TableSpec(name="emb2", num_rows=1000, dim=8, optimizer=ps.SGD(lr=1.0))
+    assert not torch.equal(other.initial_rows(torch.arange(4)), rows[:4])
+    init = ps.UniformInit(low=0.0, high=2.0, seed=7)
+    x = ps.TableSpec(name="x", num_rows=10, dim=3, optimizer=ps.SGD(lr=1.0), init=init)
+    assert x.init is init and float(x.initial_rows(torch.arange(10)).min()) >= 0.0
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="SGD: lr must be a finite number > 0, got 0"):
+        ps.SGD(lr=0)
+    with pytest.raises(ValueError, match="RowWiseAdagrad: eps must be a finite number > 0"):
+        ps.RowWiseAdagrad(lr=0.1, eps=-1.0)
+    with pytest.raises(ValueError, match="initial_accumulator must be a finite number >= 0"):
+        ps.RowWiseAdagrad(lr=0.1, initial_accumulator=-0.5)
+    with pytest.raises(ValueError, match=r"table 'q': num_rows must be an int > 0, got 0"):
+        ps.TableSpec(name="q", num_rows=0, dim=2, optimizer=ps.SGD(lr=1.0))
+    with pytest.raises(ValueError, match=r"table 'q': dim must be an int > 0, got -2"):
+        ps.TableSpec(name="q", num_rows=3, dim=-2, optimizer=ps.SGD(lr=1.0))
+    with pytest.raises(TypeError, match=r"table 'q': optimizer must be a ps optimizer"):
+        ps.TableSpec(name="q", num_rows=3, dim=2, optimizer=torch.optim.SGD)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="need low < high, got low=1.0 high=1.0"):
+        ps.UniformInit(low=1.0, high=1.0)
