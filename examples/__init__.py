@@ -1,0 +1,1 @@
+"""Runnable example jobs (not installed; run from the repository root)."""

@@ -1,0 +1,21 @@
+"""Data sets for the example jobs, held in memory as whole tensors.
+
+* :func:`load_movielens`: MovieLens-100k (from the ``recbole`` package) as clicks.
+* :func:`make_synthetic`: Criteo-shaped synthetic clicks (13 dense, 26 Zipf sparse).
+* :func:`gather_batch`: sample indices -> a :class:`Batch` with key-major jagged ids.
+"""
+
+from examples.data.ctr import Batch, CTRData, SparseFeature, gather_batch, split_indices
+from examples.data.movielens import load_movielens, movielens_dir
+from examples.data.synthetic import make_synthetic
+
+__all__ = [
+    "Batch",
+    "CTRData",
+    "SparseFeature",
+    "gather_batch",
+    "load_movielens",
+    "make_synthetic",
+    "movielens_dir",
+    "split_indices",
+]
