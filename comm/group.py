@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,9 +26,11 @@ from comm.handle import Handle
 from comm.validate import (
     check_contiguous,
     check_rank,
-    check_same_across_ranks,
+    check_recv_splits,
+    check_signatures,
     check_splits,
     exchange_splits,
+    gather_signatures,
 )
 
 
@@ -78,19 +80,58 @@ class ProcessGroup(ABC):
             f"{type(self).__name__}(backend={self.backend!r}, rank={self.rank}, size={self.size})"
         )
 
+    # ------------------------------------------------------------------ checks
+
+    def _agree(
+        self,
+        op: str,
+        tensor: object,
+        local_checks: Callable[[], None],
+        *,
+        skip_first_dim: bool = False,
+        extra: Callable[[], list[int]] | None = None,
+        extra_len: int = 0,
+    ) -> list[list[int]] | None:
+        """Run this rank's argument checks; with ``validate`` on, agree with every rank.
+
+        Without validation a bad argument raises here, on this rank only (its peers
+        then wait until their timeout). With validation every rank contributes one
+        row ``[error flag, tensor signature, *extra()]`` to a single small allgather,
+        so a bad argument on any rank, or a dtype/shape mismatch between ranks,
+        raises ``ValueError`` on every rank before any data moves. Returns the
+        gathered rows (None when nothing was gathered).
+        """
+        if not (self.validate and self.size > 1):
+            local_checks()
+            return None
+        error: ValueError | TypeError | None = None
+        try:
+            local_checks()
+        except (ValueError, TypeError) as e:
+            error = e
+        ok_tensor = tensor if error is None and isinstance(tensor, torch.Tensor) else None
+        tail = extra() if (error is None and extra is not None) else [0] * extra_len
+        table = gather_signatures(self, ok_tensor, error is not None, skip_first_dim, tail)
+        if error is not None:
+            raise error
+        check_signatures(self, op, "tensor", table)
+        return table
+
     # ------------------------------------------------------------------ public API
 
     def allreduce_async(self, tensor: torch.Tensor, op: ReduceOp | str = "sum") -> Handle:
         """In place: every rank ends with the elementwise reduction over ranks."""
+
+        def local() -> None:
+            check_contiguous(self, "allreduce", "tensor", tensor)
+            if rop is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
+                raise TypeError(
+                    f"allreduce: op 'avg' needs a floating-point tensor, rank {self.rank} "
+                    f"passed {tensor.dtype}"
+                )
+
         rop = ReduceOp.parse(op)
-        check_contiguous(self, "allreduce", "tensor", tensor)
-        if rop is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
-            raise TypeError(
-                f"allreduce: op 'avg' needs a floating-point tensor, rank {self.rank} "
-                f"passed {tensor.dtype}"
-            )
-        if self.validate and self.size > 1:
-            check_same_across_ranks(self, "allreduce", "tensor", tensor)
+        self._agree("allreduce", tensor, local)
         return self._allreduce_async(tensor, rop)
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp | str = "sum") -> torch.Tensor:
@@ -98,10 +139,15 @@ class ProcessGroup(ABC):
 
     def broadcast_async(self, tensor: torch.Tensor, root: int = 0) -> Handle:
         """In place: every rank ends with ``root``'s tensor."""
-        check_rank(self, "broadcast", "root", root)
-        check_contiguous(self, "broadcast", "tensor", tensor)
-        if self.validate and self.size > 1:
-            check_same_across_ranks(self, "broadcast", "tensor", tensor)
+
+        def local() -> None:
+            check_rank(self, "broadcast", "root", root)
+            check_contiguous(self, "broadcast", "tensor", tensor)
+
+        table = self._agree("broadcast", tensor, local, extra=lambda: [root], extra_len=1)
+        if table is not None and any(row[-1] != root for row in table):
+            roots = [row[-1] for row in table]
+            raise ValueError(f"broadcast: ranks disagree on root: {roots} (one per rank)")
         return self._broadcast_async(tensor, root)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
@@ -109,9 +155,9 @@ class ProcessGroup(ABC):
 
     def allgather_async(self, tensor: torch.Tensor) -> Handle:
         """Every rank's tensor (same shape everywhere), stacked: ``[size, *tensor.shape]``."""
-        check_contiguous(self, "allgather", "tensor", tensor)
-        if self.validate and self.size > 1:
-            check_same_across_ranks(self, "allgather", "tensor", tensor)
+        self._agree(
+            "allgather", tensor, lambda: check_contiguous(self, "allgather", "tensor", tensor)
+        )
         return self._allgather_async(tensor)
 
     def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -121,18 +167,26 @@ class ProcessGroup(ABC):
         """Every rank's rows concatenated in rank order; row counts may differ.
 
         ``tensor`` is ``[n_rank, *tail]`` (1-D or row-major N-D, same tail and dtype
-        everywhere); the result is ``[sum(n_rank), *tail]``. The row counts are
-        learned with one small allgather before the data moves.
+        everywhere); the result is ``[sum(n_rank), *tail]``. The row counts travel in
+        the validation allgather, or in one small allgather of their own.
         """
-        check_contiguous(self, "allgatherv", "tensor", tensor)
-        if tensor.dim() == 0:
-            raise ValueError(f"allgatherv: rank {self.rank} passed a 0-d tensor; it needs rows")
-        if self.size == 1:
-            return self._allgatherv_async(tensor, [int(tensor.shape[0])])
-        if self.validate:
-            check_same_across_ranks(self, "allgatherv", "tensor", tensor, skip_first_dim=True)
-        mine = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
-        counts = [int(c) for c in self._allgather_async(mine).wait().flatten().tolist()]
+
+        def local() -> None:
+            check_contiguous(self, "allgatherv", "tensor", tensor)
+            if tensor.dim() == 0:
+                raise ValueError(f"allgatherv: rank {self.rank} passed a 0-d tensor; it needs rows")
+
+        table = self._agree(
+            "allgatherv", tensor, local, skip_first_dim=True,
+            extra=lambda: [int(tensor.shape[0])], extra_len=1,
+        )  # fmt: skip
+        if table is not None:
+            counts = [row[-1] for row in table]
+        elif self.size == 1:
+            counts = [int(tensor.shape[0])]
+        else:
+            mine = torch.tensor([tensor.shape[0]], dtype=torch.int64)
+            counts = [int(c) for c in self._allgather_async(mine).wait().flatten().tolist()]
         return self._allgatherv_async(tensor, counts)
 
     def allgatherv(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -140,21 +194,23 @@ class ProcessGroup(ABC):
 
     def reduce_scatter_async(self, tensor: torch.Tensor, op: ReduceOp | str = "sum") -> Handle:
         """Reduce ``[size * n, *tail]`` over ranks; rank ``r`` gets rows ``[r*n, (r+1)*n)``."""
+
+        def local() -> None:
+            check_contiguous(self, "reduce_scatter", "tensor", tensor)
+            if tensor.dim() == 0 or tensor.shape[0] % self.size != 0:
+                raise ValueError(
+                    f"reduce_scatter: rank {self.rank} passed a tensor of shape "
+                    f"{tuple(tensor.shape)}; its first dimension must be a multiple of the "
+                    f"group size {self.size}"
+                )
+            if rop is ReduceOp.AVG and not tensor.is_floating_point():
+                raise TypeError(
+                    f"reduce_scatter: op 'avg' needs a floating-point tensor, rank {self.rank} "
+                    f"passed {tensor.dtype}"
+                )
+
         rop = ReduceOp.parse(op)
-        check_contiguous(self, "reduce_scatter", "tensor", tensor)
-        if tensor.dim() == 0 or tensor.shape[0] % self.size != 0:
-            raise ValueError(
-                f"reduce_scatter: rank {self.rank} passed a tensor of shape "
-                f"{tuple(tensor.shape)}; its first dimension must be a multiple of the "
-                f"group size {self.size}"
-            )
-        if rop is ReduceOp.AVG and not tensor.is_floating_point():
-            raise TypeError(
-                f"reduce_scatter: op 'avg' needs a floating-point tensor, rank {self.rank} "
-                f"passed {tensor.dtype}"
-            )
-        if self.validate and self.size > 1:
-            check_same_across_ranks(self, "reduce_scatter", "tensor", tensor)
+        self._agree("reduce_scatter", tensor, local)
         return self._reduce_scatter_async(tensor, rop)
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = "sum") -> torch.Tensor:
@@ -171,37 +227,42 @@ class ProcessGroup(ABC):
         ``tensor`` is ``[sum(send_splits), *tail]`` (1-D, or row-major 2-D and up);
         rows ``send_splits[:p]`` .. go to peer ``p`` in order. The result is
         ``[sum(recv_splits), *tail]``: peer 0's rows first. When ``recv_splits`` is
-        None it is learned from the peers (one small alltoall of the counts); when
-        given it is checked against what the peers send if ``validate`` is on.
+        None it is learned from the peers; when given it is checked against what
+        the peers send if ``validate`` is on. With validation, signatures and all
+        splits travel in one small allgather; without it and without
+        ``recv_splits``, the counts travel in one small alltoall.
         """
-        check_contiguous(self, "alltoallv", "tensor", tensor)
-        if tensor.dim() == 0:
-            raise ValueError(
-                f"alltoallv: rank {self.rank} passed a 0-d tensor; it needs rows to split"
-            )
-        send = check_splits(self, "alltoallv", "send_splits", send_splits, int(tensor.shape[0]))
-        if recv_splits is not None:
-            recv: list[int] | None = check_splits(
-                self, "alltoallv", "recv_splits", recv_splits, None
-            )
-        else:
-            recv = None
-        if self.size > 1 and (recv is None or self.validate):
-            if self.validate:
-                # dtype and row shape must agree; the row count may differ per rank.
-                check_same_across_ranks(self, "alltoallv", "tensor", tensor, skip_first_dim=True)
-            learned = exchange_splits(self, send)
-            if recv is not None and recv != learned:
-                bad = next(p for p in range(self.size) if recv[p] != learned[p])
+        send: list[int] = []
+        recv: list[int] | None = None
+        n = self.size
+
+        def local() -> None:
+            nonlocal send, recv
+            check_contiguous(self, "alltoallv", "tensor", tensor)
+            if tensor.dim() == 0:
                 raise ValueError(
-                    f"alltoallv: rank {self.rank} expects recv_splits[{bad}]={recv[bad]} rows "
-                    f"from rank {bad}, but rank {bad} sends {learned[bad]} "
-                    f"(recv_splits={recv}, peers send {learned})"
+                    f"alltoallv: rank {self.rank} passed a 0-d tensor; it needs rows to split"
                 )
-            recv = learned
-        if recv is None:  # size 1
-            recv = send
-        return self._alltoallv_async(tensor, send, recv)
+            send = check_splits(self, "alltoallv", "send_splits", send_splits, int(tensor.shape[0]))
+            if recv_splits is not None:
+                recv = check_splits(self, "alltoallv", "recv_splits", recv_splits, None)
+
+        table = self._agree(
+            "alltoallv", tensor, local, skip_first_dim=True,
+            extra=lambda: send + (recv if recv is not None else [-1] * n), extra_len=2 * n,
+        )  # fmt: skip
+        if n == 1:
+            return self._alltoallv_async(tensor, send, send)
+        if table is not None:
+            # Row q's columns [-2n, -n) are what q sends to each peer; [-n:] what q expects.
+            sends = [row[len(row) - 2 * n : len(row) - n] for row in table]
+            check_recv_splits(self, "alltoallv", sends, [row[len(row) - n :] for row in table])
+            learned = [sends[p][self.rank] for p in range(n)]
+        elif recv is None:
+            learned = exchange_splits(self, send)
+        else:
+            learned = recv
+        return self._alltoallv_async(tensor, send, learned)
 
     def alltoallv(
         self,
@@ -262,6 +323,15 @@ class ProcessGroup(ABC):
         self.close()
 
     # ------------------------------------------------------- backend primitives
+
+    def _allgather_ints(self, row: list[int]) -> list[list[int]]:
+        """Every rank's ``row`` (same length everywhere), for the argument checks.
+
+        Backends may override this with a cheaper path: it runs before every
+        validated collective, so its fixed cost is what small messages pay.
+        """
+        out: torch.Tensor = self._allgather_async(torch.tensor(row, dtype=torch.int64)).wait()
+        return out.tolist()  # type: ignore[no-any-return]
 
     @abstractmethod
     def _allreduce_async(self, tensor: torch.Tensor, op: ReduceOp) -> Handle: ...

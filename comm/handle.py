@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+_BUSY_POLLS = 4096  # test() calls (~1 ms) before a waiting rank starts yielding its core
+
 
 class CommTimeoutError(TimeoutError):
     """A collective or point-to-point operation did not complete in time.
@@ -82,7 +84,9 @@ class Handle:
     def _spin(self, limit: float) -> None:
         # Poll without sleeping: MPI (and gloo's progress on some paths) only moves
         # data while we call into it, so a sleep here would stall big transfers.
-        # sched_yield keeps an oversubscribed machine (4 ranks on 2 cores) moving.
+        # After a short busy phase (what MPI's own blocking wait does), sched_yield
+        # keeps an oversubscribed machine (4 ranks on 2 cores) moving; yielding from
+        # the start would cost short operations a scheduler round trip.
         deadline = time.monotonic() + limit
         test = self._test
         n = 0
@@ -91,7 +95,8 @@ class Handle:
             if n & 63 == 0:
                 if time.monotonic() > deadline:
                     raise timeout_error(self._what, limit)
-                os.sched_yield()
+                if n > _BUSY_POLLS:
+                    os.sched_yield()
 
 
 def timeout_error(what: str, limit: float) -> CommTimeoutError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -35,14 +36,20 @@ _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.MAX: MPI.MAX}
 
 
 def _buf(t: torch.Tensor, count: Any = None) -> list[Any]:
-    """An mpi4py buffer spec for a contiguous CPU tensor (zero copy)."""
+    """An mpi4py buffer spec for a contiguous CPU tensor (zero copy).
+
+    The tensor is handed over as a numpy view: mpi4py reads a numpy array's buffer
+    in ~6 us, a torch tensor (through DLPack) in ~40 us, which dominated small
+    messages.
+    """
     if t.is_cuda:
         raise ValueError("the mpi backend moves CPU tensors; use the nccl backend for CUDA")
     raw = t.view(_RAW_VIEW[t.dtype]) if t.dtype in _RAW_VIEW else t
     mtype = _MPI_TYPES.get(raw.dtype)
     if mtype is None:
         raise TypeError(f"the mpi backend does not support dtype {t.dtype}")
-    return [raw, mtype] if count is None else [raw, count, mtype]
+    arr = raw.detach().numpy()
+    return [arr, mtype] if count is None else [arr, count, mtype]
 
 
 def _reducible(t: torch.Tensor) -> bool:
@@ -75,6 +82,14 @@ class MPIGroup(ProcessGroup):
         return Handle(
             req.Test, finish, what=f"mpi {what} on rank {self.rank}", timeout_s=self.timeout_s
         )
+
+    def _allgather_ints(self, row: list[int]) -> list[list[int]]:
+        # numpy buffers and no torch allocation: this runs before every validated call.
+        mine = np.asarray(row, dtype=np.int64)
+        out = np.empty((self.size, mine.size), dtype=np.int64)
+        req = self._comm.Iallgather([mine, MPI.INT64_T], [out, MPI.INT64_T])
+        self._handle(req, lambda: None, "allgather (argument check)").wait()
+        return out.tolist()  # type: ignore[no-any-return]
 
     def _allreduce_async(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
         # Half and bool tensors are reduced in a float32/uint8 working copy.

@@ -206,6 +206,12 @@ class TorchGroup(ProcessGroup):
     def close(self) -> None:
         if not dist.is_initialized():
             return
+        # Let every rank's outstanding work finish before the backend's threads go
+        # away (gloo aborts the process if it is torn down with work in flight).
+        try:
+            self._barrier_async().wait(timeout=min(self.timeout_s, 30.0))
+        except Exception:  # a dead peer must not keep us from releasing resources
+            pass
         if self._pg is None:
             dist.destroy_process_group()
         else:

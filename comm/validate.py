@@ -24,6 +24,8 @@ _DTYPES: tuple[torch.dtype, ...] = (
     torch.complex64, torch.complex128,
 )  # fmt: skip
 _MAX_DIMS = 8  # signature: [dtype, ndim, numel, dim0 .. dim7]
+_ZEROS = [0] * _MAX_DIMS
+_CODES = {dt: i for i, dt in enumerate(_DTYPES)}
 
 
 def check_contiguous(group: ProcessGroup, op: str, arg: str, tensor: object) -> None:
@@ -72,13 +74,15 @@ def dtype_code(dtype: torch.dtype) -> int:
         raise TypeError(f"dtype {dtype} is not supported by comm") from None
 
 
-def _signature(tensor: torch.Tensor, skip_first_dim: bool) -> torch.Tensor:
+def _signature(tensor: torch.Tensor | None, skip_first_dim: bool) -> list[int]:
+    if tensor is None:  # this rank failed its own checks; its row only carries the flag
+        return [0] * (2 + _MAX_DIMS + 1)
     shape = list(tensor.shape)
     if skip_first_dim and shape:
         shape[0] = -1
     numel = -1 if skip_first_dim else tensor.numel()
-    dims = (shape + [0] * _MAX_DIMS)[:_MAX_DIMS]
-    return torch.tensor([dtype_code(tensor.dtype), tensor.dim(), numel, *dims], dtype=torch.int64)
+    dims = (shape + _ZEROS)[:_MAX_DIMS]
+    return [_CODES[tensor.dtype], len(shape), numel, *dims]
 
 
 def _describe(sig: list[int]) -> str:
@@ -88,23 +92,61 @@ def _describe(sig: list[int]) -> str:
     return f"dtype {str(_DTYPES[sig[0]]).removeprefix('torch.')} shape {shape}"
 
 
-def check_same_across_ranks(
-    group: ProcessGroup, op: str, arg: str, tensor: torch.Tensor, *, skip_first_dim: bool = False
-) -> None:
-    """Raise on every rank if ranks disagree on ``tensor``'s dtype or shape.
+_SIG = 3 + _MAX_DIMS  # signature columns after the error flag
 
-    With ``skip_first_dim`` the row count may differ (alltoallv, allgatherv).
+
+def gather_signatures(
+    group: ProcessGroup,
+    tensor: torch.Tensor | None,
+    failed: bool,
+    skip_first_dim: bool,
+    extra: list[int],
+) -> list[list[int]]:
+    """One small allgather of ``[failed, signature, *extra]`` per rank.
+
+    Raises on every rank if any rank ``failed`` its local checks (that rank raises
+    its own, more precise, error instead). Rows are ``[signature, *extra]``.
     """
-    sig = _signature(tensor, skip_first_dim)
-    if tensor.is_cuda:
-        sig = sig.to(tensor.device)
-    table = group._allgather_async(sig).wait().cpu().tolist()
-    ref = table[0]
+    row = [int(failed), *_signature(tensor, skip_first_dim), *extra]
+    table = group._allgather_ints(row)
+    bad = [r for r, t in enumerate(table) if t[0]]
+    if bad and not failed:
+        raise ValueError(
+            f"rank(s) {bad} passed bad arguments to this collective (their own error says "
+            f"which); rank {group.rank}'s arguments were fine and nothing was sent"
+        )
+    return [t[1:] for t in table]
+
+
+def check_signatures(group: ProcessGroup, op: str, arg: str, table: list[list[int]]) -> None:
+    """Raise the same ValueError on every rank if ranks disagree on dtype or shape."""
+    ref = table[0][:_SIG]
     for r, row in enumerate(table):
-        if row != ref:
+        if row[:_SIG] != ref:
             raise ValueError(
-                f"{op}: ranks disagree on {arg}: rank {r} passed {_describe(row)}, "
+                f"{op}: ranks disagree on {arg}: rank {r} passed {_describe(row[:_SIG])}, "
                 f"rank 0 passed {_describe(ref)}"
+            )
+
+
+def check_recv_splits(
+    group: ProcessGroup, op: str, sends: list[list[int]], expects: list[list[int]]
+) -> None:
+    """Every rank's given ``recv_splits`` (row of ``expects``; -1s = not given) must equal
+    what the peers send it. Every rank raises: a rank that got its own splits wrong
+    names its own mistake, the others name the first rank that did."""
+    me = group.rank
+    order = [me] + [q for q in range(len(expects)) if q != me]  # own mistake named first
+    for q in order:
+        want = expects[q]
+        if want[0] < 0:
+            continue
+        got = [sends[p][q] for p in range(len(sends))]
+        if want != got:
+            bad = next(p for p in range(len(got)) if want[p] != got[p])
+            raise ValueError(
+                f"{op}: rank {q} expects recv_splits[{bad}]={want[bad]} rows from rank {bad}, "
+                f"but rank {bad} sends {got[bad]} (recv_splits={want}, peers send {got})"
             )
 
 

@@ -11,15 +11,66 @@ Quick use::
     ids = torch.tensor([3, 7, 3])
     got = store.pull("items", ids)          # got.rows [3, 16], got.clocks [3]
     store.push("items", ids, torch.ones(3, 16))  # id 3's two gradients are summed
+    stale = store.pull("items", ids, clocks=got.clocks, bound=0)  # only rows that moved
+    store.save("/tmp/ckpt")                 # see ps.checkpoint for the format
+
+Modules: ``store`` (the interface), ``table`` (specs, initial rows), ``optimizers``,
+``routing`` (id -> shard), ``checkpoint`` (the on-disk format), ``inprocess``,
+``mpi_store``/``mpi_server``/``wire`` (PS server ranks under mpirun), ``redis_store``
+(Redis / Redis Cluster).
+
+``MPIStore``, ``serve_mpi``, ``ServerConfig`` and ``RedisStore`` are imported on first
+use: importing mpi4py starts MPI, and a laptop run needs neither.
 """
 
+from typing import Any
+
+from ps import checkpoint, routing
 from ps.inprocess import InProcessStore
-from ps.optimizers import SGD, Optimizer, RowWiseAdagrad
-from ps.store import PullResult, Store
+from ps.optimizers import (
+    FTRL,
+    SGD,
+    Adagrad,
+    Adam,
+    Optimizer,
+    RowWiseAdagrad,
+    optimizer_from_json,
+)
+from ps.routing import shard_of, splitmix64
+from ps.store import STAT_KEYS, PullResult, Store
 from ps.table import TableSpec, UniformInit, default_init
 
+_LAZY = {
+    "MPIStore": "ps.mpi_store",
+    "serve_mpi": "ps.mpi_server",
+    "ServerConfig": "ps.mpi_server",
+    "RedisStore": "ps.redis_store",
+    "RedisUnavailableError": "ps.redis_store",
+    "RedisAuthError": "ps.redis_store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ps' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
 __all__ = [
+    "MPIStore",
+    "RedisAuthError",
+    "RedisStore",
+    "RedisUnavailableError",
+    "ServerConfig",
+    "serve_mpi",
+    "FTRL",
     "SGD",
+    "STAT_KEYS",
+    "Adagrad",
+    "Adam",
     "InProcessStore",
     "Optimizer",
     "PullResult",
@@ -27,5 +78,10 @@ __all__ = [
     "Store",
     "TableSpec",
     "UniformInit",
+    "checkpoint",
     "default_init",
+    "optimizer_from_json",
+    "routing",
+    "shard_of",
+    "splitmix64",
 ]

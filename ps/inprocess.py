@@ -1,44 +1,46 @@
 """The in-process store: tables as tensors in this process's memory.
 
 It is the embedded default (no servers) and the reference every other store is
-tested against. All work is vectorised: ``torch.unique`` to coalesce duplicate
-ids, ``index_add_`` to sum their gradients, index gathers and scatters for rows,
-state and clocks; nothing loops over ids in Python.
+tested against. All work is vectorised (:mod:`ps.local_table`): ``torch.unique``
+to coalesce duplicate ids, ``index_add_`` to sum their gradients, index gathers
+and scatters for rows, state and clocks, a batched hash index for dynamic tables;
+nothing loops over ids in Python.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from dataclasses import dataclass, field
 
 import torch
 
 from comm import Handle
+from ps.checkpoint import (
+    abort_checkpoint,
+    begin_checkpoint,
+    finish_checkpoint,
+    read_checkpoint,
+    write_part,
+)
+from ps.local_table import LocalTable
 from ps.store import PullResult, Store
 from ps.table import TableSpec
-from ps.validate import check_grads, check_ids, unknown_table
+from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
 
-_INIT_CHUNK_ROWS = 1 << 16  # rows initialised per step, bounds the temporary hash arrays
-
-
-@dataclass(slots=True)
-class _Table:
-    spec: TableSpec
-    weights: torch.Tensor  # [num_rows, D] float32
-    state: torch.Tensor  # [num_rows, state_dim] float32
-    clocks: torch.Tensor  # [num_rows] int64
-    lock: threading.Lock = field(default_factory=threading.Lock)
+#: Rows per checkpoint part file (bounds the size of one ``.npy``).
+PART_ROWS = 1 << 20
 
 
 class InProcessStore(Store):
     """Tables held as CPU tensors; requests complete immediately.
 
-    Thread-safe: a push holds the table's lock for its gather-update-scatter, so
-    concurrent pushes to one table are applied one after the other.
+    Thread-safe: every request holds its table's lock, so concurrent pushes to
+    one table are applied one after the other and a pull sees rows and clocks
+    of one moment.
     """
 
     def __init__(self) -> None:
-        self._tables: dict[str, _Table] = {}
+        self._tables: dict[str, LocalTable] = {}
         self._create_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -55,14 +57,7 @@ class InProcessStore(Store):
                     f"create_table: table {spec.name!r} already exists "
                     f"(known tables: {list(self._tables)})"
                 )
-            weights = torch.empty(spec.num_rows, spec.dim, dtype=torch.float32)
-            for start in range(0, spec.num_rows, _INIT_CHUNK_ROWS):
-                stop = min(spec.num_rows, start + _INIT_CHUNK_ROWS)
-                weights[start:stop] = spec.initial_rows(torch.arange(start, stop))
-            state0 = spec.optimizer.initial_state(spec.dim)  # [S]
-            state = state0.unsqueeze(0).repeat(spec.num_rows, 1)  # [num_rows, S]
-            clocks = torch.zeros(spec.num_rows, dtype=torch.int64)
-            self._tables[spec.name] = _Table(spec, weights, state, clocks)
+            self._tables[spec.name] = LocalTable(spec)
 
     def tables(self) -> list[str]:
         return list(self._tables)
@@ -70,7 +65,7 @@ class InProcessStore(Store):
     def spec(self, table: str) -> TableSpec:
         return self._get(table).spec
 
-    def _get(self, table: str) -> _Table:
+    def _get(self, table: str) -> LocalTable:
         try:
             return self._tables[table]
         except (KeyError, TypeError):
@@ -78,30 +73,28 @@ class InProcessStore(Store):
 
     # ------------------------------------------------------------ rows
 
-    def pull_async(self, table: str, ids: torch.Tensor) -> Handle:
+    def pull_async(
+        self,
+        table: str,
+        ids: torch.Tensor,
+        *,
+        clocks: torch.Tensor | None = None,
+        bound: int | None = None,
+    ) -> Handle:
         t = self._get(table)
         ids = check_ids(t.spec, ids, "pull").cpu()
+        caller_clocks = check_pull_bound(t.spec, ids, clocks, bound)
         with t.lock:  # rows and clocks of one consistent moment
-            result = PullResult(
-                rows=t.weights.index_select(0, ids), clocks=t.clocks.index_select(0, ids)
-            )
+            result: PullResult = t.pull(ids, caller_clocks, bound)
         return Handle.completed(result, what=f"pull {table!r}")
 
     def push_async(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> Handle:
         t = self._get(table)
         ids = check_ids(t.spec, ids, "push").cpu()
-        grads = check_grads(t.spec, ids, grads).detach().cpu()
-        if ids.numel() > 0:
-            uniq, inverse = torch.unique(ids, return_inverse=True)  # [U], [N]
-            summed = torch.zeros(uniq.numel(), t.spec.dim, dtype=torch.float32)  # [U, D]
-            summed.index_add_(0, inverse, grads)
-            with t.lock:
-                rows = t.weights.index_select(0, uniq)  # [U, D] copies
-                state = t.state.index_select(0, uniq)  # [U, S] copies
-                t.spec.optimizer.apply(rows, state, summed)
-                t.weights.index_copy_(0, uniq, rows)
-                t.state.index_copy_(0, uniq, state)
-                t.clocks.index_add_(0, uniq, torch.ones_like(uniq))
+        finite = t.spec.nan_policy == "raise"
+        grads = check_grads(t.spec, ids, grads, finite=finite).detach().cpu()
+        with t.lock:
+            t.push(ids, grads)
         return Handle.completed(None, what=f"push {table!r}")
 
     # ------------------------------------------------------------ inspection
@@ -109,9 +102,55 @@ class InProcessStore(Store):
     def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         t = self._get(table)
         ids = check_ids(t.spec, ids, "clocks").cpu()
-        return t.clocks.index_select(0, ids)
+        with t.lock:
+            return t.read_clocks(ids)
 
     def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         t = self._get(table)
         ids = check_ids(t.spec, ids, "state").cpu()
-        return t.state.index_select(0, ids)
+        with t.lock:
+            return t.read_state(ids)
+
+    def stats(self) -> dict[str, dict[str, int | float]]:
+        out = {}
+        for name, t in list(self._tables.items()):
+            with t.lock:
+                out[name] = t.stats()
+        return out
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write all tables to the checkpoint folder ``path`` (atomic; see :mod:`ps.checkpoint`).
+
+        Each table is written while holding its lock, so it is saved as of one
+        moment; different tables may be saved at different moments if other
+        threads push meanwhile.
+        """
+        tmp = begin_checkpoint(path)
+        try:
+            listed = []
+            for i, t in enumerate(list(self._tables.values())):
+                with t.lock:
+                    entries = [
+                        write_part(tmp, i, f"p{k:05d}", part)
+                        for k, part in enumerate(t.parts(PART_ROWS))
+                    ]
+                listed.append((t.spec, entries))
+            finish_checkpoint(tmp, path, listed, writer=type(self).__name__)
+        except BaseException:
+            abort_checkpoint(tmp)
+            raise
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Replace (or create) every table of the checkpoint at ``path`` with its rows.
+
+        Everything is read and checked first; tables change only if all of it is
+        good. Eviction ages of dynamic tables restart at the load.
+        """
+        ckpt = read_checkpoint(path)
+        loaded = {
+            spec.name: LocalTable.from_part(spec, ckpt.read_table(spec.name)) for spec in ckpt.specs
+        }
+        with self._create_lock:
+            self._tables.update(loaded)

@@ -12,7 +12,35 @@ Push semantics (all stores):
   up by exactly 1;
 * a push is atomic per table: the request is validated before anything changes,
   so a bad request (unknown table, bad ids, wrong shape, NaN/Inf) raises and
-  leaves rows, optimizer state and clocks as they were.
+  leaves rows, optimizer state and clocks as they were (with the table's
+  ``nan_policy="skip"``, rows whose summed gradient is not finite are dropped
+  and the rest is applied);
+* on a dynamic table (``TableSpec.num_rows`` None) a push creates the rows it
+  touches that do not exist yet (from the table's initializer, clock 0) before
+  applying the optimizer.
+
+Pull semantics (all stores):
+
+* ``pull(table, ids)`` returns every row, in the order of ``ids`` (duplicates
+  allowed), with ``positions`` None;
+* ``pull(table, ids, clocks=c, bound=b)`` is the HET conditional pull: ``c``
+  ``[N]`` int64 are the clocks of the copies the caller holds, and only rows
+  whose store clock is ``> c + b`` come back; ``positions`` ``[M]`` int64 (in
+  increasing order) says which entries of ``ids`` they are;
+* a pull never creates rows: an id of a dynamic table without a row reads as
+  its initial row with clock 0 (what a push would start it from);
+* on a dynamic table a pull *touches* every requested row that exists (returned
+  or not): it counts as recent use for LRU (``capacity``) and age
+  (``max_age_steps``) eviction, see :class:`ps.table.TableSpec`.
+
+Optimizers are lazy (:mod:`ps.optimizers`): rows not in a push do not change.
+
+Statistics: :meth:`Store.stats` gives per table the counters named in
+:data:`STAT_KEYS` (stores may add more).
+
+Checkpoints: :meth:`Store.save` / :meth:`Store.load` use the directory format of
+:mod:`ps.checkpoint` (JSON manifest + ``.npy`` parts carrying row ids, no
+pickle), so any store with any number of shards loads what any other saved.
 
 Every request has an ``*_async`` form returning a :class:`comm.Handle`; the
 synchronous form is ``*_async(...).wait()``. Requests are validated when they
@@ -23,6 +51,7 @@ in flight.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -31,13 +60,31 @@ import torch
 from comm import Handle
 from ps.table import TableSpec
 
+#: Counters every store reports per table in :meth:`Store.stats`.
+STAT_KEYS: tuple[str, ...] = (
+    "rows",  # rows held (fixed: num_rows; dynamic: rows that exist now)
+    "bytes",  # bytes of weights + optimizer state + clocks held
+    "pull_requests",  # pull requests served
+    "rows_pulled",  # rows returned by pulls
+    "rows_skipped_by_bound",  # rows a conditional pull did not return (fresh enough)
+    "push_requests",  # push requests applied
+    "rows_pushed",  # unique rows the optimizer was applied to
+)
 
-@dataclass(kw_only=True, slots=True, frozen=True)
+
+@dataclass(slots=True, frozen=True)
 class PullResult:
-    """Rows as of the pull: ``rows`` float32 ``[N, D]``, ``clocks`` int64 ``[N]``."""
+    """Rows as of the pull.
+
+    ``rows`` float32 ``[M, D]`` and ``clocks`` int64 ``[M]``. A plain pull
+    returns all ``M = N`` requested rows in order and ``positions`` is None; a
+    conditional pull returns only the stale rows and ``positions`` int64 ``[M]``
+    (increasing) are their indices into the request's ``ids``.
+    """
 
     rows: torch.Tensor
     clocks: torch.Tensor
+    positions: torch.Tensor | None = None
 
 
 class Store(ABC):
@@ -57,17 +104,38 @@ class Store(ABC):
     def spec(self, table: str) -> TableSpec:
         """The spec ``table`` was created with."""
 
-    def num_rows(self, table: str) -> int:
+    def num_rows(self, table: str) -> int | None:
+        """``spec(table).num_rows``: None for a dynamic table (see ``stats()`` for its size)."""
         return self.spec(table).num_rows
 
     # ------------------------------------------------------------ rows
 
     @abstractmethod
-    def pull_async(self, table: str, ids: torch.Tensor) -> Handle:
-        """Start a pull of rows ``ids`` (int64 ``[N]``); ``wait()`` gives a :class:`PullResult`."""
+    def pull_async(
+        self,
+        table: str,
+        ids: torch.Tensor,
+        *,
+        clocks: torch.Tensor | None = None,
+        bound: int | None = None,
+    ) -> Handle:
+        """Start a pull of rows ``ids`` (int64 ``[N]``); ``wait()`` gives a :class:`PullResult`.
 
-    def pull(self, table: str, ids: torch.Tensor) -> PullResult:
-        result: PullResult = self.pull_async(table, ids).wait()
+        With ``clocks`` (int64 ``[N]``, the caller's copies) and ``bound`` (int >= 0)
+        together, only rows whose store clock is ``> clocks + bound`` are returned,
+        with their ``positions``. Giving one without the other is a ValueError.
+        """
+
+    def pull(
+        self,
+        table: str,
+        ids: torch.Tensor,
+        *,
+        clocks: torch.Tensor | None = None,
+        bound: int | None = None,
+    ) -> PullResult:
+        """``pull_async(...).wait()``."""
+        result: PullResult = self.pull_async(table, ids, clocks=clocks, bound=bound).wait()
         return result
 
     @abstractmethod
@@ -88,7 +156,35 @@ class Store(ABC):
 
     @abstractmethod
     def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        """Optimizer state of rows ``ids``: float32 ``[N, state_dim]`` (for tests, checkpoints)."""
+        """Optimizer state of rows ``ids``: float32 ``[N, state_dim]`` (for tests, checkpoints).
+
+        Like a pull, it creates nothing: a missing row of a dynamic table reads as
+        the initial state.
+        """
+
+    @abstractmethod
+    def stats(self) -> dict[str, dict[str, int | float]]:
+        """Per table, at least the counters of :data:`STAT_KEYS` (a snapshot)."""
+
+    # ------------------------------------------------------------ checkpoints
+
+    @abstractmethod
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write every table (rows, optimizer state, clocks) to the checkpoint directory ``path``.
+
+        Atomic: a crash during save leaves the previous checkpoint at ``path``
+        loadable (see :mod:`ps.checkpoint`).
+        """
+
+    @abstractmethod
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Replace the tables named in the checkpoint at ``path`` with its contents.
+
+        A table that does not exist is created; an existing one is replaced
+        entirely (spec included). Rows are routed by id, so the checkpoint may
+        come from any store with any shard count. The checkpoint is read and
+        checked before any table changes.
+        """
 
     def close(self) -> None:  # noqa: B027 - optional; stores without resources keep it
         """Release connections or servers; the in-process store has nothing to release."""

@@ -1,7 +1,8 @@
 """Table specs and deterministic row initialisation.
 
-A table is ``num_rows`` rows of ``dim`` float32 values plus the optimizer that
-the store applies to pushed gradients.
+A table is ``num_rows`` rows of ``dim`` float32 values (ids ``[0, num_rows)``),
+or, with ``num_rows=None``, a *dynamic* table keyed by any int64 id, plus the
+optimizer that the store applies to pushed gradients.
 
 Initial values are a pure function of ``(seed, row id, column)`` (a counter-based
 hash, not a sequential RNG stream), so every process, every shard of a sharded
@@ -11,14 +12,16 @@ the same row without talking to anyone.
 
 from __future__ import annotations
 
+import json
 import math
 import zlib
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from ps.optimizers import Optimizer
+from ps.optimizers import Optimizer, optimizer_from_json
 
 _U64 = np.uint64
 _GOLDEN = _U64(0x9E3779B97F4A7C15)
@@ -62,34 +65,84 @@ class UniformInit:
         values = self.low + (self.high - self.low) * unit
         return torch.from_numpy(values.astype(np.float32))
 
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict ``{"type": "uniform", "low", "high", "seed"}``."""
+        return {"type": "uniform", "low": self.low, "high": self.high, "seed": self.seed}
 
-def default_init(name: str, num_rows: int) -> UniformInit:
-    """TorchRec's default: ``U(-sqrt(1/num_rows), sqrt(1/num_rows))``, seeded by the name."""
-    bound = math.sqrt(1.0 / num_rows)
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> UniformInit:
+        if not isinstance(data, dict) or data.get("type") != "uniform":
+            raise ValueError(f"init JSON: expected {{'type': 'uniform', ...}}, got {data!r}")
+        return UniformInit(low=data["low"], high=data["high"], seed=data["seed"])
+
+
+#: Half-width of the default init of a dynamic table (no ``num_rows`` to scale by;
+#: the TorchRec rule gives the same value for a 10 000-row table).
+DYNAMIC_INIT_BOUND = 0.01
+
+NAN_POLICIES = ("raise", "skip")
+
+
+def default_init(name: str, num_rows: int | None) -> UniformInit:
+    """TorchRec's default ``U(-sqrt(1/num_rows), sqrt(1/num_rows))``, seeded by the name.
+
+    A dynamic table (``num_rows`` None) gets ``U(-0.01, 0.01)``.
+    """
+    bound = DYNAMIC_INIT_BOUND if num_rows is None else math.sqrt(1.0 / num_rows)
     return UniformInit(low=-bound, high=bound, seed=zlib.crc32(name.encode("utf-8")))
+
+
+def _optional_positive_int(table: str, arg: str, v: object) -> None:
+    if v is None:
+        return
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"table {table!r}: {arg} must be None or an int > 0, got {v!r}")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TableSpec:
     """What a store needs to create a table.
 
-    ``init`` None means :func:`default_init` (resolved in ``__post_init__``, so a
-    spec's ``init`` is always a :class:`UniformInit` afterwards).
+    * ``num_rows``: an int > 0 for a fixed table (ids ``[0, num_rows)``, all rows
+      exist from the start), or None for a **dynamic** table: any int64 id
+      (negative too); a row is created by the first push that touches it, from
+      ``init`` (a pull of an id that has no row returns the initial row with
+      clock 0 and creates nothing).
+    * ``init``: None means :func:`default_init` (resolved in ``__post_init__``, so
+      a spec's ``init`` is always a :class:`UniformInit` afterwards).
+    * ``capacity`` (dynamic only): at most this many rows; when a push creates
+      rows past it, the least recently touched rows (pull or push) are evicted.
+    * ``max_age_steps`` (dynamic only): after each push to the table, rows not
+      touched (pulled or pushed) during the last ``max_age_steps`` pushes of this
+      table are evicted. An evicted row is gone: its weights, optimizer state
+      and clock; a later touch starts it again from ``init`` with clock 0.
+    * ``nan_policy``: "raise" rejects a push whose gradients hold NaN/Inf (naming
+      the row), "skip" applies the rest of the push and drops the rows whose
+      summed gradient is not finite (counted in ``stats()["rows_skipped_nan"]``).
     """
 
     name: str
-    num_rows: int
+    num_rows: int | None
     dim: int
     optimizer: Optimizer
     init: UniformInit | None = field(default=None)
+    capacity: int | None = None
+    max_age_steps: int | None = None
+    nan_policy: Literal["raise", "skip"] = "raise"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"TableSpec: name must be a non-empty string, got {self.name!r}")
-        for arg in ("num_rows", "dim"):
-            v = getattr(self, arg)
+        if self.num_rows is not None:
+            v = self.num_rows
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"table {self.name!r}: {arg} must be an int > 0, got {v!r}")
+                raise ValueError(
+                    f"table {self.name!r}: num_rows must be an int > 0, got {v!r} "
+                    "(None makes a dynamic table)"
+                )
+        d = self.dim
+        if not isinstance(d, int) or isinstance(d, bool) or d <= 0:
+            raise ValueError(f"table {self.name!r}: dim must be an int > 0, got {d!r}")
         if not isinstance(self.optimizer, Optimizer):
             raise TypeError(
                 f"table {self.name!r}: optimizer must be a ps optimizer config such as "
@@ -102,6 +155,25 @@ class TableSpec:
                 f"table {self.name!r}: init must be a UniformInit or None, "
                 f"got {type(self.init).__name__}"
             )
+        _optional_positive_int(self.name, "capacity", self.capacity)
+        _optional_positive_int(self.name, "max_age_steps", self.max_age_steps)
+        if self.num_rows is not None:
+            for arg in ("capacity", "max_age_steps"):
+                if getattr(self, arg) is not None:
+                    raise ValueError(
+                        f"table {self.name!r}: {arg}={getattr(self, arg)} needs a dynamic "
+                        f"table (num_rows=None), got num_rows={self.num_rows}"
+                    )
+        if self.nan_policy not in NAN_POLICIES:
+            raise ValueError(
+                f"table {self.name!r}: nan_policy must be one of {NAN_POLICIES}, "
+                f"got {self.nan_policy!r}"
+            )
+
+    @property
+    def dynamic(self) -> bool:
+        """True for a dynamic table (``num_rows`` None)."""
+        return self.num_rows is None
 
     @property
     def state_dim(self) -> int:
@@ -111,3 +183,48 @@ class TableSpec:
         """Initial values of rows ``ids`` (int64 ``[N]``): float32 ``[N, dim]``."""
         assert self.init is not None  # resolved in __post_init__
         return self.init.rows(ids, self.dim)
+
+    def initial_state(self) -> torch.Tensor:
+        """Optimizer state ``[state_dim]`` float32 of a fresh row."""
+        return self.optimizer.initial_state(self.dim)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (checkpoint manifests, wire messages); see :meth:`from_json`."""
+        assert self.init is not None
+        return {
+            "name": self.name,
+            "num_rows": self.num_rows,
+            "dim": self.dim,
+            "optimizer": self.optimizer.to_json(),
+            "init": self.init.to_json(),
+            "capacity": self.capacity,
+            "max_age_steps": self.max_age_steps,
+            "nan_policy": self.nan_policy,
+        }
+
+    @staticmethod
+    def from_json(data: dict[str, Any] | str) -> TableSpec:
+        """Rebuild a spec from :meth:`to_json` output (dict or JSON text); validates it."""
+        if isinstance(data, str):
+            data = json.loads(data)
+        if not isinstance(data, dict):
+            raise TypeError(f"table spec JSON must be an object, got {type(data).__name__}")
+        known = {"name", "num_rows", "dim", "optimizer", "init"}
+        known |= {"capacity", "max_age_steps", "nan_policy"}
+        unknown = sorted(set(data) - known)
+        missing = sorted({"name", "num_rows", "dim", "optimizer"} - set(data))
+        if unknown or missing:
+            raise ValueError(
+                f"table spec JSON: unknown fields {unknown}, missing fields {missing} in {data!r}"
+            )
+        init = data.get("init")
+        return TableSpec(
+            name=data["name"],
+            num_rows=data["num_rows"],
+            dim=data["dim"],
+            optimizer=optimizer_from_json(data["optimizer"]),
+            init=None if init is None else UniformInit.from_json(init),
+            capacity=data.get("capacity"),
+            max_age_steps=data.get("max_age_steps"),
+            nan_policy=data.get("nan_policy", "raise"),
+        )

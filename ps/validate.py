@@ -20,7 +20,7 @@ def unknown_table(name: object, known: Iterable[str]) -> ValueError:
 
 
 def check_ids(spec: TableSpec, ids: object, op: str) -> torch.Tensor:
-    """``ids`` must be a 1-D int64 tensor of row ids in ``[0, num_rows)``; returns it."""
+    """``ids`` must be a 1-D int64 tensor; of a fixed table, in ``[0, num_rows)``; returns it."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(
             f"{op} table {spec.name!r}: ids must be a torch.Tensor of int64, "
@@ -30,10 +30,10 @@ def check_ids(spec: TableSpec, ids: object, op: str) -> torch.Tensor:
         raise TypeError(f"{op} table {spec.name!r}: ids must be int64, got {ids.dtype}")
     if ids.dim() != 1:
         raise ValueError(f"{op} table {spec.name!r}: ids must be 1-D, got shape {tuple(ids.shape)}")
-    if ids.numel() > 0:
-        bad = (ids < 0) | (ids >= spec.num_rows)  # [N]
-        if bool(bad.any()):
-            pos = int(torch.nonzero(bad)[0, 0])
+    if ids.numel() > 0 and spec.num_rows is not None:
+        lo, hi = torch.aminmax(ids)  # two scalars: cheaper than a [N] bool mask on the good path
+        if int(lo) < 0 or int(hi) >= spec.num_rows:
+            pos = int(torch.nonzero((ids < 0) | (ids >= spec.num_rows))[0, 0])
             raise ValueError(
                 f"{op} table {spec.name!r}: id {int(ids[pos])} at position {pos} is out of "
                 f"range; valid ids are [0, {spec.num_rows})"
@@ -41,8 +41,60 @@ def check_ids(spec: TableSpec, ids: object, op: str) -> torch.Tensor:
     return ids
 
 
-def check_grads(spec: TableSpec, ids: torch.Tensor, grads: object) -> torch.Tensor:
-    """``grads`` must be float32 ``[len(ids), dim]`` and finite; returns it."""
+def check_pull_bound(
+    spec: TableSpec, ids: torch.Tensor, clocks: object, bound: object
+) -> torch.Tensor | None:
+    """A conditional pull needs both ``clocks`` (int64 ``[len(ids)]``) and ``bound`` (int >= 0).
+
+    Returns ``clocks`` (on the CPU), or None for a plain pull (both None).
+    """
+    if clocks is None and bound is None:
+        return None
+    if clocks is None or bound is None:
+        raise ValueError(
+            f"pull table {spec.name!r}: a conditional pull needs both clocks and bound, "
+            f"got clocks={'None' if clocks is None else 'a tensor'} and bound={bound!r}"
+        )
+    if not isinstance(bound, int) or isinstance(bound, bool) or bound < 0:
+        raise ValueError(f"pull table {spec.name!r}: bound must be an int >= 0, got {bound!r}")
+    if not isinstance(clocks, torch.Tensor):
+        raise TypeError(
+            f"pull table {spec.name!r}: clocks must be a torch.Tensor of int64, "
+            f"got {type(clocks).__name__}"
+        )
+    if clocks.dtype != torch.int64:
+        raise TypeError(f"pull table {spec.name!r}: clocks must be int64, got {clocks.dtype}")
+    if tuple(clocks.shape) != tuple(ids.shape):
+        raise ValueError(
+            f"pull table {spec.name!r}: clocks have shape {tuple(clocks.shape)}, expected "
+            f"{tuple(ids.shape)} (one per id)"
+        )
+    return clocks.cpu()
+
+
+def finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """Which rows of ``x`` ``[N, D]`` hold only finite values: bool ``[N]``.
+
+    A row with NaN/Inf has a non-finite sum, so the row sums (cheap) settle every
+    row whose sum is finite; only rows whose sum is not (NaN/Inf, or an overflow
+    of huge finite values) get the exact element-wise test (``torch.isfinite``
+    over the whole ``[N, D]`` is several times slower than a sum).
+    """
+    ok = torch.isfinite(x.sum(dim=1))  # [N]
+    if not bool(ok.all()):
+        suspects = torch.nonzero(~ok).squeeze(1)
+        ok[suspects] = torch.isfinite(x[suspects]).all(dim=1)
+    return ok
+
+
+def check_grads(
+    spec: TableSpec, ids: torch.Tensor, grads: object, *, finite: bool = True
+) -> torch.Tensor:
+    """``grads`` must be float32 ``[len(ids), dim]`` (and finite, if ``finite``); returns it.
+
+    Stores pass ``finite=False`` for a ``nan_policy="skip"`` table and drop the
+    non-finite rows themselves.
+    """
     if not isinstance(grads, torch.Tensor):
         raise TypeError(
             f"push table {spec.name!r}: grads must be a torch.Tensor of float32, "
@@ -56,12 +108,13 @@ def check_grads(spec: TableSpec, ids: torch.Tensor, grads: object) -> torch.Tens
             f"push table {spec.name!r}: grads have shape {tuple(grads.shape)}, "
             f"expected {expected} (len(ids), dim)"
         )
-    if grads.numel() > 0:
-        finite = torch.isfinite(grads).all(dim=1)  # [N]
-        if not bool(finite.all()):
-            pos = int(torch.nonzero(~finite)[0, 0])
+    if finite and grads.numel() > 0:
+        ok = finite_rows(grads)  # [N]
+        if not bool(ok.all()):
+            pos = int(torch.nonzero(~ok)[0, 0])
             raise ValueError(
                 f"push table {spec.name!r}: gradient of row id {int(ids[pos])} (position "
-                f"{pos}) contains NaN or Inf; nothing was applied"
+                f"{pos}) contains NaN or Inf; nothing was applied (set the table's "
+                f"nan_policy='skip' to drop such rows instead)"
             )
     return grads

@@ -241,3 +241,129 @@ def test_config_validation() -> None:
         ps.TableSpec(name="q", num_rows=3, dim=2, optimizer=torch.optim.SGD)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="need low < high, got low=1.0 high=1.0"):
         ps.UniformInit(low=1.0, high=1.0)
+
+
+# ---------------------------------------------------------------- issue 3 additions
+
+
+def _dyn_store(**kw: object) -> ps.InProcessStore:
+    store = ps.InProcessStore()
+    spec = ps.TableSpec(name="d", num_rows=None, dim=DIM, optimizer=ps.Adagrad(lr=0.1), **kw)  # type: ignore[arg-type]
+    store.create_table(spec)
+    store.push(
+        "d", torch.tensor([-4, 9]), torch.randn(2, DIM, generator=torch.Generator().manual_seed(5))
+    )
+    return store
+
+
+def _dyn_snapshot(store: ps.Store) -> tuple[object, ...]:
+    ids = torch.tensor([-4, 9, 0, 5, 7])
+    got = store.pull("d", ids)
+    stats = {
+        k: v for k, v in store.stats()["d"].items() if k not in ("pull_requests", "rows_pulled")
+    }
+    return got.rows.clone(), got.clocks.clone(), store.state("d", ids).clone(), stats
+
+
+DYN_BAD_PUSHES = [
+    (GOOD_IDS.int(), GOOD_GRADS, TypeError, r"push table 'd': ids must be int64, got torch.int32"),
+    (GOOD_IDS.view(2, 1), GOOD_GRADS, ValueError, r"push table 'd': ids must be 1-D"),
+    (GOOD_IDS, GOOD_GRADS.half(), TypeError, r"push table 'd': grads must be float32"),
+    (GOOD_IDS, torch.ones(2, DIM + 2), ValueError, r"grads have shape \(2, 6\), expected \(2, 4\)"),
+    (
+        torch.tensor([5, 7]),  # ids without rows: a rejected push must not create them
+        torch.tensor([[1.0] * DIM, [math.inf] * DIM]),
+        ValueError,
+        r"push table 'd': gradient of row id 7 \(position 1\) contains NaN or Inf",
+    ),
+]
+
+
+@pytest.mark.parametrize("ids,grads,exc,msg", DYN_BAD_PUSHES)
+def test_bad_push_on_dynamic_table_changes_nothing(ids, grads, exc, msg) -> None:  # type: ignore[no-untyped-def]
+    store = _dyn_store()
+    before = _dyn_snapshot(store)
+    with pytest.raises(exc, match=msg):
+        store.push("d", ids, grads)
+    after = _dyn_snapshot(store)
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_nan_policy_skip_drops_only_bad_rows() -> None:
+    store = _dyn_store(nan_policy="skip")
+    ref = _dyn_store()
+    g = torch.randn(5, DIM)
+    bad = g.clone()
+    bad[1, 2] = math.nan  # id 5
+    bad[3, 0] = math.inf  # id 7, first of two entries: the sum is not finite either
+    ids = torch.tensor([-4, 5, 9, 7, 7])
+    store.push("d", ids, bad)
+    ref.push("d", ids[[0, 2]], g[[0, 2]])  # what should have happened
+    got, want = _dyn_snapshot(store), _dyn_snapshot(ref)
+    for a, b in zip(got[:3], want[:3], strict=True):
+        assert torch.equal(a, b)
+    st = store.stats()["d"]
+    assert st["rows_skipped_nan"] == 2 and st["rows"] == 2  # 5 and 7 were not created
+    # A fixed table with "skip": the same, and the clock of a skipped row stays.
+    fixed = ps.InProcessStore()
+    fixed.create_table(
+        ps.TableSpec(name="t", num_rows=ROWS, dim=DIM, optimizer=ps.SGD(lr=1.0), nan_policy="skip")
+    )
+    fixed.push("t", torch.tensor([1, 2]), torch.tensor([[math.nan] * DIM, [1.0] * DIM]))
+    assert fixed.clocks("t", torch.tensor([1, 2])).tolist() == [0, 1]
+
+
+def test_stats_keys_and_counts() -> None:
+    store = _store()
+    store.push("t", torch.tensor([1, 1, 2]), torch.ones(3, DIM))
+    store.pull("t", torch.tensor([1, 2, 3]))
+    st = store.stats()["t"]
+    assert set(ps.STAT_KEYS) <= set(st)
+    row_bytes = 4 * (DIM + 1) + 8  # weights, the row-wise Adagrad accumulator, the clock
+    assert st["rows"] == ROWS and st["bytes"] == ROWS * row_bytes
+    assert (st["push_requests"], st["rows_pushed"]) == (1, 2)
+    assert (st["pull_requests"], st["rows_pulled"], st["rows_skipped_by_bound"]) == (1, 3, 0)
+
+
+def test_pull_result_positional_and_num_rows() -> None:
+    r = ps.PullResult(torch.zeros(1, 2), torch.zeros(1, dtype=torch.int64))
+    assert r.positions is None
+    assert _store().num_rows("t") == ROWS and _dyn_store().num_rows("d") is None
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_pushes_from_threads_lose_nothing() -> None:
+    import threading
+
+    store = ps.InProcessStore()
+    store.create_table(ps.TableSpec(name="t", num_rows=50, dim=2, optimizer=ps.SGD(lr=1.0)))
+    store.create_table(ps.TableSpec(name="d", num_rows=None, dim=2, optimizer=ps.SGD(lr=1.0)))
+    w0 = {n: store.pull(n, torch.arange(50)).rows.clone() for n in ("t", "d")}
+    ids = torch.arange(50).repeat(4)  # every row 4 times per push
+
+    def work() -> None:
+        for _ in range(25):
+            for n in ("t", "d"):
+                store.push(n, ids, torch.ones(ids.numel(), 2) * 0.25)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for n in ("t", "d"):  # 4 threads x 25 pushes x summed gradient 1.0, exact in float32
+        got = store.pull(n, torch.arange(50))
+        torch.testing.assert_close(got.rows, w0[n] - 100.0, rtol=0, atol=1e-4)
+        assert got.clocks.tolist() == [100] * 50
+
+
+def test_summed_gradient_overflow_is_rejected_before_any_change() -> None:
+    store = _store(ps.SGD(lr=1.0))
+    _touch(store)
+    before = _snapshot(store)
+    huge = torch.full((2, DIM), 3e38)  # each finite, their sum is not
+    with pytest.raises(ValueError, match=r"table 't': the summed gradient of row id 4 overflows"):
+        store.push("t", torch.tensor([4, 4]), huge)
+    _assert_unchanged(store, before)
+    assert store.stats()["t"]["push_requests"] == 1  # only _touch's push counted

@@ -1,0 +1,238 @@
+"""MPI store pull / push rows/s: 1 server rank, 1 worker rank (a part of ps_bench.py).
+
+Run alone (prints human lines, then one JSON line, see BENCHMARKS.md)::
+
+    mpirun -n 2 python benchmarks/_ps_bench_mpi.py [--quick]
+
+or call :func:`run` from a script that already runs under ``mpirun -n 2``.
+
+What is measured, on one table of ``rows`` x 64 float32 (SGD), with requests of
+``batch`` (10 000) unique ids drawn from a Zipf distribution over the rows:
+
+* ``pull``: ``store.pull(table, ids)`` (rows and clocks back), one request in
+  flight (each waited before the next is sent);
+* ``pull_pipelined``: ``pull_async`` with ``depth`` requests in flight (a
+  prefetching cache works like this: the next batches' rows are requested while
+  the current one is used);
+* ``push`` / ``push_pipelined``: ``push(table, ids, grads [batch, 64])`` the same
+  two ways (the server applies SGD and bumps the clocks);
+* ``inprocess_pull`` / ``inprocess_push``: the same requests on an
+  :class:`ps.InProcessStore` in the worker process: what one server's table work
+  costs without any messaging (a server does this work plus its side of the
+  transfers, on one thread; pipelining lets the worker's side overlap it);
+* ``raw_sendrecv``: the ceiling of the transport: the server gathers the rows
+  (``index_select``) and sends them with a plain ``Send`` to a ``Recv`` posted by
+  the worker (the same bytes as a pull reply, no protocol, no checks); measured
+  before the rest.
+
+The six store figures are measured in turns (block of op A, block of B, ...,
+``repeats`` rounds after a warm-up round); each figure is the median block;
+rows/s counts requested rows (ids per request x requests / seconds). The server
+runs with one torch thread (``ServerConfig.torch_threads``); ``main`` sets one
+on the worker too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+import comm
+import ps
+from ps.mpi_server import check_mpi_topology, serve_mpi
+from ps.mpi_store import MPIStore
+
+DIM = 64
+BATCH = 10_000
+TARGETS = {"mpi_pull_rows_s": 5e6, "mpi_push_rows_s": 2e6}
+
+
+def zipf_batches(rows: int, batch: int, count: int, a: float = 1.1, seed: int = 0) -> list[Any]:
+    """``count`` requests of ``batch`` unique ids in ``[0, rows)``, Zipf(``a``) over a shuffled
+    id order (so hot ids are spread over the table)."""
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(rows)
+    out = []
+    for _ in range(count):
+        got = np.empty(0, dtype=np.int64)
+        while got.size < batch:
+            ranks = rng.zipf(a, size=4 * batch) - 1
+            ranks = ranks[ranks < rows]
+            got = np.concatenate([got, perm[ranks]])
+            _, first = np.unique(got, return_index=True)
+            got = got[np.sort(first)]  # unique, in order of first draw
+        out.append(torch.from_numpy(got[:batch].copy()))
+    return out
+
+
+def _timed(step: Callable[[int], None], iters: int, drain: Callable[[], None]) -> float:
+    """Seconds for ``iters`` steps plus the drain of what is still in flight."""
+    t0 = time.perf_counter()
+    for i in range(iters):
+        step(i)
+    drain()
+    return time.perf_counter() - t0
+
+
+def _interleaved(
+    ops: dict[str, Callable[[int], None]], iters: int, repeats: int, drain: Callable[[], None]
+) -> dict[str, list[float]]:
+    """Block times per op, the ops taking turns (A B C A B C ...), after a warm-up round."""
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for r in range(repeats + 1):
+        names = list(ops) if r % 2 else list(reversed(ops))  # alternate the order too
+        for name in names:
+            t = _timed(ops[name], iters, drain)
+            if r:
+                times[name].append(t)
+    return times
+
+
+def run(
+    group: comm.ProcessGroup,
+    *,
+    rows: int = 1_000_000,
+    batch: int = BATCH,
+    iters: int = 20,
+    repeats: int = 5,
+    depth: int = 4,
+) -> dict[str, Any] | None:
+    """Measure on a 2-rank MPI group (rank 0 worker, rank 1 server); rank 0 returns the
+    result dict (``figures`` rows/s per op, ``config``), rank 1 returns None."""
+    if group.size != 2:
+        raise ValueError(f"the MPI store benchmark needs exactly 2 ranks, got {group.size}")
+    topology = comm.Topology(world_size=2, num_servers=1)
+    raw = check_mpi_topology(group, topology, "ps MPI benchmark").Dup()
+    if topology.role(group.rank) is comm.Role.SERVER:
+        _raw_server(raw, rows, batch, iters * (repeats + 1))
+        serve_mpi(group, topology)
+        raw.Free()
+        return None
+    figures: dict[str, float] = {"raw_sendrecv": _raw_worker(raw, batch, iters, repeats)}
+    spec = ps.TableSpec(name="bench", num_rows=rows, dim=DIM, optimizer=ps.SGD(lr=0.01))
+    batches = zipf_batches(rows, batch, 8)
+    grads = torch.randn(batch, DIM, generator=torch.Generator().manual_seed(1)) * 1e-3
+    local = ps.InProcessStore()  # the same work without MPI: the ceiling of one server
+    local.create_table(spec)
+    with MPIStore(group, topology) as store:
+        store.create_table(spec)
+        inflight: deque[comm.Handle] = deque()
+
+        def drain() -> None:
+            while inflight:
+                inflight.popleft().wait()
+
+        def pipelined(issue: Callable[[int], comm.Handle]) -> Callable[[int], None]:
+            def step(i: int) -> None:
+                if len(inflight) >= depth:
+                    inflight.popleft().wait()
+                inflight.append(issue(i))
+
+            return step
+
+        def pull(on: ps.Store) -> Callable[[int], None]:
+            def step(i: int) -> None:
+                on.pull("bench", batches[i % 8])
+
+            return step
+
+        def push(on: ps.Store) -> Callable[[int], None]:
+            return lambda i: on.push("bench", batches[i % 8], grads)
+
+        ops: dict[str, Callable[[int], None]] = {
+            "pull": pull(store),
+            "pull_pipelined": pipelined(lambda i: store.pull_async("bench", batches[i % 8])),
+            "inprocess_pull": pull(local),
+            "push": push(store),
+            "push_pipelined": pipelined(lambda i: store.push_async("bench", batches[i % 8], grads)),
+            "inprocess_push": push(local),
+        }
+        for name, times in _interleaved(ops, iters, repeats, drain).items():
+            figures[name] = batch * iters / statistics.median(times)
+    raw.Free()
+    return {
+        "figures": {"rows_per_s": figures},
+        "config": {
+            "rows": rows,
+            "dim": DIM,
+            "batch": batch,
+            "zipf_a": 1.1,
+            "iters": iters,
+            "repeats": repeats,
+            "depth": depth,
+            "servers": 1,
+            "workers": 1,
+            "torch_threads": torch.get_num_threads(),
+        },
+    }
+
+
+def _raw_server(raw: Any, rows: int, batch: int, count: int) -> None:
+    from mpi4py import MPI
+
+    table = torch.randn(rows, DIM)
+    ids = zipf_batches(rows, batch, 8)
+    for i in range(count):
+        out = table.index_select(0, ids[i % 8])
+        raw.Send([out.numpy(), MPI.FLOAT], dest=0, tag=7)
+
+
+def _raw_worker(raw: Any, batch: int, iters: int, repeats: int) -> float:
+    from mpi4py import MPI
+
+    buf = np.empty((batch, DIM), dtype=np.float32)
+
+    def step(i: int) -> None:
+        raw.Recv([buf, MPI.FLOAT], source=1, tag=7)
+
+    times = [_timed(step, iters, lambda: None) for _ in range(repeats + 1)][1:]
+    return batch * iters / statistics.median(times)
+
+
+def targets(figures: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """The issue's targets, met by the better of 1-in-flight and pipelined."""
+    best = {
+        "mpi_pull_rows_s": max(figures["pull"], figures["pull_pipelined"]),
+        "mpi_push_rows_s": max(figures["push"], figures["push_pipelined"]),
+    }
+    return {
+        name: {"value": value, "target": TARGETS[name], "met": value >= TARGETS[name]}
+        for name, value in best.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small table, few iterations")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    group = comm.init("mpi")
+    kw = {"rows": 100_000, "iters": 5, "repeats": 3} if args.quick else {}
+    result = run(group, **kw)
+    if result is None:
+        return
+    figures = result["figures"]["rows_per_s"]
+    for name, value in figures.items():
+        print(f"mpi {name:>16}: {value / 1e6:6.2f} M rows/s", file=sys.stderr)
+    out = {
+        "bench": "ps_mpi",
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "backend": "mpi"},
+        "config": result["config"],
+        "figures": result["figures"],
+        "targets": targets(figures),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

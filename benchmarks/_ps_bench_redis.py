@@ -1,0 +1,268 @@
+"""Redis store pull/push rows/s beside raw Redis ceilings, for ``benchmarks/ps_bench.py``.
+
+What one call of :func:`bench_redis` measures, on one ``redis-server`` (its own,
+started on a free loopback port, unless ``url`` is given), side by side:
+
+* ``redis_pull``: ``store.pull(table, ids)`` of 64-dim float32 rows (validation,
+  bucketing, one HMGET per bucket, rows and clocks decoded into tensors);
+* ``raw_mget``: the ceiling for reads: one ``MGET`` of ``batch`` string keys holding
+  256-byte values (the same bytes as the rows), through redis-py's ``mget`` and
+  through a hand-packed MGET (the faster of the two is the ceiling);
+* ``redis_push``: ``store.push(table, ids, grads)`` with SGD (the optimizer runs
+  in the generated Lua script inside Redis; ``redis_push_adagrad``: row-wise
+  Adagrad, an extra figure);
+* ``raw_lua``: the ceiling for updates inside Redis: a textbook Lua script doing the
+  same SGD update on ``batch`` string keys of 256-byte float32 values (GET,
+  ``struct.unpack`` into a table, ``w - lr * g`` per value, ``struct.pack``, SET; the
+  gradients passed as one 256-byte argument per key), as one EVALSHA and as
+  pipelined calls of at most 1024 keys (the faster is the ceiling). It has none of
+  the store's work (bucketing, clocks, duplicate summing, validation, missing rows);
+* ``raw_lua_copy``: the byte-moving floor: the same script without the arithmetic
+  (GET the old value, SET the new one from the arguments). No update done inside
+  Redis can be faster; in Lua 5.1, unpacking and packing 64 floats per row costs
+  several times the GET/SET, so ``redis_push_vs_lua_copy`` is an extra ratio;
+* ``redis_pull_bounded``: a conditional pull (``clocks``/``bound``) where every row
+  is fresh (the cost of asking: clocks compared inside Redis, no rows move).
+
+Ids: batches of ``batch`` distinct Zipf(``zipf_a``) ids over ``rows`` rows; every
+row of every batch exists in Redis before timing (a warm-up push). Each repeat runs
+every figure once over all batches, in a rotating order; a figure's rows/s is the
+rows of all batches over the median repeat time. Ratios are per repeat (the
+figures ran back to back) and then the median.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis
+import torch
+
+import ps
+from ps.redis_conn import pack
+from ps.redis_store import RedisStore
+
+RAW_LUA_COPY = """
+for i = 1, #KEYS do
+  local old = redis.call('GET', KEYS[i])
+  redis.call('SET', KEYS[i], ARGV[i])
+end
+return #KEYS
+"""
+
+RAW_LUA_SGD = """
+local lr = tonumber(ARGV[1])
+local d = tonumber(ARGV[2])
+local fmt = '<' .. string.rep('f', d)
+local sunpack, spack = struct.unpack, struct.pack
+for i = 1, #KEYS do
+  local w = {sunpack(fmt, redis.call('GET', KEYS[i]))}
+  local g = {sunpack(fmt, ARGV[i + 2])}
+  for j = 1, d do w[j] = w[j] - lr * g[j] end
+  redis.call('SET', KEYS[i], spack(fmt, unpack(w, 1, d)))
+end
+return #KEYS
+"""
+
+
+def zipf_ids(rows: int, batch: int, n_batches: int, a: float, seed: int) -> list[np.ndarray]:
+    """``n_batches`` int64 arrays of ``batch`` distinct Zipf(a) ids in ``[0, rows)``."""
+    rng = np.random.default_rng(seed)
+    scatter = rng.permutation(rows).astype(np.int64)  # popularity rank -> id
+    out = []
+    for _ in range(n_batches):
+        seen = np.empty(0, dtype=np.int64)
+        while seen.size < batch:
+            more = scatter[(rng.zipf(a, size=4 * batch) - 1) % rows]
+            allv = np.concatenate([seen, more])
+            _, first = np.unique(allv, return_index=True)
+            seen = allv[np.sort(first)]
+        out.append(seen[:batch].copy())
+    return out
+
+
+@contextlib.contextmanager
+def _server(url: str | None) -> Iterator[str]:
+    if url is not None:
+        yield url
+        return
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from tests.redis_server import redis_server
+
+    with redis_server() as srv:
+        yield srv.url
+
+
+def _time(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_redis(
+    rows: int = 1_000_000,
+    dim: int = 64,
+    batch: int = 10_000,
+    repeats: int = 7,
+    n_batches: int = 4,
+    zipf_a: float = 1.05,
+    seed: int = 0,
+    url: str | None = None,
+    buckets: int = 64,
+) -> dict[str, Any]:
+    """Measure; returns ``{"config", "figures": {name: rows_per_s}, "ratios"}``.
+
+    ``ratios``: ``redis_pull_vs_mget`` (pull / best raw MGET) and
+    ``redis_push_vs_lua`` (push / best raw Lua SGD update) and the extra
+    ``redis_push_vs_lua_copy`` (push / the GET+SET floor), medians of per-repeat ratios.
+    """
+    batches = zipf_ids(rows, batch, n_batches, zipf_a, seed)
+    ids_t = [torch.from_numpy(b) for b in batches]
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(batch, dim, generator=gen) * 1e-3 for _ in batches]
+    values = [np.random.default_rng(seed).random((batch, dim), dtype=np.float32) for _ in batches]
+    prefix = f"bench{seed}"
+    with _server(url) as server_url:
+        store = RedisStore(server_url, prefix=prefix, buckets=buckets)
+        client = redis.Redis.from_url(server_url)
+        try:
+            init = ps.UniformInit(low=-0.01, high=0.01, seed=seed)
+            for name, opt in (("sgd", ps.SGD(lr=0.01)), ("adagrad", ps.RowWiseAdagrad(lr=0.01))):
+                spec = ps.TableSpec(name=name, num_rows=rows, dim=dim, optimizer=opt, init=init)
+                store.create_table(spec, exist_ok=True)
+            keys = [[f"{prefix}:raw:{i}".encode() for i in b.tolist()] for b in batches]
+            vals = [
+                [v.tobytes()[k * 4 * dim : (k + 1) * 4 * dim] for k in range(batch)] for v in values
+            ]
+            for k, v, i, g in zip(keys, vals, ids_t, grads, strict=True):
+                client.mset(dict(zip(k, v, strict=True)))
+                store.push("sgd", i, g)  # every row exists before timing
+                store.push("adagrad", i, g)
+            copy_sha = client.script_load(RAW_LUA_COPY)
+            sgd_sha = client.script_load(RAW_LUA_SGD)
+            grad_args = [[g[k].numpy().tobytes() for k in range(batch)] for g in grads]
+            zero_clocks = [torch.full((batch,), 1 << 40, dtype=torch.int64) for _ in batches]
+
+            def mget_redispy() -> None:
+                for k in keys:
+                    client.mget(k)
+
+            def mget_packed() -> None:
+                conn = client.connection_pool.get_connection()
+                try:
+                    for k in keys:
+                        conn.send_packed_command([pack([b"MGET", *k])])
+                        conn.read_response()
+                finally:
+                    client.connection_pool.release(conn)
+
+            def lua(sha: str, chunk: int, sgd: bool) -> Callable[[], None]:
+                def run() -> None:
+                    for k, v, ga in zip(keys, vals, grad_args, strict=True):
+                        p = client.pipeline(transaction=False)
+                        for s in range(0, len(k), chunk):
+                            kk = k[s : s + chunk]
+                            args = ["0.01", dim, *ga[s : s + chunk]] if sgd else v[s : s + chunk]
+                            p.evalsha(sha, len(kk), *kk, *args)
+                        p.execute()
+
+                return run
+
+            def pull() -> None:
+                for i in ids_t:
+                    store.pull("sgd", i)
+
+            def pull_bounded() -> None:
+                for i, c in zip(ids_t, zero_clocks, strict=True):
+                    store.pull("sgd", i, clocks=c, bound=0)
+
+            def push() -> None:
+                for i, g in zip(ids_t, grads, strict=True):
+                    store.push("sgd", i, g)
+
+            def push_adagrad() -> None:
+                for i, g in zip(ids_t, grads, strict=True):
+                    store.push("adagrad", i, g)
+
+            figures: dict[str, Callable[[], None]] = {
+                "raw_mget_redispy": mget_redispy,
+                "raw_mget_packed": mget_packed,
+                "redis_pull": pull,
+                "raw_lua_one_call": lua(sgd_sha, batch, True),
+                "raw_lua_chunked": lua(sgd_sha, 1024, True),
+                "raw_lua_copy_one_call": lua(copy_sha, batch, False),
+                "raw_lua_copy_chunked": lua(copy_sha, 1024, False),
+                "redis_push": push,
+                "redis_pull_bounded": pull_bounded,
+                "redis_push_adagrad": push_adagrad,
+            }
+            for fn in figures.values():  # warm-up
+                fn()
+            names = list(figures)
+            times: dict[str, list[float]] = {n: [] for n in names}
+            for r in range(repeats):
+                rot = names[r % len(names) :] + names[: r % len(names)]
+                for n in rot:
+                    times[n].append(_time(figures[n]))
+        finally:
+            with contextlib.suppress(Exception):
+                for name in ("sgd", "adagrad"):
+                    store.drop_table(name)
+                for k in keys:
+                    client.delete(*k)
+            store.close()
+            client.close()
+    total = batch * n_batches
+    med = {n: statistics.median(ts) for n, ts in times.items()}
+    out_figures = {n: total / t for n, t in med.items()}
+
+    def best(a: str, b: str) -> list[float]:
+        return [min(x, y) for x, y in zip(times[a], times[b], strict=True)]
+
+    def ratio(ceiling: list[float], ours: str) -> float:
+        return statistics.median(c / o for c, o in zip(ceiling, times[ours], strict=True))
+
+    best_mget = best("raw_mget_redispy", "raw_mget_packed")
+    best_lua = best("raw_lua_one_call", "raw_lua_chunked")
+    best_copy = best("raw_lua_copy_one_call", "raw_lua_copy_chunked")
+    out_figures["raw_mget"] = total / statistics.median(best_mget)
+    out_figures["raw_lua"] = total / statistics.median(best_lua)
+    out_figures["raw_lua_copy"] = total / statistics.median(best_copy)
+    ratios = {
+        "redis_pull_vs_mget": ratio(best_mget, "redis_pull"),
+        "redis_push_vs_lua": ratio(best_lua, "redis_push"),
+        "redis_push_vs_lua_copy": ratio(best_copy, "redis_push"),
+    }
+    return {
+        "config": {
+            "rows": rows,
+            "dim": dim,
+            "batch": batch,
+            "batches": n_batches,
+            "repeats": repeats,
+            "zipf_a": zipf_a,
+            "buckets": buckets,
+            "redis": "own redis-server on loopback" if url is None else "given url",
+        },
+        "figures": out_figures,
+        "ratios": ratios,
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    quick = "--quick" in sys.argv
+    res = bench_redis(repeats=3 if quick else 7, n_batches=2 if quick else 4)
+    for name, v in sorted(res["figures"].items()):
+        print(f"{name:24s} {v:14,.0f} rows/s")
+    print(json.dumps(res))

@@ -1,0 +1,404 @@
+"""One table (or one shard of one) held as tensors in this process: the engine of the
+in-process store, and usable by any server process that owns a shard of a table.
+
+Layout::
+
+    fixed table (spec.num_rows = N)      dynamic table (spec.num_rows None)
+      weights  [N, D]   float32            weights   [slots, D]  float32   slots grow by doubling
+      state    [N, S]   float32            state     [slots, S]  float32
+      clocks   [N]      int64              clocks    [slots]     int64
+      (row i is id i)                      row_ids   [slots]     int64     id held by a slot
+                                           live      [slots]     bool
+                                           last_touch[slots]     int64     table step of last touch
+                                           index     IdIndex: id -> slot (ps.dynamic_index)
+                                           free      int64 stack of freed slots
+
+Dynamic-table rules (see :class:`ps.table.TableSpec`):
+
+* a **push** creates the missing rows it touches (initial row from the spec's
+  initializer, initial optimizer state, clock 0) and then updates them;
+* a **pull** never creates: an id without a row reads as its initial row, clock 0;
+* the table's *step* counts push requests; a pull or push of an existing row sets
+  its ``last_touch`` to the current step;
+* after each push: rows with ``step - last_touch >= max_age_steps`` are evicted,
+  then, while more than ``capacity`` rows exist, the least recently touched ones
+  (ties: smaller id first) are evicted. Evicted rows lose weights, state and
+  clock; their slots are reused.
+
+Nothing here validates requests or takes locks: callers check ids and grads
+(:mod:`ps.validate`) and serialise requests with :attr:`LocalTable.lock`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from ps.checkpoint import TablePart
+from ps.dynamic_index import IdIndex
+from ps.store import PullResult
+from ps.table import TableSpec
+from ps.validate import finite_rows
+
+_INIT_CHUNK_ROWS = 1 << 16  # rows initialised per step, bounds the temporary hash arrays
+_MIN_SLOTS = 64
+
+COUNTERS = (
+    "pull_requests",
+    "rows_pulled",
+    "rows_skipped_by_bound",
+    "push_requests",
+    "rows_pushed",
+    "rows_skipped_nan",
+    "rows_created",
+    "rows_evicted",
+)
+
+
+def table_array(
+    shape: tuple[int, ...], dtype: torch.dtype, fill: float | None = None
+) -> torch.Tensor:
+    """A CPU tensor for table storage, allocated by numpy (zeros, or ``fill``).
+
+    numpy asks the kernel for transparent huge pages on big arrays
+    (``madvise(MADV_HUGEPAGE)``), torch's allocator does not; with 2 MiB pages a
+    random row gather over a large table misses the TLB far less often.
+    """
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    if fill is None or fill == 0:
+        return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
+    return torch.from_numpy(np.full(shape, fill, dtype=np_dtype))
+
+
+def take(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``src[index]`` along dim 0 (a new tensor), for CPU tensors.
+
+    Gathers and scatters go through numpy: single-threaded, they are as fast as
+    ``index_select`` on one thread and do not stall the way an OpenMP-parallel
+    ``index_select`` does when the cores are oversubscribed (several ranks or
+    jobs on one machine: every parallel region then waits for a descheduled
+    thread, 5-10x slower in our measurements).
+    """
+    return torch.from_numpy(np.take(src.numpy(), index.numpy(), axis=0))
+
+
+def put(dst: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """``dst[index] = values`` along dim 0 for distinct ``index`` (see :func:`take`)."""
+    dst.numpy()[index.numpy()] = values.numpy()
+
+
+def coalesce(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the gradients of repeated ids: ``(unique ids [U] sorted, summed grads [U, D])``.
+
+    Sorted ids also make the later scatter into the table walk memory in order.
+    Gradients of one id are added in request order.
+    """
+    srt, perm = torch.sort(ids, stable=True)  # [N], [N]
+    if srt.numel() < 2 or bool((srt[1:] != srt[:-1]).all()):  # no repeats: just reorder
+        return srt, take(grads, perm)
+    uniq, counts = torch.unique_consecutive(srt, return_counts=True)  # [U], [U]
+    segment = torch.repeat_interleave(torch.arange(uniq.numel()), counts)  # [N]
+    summed = torch.zeros(uniq.numel(), grads.shape[1], dtype=torch.float32)  # [U, D]
+    summed.index_add_(0, segment, take(grads, perm))
+    return uniq, summed
+
+
+class LocalTable:
+    """Rows, optimizer state and clocks of one table in local memory (fixed or dynamic)."""
+
+    def __init__(self, spec: TableSpec, *, initialise: bool = True) -> None:
+        self.spec = spec
+        self.lock = threading.Lock()
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        d, s = spec.dim, spec.state_dim
+        self._state0 = spec.initial_state()  # [S]
+        if spec.num_rows is not None:
+            n = spec.num_rows
+            self.weights = table_array((n, d), torch.float32)  # [N, D]
+            self.state = table_array((n, s), torch.float32)  # [N, S]
+            self.state[:] = self._state0
+            self.clocks = table_array((n,), torch.int64)  # [N]
+            if initialise:
+                for start in range(0, n, _INIT_CHUNK_ROWS):
+                    stop = min(n, start + _INIT_CHUNK_ROWS)
+                    self.weights[start:stop] = spec.initial_rows(torch.arange(start, stop))
+        else:
+            self.step = 0
+            self.index = IdIndex()
+            self.weights = table_array((_MIN_SLOTS, d), torch.float32)
+            self.state = table_array((_MIN_SLOTS, s), torch.float32)
+            self.clocks = table_array((_MIN_SLOTS,), torch.int64)
+            self.row_ids = table_array((_MIN_SLOTS,), torch.int64)
+            self.live = table_array((_MIN_SLOTS,), torch.bool)
+            self.last_touch = table_array((_MIN_SLOTS,), torch.int64)
+            self.used = 0  # slots [0, used) have been handed out at least once
+            self.free = torch.empty(0, dtype=torch.int64)  # freed slots, reused first
+            self._oldest_touch = 0  # a lower bound of last_touch over live rows
+
+    # ------------------------------------------------------------ sizes
+
+    @property
+    def dynamic(self) -> bool:
+        return self.spec.num_rows is None
+
+    @property
+    def num_live(self) -> int:
+        """Rows that exist now."""
+        return len(self.index) if self.dynamic else int(self.weights.shape[0])
+
+    def stats(self) -> dict[str, int | float]:
+        """``rows``, ``bytes`` (weights + state + clocks of the rows) and the counters."""
+        row_bytes = 4 * (self.spec.dim + self.spec.state_dim) + 8
+        out: dict[str, int | float] = {"rows": self.num_live, "bytes": self.num_live * row_bytes}
+        out.update(self.counters)
+        return out
+
+    # ------------------------------------------------------------ reads
+
+    def _slots(self, ids: torch.Tensor, touch: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(slots, found)`` of a dynamic table's ids: ``slots`` int64 ``[N]`` with 0 where
+        the id has no row, ``found`` bool ``[N]`` (None when every id has a row)."""
+        slots = self.index.lookup(ids)  # [N], -1 where absent
+        found = slots >= 0
+        if bool(found.all()):
+            if touch:
+                self.last_touch.index_fill_(0, slots, self.step)
+            return slots, None
+        if touch:
+            self.last_touch.index_fill_(0, slots[found], self.step)
+        return slots.clamp_(min=0), found
+
+    def _read(
+        self, ids: torch.Tensor, src: torch.Tensor, fill: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Rows of ``src`` for ``ids`` (already validated); missing dynamic rows from ``fill``."""
+        if not self.dynamic:
+            return take(src, ids)
+        slots, found = self._slots(ids, touch=False)
+        out = take(src, slots)
+        if found is not None:
+            miss = ~found
+            if fill is None:
+                out[miss] = self.spec.initial_rows(ids[miss])
+            else:
+                out[miss] = fill
+        return out
+
+    def pull(
+        self, ids: torch.Tensor, clocks: torch.Tensor | None = None, bound: int | None = None
+    ) -> PullResult:
+        """Rows of ``ids`` int64 ``[N]``; with ``clocks``/``bound`` only those past the bound."""
+        self.counters["pull_requests"] += 1
+        n = int(ids.shape[0])
+        found = None  # dynamic tables: which ids have a row (None: all of them)
+        if self.dynamic:
+            slots, found = self._slots(ids, touch=True)  # [N]
+            row_clocks = take(self.clocks, slots)  # [N]
+            if found is not None:
+                row_clocks.masked_fill_(~found, 0)
+        else:
+            slots = ids
+            row_clocks = take(self.clocks, ids)  # [N]
+        positions = None
+        if clocks is not None:
+            assert bound is not None
+            positions = torch.nonzero(row_clocks > clocks + bound).squeeze(1)  # [M]
+            ids, slots = take(ids, positions), take(slots, positions)
+            row_clocks = take(row_clocks, positions)
+            if found is not None:
+                found = take(found, positions)
+        rows = take(self.weights, slots)  # [M, D]
+        if found is not None and not bool(found.all()):
+            miss = ~found
+            rows[miss] = self.spec.initial_rows(ids[miss])
+        m = int(row_clocks.shape[0])
+        self.counters["rows_pulled"] += m
+        self.counters["rows_skipped_by_bound"] += n - m
+        return PullResult(rows, row_clocks, positions)
+
+    def read_clocks(self, ids: torch.Tensor) -> torch.Tensor:
+        """Clocks of ``ids`` ``[N]`` (0 for missing dynamic rows); touches nothing."""
+        return self._read(ids, self.clocks, torch.zeros((), dtype=torch.int64))
+
+    def read_state(self, ids: torch.Tensor) -> torch.Tensor:
+        """Optimizer state of ``ids`` ``[N, S]`` (initial state for missing dynamic rows)."""
+        return self._read(ids, self.state, self._state0)
+
+    def read_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weights of ``ids`` ``[N, D]`` (initial rows for missing dynamic rows); no touch."""
+        return self._read(ids, self.weights, None)
+
+    # ------------------------------------------------------------ writes
+
+    def push(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Apply a validated push: ``ids`` int64 ``[N]``, ``grads`` float32 ``[N, D]``.
+
+        Gradients of repeated ids are summed; rows whose summed gradient is not
+        finite are dropped with ``nan_policy="skip"``, and with "raise" (where the
+        request was checked already, so only a sum of huge values overflowing can
+        get here) a ValueError is raised before anything changes. The optimizer
+        runs once per unique row and each updated row's clock goes up by one.
+        """
+        uniq, summed = ids, grads
+        if ids.numel() > 0:
+            uniq, summed = coalesce(ids, grads)  # [U], [U, D]
+            ok = finite_rows(summed)  # [U]
+            if not bool(ok.all()):
+                if self.spec.nan_policy == "raise":
+                    bad = int(uniq[~ok][0])
+                    raise ValueError(
+                        f"push table {self.spec.name!r}: the summed gradient of row id {bad} "
+                        "overflows to Inf; nothing was applied"
+                    )
+                self.counters["rows_skipped_nan"] += int((~ok).sum())
+                uniq, summed = uniq[ok], summed[ok]
+        self.counters["push_requests"] += 1
+        if self.dynamic:
+            self.step += 1
+        if uniq.numel() > 0:
+            slots = self._create(uniq) if self.dynamic else uniq
+            rows = take(self.weights, slots)  # [U, D] copies
+            state = take(self.state, slots)  # [U, S] copies
+            self.spec.optimizer.apply(rows, state, summed)
+            put(self.weights, slots, rows)
+            put(self.state, slots, state)
+            self.clocks.numpy()[slots.numpy()] += 1  # slots are distinct
+            self.counters["rows_pushed"] += int(uniq.numel())
+            if self.dynamic:
+                self.last_touch.index_fill_(0, slots, self.step)
+        if self.dynamic:
+            self._evict()
+
+    def _create(self, uniq: torch.Tensor) -> torch.Tensor:
+        """Slots of the distinct ids ``uniq`` ``[U]``, creating the rows that are missing."""
+        slots = self.index.lookup(uniq)  # [U]
+        miss = slots < 0
+        if bool(miss.any()):
+            new_ids = uniq[miss]  # [K]
+            new_slots = self._alloc(new_ids.numel())  # [K]
+            self.weights[new_slots] = self.spec.initial_rows(new_ids)
+            self.state[new_slots] = self._state0
+            self.clocks[new_slots] = 0
+            self.row_ids[new_slots] = new_ids
+            self.live[new_slots] = True
+            self.last_touch[new_slots] = self.step
+            self.index.insert(new_ids, new_slots)
+            slots[miss] = new_slots
+            self.counters["rows_created"] += int(new_ids.numel())
+        return slots
+
+    def _alloc(self, k: int) -> torch.Tensor:
+        """``k`` free slots: reused ones first, then fresh ones (growing the arrays)."""
+        reuse = min(k, int(self.free.numel()))
+        taken = self.free[self.free.numel() - reuse :]
+        self.free = self.free[: self.free.numel() - reuse]
+        fresh = k - reuse
+        if self.used + fresh > self.weights.shape[0]:
+            self._grow(self.used + fresh)
+        new = torch.arange(self.used, self.used + fresh, dtype=torch.int64)
+        self.used += fresh
+        return torch.cat([taken, new])
+
+    def _grow(self, need: int) -> None:
+        cap = int(self.weights.shape[0])
+        while cap < need:
+            cap *= 2
+        for name in ("weights", "state", "clocks", "row_ids", "live", "last_touch"):
+            old = getattr(self, name)
+            new = table_array((cap, *old.shape[1:]), old.dtype)
+            new[: old.shape[0]] = old
+            setattr(self, name, new)
+
+    def _evict(self) -> None:
+        spec = self.spec
+        if spec.max_age_steps is not None and self.step - self._oldest_touch >= spec.max_age_steps:
+            touched = self.last_touch[: self.used]
+            old = self.live[: self.used] & (self.step - touched >= spec.max_age_steps)
+            self._drop(torch.nonzero(old).squeeze(1))
+            alive = touched[self.live[: self.used]]
+            self._oldest_touch = int(alive.min()) if alive.numel() > 0 else self.step
+        if spec.capacity is not None and len(self.index) > spec.capacity:
+            self._drop(self._lru(len(self.index) - spec.capacity))
+
+    def _lru(self, k: int) -> torch.Tensor:
+        """Slots of the ``k`` least recently touched live rows (ties: smaller id first)."""
+        slots = torch.nonzero(self.live[: self.used]).squeeze(1)  # [L]
+        touched = self.last_touch[slots]  # [L]
+        cut = int(torch.kthvalue(touched, k).values)  # the k-th smallest touch step
+        below = slots[touched < cut]
+        at = slots[touched == cut]
+        at = at[torch.argsort(self.row_ids[at])][: k - below.numel()]
+        return torch.cat([below, at])
+
+    def _drop(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        self.index.remove(self.row_ids[slots])
+        self.live[slots] = False
+        self.free = torch.cat([self.free, slots])
+        self.counters["rows_evicted"] += int(slots.numel())
+
+    # ------------------------------------------------------------ checkpoints
+
+    def parts(self, max_rows: int = 1 << 20) -> Iterator[TablePart]:
+        """The rows as checkpoint parts of at most ``max_rows`` rows (views; hold the lock).
+
+        Dynamic tables list their rows by increasing id.
+        """
+        if self.dynamic:
+            slots = torch.nonzero(self.live[: self.used]).squeeze(1)
+            slots = slots[torch.argsort(self.row_ids[slots])]
+            for start in range(0, max(1, slots.numel()), max_rows):
+                sl = slots[start : start + max_rows]
+                yield TablePart(
+                    ids=self.row_ids[sl],
+                    weights=self.weights[sl],
+                    state=self.state[sl],
+                    clocks=self.clocks[sl],
+                )
+            return
+        n = int(self.weights.shape[0])
+        for start in range(0, n, max_rows):
+            stop = min(n, start + max_rows)
+            yield TablePart(
+                ids=torch.arange(start, stop, dtype=torch.int64),
+                weights=self.weights[start:stop],
+                state=self.state[start:stop],
+                clocks=self.clocks[start:stop],
+            )
+
+    @classmethod
+    def from_part(cls, spec: TableSpec, part: TablePart) -> LocalTable:
+        """A table holding the checkpointed rows ``part`` (checked against ``spec`` already).
+
+        Fixed tables: rows absent from ``part`` start from the initializer.
+        Dynamic tables: the rows of ``part`` count as touched at step 0; if there
+        are more than ``capacity``, the smallest ids are evicted at once.
+        """
+        t = cls(spec, initialise=False)
+        ids = part.ids
+        if spec.num_rows is not None:
+            have = torch.zeros(spec.num_rows, dtype=torch.bool)
+            have[ids] = True
+            missing = torch.nonzero(~have).squeeze(1)
+            for start in range(0, missing.numel(), _INIT_CHUNK_ROWS):
+                sl = missing[start : start + _INIT_CHUNK_ROWS]
+                t.weights[sl] = spec.initial_rows(sl)
+            t.weights[ids] = part.weights
+            t.state[ids] = part.state
+            t.clocks[ids] = part.clocks
+            return t
+        slots = t._alloc(ids.numel())
+        t.weights[slots] = part.weights
+        t.state[slots] = part.state
+        t.clocks[slots] = part.clocks
+        t.row_ids[slots] = ids
+        t.live[slots] = True
+        t.index.insert(ids, slots)
+        if spec.capacity is not None and len(t.index) > spec.capacity:
+            t._drop(t._lru(len(t.index) - spec.capacity))
+        t.counters["rows_evicted"] = 0
+        return t

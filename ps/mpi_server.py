@@ -1,0 +1,428 @@
+"""The server side of the MPI store: a loop that serves one shard of every table.
+
+Under ``mpirun -n N`` with ``comm.Topology(world_size=N, num_servers=S)`` the
+last ``S`` ranks call :func:`serve_mpi`; it returns once every worker rank has
+closed its :class:`ps.mpi_store.MPIStore`. Server ``k`` (``k = rank - num_workers``)
+holds the rows whose ``ps.routing.shard_of(id, S) == k``.
+
+The shard's tables are :class:`ps.local_table.LocalTable` objects, the engine of
+the in-process store, so optimizers, dynamic tables, statistics and checkpoint
+parts are exactly the in-process store's; the loop only receives requests
+(:mod:`ps.wire`), checks them (sizes, table index, then :mod:`ps.validate`, the
+in-process store's own checks), calls the table and sends the reply.
+
+With more than one server, a shard of a *fixed* table is held like a dynamic
+table (rows created by their first push; an untouched row reads as its initial
+row with clock 0, exactly what a fixed table holds), so each server only
+allocates the rows it owns and has touched; ids are still checked against
+``num_rows``. With one server the table is a plain fixed table.
+
+The loop is single-threaded, so every request is applied atomically on this
+shard, and the requests of one worker are applied in the order it sent them
+(MPI keeps the messages between two ranks in order).
+
+A bad request (unknown table index, ids out of range, wrong sizes, NaN
+gradients, ...) gets an error reply that the worker raises as ValueError /
+TypeError; the server changes nothing and keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from comm import ProcessGroup, Topology
+from ps import wire
+from ps.checkpoint import TablePart, check_row_ids, read_checkpoint, write_part
+from ps.inprocess import PART_ROWS
+from ps.local_table import LocalTable
+from ps.routing import shard_of
+from ps.table import TableSpec
+from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
+from ps.wire import HEADER_LEN, Op
+
+_EMPTY_F32 = np.empty(0, dtype=np.float32)
+# Idle policy: poll without pause for SPIN_S after the last request (lowest latency
+# while a worker is busy talking to us), then poll with short sleeps so that idle
+# servers leave the CPU to workers on oversubscribed machines.
+_SPIN_S = 0.005
+_IDLE_SLEEP_S = 0.0002
+
+
+@dataclass(kw_only=True, slots=True)
+class ServerConfig:
+    """Knobs of :func:`serve_mpi`.
+
+    ``idle_sleep_s`` is the pause between polls once the server has been idle for
+    ``spin_s`` (0: never sleep, lowest latency, one busy core per server).
+    ``torch_threads``: the server sets ``torch.set_num_threads`` to this (None:
+    leave it). One thread is the default because a server's requests are small
+    (10 k rows) and its neighbours on the node are workers that spin while they
+    wait: with 2 intra-op threads a 10 k-row push took ~50x longer on the 2-core
+    development machine (other jobs running) than with 1.
+    """
+
+    spin_s: float = _SPIN_S
+    idle_sleep_s: float = _IDLE_SLEEP_S
+    torch_threads: int | None = 1
+
+    def __post_init__(self) -> None:
+        t = self.torch_threads
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
+            raise ValueError(f"ServerConfig: torch_threads must be None or an int >= 1, got {t!r}")
+        for name in ("spin_s", "idle_sleep_s"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"ServerConfig: {name} must be a finite number >= 0, got {v!r}")
+
+
+def check_mpi_topology(group: ProcessGroup, topology: Topology, who: str) -> Any:
+    """The group's mpi4py communicator, after checking ``topology`` fits ``group``."""
+    mpi_comm = getattr(group, "mpi_comm", None)
+    if mpi_comm is None:
+        raise TypeError(
+            f"{who} needs an MPI process group (comm.init('mpi') under mpirun), "
+            f"got backend {getattr(group, 'backend', type(group).__name__)!r}"
+        )
+    if not isinstance(topology, Topology):
+        raise TypeError(f"{who}: topology must be a comm.Topology, got {type(topology).__name__}")
+    if topology.world_size != group.size:
+        raise ValueError(
+            f"{who}: topology is for {topology.world_size} ranks but the group has {group.size}"
+        )
+    if topology.num_servers < 1:
+        raise ValueError(f"{who}: topology has num_servers=0; the MPI store needs at least 1")
+    return mpi_comm
+
+
+def check_push_grads(spec: TableSpec, ids: torch.Tensor, grads: object) -> torch.Tensor:
+    """:func:`ps.validate.check_grads` with a fast all-finite test first.
+
+    numpy's ``isfinite(...).all()`` over a ``[10 000, 64]`` batch takes ~0.1 ms,
+    torch's per-row test ~3 ms; the per-row test (which names the bad row) only
+    runs when something is not finite.
+    """
+    checked = check_grads(spec, ids, grads, finite=False)
+    must_be_finite = spec.nan_policy == "raise" and checked.numel() > 0
+    if must_be_finite and not np.isfinite(checked.detach().cpu().numpy()).all():
+        check_grads(spec, ids, checked, finite=True)  # raises, naming the row
+    return checked
+
+
+def serve_mpi(
+    group: ProcessGroup, topology: Topology, config: ServerConfig | None = None
+) -> dict[str, dict[str, int | float]]:
+    """Serve this rank's shard until every worker said goodbye; returns the shard's stats.
+
+    Collective with the workers' ``MPIStore(group, topology)`` (both duplicate
+    the group's communicator, so PS traffic never mixes with other messages).
+    """
+    mpi_comm = check_mpi_topology(group, topology, "serve_mpi")
+    if group.rank not in topology.server_ranks:
+        raise ValueError(
+            f"serve_mpi: rank {group.rank} is a worker in {topology}; servers are ranks "
+            f"{topology.server_ranks}"
+        )
+    config = config or ServerConfig()
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)
+    server = _Server(mpi_comm.Dup(), topology, group.rank, config)
+    try:
+        server.run()
+    finally:
+        server.close()
+    return server.stats()
+
+
+class _Server:
+    def __init__(self, comm: Any, topology: Topology, rank: int, config: ServerConfig) -> None:
+        self.comm = comm
+        self.tag_ub = int(comm.Get_attr(MPI.TAG_UB))
+        self.topology = topology
+        self.rank = rank
+        self.shard = topology.server_ranks.index(rank)
+        self.num_shards = topology.num_servers
+        self.config = config
+        self.names: list[str] = []  # table index -> name (indices are never reused)
+        self.specs: dict[str, TableSpec] = {}  # the specs as the workers gave them
+        self.tables: dict[str, LocalTable] = {}  # this shard's part of each table
+        self.waiting = set(topology.worker_ranks)  # workers that have not said goodbye
+        self.sends: list[Any] = []  # reply sends in flight (requests keep their buffers)
+        # A load waiting for its commit: name -> (spec, this shard's new table).
+        self.staged: dict[str, tuple[TableSpec, LocalTable]] | None = None
+
+    def stats(self) -> dict[str, dict[str, int | float]]:
+        return {name: t.stats() for name, t in self.tables.items()}
+
+    # ------------------------------------------------------------ loop
+
+    def run(self) -> None:
+        status = MPI.Status()
+        last = time.monotonic()
+        polls = 0
+        while self.waiting:
+            if self.comm.Iprobe(MPI.ANY_SOURCE, wire.TAG_REQUEST, status):
+                self.serve_one(status)
+                last = time.monotonic()
+                polls = 0
+                continue
+            polls += 1
+            if polls & 63 == 0:
+                self.sends = [r for r in self.sends if not r.Test()]
+                if time.monotonic() - last > self.config.spin_s and self.config.idle_sleep_s:
+                    time.sleep(self.config.idle_sleep_s)
+                else:
+                    os.sched_yield()
+
+    def close(self) -> None:
+        # Replies still in flight: give the workers a moment to take them.
+        deadline = time.monotonic() + 5.0
+        while self.sends and time.monotonic() < deadline:
+            self.sends = [r for r in self.sends if not r.Test()]
+        self.comm.Free()
+
+    def serve_one(self, status: Any) -> None:
+        src = status.Get_source()
+        meta = np.empty(status.Get_count(MPI.INT64_T), dtype=np.int64)
+        self.comm.Recv([meta, MPI.INT64_T], source=src, tag=wire.TAG_REQUEST)
+        self.comm.Probe(source=src, tag=wire.TAG_REQUEST_DATA, status=status)
+        data = np.empty(status.Get_count(MPI.FLOAT), dtype=np.float32)
+        self.comm.Recv([data, MPI.FLOAT], source=src, tag=wire.TAG_REQUEST_DATA)
+        request_id = int(meta[wire.W_ID]) if meta.size > wire.W_ID else 0
+        op = int(meta[wire.W_OP]) if meta.size > wire.W_OP else 0
+        try:
+            wire.check_header(meta, f"request from rank {src}")
+            reply_meta, reply_data = self.dispatch(src, meta, data)
+        except Exception as e:  # every failure becomes an error reply; the server goes on
+            reply_meta, reply_data = wire.error_message(op, request_id, e), _EMPTY_F32
+        meta_tag, data_tag = wire.reply_tags(request_id, self.tag_ub)
+        if len(self.sends) >= 16:  # a busy server never idles: let go of finished replies here
+            self.sends = [r for r in self.sends if not r.Test()]
+        self.sends.append(self.comm.Isend([reply_meta, MPI.INT64_T], dest=src, tag=meta_tag))
+        self.sends.append(self.comm.Isend([reply_data, MPI.FLOAT], dest=src, tag=data_tag))
+
+    # ------------------------------------------------------------ requests
+
+    def dispatch(self, src: int, meta: np.ndarray, data: np.ndarray) -> tuple[np.ndarray, Any]:
+        op, rid = int(meta[wire.W_OP]), int(meta[wire.W_ID])
+        payload = meta[HEADER_LEN:]
+        if op == Op.PULL:
+            return self.pull(meta, payload, data)
+        if op == Op.PUSH:
+            return self.push(meta, payload, data)
+        if op in (Op.CLOCKS, Op.STATE):
+            return self.inspect(op, meta, payload, data)
+        _expect_sizes(meta, data, payload.size, 0)
+        if op == Op.GOODBYE:
+            self.waiting.discard(src)
+            return wire.message(wire.header(Op.GOODBYE, rid)), _EMPTY_F32
+        text = wire.unpack_bytes(payload, int(meta[wire.W_ARG])).decode("utf-8")
+        if op == Op.CREATE:
+            return self.create(rid, text)
+        if op == Op.LOOKUP:
+            return self.lookup(rid, text)
+        if op == Op.LIST:
+            return _text_reply(Op.LIST, rid, json.dumps(self.names))
+        if op == Op.STATS:
+            return _text_reply(Op.STATS, rid, json.dumps(self.stats()))
+        if op == Op.SAVE:
+            return _text_reply(Op.SAVE, rid, json.dumps(self.save(json.loads(text))))
+        if op == Op.LOAD:
+            return _text_reply(Op.LOAD, rid, json.dumps(self.load(json.loads(text))))
+        raise ValueError(f"unknown request op {op} (protocol {wire.MAGIC_VERSION:#x})")
+
+    def table(self, meta: np.ndarray, op: str) -> tuple[TableSpec, LocalTable]:
+        index = int(meta[wire.W_TABLE])
+        if not 0 <= index < len(self.names):
+            raise ValueError(
+                f"{op}: table index {index} is unknown on server rank {self.rank} "
+                f"(it has {len(self.names)} tables: {self.names})"
+            )
+        name = self.names[index]
+        spec = self.specs[name]
+        dim = int(meta[wire.W_DIM])
+        if op in ("pull", "push") and dim != spec.dim:
+            raise ValueError(
+                f"{op} table {name!r}: the request is for rows of width {dim} but the table "
+                f"has dim={spec.dim} (was it reloaded with another spec?)"
+            )
+        return spec, self.tables[name]
+
+    def create(self, rid: int, text: str) -> tuple[np.ndarray, Any]:
+        spec = TableSpec.from_json(text)
+        if spec.name in self.specs:
+            raise ValueError(
+                f"create_table: table {spec.name!r} already exists "
+                f"(known tables: {list(self.specs)})"
+            )
+        self.tables[spec.name] = LocalTable(self.shard_spec(spec))
+        self.specs[spec.name] = spec
+        return _text_reply(Op.CREATE, rid, text, table=self.index_of(spec.name))
+
+    def lookup(self, rid: int, name: str) -> tuple[np.ndarray, Any]:
+        if name not in self.specs:
+            raise unknown_table(name, self.specs)
+        text = json.dumps(self.specs[name].to_json())
+        return _text_reply(Op.LOOKUP, rid, text, table=self.index_of(name))
+
+    def index_of(self, name: str) -> int:
+        if name not in self.names:
+            self.names.append(name)
+        return self.names.index(name)
+
+    def shard_spec(self, spec: TableSpec) -> TableSpec:
+        """The spec of this shard's part (see the module docstring)."""
+        if self.num_shards == 1:
+            return spec
+        if spec.num_rows is not None:
+            return replace(spec, num_rows=None)  # init stays the fixed table's
+        if spec.capacity is not None:
+            return replace(spec, capacity=-(-spec.capacity // self.num_shards))
+        return spec
+
+    def pull(self, meta: np.ndarray, payload: np.ndarray, data: np.ndarray) -> tuple[Any, Any]:
+        spec, table = self.table(meta, "pull")
+        n, flags = int(meta[wire.W_N]), int(meta[wire.W_FLAGS])
+        conditional = bool(flags & wire.FLAG_CLOCKS)
+        _expect_sizes(meta, data, n * (2 if conditional else 1), 0)
+        ids = self.check_ids(spec, payload[:n], "pull")
+        caller = None
+        bound = None
+        if conditional:
+            bound = int(meta[wire.W_ARG])
+            caller = check_pull_bound(spec, ids, torch.from_numpy(payload[n : 2 * n]), bound)
+        got = table.pull(ids, caller, bound)
+        parts = [got.clocks.numpy()]
+        flags = 0
+        if got.positions is not None:
+            parts.append(got.positions.numpy())
+            flags = wire.FLAG_POSITIONS
+        m = int(got.rows.shape[0])
+        head = wire.header(Op.PULL, int(meta[wire.W_ID]), n=m, dim=spec.dim, flags=flags)
+        return wire.message(head, *parts), got.rows.contiguous().numpy()
+
+    def push(self, meta: np.ndarray, payload: np.ndarray, data: np.ndarray) -> tuple[Any, Any]:
+        spec, table = self.table(meta, "push")
+        n = int(meta[wire.W_N])
+        _expect_sizes(meta, data, n, n * spec.dim)
+        ids = self.check_ids(spec, payload[:n], "push")
+        grads = torch.from_numpy(data).view(n, spec.dim)
+        check_push_grads(spec, ids, grads)
+        table.push(ids, grads)
+        return wire.message(wire.header(Op.PUSH, int(meta[wire.W_ID]))), _EMPTY_F32
+
+    def inspect(self, op: int, meta: np.ndarray, payload: np.ndarray, data: np.ndarray) -> Any:
+        what = "clocks" if op == Op.CLOCKS else "state"
+        spec, table = self.table(meta, what)
+        n = int(meta[wire.W_N])
+        _expect_sizes(meta, data, n, 0)
+        ids = self.check_ids(spec, payload[:n], what)
+        rid = int(meta[wire.W_ID])
+        if op == Op.CLOCKS:
+            clocks = table.read_clocks(ids).numpy()  # [n]
+            return wire.message(wire.header(Op.CLOCKS, rid, n=n), clocks), _EMPTY_F32
+        state = table.read_state(ids).contiguous()  # [n, S]
+        head = wire.header(Op.STATE, rid, n=n, dim=spec.state_dim)
+        return wire.message(head), state.numpy()
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, request: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+        """Write this shard's rows of the listed tables into the coordinator's folder.
+
+        ``request``: ``{"dir": tmp folder, "tables": [names, in manifest order]}``;
+        returns each table's part entries for the manifest.
+        """
+        folder = request["dir"]
+        out: dict[str, list[dict[str, Any]]] = {}
+        for i, name in enumerate(request["tables"]):
+            if name not in self.tables:
+                raise unknown_table(name, self.tables)
+            out[name] = [
+                write_part(folder, i, f"s{self.shard:04d}-{k:05d}", part)
+                for k, part in enumerate(self.tables[name].parts(PART_ROWS))
+            ]
+        return out
+
+    def load(self, request: dict[str, Any]) -> list[str]:
+        """Two phases, so that no shard changes unless every shard read the checkpoint.
+
+        ``{"phase": "stage", "dir": path}`` reads every part, keeps the rows that
+        route to this shard and builds the new tables aside; ``{"phase":
+        "commit"}`` swaps them in; ``{"phase": "abort"}`` drops them.
+        """
+        phase = request.get("phase")
+        if phase == "stage":
+            self.staged = None
+            ckpt = read_checkpoint(request["dir"])
+            new: dict[str, tuple[TableSpec, LocalTable]] = {}
+            for spec in ckpt.specs:
+                mine = [self.mine(part) for part in ckpt.parts(spec.name)]
+                part = TablePart.concat(mine, spec.dim, spec.state_dim)
+                check_row_ids(spec, part.ids, f"checkpoint {request['dir']!r}")
+                new[spec.name] = (spec, LocalTable.from_part(self.shard_spec(spec), part))
+            self.staged = new
+            return list(new)
+        if phase == "commit":
+            staged, self.staged = self.staged, None
+            if staged is None:
+                raise ValueError(f"load: commit without a staged load on server rank {self.rank}")
+            for name, (spec, table) in staged.items():
+                self.tables[name] = table
+                self.specs[name] = spec
+                self.index_of(name)
+            return list(staged)
+        if phase == "abort":
+            self.staged = None
+            return []
+        raise ValueError(f"load: unknown phase {phase!r}; expected 'stage', 'commit' or 'abort'")
+
+    def check_ids(self, spec: TableSpec, words: np.ndarray, op: str) -> torch.Tensor:
+        """:func:`ps.validate.check_ids`, plus: every id must route to this shard."""
+        ids = check_ids(spec, torch.from_numpy(words), op)
+        if self.num_shards > 1 and ids.numel() > 0:
+            shards = shard_of(ids, self.num_shards)  # [n]
+            wrong = torch.nonzero(shards != self.shard)
+            if wrong.numel() > 0:
+                pos = int(wrong[0, 0])
+                raise ValueError(
+                    f"{op} table {spec.name!r}: id {int(ids[pos])} at position {pos} belongs "
+                    f"to shard {int(shards[pos])}, not to server rank {self.rank} (shard "
+                    f"{self.shard} of {self.num_shards}); the worker's routing is out of step"
+                )
+        return ids
+
+    def mine(self, part: TablePart) -> TablePart:
+        """The rows of ``part`` that route to this shard."""
+        if self.num_shards == 1:
+            return part
+        return part.select(shard_of(part.ids, self.num_shards) == self.shard)
+
+
+def _text_reply(op: int, request_id: int, text: str, *, table: int = -1) -> Any:
+    raw = text.encode("utf-8")
+    return wire.message(
+        wire.header(op, request_id, table=table, arg=len(raw)), wire.pack_bytes(raw)
+    ), _EMPTY_F32
+
+
+def _expect_sizes(meta: np.ndarray, data: np.ndarray, words: int, floats: int) -> None:
+    """The request must carry exactly ``words`` int64 payload words and ``floats`` floats."""
+    n = int(meta[wire.W_N])
+    if n < 0:
+        raise ValueError(f"request says n={n} ids; expected n >= 0")
+    got_words = meta.size - HEADER_LEN
+    if got_words != words or data.size != floats:
+        raise ValueError(
+            f"op {int(meta[wire.W_OP])}: message sizes do not match its header (n={n}): "
+            f"{got_words} int64 payload words and {data.size} floats, expected {words} "
+            f"and {floats}"
+        )

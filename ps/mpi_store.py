@@ -1,0 +1,607 @@
+"""The worker side of the MPI store: a :class:`ps.Store` whose shards live on server ranks.
+
+Run a job as ``mpirun -n N`` with ``topology = comm.Topology(world_size=N,
+num_servers=S)``: the last ``S`` ranks call :func:`ps.mpi_server.serve_mpi`, the
+others open an :class:`MPIStore` and use it like any store::
+
+    group = comm.init("mpi")
+    topology = comm.Topology(world_size=group.size, num_servers=2)
+    if topology.role(group.rank) is comm.Role.SERVER:
+        serve_mpi(group, topology)            # returns when every worker closed its store
+    else:
+        with MPIStore(group, topology) as store:
+            if group.rank == 0:
+                store.create_table(spec)
+            ...                                   # pull / push / save / load / stats
+
+Both constructors are collective over ``group`` (they duplicate its
+communicator, so parameter-server traffic never mixes with other messages);
+every rank must make exactly one of the two calls, in the same order relative to
+other collectives on ``group``.
+
+A request for ``N`` ids is split by :func:`ps.routing.group_by_shard` into one
+sub-request per server (row ``id`` lives on server ``shard_of(id, S)``), all sent
+at once without blocking; the handle's ``wait()`` merges the replies back into
+the caller's order. Messages are the binary layout of :mod:`ps.wire` (no
+pickle). Several requests may be in flight; the requests of one worker are
+applied in the order they were issued.
+
+Semantics that differ from the in-process store, because the table is sharded:
+
+* ``capacity`` of a dynamic table is split evenly: each of the ``S`` servers
+  keeps at most ``ceil(capacity / S)`` rows (LRU within the shard);
+* ``stats()`` sums the servers' counters, so ``pull_requests`` /
+  ``push_requests`` count per-server sub-requests;
+* a push to a table with ``max_age_steps`` goes to every server (an empty one
+  where no id routes), so every shard counts the table's pushes like the
+  in-process store does;
+* ``save`` writes one consistent snapshot per server, not across servers: stop
+  pushing (e.g. a barrier of the workers) before saving for a global snapshot.
+* servers and workers must share the checkpoint's filesystem.
+
+Dead servers: every ``wait()`` gives up after ``request_timeout_s`` and raises
+:class:`comm.CommTimeoutError` naming the server ranks that did not answer.
+(With MPICH's default launcher a rank that dies takes the whole job down at
+once; the timeout covers hung servers and ``mpiexec -disable-auto-cleanup``.)
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from comm import CommTimeoutError, Handle, ProcessGroup, Topology
+from ps import checkpoint, wire
+from ps.mpi_server import check_mpi_topology, check_push_grads
+from ps.routing import group_by_shard
+from ps.store import PullResult, Store
+from ps.table import TableSpec
+from ps.validate import check_ids, check_pull_bound, unknown_table
+from ps.wire import HEADER_LEN, Op
+
+_EMPTY_F32 = np.empty(0, dtype=np.float32)
+
+
+@dataclass(slots=True, eq=False)
+class _Call:
+    """One sub-request to one server: its MPI requests and reply buffers."""
+
+    server: int  # MPI rank
+    request_id: int
+    op: int
+    requests: list[Any]  # [recv meta, recv data, send meta, send data]
+    reply: np.ndarray  # int64 [HEADER_LEN + K]
+    data: np.ndarray  # float32 reply buffer (may be a view into the caller's output)
+    started: float  # time.monotonic() when sent
+
+    def done(self) -> bool:
+        return bool(MPI.Request.Testall(self.requests))
+
+    def check(self, what: str) -> np.ndarray:
+        """The reply header (after raising the error it carries, if any)."""
+        where = f"{what} (server rank {self.server})"
+        head = wire.check_header(self.reply, where)
+        if int(head[wire.W_ID]) != self.request_id:
+            raise RuntimeError(
+                f"{where}: reply is for request {int(head[wire.W_ID])}, expected "
+                f"{self.request_id}; the protocol is out of step"
+            )
+        wire.raise_if_error(self.reply, where)
+        if int(head[wire.W_OP]) != self.op:
+            raise RuntimeError(f"{where}: reply op {int(head[wire.W_OP])}, expected {self.op}")
+        return head
+
+    def text(self) -> str:
+        return wire.unpack_bytes(self.reply[HEADER_LEN:], int(self.reply[wire.W_ARG])).decode()
+
+
+@dataclass(slots=True)
+class _Table:
+    spec: TableSpec
+    index: list[int] = field(default_factory=list)  # the table's index on each server
+
+
+class MPIStore(Store):
+    """A store whose tables are sharded over the server ranks of ``topology``.
+
+    ``request_timeout_s`` bounds every wait for a reply (a server that died or
+    hangs raises :class:`comm.CommTimeoutError` naming its rank).
+    """
+
+    def __init__(
+        self, group: ProcessGroup, topology: Topology, *, request_timeout_s: float = 30.0
+    ) -> None:
+        mpi_comm = check_mpi_topology(group, topology, "MPIStore")
+        if group.rank not in topology.worker_ranks:
+            raise ValueError(
+                f"MPIStore: rank {group.rank} is a server in {topology}; workers are ranks "
+                f"{topology.worker_ranks} (servers call ps.mpi_server.serve_mpi)"
+            )
+        t = request_timeout_s
+        if (
+            not isinstance(t, int | float)
+            or isinstance(t, bool)
+            or not (math.isfinite(t) and t > 0)
+        ):
+            raise ValueError(f"MPIStore: request_timeout_s must be a number > 0, got {t!r}")
+        self.rank = group.rank
+        self.request_timeout_s = float(request_timeout_s)
+        self._servers = topology.server_ranks
+        self._comm = mpi_comm.Dup()
+        self._tag_ub = int(self._comm.Get_attr(MPI.TAG_UB))
+        self._tables: dict[str, _Table] = {}
+        self._next_id = 0
+        # Sub-requests that may still be in flight: MPI writes into their buffers until
+        # they complete, so they are held here even if the caller drops the handle.
+        self._pending: set[_Call] = set()
+        self._dead: set[int] = set()  # server ranks that let a request time out
+        self._closed = False
+        # A store left open at exit would keep the servers waiting for its goodbye (and
+        # MPI_Finalize waiting for the servers): close it first. atexit handlers run
+        # last-in first-out, so this runs before mpi4py's MPI_Finalize.
+        self._at_exit = _close_at_exit(weakref.ref(self))
+        atexit.register(self._at_exit)
+
+    def __repr__(self) -> str:
+        return f"MPIStore(rank={self.rank}, servers={self._servers})"
+
+    def __enter__(self) -> MPIStore:
+        return self
+
+    @property
+    def server_ranks(self) -> list[int]:
+        return list(self._servers)
+
+    # ------------------------------------------------------------ plumbing
+
+    def _start(
+        self,
+        s: int,
+        op: int,
+        *,
+        payload: tuple[np.ndarray, ...] = (),
+        data: np.ndarray = _EMPTY_F32,
+        reply_words: int = 0,
+        reply_data: np.ndarray = _EMPTY_F32,
+        table: int = -1,
+        n: int = 0,
+        dim: int = 0,
+        flags: int = 0,
+        arg: int = 0,
+    ) -> _Call:
+        """Send one request to server number ``s``; the receives are posted first."""
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+        if self._servers[s] in self._dead:
+            raise CommTimeoutError(
+                f"server rank {self._servers[s]} did not answer an earlier request within "
+                f"{self.request_timeout_s:g} s; this MPIStore no longer sends to it"
+            )
+        rid = self._next_id
+        self._next_id += 1
+        if rid % 64 == 0:
+            # Forget requests that completed: the caller's handle (if it still has one)
+            # keeps them alive for wait(); dropped handles then free their buffers.
+            self._pending = {c for c in self._pending if not c.done()}
+        head = wire.header(op, rid, table=table, n=n, dim=dim, flags=flags, arg=arg)
+        meta = wire.message(head, *payload)
+        dest = self._servers[s]
+        reply = np.empty(HEADER_LEN + max(reply_words, wire.ERROR_WORDS), dtype=np.int64)
+        meta_tag, data_tag = wire.reply_tags(rid, self._tag_ub)
+        c = self._comm
+        reqs = [
+            c.Irecv([reply, MPI.INT64_T], source=dest, tag=meta_tag),
+            c.Irecv([reply_data, MPI.FLOAT], source=dest, tag=data_tag),
+            c.Isend([meta, MPI.INT64_T], dest=dest, tag=wire.TAG_REQUEST),
+            c.Isend([data, MPI.FLOAT], dest=dest, tag=wire.TAG_REQUEST_DATA),
+        ]
+        call = _Call(dest, rid, op, reqs, reply, reply_data, time.monotonic())
+        self._pending.add(call)
+        return call
+
+    def _handle(self, calls: list[_Call], finish: Callable[[], Any], what: str) -> Handle:
+        """A handle that completes when every call has its reply; ``finish`` builds the result."""
+
+        def test() -> bool:
+            return all(c.done() for c in calls)
+
+        def block(limit: float) -> None:
+            deadline = time.monotonic() + limit
+            n = 0
+            while not test():
+                n += 1
+                if n & 63 == 0:
+                    now = time.monotonic()
+                    if now > deadline:
+                        late = [c for c in calls if not c.done()]
+                        # Only a server silent for request_timeout_s counts as dead (not
+                        # one that missed a short timeout the caller chose for wait()).
+                        self._dead.update(
+                            c.server for c in late if now - c.started >= self.request_timeout_s
+                        )
+                        late_ranks = sorted({c.server for c in late})
+                        raise CommTimeoutError(
+                            f"{what} on worker rank {self.rank}: no reply from server rank(s) "
+                            f"{late_ranks} within {limit:g} s; the server may have died or hang "
+                            "(MPIStore request_timeout_s)"
+                        )
+                    os.sched_yield()
+
+        def done() -> Any:
+            self._pending.difference_update(calls)
+            for c in calls:
+                c.check(what)
+            return finish()
+
+        return Handle(test, done, what=what, timeout_s=self.request_timeout_s, block=block)
+
+    def _all(self, op: int, text: str = "", what: str = "") -> list[_Call]:
+        """Send a text request to every server and wait for all replies."""
+        raw = text.encode("utf-8")
+        calls = [
+            self._start(s, op, payload=(wire.pack_bytes(raw),), arg=len(raw))
+            for s in range(len(self._servers))
+        ]
+        self._handle(calls, lambda: None, what).wait()
+        return calls
+
+    def _split(self, ids: torch.Tensor) -> tuple[torch.Tensor | None, list[int]]:
+        """``(order, counts)`` of the per-server sub-requests (order None: one server)."""
+        if len(self._servers) == 1:
+            return None, [int(ids.numel())]
+        order, counts = group_by_shard(ids, len(self._servers))
+        return order, counts.tolist()
+
+    # ------------------------------------------------------------ tables
+
+    def create_table(self, spec: TableSpec) -> None:
+        if not isinstance(spec, TableSpec):
+            raise TypeError(f"create_table: expected a ps.TableSpec, got {type(spec).__name__}")
+        if spec.name in self._tables:
+            raise ValueError(
+                f"create_table: table {spec.name!r} already exists "
+                f"(known tables: {sorted(self._tables)})"
+            )
+        calls = self._all(Op.CREATE, json.dumps(spec.to_json()), f"create_table {spec.name!r}")
+        self._tables[spec.name] = _Table(spec, [int(c.reply[wire.W_TABLE]) for c in calls])
+
+    def tables(self) -> list[str]:
+        call = self._start(0, Op.LIST)
+        self._handle([call], lambda: None, "tables").wait()
+        names: list[str] = json.loads(call.text())
+        return names
+
+    def spec(self, table: str) -> TableSpec:
+        return self._table(table).spec
+
+    def _table(self, name: str) -> _Table:
+        t = self._tables.get(name) if isinstance(name, str) else None
+        if t is not None:
+            return t
+        if not isinstance(name, str):
+            raise unknown_table(name, self._tables)
+        calls = self._all(Op.LOOKUP, name, f"table {name!r}")
+        t = _Table(
+            TableSpec.from_json(calls[0].text()), [int(c.reply[wire.W_TABLE]) for c in calls]
+        )
+        self._tables[name] = t
+        return t
+
+    # ------------------------------------------------------------ rows
+
+    def pull_async(
+        self,
+        table: str,
+        ids: torch.Tensor,
+        *,
+        clocks: torch.Tensor | None = None,
+        bound: int | None = None,
+    ) -> Handle:
+        t = self._table(table)
+        spec = t.spec
+        ids = check_ids(spec, ids, "pull")
+        caller_clocks = check_pull_bound(spec, ids, clocks, bound)
+        conditional = caller_clocks is not None
+        n, dim = int(ids.numel()), spec.dim
+        order, counts = self._split(ids)
+        ids_np = _sorted_np(ids, order)
+        clk_np = None if caller_clocks is None else _sorted_np(caller_clocks, order)
+        rows = torch.empty(n, dim, dtype=torch.float32)  # [N, D] in shard order
+        rows_np = rows.numpy().reshape(-1)
+        calls: list[_Call] = []
+        starts: list[int] = []  # where each call's rows begin in `rows`
+        sizes: list[int] = []  # rows asked of each call
+        a = 0
+        for s, c in enumerate(counts):
+            if c:
+                payload = (
+                    (ids_np[a : a + c],)
+                    if clk_np is None
+                    else (ids_np[a : a + c], clk_np[a : a + c])
+                )
+                calls.append(
+                    self._start(
+                        s,
+                        Op.PULL,
+                        payload=payload,
+                        reply_words=c * (2 if conditional else 1),
+                        reply_data=rows_np[a * dim : (a + c) * dim],
+                        table=t.index[s],
+                        n=c,
+                        dim=dim,
+                        flags=wire.FLAG_CLOCKS if conditional else 0,
+                        arg=int(bound) if conditional and bound is not None else 0,
+                    )
+                )
+                starts.append(a)
+                sizes.append(c)
+            a += c
+
+        def finish() -> PullResult:
+            merge = _merge_conditional if conditional else _merge_all
+            return merge(calls, starts, sizes, rows, order)
+
+        return self._handle(calls, finish, f"pull {table!r}")
+
+    def push_async(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> Handle:
+        t = self._table(table)
+        spec = t.spec
+        ids = check_ids(spec, ids, "push")
+        # Every row is checked here, before any server changes anything: a push that
+        # spans servers must not be applied on some and refused by others.
+        grads = check_push_grads(spec, ids, grads)
+        order, counts = self._split(ids)
+        ids_np = _sorted_np(ids, order)
+        g = grads.detach().cpu()
+        # A copy, so the caller may reuse its gradient buffer while the push is in flight.
+        g = g.clone() if order is None else g.index_select(0, order)  # [N, D]
+        g_np = g.numpy().reshape(-1)
+        dim = spec.dim
+        every_server = spec.max_age_steps is not None  # each shard counts the table's pushes
+        calls: list[_Call] = []
+        a = 0
+        for s, c in enumerate(counts):
+            if c or every_server:
+                calls.append(
+                    self._start(
+                        s,
+                        Op.PUSH,
+                        payload=(ids_np[a : a + c],),
+                        data=g_np[a * dim : (a + c) * dim],
+                        table=t.index[s],
+                        n=c,
+                        dim=dim,
+                    )
+                )
+            a += c
+        return self._handle(calls, lambda: None, f"push {table!r}")
+
+    # ------------------------------------------------------------ inspection
+
+    def _gather(self, table: str, ids: torch.Tensor, op: int, what: str) -> torch.Tensor:
+        """Clocks (int64 ``[N]``) or state (float32 ``[N, S]``) of rows ``ids``, from servers."""
+        t = self._table(table)
+        ids = check_ids(t.spec, ids, what)
+        n = int(ids.numel())
+        width = t.spec.state_dim
+        order, counts = self._split(ids)
+        ids_np = _sorted_np(ids, order)
+        state = torch.empty(n, width, dtype=torch.float32)  # [N, S] in shard order
+        state_np = state.numpy().reshape(-1)
+        calls, starts = [], []
+        a = 0
+        for s, c in enumerate(counts):
+            if c:
+                calls.append(
+                    self._start(
+                        s,
+                        op,
+                        payload=(ids_np[a : a + c],),
+                        reply_words=c if op == Op.CLOCKS else 0,
+                        reply_data=state_np[a * width : (a + c) * width]
+                        if op == Op.STATE
+                        else _EMPTY_F32,
+                        table=t.index[s],
+                        n=c,
+                    )
+                )
+                starts.append(a)
+            a += c
+        self._handle(calls, lambda: None, f"{what} {table!r}").wait()
+        if op == Op.CLOCKS:
+            out = torch.empty(n, dtype=torch.int64)
+            for call, a in zip(calls, starts, strict=True):
+                k = int(call.reply[wire.W_N])
+                out[a : a + k] = torch.from_numpy(call.reply[HEADER_LEN : HEADER_LEN + k])
+        else:
+            out = state
+        return out if order is None else torch.empty_like(out).index_copy_(0, order, out)
+
+    def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        return self._gather(table, ids, Op.CLOCKS, "clocks")
+
+    def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        return self._gather(table, ids, Op.STATE, "state")
+
+    def stats(self) -> dict[str, dict[str, int | float]]:
+        """Per table, the servers' counters summed (``rows`` of a fixed table: ``num_rows``)."""
+        total: dict[str, dict[str, int | float]] = {}
+        for call in self._all(Op.STATS, what="stats"):
+            for table, counters in json.loads(call.text()).items():
+                acc = total.setdefault(table, {})
+                for key, value in counters.items():
+                    acc[key] = acc.get(key, 0) + value
+        for table, acc in total.items():
+            num_rows = self.spec(table).num_rows
+            if num_rows is not None:  # shards hold only the rows they touched
+                acc["rows"] = num_rows
+        return total
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Every server writes its rows as parts; this worker writes the manifest and swaps it in.
+
+        Call it from one worker. Each server's part is a consistent snapshot of
+        its shard; stop the other workers' pushes first for a global snapshot.
+        """
+        names = self.tables()
+        specs = [self.spec(name) for name in names]
+        tmp = checkpoint.begin_checkpoint(path)
+        try:
+            request = json.dumps({"dir": str(Path(tmp).resolve()), "tables": names})
+            calls = self._all(Op.SAVE, request, f"save {str(path)!r}")
+            entries: list[list[dict[str, Any]]] = [[] for _ in names]
+            for call in calls:
+                per_table = json.loads(call.text())
+                for i, name in enumerate(names):
+                    entries[i].extend(per_table[name])
+            tables = list(zip(specs, entries, strict=True))
+            checkpoint.finish_checkpoint(tmp, path, tables, writer="MPIStore")
+        except BaseException:
+            checkpoint.abort_checkpoint(tmp)
+            raise
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Servers read the checkpoint and keep the rows that route to them (two phases:
+        every server reads and checks its rows first; only then do they all switch over)."""
+        ckpt = checkpoint.read_checkpoint(path)  # checks the manifest before bothering servers
+        stage = json.dumps({"phase": "stage", "dir": str(ckpt.path.resolve())})
+        try:
+            self._all(Op.LOAD, stage, f"load {str(path)!r}")
+        except BaseException:
+            self._all(Op.LOAD, json.dumps({"phase": "abort"}), f"load {str(path)!r} (abort)")
+            raise
+        self._all(Op.LOAD, json.dumps({"phase": "commit"}), f"load {str(path)!r}")
+        for spec in ckpt.specs:
+            self._tables.pop(spec.name, None)  # looked up again, with the loaded spec
+
+    # ------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Wait for requests still in flight, say goodbye to every server, free the communicator.
+
+        Servers return from ``serve_mpi`` once every worker has closed. Servers
+        that already let a request time out are skipped (the others still get
+        their goodbye); a server that times out now raises
+        :class:`comm.CommTimeoutError` after the rest are done.
+        """
+        if self._closed:
+            return
+        error: Exception | None = None
+        try:
+            for rank in self._servers:
+                # Replies still owed (e.g. handles never waited), one server at a time.
+                owed = [c for c in self._pending if c.server == rank and rank not in self._dead]
+                if owed:
+                    try:
+                        self._handle(owed, lambda: None, "requests in flight at close").wait()
+                    except Exception as e:  # reported after the goodbyes
+                        error = error or e
+            alive = [s for s, rank in enumerate(self._servers) if rank not in self._dead]
+            calls = [self._start(s, Op.GOODBYE) for s in alive]
+            try:
+                self._handle(calls, lambda: None, "close").wait()
+            except Exception as e:
+                error = error or e
+        finally:
+            self._closed = True
+            self._pending.clear()
+            self._comm.Free()
+            atexit.unregister(self._at_exit)
+        if error is not None:
+            raise error
+
+
+def _close_at_exit(ref: weakref.ReferenceType[MPIStore]) -> Callable[[], None]:
+    def close() -> None:
+        store = ref()
+        if store is not None and not store._closed:
+            try:
+                store.close()
+            except Exception as e:  # at exit there is nobody left to raise to
+                print(f"MPIStore.close at exit on rank {store.rank}: {e}", file=sys.stderr)
+
+    return close
+
+
+def _sorted_np(t: torch.Tensor, order: torch.Tensor | None) -> np.ndarray:
+    """``t`` in shard order as a contiguous numpy array (a copy only when reordering)."""
+    t = t.detach().cpu()
+    return (t if order is None else t.index_select(0, order)).contiguous().numpy()
+
+
+def _reply_rows(call: _Call, asked: int, dim: int, conditional: bool) -> int:
+    """Rows ``m`` in a pull reply, after checking it against the request."""
+    m, got_dim = int(call.reply[wire.W_N]), int(call.reply[wire.W_DIM])
+    ok = (0 <= m <= asked) if conditional else m == asked
+    positions = bool(int(call.reply[wire.W_FLAGS]) & wire.FLAG_POSITIONS)
+    if not ok or got_dim != dim or positions != conditional:
+        raise RuntimeError(
+            f"pull reply from server rank {call.server} has {m} rows of width {got_dim} "
+            f"(positions: {positions}) for a request of {asked} rows of width {dim}; "
+            "the table may have been reloaded with another spec by another worker"
+        )
+    return m
+
+
+def _merge_all(
+    calls: list[_Call],
+    starts: list[int],
+    sizes: list[int],
+    rows: torch.Tensor,
+    order: torch.Tensor | None,
+) -> PullResult:
+    """A plain pull: every server answered all its rows (already in ``rows``) and their clocks."""
+    n, dim = rows.shape
+    clocks = torch.empty(n, dtype=torch.int64)
+    for c, a, k in zip(calls, starts, sizes, strict=True):
+        _reply_rows(c, k, dim, conditional=False)
+        clocks[a : a + k] = torch.from_numpy(c.reply[HEADER_LEN : HEADER_LEN + k])
+    if order is None:
+        return PullResult(rows=rows, clocks=clocks)
+    return PullResult(
+        rows=torch.empty_like(rows).index_copy_(0, order, rows),
+        clocks=torch.empty_like(clocks).index_copy_(0, order, clocks),
+    )
+
+
+def _merge_conditional(
+    calls: list[_Call],
+    starts: list[int],
+    sizes: list[int],
+    rows: torch.Tensor,
+    order: torch.Tensor | None,
+) -> PullResult:
+    """A conditional pull: each server sent its stale rows first in its slice of ``rows``,
+    with their clocks and positions (increasing, within its sub-request)."""
+    dim = rows.shape[1]
+    rows_parts, clock_parts, pos_parts = [], [], []
+    for c, a, k in zip(calls, starts, sizes, strict=True):
+        m = _reply_rows(c, k, dim, conditional=True)
+        body = torch.from_numpy(c.reply[HEADER_LEN : HEADER_LEN + 2 * m])
+        rows_parts.append(rows[a : a + m])
+        clock_parts.append(body[:m])
+        pos_parts.append(body[m:] + a)
+    empty_i64 = torch.empty(0, dtype=torch.int64)
+    out_rows = torch.cat(rows_parts) if rows_parts else torch.empty(0, dim)
+    out_clocks = torch.cat(clock_parts) if clock_parts else empty_i64
+    pos = torch.cat(pos_parts) if pos_parts else empty_i64  # positions in shard order
+    if order is not None:
+        pos = order[pos]  # positions in the caller's ids
+        perm = torch.argsort(pos)
+        pos, out_rows, out_clocks = pos[perm], out_rows[perm], out_clocks[perm]
+    return PullResult(rows=out_rows, clocks=out_clocks, positions=pos)

@@ -1,0 +1,459 @@
+"""The Lua scripts of the Redis store (Redis >= 6.2 scripting: Lua 5.1 with ``struct``).
+
+Data layout (see :mod:`ps.redis_store`): per bucket of a table, a hash ``...:w``
+maps the 8-byte little-endian id to ``row float32[D] | clock int64`` (``4D+8``
+bytes), a hash ``...:s`` maps it to the optimizer state ``float32[S]`` (absent
+when ``S == 0``), and on tables with eviction a sorted set ``...:t`` scores it
+with the table step of its last touch.
+
+Scripts here:
+
+* :data:`PULL_BOUNDED`: the HET conditional pull of one bucket. It reads the
+  rows inside Redis and returns only those whose clock is past the caller's
+  clock + bound (and, on eviction tables, stamps the touch), so the bytes moved
+  are those of the stale rows only, in one round trip.
+* :data:`TOUCH_PULL`: a plain pull of one bucket that also stamps the touch
+  (eviction tables only; other tables pull with a plain HMGET).
+* :func:`push_script`: generated per (optimizer, dim). It applies the optimizer
+  to every row of one bucket call atomically (a script runs alone inside
+  Redis), so concurrent workers never lose an update. Rows that do not exist
+  yet need their initial values, which only the client can compute (the hash
+  initializer is 64-bit integer arithmetic that Lua's doubles cannot do): the
+  script updates the rows that exist and answers the positions of the missing
+  ones; the client resends just those, with their initial rows.
+* :data:`SNAPSHOT`: a chunk of a bucket (HSCAN of the rows hash plus the state
+  of the same ids) read atomically, for checkpoints.
+* :data:`EVICT_AGE`, :data:`LRU_CANDIDATES`, :data:`EVICT_IDS`: eviction by age, and
+  by capacity (the oldest entries per bucket; then delete the chosen ones).
+
+Arithmetic runs on doubles and each stored value is rounded to float32 once per
+update (``struct.pack('f')``); the torch reference rounds every intermediate to
+float32, so results agree to ~1e-7 relative. Gradients that are exact binary
+fractions give bit-identical SGD results.
+
+The generated push code is unrolled in chunks of columns with the values held in
+Lua locals (no per-value table traffic): unpacking and packing the float32 values
+is most of the cost of an update, so it is done with as few calls as possible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from dataclasses import dataclass
+
+from ps.optimizers import FTRL, SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad
+
+#: Most rows one script call handles (Lua's ``unpack`` is limited to ~8000 values).
+MAX_ROWS_PER_CALL = 1024
+
+# ---------------------------------------------------------------- pulls
+
+PULL_BOUNDED = """
+-- KEYS[1] rows hash, KEYS[2] touch zset (or "")
+-- ARGV[1] ids (int64 LE x n), ARGV[2] caller clocks (int64 LE x n), ARGV[3] bound,
+-- ARGV[4] byte offset of the clock in a value (4 * dim), ARGV[5] touch step ("" = none)
+-- Returns {values of the stale present rows concatenated, their 1-based positions
+-- (int32 LE each), the positions of the missing ids (int32 LE each)}.
+local sunpack, spack, ssub = struct.unpack, struct.pack, string.sub
+local ids, cl = ARGV[1], ARGV[2]
+local bound, off = tonumber(ARGV[3]), tonumber(ARGV[4]) + 1
+local n = #ids / 8
+local f = {}
+for i = 1, n do f[i] = ssub(ids, 8 * i - 7, 8 * i) end
+local v = redis.call('HMGET', KEYS[1], unpack(f))
+local out, pos, miss = {}, {}, {}
+for i = 1, n do
+  local x = v[i]
+  if x then
+    if sunpack('<i8', x, off) > sunpack('<i8', cl, 8 * i - 7) + bound then
+      out[#out + 1] = x
+      pos[#pos + 1] = spack('<i4', i)
+    end
+  else
+    miss[#miss + 1] = spack('<i4', i)
+  end
+end
+if ARGV[5] ~= '' then
+  local step, z = ARGV[5], {}
+  for i = 1, n do z[2 * i - 1] = step; z[2 * i] = f[i] end
+  redis.call('ZADD', KEYS[2], 'XX', unpack(z))
+end
+return {table.concat(out), table.concat(pos), table.concat(miss)}
+"""
+
+TOUCH_PULL = """
+-- KEYS[1] rows hash, KEYS[2] touch zset; ARGV[1] ids (int64 LE x n), ARGV[2] touch step.
+-- The values (false where missing), after stamping the touch of the present rows.
+local ssub = string.sub
+local ids, step = ARGV[1], ARGV[2]
+local n = #ids / 8
+local f, z = {}, {}
+for i = 1, n do
+  local id = ssub(ids, 8 * i - 7, 8 * i)
+  f[i] = id
+  z[2 * i - 1] = step
+  z[2 * i] = id
+end
+local v = redis.call('HMGET', KEYS[1], unpack(f))
+redis.call('ZADD', KEYS[2], 'XX', unpack(z))
+return v
+"""
+
+# ---------------------------------------------------------------- checkpoints, eviction
+
+SNAPSHOT = """
+-- KEYS[1] rows hash, KEYS[2] state hash; ARGV[1] HSCAN cursor, ARGV[2] COUNT hint,
+-- ARGV[3] "1" if the table has optimizer state, ARGV[4] the initial state bytes.
+-- Returns {next cursor, ids concatenated, values concatenated, states concatenated}.
+local r = redis.call('HSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])
+local kv = r[2]
+local ids, vals = {}, {}
+for i = 1, #kv, 2 do
+  ids[#ids + 1] = kv[i]
+  vals[#vals + 1] = kv[i + 1]
+end
+local st = ''
+if ARGV[3] == '1' and #ids > 0 then
+  local s = redis.call('HMGET', KEYS[2], unpack(ids))
+  for i = 1, #ids do
+    if not s[i] then s[i] = ARGV[4] end
+  end
+  st = table.concat(s)
+end
+return {r[1], table.concat(ids), table.concat(vals), st}
+"""
+
+EVICT_AGE = """
+-- KEYS[1] rows, KEYS[2] state, KEYS[3] touch zset; ARGV[1] the last step to evict
+-- (rows touched at or before it go). Returns the number of rows evicted.
+local old = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', ARGV[1])
+local n = #old
+for i = 1, n, 1000 do
+  local j = math.min(n, i + 999)
+  redis.call('HDEL', KEYS[1], unpack(old, i, j))
+  redis.call('HDEL', KEYS[2], unpack(old, i, j))
+  redis.call('ZREM', KEYS[3], unpack(old, i, j))
+end
+return n
+"""
+
+EVICT_IDS = """
+-- KEYS[1] rows, KEYS[2] state, KEYS[3] touch zset; ARGV[1] ids (int64 LE x n),
+-- ARGV[2] their last-touch steps (int64 LE x n) as the caller saw them. A row goes
+-- only if it was not touched since (concurrent requests keep what they touched).
+local sunpack, ssub = struct.unpack, string.sub
+local ids, steps = ARGV[1], ARGV[2]
+local n = #ids / 8
+local gone = 0
+for i = 1, n do
+  local id = ssub(ids, 8 * i - 7, 8 * i)
+  local sc = redis.call('ZSCORE', KEYS[3], id)
+  if sc and tonumber(sc) == sunpack('<i8', steps, 8 * i - 7) then
+    redis.call('HDEL', KEYS[1], id)
+    redis.call('HDEL', KEYS[2], id)
+    redis.call('ZREM', KEYS[3], id)
+    gone = gone + 1
+  end
+end
+return gone
+"""
+
+LRU_CANDIDATES = """
+-- KEYS[1] touch zset; ARGV[1] k. The k least recently touched entries and every entry
+-- tied with the k-th: {ids (int64 LE each), their steps (int64 LE each)}.
+local k = tonumber(ARGV[1])
+local last = redis.call('ZRANGE', KEYS[1], k - 1, k - 1, 'WITHSCORES')
+local r
+if #last == 0 then
+  r = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+else
+  r = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', last[2], 'WITHSCORES')
+end
+local ids, sc = {}, {}
+for i = 1, #r, 2 do
+  ids[#ids + 1] = r[i]
+  sc[#sc + 1] = struct.pack('<i8', tonumber(r[i + 1]))
+end
+return {table.concat(ids), table.concat(sc)}
+"""
+
+# ---------------------------------------------------------------- pushes
+
+
+def _num(x: float) -> str:
+    """A Lua numeral for the double ``x`` (repr round-trips exactly through strtod)."""
+    if not math.isfinite(x):
+        raise ValueError(f"cannot write {x!r} into a Lua script")
+    return repr(float(x))
+
+
+def _lua_bytes(data: bytes) -> str:
+    """A Lua string literal holding ``data`` exactly."""
+    return '"' + "".join(f"\\{b:03d}" for b in data) + '"'
+
+
+@dataclass(frozen=True, slots=True)
+class _Kernel:
+    """The per-row update of one optimizer, as Lua source fragments.
+
+    ``vectors``: names of the state vectors of width D (in state layout order),
+    followed in the state by ``scalars`` (one float32 each). ``gsq``: the row
+    code needs ``gsq`` = sum of g*g over the row (a pre-pass). ``row``: Lua run
+    once per row before the columns (may change scalars, define ``a``..``c``).
+    ``col``: Lua per column, with ``#`` standing for the column's suffix: the
+    weight ``w#``, gradient ``g#``, state values ``<vector>#``; temporaries
+    ``t1``..``t3`` are free to use.
+    """
+
+    vectors: tuple[str, ...]
+    scalars: tuple[str, ...]
+    gsq: bool
+    row: str
+    col: str
+
+
+def _kernel(opt: Optimizer, dim: int) -> _Kernel:
+    if isinstance(opt, SGD):
+        lr = _num(opt.lr)
+        if opt.momentum > 0:
+            mom = _num(opt.momentum)
+            col = f"b# = {mom} * b# + g#\nw# = w# - {lr} * b#"
+            return _Kernel(("b",), (), False, "", col)
+        return _Kernel((), (), False, "", f"w# = w# - {lr} * g#")
+    if isinstance(opt, RowWiseAdagrad):
+        row = f"acc = acc + gsq / {dim}\na = {_num(opt.lr)} / (msqrt(acc) + {_num(opt.eps)})"
+        return _Kernel((), ("acc",), True, row, "w# = w# - a * g#")
+    if isinstance(opt, Adagrad):
+        col = f"s# = s# + g# * g#\nw# = w# - {_num(opt.lr)} * g# / (msqrt(s#) + {_num(opt.eps)})"
+        return _Kernel(("s",), (), False, "", col)
+    if isinstance(opt, Adam):
+        b1, b2 = float(opt.betas[0]), float(opt.betas[1])
+        row = f"t = t + 1\na = {_num(opt.lr)} * msqrt(1 - {_num(b2)} ^ t) / (1 - {_num(b1)} ^ t)"
+        col = ""
+        if opt.weight_decay > 0:
+            col += f"g# = g# + {_num(opt.weight_decay)} * w#\n"
+        col += (
+            f"m# = {_num(b1)} * m# + {_num(1.0 - b1)} * g#\n"
+            f"v# = {_num(b2)} * v# + {_num(1.0 - b2)} * g# * g#\n"
+            f"w# = w# - a * m# / (msqrt(v#) + {_num(opt.eps)})"
+        )
+        return _Kernel(("m", "v"), ("t",), False, row, col)
+    if isinstance(opt, FTRL):
+        al, be, l1, l2 = _num(opt.alpha), _num(opt.beta), _num(opt.l1), _num(opt.l2)
+        col = (
+            "t1 = n# + g# * g#\n"
+            f"t2 = msqrt(t1)\n"
+            f"z# = z# + g# - (t2 - msqrt(n#)) / {al} * w#\n"
+            "n# = t1\n"
+            f"if z# <= {l1} and z# >= -{l1} then w# = 0\n"
+            f"elseif z# > 0 then w# = -(z# - {l1}) / (({be} + t2) / {al} + {l2})\n"
+            f"else w# = -(z# + {l1}) / (({be} + t2) / {al} + {l2}) end"
+        )
+        return _Kernel(("z", "n"), (), False, "", col)
+    raise NotImplementedError(
+        f"the Redis store has no Lua update for optimizer {type(opt).__name__} "
+        f"({opt.to_json()}); supported: SGD, RowWiseAdagrad, Adagrad, Adam, FTRL"
+    )
+
+
+def _names(prefix: str, k: int) -> str:
+    return ", ".join(f"{prefix}{j}" for j in range(k))
+
+
+def _chunk(
+    kern: _Kernel, k: int, offset: str, d4: int, piece: str | None, clock: bool
+) -> list[str]:
+    """Lua statements updating ``k`` columns at byte ``offset`` (a Lua expression).
+
+    The packed results go to the locals ``<piece>`` / ``<piece>_<vector>`` (or are
+    appended to the tables ``wp`` / ``p_<vector>`` when ``piece`` is None). With
+    ``clock``, the row's clock (after the ``k`` weights) is read and written
+    incremented in the same struct calls.
+    """
+    fmt = f"'<{'f' * k}'"
+    wfmt = f"'<{'f' * k}i8'" if clock else fmt
+    wvars = _names("w", k) + (", clk" if clock else "")
+    lines = [f"local {wvars} = sunpack({wfmt}, row, {offset} + 1)"]
+    lines.append(f"local {_names('g', k)} = sunpack({fmt}, gb, gofs + {offset} + 1)")
+    for vi, vec in enumerate(kern.vectors):
+        lines.append(f"local {_names(vec, k)} = sunpack({fmt}, st, {vi * d4} + {offset} + 1)")
+    for j in range(k):
+        lines.extend(kern.col.replace("#", str(j)).split("\n"))
+    wout = _names("w", k) + (", clk + 1" if clock else "")
+    if piece is None:
+        lines.append(f"wp[#wp + 1] = spack({wfmt}, {wout})")
+        for vec in kern.vectors:
+            lines.append(f"p_{vec}[#p_{vec} + 1] = spack({fmt}, {_names(vec, k)})")
+    else:
+        lines.append(f"{piece} = spack({wfmt}, {wout})")
+        for vec in kern.vectors:
+            lines.append(f"{piece}_{vec} = spack({fmt}, {_names(vec, k)})")
+    return lines
+
+
+def _gsq_chunk(k: int, offset: str) -> list[str]:
+    fmt = f"'<{'f' * k}'"
+    terms = " + ".join(f"g{j} * g{j}" for j in range(k))
+    return [
+        f"local {_names('g', k)} = sunpack({fmt}, gb, gofs + {offset} + 1)",
+        f"gsq = gsq + {terms}",
+    ]
+
+
+def _chunks(kern: _Kernel, dim: int) -> tuple[int, int, int]:
+    """``(k, full, tail)``: columns per chunk, full chunks, columns in the last partial one."""
+    per = 64 if not kern.vectors else 32  # keeps Lua's 200 locals / 250 registers limits
+    k = min(per, dim)
+    full, tail = divmod(dim, k)
+    return k, full, tail
+
+
+_UNROLL_CHUNKS = 8  # up to this many chunks the column code is unrolled (no loop, no tables)
+
+
+def _update_columns(kern: _Kernel, dim: int, lines: list[str]) -> tuple[str, list[str]]:
+    """Append the column updates to ``lines``; return the Lua expressions of the new row
+    value (weights and clock) and of each state vector's new bytes."""
+    d4 = 4 * dim
+    k, full, tail = _chunks(kern, dim)
+    spans = [(k, str(4 * k * c)) for c in range(full)] + (
+        [(tail, str(4 * full * k))] if tail else []
+    )
+    if len(spans) == 1 and kern.gsq:
+        # One chunk: the gradient is unpacked once; sum its squares, then run the row code.
+        names = ["wp0"]
+        lines.append("local wp0")
+        body = _chunk(kern, dim, "0", d4, "wp0", True)
+        terms = " + ".join(f"g{j} * g{j}" for j in range(dim))
+        lines += ["do", *body[:2], f"gsq = {terms}", *kern.row.split("\n"), *body[2:], "end"]
+        return "wp0", []
+    if kern.gsq:
+        lines += _gsq_columns(kern, dim)
+    if kern.row:
+        lines += kern.row.split("\n")
+    if len(spans) <= _UNROLL_CHUNKS:
+        names = [f"wp{c}" for c in range(len(spans))]
+        lines.append("local " + ", ".join(names))
+        for vec in kern.vectors:
+            lines.append("local " + ", ".join(f"{n}_{vec}" for n in names))
+        for c, (kk, off) in enumerate(spans):
+            last = c == len(spans) - 1
+            lines += ["do", *_chunk(kern, kk, off, d4, names[c], last), "end"]
+        row = " .. ".join(names)
+        vecs = [" .. ".join(f"{n}_{vec}" for n in names) for vec in kern.vectors]
+        return row, vecs
+    lines.append(f"local clk = sunpack('<i8', row, {d4} + 1)")
+    lines.append("local wp = {}")
+    for vec in kern.vectors:
+        lines.append(f"local p_{vec} = {{}}")
+    lines += [f"for c = 0, {full - 1} do", f"local o = c * {4 * k}"]
+    lines += _chunk(kern, k, "o", d4, None, False) + ["end"]
+    if tail:
+        lines += ["do", *_chunk(kern, tail, str(4 * full * k), d4, None, False), "end"]
+    row = "tconcat(wp) .. spack('<i8', clk + 1)"
+    return row, [f"tconcat(p_{vec})" for vec in kern.vectors]
+
+
+def _gsq_columns(kern: _Kernel, dim: int) -> list[str]:
+    k, full, tail = _chunks(kern, dim)
+    lines = ["gsq = 0"]
+    if full == 1:
+        lines += ["do", *_gsq_chunk(k, "0"), "end"]
+    elif full > 1:
+        lines += [f"for c = 0, {full - 1} do", *_gsq_chunk(k, f"c * {4 * k}"), "end"]
+    if tail:
+        lines += ["do", *_gsq_chunk(tail, str(4 * full * k)), "end"]
+    return lines
+
+
+def push_script(opt: Optimizer, dim: int) -> str:
+    """The push script of a table with optimizer ``opt`` and row width ``dim``.
+
+    ``KEYS[1]`` rows hash, ``KEYS[2]`` state hash, ``KEYS[3]`` touch zset.
+    ``ARGV[1]`` unique ids (int64 LE x n), ``ARGV[2]`` their summed gradients
+    (float32 LE, n x dim), ``ARGV[3]`` initial rows (float32 LE, dim each) for the
+    1-based positions in ``ARGV[4]`` (int32 LE each), ``ARGV[5]`` the touch step
+    ("" on tables without eviction). Every row that exists (or has an initial row
+    here) is updated and its clock goes up by 1; the answer is ``{rows created,
+    positions of the rows skipped because they do not exist and have no initial
+    row...}``, and the client resends those with their initial rows.
+    """
+    kern = _kernel(opt, dim)
+    d4 = 4 * dim
+    state_dim = opt.state_dim(dim)
+    assert state_dim == len(kern.vectors) * dim + len(kern.scalars)
+    state0 = struct.pack(f"<{state_dim}f", *opt.initial_state(dim).tolist())
+    has_state = state_dim > 0
+    lines = [
+        "local sunpack, spack, ssub, msqrt = struct.unpack, struct.pack, string.sub, math.sqrt",
+        "local tconcat = table.concat",
+        "local ids, gb, ib, ip, step = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]",
+        "local n = #ids / 8",
+        "local f = {}",
+        "for i = 1, n do f[i] = ssub(ids, 8 * i - 7, 8 * i) end",
+        "local rows = redis.call('HMGET', KEYS[1], unpack(f))",
+    ]
+    if has_state:
+        lines.append("local sts = redis.call('HMGET', KEYS[2], unpack(f))")
+    lines += [
+        "local init = {}",
+        "for k = 1, #ip / 4 do init[sunpack('<i4', ip, 4 * k - 3)] = k end",
+        "local out, created = {0}, 0",
+        "for i = 1, n do",
+        "  if not rows[i] then",
+        "    local k = init[i]",
+        "    if k then",
+        f"      rows[i] = ssub(ib, (k - 1) * {d4} + 1, k * {d4}) .. CLOCK0",
+    ]
+    if has_state:
+        lines.append("      sts[i] = false")
+    lines += [
+        "      created = created + 1",
+        "    else out[#out + 1] = i end",
+        "  end",
+        "end",
+        "out[1] = created",
+        "local wout, sout, z, nw = {}, {}, {}, 0",
+        "local t1, t2, t3, a, gsq",
+    ]
+    if has_state:
+        lines.append(f"local STATE0 = {_lua_bytes(state0)}")
+    lines += [
+        "for i = 1, n do",
+        "local row = rows[i]",
+        "if row then",
+        "nw = nw + 1",
+        f"local gofs = (i - 1) * {d4}",
+    ]
+    if has_state:
+        lines.append("local st = sts[i] or STATE0")
+    base = len(kern.vectors) * d4
+    for si, sc in enumerate(kern.scalars):
+        lines.append(f"local {sc} = sunpack('<f', st, {base + 4 * si} + 1)")
+    row_expr, vec_exprs = _update_columns(kern, dim, lines)
+    lines += ["wout[2 * nw - 1] = f[i]", f"wout[2 * nw] = {row_expr}"]
+    if has_state:
+        parts = list(vec_exprs)
+        if kern.scalars:
+            parts.append(f"spack('<{'f' * len(kern.scalars)}', {', '.join(kern.scalars)})")
+        lines += ["sout[2 * nw - 1] = f[i]", f"sout[2 * nw] = {' .. '.join(parts)}"]
+    lines += ["z[2 * nw - 1] = step", "z[2 * nw] = f[i]", "end", "end"]
+    lines.append("if nw > 0 then")
+    lines.append("  redis.call('HSET', KEYS[1], unpack(wout))")
+    if has_state:
+        lines.append("  redis.call('HSET', KEYS[2], unpack(sout))")
+    lines += [
+        "  if step ~= '' then redis.call('ZADD', KEYS[3], unpack(z)) end",
+        "end",
+        "return out",
+    ]
+    src = "\n".join(lines).replace("CLOCK0", _lua_bytes(bytes(8)))
+    header = f"-- hybridrec push: {opt.to_json()} dim={dim}\n"
+    return header + src
+
+
+def sha1(script: str) -> str:
+    """The SHA1 Redis names a script by (EVALSHA)."""
+    return hashlib.sha1(script.encode("utf-8")).hexdigest()

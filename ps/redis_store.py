@@ -1,0 +1,851 @@
+"""The Redis store: tables in Redis (or Redis Cluster) hashes, updated by Lua scripts.
+
+Several workers (processes, machines) open a :class:`RedisStore` on one Redis and
+share its tables; the optimizer runs inside Redis, so concurrent pushes never lose
+an update (a client-side read-modify-write with HMSET, as TFRA's Redis backend
+does, loses every update that races another)::
+
+    store = RedisStore("redis://10.0.0.5:6379/0", prefix="hybridrec:dlrm", password="...")
+    store.create_table(spec, exist_ok=True)     # every worker may call it
+    rows = store.pull("items", ids).rows
+    store.push("items", ids, grads)
+
+Key layout (``P`` = ``prefix``, ``T`` = table name, ``b`` = bucket number)::
+
+    P:tables            list    table names in creation order
+    P:table:T           string  JSON {"format", "spec": TableSpec.to_json(), "buckets"}
+    {P:T:b}:w           hash    id (int64 LE, 8 bytes) -> row float32[D] LE | clock int64 LE
+    {P:T:b}:s           hash    id -> optimizer state float32[S] LE     (tables with S > 0)
+    {P:T:b}:t           zset    id -> table step of its last touch      (tables with eviction)
+    {P:T}:step          string  pushes applied to the table             (tables with eviction)
+
+Buckets: ``b = ps.routing.shard_of(id, buckets)`` (``buckets`` per table, fixed at
+creation and stored in the meta). The ``{...}`` hash tag keeps a bucket's keys on
+one Redis Cluster slot, so one script may touch all of them; different buckets
+spread over the cluster's nodes. Hashing (rather than ``id // rows_per_bucket``)
+bounds the commands per request by ``buckets`` whatever the ids (dynamic tables
+use arbitrary int64 ids), spreads a hot id range over all nodes, and gives a
+known set of keys (save and stats walk ``buckets`` keys, never KEYS/SCAN).
+
+Rows that are not in Redis read as their initial row (``TableSpec.initial_rows``,
+computed by the client), clock 0, initial state, on fixed and dynamic tables alike:
+a fixed table costs Redis memory only for the rows that were ever pushed.
+
+Requests (one command per touched bucket, each node's commands written in one go):
+
+* plain pull: ``HMGET`` per bucket;
+* conditional pull (``clocks``/``bound``): a Lua script per bucket compares the
+  stored clocks inside Redis and returns only the stale rows (one round trip,
+  bytes moved = the stale rows);
+* push: duplicate ids are summed by the client; a generated Lua script per bucket
+  (:func:`ps.redis_lua.push_script`) applies the optimizer to each row and adds 1
+  to its clock atomically. A row that does not exist yet needs its initial value:
+  the script then changes nothing and names the missing ids, and the client
+  resends that bucket with their initial rows (a second round trip only for
+  buckets with new rows).
+
+Asynchrony and order: ``pull_async``/``push_async`` write their commands at once
+and return; ``wait()`` reads the replies. A store keeps one connection per Redis
+node, so Redis applies one store's requests in the order they were issued (a pull
+issued after a push sees it) whatever order the handles are waited in. A push is
+complete only once its handle is waited: rows it creates are written in that
+second round trip. ``wait(timeout)`` past its limit closes the connection, which
+fails the other requests in flight on it.
+
+Eviction (dynamic tables, the rules of :class:`ps.table.TableSpec`): the table
+step is a Redis counter (INCR per push); pulls and pushes stamp the rows they
+touch in the bucket's sorted set; after each push the client evicts rows older
+than ``max_age_steps`` (one script per bucket) and, over ``capacity``, the least
+recently touched rows (ties: smaller id first). These cost extra round trips per
+request on such tables only. Under concurrent workers the steps interleave, so
+eviction is exact for one worker and approximate (never corrupting) for several.
+
+Counters in :meth:`stats` (``pull_requests`` ...) are this client's; ``rows`` and
+``bytes`` are read from Redis. ``bytes`` counts the payload held (rows stored x
+(4 (D + S) + 8)), so a fixed table's untouched rows count nothing there.
+
+Save writes the rows present in Redis (a fixed table's untouched rows are left
+out and read back as initial rows by every store's load), each bucket read in
+atomic chunks; a save during concurrent pushes is consistent per row, not across
+the table. Load deletes the table's keys and writes the checkpoint's rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from comm import Handle
+from ps.checkpoint import (
+    TablePart,
+    abort_checkpoint,
+    begin_checkpoint,
+    finish_checkpoint,
+    read_checkpoint,
+    write_part,
+)
+from ps.local_table import coalesce
+from ps.redis_conn import (
+    Batch,
+    Command,
+    RedisAuthError,
+    RedisLink,
+    RedisUnavailableError,
+    bulk_rows,
+    evalsha,
+    pack,
+    pack_fixed,
+    raw,
+)
+from ps.redis_lua import (
+    EVICT_AGE,
+    EVICT_IDS,
+    LRU_CANDIDATES,
+    MAX_ROWS_PER_CALL,
+    PULL_BOUNDED,
+    SNAPSHOT,
+    TOUCH_PULL,
+    push_script,
+)
+from ps.routing import shard_of
+from ps.store import PullResult, Store
+from ps.table import TableSpec
+from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
+
+__all__ = ["RedisAuthError", "RedisStore", "RedisUnavailableError"]
+
+META_FORMAT = "hybridrec-redis/1"
+#: Rows per checkpoint part file written by :meth:`RedisStore.save`.
+PART_ROWS = 1 << 20
+_WRITE_ROWS = 1000  # rows per HSET when loading
+_SCAN_COUNT = 1000  # HSCAN COUNT hint when saving
+
+COUNTERS = (
+    "pull_requests",
+    "rows_pulled",
+    "rows_skipped_by_bound",
+    "push_requests",
+    "rows_pushed",
+    "rows_skipped_nan",
+    "rows_created",
+    "rows_evicted",
+)
+
+
+def _check_key_part(what: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"RedisStore: {what} must be a non-empty string, got {value!r}")
+    bad = [c for c in value if c in "{}" or ord(c) < 32]
+    if bad:
+        raise ValueError(
+            f"RedisStore: {what} {value!r} contains {bad[0]!r}; braces and control "
+            "characters are not allowed (braces would break the cluster hash tags)"
+        )
+    return value
+
+
+@dataclass(slots=True)
+class _Table:
+    """A table as this client sees it: spec, bucket keys, scripts, counters."""
+
+    spec: TableSpec
+    buckets: int
+    w_keys: list[bytes]  # [B]
+    s_keys: list[bytes]  # [B]
+    t_keys: list[bytes]  # [B]
+    step_key: bytes
+    push_src: str
+    push_sha: str
+    state0: bytes  # float32[S] of a fresh row
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+
+    @property
+    def evicts(self) -> bool:
+        return self.spec.max_age_steps is not None or self.spec.capacity is not None
+
+    @property
+    def d4(self) -> int:
+        return 4 * self.spec.dim
+
+    @property
+    def s4(self) -> int:
+        return 4 * self.spec.state_dim
+
+
+class RedisStore(Store):
+    """A :class:`ps.Store` on a Redis server or Redis Cluster (see the module docstring).
+
+    Connection: ``url`` (``redis://[user:password@]host:port/db``, ``rediss://`` for
+    TLS) or ``host``/``port``/``db``; ``username``/``password`` (ACL user or
+    ``requirepass``) and the ``ssl*`` options go to redis-py unchanged;
+    ``cluster=True`` for Redis Cluster (``host``/``port`` of any node).
+    ``socket_timeout`` bounds every reply and ``connect_timeout`` every connect, so
+    a dead Redis raises :class:`RedisUnavailableError` naming its address within
+    seconds. ``prefix`` namespaces the keys of this job (several jobs can share one
+    Redis); ``buckets`` is the bucket count of the tables this store creates.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 6379,
+        db: int = 0,
+        prefix: str = "hybridrec",
+        username: str | None = None,
+        password: str | None = None,
+        ssl: bool = False,
+        ssl_ca_certs: str | None = None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+        ssl_cert_reqs: str = "required",
+        cluster: bool = False,
+        socket_timeout: float = 5.0,
+        connect_timeout: float = 2.0,
+        buckets: int = 64,
+    ) -> None:
+        self._prefix = _check_key_part("prefix", prefix)
+        if not isinstance(buckets, int) or isinstance(buckets, bool) or not 1 <= buckets <= 65536:
+            raise ValueError(f"RedisStore: buckets must be an int in [1, 65536], got {buckets!r}")
+        for name, v in (("socket_timeout", socket_timeout), ("connect_timeout", connect_timeout)):
+            if not isinstance(v, int | float) or not v > 0:
+                raise ValueError(f"RedisStore: {name} must be a number > 0 (seconds), got {v!r}")
+        self._buckets = buckets
+        self._link = RedisLink(
+            url=url,
+            host=host,
+            port=port,
+            db=db,
+            username=username,
+            password=password,
+            ssl=ssl,
+            ssl_ca_certs=ssl_ca_certs,
+            ssl_certfile=ssl_certfile,
+            ssl_keyfile=ssl_keyfile,
+            ssl_cert_reqs=ssl_cert_reqs,
+            cluster=cluster,
+            socket_timeout=float(socket_timeout),
+            connect_timeout=float(connect_timeout),
+        )
+        self._timeout_s = float(socket_timeout)
+        self._tables: dict[str, _Table] = {}
+        self._lock = threading.Lock()
+        self._link.ping("open the Redis store")
+        self._sha_bounded = self._link.register_script(PULL_BOUNDED)
+        self._sha_touch = self._link.register_script(TOUCH_PULL)
+        self._sha_snapshot = self._link.register_script(SNAPSHOT)
+        self._sha_evict_age = self._link.register_script(EVICT_AGE)
+        self._sha_evict_ids = self._link.register_script(EVICT_IDS)
+        self._sha_lru = self._link.register_script(LRU_CANDIDATES)
+
+    def __repr__(self) -> str:
+        kind = "cluster" if self._link.cluster else "server"
+        return f"RedisStore({kind} {self._link.address}, prefix={self._prefix!r})"
+
+    def __enter__(self) -> RedisStore:
+        return self
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix of this store's tables."""
+        return self._prefix
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the server (or the cluster's startup node)."""
+        return self._link.address
+
+    # ------------------------------------------------------------ keys and tables
+
+    def _key(self, suffix: str) -> bytes:
+        return f"{self._prefix}:{suffix}".encode()
+
+    def _meta_key(self, name: str) -> bytes:
+        return self._key(f"table:{name}")
+
+    def _make_table(self, spec: TableSpec, buckets: int) -> _Table:
+        tag = [f"{{{self._prefix}:{spec.name}:{b}}}" for b in range(buckets)]
+        src = push_script(spec.optimizer, spec.dim)
+        s = spec.state_dim
+        state0 = spec.initial_state().numpy().astype("<f4").tobytes() if s else b""
+        return _Table(
+            spec=spec,
+            buckets=buckets,
+            w_keys=[f"{t}:w".encode() for t in tag],
+            s_keys=[f"{t}:s".encode() for t in tag],
+            t_keys=[f"{t}:t".encode() for t in tag],
+            step_key=f"{{{self._prefix}:{spec.name}}}:step".encode(),
+            push_src=src,
+            push_sha=self._link.register_script(src),
+            state0=state0,
+        )
+
+    def _meta_json(self, spec: TableSpec, buckets: int) -> str:
+        return json.dumps({"format": META_FORMAT, "spec": spec.to_json(), "buckets": buckets})
+
+    def _parse_meta(self, name: str, text: bytes) -> tuple[TableSpec, int]:
+        try:
+            meta = json.loads(text)
+            if meta.get("format") != META_FORMAT:
+                raise ValueError(f"format {meta.get('format')!r}, expected {META_FORMAT!r}")
+            return TableSpec.from_json(meta["spec"]), int(meta["buckets"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"table {name!r}: the metadata at {self._meta_key(name).decode()!r} on Redis "
+                f"{self.address} is not a hybridrec table: {err}"
+            ) from None
+
+    def create_table(self, spec: TableSpec, *, exist_ok: bool = False) -> None:
+        """Create ``spec.name`` in Redis (no rows are written: they start as initial rows).
+
+        With ``exist_ok``, a table that already exists with an equal spec (e.g. made by
+        another worker) is opened instead; a different spec is always a ValueError.
+        """
+        if not isinstance(spec, TableSpec):
+            raise TypeError(f"create_table: expected a ps.TableSpec, got {type(spec).__name__}")
+        _check_key_part("table name", spec.name)
+        table = self._make_table(spec, self._buckets)  # NotImplementedError before any write
+        meta = self._meta_json(spec, self._buckets)
+        key = self._meta_key(spec.name)
+        created = self._link.command(key, "SET", key, meta, "NX", what="create_table")
+        if created:
+            lst = self._key("tables")
+            self._link.command(lst, "RPUSH", lst, spec.name, what="create_table")
+            with self._lock:
+                self._tables[spec.name] = table
+            return
+        old = self._link.command(key, "GET", key, what="create_table")
+        old_spec, old_buckets = self._parse_meta(spec.name, old)
+        if not exist_ok or old_spec.to_json() != spec.to_json():
+            raise ValueError(
+                f"create_table: table {spec.name!r} already exists on Redis {self.address} "
+                f"under prefix {self._prefix!r}"
+                + (
+                    " (pass exist_ok=True to open it)"
+                    if old_spec.to_json() == spec.to_json()
+                    else f" with a different spec: {old_spec.to_json()}"
+                )
+            )
+        with self._lock:
+            self._tables[spec.name] = self._make_table(old_spec, old_buckets)
+
+    def tables(self) -> list[str]:
+        """Names of the tables under this prefix (also those other clients created)."""
+        lst = self._key("tables")
+        names = self._link.command(lst, "LRANGE", lst, 0, -1, what="tables")
+        return [n.decode() for n in names]
+
+    def spec(self, table: str) -> TableSpec:
+        return self._get(table).spec
+
+    def _get(self, table: str) -> _Table:
+        t = self._tables.get(table) if isinstance(table, str) else None
+        if t is not None:
+            return t
+        if isinstance(table, str) and table and "{" not in table and "}" not in table:
+            key = self._meta_key(table)
+            text = self._link.command(key, "GET", key, what=f"open table {table!r}")
+            if text is not None:
+                spec, buckets = self._parse_meta(table, text)
+                with self._lock:
+                    t = self._tables.setdefault(table, self._make_table(spec, buckets))
+                return t
+        raise unknown_table(table, self.tables())
+
+    def _step(self, t: _Table) -> bytes:
+        got = self._link.command(t.step_key, "GET", t.step_key, what=f"table {t.spec.name!r}")
+        return got if got is not None else b"0"
+
+    # ------------------------------------------------------------ requests
+
+    def _handle(self, batch: Batch, finish: Any, what: str) -> Handle:
+        """A handle whose ``wait()`` reads ``batch``'s replies and returns ``finish(replies)``."""
+        box: dict[str, Any] = {}
+
+        def block(limit: float) -> None:
+            box["replies"] = batch.finish(limit)
+
+        def done() -> Any:
+            return finish(box["replies"])
+
+        return Handle(lambda: False, done, what=what, timeout_s=self._timeout_s, block=block)
+
+    def _split(
+        self, t: _Table, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """``order`` (bucket-sorted permutation of ``ids``) and the calls ``(bucket, lo, hi)``
+        over ``ids[order]``, each at most :data:`MAX_ROWS_PER_CALL` rows."""
+        # ps.routing.group_by_shard, with numpy's radix sort for the small bucket numbers.
+        bucket = shard_of(ids, t.buckets).numpy().astype(np.uint16)  # [N]
+        order = torch.from_numpy(np.argsort(bucket, kind="stable"))  # [N]
+        counts = np.bincount(bucket, minlength=t.buckets)  # [B]
+        calls = []
+        lo = 0
+        for b, c in enumerate(counts.tolist()):
+            for s in range(lo, lo + c, MAX_ROWS_PER_CALL):
+                calls.append((b, s, min(lo + c, s + MAX_ROWS_PER_CALL)))
+            lo += c
+        return order, calls
+
+    def pull_async(
+        self,
+        table: str,
+        ids: torch.Tensor,
+        *,
+        clocks: torch.Tensor | None = None,
+        bound: int | None = None,
+    ) -> Handle:
+        t = self._get(table)
+        ids = check_ids(t.spec, ids, "pull").cpu()
+        caller = check_pull_bound(t.spec, ids, clocks, bound)
+        n = int(ids.shape[0])
+        with self._lock:
+            t.counters["pull_requests"] += 1
+        what = f"pull table {table!r} from Redis {self.address}"
+        step = self._step(t) if t.evicts else None
+        order, calls = self._split(t, ids)
+        sorted_ids = ids[order].numpy().astype("<i8")  # [N] bucket-sorted
+        id_bytes = sorted_ids.tobytes()
+        cmds: list[Command] = []
+        if caller is not None:
+            assert bound is not None
+            c_bytes = caller[order].numpy().astype("<i8").tobytes()
+            tkeys = t.t_keys if step is not None else None
+            for b, lo, hi in calls:
+                keys = [t.w_keys[b], tkeys[b] if tkeys else t.w_keys[b]]
+                args: list[bytes | str | int] = [
+                    id_bytes[8 * lo : 8 * hi],
+                    c_bytes[8 * lo : 8 * hi],
+                    bound,
+                    t.d4,
+                    step or b"",
+                ]
+                cmds.append(evalsha(self._sha_bounded, PULL_BOUNDED, keys, args))
+        elif step is not None:
+            for b, lo, hi in calls:
+                keys = [t.w_keys[b], t.t_keys[b]]
+                cmds.append(
+                    evalsha(self._sha_touch, TOUCH_PULL, keys, [id_bytes[8 * lo : 8 * hi], step])
+                )
+        else:
+            fields = bulk_rows([sorted_ids.view(np.uint8).reshape(n, 8)])  # [N, 14]
+            for b, lo, hi in calls:
+                cmds.append(raw(t.w_keys[b], pack_fixed(["HMGET", t.w_keys[b]], fields[lo:hi], 1)))
+        batch = self._link.start(cmds, what)
+
+        def finish(replies: list[Any]) -> PullResult:
+            if caller is None:
+                rows, row_clocks = self._decode_values(t, sorted_ids, order.numpy(), replies)
+                result = PullResult(rows, row_clocks, None)
+            else:
+                result = self._decode_bounded(t, ids, order, calls, replies, caller, bound)
+            m = int(result.rows.shape[0])
+            with self._lock:
+                t.counters["rows_pulled"] += m
+                t.counters["rows_skipped_by_bound"] += n - m
+            return result
+
+        return self._handle(batch, finish, what)
+
+    def _decode_values(
+        self, t: _Table, sorted_ids: np.ndarray, order: np.ndarray, replies: list[Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[N, D]`` and clocks ``[N]`` in request order from HMGET-style replies.
+
+        ``replies`` hold the values of ``sorted_ids`` (None where Redis has no row);
+        ``order`` maps them back: value ``k`` belongs to request position ``order[k]``.
+        """
+        d4, n = t.d4, int(sorted_ids.shape[0])
+        rows = np.empty((n, t.spec.dim), dtype=np.float32)
+        clocks = np.zeros(n, dtype=np.int64)
+        try:
+            blob = b"".join(itertools.chain.from_iterable(replies))
+            dest = order
+        except TypeError:  # some rows are missing: initial rows, clock 0
+            flat = list(itertools.chain.from_iterable(replies))  # [N] bytes | None
+            present = np.fromiter((v is not None for v in flat), dtype=bool, count=n)
+            blob = b"".join(v for v in flat if v is not None)
+            miss = order[~present]
+            init_ids = torch.from_numpy(sorted_ids[~present].astype(np.int64))
+            rows[miss] = t.spec.initial_rows(init_ids).numpy()
+            dest = order[present]
+        got = np.frombuffer(blob, dtype=np.uint8).reshape(-1, d4 + 8)  # [P, 4D+8]
+        rows[dest] = got[:, :d4].view("<f4")  # one copy, straight into request order
+        clocks[dest] = got[:, d4:].view("<i8")[:, 0]
+        return torch.from_numpy(rows), torch.from_numpy(clocks)
+
+    def _decode_bounded(
+        self,
+        t: _Table,
+        ids: torch.Tensor,
+        order: torch.Tensor,
+        calls: list[tuple[int, int, int]],
+        replies: list[Any],
+        caller: torch.Tensor,
+        bound: int | None,
+    ) -> PullResult:
+        assert bound is not None
+        d4 = t.d4
+        pos_parts, miss_parts, blobs = [], [], []
+        for (_b, lo, _hi), (vals, pos, miss) in zip(calls, replies, strict=True):
+            if pos:
+                pos_parts.append(np.frombuffer(pos, dtype="<i4").astype(np.int64) + (lo - 1))
+                blobs.append(vals)
+            if miss:
+                miss_parts.append(np.frombuffer(miss, dtype="<i4").astype(np.int64) + (lo - 1))
+        order_np = order.numpy()
+        got_pos = order_np[np.concatenate(pos_parts)] if pos_parts else np.empty(0, np.int64)
+        got = np.frombuffer(b"".join(blobs), dtype=np.uint8).reshape(-1, d4 + 8)
+        # Missing rows have store clock 0: stale iff 0 > caller clock + bound.
+        miss_pos = order_np[np.concatenate(miss_parts)] if miss_parts else np.empty(0, np.int64)
+        if miss_pos.size:
+            miss_pos = miss_pos[(caller.numpy()[miss_pos] + bound) < 0]
+        positions = np.concatenate([got_pos, miss_pos])
+        rank = np.argsort(positions, kind="stable")
+        m = positions.size
+        rows = torch.empty(m, t.spec.dim, dtype=torch.float32)
+        clocks = torch.zeros(m, dtype=torch.int64)
+        k = got_pos.size
+        rows[:k] = torch.from_numpy(got[:, :d4].copy().view("<f4"))
+        clocks[:k] = torch.from_numpy(got[:, d4:].copy().view("<i8").reshape(-1))
+        if miss_pos.size:
+            rows[k:] = t.spec.initial_rows(ids[torch.from_numpy(miss_pos)])
+        sel = torch.from_numpy(rank)
+        return PullResult(rows[sel], clocks[sel], torch.from_numpy(positions[rank]))
+
+    def push_async(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> Handle:
+        t = self._get(table)
+        ids = check_ids(t.spec, ids, "push").cpu()
+        finite = t.spec.nan_policy == "raise"
+        grads = check_grads(t.spec, ids, grads, finite=finite).detach().cpu()
+        what = f"push table {table!r} to Redis {self.address}"
+        uniq, summed = coalesce(ids, grads) if ids.numel() else (ids, grads)  # [U], [U, D]
+        skipped = 0
+        if summed.numel():
+            ok = torch.isfinite(summed).all(dim=1)  # [U]
+            if not bool(ok.all()):
+                skipped = int((~ok).sum())
+                uniq, summed = uniq[ok], summed[ok]
+        step = b""
+        if t.evicts:
+            got = self._link.command(t.step_key, "INCR", t.step_key, what=what)
+            step = str(int(got)).encode()
+        order, calls = self._split(t, uniq)
+        sorted_ids = uniq[order].numpy().astype("<i8")  # [U]
+        g_bytes = summed[order].numpy().astype("<f4").tobytes()
+        id_bytes = sorted_ids.tobytes()
+        d4 = t.d4
+
+        def command(b: int, ids_b: bytes, g_b: bytes, init: bytes, init_pos: bytes) -> Command:
+            keys = [t.w_keys[b], t.s_keys[b], t.t_keys[b]]
+            return evalsha(t.push_sha, t.push_src, keys, [ids_b, g_b, init, init_pos, step])
+
+        first = [
+            command(b, id_bytes[8 * lo : 8 * hi], g_bytes[d4 * lo : d4 * hi], b"", b"")
+            for b, lo, hi in calls
+        ]
+        batch = self._link.start(first, what)
+
+        def finish(replies: list[Any]) -> None:
+            created = sum(int(r[0]) for r in replies)
+            # Rows that did not exist were skipped: resend them with their initial rows.
+            miss = [
+                (b, lo + np.asarray(r[1:], dtype=np.int64) - 1)
+                for (b, lo, _hi), r in zip(calls, replies, strict=True)
+                if len(r) > 1
+            ]
+            if miss:
+                where = np.concatenate([m for _b, m in miss])  # positions in sorted order
+                init = t.spec.initial_rows(torch.from_numpy(sorted_ids[where].astype(np.int64)))
+                init_b = init.numpy().astype("<f4").tobytes()
+                cmds, at = [], 0
+                for b, m in miss:
+                    k = m.size
+                    ids_b = sorted_ids[m].tobytes()
+                    g_b = b"".join(g_bytes[d4 * j : d4 * (j + 1)] for j in m.tolist())
+                    pos = np.arange(1, k + 1, dtype="<i4").tobytes()
+                    cmds.append(command(b, ids_b, g_b, init_b[d4 * at : d4 * (at + k)], pos))
+                    at += k
+                again = self._link.run(cmds, what)
+                created += sum(int(r[0]) for r in again)
+                assert all(len(r) == 1 for r in again), "rows missing despite initial rows"
+            evicted = self._evict(t, int(step)) if t.evicts else 0
+            with self._lock:
+                c = t.counters
+                c["push_requests"] += 1
+                c["rows_pushed"] += int(uniq.numel())
+                c["rows_skipped_nan"] += skipped
+                c["rows_created"] += created
+                c["rows_evicted"] += evicted
+
+        return self._handle(batch, finish, what)
+
+    # ------------------------------------------------------------ eviction
+
+    def _evict(self, t: _Table, step: int) -> int:
+        """Evict by age, then by capacity (LRU, ties: smaller id first); rows evicted."""
+        what = f"evict rows of table {t.spec.name!r} on Redis {self.address}"
+        gone = 0
+        age = t.spec.max_age_steps
+        if age is not None and step - age >= 0:
+            cmds = [
+                evalsha(
+                    self._sha_evict_age,
+                    EVICT_AGE,
+                    [t.w_keys[b], t.s_keys[b], t.t_keys[b]],
+                    [step - age],
+                )
+                for b in range(t.buckets)
+            ]
+            gone += sum(int(r) for r in self._link.run(cmds, what))
+        if t.spec.capacity is not None:
+            gone += self._evict_lru(t, t.spec.capacity, what)
+        return gone
+
+    def _evict_lru(self, t: _Table, capacity: int, what: str) -> int:
+        sizes = self._link.run([raw(k, pack(["ZCARD", k])) for k in t.t_keys], what)  # [B]
+        excess = sum(int(s) for s in sizes) - capacity
+        if excess <= 0:
+            return 0
+        # Per bucket, the `excess` oldest entries and every entry tied with the last one,
+        # so that the global (step, id) order can be cut exactly on the client.
+        cands = self._link.run(
+            [evalsha(self._sha_lru, LRU_CANDIDATES, [k], [excess]) for k in t.t_keys],
+            what,
+        )
+        cid = np.frombuffer(b"".join(c[0] for c in cands), dtype="<i8").astype(np.int64)
+        sc = np.frombuffer(b"".join(c[1] for c in cands), dtype="<i8").astype(np.int64)
+        bucket_of = np.concatenate(
+            [np.full(len(c[0]) // 8, b, dtype=np.int64) for b, c in enumerate(cands)]
+        )
+        pick = np.lexsort((cid, sc))[:excess]  # by step, then id
+        bk = bucket_of[pick]
+        cmds = []
+        for b in np.unique(bk).tolist():
+            sel = pick[bk == b]
+            cmds.append(
+                evalsha(
+                    self._sha_evict_ids,
+                    EVICT_IDS,
+                    [t.w_keys[b], t.s_keys[b], t.t_keys[b]],
+                    [cid[sel].astype("<i8").tobytes(), sc[sel].astype("<i8").tobytes()],
+                )
+            )
+        return sum(int(r) for r in self._link.run(cmds, what))
+
+    # ------------------------------------------------------------ inspection
+
+    def _fetch(
+        self, t: _Table, ids: torch.Tensor, keys: list[bytes], what: str
+    ) -> tuple[np.ndarray, list[Any], torch.Tensor]:
+        order, calls = self._split(t, ids)
+        sorted_ids = ids[order].numpy().astype("<i8")
+        fields = bulk_rows([sorted_ids.view(np.uint8).reshape(-1, 8)])
+        cmds = [
+            raw(keys[b], pack_fixed(["HMGET", keys[b]], fields[lo:hi], 1)) for b, lo, hi in calls
+        ]
+        return sorted_ids, self._link.run(cmds, what), order
+
+    def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Clocks of rows ``ids`` ``[N]`` (0 for rows not in Redis); touches nothing."""
+        t = self._get(table)
+        ids = check_ids(t.spec, ids, "clocks").cpu()
+        if ids.numel() == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        sorted_ids, replies, order = self._fetch(t, ids, t.w_keys, f"clocks of {table!r}")
+        return self._decode_values(t, sorted_ids, order.numpy(), replies)[1]
+
+    def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Optimizer state of rows ``ids`` ``[N, S]`` (initial state for rows not in Redis)."""
+        t = self._get(table)
+        ids = check_ids(t.spec, ids, "state").cpu()
+        n, s = int(ids.shape[0]), t.spec.state_dim
+        if n == 0 or s == 0:
+            return t.spec.initial_state().unsqueeze(0).repeat(n, 1)
+        _sorted, replies, order = self._fetch(t, ids, t.s_keys, f"state of {table!r}")
+        flat = [v if v is not None else t.state0 for r in replies for v in r]
+        got = torch.from_numpy(np.frombuffer(b"".join(flat), dtype="<f4").reshape(n, s).copy())
+        out = torch.empty_like(got)
+        out[order] = got
+        return out
+
+    def stats(self) -> dict[str, dict[str, int | float]]:
+        """Per table: ``rows`` (fixed: num_rows; dynamic: rows in Redis), ``rows_stored``,
+        ``bytes`` (payload in Redis), ``buckets`` and this client's counters."""
+        out: dict[str, dict[str, int | float]] = {}
+        for name in self.tables():
+            t = self._get(name)
+            cmds = [raw(k, pack(["HLEN", k])) for k in t.w_keys]
+            stored = sum(int(r) for r in self._link.run(cmds, f"stats of table {name!r}"))
+            row_bytes = 4 * (t.spec.dim + t.spec.state_dim) + 8
+            rows = t.spec.num_rows if t.spec.num_rows is not None else stored
+            entry: dict[str, int | float] = {
+                "rows": rows,
+                "rows_stored": stored,
+                "bytes": stored * row_bytes,
+                "buckets": t.buckets,
+            }
+            with self._lock:
+                entry.update(t.counters)
+            out[name] = entry
+        return out
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _bucket_rows(self, t: _Table, b: int) -> Iterator[TablePart]:
+        """The rows of bucket ``b`` in chunks, each chunk read atomically."""
+        cursor = b"0"
+        s, d4 = t.spec.state_dim, t.d4
+        has_state = b"1" if s else b"0"
+        what = f"save table {t.spec.name!r} from Redis {self.address}"
+        seen: set[int] = set()
+        while True:
+            cmd = evalsha(
+                self._sha_snapshot,
+                SNAPSHOT,
+                [t.w_keys[b], t.s_keys[b]],
+                [cursor, _SCAN_COUNT, has_state, t.state0],
+            )
+            cursor, ids_b, vals_b, st_b = self._link.run([cmd], what)[0]
+            ids = np.frombuffer(ids_b, dtype="<i8").astype(np.int64)
+            if ids.size:
+                vals = np.frombuffer(vals_b, dtype=np.uint8).reshape(-1, d4 + 8)
+                state = np.frombuffer(st_b, dtype="<f4").reshape(ids.size, s)
+                keep = np.fromiter((int(i) not in seen for i in ids), dtype=bool, count=ids.size)
+                seen.update(ids.tolist())  # HSCAN may return an entry twice
+                yield TablePart(
+                    ids=torch.from_numpy(ids[keep].copy()),
+                    weights=torch.from_numpy(vals[keep, :d4].copy().view("<f4")),
+                    state=torch.from_numpy(state[keep].astype(np.float32)),
+                    clocks=torch.from_numpy(vals[keep, d4:].copy().view("<i8").reshape(-1)),
+                )
+            if cursor in (b"0", 0, "0"):
+                return
+
+    def _table_parts(self, t: _Table) -> Iterator[TablePart]:
+        """All rows of ``t`` in parts of about :data:`PART_ROWS` rows."""
+        buf: list[TablePart] = []
+        rows = 0
+        for b in range(t.buckets):
+            for part in self._bucket_rows(t, b):
+                buf.append(part)
+                rows += part.num_rows
+                if rows >= PART_ROWS:
+                    yield TablePart.concat(buf, t.spec.dim, t.spec.state_dim)
+                    buf, rows = [], 0
+        if buf or rows == 0:
+            yield TablePart.concat(buf, t.spec.dim, t.spec.state_dim)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write every table under this prefix to the checkpoint folder ``path`` (atomic).
+
+        Only rows present in Redis are written (untouched rows of a fixed table are
+        initial rows, which every store's load recreates).
+        """
+        tmp = begin_checkpoint(path)
+        try:
+            listed = []
+            for i, name in enumerate(self.tables()):
+                t = self._get(name)
+                entries = [
+                    write_part(tmp, i, f"p{k:05d}", part)
+                    for k, part in enumerate(self._table_parts(t))
+                ]
+                listed.append((t.spec, entries))
+            finish_checkpoint(tmp, path, listed, writer=type(self).__name__)
+        except BaseException:
+            abort_checkpoint(tmp)
+            raise
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Replace (or create) every table of the checkpoint at ``path`` with its rows.
+
+        The checkpoint is read and checked before Redis changes. Each table's keys are
+        deleted and rewritten; clients using the table meanwhile see it half loaded.
+        Eviction ages of dynamic tables restart at the load (step 0).
+        """
+        ckpt = read_checkpoint(path)
+        parts = {spec.name: ckpt.read_table(spec.name) for spec in ckpt.specs}
+        for spec in ckpt.specs:
+            _check_key_part("table name", spec.name)
+            self._make_table(spec, self._buckets)  # unsupported optimizer: fail before writing
+        for spec in ckpt.specs:
+            self._load_table(spec, parts[spec.name])
+
+    def _load_table(self, spec: TableSpec, part: TablePart) -> None:
+        what = f"load table {spec.name!r} into Redis {self.address}"
+        key = self._meta_key(spec.name)
+        old = self._link.command(key, "GET", key, what=what)
+        buckets = self._buckets
+        if old is not None:
+            old_spec, old_buckets = self._parse_meta(spec.name, old)
+            old_t = self._make_table(old_spec, old_buckets)
+            keys = old_t.w_keys + old_t.s_keys + old_t.t_keys + [old_t.step_key]
+            self._link.run([raw(k, pack(["DEL", k])) for k in keys], what)
+            buckets = old_buckets
+        t = self._make_table(spec, buckets)
+        keys = t.w_keys + t.s_keys + t.t_keys + [t.step_key]
+        self._link.run([raw(k, pack(["DEL", k])) for k in keys], what)
+        self._link.command(key, "SET", key, self._meta_json(spec, buckets), what=what)
+        if old is None:
+            lst = self._key("tables")
+            self._link.command(lst, "RPUSH", lst, spec.name, what=what)
+        with self._lock:
+            self._tables[spec.name] = t
+        self._write_rows(t, part, what)
+        if t.evicts:
+            self._link.command(t.step_key, "SET", t.step_key, 0, what=what)
+            if spec.capacity is not None:
+                self._evict_lru(t, spec.capacity, what)
+        with self._lock:
+            t.counters = dict.fromkeys(COUNTERS, 0)
+
+    def _write_rows(self, t: _Table, part: TablePart, what: str) -> None:
+        n = part.num_rows
+        if n == 0:
+            return
+        order, calls = self._split(t, part.ids)
+        ids = part.ids[order].numpy().astype("<i8").view(np.uint8).reshape(n, 8)
+        w = part.weights[order].numpy().astype("<f4").view(np.uint8).reshape(n, t.d4)
+        c = part.clocks[order].numpy().astype("<i8").view(np.uint8).reshape(n, 8)
+        w_rows = bulk_rows([ids, np.concatenate([w, c], axis=1)])
+        s_rows = None
+        if t.spec.state_dim:
+            st = part.state[order].numpy().astype("<f4").view(np.uint8).reshape(n, t.s4)
+            s_rows = bulk_rows([ids, st])
+        z_rows = bulk_rows([np.broadcast_to(np.frombuffer(b"0", np.uint8), (n, 1)), ids])
+        cmds: list[Command] = []
+        for b, lo, hi in calls:
+            for s in range(lo, hi, _WRITE_ROWS):
+                e = min(hi, s + _WRITE_ROWS)
+                cmds.append(raw(t.w_keys[b], pack_fixed(["HSET", t.w_keys[b]], w_rows[s:e], 2)))
+                if s_rows is not None:
+                    cmds.append(raw(t.s_keys[b], pack_fixed(["HSET", t.s_keys[b]], s_rows[s:e], 2)))
+                if t.evicts:
+                    cmds.append(raw(t.t_keys[b], pack_fixed(["ZADD", t.t_keys[b]], z_rows[s:e], 2)))
+        for start in range(0, len(cmds), 256):
+            self._link.run(cmds[start : start + 256], what)
+
+    # ------------------------------------------------------------ admin
+
+    def drop_table(self, table: str) -> None:
+        """Delete ``table``'s rows and metadata from Redis (every client loses it)."""
+        t = self._get(table)
+        keys = t.w_keys + t.s_keys + t.t_keys + [t.step_key, self._meta_key(table)]
+        self._link.run([raw(k, pack(["DEL", k])) for k in keys], f"drop table {table!r}")
+        lst = self._key("tables")
+        self._link.command(lst, "LREM", lst, 0, table, what=f"drop table {table!r}")
+        with self._lock:
+            self._tables.pop(table, None)
+
+    def close(self) -> None:
+        self._link.close()

@@ -1,0 +1,179 @@
+"""The binary message layout of the MPI parameter-server protocol.
+
+No pickle: every message is a typed MPI buffer. A request is exactly **two**
+messages from a worker to a server, a reply exactly two messages back::
+
+    request  tag TAG_REQUEST       int64  [HEADER_LEN + K]   header, then int64 payload
+             tag TAG_REQUEST_DATA  float32 [n * dim]          (empty when the op has none)
+    reply    tag reply_tags(id, ub)[0] int64  [HEADER_LEN + K]   header, then int64 payload
+             tag reply_tags(id, ub)[1] float32 [m * dim]      (empty on errors and most ops)
+
+The header is eight int64 words::
+
+    word  request                          reply
+    0     MAGIC_VERSION                    MAGIC_VERSION
+    1     op (Op)                          op echoed, or Op.ERROR
+    2     request id (per worker)          request id echoed
+    3     table index (-1: none)           table index (CREATE / LOOKUP: the new index)
+    4     n: ids in the request            m: rows in the reply
+    5     dim: float columns of the data   dim: float columns of the data
+    6     flags (FLAG_*)                   flags (FLAG_*) or the ErrorKind of an error
+    7     arg: bound, or payload bytes     arg: payload bytes (strings / JSON)
+
+Int64 payloads by op (``n`` ids)::
+
+    PULL    ids [n] (+ caller clocks [n] with FLAG_CLOCKS; the bound is ``arg``)
+            -> clocks [m] (+ positions [m] with FLAG_POSITIONS), rows as data [m, dim]
+    PUSH    ids [n], grads as data [n, dim]              -> nothing
+    CLOCKS  ids [n]                                      -> clocks [n]
+    STATE   ids [n]                                      -> state as data [n, dim]
+    CREATE  TableSpec JSON bytes                         -> table index in word 3
+    LOOKUP  table name utf-8 bytes                       -> index, TableSpec JSON bytes
+    LIST / STATS                                         -> JSON bytes
+    SAVE / LOAD  JSON bytes {"dir": ..., "prefix": ...}  -> JSON bytes
+    GOODBYE                                              -> nothing
+
+Strings and JSON travel as utf-8 bytes padded to whole int64 words (``arg`` says
+how many bytes are real). Tables are named once (CREATE / LOOKUP) and referred to
+by the server's index afterwards.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+MAGIC_VERSION = (0x48525053 << 16) | 1  # "HRPS", protocol version 1
+HEADER_LEN = 8
+MAX_ERROR_BYTES = 4000  # longer error messages are cut; bounds the reply buffers
+ERROR_WORDS = (MAX_ERROR_BYTES + 7) // 8
+
+TAG_REQUEST = 1
+TAG_REQUEST_DATA = 2
+_TAG_REPLY_BASE = 16
+
+# Header words.
+W_MAGIC, W_OP, W_ID, W_TABLE, W_N, W_DIM, W_FLAGS, W_ARG = range(HEADER_LEN)
+
+FLAG_CLOCKS = 1  # PULL request: caller clocks follow the ids; arg is the bound
+FLAG_POSITIONS = 2  # PULL reply: positions follow the clocks
+
+
+class Op(enum.IntEnum):
+    ERROR = -1
+    CREATE = 1
+    LOOKUP = 2
+    LIST = 3
+    PULL = 4
+    PUSH = 5
+    CLOCKS = 6
+    STATE = 7
+    STATS = 8
+    SAVE = 9
+    LOAD = 10
+    GOODBYE = 11
+
+
+class ErrorKind(enum.IntEnum):
+    """Which exception the worker raises for an error reply."""
+
+    VALUE = 1
+    TYPE = 2
+    RUNTIME = 3
+
+    @classmethod
+    def of(cls, e: BaseException) -> ErrorKind:
+        if isinstance(e, TypeError):
+            return cls.TYPE
+        if isinstance(e, ValueError):
+            return cls.VALUE
+        return cls.RUNTIME
+
+    def exception(self, message: str) -> Exception:
+        if self is ErrorKind.TYPE:
+            return TypeError(message)
+        if self is ErrorKind.VALUE:
+            return ValueError(message)
+        return RuntimeError(message)
+
+
+def reply_tags(request_id: int, tag_ub: int) -> tuple[int, int]:
+    """The (meta, data) tags of the reply to ``request_id``.
+
+    ``tag_ub`` is the communicator's ``MPI.TAG_UB`` (at least 32767 by the MPI
+    standard; MPICH: 2**29 - 1); request ids wrap after ``(tag_ub - 16) // 2``,
+    far more than one worker ever has in flight to one server.
+    """
+    t = _TAG_REPLY_BASE + 2 * (request_id % ((tag_ub - _TAG_REPLY_BASE) // 2))
+    return t, t + 1
+
+
+def header(
+    op: int,
+    request_id: int,
+    *,
+    table: int = -1,
+    n: int = 0,
+    dim: int = 0,
+    flags: int = 0,
+    arg: int = 0,
+) -> list[int]:
+    return [MAGIC_VERSION, int(op), request_id, table, n, dim, flags, arg]
+
+
+def message(head: list[int], *payload: np.ndarray) -> np.ndarray:
+    """One int64 meta message: ``head`` then each payload array (int64, flattened)."""
+    size = HEADER_LEN + sum(int(p.size) for p in payload)
+    out = np.empty(size, dtype=np.int64)
+    out[:HEADER_LEN] = head
+    at = HEADER_LEN
+    for p in payload:
+        out[at : at + p.size] = p.reshape(-1)
+        at += p.size
+    return out
+
+
+def pack_bytes(data: bytes) -> np.ndarray:
+    """``data`` as int64 words (zero padded); the byte count travels in the header."""
+    padded = data + b"\0" * (-len(data) % 8)
+    return np.frombuffer(padded, dtype=np.int64).copy()
+
+
+def unpack_bytes(words: np.ndarray, nbytes: int) -> bytes:
+    """The first ``nbytes`` bytes of int64 ``words``; ValueError if there are fewer."""
+    raw = np.ascontiguousarray(words, dtype=np.int64).tobytes()
+    if not 0 <= nbytes <= len(raw):
+        raise ValueError(f"message says {nbytes} bytes of text but carries {len(raw)}")
+    return raw[:nbytes]
+
+
+def error_message(head_op: int, request_id: int, e: BaseException) -> np.ndarray:
+    """The meta message of an error reply carrying ``e``'s text (cut to MAX_ERROR_BYTES)."""
+    text = str(e).encode("utf-8")[:MAX_ERROR_BYTES]
+    h = header(Op.ERROR, request_id, flags=int(ErrorKind.of(e)), arg=len(text), dim=head_op)
+    return message(h, pack_bytes(text))
+
+
+def check_header(meta: np.ndarray, what: str) -> np.ndarray:
+    """``meta``'s header (a view); ValueError if it is too short or from another protocol."""
+    if meta.size < HEADER_LEN:
+        raise ValueError(f"{what}: message of {meta.size} int64 words is shorter than a header")
+    if int(meta[W_MAGIC]) != MAGIC_VERSION:
+        raise ValueError(
+            f"{what}: bad magic/version word {int(meta[W_MAGIC]):#x}, "
+            f"expected {MAGIC_VERSION:#x} (hybridrec-ps protocol 1)"
+        )
+    return meta[:HEADER_LEN]
+
+
+def raise_if_error(meta: np.ndarray, what: str) -> None:
+    """Raise the exception an error reply carries (prefixed with ``what``)."""
+    if int(meta[W_OP]) != Op.ERROR:
+        return
+    text = unpack_bytes(meta[HEADER_LEN:], int(meta[W_ARG])).decode("utf-8", "replace")
+    try:
+        kind = ErrorKind(int(meta[W_FLAGS]))
+    except ValueError:
+        kind = ErrorKind.RUNTIME
+    raise kind.exception(f"{what}: {text}" if what else text)
