@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 
 import torch
 
 from comm import Handle
-from ps.checkpoint import (
-    abort_checkpoint,
-    begin_checkpoint,
-    finish_checkpoint,
-    read_checkpoint,
-    write_part,
-)
+from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
 from ps.local_table import LocalTable
 from ps.store import PullResult, Store
 from ps.table import TableSpec
@@ -127,20 +122,13 @@ class InProcessStore(Store):
         moment; different tables may be saved at different moments if other
         threads push meanwhile.
         """
-        tmp = begin_checkpoint(path)
-        try:
-            listed = []
-            for i, t in enumerate(list(self._tables.values())):
-                with t.lock:
-                    entries = [
-                        write_part(tmp, i, f"p{k:05d}", part)
-                        for k, part in enumerate(t.parts(PART_ROWS))
-                    ]
-                listed.append((t.spec, entries))
-            finish_checkpoint(tmp, path, listed, writer=type(self).__name__)
-        except BaseException:
-            abort_checkpoint(tmp)
-            raise
+
+        def parts_locked(t: LocalTable) -> Iterator[TablePart]:
+            with t.lock:
+                yield from t.parts(PART_ROWS)
+
+        tables = [(t.spec, parts_locked(t)) for t in list(self._tables.values())]
+        write_checkpoint(path, tables, writer=type(self).__name__)
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Replace (or create) every table of the checkpoint at ``path`` with its rows.

@@ -84,14 +84,7 @@ import numpy as np
 import torch
 
 from comm import Handle
-from ps.checkpoint import (
-    TablePart,
-    abort_checkpoint,
-    begin_checkpoint,
-    finish_checkpoint,
-    read_checkpoint,
-    write_part,
-)
+from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
 from ps.local_table import coalesce
 from ps.redis_conn import (
     Batch,
@@ -751,20 +744,8 @@ class RedisStore(Store):
         Only rows present in Redis are written (untouched rows of a fixed table are
         initial rows, which every store's load recreates).
         """
-        tmp = begin_checkpoint(path)
-        try:
-            listed = []
-            for i, name in enumerate(self.tables()):
-                t = self._get(name)
-                entries = [
-                    write_part(tmp, i, f"p{k:05d}", part)
-                    for k, part in enumerate(self._table_parts(t))
-                ]
-                listed.append((t.spec, entries))
-            finish_checkpoint(tmp, path, listed, writer=type(self).__name__)
-        except BaseException:
-            abort_checkpoint(tmp)
-            raise
+        tables = [(t.spec, self._table_parts(t)) for t in map(self._get, self.tables())]
+        write_checkpoint(path, tables, writer=type(self).__name__)
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Replace (or create) every table of the checkpoint at ``path`` with its rows.
