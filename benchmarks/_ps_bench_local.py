@@ -26,34 +26,18 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 
 import ps
 
-
-def zipf_batches(
-    rows: int, batch: int, n_batches: int, a: float = 1.05, seed: int = 0
-) -> list[np.ndarray]:
-    """``n_batches`` int64 arrays of ``batch`` distinct Zipf(a) ids in ``[0, rows)``."""
-    if batch > rows:
-        raise ValueError(f"zipf_batches: batch {batch} > rows {rows}")
-    rng = np.random.default_rng(seed)
-    scatter = rng.permutation(rows).astype(np.int64)  # popularity rank -> id
-    out = []
-    for _ in range(n_batches):
-        draws = np.empty(0, dtype=np.int64)
-        uniq_first = np.empty(0, dtype=np.int64)
-        while uniq_first.size < batch:
-            more = (rng.zipf(a, size=4 * batch) - 1) % rows
-            draws = np.concatenate([draws, scatter[more]])
-            _, first = np.unique(draws, return_index=True)
-            uniq_first = draws[np.sort(first)]
-        out.append(uniq_first[:batch].copy())
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
+from _zipf import zipf_unique_batches  # noqa: E402
 
 
 def _time(fn: Callable[[], object]) -> float:
@@ -91,7 +75,7 @@ def bench_local(
 def _bench(
     rows: int, dim: int, batch: int, repeats: int, n_batches: int, zipf_a: float, seed: int
 ) -> dict[str, object]:
-    batches_np = zipf_batches(rows, batch, n_batches, zipf_a, seed)
+    batches_np = zipf_unique_batches(rows, batch, n_batches, zipf_a, seed)
     batches = [torch.from_numpy(b) for b in batches_np]
     gen = torch.Generator().manual_seed(seed)
     grads = [torch.randn(batch, dim, generator=gen) * 1e-3 for _ in batches]

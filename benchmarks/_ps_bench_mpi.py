@@ -42,6 +42,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,27 +53,12 @@ import ps
 from ps.mpi_server import check_mpi_topology, serve_mpi
 from ps.mpi_store import MPIStore
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
+from _zipf import zipf_unique_batches  # noqa: E402
+
 DIM = 64
 BATCH = 10_000
 TARGETS = {"mpi_pull_rows_s": 5e6, "mpi_push_rows_s": 2e6}
-
-
-def zipf_batches(rows: int, batch: int, count: int, a: float = 1.1, seed: int = 0) -> list[Any]:
-    """``count`` requests of ``batch`` unique ids in ``[0, rows)``, Zipf(``a``) over a shuffled
-    id order (so hot ids are spread over the table)."""
-    rng = np.random.default_rng(seed)
-    perm = rng.permutation(rows)
-    out = []
-    for _ in range(count):
-        got = np.empty(0, dtype=np.int64)
-        while got.size < batch:
-            ranks = rng.zipf(a, size=4 * batch) - 1
-            ranks = ranks[ranks < rows]
-            got = np.concatenate([got, perm[ranks]])
-            _, first = np.unique(got, return_index=True)
-            got = got[np.sort(first)]  # unique, in order of first draw
-        out.append(torch.from_numpy(got[:batch].copy()))
-    return out
 
 
 def _timed(step: Callable[[int], None], iters: int, drain: Callable[[], None]) -> float:
@@ -120,7 +106,7 @@ def run(
         return None
     figures: dict[str, float] = {"raw_sendrecv": _raw_worker(raw, batch, iters, repeats)}
     spec = ps.TableSpec(name="bench", num_rows=rows, dim=DIM, optimizer=ps.SGD(lr=0.01))
-    batches = zipf_batches(rows, batch, 8)
+    batches = [torch.from_numpy(b) for b in zipf_unique_batches(rows, batch, 8)]
     grads = torch.randn(batch, DIM, generator=torch.Generator().manual_seed(1)) * 1e-3
     local = ps.InProcessStore()  # the same work without MPI: the ceiling of one server
     local.create_table(spec)
@@ -166,7 +152,7 @@ def run(
             "rows": rows,
             "dim": DIM,
             "batch": batch,
-            "zipf_a": 1.1,
+            "zipf_a": 1.05,
             "iters": iters,
             "repeats": repeats,
             "depth": depth,
@@ -181,7 +167,7 @@ def _raw_server(raw: Any, rows: int, batch: int, count: int) -> None:
     from mpi4py import MPI
 
     table = torch.randn(rows, DIM)
-    ids = zipf_batches(rows, batch, 8)
+    ids = [torch.from_numpy(b) for b in zipf_unique_batches(rows, batch, 8)]
     for i in range(count):
         out = table.index_select(0, ids[i % 8])
         raw.Send([out.numpy(), MPI.FLOAT], dest=0, tag=7)

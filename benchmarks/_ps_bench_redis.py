@@ -49,6 +49,9 @@ import ps
 from ps.redis_conn import pack
 from ps.redis_store import RedisStore
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
+from _zipf import zipf_unique_batches  # noqa: E402
+
 RAW_LUA_COPY = """
 for i = 1, #KEYS do
   local old = redis.call('GET', KEYS[i])
@@ -70,22 +73,6 @@ for i = 1, #KEYS do
 end
 return #KEYS
 """
-
-
-def zipf_ids(rows: int, batch: int, n_batches: int, a: float, seed: int) -> list[np.ndarray]:
-    """``n_batches`` int64 arrays of ``batch`` distinct Zipf(a) ids in ``[0, rows)``."""
-    rng = np.random.default_rng(seed)
-    scatter = rng.permutation(rows).astype(np.int64)  # popularity rank -> id
-    out = []
-    for _ in range(n_batches):
-        seen = np.empty(0, dtype=np.int64)
-        while seen.size < batch:
-            more = scatter[(rng.zipf(a, size=4 * batch) - 1) % rows]
-            allv = np.concatenate([seen, more])
-            _, first = np.unique(allv, return_index=True)
-            seen = allv[np.sort(first)]
-        out.append(seen[:batch].copy())
-    return out
 
 
 @contextlib.contextmanager
@@ -125,7 +112,7 @@ def bench_redis(
     ``redis_push_vs_lua`` (push / best raw Lua SGD update) and the extra
     ``redis_push_vs_lua_copy`` (push / the GET+SET floor), medians of per-repeat ratios.
     """
-    batches = zipf_ids(rows, batch, n_batches, zipf_a, seed)
+    batches = zipf_unique_batches(rows, batch, n_batches, zipf_a, seed)
     ids_t = [torch.from_numpy(b) for b in batches]
     gen = torch.Generator().manual_seed(seed)
     grads = [torch.randn(batch, dim, generator=gen) * 1e-3 for _ in batches]

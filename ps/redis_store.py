@@ -85,7 +85,7 @@ import torch
 
 from comm import Handle
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
-from ps.local_table import coalesce
+from ps.local_table import COUNTERS, coalesce
 from ps.redis_conn import (
     Batch,
     Command,
@@ -120,17 +120,6 @@ META_FORMAT = "hybridrec-redis/1"
 PART_ROWS = 1 << 20
 _WRITE_ROWS = 1000  # rows per HSET when loading
 _SCAN_COUNT = 1000  # HSCAN COUNT hint when saving
-
-COUNTERS = (
-    "pull_requests",
-    "rows_pulled",
-    "rows_skipped_by_bound",
-    "push_requests",
-    "rows_pushed",
-    "rows_skipped_nan",
-    "rows_created",
-    "rows_evicted",
-)
 
 
 def _check_key_part(what: str, value: object) -> str:
