@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,13 +36,7 @@ import torch
 import ps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
-from _zipf import zipf_unique_batches  # noqa: E402
-
-
-def _time(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+from _bench_util import time_call, zipf_unique_batches  # noqa: E402
 
 
 def bench_local(
@@ -117,7 +110,7 @@ def _bench(
     for r in range(repeats):
         k = r % len(names)
         for n in names[k:] + names[:k]:
-            times[n].append(_time(figures[n]))
+            times[n].append(time_call(figures[n]))
     total = batch * len(batches)
     rows_s = {n: total / statistics.median(ts) for n, ts in times.items()}
     ceiling = max(rows_s["numpy_gather"], rows_s["numpy_take"])

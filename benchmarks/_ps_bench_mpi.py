@@ -54,7 +54,7 @@ from ps.mpi_server import check_mpi_topology, serve_mpi
 from ps.mpi_store import MPIStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
-from _zipf import zipf_unique_batches  # noqa: E402
+from _bench_util import zipf_unique_batches  # noqa: E402
 
 DIM = 64
 BATCH = 10_000

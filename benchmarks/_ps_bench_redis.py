@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,7 @@ from ps.redis_conn import pack
 from ps.redis_store import RedisStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
-from _zipf import zipf_unique_batches  # noqa: E402
+from _bench_util import time_call, zipf_unique_batches  # noqa: E402
 
 RAW_LUA_COPY = """
 for i = 1, #KEYS do
@@ -87,12 +86,6 @@ def _server(url: str | None) -> Iterator[str]:
 
     with redis_server() as srv:
         yield srv.url
-
-
-def _time(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def bench_redis(
@@ -199,7 +192,7 @@ def bench_redis(
             for r in range(repeats):
                 rot = names[r % len(names) :] + names[: r % len(names)]
                 for n in rot:
-                    times[n].append(_time(figures[n]))
+                    times[n].append(time_call(figures[n]))
         finally:
             with contextlib.suppress(Exception):
                 for name in ("sgd", "adagrad"):

@@ -162,3 +162,26 @@ def _ftrl_by_hand(opt: ps.FTRL, w0: torch.Tensor, pushes: list[Push]) -> tuple[t
                     )
     state = [z[r] + n[r] for r in range(rows)]
     return torch.tensor(w, dtype=torch.float64), torch.tensor(state, dtype=torch.float64)
+
+
+def assert_matches_reference(
+    store: ps.Store,
+    table: str,
+    key: torch.Tensor,
+    opt: ps.Optimizer,
+    w0: torch.Tensor,
+    pushes: list[Push],
+    rows: int,
+) -> None:
+    """``store``'s rows ``key`` after ``pushes`` equal :func:`reference` (rows 1e-6; state
+    1e-6 relative, since e.g. FTRL's z or Adagrad's sums grow past 1), clocks count the
+    pushes touching each row, and rows never pushed (``>= 10`` here) never moved (lazy)."""
+    want_rows, want_state = reference(opt, w0, pushes)
+    got = store.pull(table, key)
+    torch.testing.assert_close(got.rows.double(), want_rows, rtol=0, atol=1e-6)
+    torch.testing.assert_close(store.state(table, key).double(), want_state, rtol=1e-6, atol=1e-6)
+    touched = torch.zeros(rows, dtype=torch.int64)
+    for ids, _ in pushes:
+        touched[torch.unique(ids)] += 1
+    assert got.clocks.tolist() == touched.tolist()
+    assert torch.equal(got.rows[10:], w0[10:])  # lazy: untouched rows never move

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ps
-from ps_reference import reference
+from ps_reference import assert_matches_reference
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,16 +59,7 @@ def test_optimizer_matches_reference(opt: ps.Optimizer, dynamic: bool) -> None:
     pushes = _pushes(seed=3)
     for ids, grads in pushes:
         store.push("t", key[ids], grads)
-    want_rows, want_state = reference(opt, w0, pushes)
-    got = store.pull("t", key)
-    torch.testing.assert_close(got.rows.double(), want_rows, rtol=0, atol=1e-6)
-    # State (e.g. FTRL's z, Adagrad's sums) can grow past 1: float32 precision, relatively.
-    torch.testing.assert_close(store.state("t", key).double(), want_state, rtol=1e-6, atol=1e-6)
-    touched = torch.zeros(ROWS, dtype=torch.int64)
-    for ids, _ in pushes:
-        touched[torch.unique(ids)] += 1
-    assert got.clocks.tolist() == touched.tolist()
-    assert torch.equal(got.rows[10:], w0[10:])  # lazy: untouched rows never move
+    assert_matches_reference(store, "t", key, opt, w0, pushes, ROWS)
 
 
 def test_lazy_momentum_differs_from_dense_torch_sgd() -> None:

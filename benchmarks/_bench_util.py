@@ -1,6 +1,9 @@
-"""Batches of distinct Zipf-distributed ids, shared by the parameter-server benchmarks."""
+"""Helpers shared by the parameter-server benchmarks: Zipf id batches, a timer."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -27,3 +30,10 @@ def zipf_unique_batches(
             seen = drawn[np.sort(first)]
         out.append(seen[:batch].copy())
     return out
+
+
+def time_call(fn: Callable[[], object]) -> float:
+    """Seconds one call of ``fn`` takes."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
