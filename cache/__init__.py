@@ -1,3 +1,17 @@
 """cache: the worker-side hot-embedding cache (capacity, LRU/LFU eviction, read and write
 staleness bounds, prefetch, statistics). Sits between ``ps`` and ``embedding``; imports only
-``comm`` and ``ps``. Not implemented yet."""
+``comm`` and ``ps``.
+
+``CachedStore(store, CacheConfig(...))`` is itself a :class:`ps.Store`, so an
+``embedding.EmbeddingCollection`` given one trains through the cache (the "hybrid"
+placement). Rules: ``docs/cache.md``.
+
+Modules: ``config`` (CacheConfig), ``cached_store`` (the Store wrapper),
+``table_cache`` (one table's slots, fetch and write-back), ``policy`` (LRU/LFU),
+``slot_index`` (id -> slot), ``stats`` (counters and the staleness histogram).
+"""
+
+from cache.cached_store import CachedStore
+from cache.config import CacheConfig
+
+__all__ = ["CacheConfig", "CachedStore"]

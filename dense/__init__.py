@@ -1,18 +1,38 @@
 """dense: dense layers and their synchronous training.
 
 * :class:`DLRMDense` / :class:`DLRMConfig`: bottom MLP, pairwise interaction, top MLP.
+* :class:`DataParallel`: bucketed gradient averaging overlapped with backward
+  (``dense.buckets`` assigns the buckets), optional ``comm.compression`` codecs.
+* :class:`ZeroOptimizer`: ZeRO stage 1/2 (sharded optimizer state / gradients);
+  :func:`save_zero_state` / :func:`load_zero_state` store its global state without pickle.
+* :class:`GPT` / :class:`GPTConfig`: a GPT-style decoder that takes token vectors from an
+  embedding collection (:func:`gpt_loss` is its cross entropy).
 * :func:`broadcast_parameters` / :func:`allreduce_gradients`: plain data parallelism
-  over a ``comm.ProcessGroup``.
+  over a ``comm.ProcessGroup`` (no overlap).
 """
 
-from dense.data_parallel import allreduce_gradients, broadcast_parameters
+from dense.buckets import Bucket, assign_buckets
+from dense.data_parallel import DataParallel, allreduce_gradients, broadcast_parameters
 from dense.dlrm import DLRMConfig, DLRMDense, mlp, pairwise_interaction
+from dense.gpt import GPT, GPTConfig, gpt_loss
+from dense.zero import ZeroOptimizer
+from dense.zero import load_from_dir as load_zero_state
+from dense.zero import save_to_dir as save_zero_state
 
 __all__ = [
+    "Bucket",
     "DLRMConfig",
     "DLRMDense",
+    "DataParallel",
+    "GPT",
+    "GPTConfig",
+    "ZeroOptimizer",
     "allreduce_gradients",
+    "assign_buckets",
     "broadcast_parameters",
+    "gpt_loss",
+    "load_zero_state",
     "mlp",
     "pairwise_interaction",
+    "save_zero_state",
 ]

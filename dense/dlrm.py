@@ -18,12 +18,17 @@ their pooled ``[B, D]`` outputs, so it imports nothing but torch. Distribution
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from dense import interaction_kernel
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,24 +81,144 @@ class DLRMConfig:
         return self.embedding_dim + self.num_interactions
 
 
-def mlp(in_dim: int, widths: Sequence[int], *, last_activation: bool) -> nn.Sequential:
+# Input widths of the first layers are padded to a multiple of this many floats (one
+# AVX2 register). MKL's sgemm is markedly slower on odd inner dimensions: on the
+# 2-core AVX2 box, the backward GEMMs of the 415 -> 512 top layer take ~1.5x as long
+# as those of 416 -> 512, and 13 -> 512 ~1.6x as long as 16 -> 512 (docs/dlrm_bench.md).
+_ALIGN = 8
+
+
+def _aligned(width: int) -> int:
+    return -(-width // _ALIGN) * _ALIGN
+
+
+class AlignedLinear(nn.Linear):
+    """``nn.Linear`` that multiplies with its inputs padded to an aligned width.
+
+    The parameters are exactly those of ``nn.Linear(in_features, out_features)``
+    (same shapes, same state dict); ``forward`` accepts ``[B, in_features]`` or an
+    input already padded with zero columns to ``[B, padded_in]``, and computes with
+    the weight zero-padded to ``[out, padded_in]``. Padded columns contribute exact
+    zeros, so the result equals ``nn.Linear``'s up to summation order; the gradient
+    of the padding is dropped by the pad's backward.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features)
+        self.padded_in = _aligned(in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pad = self.padded_in - self.in_features
+        if pad == 0:
+            return F.linear(x, self.weight, self.bias)
+        if x.shape[-1] == self.in_features:
+            x = F.pad(x, (0, pad))  # [B, padded_in]
+        return F.linear(x, F.pad(self.weight, (0, pad)), self.bias)
+
+
+def mlp(
+    in_dim: int, widths: Sequence[int], *, last_activation: bool, align_input: bool = False
+) -> nn.Sequential:
     """Linear layers of the given output widths with ReLU between them.
 
     Init follows the DLRM reference: weights ~ N(0, sqrt(2 / (fan_in + fan_out))),
     biases ~ N(0, sqrt(1 / fan_out)), which keeps activations of order one.
+    ``align_input`` makes the first layer an :class:`AlignedLinear` (same
+    parameters), which also accepts its input pre-padded to ``padded_in`` columns.
+    ReLUs work in place: the Linear before them does not need its output for backward.
     """
     layers: list[nn.Module] = []
     prev = in_dim
     for i, width in enumerate(widths):
-        linear = nn.Linear(prev, width)
+        linear = AlignedLinear(prev, width) if align_input and i == 0 else nn.Linear(prev, width)
         with torch.no_grad():
             linear.weight.normal_(0.0, math.sqrt(2.0 / (prev + width)))
             linear.bias.normal_(0.0, math.sqrt(1.0 / width))
         layers.append(linear)
         if i < len(widths) - 1 or last_activation:
-            layers.append(nn.ReLU())
+            layers.append(nn.ReLU(inplace=True))
         prev = width
     return nn.Sequential(*layers)
+
+
+@functools.lru_cache(maxsize=16)
+def _pair_indices(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat indices into a row-major ``[N, N]`` matrix, built once per ``N``.
+
+    ``pairs [P]``: ``i * N + j`` for the strictly lower triangle ``i > j`` in
+    row-major order, ``P = N(N-1)/2``. ``sym [N * N]``: for entry ``(i, j)`` the
+    position in ``pairs`` of ``(max(i, j), min(i, j))``, and ``P`` on the diagonal
+    (which the backward maps to a zero column).
+    """
+    rows, cols = torch.tril_indices(n, n, offset=-1)
+    pairs = rows * n + cols  # [P]
+    pos = torch.full((n, n), pairs.numel(), dtype=torch.int64)
+    pos[rows, cols] = torch.arange(pairs.numel())
+    pos[cols, rows] = torch.arange(pairs.numel())
+    return pairs, pos.reshape(-1)
+
+
+class _Interaction(torch.autograd.Function):
+    """``[B, N, D] -> [B, (D if with_first) + P + pad]``: optionally the first
+    feature vector, then the strictly-lower-triangle dot products, then zero
+    columns up to ``width``.
+
+    Forward: one ``bmm`` for the Gram matrix and one ``index_select`` of its lower
+    triangle (no advanced indexing, whose backward is a slow accumulating
+    ``index_put``). Backward: ``Z = T T^T`` gives ``dT = (G + G^T) T``, built as a
+    symmetric ``G`` by one gather from the pair gradients and multiplied in ONE
+    ``bmm`` (autograd's would take two plus the ``index_put``).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        t: torch.Tensor,
+        pairs: torch.Tensor,
+        sym: torch.Tensor,
+        with_first: bool,
+        width: int,
+    ) -> torch.Tensor:
+        ctx.with_first = with_first
+        ctx.num_pairs = pairs.numel()
+        ctx.kernel = interaction_kernel.usable(t)
+        if ctx.kernel:  # float32 on CPU: the C kernel (pairs only, one sample in L1)
+            t = t.contiguous()
+            ctx.save_for_backward(t, sym)
+            return interaction_kernel.forward(t, with_first=with_first, width=width)
+        b, n, d = t.shape
+        z = torch.bmm(t, t.transpose(1, 2)).view(b, n * n)  # [B, N*N]
+        parts = [t[:, 0]] if with_first else []  # [B, D]
+        parts.append(z.index_select(1, pairs))  # [B, P]
+        used = (d if with_first else 0) + pairs.numel()
+        if width > used:
+            parts.append(t.new_zeros(b, width - used))  # [B, pad]
+        ctx.save_for_backward(t, sym)
+        return torch.cat(parts, dim=1)  # [B, width]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        t, sym = ctx.saved_tensors
+        if ctx.kernel:
+            return interaction_kernel.backward(t, grad, with_first=ctx.with_first), *[None] * 4
+        b, n, d = t.shape
+        first = d if ctx.with_first else 0
+        g_pairs = grad[:, first : first + ctx.num_pairs]  # [B, P]
+        g_ext = torch.cat([g_pairs, grad.new_zeros(b, 1)], dim=1)  # [B, P+1]; P is the diagonal
+        g_sym = g_ext.index_select(1, sym).view(b, n, n)  # [B, N, N], symmetric
+        g_t = torch.bmm(g_sym, t)  # [B, N, D]
+        if ctx.with_first:
+            g_t[:, 0] += grad[:, :d]
+        return g_t, None, None, None, None
+
+
+def _interact(t: torch.Tensor, *, with_first: bool, width: int) -> torch.Tensor:
+    pairs, sym = _pair_indices(t.shape[1])
+    if pairs.device != t.device:
+        pairs, sym = pairs.to(t.device), sym.to(t.device)
+    out: torch.Tensor = _Interaction.apply(t, pairs, sym, with_first, width)
+    return out
 
 
 def pairwise_interaction(features: torch.Tensor) -> torch.Tensor:
@@ -108,6 +233,13 @@ def pairwise_interaction(features: torch.Tensor) -> torch.Tensor:
             f"pairwise_interaction expects [B, N, D], got shape {tuple(features.shape)}"
         )
     n = features.shape[1]
+    return _interact(features, with_first=False, width=n * (n - 1) // 2)
+
+
+def naive_pairwise_interaction(features: torch.Tensor) -> torch.Tensor:
+    """The textbook form of :func:`pairwise_interaction` (full ``bmm`` plus
+    advanced indexing, autograd's backward): the reference the fast one must equal."""
+    n = features.shape[1]
     z = torch.bmm(features, features.transpose(1, 2))  # [B, N, N]
     rows, cols = torch.tril_indices(n, n, offset=-1, device=features.device)
     return z[:, rows, cols]  # [B, N(N-1)/2]
@@ -119,21 +251,22 @@ class DLRMDense(nn.Module):
     ``forward(dense, sparse)`` takes dense features ``[B, num_dense]`` and the
     pooled embeddings, either a list of ``num_sparse`` tensors ``[B, D]`` or one
     ``[B, num_sparse, D]`` tensor, and returns logits ``[B]``.
-    """
 
-    _tril_rows: torch.Tensor
-    _tril_cols: torch.Tensor
+    Speed (the forward is the same function as the data flow above): the bottom
+    output and the embeddings are copied once into ``T [B, F+1, D]``; the
+    interaction writes ``x``, the pairs and the zero padding of the top MLP's
+    aligned input in one ``[B, top_padded]`` tensor; its backward is one ``bmm``.
+    """
 
     def __init__(self, config: DLRMConfig) -> None:
         super().__init__()
         self.config = config
-        self.bottom = mlp(config.num_dense, config.bottom_mlp, last_activation=True)
-        self.top = mlp(config.top_input_dim, config.top_mlp, last_activation=False)
-        n = config.num_sparse + 1
-        rows, cols = torch.tril_indices(n, n, offset=-1)
-        # Not persistent: derived from the config, identical on every rank.
-        self.register_buffer("_tril_rows", rows, persistent=False)
-        self.register_buffer("_tril_cols", cols, persistent=False)
+        self.bottom = mlp(
+            config.num_dense, config.bottom_mlp, last_activation=True, align_input=True
+        )
+        self.top = mlp(
+            config.top_input_dim, config.top_mlp, last_activation=False, align_input=True
+        )
 
     def forward(
         self, dense: torch.Tensor, sparse: Sequence[torch.Tensor] | torch.Tensor
@@ -145,17 +278,20 @@ class DLRMDense(nn.Module):
                 f"got shape {tuple(dense.shape)}"
             )
         batch = dense.shape[0]
-        emb = self._stack_sparse(sparse, batch)  # [B, F, D]
+        parts = self._check_sparse(sparse, batch)
         x = self.bottom(dense)  # [B, D]
-        t = torch.cat([x.unsqueeze(1), emb], dim=1)  # [B, F+1, D]
-        z = torch.bmm(t, t.transpose(1, 2))  # [B, F+1, F+1]
-        pairs = z[:, self._tril_rows, self._tril_cols]  # [B, (F+1)F/2]
-        top_in = torch.cat([x, pairs], dim=1)  # [B, D + (F+1)F/2]
+        if isinstance(parts, torch.Tensor):
+            t = torch.cat([x.unsqueeze(1), parts], dim=1)  # [B, F+1, D]
+        else:
+            t = torch.stack([x, *parts], dim=1)  # [B, F+1, D], one copy
+        top0 = self.top[0]
+        width = top0.padded_in if isinstance(top0, AlignedLinear) else cfg.top_input_dim
+        top_in = _interact(t, with_first=True, width=width)  # [B, D + (F+1)F/2 + pad]
         return self.top(top_in).squeeze(1)  # [B]
 
-    def _stack_sparse(
+    def _check_sparse(
         self, sparse: Sequence[torch.Tensor] | torch.Tensor, batch: int
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | list[torch.Tensor]:
         cfg = self.config
         want = (batch, cfg.num_sparse, cfg.embedding_dim)
         if isinstance(sparse, torch.Tensor):
@@ -176,4 +312,4 @@ class DLRMDense(nn.Module):
                     f"DLRMDense: pooled embedding {i} must be [B, D] = "
                     f"[{batch}, {cfg.embedding_dim}], got shape {tuple(p.shape)}"
                 )
-        return torch.stack(parts, dim=1)  # [B, F, D]
+        return parts

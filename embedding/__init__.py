@@ -7,21 +7,30 @@ Quick use::
 
     ec = EmbeddingCollection([
         TableConfig(name="items", num_rows=1000, dim=16, feature_names=["clicked", "bought"],
-                    pooling="sum", optimizer=RowWiseAdagrad(lr=0.05)),
+                    pooling="sum", optimizer=RowWiseAdagrad(lr=0.05)),          # local, fused
+        TableConfig(name="words", num_rows=500, dim=16, feature_names=["title"],
+                    pooling="none", placement="hybrid"),                        # in a ps store
     ])
-    kjt = KeyedJaggedIds.from_lists({"clicked": [[1, 2], []], "bought": [[3], [3, 4]]})
-    pooled = ec(kjt)                       # {"clicked": [2, 16], "bought": [2, 16]}
-    loss = sum(p.sum() for p in pooled.values())
-    loss.backward()                        # row gradients are pushed; the store updates rows
+    kjt = KeyedJaggedIds.from_lists({
+        "clicked": [[1, 2], []], "bought": [[3], [3, 4]], "title": [[5, 6, 7], [8, 9, 9]],
+    })
+    out = ec(kjt)        # {"clicked": [2, 16], "bought": [2, 16], "title": [2, 3, 16]}
+    loss = sum(o.sum() for o in out.values())
+    loss.backward()      # the touched rows are updated here, by each table's optimizer
+
+See ``docs/embedding.md``.
 """
 
 from embedding.collection import EmbeddingCollection
 from embedding.config import TableConfig
 from embedding.jagged import JaggedIds, KeyedJaggedIds
-from ps.optimizers import SGD, RowWiseAdagrad
+from ps.optimizers import FTRL, SGD, Adagrad, Adam, RowWiseAdagrad
 
 __all__ = [
+    "FTRL",
     "SGD",
+    "Adagrad",
+    "Adam",
     "EmbeddingCollection",
     "JaggedIds",
     "KeyedJaggedIds",

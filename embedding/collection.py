@@ -1,72 +1,63 @@
-"""A collection of PS-backed embedding tables, pooled per feature.
+"""One collection API for sparse features, with three placements chosen per table.
 
-Forward, per table: concatenate the ids of its features in the batch, dedup
-them, pull the unique rows from the store, and pool each sample's rows with
-``embedding_bag``. Backward is fused with the optimizer (as in TorchRec): the
-unique rows are a leaf tensor whose accumulated gradient ``[U, D]`` (already
-coalesced per unique id) is pushed to the store by a hook, and the store applies
-the table's optimizer. There is no separate optimizer step for embeddings and no
-embedding ``nn.Parameter``.
+``EmbeddingCollection(tables, store=..., group=...)`` splits its tables by
+``TableConfig.placement``:
 
-Data parallel (``group.size > 1``): each table is replicated, one copy per rank
-(every rank's store starts from the same deterministic rows). The backward hook
-gathers every rank's ``(unique ids, row gradients)`` with ``allgatherv``,
-divides the gradients by ``group.size`` (the gradient of the global mean loss is
-the average of the per-rank gradients of the local mean losses) and pushes the
-whole concatenation, so every replica applies the identical update. This needs,
-as DDP does, that every rank runs forward on the same tables and then one
-backward through every output it used.
+* ``"local"``  -> :class:`embedding.local_tables.LocalTables`: all local tables fused
+  into one flat weight per (dim, optimizer), one gather+pool per batch, backward fused
+  with the optimizer; replicated when data parallel.
+* ``"hybrid"`` -> :class:`embedding.hybrid.HybridTables`: rows in a ``ps`` store (a
+  ``cache.CachedStore`` is just another store); pulled by unique id, gradients pushed.
+* ``"sharded"`` -> ``embedding.sharded.ShardedTables``: tables owned by ranks, ids and
+  pooled rows travel by alltoallv.
+
+``forward(kjt)`` returns ``{feature: [B, D]}`` (``[B, T, D]`` for ``pooling="none"``)
+in the order of ``kjt.keys``. Row updates happen inside ``backward()``; there is no
+embedding optimizer step and no embedding ``nn.Parameter``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import os
+from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from comm import LocalGroup, ProcessGroup
 from embedding.config import TableConfig
-from embedding.jagged import KeyedJaggedIds, offsets_from_lengths
+from embedding.hybrid import HybridTables
+from embedding.jagged import KeyedJaggedIds
+from embedding.local_tables import LocalTables
 from ps import InProcessStore, Store
 
 
-@dataclass(slots=True)
-class _TableBatch:
-    """One table's share of a batch, between dedup and pooling."""
-
-    config: TableConfig
-    features: list[str]  # the table's features present in the batch, in batch key order
-    inverse: torch.Tensor  # [N] position of each id in ``unique``
-    unique: torch.Tensor  # [U] int64 unique ids
-    offsets: torch.Tensor  # [F * B + 1] bag offsets into ``inverse``
-    weights: torch.Tensor | None  # [N] or None
-
-
 class EmbeddingCollection(nn.Module):
-    """Pooled embeddings for the sparse features of a :class:`KeyedJaggedIds` batch.
+    """Embeddings for the sparse features of a :class:`KeyedJaggedIds` batch.
 
-    ``forward(kjt)`` returns ``{feature: pooled [B, dim]}`` in the order of
-    ``kjt.keys``. Rows live in ``store`` (default: a fresh
-    :class:`ps.InProcessStore`); ``group`` (default: :class:`comm.LocalGroup`)
-    is the data-parallel group whose row gradients are combined.
+    * ``store``: where hybrid tables live (default: a fresh :class:`ps.InProcessStore`).
+      If it already holds a table of the same name, it is reused when its spec is
+      identical (so several modules can share one store) and rejected otherwise.
+    * ``group``: the data-parallel group (default :class:`comm.LocalGroup`). Local
+      tables and hybrid tables in a replicated store are replicated per rank and
+      every rank applies the average of all ranks' row gradients; sharded tables are
+      split over the group's ranks.
+    * ``store_is_shared``: whether ``store`` is one copy shared by all ranks (MPI
+      servers, Redis): then each rank pushes its own gradients divided by
+      ``group.size`` and nothing is gathered. None (default) detects it: an
+      ``InProcessStore`` (also behind a cache) is per-rank, any other store shared.
 
-    Training (``module.train()`` and grad enabled) pushes row gradients to the
-    store during ``backward()``; under ``torch.no_grad()`` or ``.eval()`` forward
-    only reads.
-
-    If ``store`` already holds a table of the same name, it is reused when its
-    spec is identical (so several modules can share one store) and rejected
-    otherwise.
+    Training (``module.train()`` and grad enabled) updates rows during
+    ``backward()``; under ``torch.no_grad()`` or ``.eval()`` forward only reads.
     """
 
     def __init__(
         self,
         tables: Sequence[TableConfig],
+        *,
         store: Store | None = None,
         group: ProcessGroup | None = None,
+        store_is_shared: bool | None = None,
     ) -> None:
         super().__init__()
         tables = list(tables)
@@ -89,18 +80,22 @@ class EmbeddingCollection(nn.Module):
                     )
                 self._table_of[feat] = cfg.name
             self._configs[cfg.name] = cfg
-        self.store: Store = InProcessStore() if store is None else store
         self.group: ProcessGroup = LocalGroup() if group is None else group
-        existing = set(self.store.tables())
+        self.store: Store = InProcessStore() if store is None else store
+        by_placement: dict[str, list[TableConfig]] = {"local": [], "hybrid": [], "sharded": []}
         for cfg in tables:
-            spec = cfg.to_spec()
-            if cfg.name not in existing:
-                self.store.create_table(spec)
-            elif self.store.spec(cfg.name) != spec:
-                raise ValueError(
-                    f"EmbeddingCollection: the store already has a table {cfg.name!r} with "
-                    f"spec {self.store.spec(cfg.name)}, which differs from {spec}"
-                )
+            by_placement[cfg.placement].append(cfg)
+        self.local: LocalTables | None = None
+        self.hybrid: HybridTables | None = None
+        self.sharded: nn.Module | None = None
+        if by_placement["local"]:
+            self.local = LocalTables(by_placement["local"], self.group)
+        if by_placement["hybrid"]:
+            self.hybrid = HybridTables(
+                by_placement["hybrid"], self.store, self.group, store_is_shared
+            )
+        if by_placement["sharded"]:
+            self.sharded = _make_sharded(by_placement["sharded"], self.group)
 
     # ------------------------------------------------------------ accessors
 
@@ -117,10 +112,46 @@ class EmbeddingCollection(nn.Module):
 
     def extra_repr(self) -> str:
         parts = [
-            f"{c.name}: {c.num_rows}x{c.dim} {c.pooling} {c.feature_names}"
+            f"{c.name}: {c.num_rows}x{c.dim} {c.pooling} {c.placement} {c.feature_names}"
             for c in self._configs.values()
         ]
         return f"tables=[{'; '.join(parts)}], group={self.group!r}"
+
+    def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Current rows ``ids`` ``[N]`` of a local or hybrid ``table``: ``[N, D]`` (a copy)."""
+        cfg = self._config(table)
+        if cfg.placement == "local":
+            assert self.local is not None
+            return self.local.rows(table, ids)
+        if cfg.placement == "hybrid":
+            return self.store.pull(table, ids).rows
+        raise ValueError(f"rows: table {table!r} is sharded; read it from its owner ranks")
+
+    def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Optimizer state of rows ``ids`` of a local or hybrid ``table``: ``[N, S]``."""
+        cfg = self._config(table)
+        if cfg.placement == "local":
+            assert self.local is not None
+            return self.local.state(table, ids)
+        if cfg.placement == "hybrid":
+            return self.store.state(table, ids)
+        raise ValueError(f"state: table {table!r} is sharded; read it from its owner ranks")
+
+    def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Update counts of rows ``ids`` of a local or hybrid ``table``: int64 ``[N]``."""
+        cfg = self._config(table)
+        if cfg.placement == "local":
+            assert self.local is not None
+            return self.local.clocks(table, ids)
+        if cfg.placement == "hybrid":
+            return self.store.clocks(table, ids)
+        raise ValueError(f"clocks: table {table!r} is sharded; read it from its owner ranks")
+
+    def _config(self, table: str) -> TableConfig:
+        cfg = self._configs.get(table)
+        if cfg is None:
+            raise KeyError(f"no table {table!r}; tables: {list(self._configs)}")
+        return cfg
 
     # ------------------------------------------------------------ forward
 
@@ -129,31 +160,33 @@ class EmbeddingCollection(nn.Module):
             raise TypeError(
                 f"EmbeddingCollection: expected a KeyedJaggedIds, got {type(kjt).__name__}"
             )
-        batches = [self._prepare(cfg, feats, kjt) for cfg, feats in self._group_keys(kjt)]
-        # Issue every pull before waiting on any, so remote stores overlap them.
-        handles = [self.store.pull_async(tb.config.name, tb.unique) for tb in batches]
-        train = self.training and torch.is_grad_enabled()
-        pusher = _BackwardPush(self, [tb.config.name for tb in batches]) if train else None
-        device = kjt.ids.device
-        b = kjt.batch_size
+        plan = self._group_keys(kjt)
         out: dict[str, torch.Tensor] = {}
-        for tb, handle in zip(batches, handles, strict=True):
-            rows = handle.wait().rows.to(device)  # [U, D]
-            if pusher is not None:
-                rows.requires_grad_(True)
-                rows.register_post_accumulate_grad_hook(pusher.hook(tb.config.name, tb.unique))
-            weights = None if tb.weights is None else tb.weights.to(rows.dtype)
-            pooled = F.embedding_bag(
-                tb.inverse,
-                rows,
-                tb.offsets,
-                mode=tb.config.pooling,
-                per_sample_weights=weights,
-                include_last_offset=True,
-            )  # [F * B, D]; empty bags are zeros
-            for i, feat in enumerate(tb.features):
-                out[feat] = pooled[i * b : (i + 1) * b]
+        local = [(c, f) for c, f in plan if c.placement == "local"]
+        hybrid = [(c, f) for c, f in plan if c.placement == "hybrid"]
+        sharded = [f for c, fs in plan if c.placement == "sharded" for f in fs]
+        # Data-parallel local/hybrid modules run even without features in this batch, so
+        # every rank enters the same collectives in backward.
+        dp = self.group.size > 1
+        if self.local is not None and (local or dp):
+            out.update(self.local(kjt, local))
+        if self.hybrid is not None and hybrid:
+            out.update(self.hybrid(kjt, hybrid))
+        if self.sharded is not None and (sharded or dp):
+            out.update(self.sharded(kjt.select(sharded)))
         return {k: out[k] for k in kjt.keys}
+
+    def prefetch(self, kjt: KeyedJaggedIds) -> None:
+        """Announce a coming batch: each hybrid table's unique ids go to
+        ``store.prefetch(table, ids)`` when the store has one (a cache); else nothing."""
+        if not isinstance(kjt, KeyedJaggedIds):
+            raise TypeError(
+                f"EmbeddingCollection.prefetch: expected a KeyedJaggedIds, got {type(kjt).__name__}"
+            )
+        if self.hybrid is None:
+            return
+        plan = [(c, f) for c, f in self._group_keys(kjt) if c.placement == "hybrid"]
+        self.hybrid.prefetch(kjt, plan)
 
     def _group_keys(self, kjt: KeyedJaggedIds) -> list[tuple[TableConfig, list[str]]]:
         """Tables touched by the batch (in table order) with their features (in key order)."""
@@ -168,77 +201,34 @@ class EmbeddingCollection(nn.Module):
             per_table.setdefault(table, []).append(key)
         return [(cfg, per_table[name]) for name, cfg in self._configs.items() if name in per_table]
 
-    def _prepare(self, cfg: TableConfig, feats: list[str], kjt: KeyedJaggedIds) -> _TableBatch:
-        slices = [kjt.key_slice(f) for f in feats]
-        ids = torch.cat([s.ids for s in slices])  # [N]
-        lengths = torch.cat([s.lengths for s in slices])  # [F * B]
-        if ids.numel() > 0:
-            bad = (ids < 0) | (ids >= cfg.num_rows)
-            if bool(bad.any()):
-                pos = int(torch.nonzero(bad)[0, 0])
-                sizes = torch.tensor([s.ids.numel() for s in slices]).cumsum(0)
-                feat = feats[int(torch.searchsorted(sizes, pos, right=True))]
-                raise ValueError(
-                    f"EmbeddingCollection: feature {feat!r} has id {int(ids[pos])}, out of "
-                    f"range for table {cfg.name!r} with {cfg.num_rows} rows (valid ids "
-                    f"[0, {cfg.num_rows}))"
-                )
-        weights = None
-        if kjt.weights is not None:
-            if cfg.pooling != "sum":
-                raise ValueError(
-                    f"EmbeddingCollection: the batch has per-id weights, but table "
-                    f"{cfg.name!r} (features {feats}) pools with {cfg.pooling!r}; weights "
-                    "need pooling='sum'"
-                )
-            weights = torch.cat([s.weights for s in slices if s.weights is not None])
-        unique, inverse = torch.unique(ids, return_inverse=True)  # [U], [N]
-        return _TableBatch(cfg, feats, inverse, unique, offsets_from_lengths(lengths), weights)
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Save the local tables (ps checkpoint format: JSON manifest + ``.npy``, no pickle).
+
+        Hybrid tables live in the store: save them with ``store.save``.
+        """
+        if self.local is None:
+            raise ValueError("save: this collection has no local tables (hybrid: store.save)")
+        self.local.save(path)
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Load the local tables saved by :meth:`save` (or by a store's ``save``)."""
+        if self.local is None:
+            raise ValueError("load: this collection has no local tables (hybrid: store.load)")
+        self.local.load(path)
 
 
-class _BackwardPush:
-    """Collects one forward's row gradients during backward and pushes them.
-
-    Each table's hook stores its ``(unique ids [U], grads [U, D])``; once every
-    table used in the forward has reported, the gradients are pushed in table
-    order (all tables of the collection when data parallel, so every rank runs
-    the same sequence of collectives even if its batch lacked some table).
-    """
-
-    def __init__(self, owner: EmbeddingCollection, used: list[str]) -> None:
-        self._owner = owner
-        self._used = set(used)
-        self._grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def hook(self, table: str, unique: torch.Tensor) -> Callable[[torch.Tensor], None]:
-        def on_grad(rows: torch.Tensor) -> None:
-            grad = rows.grad
-            assert grad is not None  # post-accumulate hooks run after .grad is set
-            rows.grad = None  # the store owns the update; keep no copy
-            self._grads[table] = (unique, grad.detach())
-            if set(self._grads) >= self._used:
-                self._flush()
-
-        return on_grad
-
-    def _flush(self) -> None:
-        owner = self._owner
-        group, store = owner.group, owner.store
-        grads, self._grads = self._grads, {}
-        if group.size == 1:
-            for name in owner._configs:
-                if name in grads:
-                    ids, g = grads[name]
-                    store.push(name, ids.cpu(), g.contiguous().cpu())
-            return
-        for name, cfg in owner._configs.items():
-            if name in grads:
-                ids, g = grads[name]
-                ids, g = ids.cpu().contiguous(), g.cpu().contiguous()
-            else:
-                ids = torch.empty(0, dtype=torch.int64)
-                g = torch.empty(0, cfg.dim, dtype=torch.float32)
-            all_ids = group.allgatherv(ids)  # [sum U_r]
-            all_grads = group.allgatherv(g)  # [sum U_r, D]
-            all_grads.div_(group.size)
-            store.push(name, all_ids, all_grads)
+def _make_sharded(configs: list[TableConfig], group: ProcessGroup) -> nn.Module:
+    try:
+        from embedding.sharded import ShardedTables
+    except ModuleNotFoundError as err:
+        if err.name != "embedding.sharded":
+            raise
+        names = [c.name for c in configs]
+        raise NotImplementedError(
+            f"EmbeddingCollection: tables {names} have placement='sharded', but "
+            "embedding.sharded is not available yet; use placement='local' or 'hybrid'"
+        ) from None
+    module: nn.Module = ShardedTables(configs, group)
+    return module

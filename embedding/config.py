@@ -7,34 +7,63 @@ from typing import Literal
 
 from ps import Optimizer, RowWiseAdagrad, TableSpec, UniformInit
 
-POOLINGS = ("sum", "mean")
+POOLINGS = ("sum", "mean", "none")
+PLACEMENTS = ("local", "hybrid", "sharded")
+
+Pooling = Literal["sum", "mean", "none"]
+Placement = Literal["local", "hybrid", "sharded"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TableConfig:
     """One table of ``num_rows`` rows of width ``dim``, shared by ``feature_names``.
 
-    Each feature's ids in a sample are pooled into one ``[dim]`` vector with
-    ``pooling`` ("sum" or "mean"; per-id weights need "sum"). ``optimizer`` runs
-    on the parameter server; ``init`` None is TorchRec's
-    ``U(-sqrt(1/num_rows), sqrt(1/num_rows))`` seeded by the table name.
+    * ``pooling``: each feature's ids in a sample become one ``[dim]`` vector with
+      "sum" or "mean" (per-id weights need "sum"); "none" keeps one vector per id
+      (sequence features of a language model): the feature's output is
+      ``[B, T, dim]`` and every sample must have exactly ``T`` ids.
+    * ``placement``: where the rows live. "local": in this process, all local
+      tables of a collection fused into one flat weight (replicated when data
+      parallel); "hybrid": in a ``ps`` store (possibly behind a ``cache``);
+      "sharded": owned by ranks of the group, ids travel by alltoallv.
+    * ``num_rows``: an int > 0, or None for a *dynamic* table keyed by any int64 id
+      (rows created on first push). Only the parameter server has dynamic tables,
+      so None needs ``placement="hybrid"``.
+    * ``optimizer`` is applied to touched rows inside ``backward()`` (lazily: rows
+      without a gradient do not change); ``init`` None is TorchRec's
+      ``U(-sqrt(1/num_rows), sqrt(1/num_rows))`` seeded by the table name.
     """
 
     name: str
-    num_rows: int
+    num_rows: int | None
     dim: int
     feature_names: list[str]
-    pooling: Literal["sum", "mean"] = "sum"
+    pooling: Pooling = "sum"
+    placement: Placement = "local"
     optimizer: Optimizer = field(default_factory=lambda: RowWiseAdagrad(lr=0.01))
     init: UniformInit | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"TableConfig: name must be a non-empty string, got {self.name!r}")
-        for arg in ("num_rows", "dim"):
-            v = getattr(self, arg)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"table {self.name!r}: {arg} must be an int > 0, got {v!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"table {self.name!r}: placement must be one of {PLACEMENTS}, "
+                f"got {self.placement!r}"
+            )
+        rows = self.num_rows
+        if rows is None:
+            if self.placement != "hybrid":
+                raise ValueError(
+                    f"table {self.name!r}: num_rows=None (a dynamic table) needs "
+                    f"placement='hybrid' (only the parameter server has dynamic tables), "
+                    f"got placement={self.placement!r}"
+                )
+        elif not isinstance(rows, int) or isinstance(rows, bool) or rows <= 0:
+            raise ValueError(f"table {self.name!r}: num_rows must be an int > 0, got {rows!r}")
+        d = self.dim
+        if not isinstance(d, int) or isinstance(d, bool) or d <= 0:
+            raise ValueError(f"table {self.name!r}: dim must be an int > 0, got {d!r}")
         feats = self.feature_names
         if isinstance(feats, str) or not isinstance(feats, list | tuple) or len(feats) == 0:
             raise ValueError(
@@ -63,8 +92,17 @@ class TableConfig:
                 f"got {type(self.init).__name__}"
             )
 
+    @property
+    def dynamic(self) -> bool:
+        """True for a dynamic table (``num_rows`` None, hybrid only)."""
+        return self.num_rows is None
+
     def to_spec(self) -> TableSpec:
-        """The parameter-server view of this table (no features, no pooling)."""
+        """The parameter-server view of this table (no features, pooling or placement).
+
+        Local and sharded tables use it too: their initial rows are the spec's
+        deterministic ``initial_rows``, so every placement starts from the same values.
+        """
         return TableSpec(
             name=self.name,
             num_rows=self.num_rows,

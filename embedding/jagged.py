@@ -1,6 +1,7 @@
 """The jagged batch of sparse ids: the only way ids travel between layers.
 
-Imports only torch, so every layer (loaders, caches, collections, comm hooks)
+Imports only torch at runtime (:meth:`KeyedJaggedIds.bucketize_by_rank` imports
+:mod:`embedding.jagged_dist` when called), so every layer (loaders, caches, collections, comm hooks)
 can depend on it.
 """
 
@@ -8,8 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # only for annotations: this module imports nothing but torch at runtime
+    from embedding.jagged_dist import IdBuckets
+    from embedding.sharding_plan import ShardingPlan
 
 
 def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
@@ -67,6 +73,17 @@ class KeyedJaggedIds:
 
     ``weights`` (optional, float ``[N]``) gives each id a weight, used by
     ``sum`` pooling (``pooled = sum_i weights[i] * row[ids[i]]``).
+
+    Reshaping by key (none of these touch the samples)::
+
+        kjt.select(["f2"])        keys ["f2"],       ids [9, 1, 1, 3, 5, 6], lengths [1, 2, 3]
+        kjt.permute(["f2", "f1"]) keys ["f2", "f1"], ids [9, 1, 1, 3, 5, 6, 7, 2, 4]
+        kjt.split([["f1"], ["f2"]])           -> [select(["f1"]), select(["f2"])]
+        KeyedJaggedIds.concat([a, b])         -> keys of a then b (same batch size)
+        kjt.sample_slice(1, 3)                -> samples 1, 2 of every key
+
+    Per-table dedup (unique ids + inverse) is :func:`embedding.dedup.dedup_per_table`;
+    splitting by owner rank for an alltoallv is :meth:`bucketize_by_rank`.
 
     Build one from Python lists with :meth:`from_lists`; select one key with
     ``kjt["f1"]`` (a :class:`JaggedIds`). ``len(kjt)`` is the number of keys.
@@ -247,6 +264,121 @@ class KeyedJaggedIds:
             self._lengths.to(device, non_blocking=non_blocking),
             w,
         )
+
+    def pin_memory(self) -> KeyedJaggedIds:
+        """A copy in page-locked host memory (for ``to("cuda", non_blocking=True)``)."""
+        w = None if self._weights is None else self._weights.pin_memory()
+        return KeyedJaggedIds(self._keys, self._ids.pin_memory(), self._lengths.pin_memory(), w)
+
+    # ------------------------------------------------------------ by key
+
+    def ids_per_key(self) -> torch.Tensor:
+        """int64 ``[K]``: how many ids each key has in the batch."""
+        k, b = len(self._keys), self.batch_size
+        if k == 0:
+            return torch.zeros(0, dtype=torch.int64, device=self._ids.device)
+        return self._lengths.view(k, b).sum(dim=1)
+
+    def select(self, keys: Sequence[str]) -> KeyedJaggedIds:
+        """A batch of only ``keys``, in that order (any subset; copies the ids).
+
+        ``select(kjt.keys)`` returns ``self``; unknown keys raise KeyError naming them.
+        """
+        keys = list(keys)
+        missing = [k for k in keys if k not in self._index]
+        if missing:
+            raise KeyError(f"keys {missing} not in this batch; keys: {self._keys}")
+        if keys == self._keys:
+            return self
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"select: duplicate keys in {keys}")
+        b = self.batch_size
+        order = [self._index[k] for k in keys]
+        if not order:
+            empty = self._ids[:0]
+            w0 = None if self._weights is None else self._weights[:0]
+            return KeyedJaggedIds([], empty, self._lengths[:0], w0)
+        per_key = self.ids_per_key().tolist()  # K Python ints, one sync
+        starts = [0]
+        for n in per_key:
+            starts.append(starts[-1] + n)
+        ids = torch.cat([self._ids[starts[i] : starts[i + 1]] for i in order])
+        lengths = torch.cat([self._lengths[i * b : (i + 1) * b] for i in order])
+        w = None
+        if self._weights is not None:
+            w = torch.cat([self._weights[starts[i] : starts[i + 1]] for i in order])
+        return KeyedJaggedIds(keys, ids, lengths, w)
+
+    def permute(self, keys: Sequence[str]) -> KeyedJaggedIds:
+        """The same batch with its keys in the order ``keys`` (a permutation of ``keys``)."""
+        if sorted(keys) != sorted(self._keys):
+            raise ValueError(f"permute: {list(keys)} is not a permutation of the keys {self._keys}")
+        return self.select(keys)
+
+    def split(self, groups: Sequence[Sequence[str]]) -> list[KeyedJaggedIds]:
+        """One batch per key group (each group's keys in the order given).
+
+        The groups must be disjoint; together they need not cover every key.
+        """
+        seen: set[str] = set()
+        for g in groups:
+            dup = seen.intersection(g)
+            if dup:
+                raise ValueError(f"split: keys {sorted(dup)} are in more than one group")
+            seen.update(g)
+        return [self.select(g) for g in groups]
+
+    @staticmethod
+    def concat(batches: Sequence[KeyedJaggedIds]) -> KeyedJaggedIds:
+        """Several batches of the same samples with disjoint keys, as one (keys in order).
+
+        Either every batch has weights or none does.
+        """
+        batches = list(batches)
+        if not batches:
+            raise ValueError("concat: needs at least one KeyedJaggedIds")
+        sizes = [kjt.batch_size for kjt in batches if len(kjt) > 0]
+        if len(set(sizes)) > 1:
+            raise ValueError(f"concat: batches have different batch sizes {sizes}")
+        keys = [k for kjt in batches for k in kjt._keys]
+        if len(set(keys)) != len(keys):
+            dups = sorted({k for k in keys if keys.count(k) > 1})
+            raise ValueError(f"concat: keys {dups} appear in more than one batch")
+        weighted = [kjt._weights is not None for kjt in batches if len(kjt) > 0]
+        if any(weighted) and not all(weighted):
+            raise ValueError(
+                f"concat: either every batch has weights or none does, got weighted={weighted}"
+            )
+        ids = torch.cat([kjt._ids for kjt in batches])
+        lengths = torch.cat([kjt._lengths for kjt in batches])
+        w = None
+        if any(weighted):
+            w = torch.cat([kjt._weights for kjt in batches if kjt._weights is not None])
+        return KeyedJaggedIds(keys, ids, lengths, w)
+
+    def bucketize_by_rank(
+        self, plan: ShardingPlan, tables: Mapping[str, Sequence[str]]
+    ) -> IdBuckets:
+        """Each table's unique ids (features of a table deduplicated together, in the
+        order of ``tables``) ordered by owner rank under ``plan``, ready for an
+        alltoallv: delegates to :func:`embedding.jagged_dist.bucketize`.
+
+        ``tables`` maps table name -> its feature names; every table must have a
+        feature in the batch (its ids may be empty).
+        """
+        from embedding.jagged_dist import bucketize, dedup
+
+        names = list(tables)
+        uniques = []
+        for name in names:
+            parts = [self.key_slice(f).ids for f in tables[name] if f in self._index]
+            if not parts:
+                raise ValueError(
+                    f"bucketize_by_rank: no feature of table {name!r} ({list(tables[name])}) "
+                    f"in this batch; keys: {self._keys}"
+                )
+            uniques.append(dedup(torch.cat(parts))[0])
+        return bucketize(plan, names, uniques)
 
     def sample_slice(self, start: int, stop: int) -> KeyedJaggedIds:
         """Samples ``[start, stop)`` of every key (how a data-parallel rank takes its share)."""

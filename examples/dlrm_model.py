@@ -3,11 +3,15 @@
 
 One table per sparse feature, pooled with ``sum`` (``mean`` for multi-id features
 such as genre lists, so the pooled vector's scale does not grow with the list).
-Embedding rows are trained by the collection's fused row-wise Adagrad inside
-``backward()``; only the dense part has ``nn.Parameter``s and a torch optimizer.
+Each table's placement (local, hybrid, sharded) is chosen per table; embedding rows
+are trained by the table's row-wise Adagrad inside ``backward()``; only the dense
+part has ``nn.Parameter``s and a torch optimizer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -16,23 +20,34 @@ from comm import ProcessGroup
 from dense import DLRMConfig, DLRMDense
 from embedding import EmbeddingCollection, RowWiseAdagrad, TableConfig
 from examples.data.ctr import Batch, CTRData
+from ps import Store
+
+if TYPE_CHECKING:
+    from examples.dlrm_data import Feature
 
 
 class DLRM(nn.Module):
-    """``forward(batch) -> logits [B]`` for a :class:`Batch` of a :class:`CTRData`."""
+    """``forward(batch) -> logits [B]`` for a :class:`Batch`."""
 
-    def __init__(self, embeddings: EmbeddingCollection, dense: DLRMDense) -> None:
+    def __init__(self, embeddings: EmbeddingCollection, dense: nn.Module) -> None:
         super().__init__()
         self.embeddings = embeddings
-        self.dense = dense
+        self.dense = dense  # DLRMDense, or DataParallel(DLRMDense)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         pooled = self.embeddings(batch.sparse)  # {feature: [B, D]}
         return self.dense(batch.dense, [pooled[k] for k in batch.sparse.keys])  # [B]
 
 
+def features_of(data: CTRData) -> list[Feature]:
+    from examples.dlrm_data import Feature
+
+    return [Feature(f.name, f.num_rows, multi=f.ids.shape[1] > 1) for f in data.sparse]
+
+
 def build_dlrm(
-    data: CTRData,
+    features: Sequence[Feature] | CTRData,
+    num_dense: int | None = None,
     *,
     dim: int,
     emb_lr: float,
@@ -40,27 +55,38 @@ def build_dlrm(
     top_mlp: list[int],
     seed: int,
     group: ProcessGroup,
+    placements: Mapping[str, str] | None = None,
+    store: Store | None = None,
 ) -> DLRM:
-    """A DLRM sized for ``data``; the same ``seed`` gives the same model on every rank.
+    """A DLRM for ``features``; the same ``seed`` gives the same model on every rank.
 
-    ``bottom_mlp`` lists the hidden widths; its last layer (width ``dim``) is added.
-    ``top_mlp`` likewise gets its final width-1 layer appended.
+    ``features`` may be a :class:`CTRData` (its sparse features and dense width).
+    ``placements`` maps table names to "local" (default), "hybrid" (rows in ``store``)
+    or "sharded". ``bottom_mlp`` lists the hidden widths; its last layer (width
+    ``dim``) is added. ``top_mlp`` likewise gets its final width-1 layer appended.
     """
+    if isinstance(features, CTRData):
+        num_dense = len(features.dense_names)
+        features = features_of(features)
+    if num_dense is None:
+        raise ValueError("build_dlrm: num_dense is needed with a list of features")
+    where = dict(placements or {})
     tables = [
         TableConfig(
             name=f.name,
             num_rows=f.num_rows,
             dim=dim,
             feature_names=[f.name],
-            pooling="sum" if f.ids.shape[1] == 1 else "mean",
+            pooling="mean" if f.multi else "sum",
+            placement=where.get(f.name, "local"),  # type: ignore[arg-type]
             optimizer=RowWiseAdagrad(lr=emb_lr),
         )
-        for f in data.sparse
+        for f in features
     ]
-    embeddings = EmbeddingCollection(tables, group=group)
+    embeddings = EmbeddingCollection(tables, group=group, store=store)
     config = DLRMConfig(
-        num_dense=len(data.dense_names),
-        num_sparse=len(data.sparse),
+        num_dense=num_dense,
+        num_sparse=len(tables),
         embedding_dim=dim,
         bottom_mlp=[*bottom_mlp, dim],
         top_mlp=[*top_mlp, 1],

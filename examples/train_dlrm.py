@@ -1,310 +1,391 @@
-"""Train DLRM on MovieLens-100k (or synthetic Criteo-shaped data), on 1 or N ranks.
+"""Train DLRM on MovieLens-100k, synthetic or Criteo data, on 1 or N ranks.
 
-    python examples/train_dlrm.py                      # MovieLens, one process
-    mpirun -n 2 python examples/train_dlrm.py          # the same job on two ranks
-    python examples/train_dlrm.py --data synthetic --synthetic-rows 100000
+    python examples/train_dlrm.py                                # MovieLens, one process
+    mpirun -n 2 python examples/train_dlrm.py                    # the same job on two ranks
+    torchrun --standalone --nproc_per_node 2 examples/train_dlrm.py      # ... under torchrun
+    mpirun -n 3 python examples/train_dlrm.py --ps mpi           # 2 workers + 1 PS rank
+    python examples/train_dlrm.py --data criteo --criteo-path day_0.gz --criteo-rows 0
+    python examples/train_dlrm.py --config run.toml --checkpoint-dir ckpt --resume
 
-Every rank reads the whole data set and trains on its slice of each global batch:
-dense weights start equal (broadcast from rank 0) and their gradients are averaged
-every step; the embedding collection combines row gradients across ranks itself.
-Rank 0 prints the training loss and validation AUC per epoch, then the held-out
-test AUC and log loss next to a popularity baseline (each item's training click
-rate).
+Config -> build -> train -> close. Every worker trains on its slice of each global
+batch: dense weights start equal (broadcast from rank 0) and their gradients are
+averaged every step (``dense.DataParallel``, optionally compressed, or
+``dense.ZeroOptimizer``); the embedding collection keeps its tables consistent
+itself (replicated local tables, a parameter-server store behind an optional cache,
+or tables sharded over the ranks). Rank 0 prints the validation AUC per epoch, the
+test AUC and log loss next to a popularity baseline, and writes the metrics file
+and its plot. ``--help`` lists every option.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, TypeVar
 
 if __package__ in (None, ""):  # run as a file: make the `examples` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 import comm
-from comm import ProcessGroup
-from dense import allreduce_gradients, broadcast_parameters
-from examples.data import CTRData, gather_batch, load_movielens, make_synthetic
+from cache import CachedStore
+from comm import ProcessGroup, Topology
+from dense import DataParallel, ZeroOptimizer
+from examples.checkpoint import DenseOptimizer, latest_checkpoint, load_checkpoint, save_checkpoint
+from examples.cli import parse_config
+from examples.data.ctr import Batch
+from examples.dlrm_config import TrainConfig
+from examples.dlrm_data import CriteoSource, Feature, Source, auc_logloss, open_source
 from examples.dlrm_model import DLRM, build_dlrm
-from examples.metrics import log_loss, popularity_scores, roc_auc
+from examples.loop import StepLog, due
+from examples.metrics_log import MetricsLog, cache_metrics, store_metrics
+from examples.stores import PSRole, open_ps, topology_for, with_cache
+from ps import InProcessStore, Store
+
+T = TypeVar("T")
+
+__all__ = ["TrainConfig", "main", "parse_args", "train", "train_step"]
 
 
-@dataclass(kw_only=True, slots=True)
-class TrainConfig:
-    data: Literal["movielens", "synthetic"] = "movielens"
-    # None: 3 for MovieLens; 1 for synthetic, as usual for Criteo-like click logs,
-    # whose long tail of rare ids a second epoch mostly memorizes.
-    epochs: int | None = None
-    batch_size: int = 256  # global: split evenly over the ranks
-    lr: float = 1e-3  # dense optimizer
-    dense_optimizer: Literal["adam", "adagrad"] = "adam"
-    emb_lr: float = 0.05  # row-wise Adagrad on the embedding rows
-    dim: int = 16
-    bottom_mlp: list[int] = field(default_factory=lambda: [64])  # + a layer of width dim
-    top_mlp: list[int] = field(default_factory=lambda: [64, 32])  # + a layer of width 1
-    seed: int = 0
-    synthetic_rows: int = 10_000
-    synthetic_samples: int = 200_000
-    max_steps: int = 0  # stop after this many steps in total; 0 = run every epoch fully
-    eval_batch_size: int = 4096
-    backend: str = "auto"
-    validate_comm: bool = False  # cross-rank argument checks on every collective (slower)
-    # torch threads per rank while training; 0 = torch's default. The model is small:
-    # more threads mostly add synchronization, and on a busy or shared machine
-    # busy-waiting OpenMP threads slow a step down by 10x and more.
-    threads: int = 1
-    metrics_out: str | None = None  # JSON lines, one per epoch plus a final one
-    verbose: bool = True
-
-    def __post_init__(self) -> None:
-        if self.data not in ("movielens", "synthetic"):
-            raise ValueError(f"data must be 'movielens' or 'synthetic', got {self.data!r}")
-        if self.epochs is None:
-            self.epochs = 3 if self.data == "movielens" else 1
-        if self.dense_optimizer not in ("adam", "adagrad"):
-            raise ValueError(
-                f"dense_optimizer must be 'adam' or 'adagrad', got {self.dense_optimizer!r}"
-            )
-        for name in ("epochs", "batch_size", "dim", "synthetic_rows", "eval_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "threads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "emb_lr"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.synthetic_samples < 10:
-            raise ValueError(f"synthetic_samples must be >= 10, got {self.synthetic_samples}")
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    return parse_config(TrainConfig, argv, __doc__.split("\n")[0])
 
 
-def load_data(cfg: TrainConfig) -> CTRData:
-    if cfg.data == "movielens":
-        return load_movielens(seed=cfg.seed)
-    return make_synthetic(
-        num_samples=cfg.synthetic_samples, num_rows=cfg.synthetic_rows, seed=cfg.seed
-    )
+# ---------------------------------------------------------------- build
 
 
-def make_optimizer(cfg: TrainConfig, model: DLRM) -> torch.optim.Optimizer:
-    """The dense optimizer; embedding rows are updated inside backward."""
+def resolve_placements(cfg: TrainConfig, features: list[Feature]) -> dict[str, str]:
+    """``{table: placement}`` from ``--placement`` and ``--placement-of``."""
+    default = cfg.placement
+    if default == "auto":
+        dynamic = any(f.num_rows is None for f in features)
+        default = "hybrid" if (cfg.cache_on or cfg.ps != "local" or dynamic) else "local"
+    out = {f.name: default for f in features}
+    for table, where in cfg.placement_overrides().items():
+        if table not in out:
+            raise ValueError(f"placement_of: no table {table!r}; the tables are {list(out)}")
+        out[table] = where
+    return out
+
+
+def make_optimizer(cfg: TrainConfig, model: DLRM, group: ProcessGroup) -> DenseOptimizer:
+    """The dense optimizer; wraps ``model.dense`` in ``DataParallel`` at ZeRO stage 0.
+
+    Embedding rows are updated inside backward by their tables' optimizers."""
+    cls = torch.optim.Adam if cfg.dense_optimizer == "adam" else torch.optim.Adagrad
     params = list(model.dense.parameters())
-    if cfg.dense_optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr)
-    return torch.optim.Adagrad(params, lr=cfg.lr)
-
-
-def local_batches(
-    data: CTRData, cfg: TrainConfig, group: ProcessGroup, epoch: int
-) -> list[torch.Tensor]:
-    """This rank's sample indices for each full global batch of ``epoch``.
-
-    The shuffle is the same on every rank (seeded by seed and epoch); rank ``r``
-    takes rows ``[r*b, (r+1)*b)`` of each global batch, ``b = batch_size / size``.
-    """
-    if cfg.batch_size % group.size != 0:
-        raise ValueError(
-            f"batch_size {cfg.batch_size} must be a multiple of the number of ranks "
-            f"{group.size} (each rank takes an equal slice of a global batch)"
-        )
-    per_rank = cfg.batch_size // group.size
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
-    order = data.train_idx[torch.randperm(len(data.train_idx), generator=gen)]
-    steps = len(order) // cfg.batch_size  # the last partial global batch is dropped
-    start = group.rank * per_rank
-    return [
-        order[s * cfg.batch_size + start : s * cfg.batch_size + start + per_rank]
-        for s in range(steps)
-    ]
-
-
-def train_step(
-    model: DLRM, opt: torch.optim.Optimizer, data: CTRData, idx: torch.Tensor, group: ProcessGroup
-) -> float:
-    """One synchronous step on this rank's samples ``idx``; returns the local mean loss."""
-    batch = gather_batch(data, idx)
-    logits = model(batch)  # [b]
-    loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()  # embedding rows are updated here (synchronized across ranks)
-    allreduce_gradients(model.dense, group)
-    opt.step()
-    return float(loss.detach())
-
-
-@torch.no_grad()
-def predict(
-    model: DLRM, data: CTRData, idx: torch.Tensor, group: ProcessGroup, batch_size: int
-) -> np.ndarray:
-    """Click probabilities for samples ``idx`` (``[n]``), scored in shards over ranks."""
-    shard = torch.tensor_split(idx, group.size)[group.rank]
-    model.eval()
-    parts = [
-        torch.sigmoid(model(gather_batch(data, shard[i : i + batch_size])))
-        for i in range(0, len(shard), batch_size)
-    ]
-    model.train()
-    mine = torch.cat(parts) if parts else torch.empty(0)
-    return group.allgatherv(mine.contiguous()).double().numpy()  # [n] in idx order
-
-
-def evaluate(
-    model: DLRM, data: CTRData, idx: torch.Tensor, cfg: TrainConfig, group: ProcessGroup
-) -> tuple[float, float]:
-    """AUC and log loss of the model on samples ``idx``."""
-    probs = predict(model, data, idx, group, cfg.eval_batch_size)
-    labels = data.labels[idx].numpy()
-    return roc_auc(labels, probs), log_loss(labels, probs)
-
-
-def popularity_baseline(data: CTRData) -> tuple[float, float]:
-    """AUC and log loss on the test split of each item's smoothed training click rate."""
-    items = data.feature(data.item_feature).ids[:, 0]  # [N]
-    scores = popularity_scores(
-        items[data.train_idx], data.labels[data.train_idx], items[data.test_idx]
+    if cfg.zero_stage:  # averages the gradients itself; broadcasts rank 0's weights
+        return ZeroOptimizer(cls, params, group, stage=cfg.zero_stage, lr=cfg.lr)
+    model.dense = DataParallel(
+        model.dense, group, bucket_mb=cfg.bucket_mb, compression=cfg.compression
     )
-    labels = data.labels[data.test_idx].numpy()
-    return roc_auc(labels, scores), log_loss(labels, scores)
+    return cls(params, lr=cfg.lr)
 
 
-def train(cfg: TrainConfig, group: ProcessGroup) -> dict[str, Any]:
-    """Train and evaluate; returns the metrics (the same on every rank but for timings)."""
-    before = torch.get_num_threads()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    try:
-        return _train(cfg, group)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _train(cfg: TrainConfig, group: ProcessGroup) -> dict[str, Any]:
-    say = print if (cfg.verbose and group.rank == 0) else (lambda *a, **k: None)
-    record = cfg.metrics_out if group.rank == 0 else None
-    if record:
-        Path(record).write_text("")
-    data = load_data(cfg)
+def build(
+    cfg: TrainConfig, source: Source, group: ProcessGroup, store: Store
+) -> tuple[DLRM, DenseOptimizer, CachedStore | None]:
+    placements = resolve_placements(cfg, source.features)
+    cached = with_cache(cfg, store, group)
+    if cached is not None and "hybrid" not in placements.values():
+        raise ValueError(f"the cache serves hybrid tables, but the placements are {placements}")
     model = build_dlrm(
-        data,
+        source.features,
+        source.num_dense,
         dim=cfg.dim,
         emb_lr=cfg.emb_lr,
         bottom_mlp=cfg.bottom_mlp,
         top_mlp=cfg.top_mlp,
         seed=cfg.seed,
         group=group,
+        placements=placements,
+        store=cached if cached is not None else store,
     )
-    broadcast_parameters(model.dense, group)
-    opt = make_optimizer(cfg, model)
-    say(
-        f"DLRM on {cfg.data}: {data.num_samples} samples ({len(data.train_idx)} train), "
-        f"{len(data.sparse)} sparse + {len(data.dense_names)} dense features, "
-        f"{group.size} rank(s) ({group.backend})"
-    )
+    return model, make_optimizer(cfg, model, group), cached
+
+
+def dense_module(model: DLRM) -> torch.nn.Module:
+    """The plain dense part (inside DataParallel, if wrapped): what a checkpoint holds."""
+    return model.dense.module if isinstance(model.dense, DataParallel) else model.dense
+
+
+# ---------------------------------------------------------------- steps
+
+
+def train_step(
+    model: DLRM, opt: DenseOptimizer, batch: Batch, next_batch: Batch | None = None
+) -> float:
+    """One synchronous step on this rank's ``batch``; returns its local mean loss.
+
+    With ``next_batch``, its ids go to the embedding cache after the forward, so
+    their rows are fetched while this batch runs backward."""
+    logits = model(batch)  # [b]
+    if next_batch is not None:
+        model.embeddings.prefetch(next_batch.sparse)
+    loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()  # rows updated here; DataParallel buckets allreduced meanwhile
+    if isinstance(model.dense, DataParallel):
+        model.dense.finish()
+    opt.step()  # ZeroOptimizer: averages the gradients first
+    return float(loss.detach())
+
+
+def agreed(items: Iterable[T], group: ProcessGroup, check: bool) -> Iterator[T]:
+    """``items`` while every rank still has one (``check``: one tiny allreduce per item;
+    for streams, whose ranks may hold one batch more or less)."""
+    it = iter(items)
+    while True:
+        item = next(it, None)
+        if check:
+            missing = torch.tensor([1 if item is None else 0], dtype=torch.int64)
+            if int(group.allreduce(missing, op="max")):  # some rank ran out
+                return
+        if item is None:
+            return
+        yield item
+
+
+def with_next(items: Iterator[T], lookahead: bool) -> Iterator[tuple[T, T | None]]:
+    """``(item, next item or None)``; without ``lookahead`` next is always None."""
+    cur = next(items, None)
+    while cur is not None:
+        nxt = next(items, None)
+        yield cur, (nxt if lookahead else None)
+        cur = nxt
+
+
+@torch.no_grad()
+def evaluate(
+    model: DLRM, batches: Iterable[Batch], group: ProcessGroup, lockstep: bool
+) -> tuple[float, float]:
+    """AUC and log loss over every rank's ``batches`` (collective)."""
+    model.eval()
+    probs, labels = [torch.empty(0)], [torch.empty(0)]
+    for b in agreed(batches, group, lockstep):
+        probs.append(torch.sigmoid(model(b)).float())
+        labels.append(b.labels.float())
+    model.train()
+    p = group.allgatherv(torch.cat(probs).contiguous())  # [n] over all ranks
+    y = group.allgatherv(torch.cat(labels).contiguous())
+    return auc_logloss(y, p)
+
+
+# ---------------------------------------------------------------- train
+
+
+def train(cfg: TrainConfig, group: ProcessGroup, store: Store | None = None) -> dict[str, Any]:
+    """Train and evaluate on the workers ``group``; ``store`` holds the hybrid tables
+    (default: a fresh in-process store). Returns the metrics (equal on every rank
+    but for timings)."""
+    before = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _train(cfg, group, InProcessStore() if store is None else store)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(cfg: TrainConfig, group: ProcessGroup, store: Store) -> dict[str, Any]:
+    say = print if (cfg.verbose and group.rank == 0) else (lambda *a, **k: None)
+    source = open_source(cfg, group)
+    model, opt, cached = build(cfg, source, group, store)
+    stream = isinstance(source, CriteoSource)
+    lockstep = model.embeddings.sharded is not None
+    say(f"DLRM on {source.describe()}; {group.size} worker rank(s) ({group.backend})")
+
+    epoch, skip, step, start_pos = 0, 0, 0, None
+    resume_from = latest_checkpoint(cfg.checkpoint_dir) if cfg.resume else None
+    assert cfg.checkpoint_dir is not None or resume_from is None
+    if resume_from is not None:
+        meta, start_pos = load_checkpoint(
+            resume_from, group=group, dense=dense_module(model), optimizer=opt,
+            embeddings=model.embeddings,
+        )  # fmt: skip
+        epoch, skip, step = meta["epoch"], meta["step_in_epoch"], meta["step"]
+        say(f"resumed from {resume_from} at step {step} (epoch {epoch + 1})")
+    elif cfg.resume:
+        say(f"no checkpoint in {cfg.checkpoint_dir}: starting from scratch")
+
+    assert cfg.epochs is not None  # resolved in TrainConfig.__post_init__
+    spe = source.steps_per_epoch
+    total = spe * cfg.epochs if spe is not None else None
+    if cfg.max_steps:
+        total = min(total, cfg.max_steps) if total is not None else cfg.max_steps
+    log = MetricsLog(cfg.metrics_out if group.rank == 0 else None, append=resume_from is not None)
+
+    def extras() -> dict[str, float]:
+        if cached is not None:
+            return cache_metrics(cached.cache_stats())
+        if model.embeddings.hybrid is not None:
+            return store_metrics(model.embeddings.store.stats())
+        return {}
+
+    steps = StepLog(
+        group=group, log=log, log_every=cfg.log_every, samples_per_step=cfg.batch_size,
+        total_steps=total, start_step=step, progress=cfg.progress, extras=extras,
+    )  # fmt: skip
+
+    def checkpoint(at_epoch: int, in_epoch: int, pos: torch.Tensor | None) -> None:
+        assert cfg.checkpoint_dir is not None
+        save_checkpoint(
+            cfg.checkpoint_dir, step, group=group, dense=dense_module(model), optimizer=opt,
+            embeddings=model.embeddings, rank_state=pos, keep=cfg.checkpoint_keep,
+            meta={"epoch": at_epoch, "step_in_epoch": in_epoch, "config": asdict(cfg)},
+        )  # fmt: skip
+
+    def validate(kind: str, **fields: Any) -> dict[str, Any] | None:
+        if not source.has_split("val"):
+            return None
+        auc, logloss = evaluate(model, source.eval_batches("val"), group, lockstep)
+        row = {"kind": kind, "step": step, **fields, "val_auc": auc, "val_logloss": logloss}
+        if cached is not None:
+            row["cache_hit_rate"] = cache_metrics(cached.cache_stats())["cache_hit_rate"]
+        log.write(row)
+        return row
 
     epochs: list[dict[str, Any]] = []
-    steps, train_seconds = 0, 0.0
-    assert cfg.epochs is not None  # resolved in TrainConfig.__post_init__
-    for epoch in range(cfg.epochs):
+    train_seconds, stopped = 0.0, False
+    for e in range(epoch, cfg.epochs):
         t0 = time.perf_counter()
         loss_sum = torch.zeros(2, dtype=torch.float64)  # [sum of local mean losses, steps]
-        for idx in local_batches(data, cfg, group, epoch):
-            if cfg.max_steps and steps >= cfg.max_steps:
+        in_epoch = skip if e == epoch else 0
+        if stream:
+            batches = source.train_batches(e, start_pos if e == epoch else None)
+        else:
+            batches = source.train_batches(e, in_epoch)
+        pos = None
+        for (batch, pos), nxt in with_next(agreed(batches, group, stream), cached is not None):
+            loss = train_step(model, opt, batch, None if nxt is None else nxt[0])
+            loss_sum += torch.tensor([loss, 1.0], dtype=torch.float64)
+            step += 1
+            in_epoch += 1
+            steps.step(step, loss)
+            if cfg.checkpoint_dir and due(step, cfg.checkpoint_every):
+                checkpoint(e, in_epoch, pos)
+            if due(step, cfg.eval_every):
+                validate("eval")
+            if cfg.max_steps and step >= cfg.max_steps:
+                stopped = True
                 break
-            loss_sum += torch.tensor([train_step(model, opt, data, idx, group), 1.0])
-            steps += 1
         train_seconds += time.perf_counter() - t0
+        steps.flush(step)
         group.allreduce(loss_sum, op="sum")
-        val_auc, val_logloss = evaluate(model, data, data.val_idx, cfg, group)
-        row = {
-            "kind": "epoch",
-            "epoch": epoch + 1,
-            "steps": steps,
-            "train_loss": float(loss_sum[0] / loss_sum[1].clamp_min(1)),
-            "val_auc": val_auc,
-            "val_logloss": val_logloss,
-        }
+        train_loss = float(loss_sum[0] / loss_sum[1].clamp_min(1))
+        row = validate("epoch", epoch=e + 1, steps=step, train_loss=train_loss) or {
+            "kind": "epoch", "epoch": e + 1, "steps": step, "train_loss": train_loss,
+        }  # fmt: skip
         epochs.append(row)
         say(
-            f"epoch {epoch + 1}: train loss {row['train_loss']:.4f}  "
-            f"val AUC {val_auc:.4f}  val logloss {val_logloss:.4f}"
-        )
-        _append_json(record, row)
-        if cfg.max_steps and steps >= cfg.max_steps:
+            f"epoch {e + 1}: train loss {train_loss:.4f}"
+            + (f"  val AUC {row['val_auc']:.4f}  val logloss {row['val_logloss']:.4f}"
+               if "val_auc" in row else "")
+        )  # fmt: skip
+        if stopped:
+            end_epoch, end_in_epoch, end_pos = e, in_epoch, pos
             break
+    else:
+        end_epoch, end_in_epoch, end_pos = cfg.epochs, 0, None
+    steps.close()
 
-    test_auc, test_logloss = evaluate(model, data, data.test_idx, cfg, group)
-    pop_auc, pop_logloss = popularity_baseline(data)
+    if cached is not None:
+        cached.flush()  # every pending row update reaches the store
+    if cfg.checkpoint_dir:
+        checkpoint(end_epoch, end_in_epoch, end_pos if stream and stopped else None)
+    result = finish(cfg, group, model, source, lockstep, epochs, step, train_seconds)
+    if cached is not None:
+        result["cache"] = cached.cache_stats()
+        result.update(cache_metrics(result["cache"]))
+    if isinstance(model.dense, DataParallel) and model.dense.codec is not None:
+        result["codec_stats"] = dict(model.dense.codec.stats)
+    test = (
+        f"test AUC {result['test_auc']:.4f}  logloss {result['test_logloss']:.4f}"
+        if result.get("test_auc") is not None
+        else "no test split"
+    )
+    pop = (
+        f" | popularity AUC {result['popularity_auc']:.4f}  "
+        f"logloss {result['popularity_logloss']:.4f}"
+        if "popularity_auc" in result
+        else ""
+    )
+    say(
+        f"{test}{pop} | {result['samples_per_s']:.0f} samples/s ({step} steps, "
+        f"{train_seconds:.1f} s)"
+    )
+    log.write(result)
+    png = log.close()
+    if png is not None:
+        say(f"metrics: {cfg.metrics_out}, plot: {png}")
+    return result
+
+
+def finish(
+    cfg: TrainConfig,
+    group: ProcessGroup,
+    model: DLRM,
+    source: Source,
+    lockstep: bool,
+    epochs: list[dict[str, Any]],
+    steps: int,
+    train_seconds: float,
+) -> dict[str, Any]:
+    """The final summary: test metrics, the popularity baseline, throughput."""
     result: dict[str, Any] = {
         "kind": "final",
         "config": asdict(cfg),
         "epochs": epochs,
         "steps": steps,
         "world_size": group.size,
-        "test_auc": test_auc,
-        "test_logloss": test_logloss,
-        "popularity_auc": pop_auc,
-        "popularity_logloss": pop_logloss,
         "train_seconds": train_seconds,
         "samples_per_s": steps * cfg.batch_size / max(train_seconds, 1e-9),
+        "test_auc": None,
+        "test_logloss": None,
     }
-    say(
-        f"test AUC {test_auc:.4f}  logloss {test_logloss:.4f} | popularity AUC {pop_auc:.4f}  "
-        f"logloss {pop_logloss:.4f} | {result['samples_per_s']:.0f} samples/s "
-        f"({steps} steps, {train_seconds:.1f} s)"
-    )
-    _append_json(record, result)
+    if epochs and "val_auc" in epochs[-1]:
+        result["val_auc"], result["val_logloss"] = epochs[-1]["val_auc"], epochs[-1]["val_logloss"]
+    if source.has_split("test"):
+        auc, logloss = evaluate(model, source.eval_batches("test"), group, lockstep)
+        result["test_auc"], result["test_logloss"] = auc, logloss
+    baseline = source.baseline()
+    if baseline is not None:
+        result["popularity_auc"], result["popularity_logloss"] = baseline
     return result
 
 
-def _append_json(path: str | None, row: dict[str, Any]) -> None:
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+# ---------------------------------------------------------------- main
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    d = TrainConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--data", choices=["movielens", "synthetic"], default=d.data)
-    p.add_argument("--epochs", type=int, default=None, help="default: 3 MovieLens, 1 synthetic")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch size")
-    p.add_argument("--lr", type=float, default=d.lr, help="dense learning rate")
-    p.add_argument("--dense-optimizer", choices=["adam", "adagrad"], default=d.dense_optimizer)
-    p.add_argument("--emb-lr", type=float, default=d.emb_lr, help="row-wise Adagrad lr")
-    p.add_argument("--dim", type=int, default=d.dim, help="embedding dimension")
-    p.add_argument("--bottom-mlp", type=int, nargs="+", default=d.bottom_mlp)
-    p.add_argument("--top-mlp", type=int, nargs="+", default=d.top_mlp)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--synthetic-rows", type=int, default=d.synthetic_rows)
-    p.add_argument("--synthetic-samples", type=int, default=d.synthetic_samples)
-    p.add_argument("--max-steps", type=int, default=d.max_steps, help="0 = no limit")
-    p.add_argument("--backend", default=d.backend, help="auto, local, mpi, gloo or nccl")
-    p.add_argument(
-        "--validate-comm", action="store_true", help="check collective arguments across ranks"
-    )
-    p.add_argument(
-        "--threads", type=int, default=d.threads, help="torch threads per rank; 0 = default"
-    )
-    p.add_argument("--metrics-out", default=None, help="write JSON lines here (rank 0)")
-    # Every option's dest is a TrainConfig field of the same name.
-    return TrainConfig(**vars(p.parse_args(argv)))
+def check_roles(cfg: TrainConfig, world: ProcessGroup) -> Topology:
+    """The job's roles, checked against the config on every rank before anything starts."""
+    topo = topology_for(cfg.ps, world)
+    if cfg.batch_size % topo.num_workers:
+        raise ValueError(
+            f"batch_size {cfg.batch_size} must be a multiple of the {topo.num_workers} worker "
+            f"rank(s) ({topo.world_size} ranks, {topo.num_servers} of them parameter servers)"
+        )
+    return topo
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
-    group = comm.init(cfg.backend, validate=cfg.validate_comm)
+    world = comm.init(cfg.backend, validate=cfg.validate_comm)
+    role: PSRole | None = None
     try:
-        train(cfg, group)
+        check_roles(cfg, world)
+        role = open_ps(cfg.ps, world)  # a server rank serves here until the workers close
+        if role.store is not None:
+            train(cfg, role.group, role.store)
     finally:
-        group.close()
+        if role is not None and role.store is not None:
+            role.store.close()
+        world.close()
 
 
 if __name__ == "__main__":

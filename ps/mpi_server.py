@@ -23,7 +23,23 @@ shard, and the requests of one worker are applied in the order it sent them
 
 A bad request (unknown table index, ids out of range, wrong sizes, NaN
 gradients, ...) gets an error reply that the worker raises as ValueError /
-TypeError; the server changes nothing and keeps serving.
+TypeError; the server changes nothing and keeps serving. Sizes are checked
+before anything is allocated or read: the header's ``n`` (at most
+:data:`ps.wire.MAX_IDS`) and ``dim`` against the payload words and the float
+count of the data message, byte counts that are not whole words, a request whose
+data message does not follow within ``ServerConfig.data_timeout_s``, and the
+table index against the tables this server has.
+
+Exactly-once pushes (:data:`ps.wire.FLAG_SEQ`): the server keeps, per (table,
+worker rank), the session and sequence number of the last push it applied and
+acknowledges a repeat (same session, number not above) with
+:data:`ps.wire.FLAG_DUPLICATE` without applying it again. MPI delivers one
+worker's messages in order, so "not above the last applied" is exact. The
+numbers are not part of checkpoints (a resumed job runs new sessions) and a
+load keeps them (a resend of a push from before the load is still a repeat).
+``stats()`` adds ``push_duplicates`` per table. ``ServerConfig.drop_reply_every``
+is a fault injection for tests: the reply of every k-th applied push is not
+sent (the push is applied), so the worker's resend path runs for real.
 """
 
 from __future__ import annotations
@@ -68,16 +84,35 @@ class ServerConfig:
     (10 k rows) and its neighbours on the node are workers that spin while they
     wait: with 2 intra-op threads a 10 k-row push took ~50x longer on the 2-core
     development machine (other jobs running) than with 1.
+    ``data_timeout_s``: how long the server waits for the data message that
+    must follow a request's header message (a broken client that sends only
+    one gets an error reply instead of hanging the server).
+    ``drop_reply_every`` (tests only, 0 = off): apply every push but do not
+    send the reply of every k-th one applied, as if it were lost (at most once
+    per request: a resend is answered); the worker's resend must then be
+    recognised as a repeat.
     """
 
     spin_s: float = _SPIN_S
     idle_sleep_s: float = _IDLE_SLEEP_S
     torch_threads: int | None = 1
+    data_timeout_s: float = 10.0
+    drop_reply_every: int = 0
 
     def __post_init__(self) -> None:
         t = self.torch_threads
         if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
             raise ValueError(f"ServerConfig: torch_threads must be None or an int >= 1, got {t!r}")
+        k = self.drop_reply_every
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"ServerConfig: drop_reply_every must be an int >= 0, got {k!r}")
+        d = self.data_timeout_s
+        if (
+            not isinstance(d, int | float)
+            or isinstance(d, bool)
+            or not (math.isfinite(d) and d > 0)
+        ):
+            raise ValueError(f"ServerConfig: data_timeout_s must be a number > 0, got {d!r}")
         for name in ("spin_s", "idle_sleep_s"):
             v = getattr(self, name)
             if not isinstance(v, int | float) or not (math.isfinite(v) and v >= 0):
@@ -158,9 +193,17 @@ class _Server:
         self.sends: list[Any] = []  # reply sends in flight (requests keep their buffers)
         # A load waiting for its commit: name -> (spec, this shard's new table).
         self.staged: dict[str, tuple[TableSpec, LocalTable]] | None = None
+        # Exactly-once: (table, worker rank) -> (session, last applied sequence number).
+        self.last_seq: dict[tuple[str, int], tuple[int, int]] = {}
+        self.duplicates: dict[str, int] = {}  # table -> repeats acknowledged, not applied
+        self.applied = 0  # pushes applied (for drop_reply_every)
+        self.dropped: set[tuple[int, int]] = set()  # (worker, request id) replies dropped
 
     def stats(self) -> dict[str, dict[str, int | float]]:
-        return {name: t.stats() for name, t in self.tables.items()}
+        return {
+            name: {**t.stats(), "push_duplicates": self.duplicates.get(name, 0)}
+            for name, t in self.tables.items()
+        }
 
     # ------------------------------------------------------------ loop
 
@@ -191,33 +234,59 @@ class _Server:
 
     def serve_one(self, status: Any) -> None:
         src = status.Get_source()
-        meta = np.empty(status.Get_count(MPI.INT64_T), dtype=np.int64)
-        self.comm.Recv([meta, MPI.INT64_T], source=src, tag=wire.TAG_REQUEST)
-        self.comm.Probe(source=src, tag=wire.TAG_REQUEST_DATA, status=status)
-        data = np.empty(status.Get_count(MPI.FLOAT), dtype=np.float32)
-        self.comm.Recv([data, MPI.FLOAT], source=src, tag=wire.TAG_REQUEST_DATA)
-        request_id = int(meta[wire.W_ID]) if meta.size > wire.W_ID else 0
-        op = int(meta[wire.W_OP]) if meta.size > wire.W_OP else 0
+        meta_raw = self.receive(src, wire.TAG_REQUEST, status)
+        request_id = op = 0
         try:
+            data_raw = self.receive_data(src, status)
+            meta = _as_words(meta_raw, np.int64, "header message")
+            request_id = int(meta[wire.W_ID]) if meta.size > wire.W_ID else 0
+            op = int(meta[wire.W_OP]) if meta.size > wire.W_OP else 0
             wire.check_header(meta, f"request from rank {src}")
-            reply_meta, reply_data = self.dispatch(src, meta, data)
+            if data_raw is None:
+                raise ValueError(
+                    f"request from rank {src}: its data message did not follow within "
+                    f"{self.config.data_timeout_s:g} s"
+                )
+            data = _as_words(data_raw, np.float32, "data message")
+            reply = self.dispatch(src, meta, data)
         except Exception as e:  # every failure becomes an error reply; the server goes on
-            reply_meta, reply_data = wire.error_message(op, request_id, e), _EMPTY_F32
+            reply = wire.error_message(op, request_id, e), _EMPTY_F32
+        if reply is None:  # drop_reply_every: the push was applied, its reply "lost"
+            return
+        reply_meta, reply_data = reply
         meta_tag, data_tag = wire.reply_tags(request_id, self.tag_ub)
         if len(self.sends) >= 16:  # a busy server never idles: let go of finished replies here
             self.sends = [r for r in self.sends if not r.Test()]
         self.sends.append(self.comm.Isend([reply_meta, MPI.INT64_T], dest=src, tag=meta_tag))
         self.sends.append(self.comm.Isend([reply_data, MPI.FLOAT], dest=src, tag=data_tag))
 
+    def receive(self, src: int, tag: int, status: Any) -> np.ndarray:
+        """The probed message as raw bytes (any length: sizes are checked afterwards)."""
+        raw = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+        self.comm.Recv([raw, MPI.BYTE], source=src, tag=tag)
+        return raw
+
+    def receive_data(self, src: int, status: Any) -> np.ndarray | None:
+        """The data message that follows a header from ``src`` (None: it did not come)."""
+        if not self.comm.Iprobe(src, wire.TAG_REQUEST_DATA, status):
+            deadline = time.monotonic() + self.config.data_timeout_s
+            while not self.comm.Iprobe(src, wire.TAG_REQUEST_DATA, status):
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(self.config.idle_sleep_s or 0.0)
+        return self.receive(src, wire.TAG_REQUEST_DATA, status)
+
     # ------------------------------------------------------------ requests
 
-    def dispatch(self, src: int, meta: np.ndarray, data: np.ndarray) -> tuple[np.ndarray, Any]:
+    def dispatch(
+        self, src: int, meta: np.ndarray, data: np.ndarray
+    ) -> tuple[np.ndarray, Any] | None:
         op, rid = int(meta[wire.W_OP]), int(meta[wire.W_ID])
         payload = meta[HEADER_LEN:]
         if op == Op.PULL:
             return self.pull(meta, payload, data)
         if op == Op.PUSH:
-            return self.push(meta, payload, data)
+            return self.push(src, meta, payload, data)
         if op in (Op.CLOCKS, Op.STATE):
             return self.inspect(op, meta, payload, data)
         _expect_sizes(meta, data, payload.size, 0)
@@ -241,7 +310,7 @@ class _Server:
 
     def table(self, meta: np.ndarray, op: str) -> tuple[TableSpec, LocalTable]:
         index = int(meta[wire.W_TABLE])
-        if not 0 <= index < len(self.names):
+        if not 0 <= index < len(self.names) or self.names[index] not in self.tables:
             raise ValueError(
                 f"{op}: table index {index} is unknown on server rank {self.rank} "
                 f"(it has {len(self.names)} tables: {self.names})"
@@ -309,15 +378,32 @@ class _Server:
         head = wire.header(Op.PULL, int(meta[wire.W_ID]), n=m, dim=spec.dim, flags=flags)
         return wire.message(head, *parts), got.rows.contiguous().numpy()
 
-    def push(self, meta: np.ndarray, payload: np.ndarray, data: np.ndarray) -> tuple[Any, Any]:
+    def push(
+        self, src: int, meta: np.ndarray, payload: np.ndarray, data: np.ndarray
+    ) -> tuple[Any, Any] | None:
         spec, table = self.table(meta, "push")
-        n = int(meta[wire.W_N])
-        _expect_sizes(meta, data, n, n * spec.dim)
+        n, rid = int(meta[wire.W_N]), int(meta[wire.W_ID])
+        sequenced = bool(int(meta[wire.W_FLAGS]) & wire.FLAG_SEQ)
+        _expect_sizes(meta, data, n + int(sequenced), n * spec.dim)
         ids = self.check_ids(spec, payload[:n], "push")
         grads = torch.from_numpy(data).view(n, spec.dim)
         check_push_grads(spec, ids, grads)
+        if sequenced:
+            session, seq = int(payload[n]), int(meta[wire.W_ARG])
+            key = (spec.name, src)
+            last = self.last_seq.get(key)
+            if last is not None and last[0] == session and seq <= last[1]:
+                self.duplicates[spec.name] = self.duplicates.get(spec.name, 0) + 1
+                head = wire.header(Op.PUSH, rid, flags=wire.FLAG_DUPLICATE)
+                return wire.message(head), _EMPTY_F32
+            self.last_seq[key] = (session, seq)
         table.push(ids, grads)
-        return wire.message(wire.header(Op.PUSH, int(meta[wire.W_ID]))), _EMPTY_F32
+        self.applied += 1
+        every = self.config.drop_reply_every
+        if every and self.applied % every == 0 and (src, rid) not in self.dropped:
+            self.dropped.add((src, rid))  # a resend (same request id) is answered
+            return None
+        return wire.message(wire.header(Op.PUSH, rid)), _EMPTY_F32
 
     def inspect(self, op: int, meta: np.ndarray, payload: np.ndarray, data: np.ndarray) -> Any:
         what = "clocks" if op == Op.CLOCKS else "state"
@@ -414,11 +500,24 @@ def _text_reply(op: int, request_id: int, text: str, *, table: int = -1) -> Any:
     ), _EMPTY_F32
 
 
+def _as_words(raw: np.ndarray, dtype: type[np.generic], what: str) -> np.ndarray:
+    """``raw`` bytes as an array of ``dtype``; ValueError if they are not whole words."""
+    size = np.dtype(dtype).itemsize
+    if raw.size % size:
+        raise ValueError(
+            f"{what} of {raw.size} bytes is not a whole number of {size}-byte words "
+            f"({np.dtype(dtype).name})"
+        )
+    return raw.view(dtype)
+
+
 def _expect_sizes(meta: np.ndarray, data: np.ndarray, words: int, floats: int) -> None:
     """The request must carry exactly ``words`` int64 payload words and ``floats`` floats."""
-    n = int(meta[wire.W_N])
-    if n < 0:
-        raise ValueError(f"request says n={n} ids; expected n >= 0")
+    n, dim = int(meta[wire.W_N]), int(meta[wire.W_DIM])
+    if not 0 <= n <= wire.MAX_IDS:
+        raise ValueError(f"request says n={n} ids; expected 0 <= n <= {wire.MAX_IDS}")
+    if dim < 0:
+        raise ValueError(f"request says dim={dim}; expected dim >= 0")
     got_words = meta.size - HEADER_LEN
     if got_words != words or data.size != floats:
         raise ValueError(

@@ -43,6 +43,20 @@ Dead servers: every ``wait()`` gives up after ``request_timeout_s`` and raises
 :class:`comm.CommTimeoutError` naming the server ranks that did not answer.
 (With MPICH's default launcher a rank that dies takes the whole job down at
 once; the timeout covers hung servers and ``mpiexec -disable-auto-cleanup``.)
+
+Exactly-once pushes: each push sub-request carries this store's session (a
+random 63-bit token) and a sequence number per (table, server) (1, 2, 3, ...;
+:data:`ps.wire.FLAG_SEQ`). A push whose reply has not come ``push_retry_s``
+after it was sent is sent again, unchanged (same number), up to ``max_retries``
+times while its handle is waited; the server applies a number at most once and
+acknowledges a repeat. A server still silent ``request_timeout_s`` after the
+first send is reported dead as above. A second reply to a resent push (when the
+first was only late) is received and dropped later. ``exactly_once=False``
+sends pushes without numbers: a resent push is then applied again (it exists
+so that tests can show the difference). ``stats()`` adds this worker's
+``worker_push_calls`` (push sub-requests sent), ``worker_push_retries``
+(resends) and ``worker_push_duplicates`` (replies that said "repeat") to the
+servers' counters, which include ``push_duplicates``.
 """
 
 from __future__ import annotations
@@ -51,6 +65,7 @@ import atexit
 import json
 import math
 import os
+import secrets
 import sys
 import time
 import weakref
@@ -82,10 +97,14 @@ class _Call:
     server: int  # MPI rank
     request_id: int
     op: int
-    requests: list[Any]  # [recv meta, recv data, send meta, send data]
+    requests: list[Any]  # [recv meta, recv data, send meta, send data, resends...]
     reply: np.ndarray  # int64 [HEADER_LEN + K]
     data: np.ndarray  # float32 reply buffer (may be a view into the caller's output)
     started: float  # time.monotonic() when sent
+    # What a resend needs (pushes only): the request's two buffers.
+    sent: tuple[np.ndarray, np.ndarray] | None = None
+    last_sent: float = 0.0
+    retries: int = 0
 
     def done(self) -> bool:
         return bool(MPI.Request.Testall(self.requests))
@@ -114,15 +133,36 @@ class _Table:
     index: list[int] = field(default_factory=list)  # the table's index on each server
 
 
+@dataclass(slots=True)
+class _Stray:
+    """Replies that may still come for a request that was resent (the first was only late)."""
+
+    server: int
+    meta_tag: int
+    data_tag: int
+    left: int  # at most this many more
+    until: float  # stop looking (monotonic time)
+
+
 class MPIStore(Store):
     """A store whose tables are sharded over the server ranks of ``topology``.
 
     ``request_timeout_s`` bounds every wait for a reply (a server that died or
-    hangs raises :class:`comm.CommTimeoutError` naming its rank).
+    hangs raises :class:`comm.CommTimeoutError` naming its rank). A push whose
+    reply is ``push_retry_s`` late (default ``request_timeout_s / 3``) is resent
+    with the same sequence number, at most ``max_retries`` times; see the module
+    docstring for ``exactly_once``.
     """
 
     def __init__(
-        self, group: ProcessGroup, topology: Topology, *, request_timeout_s: float = 30.0
+        self,
+        group: ProcessGroup,
+        topology: Topology,
+        *,
+        request_timeout_s: float = 30.0,
+        push_retry_s: float | None = None,
+        max_retries: int = 2,
+        exactly_once: bool = True,
     ) -> None:
         mpi_comm = check_mpi_topology(group, topology, "MPIStore")
         if group.rank not in topology.worker_ranks:
@@ -137,8 +177,27 @@ class MPIStore(Store):
             or not (math.isfinite(t) and t > 0)
         ):
             raise ValueError(f"MPIStore: request_timeout_s must be a number > 0, got {t!r}")
+        r = t / 3 if push_retry_s is None else push_retry_s
+        if (
+            not isinstance(r, int | float)
+            or isinstance(r, bool)
+            or not (math.isfinite(r) and r > 0)
+        ):
+            raise ValueError(f"MPIStore: push_retry_s must be None or a number > 0, got {r!r}")
+        if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
+            raise ValueError(f"MPIStore: max_retries must be an int >= 0, got {max_retries!r}")
+        if not isinstance(exactly_once, bool):
+            raise TypeError(f"MPIStore: exactly_once must be a bool, got {exactly_once!r}")
         self.rank = group.rank
         self.request_timeout_s = float(request_timeout_s)
+        self.push_retry_s = float(r)
+        self.max_retries = max_retries
+        self.exactly_once = exactly_once
+        self._session = secrets.randbits(63)  # this store's pushes, told apart from earlier ones
+        self._seq: dict[tuple[str, int], int] = {}  # (table, server number) -> last number sent
+        self._strays: list[_Stray] = []
+        # This worker's exactly-once counters per table (see stats()).
+        self._counters: dict[str, dict[str, int]] = {}
         self._servers = topology.server_ranks
         self._comm = mpi_comm.Dup()
         self._tag_ub = int(self._comm.Get_attr(MPI.TAG_UB))
@@ -181,8 +240,12 @@ class MPIStore(Store):
         dim: int = 0,
         flags: int = 0,
         arg: int = 0,
+        resendable: bool = False,
     ) -> _Call:
-        """Send one request to server number ``s``; the receives are posted first."""
+        """Send one request to server number ``s``; the receives are posted first.
+
+        ``resendable``: keep the request's buffers so that :meth:`_resend` can send
+        it again (pushes)."""
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         if self._servers[s] in self._dead:
@@ -196,6 +259,8 @@ class MPIStore(Store):
             # Forget requests that completed: the caller's handle (if it still has one)
             # keeps them alive for wait(); dropped handles then free their buffers.
             self._pending = {c for c in self._pending if not c.done()}
+            if self._strays:
+                self._drain_strays()
         head = wire.header(op, rid, table=table, n=n, dim=dim, flags=flags, arg=arg)
         meta = wire.message(head, *payload)
         dest = self._servers[s]
@@ -208,9 +273,49 @@ class MPIStore(Store):
             c.Isend([meta, MPI.INT64_T], dest=dest, tag=wire.TAG_REQUEST),
             c.Isend([data, MPI.FLOAT], dest=dest, tag=wire.TAG_REQUEST_DATA),
         ]
-        call = _Call(dest, rid, op, reqs, reply, reply_data, time.monotonic())
+        now = time.monotonic()
+        call = _Call(dest, rid, op, reqs, reply, reply_data, now, last_sent=now)
+        if resendable:
+            call.sent = (meta, data)
         self._pending.add(call)
         return call
+
+    def _resend(self, call: _Call) -> None:
+        """Send ``call``'s request again, unchanged; its posted receives take whichever
+        reply comes first (a later one is drained as a stray)."""
+        assert call.sent is not None, "only pushes are resent"
+        meta, data = call.sent
+        c = self._comm
+        call.requests.append(c.Isend([meta, MPI.INT64_T], dest=call.server, tag=wire.TAG_REQUEST))
+        call.requests.append(
+            c.Isend([data, MPI.FLOAT], dest=call.server, tag=wire.TAG_REQUEST_DATA)
+        )
+        call.retries += 1
+        call.last_sent = time.monotonic()
+
+    def _drain_strays(self) -> None:
+        """Receive and drop second replies to resent pushes that have come by now."""
+        status = MPI.Status()
+        now = time.monotonic()
+        keep = []
+        for s in self._strays:
+            while s.left > 0 and self._comm.Iprobe(s.server, s.meta_tag, status):
+                junk = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+                self._comm.Recv([junk, MPI.BYTE], source=s.server, tag=s.meta_tag)
+                self._comm.Probe(source=s.server, tag=s.data_tag, status=status)
+                junk = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+                self._comm.Recv([junk, MPI.BYTE], source=s.server, tag=s.data_tag)
+                s.left -= 1
+            if s.left > 0 and now < s.until:
+                keep.append(s)
+        self._strays = keep
+
+    def _count(self, table: str, key: str, n: int = 1) -> None:
+        per = self._counters.setdefault(
+            table,
+            {"worker_push_calls": 0, "worker_push_retries": 0, "worker_push_duplicates": 0},
+        )
+        per[key] += n
 
     def _handle(self, calls: list[_Call], finish: Callable[[], Any], what: str) -> Handle:
         """A handle that completes when every call has its reply; ``finish`` builds the result."""
@@ -225,6 +330,15 @@ class MPIStore(Store):
                 n += 1
                 if n & 63 == 0:
                     now = time.monotonic()
+                    for c in calls:
+                        if (
+                            c.sent is not None
+                            and c.retries < self.max_retries
+                            and now - c.last_sent >= self.push_retry_s
+                            and now - c.started < self.request_timeout_s
+                            and not c.done()
+                        ):
+                            self._resend(c)
                     if now > deadline:
                         late = [c for c in calls if not c.done()]
                         # Only a server silent for request_timeout_s counts as dead (not
@@ -242,6 +356,11 @@ class MPIStore(Store):
 
         def done() -> Any:
             self._pending.difference_update(calls)
+            for c in calls:
+                if c.retries:
+                    tags = wire.reply_tags(c.request_id, self._tag_ub)
+                    until = time.monotonic() + 2 * self.request_timeout_s
+                    self._strays.append(_Stray(c.server, *tags, left=c.retries, until=until))
             for c in calls:
                 c.check(what)
             return finish()
@@ -375,19 +494,38 @@ class MPIStore(Store):
         a = 0
         for s, c in enumerate(counts):
             if c or every_server:
+                flags = seq = 0
+                payload: tuple[np.ndarray, ...] = (ids_np[a : a + c],)
+                if self.exactly_once:
+                    seq = self._seq.get((table, s), 0) + 1
+                    self._seq[(table, s)] = seq
+                    flags = wire.FLAG_SEQ
+                    payload = (ids_np[a : a + c], np.array([self._session], dtype=np.int64))
                 calls.append(
                     self._start(
                         s,
                         Op.PUSH,
-                        payload=(ids_np[a : a + c],),
+                        payload=payload,
                         data=g_np[a * dim : (a + c) * dim],
                         table=t.index[s],
                         n=c,
                         dim=dim,
+                        flags=flags,
+                        arg=seq,
+                        resendable=True,
                     )
                 )
             a += c
-        return self._handle(calls, lambda: None, f"push {table!r}")
+        self._count(table, "worker_push_calls", len(calls))
+
+        def finish() -> None:
+            retried = sum(c.retries for c in calls)
+            repeats = sum(1 for c in calls if int(c.reply[wire.W_FLAGS]) & wire.FLAG_DUPLICATE)
+            if retried or repeats:
+                self._count(table, "worker_push_retries", retried)
+                self._count(table, "worker_push_duplicates", repeats)
+
+        return self._handle(calls, finish, f"push {table!r}")
 
     # ------------------------------------------------------------ inspection
 
@@ -448,6 +586,12 @@ class MPIStore(Store):
             num_rows = self.spec(table).num_rows
             if num_rows is not None:  # shards hold only the rows they touched
                 acc["rows"] = num_rows
+            acc.update(
+                self._counters.get(
+                    table,
+                    {"worker_push_calls": 0, "worker_push_retries": 0, "worker_push_duplicates": 0},
+                )
+            )
         return total
 
     # ------------------------------------------------------------ checkpoints
@@ -512,6 +656,7 @@ class MPIStore(Store):
                     except Exception as e:  # reported after the goodbyes
                         error = error or e
             alive = [s for s, rank in enumerate(self._servers) if rank not in self._dead]
+            self._drain_strays()
             calls = [self._start(s, Op.GOODBYE) for s in alive]
             try:
                 self._handle(calls, lambda: None, "close").wait()

@@ -6,6 +6,26 @@ bytes), a hash ``...:s`` maps it to the optimizer state ``float32[S]`` (absent
 when ``S == 0``), and on tables with eviction a sorted set ``...:t`` scores it
 with the table step of its last touch.
 
+Incarnation marker: the field :data:`MARKER` (4 bytes, so it never clashes with
+an 8-byte id) of every ``...:w`` hash holds the table's random incarnation token,
+written when the table is created or loaded. Every script reads it with the rows
+it reads anyway (one more field of the same HMGET) and refuses to work on a
+bucket whose marker is missing or different: the bucket was lost (Redis
+restarted without persistence, was flushed) or the table was re-created.
+
+Exactly-once pushes: a hash ``...:q`` per bucket maps a worker id to
+``"<session> <low> <seq> <seq> ..."``: the numbers of the push calls applied for
+that session are every number ``<= low`` and the listed ones. A call whose number
+is among them is acknowledged as a repeat and changes nothing; an applied call
+adds its number and raises ``low`` to the caller's *watermark* (every call of
+the caller up to it has been answered, so none of those will be resent). At most
+:data:`SEQ_WINDOW` numbers are listed (older ones fold into ``low``). An
+applied call that skipped rows missing from Redis (they need initial values from
+the client) also keeps their positions in the field ``<worker>:<number>``, so a
+repeat answers them too; the client's follow-up call (its own number) names the
+first one and removes that field. Fields ``@applied`` / ``@dup`` count applied
+calls and repeats.
+
 Scripts here:
 
 * :data:`PULL_BOUNDED`: the HET conditional pull of one bucket. It reads the
@@ -47,22 +67,33 @@ from ps.optimizers import FTRL, SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad
 
 #: Most rows one script call handles (Lua's ``unpack`` is limited to ~8000 values).
 MAX_ROWS_PER_CALL = 1024
+#: The field of each bucket's rows hash that holds the table's incarnation token.
+MARKER = b"@inc"
+#: Most applied sequence numbers remembered above ``low`` per (worker, bucket).
+SEQ_WINDOW = 64
+
+# Push script statuses (the first element of its answer).
+PUSH_APPLIED, PUSH_REPEAT, PUSH_GONE = 0, 1, 3
 
 # ---------------------------------------------------------------- pulls
 
 PULL_BOUNDED = """
 -- KEYS[1] rows hash, KEYS[2] touch zset (or "")
 -- ARGV[1] ids (int64 LE x n), ARGV[2] caller clocks (int64 LE x n), ARGV[3] bound,
--- ARGV[4] byte offset of the clock in a value (4 * dim), ARGV[5] touch step ("" = none)
+-- ARGV[4] byte offset of the clock in a value (4 * dim), ARGV[5] touch step ("" = none),
+-- ARGV[6] the table's incarnation token.
 -- Returns {values of the stale present rows concatenated, their 1-based positions
--- (int32 LE each), the positions of the missing ids (int32 LE each)}.
+-- (int32 LE each), the positions of the missing ids (int32 LE each), 1}, or
+-- {'', '', '', 0} if the bucket's marker is not the token.
 local sunpack, spack, ssub = struct.unpack, struct.pack, string.sub
 local ids, cl = ARGV[1], ARGV[2]
 local bound, off = tonumber(ARGV[3]), tonumber(ARGV[4]) + 1
 local n = #ids / 8
 local f = {}
 for i = 1, n do f[i] = ssub(ids, 8 * i - 7, 8 * i) end
+f[n + 1] = '@inc'
 local v = redis.call('HMGET', KEYS[1], unpack(f))
+if v[n + 1] ~= ARGV[6] then return {'', '', '', 0} end
 local out, pos, miss = {}, {}, {}
 for i = 1, n do
   local x = v[i]
@@ -80,12 +111,13 @@ if ARGV[5] ~= '' then
   for i = 1, n do z[2 * i - 1] = step; z[2 * i] = f[i] end
   redis.call('ZADD', KEYS[2], 'XX', unpack(z))
 end
-return {table.concat(out), table.concat(pos), table.concat(miss)}
+return {table.concat(out), table.concat(pos), table.concat(miss), 1}
 """
 
 TOUCH_PULL = """
 -- KEYS[1] rows hash, KEYS[2] touch zset; ARGV[1] ids (int64 LE x n), ARGV[2] touch step.
--- The values (false where missing), after stamping the touch of the present rows.
+-- The values (false where missing) followed by the bucket's incarnation marker, after
+-- stamping the touch of the present rows.
 local ssub = string.sub
 local ids, step = ARGV[1], ARGV[2]
 local n = #ids / 8
@@ -96,6 +128,7 @@ for i = 1, n do
   z[2 * i - 1] = step
   z[2 * i] = id
 end
+f[n + 1] = '@inc'
 local v = redis.call('HMGET', KEYS[1], unpack(f))
 redis.call('ZADD', KEYS[2], 'XX', unpack(z))
 return v
@@ -105,14 +138,19 @@ return v
 
 SNAPSHOT = """
 -- KEYS[1] rows hash, KEYS[2] state hash; ARGV[1] HSCAN cursor, ARGV[2] COUNT hint,
--- ARGV[3] "1" if the table has optimizer state, ARGV[4] the initial state bytes.
--- Returns {next cursor, ids concatenated, values concatenated, states concatenated}.
+-- ARGV[3] "1" if the table has optimizer state, ARGV[4] the initial state bytes,
+-- ARGV[5] the table's incarnation token.
+-- Returns {next cursor, ids concatenated, values concatenated, states concatenated, 1},
+-- or {'0', '', '', '', 0} if the bucket's marker is not the token.
+if redis.call('HGET', KEYS[1], '@inc') ~= ARGV[5] then return {'0', '', '', '', 0} end
 local r = redis.call('HSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])
 local kv = r[2]
 local ids, vals = {}, {}
 for i = 1, #kv, 2 do
-  ids[#ids + 1] = kv[i]
-  vals[#vals + 1] = kv[i + 1]
+  if #kv[i] == 8 then  -- an id (the marker field has 4 bytes)
+    ids[#ids + 1] = kv[i]
+    vals[#vals + 1] = kv[i + 1]
+  end
 end
 local st = ''
 if ARGV[3] == '1' and #ids > 0 then
@@ -122,7 +160,15 @@ if ARGV[3] == '1' and #ids > 0 then
   end
   st = table.concat(s)
 end
-return {r[1], table.concat(ids), table.concat(vals), st}
+return {r[1], table.concat(ids), table.concat(vals), st, 1}
+"""
+
+RESET_BUCKET = """
+-- KEYS[1] rows, KEYS[2] state, KEYS[3] touch zset; ARGV[1] the incarnation token.
+-- Empties the bucket and marks it with the token, atomically (a table being loaded).
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+redis.call('HSET', KEYS[1], '@inc', ARGV[1])
+return 1
 """
 
 EVICT_AGE = """
@@ -371,14 +417,23 @@ def _gsq_columns(kern: _Kernel, dim: int) -> list[str]:
 def push_script(opt: Optimizer, dim: int) -> str:
     """The push script of a table with optimizer ``opt`` and row width ``dim``.
 
-    ``KEYS[1]`` rows hash, ``KEYS[2]`` state hash, ``KEYS[3]`` touch zset.
-    ``ARGV[1]`` unique ids (int64 LE x n), ``ARGV[2]`` their summed gradients
-    (float32 LE, n x dim), ``ARGV[3]`` initial rows (float32 LE, dim each) for the
-    1-based positions in ``ARGV[4]`` (int32 LE each), ``ARGV[5]`` the touch step
-    ("" on tables without eviction). Every row that exists (or has an initial row
-    here) is updated and its clock goes up by 1; the answer is ``{rows created,
-    positions of the rows skipped because they do not exist and have no initial
-    row...}``, and the client resends those with their initial rows.
+    ``KEYS[1]`` rows hash, ``KEYS[2]`` state hash, ``KEYS[3]`` touch zset,
+    ``KEYS[4]`` sequence hash. ``ARGV[1]`` unique ids (int64 LE x n), ``ARGV[2]``
+    their summed gradients (float32 LE, n x dim), ``ARGV[3]`` initial rows (float32
+    LE, dim each) for the 1-based positions in ``ARGV[4]`` (int32 LE each),
+    ``ARGV[5]`` the touch step ("" on tables without eviction), ``ARGV[6]`` the
+    incarnation token, ``ARGV[7]`` the worker id ("": no exactly-once check),
+    ``ARGV[8]`` its session, ``ARGV[9]`` the call's sequence number, ``ARGV[10]``
+    the caller's watermark, ``ARGV[11]`` the number of the call this one completes
+    ("" if none) (see the module docstring).
+
+    The answer is ``{status, rows created, skipped}``; ``skipped`` holds the 1-based
+    positions (int32 LE each) of rows that do not exist and have no initial row
+    here: the client sends those again, with their initial rows, as a new call.
+    :data:`PUSH_APPLIED`: every other row was updated and its clock went up by 1;
+    :data:`PUSH_REPEAT`: this number was applied before, nothing changes (``skipped``
+    as the first time); :data:`PUSH_GONE`: the bucket's marker is not the token,
+    nothing changes.
     """
     kern = _kernel(opt, dim)
     d4 = 4 * dim
@@ -393,14 +448,17 @@ def push_script(opt: Optimizer, dim: int) -> str:
         "local n = #ids / 8",
         "local f = {}",
         "for i = 1, n do f[i] = ssub(ids, 8 * i - 7, 8 * i) end",
+        "f[n + 1] = '@inc'",
         "local rows = redis.call('HMGET', KEYS[1], unpack(f))",
+        f"if rows[n + 1] ~= ARGV[6] then return {{{PUSH_GONE}, 0, ''}} end",
+        *_DEDUP_CHECK.strip().split("\n"),
     ]
     if has_state:
-        lines.append("local sts = redis.call('HMGET', KEYS[2], unpack(f))")
+        lines.append("local sts = redis.call('HMGET', KEYS[2], unpack(f, 1, n))")
     lines += [
         "local init = {}",
         "for k = 1, #ip / 4 do init[sunpack('<i4', ip, 4 * k - 3)] = k end",
-        "local out, created = {0}, 0",
+        "local miss, created = {}, 0",
         "for i = 1, n do",
         "  if not rows[i] then",
         "    local k = init[i]",
@@ -411,10 +469,10 @@ def push_script(opt: Optimizer, dim: int) -> str:
         lines.append("      sts[i] = false")
     lines += [
         "      created = created + 1",
-        "    else out[#out + 1] = i end",
+        "    else miss[#miss + 1] = spack('<i4', i) end",
         "  end",
         "end",
-        "out[1] = created",
+        "miss = tconcat(miss)",
         "local wout, sout, z, nw = {}, {}, {}, 0",
         "local t1, t2, t3, a, gsq",
     ]
@@ -447,11 +505,58 @@ def push_script(opt: Optimizer, dim: int) -> str:
     lines += [
         "  if step ~= '' then redis.call('ZADD', KEYS[3], unpack(z)) end",
         "end",
-        "return out",
+        *_DEDUP_RECORD.strip().split("\n"),
+        f"return {{{PUSH_APPLIED}, created, miss}}",
     ]
     src = "\n".join(lines).replace("CLOCK0", _lua_bytes(bytes(8)))
     header = f"-- hybridrec push: {opt.to_json()} dim={dim}\n"
     return header + src
+
+
+# The exactly-once check of a push call (before anything changes). One local table Q
+# keeps the generated scripts within Lua's limit of 200 locals.
+_DEDUP_CHECK = f"""
+local Q = {{wid = ARGV[7], sess = ARGV[8], low = 0, set = {{}}}}
+if Q.wid ~= '' then
+  Q.seq = tonumber(ARGV[9])
+  local old = redis.call('HGET', KEYS[4], Q.wid)
+  if old then
+    local it = string.gmatch(old, '%S+')
+    if it() == Q.sess then
+      Q.low = tonumber(it())
+      for x in it do Q.set[#Q.set + 1] = tonumber(x) end
+    end
+  end
+  local again = Q.seq <= Q.low
+  for k = 1, #Q.set do if Q.set[k] == Q.seq then again = true end end
+  if again then
+    redis.call('HINCRBY', KEYS[4], '@dup', 1)
+    return {{{PUSH_REPEAT}, 0, redis.call('HGET', KEYS[4], Q.wid .. ':' .. ARGV[9]) or ''}}
+  end
+end
+"""
+
+# After an applied call: remember its number, fold what the watermark covers into low.
+_DEDUP_RECORD = f"""
+if Q.wid ~= '' then
+  local wm = tonumber(ARGV[10])
+  if wm > Q.low then Q.low = wm end
+  local keep = {{}}
+  for k = 1, #Q.set do if Q.set[k] > Q.low then keep[#keep + 1] = Q.set[k] end end
+  keep[#keep + 1] = Q.seq
+  table.sort(keep)
+  if #keep > {SEQ_WINDOW} then
+    Q.low = keep[#keep - {SEQ_WINDOW}]
+    keep = {{unpack(keep, #keep - {SEQ_WINDOW - 1})}}
+  end
+  local parts = {{Q.sess, string.format('%d', Q.low)}}
+  for k = 1, #keep do parts[#parts + 1] = string.format('%d', keep[k]) end
+  redis.call('HSET', KEYS[4], Q.wid, table.concat(parts, ' '))
+  if miss ~= '' then redis.call('HSET', KEYS[4], Q.wid .. ':' .. ARGV[9], miss) end
+  if ARGV[11] ~= '' then redis.call('HDEL', KEYS[4], Q.wid .. ':' .. ARGV[11]) end
+end
+redis.call('HINCRBY', KEYS[4], '@applied', 1)
+"""
 
 
 def sha1(script: str) -> str:

@@ -13,10 +13,14 @@ does, loses every update that races another)::
 Key layout (``P`` = ``prefix``, ``T`` = table name, ``b`` = bucket number)::
 
     P:tables            list    table names in creation order
-    P:table:T           string  JSON {"format", "spec": TableSpec.to_json(), "buckets"}
-    {P:T:b}:w           hash    id (int64 LE, 8 bytes) -> row float32[D] LE | clock int64 LE
+    P:table:T           string  JSON {"format", "spec": TableSpec.to_json(), "buckets",
+                                "incarnation"}
+    P:table:T:inc       string  the incarnation token (chosen once, before the meta)
+    {P:T:b}:w           hash    id (int64 LE, 8 bytes) -> row float32[D] LE | clock int64 LE,
+                                and "@inc" -> the incarnation token
     {P:T:b}:s           hash    id -> optimizer state float32[S] LE     (tables with S > 0)
     {P:T:b}:t           zset    id -> table step of its last touch      (tables with eviction)
+    {P:T:b}:q           hash    worker id -> applied push numbers; @applied, @dup counters
     {P:T}:step          string  pushes applied to the table             (tables with eviction)
 
 Buckets: ``b = ps.routing.shard_of(id, buckets)`` (``buckets`` per table, fixed at
@@ -68,6 +72,43 @@ Save writes the rows present in Redis (a fixed table's untouched rows are left
 out and read back as initial rows by every store's load), each bucket read in
 atomic chunks; a save during concurrent pushes is consistent per row, not across
 the table. Load deletes the table's keys and writes the checkpoint's rows.
+
+Data loss: rows absent from Redis read as initial rows, so a Redis that restarted
+without persistence (or was flushed) would silently hand out re-initialized rows.
+Each table therefore has a random *incarnation token* (in its meta) written into
+every bucket's rows hash (field ``@inc``) when the table is created or loaded;
+every pull, push, ``clocks`` and save reads the bucket's marker with its rows (one
+more field of the same HMGET, no extra round trip) and raises
+:class:`RedisDataLossError` naming the table and the address when it is missing
+or different. With ``appendonly yes`` (``appendfsync always``) a restarted Redis
+keeps everything it acknowledged; the store reconnects by itself on the next
+request (and reloads its scripts). Configure ``maxmemory-policy noeviction``:
+Redis evicting keys is data loss too (and is reported as such).
+
+Exactly-once pushes: a store has a worker id (``worker_id``, default a random
+63-bit number) and a random session; each push script call gets a sequence
+number per (table, bucket), and the script, atomically with the update, records
+the numbers it applied in the bucket's ``:q`` hash and acknowledges a repeat
+without applying it (see :mod:`ps.redis_lua`). A push or pull whose reply is lost
+(``RedisUnavailableError``: connection broken, ``socket_timeout`` passed) is
+resent, the same calls with the same numbers, up to ``max_retries`` times with
+``retry_backoff_s`` doubling pauses, so a Redis that restarts with its
+append-only file costs a pause, not an update. A push is therefore applied
+exactly once (as long as fewer than ``SEQ_WINDOW`` later calls of the same
+store to the same bucket were applied before a resend). ``worker_id`` given
+explicitly must be unique among the stores open at the same time (a restarted
+worker may reuse its id: its new session starts new numbers); each store adds a
+field of ~30 bytes per bucket it pushes to, so long-lived deployments should
+pass stable ids (e.g. the rank). ``exactly_once=False`` sends no numbers (a
+resent push is then applied again: it exists so that tests can show the
+difference). ``drop_reply_every`` (tests only) pretends that the reply of every
+k-th push batch was lost after the scripts ran, so the resend path runs for
+real. ``stats()`` reports ``push_calls`` / ``push_retries`` (this client) and
+``push_calls_applied`` / ``push_calls_repeated`` (counted inside Redis, all clients).
+
+Sequence numbers are not in checkpoints: a job resumed from one opens new stores
+(new sessions). A load keeps the ``:q`` hashes, so a push resent across the load
+is still a repeat (it is not applied to the loaded rows).
 """
 
 from __future__ import annotations
@@ -75,7 +116,9 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import secrets
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,8 +145,12 @@ from ps.redis_lua import (
     EVICT_AGE,
     EVICT_IDS,
     LRU_CANDIDATES,
+    MARKER,
     MAX_ROWS_PER_CALL,
     PULL_BOUNDED,
+    PUSH_GONE,
+    PUSH_REPEAT,
+    RESET_BUCKET,
     SNAPSHOT,
     TOUCH_PULL,
     push_script,
@@ -113,13 +160,20 @@ from ps.store import PullResult, Store
 from ps.table import TableSpec
 from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
 
-__all__ = ["RedisAuthError", "RedisStore", "RedisUnavailableError"]
+# This client's counters: the in-process store's, and the exactly-once ones.
+_COUNTERS = (*COUNTERS, "push_calls", "push_retries")
 
-META_FORMAT = "hybridrec-redis/1"
+__all__ = ["RedisAuthError", "RedisDataLossError", "RedisStore", "RedisUnavailableError"]
+
+META_FORMAT = "hybridrec-redis/2"
 #: Rows per checkpoint part file written by :meth:`RedisStore.save`.
 PART_ROWS = 1 << 20
 _WRITE_ROWS = 1000  # rows per HSET when loading
 _SCAN_COUNT = 1000  # HSCAN COUNT hint when saving
+
+
+class RedisDataLossError(RuntimeError):
+    """A table's rows are gone from Redis (restart without persistence, flush, eviction)."""
 
 
 def _check_key_part(what: str, value: object) -> str:
@@ -143,11 +197,15 @@ class _Table:
     w_keys: list[bytes]  # [B]
     s_keys: list[bytes]  # [B]
     t_keys: list[bytes]  # [B]
+    q_keys: list[bytes]  # [B] exactly-once records
     step_key: bytes
     push_src: str
     push_sha: str
     state0: bytes  # float32[S] of a fresh row
-    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    token: bytes  # the incarnation token every bucket's marker must hold
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
+    seq_next: list[int] = field(default_factory=list)  # [B] last number given out
+    unanswered: list[set[int]] = field(default_factory=list)  # [B] numbers without an answer
 
     @property
     def evicts(self) -> bool:
@@ -173,6 +231,8 @@ class RedisStore(Store):
     a dead Redis raises :class:`RedisUnavailableError` naming its address within
     seconds. ``prefix`` namespaces the keys of this job (several jobs can share one
     Redis); ``buckets`` is the bucket count of the tables this store creates.
+    ``worker_id``, ``exactly_once``, ``max_retries``, ``retry_backoff_s`` and
+    ``drop_reply_every``: see the module docstring (exactly-once pushes).
     """
 
     def __init__(
@@ -194,8 +254,33 @@ class RedisStore(Store):
         socket_timeout: float = 5.0,
         connect_timeout: float = 2.0,
         buckets: int = 64,
+        worker_id: int | None = None,
+        exactly_once: bool = True,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.1,
+        drop_reply_every: int = 0,
     ) -> None:
         self._prefix = _check_key_part("prefix", prefix)
+        if worker_id is None:
+            worker_id = secrets.randbits(63)
+        if not isinstance(worker_id, int) or isinstance(worker_id, bool) or worker_id < 0:
+            raise ValueError(f"RedisStore: worker_id must be an int >= 0, got {worker_id!r}")
+        if not isinstance(exactly_once, bool):
+            raise TypeError(f"RedisStore: exactly_once must be a bool, got {exactly_once!r}")
+        for name, k in (("max_retries", max_retries), ("drop_reply_every", drop_reply_every)):
+            if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+                raise ValueError(f"RedisStore: {name} must be an int >= 0, got {k!r}")
+        b = retry_backoff_s
+        if not isinstance(b, int | float) or isinstance(b, bool) or not 0 <= b < 60:
+            raise ValueError(f"RedisStore: retry_backoff_s must be in [0, 60) seconds, got {b!r}")
+        self.worker_id = worker_id
+        self.exactly_once = exactly_once
+        self._session = str(secrets.randbits(63)).encode()
+        self._wid = str(worker_id).encode() if exactly_once else b""
+        self._max_retries = max_retries
+        self._backoff_s = float(retry_backoff_s)
+        self._drop_every = drop_reply_every
+        self._push_batches = 0  # push batches answered (for drop_reply_every)
         if not isinstance(buckets, int) or isinstance(buckets, bool) or not 1 <= buckets <= 65536:
             raise ValueError(f"RedisStore: buckets must be an int in [1, 65536], got {buckets!r}")
         for name, v in (("socket_timeout", socket_timeout), ("connect_timeout", connect_timeout)):
@@ -228,6 +313,7 @@ class RedisStore(Store):
         self._sha_evict_age = self._link.register_script(EVICT_AGE)
         self._sha_evict_ids = self._link.register_script(EVICT_IDS)
         self._sha_lru = self._link.register_script(LRU_CANDIDATES)
+        self._sha_reset = self._link.register_script(RESET_BUCKET)
 
     def __repr__(self) -> str:
         kind = "cluster" if self._link.cluster else "server"
@@ -254,7 +340,22 @@ class RedisStore(Store):
     def _meta_key(self, name: str) -> bytes:
         return self._key(f"table:{name}")
 
-    def _make_table(self, spec: TableSpec, buckets: int) -> _Table:
+    def _token_key(self, name: str) -> bytes:
+        return self._key(f"table:{name}:inc")
+
+    def _new_token(self, name: str, what: str, *, replace: bool = False) -> bytes:
+        """The table's incarnation token: a new random one, unless another client chose
+        one first (SET NX), so that concurrent creators mark the buckets alike;
+        ``replace``: a new one in any case."""
+        key = self._token_key(name)
+        nx = [] if replace else ["NX"]
+        self._link.command(key, "SET", key, secrets.token_hex(8), *nx, what=what)
+        token = self._link.command(key, "GET", key, what=what)
+        if token is None:  # dropped in between
+            raise RuntimeError(f"{what}: the table's token at {key!r} vanished; try again")
+        return bytes(token)
+
+    def _make_table(self, spec: TableSpec, buckets: int, token: bytes) -> _Table:
         tag = [f"{{{self._prefix}:{spec.name}:{b}}}" for b in range(buckets)]
         src = push_script(spec.optimizer, spec.dim)
         s = spec.state_dim
@@ -265,21 +366,35 @@ class RedisStore(Store):
             w_keys=[f"{t}:w".encode() for t in tag],
             s_keys=[f"{t}:s".encode() for t in tag],
             t_keys=[f"{t}:t".encode() for t in tag],
+            q_keys=[f"{t}:q".encode() for t in tag],
             step_key=f"{{{self._prefix}:{spec.name}}}:step".encode(),
             push_src=src,
             push_sha=self._link.register_script(src),
             state0=state0,
+            token=token,
+            seq_next=[0] * buckets,
+            unanswered=[set() for _ in range(buckets)],
         )
 
-    def _meta_json(self, spec: TableSpec, buckets: int) -> str:
-        return json.dumps({"format": META_FORMAT, "spec": spec.to_json(), "buckets": buckets})
+    def _meta_json(self, spec: TableSpec, buckets: int, token: bytes) -> str:
+        return json.dumps(
+            {
+                "format": META_FORMAT,
+                "spec": spec.to_json(),
+                "buckets": buckets,
+                "incarnation": token.decode(),
+            }
+        )
 
-    def _parse_meta(self, name: str, text: bytes) -> tuple[TableSpec, int]:
+    def _parse_meta(self, name: str, text: bytes) -> tuple[TableSpec, int, bytes]:
         try:
             meta = json.loads(text)
             if meta.get("format") != META_FORMAT:
                 raise ValueError(f"format {meta.get('format')!r}, expected {META_FORMAT!r}")
-            return TableSpec.from_json(meta["spec"]), int(meta["buckets"])
+            token = meta["incarnation"]
+            if not isinstance(token, str) or not token:
+                raise ValueError(f"incarnation {token!r} is not a token")
+            return TableSpec.from_json(meta["spec"]), int(meta["buckets"]), token.encode()
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(
                 f"table {name!r}: the metadata at {self._meta_key(name).decode()!r} on Redis "
@@ -295,18 +410,27 @@ class RedisStore(Store):
         if not isinstance(spec, TableSpec):
             raise TypeError(f"create_table: expected a ps.TableSpec, got {type(spec).__name__}")
         _check_key_part("table name", spec.name)
-        table = self._make_table(spec, self._buckets)  # NotImplementedError before any write
-        meta = self._meta_json(spec, self._buckets)
+        push_script(spec.optimizer, spec.dim)  # NotImplementedError before any write
         key = self._meta_key(spec.name)
-        created = self._link.command(key, "SET", key, meta, "NX", what="create_table")
-        if created:
-            lst = self._key("tables")
-            self._link.command(lst, "RPUSH", lst, spec.name, what="create_table")
-            with self._lock:
-                self._tables[spec.name] = table
-            return
         old = self._link.command(key, "GET", key, what="create_table")
-        old_spec, old_buckets = self._parse_meta(spec.name, old)
+        if old is None:
+            # The token first, then every bucket's marker, then the meta: a client that
+            # finds the meta finds the markers. Concurrent creators share the token.
+            token = self._new_token(spec.name, "create_table")
+            table = self._make_table(spec, self._buckets, token)
+            cmds = [raw(k, pack(["HSETNX", k, MARKER, token])) for k in table.w_keys]
+            self._link.run(cmds, "create_table")
+            meta = self._meta_json(spec, self._buckets, token)
+            if self._link.command(key, "SET", key, meta, "NX", what="create_table"):
+                lst = self._key("tables")
+                self._link.command(lst, "RPUSH", lst, spec.name, what="create_table")
+                with self._lock:
+                    self._tables[spec.name] = table
+                return
+            old = self._link.command(key, "GET", key, what="create_table")
+        if old is None:
+            raise RuntimeError(f"create_table {spec.name!r}: the table was dropped meanwhile")
+        old_spec, old_buckets, old_token = self._parse_meta(spec.name, old)
         if not exist_ok or old_spec.to_json() != spec.to_json():
             raise ValueError(
                 f"create_table: table {spec.name!r} already exists on Redis {self.address} "
@@ -318,7 +442,7 @@ class RedisStore(Store):
                 )
             )
         with self._lock:
-            self._tables[spec.name] = self._make_table(old_spec, old_buckets)
+            self._tables[spec.name] = self._make_table(old_spec, old_buckets, old_token)
 
     def tables(self) -> list[str]:
         """Names of the tables under this prefix (also those other clients created)."""
@@ -337,9 +461,9 @@ class RedisStore(Store):
             key = self._meta_key(table)
             text = self._link.command(key, "GET", key, what=f"open table {table!r}")
             if text is not None:
-                spec, buckets = self._parse_meta(table, text)
+                spec, buckets, token = self._parse_meta(table, text)
                 with self._lock:
-                    t = self._tables.setdefault(table, self._make_table(spec, buckets))
+                    t = self._tables.setdefault(table, self._make_table(spec, buckets, token))
                 return t
         raise unknown_table(table, self.tables())
 
@@ -349,17 +473,110 @@ class RedisStore(Store):
 
     # ------------------------------------------------------------ requests
 
-    def _handle(self, batch: Batch, finish: Any, what: str) -> Handle:
-        """A handle whose ``wait()`` reads ``batch``'s replies and returns ``finish(replies)``."""
-        box: dict[str, Any] = {}
+    def _handle(
+        self,
+        cmds: list[Command],
+        finish: Any,
+        what: str,
+        *,
+        push: _Table | None = None,
+        failed: Any = None,
+    ) -> Handle:
+        """Start ``cmds``; the handle's ``wait()`` reads the replies (resending on a lost
+        reply, see :meth:`_replies`) and returns ``finish(replies)``. ``failed()`` runs
+        if no replies come. ``push``: the table of a push (counters, fault injection)."""
+        box: dict[str, Any] = {"batch": self._start(cmds, what)}
 
         def block(limit: float) -> None:
-            box["replies"] = batch.finish(limit)
+            try:
+                box["replies"] = self._replies(box.pop("batch"), cmds, what, limit, push)
+            except BaseException:
+                if failed is not None:
+                    failed()
+                raise
 
         def done() -> Any:
             return finish(box["replies"])
 
         return Handle(lambda: False, done, what=what, timeout_s=self._timeout_s, block=block)
+
+    def _start(self, cmds: list[Command], what: str) -> Batch | None:
+        """Write ``cmds`` (None if Redis cannot be reached now: :meth:`_replies` retries)."""
+        try:
+            return self._link.start(cmds, what)
+        except RedisUnavailableError:
+            return None
+
+    def _replies(
+        self,
+        batch: Batch | None,
+        cmds: list[Command],
+        what: str,
+        limit: float | None,
+        push: _Table | None = None,
+    ) -> list[Any]:
+        """The replies of ``cmds`` (written as ``batch``; None: not written yet).
+
+        A lost reply (:class:`RedisUnavailableError`: the connection broke, Redis did
+        not answer in time or is restarting) makes it resend every command of the
+        batch, unchanged, after a pause of ``retry_backoff_s`` (doubling), at most
+        ``max_retries`` times and not past ``limit`` seconds from now. Pushes carry
+        their sequence numbers, so a call that did run is not applied again.
+        """
+        deadline = None if limit is None else time.monotonic() + limit
+        tries = 0
+        while True:
+            try:
+                if batch is None:
+                    batch = self._link.start(cmds, what)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                replies = batch.finish(left)
+                if push is not None and self._drop_every and tries == 0:  # resends answered
+                    with self._lock:
+                        self._push_batches += 1
+                        drop = self._push_batches % self._drop_every == 0
+                    if drop:
+                        raise RedisUnavailableError(
+                            f"{what}: reply dropped on purpose after the scripts ran "
+                            f"(RedisStore drop_reply_every={self._drop_every}, a test setting)"
+                        )
+                return replies
+            except RedisUnavailableError:
+                pause = self._backoff_s * 2**tries
+                late = deadline is not None and time.monotonic() + pause >= deadline
+                if tries >= self._max_retries or late:
+                    raise
+                time.sleep(pause)
+                tries += 1
+                batch = None
+                for c in cmds:
+                    c.asking = None
+                if push is not None:
+                    with self._lock:
+                        push.counters["push_retries"] += 1
+
+    def _gone(self, t: _Table, bucket: int | None, marker: object) -> RedisDataLossError:
+        if bucket is None:
+            where, how = self.address, "not in the table list any more"
+        else:
+            where = self._link.node_of(t.w_keys[bucket])
+            how = "missing" if marker is None else f"{marker!r}, not this table's {t.token!r}"
+            how = f"bucket {bucket}: incarnation marker {how}"
+        return RedisDataLossError(
+            f"table {t.spec.name!r} is gone from Redis at {where} ({how}); the server "
+            "restarted without persistence, or the data was "
+            "flushed, evicted or the table dropped and re-created? Its rows would be "
+            "re-initialized, so the store stops here: restore from a checkpoint "
+            "(RedisStore.load), and run Redis with appendonly yes and "
+            "maxmemory-policy noeviction"
+        )
+
+    def _check_markers(
+        self, t: _Table, calls: list[tuple[int, int, int]], markers: list[Any]
+    ) -> None:
+        for (b, _lo, _hi), m in zip(calls, markers, strict=True):
+            if m != t.token:
+                raise self._gone(t, b, m)
 
     def _split(
         self, t: _Table, ids: torch.Tensor
@@ -410,6 +627,7 @@ class RedisStore(Store):
                     bound,
                     t.d4,
                     step or b"",
+                    t.token,
                 ]
                 cmds.append(evalsha(self._sha_bounded, PULL_BOUNDED, keys, args))
         elif step is not None:
@@ -421,14 +639,23 @@ class RedisStore(Store):
         else:
             fields = bulk_rows([sorted_ids.view(np.uint8).reshape(n, 8)])  # [N, 14]
             for b, lo, hi in calls:
-                cmds.append(raw(t.w_keys[b], pack_fixed(["HMGET", t.w_keys[b]], fields[lo:hi], 1)))
-        batch = self._link.start(cmds, what)
+                head: list[bytes | str | int] = ["HMGET", t.w_keys[b], MARKER]
+                cmds.append(raw(t.w_keys[b], pack_fixed(head, fields[lo:hi], 1)))
 
         def finish(replies: list[Any]) -> PullResult:
             if caller is None:
+                if step is None:  # HMGET: the marker first
+                    self._check_markers(t, calls, [r[0] for r in replies])
+                    replies = [r[1:] for r in replies]
+                else:  # TOUCH_PULL: the marker last
+                    self._check_markers(t, calls, [r[-1] for r in replies])
+                    replies = [r[:-1] for r in replies]
                 rows, row_clocks = self._decode_values(t, sorted_ids, order.numpy(), replies)
                 result = PullResult(rows, row_clocks, None)
             else:
+                for (b, _lo, _hi), r in zip(calls, replies, strict=True):
+                    if int(r[3]) != 1:
+                        raise self._gone(t, b, None)
                 result = self._decode_bounded(t, ids, order, calls, replies, caller, bound)
             m = int(result.rows.shape[0])
             with self._lock:
@@ -436,7 +663,7 @@ class RedisStore(Store):
                 t.counters["rows_skipped_by_bound"] += n - m
             return result
 
-        return self._handle(batch, finish, what)
+        return self._handle(cmds, finish, what)
 
     def _decode_values(
         self, t: _Table, sorted_ids: np.ndarray, order: np.ndarray, replies: list[Any]
@@ -478,7 +705,7 @@ class RedisStore(Store):
         assert bound is not None
         d4 = t.d4
         pos_parts, miss_parts, blobs = [], [], []
-        for (_b, lo, _hi), (vals, pos, miss) in zip(calls, replies, strict=True):
+        for (_b, lo, _hi), (vals, pos, miss, _ok) in zip(calls, replies, strict=True):
             if pos:
                 pos_parts.append(np.frombuffer(pos, dtype="<i4").astype(np.int64) + (lo - 1))
                 blobs.append(vals)
@@ -527,39 +754,48 @@ class RedisStore(Store):
         id_bytes = sorted_ids.tobytes()
         d4 = t.d4
 
-        def command(b: int, ids_b: bytes, g_b: bytes, init: bytes, init_pos: bytes) -> Command:
-            keys = [t.w_keys[b], t.s_keys[b], t.t_keys[b]]
-            return evalsha(t.push_sha, t.push_src, keys, [ids_b, g_b, init, init_pos, step])
+        seqs = self._numbers(t, [b for b, _lo, _hi in calls])  # [calls] (number, watermark)
 
-        first = [
-            command(b, id_bytes[8 * lo : 8 * hi], g_bytes[d4 * lo : d4 * hi], b"", b"")
-            for b, lo, hi in calls
-        ]
-        batch = self._link.start(first, what)
+        def command(
+            k: int, rows: np.ndarray | None, numbers: tuple[int, int], done: int
+        ) -> Command:
+            """Call ``k`` (bucket, rows lo:hi), or only its ``rows`` (0-based) with their
+            initial values, completing call number ``done``."""
+            b, lo, hi = calls[k]
+            ids_b, g_b, init, init_pos = (
+                id_bytes[8 * lo : 8 * hi],
+                g_bytes[d4 * lo : d4 * hi],
+                b"",
+                b"",
+            )
+            if rows is not None:
+                at = lo + rows
+                ids_b = sorted_ids[at].tobytes()
+                g_b = b"".join(g_bytes[d4 * j : d4 * (j + 1)] for j in at.tolist())
+                first = torch.from_numpy(sorted_ids[at].astype(np.int64))
+                init = t.spec.initial_rows(first).numpy().astype("<f4").tobytes()
+                init_pos = np.arange(1, rows.size + 1, dtype="<i4").tobytes()
+            keys = [t.w_keys[b], t.s_keys[b], t.t_keys[b], t.q_keys[b]]
+            args: list[bytes | str | int] = [
+                ids_b,
+                g_b,
+                init,
+                init_pos,
+                step,
+                t.token,
+                self._wid,
+                self._session,
+                numbers[0],
+                numbers[1],
+                done or b"",
+            ]
+            return evalsha(t.push_sha, t.push_src, keys, args)
 
         def finish(replies: list[Any]) -> None:
-            created = sum(int(r[0]) for r in replies)
-            # Rows that did not exist were skipped: resend them with their initial rows.
-            miss = [
-                (b, lo + np.asarray(r[1:], dtype=np.int64) - 1)
-                for (b, lo, _hi), r in zip(calls, replies, strict=True)
-                if len(r) > 1
-            ]
-            if miss:
-                where = np.concatenate([m for _b, m in miss])  # positions in sorted order
-                init = t.spec.initial_rows(torch.from_numpy(sorted_ids[where].astype(np.int64)))
-                init_b = init.numpy().astype("<f4").tobytes()
-                cmds, at = [], 0
-                for b, m in miss:
-                    k = m.size
-                    ids_b = sorted_ids[m].tobytes()
-                    g_b = b"".join(g_bytes[d4 * j : d4 * (j + 1)] for j in m.tolist())
-                    pos = np.arange(1, k + 1, dtype="<i4").tobytes()
-                    cmds.append(command(b, ids_b, g_b, init_b[d4 * at : d4 * (at + k)], pos))
-                    at += k
-                again = self._link.run(cmds, what)
-                created += sum(int(r[0]) for r in again)
-                assert all(len(r) == 1 for r in again), "rows missing despite initial rows"
+            try:
+                created, repeated = self._second_round(t, calls, seqs, replies, command, what)
+            finally:
+                self._answered(t, calls, seqs)
             evicted = self._evict(t, int(step)) if t.evicts else 0
             with self._lock:
                 c = t.counters
@@ -569,7 +805,66 @@ class RedisStore(Store):
                 c["rows_created"] += created
                 c["rows_evicted"] += evicted
 
-        return self._handle(batch, finish, what)
+        first = [command(k, None, seqs[k], 0) for k in range(len(calls))]
+        return self._handle(
+            first, finish, what, push=t, failed=lambda: self._answered(t, calls, seqs)
+        )
+
+    def _numbers(self, t: _Table, buckets: list[int]) -> list[tuple[int, int]]:
+        """A sequence number per call to ``buckets``, each with its watermark (every call
+        of this store to the bucket numbered up to it has been answered)."""
+        out = []
+        with self._lock:
+            for b in buckets:
+                seq = t.seq_next[b] = t.seq_next[b] + 1
+                t.unanswered[b].add(seq)
+                out.append((seq, min(t.unanswered[b]) - 1))
+            t.counters["push_calls"] += len(buckets)
+        return out
+
+    def _answered(
+        self, t: _Table, calls: list[tuple[int, int, int]], seqs: list[tuple[int, int]]
+    ) -> None:
+        with self._lock:
+            for (b, _lo, _hi), (seq, _mark) in zip(calls, seqs, strict=True):
+                t.unanswered[b].discard(seq)
+
+    def _second_round(
+        self,
+        t: _Table,
+        calls: list[tuple[int, int, int]],
+        seqs: list[tuple[int, int]],
+        replies: list[Any],
+        command: Any,
+        what: str,
+    ) -> tuple[int, int]:
+        """Send the rows the first calls skipped (missing from Redis) with their initial
+        values, as new calls (new numbers); ``(rows created, repeats)``."""
+        created = repeated = 0
+        need: list[tuple[int, np.ndarray]] = []  # (call, 0-based positions within it)
+        for k, r in enumerate(replies):
+            if int(r[0]) == PUSH_GONE:
+                raise self._gone(t, calls[k][0], None)
+            repeated += int(r[0]) == PUSH_REPEAT
+            created += int(r[1])
+            if r[2]:
+                need.append((k, np.frombuffer(r[2], dtype="<i4").astype(np.int64) - 1))
+        if not need:
+            return created, repeated
+        more = [calls[k] for k, _m in need]
+        numbers = self._numbers(t, [b for b, _lo, _hi in more])
+        cmds = [command(k, m, nums, seqs[k][0]) for (k, m), nums in zip(need, numbers, strict=True)]
+        try:
+            again = self._replies(None, cmds, what, self._timeout_s, t)
+        finally:
+            self._answered(t, more, numbers)
+        for (k, _m), r in zip(need, again, strict=True):
+            if int(r[0]) == PUSH_GONE:
+                raise self._gone(t, calls[k][0], None)
+            assert not r[2], "rows missing despite their initial rows"
+            repeated += int(r[0]) == PUSH_REPEAT
+            created += int(r[1])
+        return created, repeated
 
     # ------------------------------------------------------------ eviction
 
@@ -629,13 +924,23 @@ class RedisStore(Store):
     def _fetch(
         self, t: _Table, ids: torch.Tensor, keys: list[bytes], what: str
     ) -> tuple[np.ndarray, list[Any], torch.Tensor]:
+        """HMGET ``ids`` from the bucket hashes ``keys`` (the rows hashes: their markers are
+        checked too)."""
         order, calls = self._split(t, ids)
         sorted_ids = ids[order].numpy().astype("<i8")
         fields = bulk_rows([sorted_ids.view(np.uint8).reshape(-1, 8)])
-        cmds = [
-            raw(keys[b], pack_fixed(["HMGET", keys[b]], fields[lo:hi], 1)) for b, lo, hi in calls
-        ]
-        return sorted_ids, self._link.run(cmds, what), order
+        marked = keys is t.w_keys
+        cmds = []
+        for b, lo, hi in calls:
+            head: list[bytes | str | int] = ["HMGET", keys[b]]
+            if marked:
+                head.append(MARKER)
+            cmds.append(raw(keys[b], pack_fixed(head, fields[lo:hi], 1)))
+        replies = self._replies(None, cmds, what, self._timeout_s)
+        if marked:
+            self._check_markers(t, calls, [r[0] for r in replies])
+            replies = [r[1:] for r in replies]
+        return sorted_ids, replies, order
 
     def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Clocks of rows ``ids`` ``[N]`` (0 for rows not in Redis); touches nothing."""
@@ -667,7 +972,12 @@ class RedisStore(Store):
         for name in self.tables():
             t = self._get(name)
             cmds = [raw(k, pack(["HLEN", k])) for k in t.w_keys]
-            stored = sum(int(r) for r in self._link.run(cmds, f"stats of table {name!r}"))
+            cmds += [raw(k, pack(["HMGET", k, "@applied", "@dup"])) for k in t.q_keys]
+            got = self._link.run(cmds, f"stats of table {name!r}")
+            # Each bucket's rows hash also holds its marker.
+            stored = sum(max(0, int(r) - 1) for r in got[: t.buckets])
+            applied = sum(int(r[0] or 0) for r in got[t.buckets :])
+            repeated = sum(int(r[1] or 0) for r in got[t.buckets :])
             row_bytes = 4 * (t.spec.dim + t.spec.state_dim) + 8
             rows = t.spec.num_rows if t.spec.num_rows is not None else stored
             entry: dict[str, int | float] = {
@@ -675,6 +985,8 @@ class RedisStore(Store):
                 "rows_stored": stored,
                 "bytes": stored * row_bytes,
                 "buckets": t.buckets,
+                "push_calls_applied": applied,
+                "push_calls_repeated": repeated,
             }
             with self._lock:
                 entry.update(t.counters)
@@ -695,9 +1007,11 @@ class RedisStore(Store):
                 self._sha_snapshot,
                 SNAPSHOT,
                 [t.w_keys[b], t.s_keys[b]],
-                [cursor, _SCAN_COUNT, has_state, t.state0],
+                [cursor, _SCAN_COUNT, has_state, t.state0, t.token],
             )
-            cursor, ids_b, vals_b, st_b = self._link.run([cmd], what)[0]
+            cursor, ids_b, vals_b, st_b, ok = self._link.run([cmd], what)[0]
+            if int(ok) != 1:
+                raise self._gone(t, b, None)
             ids = np.frombuffer(ids_b, dtype="<i8").astype(np.int64)
             if ids.size:
                 vals = np.frombuffer(vals_b, dtype=np.uint8).reshape(-1, d4 + 8)
@@ -733,7 +1047,12 @@ class RedisStore(Store):
         Only rows present in Redis are written (untouched rows of a fixed table are
         initial rows, which every store's load recreates).
         """
-        tables = [(t.spec, self._table_parts(t)) for t in map(self._get, self.tables())]
+        names = self.tables()
+        with self._lock:
+            lost = [t for name, t in self._tables.items() if name not in names]
+        if lost:  # tables this client used are no longer listed: not a checkpoint to write
+            raise self._gone(lost[0], None, None)
+        tables = [(t.spec, self._table_parts(t)) for t in map(self._get, names)]
         write_checkpoint(path, tables, writer=type(self).__name__)
 
     def load(self, path: str | os.PathLike[str]) -> None:
@@ -747,7 +1066,7 @@ class RedisStore(Store):
         parts = {spec.name: ckpt.read_table(spec.name) for spec in ckpt.specs}
         for spec in ckpt.specs:
             _check_key_part("table name", spec.name)
-            self._make_table(spec, self._buckets)  # unsupported optimizer: fail before writing
+            push_script(spec.optimizer, spec.dim)  # unsupported optimizer: fail before writing
         for spec in ckpt.specs:
             self._load_table(spec, parts[spec.name])
 
@@ -757,15 +1076,28 @@ class RedisStore(Store):
         old = self._link.command(key, "GET", key, what=what)
         buckets = self._buckets
         if old is not None:
-            old_spec, old_buckets = self._parse_meta(spec.name, old)
-            old_t = self._make_table(old_spec, old_buckets)
-            keys = old_t.w_keys + old_t.s_keys + old_t.t_keys + [old_t.step_key]
-            self._link.run([raw(k, pack(["DEL", k])) for k in keys], what)
-            buckets = old_buckets
-        t = self._make_table(spec, buckets)
-        keys = t.w_keys + t.s_keys + t.t_keys + [t.step_key]
-        self._link.run([raw(k, pack(["DEL", k])) for k in keys], what)
-        self._link.command(key, "SET", key, self._meta_json(spec, buckets), what=what)
+            # The same buckets; the same token if the spec is the same (clients that have
+            # the table open go on), else a new one (they must open it again).
+            old_spec, buckets, token = self._parse_meta(spec.name, old)
+            if old_spec.to_json() != spec.to_json():
+                token = self._new_token(spec.name, what, replace=True)
+        else:
+            token = self._new_token(spec.name, what)
+        t = self._make_table(spec, buckets, token)
+        # Each bucket emptied and marked in one script (no moment without its marker).
+        # The :q hashes stay: a push resent across the load is still a repeat.
+        cmds = [
+            evalsha(
+                self._sha_reset,
+                RESET_BUCKET,
+                [t.w_keys[b], t.s_keys[b], t.t_keys[b]],
+                [token],
+            )
+            for b in range(buckets)
+        ]
+        self._link.run(cmds + [raw(t.step_key, pack(["DEL", t.step_key]))], what)
+        meta = self._meta_json(spec, buckets, token)
+        self._link.command(key, "SET", key, meta, what=what)
         if old is None:
             lst = self._key("tables")
             self._link.command(lst, "RPUSH", lst, spec.name, what=what)
@@ -777,7 +1109,7 @@ class RedisStore(Store):
             if spec.capacity is not None:
                 self._evict_lru(t, spec.capacity, what)
         with self._lock:
-            t.counters = dict.fromkeys(COUNTERS, 0)
+            t.counters = dict.fromkeys(_COUNTERS, 0)
 
     def _write_rows(self, t: _Table, part: TablePart, what: str) -> None:
         n = part.num_rows
@@ -810,7 +1142,8 @@ class RedisStore(Store):
     def drop_table(self, table: str) -> None:
         """Delete ``table``'s rows and metadata from Redis (every client loses it)."""
         t = self._get(table)
-        keys = t.w_keys + t.s_keys + t.t_keys + [t.step_key, self._meta_key(table)]
+        keys = t.w_keys + t.s_keys + t.t_keys + t.q_keys + [t.step_key, self._meta_key(table)]
+        keys.append(self._token_key(table))
         self._link.run([raw(k, pack(["DEL", k])) for k in keys], f"drop table {table!r}")
         lst = self._key("tables")
         self._link.command(lst, "LREM", lst, 0, table, what=f"drop table {table!r}")

@@ -18,13 +18,16 @@ The header is eight int64 words::
     4     n: ids in the request            m: rows in the reply
     5     dim: float columns of the data   dim: float columns of the data
     6     flags (FLAG_*)                   flags (FLAG_*) or the ErrorKind of an error
-    7     arg: bound, or payload bytes     arg: payload bytes (strings / JSON)
+    7     arg: bound, push sequence        arg: payload bytes (strings / JSON)
+          number, or payload bytes
 
 Int64 payloads by op (``n`` ids)::
 
     PULL    ids [n] (+ caller clocks [n] with FLAG_CLOCKS; the bound is ``arg``)
             -> clocks [m] (+ positions [m] with FLAG_POSITIONS), rows as data [m, dim]
-    PUSH    ids [n], grads as data [n, dim]              -> nothing
+    PUSH    ids [n] (+ session [1] with FLAG_SEQ; the     -> nothing (FLAG_DUPLICATE: a
+            sequence number is ``arg``),                     repeat, acknowledged, not
+            grads as data [n, dim]                           applied again)
     CLOCKS  ids [n]                                      -> clocks [n]
     STATE   ids [n]                                      -> state as data [n, dim]
     CREATE  TableSpec JSON bytes                         -> table index in word 3
@@ -32,6 +35,13 @@ Int64 payloads by op (``n`` ids)::
     LIST / STATS                                         -> JSON bytes
     SAVE / LOAD  JSON bytes {"dir": ..., "prefix": ...}  -> JSON bytes
     GOODBYE                                              -> nothing
+
+Exactly-once pushes (FLAG_SEQ): the worker numbers its pushes to each server
+and table 1, 2, 3, ... within a *session* (a random 63-bit token per
+``MPIStore``); the server remembers the last number it applied per (table,
+worker rank) and acknowledges a push whose number is not above it (same session)
+without applying it again, so a worker may resend a push whose reply did not come
+(see :mod:`ps.mpi_store`). Protocol 2 added FLAG_SEQ / FLAG_DUPLICATE.
 
 Strings and JSON travel as utf-8 bytes padded to whole int64 words (``arg`` says
 how many bytes are real). Tables are named once (CREATE / LOOKUP) and referred to
@@ -44,8 +54,11 @@ import enum
 
 import numpy as np
 
-MAGIC_VERSION = (0x48525053 << 16) | 1  # "HRPS", protocol version 1
+PROTOCOL = 2
+MAGIC_VERSION = (0x48525053 << 16) | PROTOCOL  # "HRPS", protocol version 2
 HEADER_LEN = 8
+#: Most ids one request may carry (a server refuses larger headers before allocating).
+MAX_IDS = 1 << 27
 MAX_ERROR_BYTES = 4000  # longer error messages are cut; bounds the reply buffers
 ERROR_WORDS = (MAX_ERROR_BYTES + 7) // 8
 
@@ -58,6 +71,8 @@ W_MAGIC, W_OP, W_ID, W_TABLE, W_N, W_DIM, W_FLAGS, W_ARG = range(HEADER_LEN)
 
 FLAG_CLOCKS = 1  # PULL request: caller clocks follow the ids; arg is the bound
 FLAG_POSITIONS = 2  # PULL reply: positions follow the clocks
+FLAG_SEQ = 4  # PUSH request: arg is the sequence number, the session follows the ids
+FLAG_DUPLICATE = 8  # PUSH reply: a repeat of an applied push, acknowledged, not applied
 
 
 class Op(enum.IntEnum):
@@ -162,7 +177,7 @@ def check_header(meta: np.ndarray, what: str) -> np.ndarray:
     if int(meta[W_MAGIC]) != MAGIC_VERSION:
         raise ValueError(
             f"{what}: bad magic/version word {int(meta[W_MAGIC]):#x}, "
-            f"expected {MAGIC_VERSION:#x} (hybridrec-ps protocol 1)"
+            f"expected {MAGIC_VERSION:#x} (hybridrec-ps protocol {PROTOCOL})"
         )
     return meta[:HEADER_LEN]
 

@@ -7,6 +7,14 @@ it answers PING and always stops it (SIGTERM, then SIGKILL) and removes the fold
     with redis_server(password="s3cret") as srv:
         client = redis.Redis(host=srv.host, port=srv.port, password="s3cret")
 
+For fault tests a server can be killed (``srv.kill()``: SIGKILL, no shutdown
+save) and started again on the same port and data folder (``srv.restart()``); with
+``appendonly=True, appendfsync="always"`` every acknowledged write is in the
+append-only file before Redis replies, so a restart must bring it back::
+
+    with redis_server(appendonly=True, appendfsync="always") as srv:
+        ...; srv.kill(); srv.restart(); ...
+
 ``redis_cluster()`` starts three servers in cluster mode and joins them with
 ``redis-cli --cluster create``; it fails loudly if the cluster does not reach
 ``cluster_state:ok``. The binaries are the ones beside this interpreter (the
@@ -86,6 +94,7 @@ class RedisServer:
     username: str | None = None
     dir: Path = field(default_factory=Path)
     proc: subprocess.Popen[bytes] | None = None
+    argv: list[str] = field(default_factory=list)  # the command line, for restart()
 
     @property
     def url(self) -> str:
@@ -108,6 +117,25 @@ class RedisServer:
         except OSError:
             return ""
 
+    def kill(self) -> None:
+        """SIGKILL the server (no shutdown, no final save) and reap it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10.0)
+
+    def restart(self) -> None:
+        """Start the server again with the same command line: same port, same data folder
+        (so with ``appendonly`` it reloads its append-only file). Kills it first if alive."""
+        self.kill()
+        proc = subprocess.Popen(
+            self.argv, cwd=self.dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        self.proc = proc
+        if not _wait_ready(self, proc):
+            log = self.log()
+            _stop(proc)
+            raise RuntimeError(f"redis-server did not restart on port {self.port}; its log:\n{log}")
+
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is not None:
@@ -120,6 +148,22 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=5.0)
 
 
+def _wait_ready(srv: RedisServer, proc: subprocess.Popen[bytes]) -> bool:
+    """Poll PING until the server answers (True) or exits / the start timeout passes."""
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if srv.client(socket_connect_timeout=1.0).ping():
+                return True
+        except redis.ConnectionError:
+            time.sleep(0.02)
+        except redis.ResponseError as err:  # LOADING: still reading its append-only file
+            if "LOADING" not in str(err):
+                raise
+            time.sleep(0.02)
+    return False
+
+
 def _start(
     folder: Path,
     *,
@@ -128,6 +172,7 @@ def _start(
     appendonly: bool,
     cluster: bool,
     extra: list[str],
+    appendfsync: str | None = None,
 ) -> RedisServer:
     last = ""
     for _attempt in range(3):  # a port can be taken between picking and binding
@@ -149,6 +194,8 @@ def _start(
             "--daemonize",
             "no",
         ]
+        if appendfsync is not None:
+            args += ["--appendfsync", appendfsync]
         if password is not None:
             args += ["--requirepass", password]
         if acl_user is not None:
@@ -167,16 +214,13 @@ def _start(
         proc = subprocess.Popen(
             args, cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        srv = RedisServer(host="127.0.0.1", port=port, password=password, dir=folder, proc=proc)
+        srv = RedisServer(
+            host="127.0.0.1", port=port, password=password, dir=folder, proc=proc, argv=args
+        )
         if acl_user is not None:
             srv.username, srv.password = acl_user
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if srv.client(socket_connect_timeout=1.0).ping():
-                    return srv
-            except redis.ConnectionError:
-                time.sleep(0.02)
+        if _wait_ready(srv, proc):
+            return srv
         last = srv.log()
         _stop(proc)
     raise RuntimeError(f"redis-server did not start in {folder}; its log:\n{last}")
@@ -188,13 +232,18 @@ def redis_server(
     password: str | None = None,
     acl_user: tuple[str, str] | None = None,
     appendonly: bool = False,
+    appendfsync: str | None = None,
     extra: list[str] | None = None,
 ) -> Iterator[RedisServer]:
     """A fresh ``redis-server`` on a free loopback port, stopped and removed on exit.
 
     ``password`` sets ``requirepass`` (the default user's password); ``acl_user``
-    ``(name, password)`` adds an ACL user with all permissions.
+    ``(name, password)`` adds an ACL user with all permissions. ``appendonly``
+    turns the append-only file on; ``appendfsync`` ("always", "everysec", "no")
+    sets when it is fsynced. The server listens on 127.0.0.1 only.
     """
+    if appendfsync is not None and appendfsync not in ("always", "everysec", "no"):
+        raise ValueError(f"appendfsync must be 'always', 'everysec' or 'no', got {appendfsync!r}")
     folder = Path(tempfile.mkdtemp(prefix="hybridrec-redis-"))
     srv: RedisServer | None = None
     try:
@@ -205,6 +254,7 @@ def redis_server(
             appendonly=appendonly,
             cluster=False,
             extra=list(extra or []),
+            appendfsync=appendfsync,
         )
         yield srv
     finally:

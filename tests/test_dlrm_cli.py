@@ -1,4 +1,5 @@
-"""The DLRM example's command line: options fill TrainConfig; the script runs as a file."""
+"""The DLRM example's command line: options fill TrainConfig (also from TOML/JSON files),
+--help explains every option, and the script runs as a file, writing metrics and a plot."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from examples.train_dlrm import TrainConfig, parse_args
+from examples.cli import build_parser
+from examples.dlrm_config import TrainConfig
+from examples.train_dlrm import main, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,15 +23,41 @@ def test_defaults_and_every_option() -> None:
         "--data synthetic --epochs 2 --batch-size 64 --lr 0.01 --dense-optimizer adagrad "
         "--emb-lr 0.2 --dim 8 --bottom-mlp 32 16 --top-mlp 8 --seed 3 --synthetic-rows 50 "
         "--synthetic-samples 500 --max-steps 7 --backend local --validate-comm --threads 2 "
-        "--metrics-out m.jsonl"
+        "--metrics-out m.jsonl --ps mpi:2 --placement hybrid --placement-of C1=sharded "
+        "--cache-rows 10 --read-bound 2 --write-bound 1 --cache-policy lfu --compression fp16 "
+        "--bucket-mb 4 --checkpoint-dir ck --checkpoint-every 5 --checkpoint-keep 3 --resume "
+        "--log-every 2 --no-progress --no-verbose --eval-every 9 --eval-batch-size 100"
     )
     cfg = parse_args(argv.split())
     assert cfg == TrainConfig(
         data="synthetic", epochs=2, batch_size=64, lr=0.01, dense_optimizer="adagrad",
         emb_lr=0.2, dim=8, bottom_mlp=[32, 16], top_mlp=[8], seed=3, synthetic_rows=50,
         synthetic_samples=500, max_steps=7, backend="local", validate_comm=True, threads=2,
-        metrics_out="m.jsonl",
+        metrics_out="m.jsonl", ps="mpi:2", placement="hybrid", placement_of=["C1=sharded"],
+        cache_rows=10, read_bound=2, write_bound=1, cache_policy="lfu", compression="fp16",
+        bucket_mb=4.0, checkpoint_dir="ck", checkpoint_every=5, checkpoint_keep=3, resume=True,
+        log_every=2, progress=False, verbose=False, eval_every=9, eval_batch_size=100,
     )  # fmt: skip
+    crit = parse_args("--data criteo --criteo-path a.tsv b.gz --criteo-rows 0".split())
+    assert (crit.criteo_path, crit.criteo_rows, crit.epochs) == (["a.tsv", "b.gz"], 0, 1)
+
+
+def test_help_explains_every_option() -> None:
+    parser = build_parser(TrainConfig, "t")
+    for action in parser._actions:
+        if action.dest not in ("help", "config"):
+            assert action.dest in TrainConfig.__dataclass_fields__, action.dest
+            assert action.help and len(action.help.split("(default")[0].strip()) > 8, action.dest
+
+
+def test_config_file_then_command_line(tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text('data = "synthetic"\nbatch-size = 64\ntop_mlp = [8]\nps = "mpi:2"\n')
+    cfg = parse_args(["--config", str(toml), "--batch-size", "32"])
+    assert (cfg.data, cfg.batch_size, cfg.top_mlp, cfg.ps) == ("synthetic", 32, [8], "mpi:2")
+    (tmp_path / "run.json").write_text(json.dumps({"zero_stage": 2, "placement": "sharded"}))
+    cfg = parse_args(["--config", str(tmp_path / "run.json")])
+    assert (cfg.zero_stage, cfg.placement) == (2, "sharded")
 
 
 @pytest.mark.parametrize(
@@ -36,13 +65,31 @@ def test_defaults_and_every_option() -> None:
     [
         (dict(epochs=0), "epochs must be >= 1, got 0"),
         (dict(lr=0.0), "lr must be > 0, got 0.0"),
-        (dict(data="criteo"), "data must be 'movielens' or 'synthetic', got 'criteo'"),
+        (dict(data="avazu"), "data must be 'movielens', 'synthetic' or 'criteo', got 'avazu'"),
+        (dict(data="criteo"), "data 'criteo' needs --criteo-path"),
         (dict(max_steps=-1), "max_steps must be >= 0, got -1"),
+        (dict(zero_stage=3), "zero_stage must be 0, 1 or 2, got 3"),
+        (dict(compression="gzip"), "compression must be one of none, fp16.*got 'gzip'"),
+        (dict(compression="fp16", zero_stage=1), "ZeRO stage 1 reduces gradients itself"),
+        (dict(ps="etcd://x"), "expected 'local', 'mpi'"),
+        (dict(placement_of=["user"]), "expected TABLE=local\\|hybrid\\|sharded, got 'user'"),
+        (dict(resume=True), "resume needs checkpoint_dir"),
     ],
 )
 def test_config_validation(kw: dict[str, object], pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         TrainConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_bad_placement_table_and_rank_count_are_named() -> None:
+    from comm import LocalGroup
+    from examples.train_dlrm import train
+
+    cfg = TrainConfig(data="synthetic", synthetic_samples=100, placement_of=["nope=sharded"])
+    with pytest.raises(ValueError, match="placement_of: no table 'nope'; the tables are"):
+        train(cfg, LocalGroup())
+    with pytest.raises(ValueError, match="--ps mpi needs the MPI backend"):
+        main(["--ps", "mpi", "--backend", "local", "--data", "synthetic"])
 
 
 @pytest.mark.timeout(120)
@@ -52,10 +99,14 @@ def test_script_runs_as_a_file(tmp_path: Path) -> None:
         sys.executable, str(ROOT / "examples" / "train_dlrm.py"), "--data", "synthetic",
         "--synthetic-samples", "2000", "--synthetic-rows", "100", "--epochs", "2",
         "--batch-size", "100", "--backend", "local", "--metrics-out", str(out),
+        "--log-every", "4",
     ]  # fmt: skip
     run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=110)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "test AUC" in run.stdout and "popularity AUC" in run.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["kind"] for r in rows] == ["epoch", "epoch", "final"]
+    assert [r["kind"] for r in rows] == ["step"] * 4 + ["epoch"] + ["step"] * 4 + ["epoch", "final"]
+    assert [r["step"] for r in rows if r["kind"] == "step"] == [4, 8, 12, 16, 20, 24, 28, 32]
+    assert all(r["loss"] > 0 and r["samples_per_s"] > 0 for r in rows if r["kind"] == "step")
     assert rows[-1]["steps"] == 2 * (1600 // 100)
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dense import DLRMConfig, DLRMDense, pairwise_interaction
+from dense import DLRMConfig, DLRMDense, interaction_kernel, pairwise_interaction
+from dense.dlrm import AlignedLinear, _interact, naive_pairwise_interaction
 
 
 def _config(**kw: object) -> DLRMConfig:
@@ -100,3 +101,116 @@ def test_forward_validates_shapes() -> None:
         model(torch.randn(2, 5), [torch.randn(2, 4), torch.randn(2, 3), torch.randn(2, 4)])
     with pytest.raises(ValueError, match=r"\[2, 3, 4\], got shape \(2, 4, 4\)"):
         model(torch.randn(2, 5), torch.randn(2, 4, 4))
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 27])
+def test_fast_interaction_equals_naive_forward_and_backward(n: int) -> None:
+    """The one-bmm backward equals autograd through the full bmm and advanced indexing."""
+    g = torch.Generator().manual_seed(n)
+    t = torch.randn(6, n, 8, generator=g, dtype=torch.float64)
+    upstream = torch.randn(6, n * (n - 1) // 2, generator=g, dtype=torch.float64)
+    fast_in = t.clone().requires_grad_(True)
+    naive_in = t.clone().requires_grad_(True)
+    fast = pairwise_interaction(fast_in)
+    naive = naive_pairwise_interaction(naive_in)
+    torch.testing.assert_close(fast, naive, rtol=0, atol=0)  # same bmm, same entries
+    (fast * upstream).sum().backward()
+    (naive * upstream).sum().backward()
+    assert fast_in.grad is not None and naive_in.grad is not None
+    torch.testing.assert_close(fast_in.grad, naive_in.grad, rtol=1e-12, atol=1e-12)
+
+
+def _naive_dense_forward(
+    model: DLRMDense, dense: torch.Tensor, sparse: torch.Tensor
+) -> torch.Tensor:
+    """DLRMDense's forward from plain nn.Linear layers: no padding, no custom autograd."""
+
+    def run(seq: torch.nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+        for layer in seq:
+            if isinstance(layer, torch.nn.Linear):
+                x = torch.nn.functional.linear(x, layer.weight, layer.bias)
+            else:
+                x = torch.relu(x)
+        return x
+
+    x = run(model.bottom, dense)  # [B, D]
+    t = torch.cat([x.unsqueeze(1), sparse], dim=1)  # [B, F+1, D]
+    return run(model.top, torch.cat([x, naive_pairwise_interaction(t)], dim=1)).squeeze(1)
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_dense_step_gradients_equal_naive_model(as_list: bool) -> None:
+    """Aligned layers + fused interaction give the naive model's logits and gradients."""
+    torch.manual_seed(3)
+    cfg = _config(num_dense=13, num_sparse=4, embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[7, 1])
+    assert cfg.top_input_dim % 8 != 0 and cfg.num_dense % 8 != 0  # both first layers padded
+    model = DLRMDense(cfg).double()
+    dense = torch.randn(5, 13, dtype=torch.float64)
+    sparse = torch.randn(5, 4, 8, dtype=torch.float64)
+    fast_sp = sparse.clone().requires_grad_(True)
+    naive_sp = sparse.clone().requires_grad_(True)
+    fast_arg = list(fast_sp.unbind(1)) if as_list else fast_sp
+    fast = model(dense, fast_arg)
+    fast.pow(2).sum().backward()
+    fast_grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    naive = _naive_dense_forward(model, dense, naive_sp)
+    naive.pow(2).sum().backward()
+    naive_grads = [p.grad for p in model.parameters() if p.grad is not None]
+    torch.testing.assert_close(fast, naive, rtol=1e-12, atol=1e-12)
+    assert len(fast_grads) == len(naive_grads) == len(list(model.parameters()))
+    for a, b in zip(fast_grads, naive_grads, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fast_sp.grad, naive_sp.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_aligned_layers_keep_linear_state_dict() -> None:
+    model = DLRMDense(_config(num_dense=13))
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes["bottom.0.weight"] == (8, 13) and shapes["top.0.weight"] == (6, 10)
+    assert isinstance(model.bottom[0], AlignedLinear) and model.bottom[0].padded_in == 16
+
+
+@pytest.mark.skipif(not interaction_kernel.usable(torch.zeros(1, 1, 1)), reason="no C compiler")
+@pytest.mark.parametrize(
+    "b, n, d, with_first",
+    [(3, 1, 8, True), (5, 2, 3, False), (7, 6, 13, True), (70, 27, 64, True), (66, 9, 72, False)],
+)
+def test_interaction_kernel_equals_float64_reference(
+    b: int, n: int, d: int, with_first: bool
+) -> None:
+    """The float32 C kernel (forward and backward) against the float64 torch path."""
+    g = torch.Generator().manual_seed(b * n + d)
+    t = torch.randn(b, n, d, generator=g)
+    pairs = n * (n - 1) // 2
+    width = (d if with_first else 0) + pairs + 5  # 5 zero columns of padding
+    upstream = torch.randn(b, width, generator=g)
+    fast_in = t.clone().requires_grad_(True)
+    ref_in = t.double().requires_grad_(True)
+    fast = _interact(fast_in, with_first=with_first, width=width)
+    ref = _interact(ref_in, with_first=with_first, width=width)
+    assert fast.dtype == torch.float32 and fast.shape == (b, width)
+    torch.testing.assert_close(fast.double(), ref, rtol=1e-5, atol=1e-5)
+    assert bool((fast[:, width - 5 :] == 0).all())
+    (fast * upstream).sum().backward()
+    (ref * upstream.double()).sum().backward()
+    assert fast_in.grad is not None and ref_in.grad is not None
+    torch.testing.assert_close(fast_in.grad.double(), ref_in.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_float32_model_uses_kernel_and_matches_float64() -> None:
+    """A whole float32 DLRMDense step (kernel path where built) against float64."""
+    torch.manual_seed(5)
+    cfg = _config(num_dense=13, num_sparse=26, embedding_dim=16, bottom_mlp=[32, 16])
+    model = DLRMDense(cfg)
+    ref = DLRMDense(cfg).double()
+    ref.load_state_dict(model.state_dict())
+    dense, sparse = torch.randn(80, 13), torch.randn(80, 26, 16)
+    sp32, sp64 = sparse.clone().requires_grad_(True), sparse.double().requires_grad_(True)
+    out32, out64 = model(dense, sp32), ref(dense.double(), sp64)
+    torch.testing.assert_close(out32.double(), out64, rtol=1e-4, atol=1e-4)
+    out32.sum().backward()
+    out64.sum().backward()
+    assert sp32.grad is not None and sp64.grad is not None
+    torch.testing.assert_close(sp32.grad.double(), sp64.grad, rtol=1e-4, atol=1e-4)

@@ -1,8 +1,8 @@
 """The DLRM example on real processes (mpirun and gloo) equals one process.
 
 The rank script (tests/ranks/dlrm_train.py) trains the example's model on its
-slice of each global batch and compares dense weights and embedding rows with a
-single-process run on the whole global batch.
+slice of each global batch (dense part under ``dense.DataParallel``) and compares
+dense weights and embedding rows with a single-process run on the whole global batch.
 """
 
 from __future__ import annotations

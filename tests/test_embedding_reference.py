@@ -1,45 +1,59 @@
-"""EmbeddingCollection + the in-process store vs plain torch.nn.EmbeddingBag.
+"""EmbeddingCollection (local and hybrid placements) vs plain torch modules.
 
-The reference keeps one dense ``nn.EmbeddingBag`` per table (initial weights
-copied from the store), pools each feature separately (no dedup, no shared
-lookup), takes the dense ``.grad`` from autograd and applies the optimizer by
-hand (row-wise Adagrad on the rows the batch touched) or with
-``torch.optim.SGD``. After every step the store's rows must match.
+The reference (tests/embedding_reference.py) keeps one dense ``nn.EmbeddingBag``
+/ ``nn.Embedding`` per table, pools each feature separately (no dedup, no
+fusion) and applies the optimizer with torch.optim or by hand on the touched
+rows. After every step the collection's rows and optimizer state must match.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
-from torch import nn
 
 import ps
 from embedding import EmbeddingCollection, KeyedJaggedIds, RowWiseAdagrad, TableConfig
+from embedding_reference import Reference
 
 pytestmark = pytest.mark.timeout(120)
 
 B = 6  # samples per batch
 STEPS = 6
+PLACEMENTS = ["local", "hybrid"]
 
 
-def _random_batch(gen: torch.Generator, features: dict[str, int], weighted: bool) -> KeyedJaggedIds:
+def _place(tables: list[TableConfig], placement: str) -> list[TableConfig]:
+    return [dataclasses.replace(t, placement=placement) for t in tables]  # type: ignore[arg-type]
+
+
+def _random_batch(
+    gen: torch.Generator, tables: list[TableConfig], weighted: bool, seq_len: int = 3
+) -> KeyedJaggedIds:
     """Jagged ids per feature: 0-4 ids per sample (empty bags), drawn from a small
-    range so ids repeat within and across samples and features."""
+    range so ids repeat within and across samples and features; unpooled features
+    get exactly ``seq_len`` ids per sample."""
     lists: dict[str, list[list[int]]] = {}
-    for feat, num_rows in features.items():
-        hot = min(num_rows, 7)  # ids mostly from a few hot rows, some from anywhere
-        samples = []
-        for _ in range(B):
-            n = int(torch.randint(0, 5, (1,), generator=gen))
-            ids = torch.where(
-                torch.rand(n, generator=gen) < 0.7,
-                torch.randint(0, hot, (n,), generator=gen),
-                torch.randint(0, num_rows, (n,), generator=gen),
-            )
-            samples.append(ids.tolist())
-        lists[feat] = samples
+    for t in tables:
+        assert t.num_rows is not None
+        for feat in t.feature_names:
+            hot = min(t.num_rows, 7)  # ids mostly from a few hot rows, some from anywhere
+            samples = []
+            for _ in range(B):
+                n = (
+                    seq_len
+                    if t.pooling == "none"
+                    else int(torch.randint(0, 5, (1,), generator=gen))
+                )
+                ids = torch.where(
+                    torch.rand(n, generator=gen) < 0.7,
+                    torch.randint(0, hot, (n,), generator=gen),
+                    torch.randint(0, t.num_rows, (n,), generator=gen),
+                )
+                samples.append(ids.tolist())
+            lists[feat] = samples
     if not weighted:
         return KeyedJaggedIds.from_lists(lists)
     w = {
@@ -49,91 +63,56 @@ def _random_batch(gen: torch.Generator, features: dict[str, int], weighted: bool
     return KeyedJaggedIds.from_lists(lists, weights=w)
 
 
-class _Reference:
-    """Dense EmbeddingBags per table and a hand-written optimizer."""
-
-    def __init__(self, tables: list[TableConfig], store: ps.Store) -> None:
-        self.tables = {t.name: t for t in tables}
-        self.table_of = {f: t.name for t in tables for f in t.feature_names}
-        self.bags = {}
-        self.acc = {}
-        for t in tables:
-            bag = nn.EmbeddingBag(t.num_rows, t.dim, mode=t.pooling)
-            with torch.no_grad():
-                bag.weight.copy_(store.pull(t.name, torch.arange(t.num_rows)).rows)
-            self.bags[t.name] = bag
-            opt = t.optimizer
-            if isinstance(opt, RowWiseAdagrad):
-                self.acc[t.name] = torch.full((t.num_rows,), opt.initial_accumulator)
-        self.sgd = {
-            t.name: torch.optim.SGD(self.bags[t.name].parameters(), lr=t.optimizer.lr)
-            for t in tables
-            if isinstance(t.optimizer, ps.SGD)
-        }
-
-    def forward(self, kjt: KeyedJaggedIds) -> dict[str, torch.Tensor]:
-        out = {}
-        for feat in kjt.keys:
-            j = kjt[feat]
-            bag = self.bags[self.table_of[feat]]
-            # offsets of the bags, [B]; per-id weights only in sum mode
-            out[feat] = bag(j.ids, j.offsets()[:-1], per_sample_weights=j.weights)
-        return out
-
-    def step(self, kjt: KeyedJaggedIds) -> None:
-        for name, t in self.tables.items():
-            bag = self.bags[name]
-            if isinstance(t.optimizer, ps.SGD):
-                self.sgd[name].step()
-                self.sgd[name].zero_grad()
-                continue
-            assert isinstance(t.optimizer, RowWiseAdagrad)
-            feats = [f for f in t.feature_names if f in kjt]
-            if not feats:
-                continue
-            touched = torch.unique(torch.cat([kjt[f].ids for f in feats]))
-            grad = bag.weight.grad
-            assert grad is not None
-            g = grad[touched]  # [U, D]
-            acc = self.acc[name]
-            acc[touched] += (g * g).mean(dim=1)
-            lr, eps = t.optimizer.lr, t.optimizer.eps
-            with torch.no_grad():
-                bag.weight[touched] -= lr * g / (acc[touched].sqrt() + eps).unsqueeze(1)
-            bag.weight.grad = None
+def _loss(out: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    total = torch.zeros(())
+    for f, o in out.items():
+        total = total + (o * targets[f][:, : o.shape[1]] if o.dim() == 3 else o * targets[f]).sum()
+    return total
 
 
-def _loss(pooled: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> torch.Tensor:
-    return sum((pooled[f] * targets[f]).sum() for f in pooled)  # type: ignore[return-value]
+def _targets(gen: torch.Generator, tables: list[TableConfig]) -> dict[str, torch.Tensor]:
+    out = {}
+    for t in tables:
+        for f in t.feature_names:
+            shape = (B, 3, t.dim) if t.pooling == "none" else (B, t.dim)
+            out[f] = torch.randn(*shape, generator=gen)
+    return out
 
 
-def _train_and_compare(tables: list[TableConfig], weighted: bool, seed: int) -> None:
+def _train_and_compare(
+    tables: list[TableConfig], placement: str, weighted: bool, seed: int
+) -> None:
+    tables = _place(tables, placement)
     gen = torch.Generator().manual_seed(seed)
     ec = EmbeddingCollection(tables)
-    ref = _Reference(tables, ec.store)
-    features = {f: t.num_rows for t in tables for f in t.feature_names}
-    targets = {f: torch.randn(B, t.dim, generator=gen) for t in tables for f in t.feature_names}
+    ref = Reference(tables)
+    targets = _targets(gen, tables)
     for step in range(STEPS):
-        kjt = _random_batch(gen, features, weighted)
+        kjt = _random_batch(gen, tables, weighted)
         got = ec(kjt)
         want = ref.forward(kjt)
         assert list(got) == kjt.keys
         for f in kjt.keys:
+            assert got[f].shape == want[f].shape, f
             torch.testing.assert_close(got[f], want[f], rtol=0, atol=1e-6)
         _loss(got, targets).backward()
         _loss(want, targets).backward()
         ref.step(kjt)
         for t in tables:
-            rows = ec.store.pull(t.name, torch.arange(t.num_rows)).rows
-            err = float((rows - ref.bags[t.name].weight.detach()).abs().max())
-            assert err <= 1e-6, f"table {t.name} after step {step}: rows differ by {err:.3g}"
-            if t.name in ref.acc:
-                state = ec.store.state(t.name, torch.arange(t.num_rows))[:, 0]
-                torch.testing.assert_close(state, ref.acc[t.name], rtol=1e-6, atol=1e-7)
+            assert t.num_rows is not None
+            ids = torch.arange(t.num_rows)
+            err = float((ec.rows(t.name, ids) - ref.weight[t.name].detach()).abs().max())
+            assert err <= 1e-6, (
+                f"{placement} table {t.name} after step {step}: rows differ by {err:.3g}"
+            )
+            want_state = ref.state(t.name)
+            if want_state is not None:
+                torch.testing.assert_close(ec.state(t.name, ids), want_state, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_rowwise_adagrad_sum_and_mean_shared_table(seed: int) -> None:
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rowwise_adagrad_sum_and_mean_shared_table(placement: str, seed: int) -> None:
     tables = [
         # two features share one table
         TableConfig(
@@ -144,12 +123,16 @@ def test_rowwise_adagrad_sum_and_mean_shared_table(seed: int) -> None:
             name="users", num_rows=12, dim=4, feature_names=["user"], pooling="mean",
             optimizer=RowWiseAdagrad(lr=0.05, eps=1e-6, initial_accumulator=0.1),
         ),
+        TableConfig(
+            name="more", num_rows=9, dim=8, feature_names=["m"], pooling="mean",
+            optimizer=RowWiseAdagrad(lr=0.1),
+        ),
     ]  # fmt: skip
-    _train_and_compare(tables, weighted=False, seed=seed)
+    _train_and_compare(tables, placement, weighted=False, seed=seed)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_rowwise_adagrad_weighted_sum(seed: int) -> None:
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_rowwise_adagrad_weighted_sum(placement: str) -> None:
     tables = [
         TableConfig(
             name="items", num_rows=25, dim=6, feature_names=["a", "b"], pooling="sum",
@@ -160,70 +143,138 @@ def test_rowwise_adagrad_weighted_sum(seed: int) -> None:
             optimizer=RowWiseAdagrad(lr=0.1),
         ),
     ]  # fmt: skip
-    _train_and_compare(tables, weighted=True, seed=seed)
+    _train_and_compare(tables, placement, weighted=True, seed=3)
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
-def test_sgd_matches_torch_optim_sgd(pooling: str) -> None:
+def test_sgd_matches_torch_optim_sgd(placement: str, pooling: str) -> None:
     tables = [
         TableConfig(
             name="t", num_rows=20, dim=5, feature_names=["x", "y"], pooling=pooling,  # type: ignore[arg-type]
             optimizer=ps.SGD(lr=0.3),
         ),
     ]  # fmt: skip
-    _train_and_compare(tables, weighted=False, seed=5)
+    _train_and_compare(tables, placement, weighted=False, seed=5)
 
 
-def test_eval_and_no_grad_never_push() -> None:
-    cfg = TableConfig(name="t", num_rows=10, dim=3, feature_names=["x"], optimizer=ps.SGD(lr=1.0))
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_adam_and_adagrad_mixed_with_unpooled(placement: str) -> None:
+    tables = [
+        TableConfig(
+            name="tok", num_rows=15, dim=4, feature_names=["seq"], pooling="none",
+            optimizer=ps.Adam(lr=0.05),
+        ),
+        TableConfig(
+            name="bag", num_rows=11, dim=4, feature_names=["bag"], pooling="sum",
+            optimizer=ps.Adam(lr=0.02, betas=(0.8, 0.99)),
+        ),
+        TableConfig(
+            name="ada", num_rows=10, dim=4, feature_names=["ada", "ada2"], pooling="none",
+            optimizer=ps.Adagrad(lr=0.1, initial_accumulator=0.05),
+        ),
+    ]  # fmt: skip
+    _train_and_compare(tables, placement, weighted=False, seed=7)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_unpooled_weighted(placement: str) -> None:
+    tables = [
+        TableConfig(
+            name="tok", num_rows=12, dim=3, feature_names=["seq", "seq2"], pooling="none",
+            optimizer=RowWiseAdagrad(lr=0.1),
+        ),
+        TableConfig(
+            name="bag", num_rows=12, dim=3, feature_names=["bag"], pooling="sum",
+            optimizer=RowWiseAdagrad(lr=0.1),
+        ),
+    ]  # fmt: skip
+    _train_and_compare(tables, placement, weighted=True, seed=11)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_eval_and_no_grad_never_update(placement: str) -> None:
+    cfg = TableConfig(
+        name="t", num_rows=10, dim=3, feature_names=["x"], optimizer=ps.SGD(lr=1.0),
+        placement=placement,  # type: ignore[arg-type]
+    )  # fmt: skip
     ec = EmbeddingCollection([cfg])
     kjt = KeyedJaggedIds.from_lists({"x": [[1, 2], [2]]})
-    before = ec.store.pull("t", torch.arange(10))
+    ids = torch.arange(10)
+    before, before_clocks = ec.rows("t", ids), ec.clocks("t", ids)
     with torch.no_grad():
         out = ec(kjt)["x"]
     assert not out.requires_grad
     ec.eval()
     out = ec(kjt)["x"]
     assert not out.requires_grad
-    after = ec.store.pull("t", torch.arange(10))
-    assert torch.equal(before.rows, after.rows) and torch.equal(before.clocks, after.clocks)
+    assert torch.equal(before, ec.rows("t", ids))
+    assert torch.equal(before_clocks, ec.clocks("t", ids))
     ec.train()
     ec(kjt)["x"].sum().backward()
-    assert ec.store.clocks("t", torch.arange(10)).tolist() == [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+    assert ec.clocks("t", ids).tolist() == [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]
 
 
-def test_pooled_values_by_hand() -> None:
-    cfg = TableConfig(name="t", num_rows=5, dim=2, feature_names=["x", "y"], pooling="mean")
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_pooled_values_by_hand(placement: str) -> None:
+    cfg = TableConfig(
+        name="t", num_rows=5, dim=2, feature_names=["x", "y"], pooling="mean",
+        placement=placement,  # type: ignore[arg-type]
+    )  # fmt: skip
     ec = EmbeddingCollection([cfg])
-    w = ec.store.pull("t", torch.arange(5)).rows
+    w = ec.rows("t", torch.arange(5))
     out = ec(KeyedJaggedIds.from_lists({"y": [[4], []], "x": [[1, 1, 3], [0]]}))
     assert list(out) == ["y", "x"]
     torch.testing.assert_close(out["y"], torch.stack([w[4], torch.zeros(2)]))
     torch.testing.assert_close(out["x"], torch.stack([(2 * w[1] + w[3]) / 3, w[0]]))
 
 
-def test_bad_inputs() -> None:
-    cfg = TableConfig(name="t", num_rows=5, dim=2, feature_names=["x", "y"], pooling="mean")
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_unpooled_shapes_and_ragged_error(placement: str) -> None:
+    cfg = TableConfig(
+        name="tok", num_rows=9, dim=2, feature_names=["seq"], pooling="none",
+        placement=placement,  # type: ignore[arg-type]
+    )  # fmt: skip
     ec = EmbeddingCollection([cfg])
-    before = ec.store.pull("t", torch.arange(5))
-    with pytest.raises(
-        ValueError, match=r"feature 'z' is not in any table; known features: \['x', 'y'\]"
-    ):
-        ec(KeyedJaggedIds.from_lists({"z": [[1]]}))
+    w = ec.rows("tok", torch.arange(9))
+    out = ec(KeyedJaggedIds.from_lists({"seq": [[1, 2, 3], [4, 4, 0]]}))["seq"]
+    assert out.shape == (2, 3, 2)
+    torch.testing.assert_close(out, w[torch.tensor([[1, 2, 3], [4, 4, 0]])])
+    empty = ec(KeyedJaggedIds.from_lists({"seq": [[], []]}))["seq"]
+    assert empty.shape == (2, 0, 2)
     with pytest.raises(
         ValueError,
-        match=r"feature 'y' has id 5, out of range for table 't' with 5 rows "
-        r"\(valid ids \[0, 5\)\)",
+        match=r"feature 'seq' of table 'tok' has pooling='none', which needs the same number "
+        r"of ids in every sample, got lengths \[1, 2\]",
     ):
-        ec(KeyedJaggedIds.from_lists({"x": [[1], [4]], "y": [[0], [5]]}))
-    with pytest.raises(ValueError, match="feature 'x' has id -1"):
-        ec(KeyedJaggedIds.from_lists({"x": [[-1]]}))
-    with pytest.raises(ValueError, match="weights need pooling='sum'"):
-        ec(KeyedJaggedIds.from_lists({"x": [[1]]}, weights={"x": [[2.0]]}))
-    with pytest.raises(TypeError, match="expected a KeyedJaggedIds"):
-        ec({"x": torch.tensor([1])})  # type: ignore[arg-type]
-    after = ec.store.pull("t", torch.arange(5))
-    assert torch.equal(before.rows, after.rows) and torch.equal(before.clocks, after.clocks)
+        ec(KeyedJaggedIds.from_lists({"seq": [[1, 2], [3]]}))
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_local_and_hybrid_train_identically(placement: str) -> None:
+    """The fused local path and the store path run the same ps optimizer math."""
+    tables = [
+        TableConfig(
+            name="a", num_rows=50, dim=8, feature_names=["a1", "a2"],
+            optimizer=RowWiseAdagrad(lr=0.1),
+        ),
+        TableConfig(name="b", num_rows=20, dim=8, feature_names=["b"], pooling="mean",
+                    optimizer=ps.Adam(lr=0.01)),
+    ]  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    local = EmbeddingCollection(_place(tables, "local"))
+    other = EmbeddingCollection(_place(tables, placement))
+    targets = _targets(gen, tables)
+    for _ in range(4):
+        kjt = _random_batch(gen, tables, weighted=False)
+        _loss(local(kjt), targets).backward()
+        _loss(other(kjt), targets).backward()
+    for t in tables:
+        ids = torch.arange(t.num_rows or 0)
+        torch.testing.assert_close(
+            local.rows(t.name, ids), other.rows(t.name, ids), rtol=0, atol=1e-6
+        )
+        assert torch.equal(local.clocks(t.name, ids), other.clocks(t.name, ids))
 
 
 def test_config_validation_and_feature_conflicts() -> None:
@@ -233,8 +284,18 @@ def test_config_validation_and_feature_conflicts() -> None:
         TableConfig(name="t", num_rows=-1, dim=2, feature_names=["x"])
     with pytest.raises(ValueError, match="feature_names must be a non-empty list"):
         TableConfig(name="t", num_rows=5, dim=2, feature_names=[])
-    with pytest.raises(ValueError, match=r"pooling must be one of \('sum', 'mean'\), got 'max'"):
+    with pytest.raises(
+        ValueError, match=r"pooling must be one of \('sum', 'mean', 'none'\), got 'max'"
+    ):
         TableConfig(name="t", num_rows=5, dim=2, feature_names=["x"], pooling="max")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"placement must be one of .*, got 'gpu'"):
+        TableConfig(name="t", num_rows=5, dim=2, feature_names=["x"], placement="gpu")  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"num_rows=None \(a dynamic table\) needs placement='hybrid'"
+    ):
+        TableConfig(name="t", num_rows=None, dim=2, feature_names=["x"])
+    dyn = TableConfig(name="t", num_rows=None, dim=2, feature_names=["x"], placement="hybrid")
+    assert dyn.dynamic and dyn.to_spec().dynamic
     a = TableConfig(name="a", num_rows=5, dim=2, feature_names=["x", "y"])
     b = TableConfig(name="b", num_rows=5, dim=2, feature_names=["y"])
     with pytest.raises(ValueError, match="feature 'y' is mapped to two tables, 'a' and 'b'"):
@@ -246,14 +307,99 @@ def test_config_validation_and_feature_conflicts() -> None:
     assert spec.init is not None and (spec.init.low, spec.init.high) == (-bound, bound)
 
 
+def test_dynamic_hybrid_table_takes_any_id() -> None:
+    cfg = TableConfig(
+        name="d", num_rows=None, dim=3, feature_names=["x"], placement="hybrid",
+        optimizer=ps.SGD(lr=1.0),
+    )  # fmt: skip
+    ec = EmbeddingCollection([cfg])
+    kjt = KeyedJaggedIds.from_lists({"x": [[10**12, -5], [7]]})
+    ec(kjt)["x"].sum().backward()
+    assert ec.clocks("d", torch.tensor([10**12, -5, 7, 8])).tolist() == [1, 1, 1, 0]
+
+
 def test_shared_store_reuses_identical_tables() -> None:
-    cfg = TableConfig(name="t", num_rows=5, dim=2, feature_names=["x"], optimizer=ps.SGD(lr=1.0))
+    cfg = TableConfig(
+        name="t", num_rows=5, dim=2, feature_names=["x"], optimizer=ps.SGD(lr=1.0),
+        placement="hybrid",
+    )  # fmt: skip
     store = ps.InProcessStore()
     train = EmbeddingCollection([cfg], store=store)
     serve = EmbeddingCollection([cfg], store=store).eval()
     kjt = KeyedJaggedIds.from_lists({"x": [[3]]})
     train(kjt)["x"].sum().backward()
     torch.testing.assert_close(serve(kjt)["x"], train(kjt)["x"].detach())
-    other = TableConfig(name="t", num_rows=6, dim=2, feature_names=["x"])
+    other = dataclasses.replace(cfg, num_rows=6)
     with pytest.raises(ValueError, match="already has a table 't'"):
         EmbeddingCollection([other], store=store)
+
+
+def test_mixed_placements_keep_key_order() -> None:
+    tables = [
+        TableConfig(name="l", num_rows=6, dim=2, feature_names=["a", "c"]),
+        TableConfig(name="h", num_rows=6, dim=2, feature_names=["b"], placement="hybrid"),
+    ]
+    ec = EmbeddingCollection(tables)
+    kjt = KeyedJaggedIds.from_lists({"c": [[1]], "b": [[2]], "a": [[3]]})
+    out = ec(kjt)
+    assert list(out) == ["c", "b", "a"]
+    torch.testing.assert_close(out["b"][0], ec.rows("h", torch.tensor([2]))[0])
+    torch.testing.assert_close(out["a"][0], ec.rows("l", torch.tensor([3]))[0])
+
+
+def test_save_and_load_local_tables(tmp_path: object) -> None:
+    cfg = TableConfig(name="t", num_rows=7, dim=3, feature_names=["x"], optimizer=ps.Adam(lr=0.1))
+    ec = EmbeddingCollection([cfg])
+    ec(KeyedJaggedIds.from_lists({"x": [[1, 2], [2, 6]]}))["x"].sum().backward()
+    path = f"{tmp_path}/ckpt"
+    ec.save(path)
+    fresh = EmbeddingCollection([cfg])
+    ids = torch.arange(7)
+    assert not torch.equal(fresh.rows("t", ids), ec.rows("t", ids))
+    fresh.load(path)
+    for read in ("rows", "state", "clocks"):
+        assert torch.equal(getattr(fresh, read)("t", ids), getattr(ec, read)("t", ids)), read
+    # The format is the ps checkpoint: a store loads it as a hybrid table.
+    store = ps.InProcessStore()
+    store.load(path)
+    assert torch.equal(store.pull("t", ids).rows, ec.rows("t", ids))
+    wrong = EmbeddingCollection([dataclasses.replace(cfg, dim=4)])
+    with pytest.raises(ValueError, match=r"table 't' was saved with num_rows=7, dim=3"):
+        wrong.load(path)
+
+
+def test_sharded_placement_routes_to_sharded_module() -> None:
+    cfg = TableConfig(name="s", num_rows=7, dim=3, feature_names=["x"], placement="sharded")
+    try:
+        import embedding.sharded  # noqa: F401
+    except ModuleNotFoundError:
+        with pytest.raises(NotImplementedError, match=r"tables \['s'\] have placement='sharded'"):
+            EmbeddingCollection([cfg])
+        return
+    ec = EmbeddingCollection([cfg])
+    assert ec.sharded is not None
+
+
+def test_prefetch_through_a_cache_and_store_kind() -> None:
+    from cache import CacheConfig, CachedStore
+
+    cfg = TableConfig(
+        name="t", num_rows=50, dim=4, feature_names=["x", "y"], placement="hybrid",
+        optimizer=ps.SGD(lr=0.5),
+    )  # fmt: skip
+    local = TableConfig(name="l", num_rows=5, dim=4, feature_names=["z"])
+    cached = CachedStore(ps.InProcessStore(), CacheConfig(capacity_rows=20))
+    ec = EmbeddingCollection([cfg, local], store=cached)
+    assert ec.hybrid is not None and not ec.hybrid.store_is_shared  # a cache over a per-rank store
+    kjt = KeyedJaggedIds.from_lists({"x": [[1, 2], [3]], "y": [[2, 9], []], "z": [[1], [1]]})
+    ec.prefetch(kjt)  # the unique ids of table t: [1, 2, 3, 9]
+    ec(kjt)["x"].sum().backward()
+    assert cached.cache_stats()["t"]["prefetched"] == 4
+    plain = EmbeddingCollection([cfg, local])  # no prefetch method: prefetch does nothing
+    plain.prefetch(kjt)
+    plain(kjt)["x"].sum().backward()
+    cached.flush()
+    ids = torch.arange(50)
+    torch.testing.assert_close(ec.rows("t", ids), plain.rows("t", ids), rtol=0, atol=1e-6)
+    shared = EmbeddingCollection([cfg], store=cached, store_is_shared=True)
+    assert shared.hybrid is not None and shared.hybrid.store_is_shared

@@ -121,3 +121,98 @@ def test_to_device_keeps_everything() -> None:
     moved = kjt.to("cpu")
     assert moved.keys == kjt.keys and torch.equal(moved.ids, kjt.ids)
     assert moved.weights is not None and torch.equal(moved.weights, kjt.weights)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- by key, dedup
+
+
+def _weighted() -> KeyedJaggedIds:
+    return KeyedJaggedIds.from_lists(
+        {"f1": [[7, 2], [], [4]], "f2": [[9], [1, 1], [3, 5, 6]]},
+        weights={"f1": [[0.1, 0.2], [], [0.3]], "f2": [[1.0], [2.0, 3.0], [4.0, 5.0, 6.0]]},
+    )
+
+
+def test_select_permute_split_concat_roundtrip() -> None:
+    kjt = _weighted()
+    assert kjt.ids_per_key().tolist() == [3, 6]
+    assert kjt.select(kjt.keys) is kjt
+    f2 = kjt.select(["f2"])
+    assert f2.keys == ["f2"] and f2.ids.tolist() == [9, 1, 1, 3, 5, 6]
+    assert f2.lengths.tolist() == [1, 2, 3] and f2.batch_size == 3
+    assert f2.weights is not None and f2.weights.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    p = kjt.permute(["f2", "f1"])
+    assert p.keys == ["f2", "f1"] and p.ids.tolist() == [9, 1, 1, 3, 5, 6, 7, 2, 4]
+    assert p.lengths.tolist() == [1, 2, 3, 2, 0, 1]
+    assert p["f1"].to_lists() == kjt["f1"].to_lists()
+    a, b = kjt.split([["f2"], ["f1"]])
+    back = KeyedJaggedIds.concat([b, a])
+    assert back.keys == kjt.keys
+    assert torch.equal(back.ids, kjt.ids) and torch.equal(back.lengths, kjt.lengths)
+    assert back.weights is not None and kjt.weights is not None
+    assert torch.equal(back.weights, kjt.weights)
+    assert kjt.select([]).keys == []
+
+
+def test_by_key_errors() -> None:
+    kjt = _weighted()
+    with pytest.raises(KeyError, match=r"keys \['f9'\] not in this batch"):
+        kjt.select(["f9"])
+    with pytest.raises(ValueError, match="not a permutation"):
+        kjt.permute(["f1"])
+    with pytest.raises(ValueError, match=r"keys \['f1'\] are in more than one group"):
+        kjt.split([["f1"], ["f1", "f2"]])
+    other = KeyedJaggedIds.from_lists({"g": [[1]]})
+    with pytest.raises(ValueError, match=r"different batch sizes \[3, 1\]"):
+        KeyedJaggedIds.concat([kjt, other])
+    with pytest.raises(ValueError, match=r"keys \['f1'\] appear in more than one batch"):
+        KeyedJaggedIds.concat([kjt.select(["f1"]), kjt.select(["f1"])])
+    plain = KeyedJaggedIds.from_lists({"g": [[1], [], [2]]})
+    with pytest.raises(ValueError, match="either every batch has weights or none does"):
+        KeyedJaggedIds.concat([kjt, plain])
+    with pytest.raises(ValueError, match="needs at least one"):
+        KeyedJaggedIds.concat([])
+
+
+def test_to_and_pin_memory() -> None:
+    kjt = _weighted()
+    same = kjt.to("cpu")
+    assert torch.equal(same.ids, kjt.ids) and same.keys == kjt.keys
+    if not torch.cuda.is_available():
+        pytest.skip("pin_memory needs an accelerator")
+    pinned = kjt.pin_memory()
+    assert pinned.ids.is_pinned() and pinned.lengths.is_pinned()
+    assert pinned.weights is not None and pinned.weights.is_pinned()
+
+
+def test_dedup_per_table() -> None:
+    from embedding.dedup import dedup_per_table
+
+    kjt = KeyedJaggedIds.from_lists(
+        {"clicked": [[7, 2], [7]], "bought": [[2], [9]], "u": [[1], []]}
+    )
+    got = dedup_per_table(kjt, {"items": ["clicked", "bought"], "users": ["u"], "none": ["zz"]})
+    assert list(got) == ["items", "users"]
+    items = got["items"]
+    assert items.unique.tolist() == [2, 7, 9] and items.inverse.tolist() == [1, 0, 1, 0, 2]
+    assert items.features == ["clicked", "bought"] and items.sizes == [3, 2]
+    ids = torch.cat([kjt["clicked"].ids, kjt["bought"].ids])
+    assert torch.equal(items.unique[items.inverse], ids)
+
+
+def test_bucketize_by_rank_delegates_to_jagged_dist() -> None:
+    from embedding import TableConfig
+    from embedding.jagged_dist import bucketize
+    from embedding.sharding_plan import ShardingPlan
+
+    cfgs = [
+        TableConfig(name="a", num_rows=10, dim=2, feature_names=["x", "y"], placement="sharded"),
+        TableConfig(name="b", num_rows=10, dim=2, feature_names=["z"], placement="sharded"),
+    ]
+    plan = ShardingPlan.build(cfgs, 2, row_wise_threshold_rows=5)
+    kjt = KeyedJaggedIds.from_lists({"x": [[7, 2], [7]], "y": [[9], []], "z": [[1, 6], [8]]})
+    got = kjt.bucketize_by_rank(plan, {"a": ["x", "y"], "b": ["z"]})
+    want = bucketize(plan, ["a", "b"], [torch.tensor([2, 7, 9]), torch.tensor([1, 6, 8])])
+    assert torch.equal(got.send_ids, want.send_ids) and torch.equal(got.counts, want.counts)
+    with pytest.raises(ValueError, match="no feature of table 'c'"):
+        kjt.bucketize_by_rank(plan, {"c": ["w"]})

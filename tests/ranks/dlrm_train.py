@@ -23,15 +23,11 @@ from torch import nn
 import comm
 from comm import ProcessGroup
 from dense import allreduce_gradients, broadcast_parameters
+from examples.data.ctr import gather_batch
+from examples.dlrm_config import TrainConfig
+from examples.dlrm_data import InMemorySource, open_source
 from examples.dlrm_model import DLRM, build_dlrm
-from examples.train_dlrm import (
-    TrainConfig,
-    load_data,
-    local_batches,
-    make_optimizer,
-    train,
-    train_step,
-)
+from examples.train_dlrm import make_optimizer, train, train_step
 
 STEPS = 6
 CFG = TrainConfig(
@@ -50,10 +46,15 @@ CFG = TrainConfig(
 )
 
 
+def source(group: ProcessGroup) -> InMemorySource:
+    src = open_source(CFG, group)
+    assert isinstance(src, InMemorySource)
+    return src
+
+
 def build(group: ProcessGroup, seed: int) -> DLRM:
-    data = load_data(CFG)
     return build_dlrm(
-        data, dim=CFG.dim, emb_lr=CFG.emb_lr, bottom_mlp=CFG.bottom_mlp, top_mlp=CFG.top_mlp,
+        source(group).data, dim=CFG.dim, emb_lr=CFG.emb_lr, bottom_mlp=CFG.bottom_mlp, top_mlp=CFG.top_mlp,
         seed=seed, group=group,
     )  # fmt: skip
 
@@ -63,15 +64,16 @@ def flat_state(model: DLRM) -> torch.Tensor:
     parts = [p.detach().reshape(-1) for p in model.dense.parameters()]
     for table in model.embeddings.tables:
         ids = torch.arange(table.num_rows)
-        parts.append(model.embeddings.store.pull(table.name, ids).rows.reshape(-1))
+        parts.append(model.embeddings.rows(table.name, ids).reshape(-1))
     return torch.cat(parts)
 
 
 def run_steps(model: DLRM, group: ProcessGroup) -> None:
-    data = load_data(CFG)
-    opt = make_optimizer(CFG, model)
-    for idx in local_batches(data, CFG, group, epoch=0)[:STEPS]:
-        train_step(model, opt, data, idx, group)
+    """STEPS steps of the example's train_step (dense part under dense.DataParallel)."""
+    src = source(group)
+    opt = make_optimizer(CFG, model, group)
+    for idx in src.local_batches(epoch=0)[:STEPS]:
+        train_step(model, opt, gather_batch(src.data, idx))
 
 
 def check_matches_single_process(group: ProcessGroup) -> None:

@@ -5,6 +5,8 @@ the samples with a mean loss, and after every step compares its table rows,
 optimizer state and clocks with a single-process EmbeddingCollection (a
 LocalGroup and its own store) trained on the whole global batch. It also checks
 that all replicas are bit-identical. Raises AssertionError on any mismatch.
+Tables of every placement but sharded run in one collection: local (fused, with
+an unpooled feature and Adam) and hybrid (a replicated in-process store).
 
 Backend from ``HYBRIDREC_TEST_BACKEND`` (set by tests/multiproc.py).
 """
@@ -30,9 +32,18 @@ TABLES = [
     ),
     TableConfig(
         name="users", num_rows=15, dim=4, feature_names=["user"], pooling="mean",
-        optimizer=ps.SGD(lr=0.5),
+        optimizer=ps.SGD(lr=0.5), placement="hybrid",
+    ),
+    TableConfig(
+        name="tokens", num_rows=12, dim=4, feature_names=["seq"], pooling="none",
+        optimizer=ps.Adam(lr=0.05),
+    ),
+    TableConfig(
+        name="tags", num_rows=10, dim=8, feature_names=["tag"], pooling="sum",
+        optimizer=RowWiseAdagrad(lr=0.1), placement="hybrid",
     ),
 ]  # fmt: skip
+SEQ_LEN = 3
 
 
 def global_batch(gen: torch.Generator, step: int) -> KeyedJaggedIds:
@@ -42,8 +53,11 @@ def global_batch(gen: torch.Generator, step: int) -> KeyedJaggedIds:
             samples = []
             for b in range(GLOBAL_BATCH):
                 n = int(torch.randint(0, 5, (1,), generator=gen))
+                if table.pooling == "none":
+                    n = SEQ_LEN
+                assert table.num_rows is not None
                 ids = torch.randint(0, min(6, table.num_rows), (n,), generator=gen)  # repeats
-                if step == EMPTY_STEP and b < GLOBAL_BATCH // 4:
+                if step == EMPTY_STEP and b < GLOBAL_BATCH // 4 and table.pooling != "none":
                     ids = ids[:0]
                 samples.append(ids.tolist())
             lists[feat] = samples
@@ -70,7 +84,9 @@ def main() -> None:
         ref = EmbeddingCollection(TABLES)  # LocalGroup, its own InProcessStore
         gen = torch.Generator().manual_seed(1234)
         targets = {
-            f: torch.randn(GLOBAL_BATCH, t.dim, generator=gen)
+            f: torch.randn(
+                GLOBAL_BATCH, *([SEQ_LEN] if t.pooling == "none" else []), t.dim, generator=gen
+            )  # fmt: skip
             for t in TABLES
             for f in t.feature_names
         }
@@ -81,33 +97,35 @@ def main() -> None:
             mean_loss(dp(mine), my_targets).backward()
             mean_loss(ref(kjt), targets).backward()
             for t in TABLES:
-                ids = torch.arange(t.num_rows)
-                got, want = dp.store.pull(t.name, ids), ref.store.pull(t.name, ids)
-                err = float((got.rows - want.rows).abs().max())
+                ids = torch.arange(t.num_rows or 0)
+                got_rows, want_rows = dp.rows(t.name, ids), ref.rows(t.name, ids)
+                got_clocks, want_clocks = dp.clocks(t.name, ids), ref.clocks(t.name, ids)
+                err = float((got_rows - want_rows).abs().max())
                 if err > 1e-5:
                     raise AssertionError(
                         f"rank {rank}/{size} step {step} table {t.name}: rows differ from the "
                         f"single-process reference by {err:.3g}"
                     )
-                if not torch.equal(got.clocks, want.clocks):
+                if not torch.equal(got_clocks, want_clocks):
                     raise AssertionError(
                         f"rank {rank}/{size} step {step} table {t.name}: clocks "
-                        f"{got.clocks.tolist()} != reference {want.clocks.tolist()}"
+                        f"{got_clocks.tolist()} != reference {want_clocks.tolist()}"
                     )
-                state_err = (dp.store.state(t.name, ids) - ref.store.state(t.name, ids)).abs()
+                state_err = (dp.state(t.name, ids) - ref.state(t.name, ids)).abs()
                 if state_err.numel() and float(state_err.max()) > 1e-5:
                     raise AssertionError(
                         f"rank {rank}/{size} step {step} table {t.name}: optimizer state "
                         f"differs by {float(state_err.max()):.3g}"
                     )
                 # Every replica applied the identical update: bitwise equal everywhere.
-                everyone = group.allgather(got.rows.contiguous())  # [size, R, D]
+                everyone = group.allgather(got_rows.contiguous())  # [size, R, D]
                 if not bool((everyone == everyone[0]).all()):
                     raise AssertionError(
                         f"rank {rank}/{size} step {step} table {t.name}: replicas diverged"
                     )
-        moved = int(ref.store.clocks("items", torch.arange(40)).sum())
-        assert moved > 0, "the test never updated a row"
+        for t in TABLES:
+            moved = int(ref.clocks(t.name, torch.arange(t.num_rows or 0)).sum())
+            assert moved > 0, f"the test never updated a row of {t.name}"
     finally:
         group.close()
     print(f"rank {rank}/{size}: ok embedding data parallel ({group.backend})", flush=True)

@@ -1,0 +1,348 @@
+"""Hot-row cache vs no cache: rows moved to/from the PS per step, hit rate, step time.
+
+    python benchmarks/cache_bench.py [--quick] [--policy lru|lfu] [--compute-ms MS] [--no-mpi]
+
+Criteo-shaped synthetic ids (``_bench_util.ZipfDraws``): 26 tables of 1 M rows
+(``--quick``: 100 k), each sample draws one id per table from a Zipf(1.05) law truncated
+to the table (rank ``k`` with probability ~ ``k**-1.05``, ranks scattered over the ids),
+global batch 2048 samples, so a table sees 2048 draws per step (hot ids repeat; the step
+pulls and pushes its ~1100 distinct ids).
+
+A step, for every table: pull the distinct ids (all tables' pulls issued before any is
+waited), hand the next step's ids to ``prefetch`` (cached only), push one gradient row
+per distinct id (RowWiseAdagrad on the PS; all pushes issued, then waited). No model
+compute (``--compute-ms`` adds a sleep), so step time is the embedding traffic plus the
+cache's own work.
+
+* uncached: the store itself;
+* cached: ``cache.CachedStore`` with 10 % of each table's rows, bounds (4, 4).
+
+Stores: in-process (this process) and MPI (``mpirun -n 2``: one worker, one server
+rank; this script re-launched with ``--mpi-part``). The two variants run on separate
+tables. The cached one first warms up until every table's cache is full, then
+``settle`` more steps (steady state: evicting as much as it admits); then both run in
+alternating blocks of the same steps (A B A B ...); step time is the median block's
+mean. Rows moved: rows the PS sent + rows pushed to it, per step, over the measured
+cached steps (uncached: 2 x distinct ids).
+
+The floor of rows moved: every distinct id of a batch that is outside the cache costs a
+pull and, when evicted, a push. ``cold_fraction`` is the analytic share of a batch's
+distinct ids outside the ``capacity`` most popular ids (an ideal static cache), and
+``reduction_ceiling`` = 1 - (2 cold + hot / (s_w + 1)) / (2 distinct) the reduction such
+a cache would reach with hot rows pushed once per ``s_w + 1`` updates and never
+refreshed: no policy can do much better, so it says whether the target is reachable.
+
+Targets (issue 4): ``rows_moved_reduction`` = 1 - cached / uncached rows moved (0.90),
+``cached_vs_uncached_step`` = uncached / cached step time (1.0; the MPI store's, the
+in-process ratio is reported beside it). The last line is one JSON object
+(../shared/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from _bench_util import ZipfDraws  # noqa: E402
+
+import cache  # noqa: E402
+import ps  # noqa: E402
+
+TARGETS = {"rows_moved_reduction": 0.90, "cached_vs_uncached_step": 1.0}
+
+
+@dataclass(kw_only=True, slots=True)
+class Sizes:
+    tables: int
+    rows: int
+    batch: int
+    dim: int
+    settle: int  # steps after every cache is full, before measuring (steady state)
+    block: int  # steps per timed block
+    rounds: int  # A B rounds
+    fraction: float = 0.1
+    read_bound: int = 4
+    write_bound: int = 4
+    policy: Literal["lru", "lfu"] = "lru"
+    compute_ms: float = 0.0
+    max_fill: int = 2000  # warm-up steps at most while the caches fill
+
+    @staticmethod
+    def of(quick: bool, compute_ms: float, mpi: bool, policy: Literal["lru", "lfu"]) -> Sizes:
+        if quick:
+            return Sizes(
+                tables=8 if mpi else 26, rows=100_000, batch=2048, dim=16, settle=20, block=4,
+                rounds=2, compute_ms=compute_ms, policy=policy,
+            )  # fmt: skip
+        return Sizes(
+            tables=26, rows=1_000_000, batch=2048, dim=16, settle=300, block=10, rounds=5,
+            compute_ms=compute_ms, policy=policy,
+        )  # fmt: skip
+
+
+def make_tables(store: ps.Store, prefix: str, z: Sizes) -> list[str]:
+    names = [f"{prefix}{t}" for t in range(z.tables)]
+    for name in names:
+        store.create_table(
+            ps.TableSpec(
+                name=name, num_rows=z.rows, dim=z.dim, optimizer=ps.RowWiseAdagrad(lr=0.05)
+            )
+        )
+    return names
+
+
+def step(
+    store: ps.Store,
+    names: list[str],
+    ids: list[torch.Tensor],
+    nxt: list[torch.Tensor] | None,
+    grad: torch.Tensor,
+    compute_s: float,
+) -> None:
+    handles = [store.pull_async(n, i) for n, i in zip(names, ids, strict=True)]
+    for h in handles:
+        h.wait()
+    if nxt is not None and isinstance(store, cache.CachedStore):
+        for n, i in zip(names, nxt, strict=True):
+            store.prefetch(n, i)
+    if compute_s:
+        time.sleep(compute_s)
+    pushes = [store.push_async(n, i, grad[: i.numel()]) for n, i in zip(names, ids, strict=True)]
+    for h in pushes:
+        h.wait()
+
+
+def floor_figures(z: Sizes, draws: ZipfDraws) -> dict[str, float]:
+    """Analytic rows-moved floor of an ideal static cache (see the module docstring)."""
+    capacity = cache.CacheConfig(capacity_fraction=z.fraction).capacity(
+        ps.TableSpec(name="x", num_rows=z.rows, dim=z.dim)
+    )
+    distinct, cold = draws.expected_distinct(capacity)
+    hot = distinct - cold
+    moved = 2 * cold + hot / (z.write_bound + 1)
+    return {
+        "expected_distinct_ids": distinct,
+        "cold_fraction": cold / distinct,
+        "reduction_ceiling": 1 - moved / (2 * distinct),
+    }
+
+
+def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[str, Any]:
+    """Warm up, then alternate timed blocks of uncached and cached steps."""
+    draws = ZipfDraws(z.rows, z.batch, z.tables, seed=0)
+
+    def batch(s: int) -> list[torch.Tensor]:
+        return [torch.from_numpy(b) for b in draws.batch(s)]
+
+    names_u = make_tables(store_u, "u", z)
+    names_c = make_tables(store_c, "c", z)
+    cfg = cache.CacheConfig(
+        capacity_fraction=z.fraction,
+        read_bound=z.read_bound,
+        write_bound=z.write_bound,
+        policy=z.policy,
+    )
+    cached = cache.CachedStore(store_c, cfg)
+    grad = torch.full((z.batch, z.dim), 1e-3)
+    compute_s = z.compute_ms / 1e3
+
+    def run(which: str, first: int, count: int, steps: list[list[torch.Tensor]]) -> float:
+        store, names = (store_u, names_u) if which == "u" else (cached, names_c)
+        t = time.perf_counter()
+        for s in range(count):
+            step(store, names, steps[s], steps[s + 1], grad, compute_s)
+        if which == "c":  # complete the prefetch of the block's last step inside the block
+            for n in names_c:
+                cached.pull_async(n, steps[count][0][:0]).wait()
+        return (time.perf_counter() - t) / count
+
+    t0 = time.perf_counter()
+    s = 0
+    nxt = batch(0)
+    while True:  # fill the caches (warm-up), then settle into the steady state
+        cur, nxt = nxt, batch(s + 1)
+        step(cached, names_c, cur, nxt, grad, 0.0)
+        s += 1
+        full = all(st["cached_rows"] == st["capacity"] for st in cached.cache_stats().values())
+        if full or s >= z.max_fill:
+            break
+    filled = s
+    for _ in range(z.settle):
+        cur, nxt = nxt, batch(s + 1)
+        step(cached, names_c, cur, nxt, grad, 0.0)
+        s += 1
+    for n in names_c:  # complete the last prefetch before the blocks start
+        cached.pull_async(n, nxt[0][:0]).wait()
+    warm = [batch(i) for i in range(4)]
+    run("u", 0, 3, warm)
+    say(f"warm-up: caches full after {filled} steps, {s} steps in {time.perf_counter() - t0:.1f} s")
+    before = cached.cache_stats()
+    times: dict[str, list[float]] = {"u": [], "c": []}
+    distinct = 0
+    for r in range(z.rounds):
+        first = s + r * z.block
+        steps = [batch(first + i) for i in range(z.block + 1)]
+        for which in ("u", "c"):
+            times[which].append(run(which, first, z.block, steps))
+        distinct += sum(int(i.numel()) for b in steps[: z.block] for i in b)
+    after = cached.cache_stats()
+    n_steps = z.rounds * z.block
+
+    def delta(key: str) -> int:
+        return sum(int(after[n][key]) - int(before[n][key]) for n in names_c)
+
+    cached.flush()
+    rows_u = 2 * distinct / n_steps
+    pulled, pushed = delta("rows_pulled") / n_steps, delta("rows_pushed") / n_steps
+    lookups, hits = delta("lookups"), delta("hits")
+    step_u, step_c = statistics.median(times["u"]), statistics.median(times["c"])
+    per_table = z.tables
+    return {
+        "rows_moved_per_step": {"uncached": rows_u, "cached": pulled + pushed},
+        "rows_pulled_per_step": {"uncached": rows_u / 2, "cached": pulled},
+        "rows_pushed_per_step": {"uncached": rows_u / 2, "cached": pushed},
+        "distinct_ids_per_table_step": distinct / n_steps / per_table,
+        "hit_rate": hits / max(lookups, 1),
+        "miss_rate": delta("misses") / max(lookups, 1),
+        "evictions_per_step": delta("evictions") / n_steps,
+        **floor_figures(z, draws),
+        "warmup_steps": s,
+        "step_s": {"uncached": step_u, "cached": step_c},
+        "rows_moved_reduction": 1 - (pulled + pushed) / rows_u,
+        "cached_vs_uncached_step": step_u / step_c,
+    }
+
+
+def _say(*a: Any) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def mpi_part(quick: bool, compute_ms: float, policy: Literal["lru", "lfu"]) -> None:
+    """Under ``mpirun -n 2``: rank 1 serves, rank 0 runs :func:`compare` and prints JSON."""
+    import comm
+    from ps.mpi_server import serve_mpi
+    from ps.mpi_store import MPIStore
+
+    group = comm.init("mpi")
+    topology = comm.Topology(world_size=group.size, num_servers=1)
+    if topology.role(group.rank) is comm.Role.SERVER:
+        serve_mpi(group, topology)
+        return
+    torch.set_num_threads(1)
+    z = Sizes.of(quick, compute_ms, mpi=True, policy=policy)
+    with MPIStore(group, topology, request_timeout_s=300.0) as store:
+        result = compare(store, store, z, _say)
+    print(json.dumps({"config": _config(z), "figures": result}), flush=True)
+
+
+def _config(z: Sizes) -> dict[str, Any]:
+    return {
+        "tables": z.tables, "rows": z.rows, "batch": z.batch, "dim": z.dim,
+        "cache_fraction": z.fraction, "bounds": [z.read_bound, z.write_bound],
+        "settle_steps": z.settle, "block_steps": z.block, "rounds": z.rounds,
+        "compute_ms": z.compute_ms, "optimizer": "rowwise_adagrad", "policy": z.policy,
+        "zipf_a": 1.05,
+    }  # fmt: skip
+
+
+def run_mpi(quick: bool, compute_ms: float, policy: str) -> dict[str, Any]:
+    mpirun = Path(sys.executable).parent / "mpirun"
+    cmd = [str(mpirun if mpirun.exists() else "mpirun"), "-n", "2", sys.executable, __file__]
+    cmd += ["--mpi-part", "--compute-ms", str(compute_ms), "--policy", policy]
+    cmd += ["--quick"] if quick else []
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, check=False)
+    sys.stderr.write(out.stderr)
+    if out.returncode != 0:
+        raise RuntimeError(f"MPI part failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _show(label: str, f: dict[str, Any]) -> None:
+    moved = f["rows_moved_per_step"]
+    _say(
+        f"{label}: rows moved/step {moved['uncached']:.0f} -> {moved['cached']:.0f} "
+        f"({f['rows_moved_reduction']:.1%} fewer; ceiling {f['reduction_ceiling']:.1%}, "
+        f"cold fraction {f['cold_fraction']:.1%}), hit rate {f['hit_rate']:.1%}, step "
+        f"{f['step_s']['uncached'] * 1e3:.1f} ms -> {f['step_s']['cached'] * 1e3:.1f} ms "
+        f"(uncached/cached {f['cached_vs_uncached_step']:.2f})"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, < 1 minute")
+    p.add_argument("--compute-ms", type=float, default=0.0, help="model compute per step")
+    p.add_argument("--policy", choices=["lru", "lfu"], default="lru", help="eviction policy")
+    p.add_argument("--no-mpi", action="store_true", help="skip the MPI store")
+    p.add_argument("--mpi-part", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.mpi_part:
+        mpi_part(args.quick, args.compute_ms, args.policy)
+        return
+    torch.set_num_threads(1)
+    z = Sizes.of(args.quick, args.compute_ms, mpi=False, policy=args.policy)
+    local = compare(ps.InProcessStore(), ps.InProcessStore(), z, _say)
+    _show("in-process", local)
+    figures: dict[str, Any] = {"inprocess": local}
+    config: dict[str, Any] = {"quick": args.quick, "inprocess": _config(z)}
+    if not args.no_mpi:
+        mpi = run_mpi(args.quick, args.compute_ms, args.policy)
+        _show("mpi", mpi["figures"])
+        figures["mpi"] = mpi["figures"]
+        config["mpi"] = mpi["config"]
+    # Rows moved: the worse store (same ids and cache, so about equal). Step time: the
+    # MPI store's ratio (a cache in front of an in-process array can only add work; its
+    # ratio is reported in the note and in figures).
+    reduction = min(f["rows_moved_reduction"] for f in figures.values())
+    ceiling = min(f["reduction_ceiling"] for f in figures.values())
+    local_ratio = local["cached_vs_uncached_step"]
+    speed = figures["mpi"]["cached_vs_uncached_step"] if "mpi" in figures else local_ratio
+    notes = {
+        "rows_moved_reduction": (
+            f"an ideal static cache of the 10 % most popular ids would reach {ceiling:.3f} "
+            f"for Zipf 1.05 (cold_fraction {local['cold_fraction']:.3f} of a batch's "
+            "distinct ids are outside it: each costs a pull and a push)"
+        ),
+        "cached_vs_uncached_step": (
+            f"MPI store; in-process store: {local_ratio:.3f}"
+            if "mpi" in figures
+            else f"in-process store only (--no-mpi): {local_ratio:.3f}"
+        ),
+    }
+    targets = {}
+    for name, value in (("rows_moved_reduction", reduction), ("cached_vs_uncached_step", speed)):
+        targets[name] = {
+            "value": value,
+            "target": TARGETS[name],
+            "met": value >= TARGETS[name],
+            "note": notes[name],
+        }
+    result = {
+        "bench": "cache",
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "backend": "mpi"},
+        "config": config,
+        "figures": figures,
+        "targets": targets,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,589 @@
+"""One DLRM training step, side by side: hybridrec local / hybrid, plain PyTorch,
+TorchRec, and the dense-only limit.
+
+Model (issue 5): 26 tables x 100k rows x 64 dims (one id per feature and sample),
+batch 2048, 13 dense features, bottom MLP 512-256-64, top MLP 512-256-1, Zipf(1.05)
+ids, row-wise Adagrad on the tables, the same dense optimizer (Adagrad) on the
+MLPs of every variant. One process, 2 threads.
+
+Variants (each a full step: forward, BCE loss, backward, optimizer):
+
+* ``local``      ``embedding.EmbeddingCollection`` with ``placement="local"``
+                 (fused tables, backward fused with row-wise Adagrad) + ``dense.DLRMDense``.
+* ``hybrid``     the same with ``placement="hybrid"``: rows in a ``ps.InProcessStore``
+                 behind a ``cache.CachedStore``.
+* ``hybrid_nocache`` the same store without the cache (shows what the cache costs).
+* ``pytorch``    26 ``nn.EmbeddingBag(sparse=True)`` + ``SparseAdam`` + ``dense.DLRMDense``.
+* ``torchrec``   ``torchrec.models.dlrm.DLRM`` with a ``FusedEmbeddingBagCollection``
+                 (FBGEMM TBE, row-wise Adagrad fused into backward), when importable.
+* ``dense_only`` ``dense.DLRMDense`` fed a fixed ``[B, 26, 64]`` leaf tensor that
+                 requires grad (the embedding gradient is still computed, as every
+                 real step must): the limit for the local step.
+
+Batches are generated before timing and cycled. Every variant warms up, then the
+variants run in turns (A B C ..., the order rotated each window) for ``--windows``
+windows of ``--steps`` steps; a variant's figure is the median over its windows.
+Ratios therefore come from the same run. The last line is JSON
+(``shared/BENCHMARKS.md``). ``--parts N`` also times N steps per variant split into
+embedding forward / dense forward / dense backward / embedding backward / dense
+optimizer. ``--clock cpu --threads 1`` counts process CPU time instead of wall
+time, for rough ratios on a machine shared with other jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dense import DLRMConfig, DLRMDense
+from embedding import EmbeddingCollection, KeyedJaggedIds, RowWiseAdagrad, TableConfig
+from ps import InProcessStore
+
+VARIANTS = ("local", "hybrid", "hybrid_nocache", "pytorch", "torchrec", "dense_only")
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchConfig:
+    batch: int = 2048
+    tables: int = 26
+    rows: int = 100_000
+    dim: int = 64
+    num_dense: int = 13
+    bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64])
+    top_mlp: list[int] = field(default_factory=lambda: [512, 256, 1])
+    zipf_a: float = 1.05
+    n_batches: int = 8
+    warmup: int = 3
+    windows: int = 5
+    steps: int = 5
+    threads: int = 2
+    emb_lr: float = 0.01
+    dense_lr: float = 0.01
+    cache_fraction: float = 0.25
+    read_bound: int = 4
+    write_bound: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "tables", "rows", "dim", "n_batches", "windows", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BenchConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.bottom_mlp[-1] != self.dim:
+            raise ValueError(
+                f"BenchConfig: bottom_mlp must end in dim={self.dim}, got {self.bottom_mlp}"
+            )
+        if not 0.0 < self.cache_fraction <= 1.0:
+            raise ValueError(
+                f"BenchConfig.cache_fraction must be in (0, 1], got {self.cache_fraction}"
+            )
+
+
+@dataclass(slots=True)
+class Batch:
+    dense: torch.Tensor  # [B, num_dense] float32
+    labels: torch.Tensor  # [B] float32 in {0, 1}
+    ids: torch.Tensor  # [T, B] int64, one id per table and sample
+
+
+def zipf_ids(
+    rows: int, n: int, a: float, scatter: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """``n`` Zipf(``a``) ids in ``[0, rows)`` WITH repeats (a batch's hot ids recur);
+    popularity ranks are scattered over the table as in ``_bench_util``."""
+    return scatter[(rng.zipf(a, size=n) - 1) % rows]
+
+
+def make_batches(cfg: BenchConfig) -> list[Batch]:
+    rng = np.random.default_rng(cfg.seed)
+    scatters = [rng.permutation(cfg.rows).astype(np.int64) for _ in range(cfg.tables)]
+    out = []
+    for _ in range(cfg.n_batches):
+        ids = np.stack([zipf_ids(cfg.rows, cfg.batch, cfg.zipf_a, s, rng) for s in scatters])
+        dense = rng.lognormal(0.0, 1.0, size=(cfg.batch, cfg.num_dense)).astype(np.float32)
+        labels = (rng.random(cfg.batch) < 0.25).astype(np.float32)
+        out.append(
+            Batch(
+                torch.from_numpy(np.log1p(dense)), torch.from_numpy(labels), torch.from_numpy(ids)
+            )
+        )
+    return out
+
+
+def dlrm_config(cfg: BenchConfig) -> DLRMConfig:
+    return DLRMConfig(
+        num_dense=cfg.num_dense,
+        num_sparse=cfg.tables,
+        embedding_dim=cfg.dim,
+        bottom_mlp=list(cfg.bottom_mlp),
+        top_mlp=list(cfg.top_mlp),
+    )
+
+
+def dense_optimizer(params: list[nn.Parameter], cfg: BenchConfig) -> torch.optim.Optimizer:
+    """The same dense optimizer for every variant."""
+    return torch.optim.Adagrad(params, lr=cfg.dense_lr, foreach=True)
+
+
+PARTS = (
+    "embedding forward",
+    "dense forward",
+    "dense backward",
+    "embedding backward",
+    "dense optimizer",
+)
+
+
+class Variant:
+    """A model, its pre-built inputs, and ``step()``: one full training step.
+
+    With ``parts`` set (a dict), a step adds the ``clock`` time of each phase in
+    :data:`PARTS` to it: forward phases are timed directly; "dense backward" ends
+    when the last dense parameter gradient is accumulated (see :meth:`_track`), the
+    rest of ``backward()`` is "embedding backward" (for TorchRec: FBGEMM's fused
+    backward + row-wise Adagrad; for plain PyTorch: sparse gradients + SparseAdam).
+    """
+
+    name: str
+
+    def __init__(self, cfg: BenchConfig, batches: list[Batch]) -> None:
+        self.cfg = cfg
+        self.batches = batches
+        self.i = 0
+        self.parts: dict[str, float] | None = None
+        self.clock: Callable[[], float] = time.perf_counter
+        self._last = 0.0
+        self._grad_seen = 0.0
+
+    def step(self) -> float:
+        b = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        self._last = self.clock()
+        return self._step(self.i - 1, b)
+
+    def _step(self, i: int, batch: Batch) -> float:
+        raise NotImplementedError
+
+    def _mark(self, part: str) -> None:
+        if self.parts is not None:
+            now = self.clock()
+            self.parts[part] = self.parts.get(part, 0.0) + now - self._last
+            self._last = now
+
+    def _track(self, dense_params: list[torch.Tensor]) -> None:
+        """Note when backward has accumulated the gradient of each dense parameter.
+
+        Autograd runs a ready node with a higher sequence number first; every
+        variant runs its embedding forward before the dense forward, so the dense
+        backward (top MLP, interaction, bottom MLP) finishes before the embedding
+        backward starts, and the last dense accumulation splits the two.
+        """
+
+        def seen(_: torch.Tensor) -> None:
+            if self.parts is not None:
+                self._grad_seen = self.clock()
+
+        for t in dense_params:
+            t.register_post_accumulate_grad_hook(seen)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, split into dense and embedding backward when profiling."""
+        self._grad_seen = 0.0
+        loss.backward()
+        if self.parts is not None:
+            end = self.clock()
+            seen = self._grad_seen or end
+            self.parts["dense backward"] = self.parts.get("dense backward", 0.0) + seen - self._last
+            emb = end - seen
+            self.parts["embedding backward"] = self.parts.get("embedding backward", 0.0) + emb
+            self._last = end
+
+    @staticmethod
+    def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(logits, labels)
+
+
+def _kjts(cfg: BenchConfig, batches: list[Batch]) -> list[KeyedJaggedIds]:
+    keys = [f"f{t}" for t in range(cfg.tables)]
+    lengths = torch.ones(cfg.tables * cfg.batch, dtype=torch.int64)
+    return [KeyedJaggedIds(keys, b.ids.reshape(-1).clone(), lengths) for b in batches]
+
+
+class HybridrecVariant(Variant):
+    """``EmbeddingCollection`` (placement local or hybrid) + ``DLRMDense``."""
+
+    def __init__(self, cfg: BenchConfig, batches: list[Batch], placement: str) -> None:
+        super().__init__(cfg, batches)
+        self.name = placement
+        cached = placement == "hybrid"
+        placement = "local" if placement == "local" else "hybrid"
+        tables = [
+            TableConfig(
+                name=f"t{t}",
+                num_rows=cfg.rows,
+                dim=cfg.dim,
+                feature_names=[f"f{t}"],
+                pooling="sum",
+                placement=placement,  # type: ignore[arg-type]
+                optimizer=RowWiseAdagrad(lr=cfg.emb_lr),
+            )
+            for t in range(cfg.tables)
+        ]
+        store: Any = InProcessStore() if placement == "hybrid" else None
+        if cached:
+            from cache import CacheConfig, CachedStore
+
+            store = CachedStore(
+                InProcessStore(),
+                CacheConfig(
+                    capacity_fraction=cfg.cache_fraction,
+                    read_bound=cfg.read_bound,
+                    write_bound=cfg.write_bound,
+                ),
+            )
+        self.embeddings = EmbeddingCollection(tables, store=store)
+        torch.manual_seed(cfg.seed)
+        self.dense = DLRMDense(dlrm_config(cfg))
+        self.opt = dense_optimizer(list(self.dense.parameters()), cfg)
+        self._track(list(self.dense.parameters()))
+        self.kjts = _kjts(cfg, batches)
+
+    def _step(self, i: int, batch: Batch) -> float:
+        kjt = self.kjts[i % len(self.kjts)]
+        pooled = self.embeddings(kjt)  # {feature: [B, D]}
+        outs = [pooled[k] for k in kjt.keys]
+        self._mark("embedding forward")
+        loss = self._loss(self.dense(batch.dense, outs), batch.labels)  # logits [B]
+        self.opt.zero_grad(set_to_none=True)
+        self._mark("dense forward")
+        self._backward(loss)  # embedding rows are updated in here
+        self.opt.step()
+        self._mark("dense optimizer")
+        return float(loss.detach())
+
+
+class PytorchVariant(Variant):
+    """Plain PyTorch: one ``nn.EmbeddingBag(sparse=True)`` per table + ``SparseAdam``."""
+
+    name = "pytorch"
+
+    def __init__(self, cfg: BenchConfig, batches: list[Batch]) -> None:
+        super().__init__(cfg, batches)
+        torch.manual_seed(cfg.seed)
+        self.bags = nn.ModuleList(
+            nn.EmbeddingBag(cfg.rows, cfg.dim, mode="sum", sparse=True) for _ in range(cfg.tables)
+        )
+        self.dense = DLRMDense(dlrm_config(cfg))
+        self.opt = dense_optimizer(list(self.dense.parameters()), cfg)
+        self._track(list(self.dense.parameters()))
+        self.sparse_opt = torch.optim.SparseAdam(list(self.bags.parameters()), lr=cfg.emb_lr)
+
+    def _step(self, i: int, batch: Batch) -> float:
+        pooled = [bag(batch.ids[t].view(-1, 1)) for t, bag in enumerate(self.bags)]  # [B, D] each
+        self._mark("embedding forward")
+        loss = self._loss(self.dense(batch.dense, pooled), batch.labels)
+        self.opt.zero_grad(set_to_none=True)
+        self.sparse_opt.zero_grad(set_to_none=True)
+        self._mark("dense forward")
+        self._backward(loss)
+        self.opt.step()
+        self._mark("dense optimizer")
+        self.sparse_opt.step()  # part of the embedding update
+        self._mark("embedding backward")
+        return float(loss.detach())
+
+
+class DenseOnlyVariant(Variant):
+    """``DLRMDense`` on a fixed embedding output: the step's lower bound."""
+
+    name = "dense_only"
+
+    def __init__(self, cfg: BenchConfig, batches: list[Batch]) -> None:
+        super().__init__(cfg, batches)
+        torch.manual_seed(cfg.seed)
+        self.dense = DLRMDense(dlrm_config(cfg))
+        self.opt = dense_optimizer(list(self.dense.parameters()), cfg)
+        self._track(list(self.dense.parameters()))
+        self.fixed = [
+            (0.01 * torch.randn(cfg.batch, cfg.dim)).requires_grad_(True) for _ in range(cfg.tables)
+        ]  # [B, D] each, like the collection's output
+
+    def _step(self, i: int, batch: Batch) -> float:
+        loss = self._loss(self.dense(batch.dense, self.fixed), batch.labels)
+        self.opt.zero_grad(set_to_none=True)
+        for t in self.fixed:
+            t.grad = None
+        self._mark("dense forward")
+        self._backward(loss)
+        self.opt.step()
+        self._mark("dense optimizer")
+        return float(loss.detach())
+
+
+def torchrec_unavailable() -> str | None:
+    """None if TorchRec's fused EBC imports, else why not."""
+    try:
+        import torchrec.models.dlrm  # noqa: F401
+        from torchrec.modules.fused_embedding_modules import (  # noqa: F401
+            FusedEmbeddingBagCollection,
+        )
+    except Exception as e:  # ImportError, or fbgemm's op registration failing
+        return f"torchrec not importable: {type(e).__name__}: {e}"
+    return None
+
+
+class TorchrecVariant(Variant):
+    """TorchRec's DLRM with a ``FusedEmbeddingBagCollection`` (row-wise Adagrad in backward)."""
+
+    name = "torchrec"
+
+    def __init__(self, cfg: BenchConfig, batches: list[Batch]) -> None:
+        super().__init__(cfg, batches)
+        from torchrec.models.dlrm import DLRM
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+        from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+        from torchrec.optim import RowWiseAdagrad as TrecRowWiseAdagrad
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        torch.manual_seed(cfg.seed)
+        tables = [
+            EmbeddingBagConfig(
+                name=f"t{t}",
+                embedding_dim=cfg.dim,
+                num_embeddings=cfg.rows,
+                feature_names=[f"f{t}"],
+                pooling=PoolingType.SUM,
+            )
+            for t in range(cfg.tables)
+        ]
+        ebc = FusedEmbeddingBagCollection(
+            tables,
+            optimizer_type=TrecRowWiseAdagrad,
+            optimizer_kwargs={"lr": cfg.emb_lr, "eps": 1e-8},
+            device=torch.device("cpu"),
+        )
+        self.model = DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=cfg.num_dense,
+            dense_arch_layer_sizes=list(cfg.bottom_mlp),
+            over_arch_layer_sizes=list(cfg.top_mlp),
+        )
+        dense = [p for n, p in self.model.named_parameters() if not n.startswith("sparse_arch.")]
+        self.opt = dense_optimizer(dense, cfg)
+        self._track(dense)
+        keys = [f"f{t}" for t in range(cfg.tables)]
+        lengths = torch.ones(cfg.tables * cfg.batch, dtype=torch.int32)
+        self.kjts = [
+            KeyedJaggedTensor(keys=keys, values=b.ids.reshape(-1).clone(), lengths=lengths)
+            for b in batches
+        ]
+
+    def _step(self, i: int, batch: Batch) -> float:
+        # DLRM.forward = sparse_arch, dense_arch, inter_arch, over_arch; split it the
+        # same way so the embedding forward is timed on its own.
+        m: Any = self.model
+        kt = m.sparse_arch(self.kjts[i % len(self.kjts)])  # [B, F, D]
+        self._mark("embedding forward")
+        x = m.dense_arch(batch.dense)  # [B, D]
+        logits = m.over_arch(m.inter_arch(dense_features=x, sparse_features=kt)).squeeze(1)
+        loss = self._loss(logits, batch.labels)
+        self.opt.zero_grad(set_to_none=True)
+        self._mark("dense forward")
+        self._backward(loss)  # FBGEMM applies row-wise Adagrad here
+        self.opt.step()
+        self._mark("dense optimizer")
+        return float(loss.detach())
+
+
+def build(name: str, cfg: BenchConfig, batches: list[Batch]) -> Variant | str:
+    """The variant, or a note saying why it cannot run here."""
+    if name in ("local", "hybrid", "hybrid_nocache"):
+        if name == "hybrid":
+            try:
+                import cache  # noqa: F401
+                from cache import CachedStore  # noqa: F401
+            except ImportError as e:
+                return f"cache.CachedStore not available: {e}"
+        return HybridrecVariant(cfg, batches, name)
+    if name == "pytorch":
+        return PytorchVariant(cfg, batches)
+    if name == "dense_only":
+        return DenseOnlyVariant(cfg, batches)
+    if name == "torchrec":
+        why = torchrec_unavailable()
+        return why if why is not None else TorchrecVariant(cfg, batches)
+    raise ValueError(f"unknown variant {name!r}; known: {VARIANTS}")
+
+
+def measure_parts(variants: list[Variant], steps: int) -> dict[str, dict[str, float]]:
+    """ms per step of each part in :data:`PARTS` (clock of each variant), per variant."""
+    out = {}
+    for v in variants:
+        v.parts = {}
+        for _ in range(steps):
+            v.step()
+        out[v.name] = {k: round(ms * 1e3 / steps, 2) for k, ms in v.parts.items()}
+        v.parts = None
+    return out
+
+
+def time_windows(
+    variants: list[Variant], cfg: BenchConfig, log: Callable[[str], None]
+) -> dict[str, list[float]]:
+    """Seconds per step of each window, variants in turns with the order rotated."""
+    for v in variants:
+        for _ in range(cfg.warmup):
+            v.step()
+    per_step: dict[str, list[float]] = {v.name: [] for v in variants}
+    for w in range(cfg.windows):
+        order = variants[w % len(variants) :] + variants[: w % len(variants)]
+        for v in order:
+            t0 = v.clock()
+            for _ in range(cfg.steps):
+                v.step()
+            per_step[v.name].append((v.clock() - t0) / cfg.steps)
+        log(
+            f"window {w + 1}/{cfg.windows}: "
+            + ", ".join(f"{n} {s[-1] * 1e3:.1f} ms" for n, s in per_step.items())
+        )
+    return per_step
+
+
+# ------------------------------------------------------------------ main
+
+
+def ratio_target(value: float | None, target: float, note: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "value": None if value is None else round(value, 3),
+        "target": target,
+        "met": value is not None and value >= target,
+    }
+    if note:
+        out["note"] = note
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="small sizes, < 60 s (smoke test)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
+    p.add_argument("--batch", type=int)
+    p.add_argument("--rows", type=int)
+    p.add_argument("--windows", type=int)
+    p.add_argument("--steps", type=int, help="steps per timed window")
+    p.add_argument("--threads", type=int)
+    p.add_argument(
+        "--parts", type=int, default=0, metavar="STEPS", help="time the parts of STEPS steps"
+    )
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: process CPU time instead of wall time (with --threads 1, for a shared box)",
+    )
+    args = p.parse_args(argv)
+
+    cfg = BenchConfig()
+    if args.quick:
+        cfg = BenchConfig(batch=256, rows=10_000, n_batches=3, warmup=1, windows=2, steps=2)
+    for name in ("batch", "rows", "windows", "steps", "threads"):
+        if getattr(args, name) is not None:
+            setattr(cfg, name, getattr(args, name))
+    cfg.__post_init__()
+    torch.set_num_threads(cfg.threads)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    t0 = time.perf_counter()
+    batches = make_batches(cfg)
+    variants: list[Variant] = []
+    notes: dict[str, str] = {}
+    for name in names:
+        built = build(name, cfg, batches)
+        if isinstance(built, str):
+            notes[name] = built
+            log(f"{name}: skipped ({built})")
+        else:
+            variants.append(built)
+    log(f"built {[v.name for v in variants]} in {time.perf_counter() - t0:.1f} s")
+    for v in variants:
+        v.clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    per_step = time_windows(variants, cfg, log)
+    parts = measure_parts(variants, args.parts) if args.parts else {}
+    for name, row in parts.items():
+        log(f"parts {name} (ms/step): " + ", ".join(f"{k} {row.get(k, 0.0):.1f}" for k in PARTS))
+
+    ms = {n: statistics.median(s) * 1e3 for n, s in per_step.items()}
+    sps = {n: cfg.batch / (m / 1e3) for n, m in ms.items()}
+
+    def over(a: str, b: str, field: dict[str, float]) -> float | None:
+        return field[a] / field[b] if a in field and b in field else None
+
+    def why(*need: str) -> str | None:
+        missing = [f"{n}: {notes.get(n, 'not run')}" for n in need if n not in ms]
+        return "; ".join(missing) if missing else None
+
+    result = {
+        "bench": "dlrm",
+        "machine": {"cpus": cfg.threads, "torch": torch.__version__, "clock": args.clock},
+        "config": {
+            "batch": cfg.batch,
+            "tables": cfg.tables,
+            "rows": cfg.rows,
+            "dim": cfg.dim,
+            "bottom_mlp": cfg.bottom_mlp,
+            "top_mlp": cfg.top_mlp,
+            "zipf_a": cfg.zipf_a,
+            "windows": cfg.windows,
+            "steps_per_window": cfg.steps,
+            "warmup": cfg.warmup,
+            "dense_optimizer": "Adagrad",
+            "cache": {
+                "capacity_fraction": cfg.cache_fraction,
+                "read_bound": cfg.read_bound,
+                "write_bound": cfg.write_bound,
+            },
+            "quick": bool(args.quick),
+        },
+        "figures": {
+            "samples_per_s": {n: round(v, 1) for n, v in sps.items()},
+            "ms_per_step": {n: round(v, 2) for n, v in ms.items()},
+            "local_vs_pytorch": _round(over("local", "pytorch", sps)),
+            **({"parts_ms_per_step": parts} if parts else {}),
+        },
+        "targets": {
+            "local_vs_torchrec": ratio_target(
+                over("local", "torchrec", sps), 1.3, why("local", "torchrec")
+            ),
+            "hybrid_vs_torchrec": ratio_target(
+                over("hybrid", "torchrec", sps), 1.1, why("hybrid", "torchrec")
+            ),
+            "dense_only_vs_local": ratio_target(
+                over("dense_only", "local", ms), 0.87, why("dense_only", "local")
+            ),
+        },
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+if __name__ == "__main__":
+    main()

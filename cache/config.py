@@ -1,0 +1,135 @@
+"""The cache's settings: capacity, eviction policy, staleness bounds, prefetch checks.
+
+One :class:`CacheConfig` applies to every table of a :class:`cache.CachedStore`;
+the capacity is per table (rows, or a fraction of a fixed table's rows).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from ps import SGD, Adagrad, Adam, RowWiseAdagrad, TableSpec
+
+POLICIES = ("lru", "lfu")
+
+#: Rows up to which a fixed table's id -> slot map is a plain array (4 bytes per row)
+#: instead of a hash index (``ps.dynamic_index.IdIndex``, ~46-92 bytes per cached id).
+DENSE_INDEX_MAX_ROWS = 1 << 24
+
+
+def _int(name: str, value: object, low: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"CacheConfig: {name} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"CacheConfig: {name} must be >= {low}, got {value}")
+    return value
+
+
+@dataclass(kw_only=True, slots=True)
+class CacheConfig:
+    """Settings of the worker-side hot-row cache (see ``docs/cache.md``).
+
+    Exactly one of ``capacity_rows`` (rows per table) and ``capacity_fraction``
+    (of each fixed table's ``num_rows``, rounded up) sets the size.
+
+    * ``policy``: ``"lru"`` evicts the least recently used rows; ``"lfu"`` the
+      least frequently used (uses counted per lookup since the row entered the
+      cache), ties broken by recency.
+    * ``read_bound`` (``s_r``): a cached copy is served while the PS clock is at
+      most ``s_r`` ahead of the clock it was read at; 0 = synchronous reads.
+    * ``write_bound`` (``s_w``): a row's gradients are pushed once more than
+      ``s_w`` updates are pending (and on eviction and ``flush()``); 0 = every
+      update is pushed at once.
+    * ``local_lr``: step size of the SGD step applied to the cached copy for each
+      local update (``copy -= local_lr * grad``). None: the table optimizer's
+      ``lr`` (SGD, RowWiseAdagrad, Adagrad, Adam; 0 for FTRL). 0: a copy changes
+      only when it is refreshed from the PS.
+    * ``verify_prefetched``: True (default): the pull of a prefetched batch still
+      sends one conditional pull with the clocks of all cached ids, so the read
+      bound holds exactly when a row is used; only rows that went past it since
+      the prefetch come back. False: rows the prefetch checked are served without
+      asking the PS again unless this worker pushed them since (saves a round
+      trip; with several workers, other workers' pushes during one step may then
+      add to ``s_r``).
+    * ``exact_staleness``: also read the PS clocks of served cache hits (one
+      extra clocks request per pull; 8 bytes per row) so the staleness histogram
+      is exact instead of a lower bound. For tests and diagnosis.
+    * ``evict_chunk``: rows evicted at least at a time when the cache is full
+      (None: ``max(1, capacity // 16)``); the victim search is O(capacity), so
+      evicting a chunk amortizes it. 1 = exact LRU/LFU order.
+    """
+
+    capacity_rows: int | None = None
+    capacity_fraction: float | None = None
+    policy: Literal["lru", "lfu"] = "lru"
+    read_bound: int = 0
+    write_bound: int = 0
+    local_lr: float | None = None
+    verify_prefetched: bool = True
+    exact_staleness: bool = False
+    evict_chunk: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.capacity_rows is None) == (self.capacity_fraction is None):
+            raise ValueError(
+                "CacheConfig: give exactly one of capacity_rows and capacity_fraction, got "
+                f"capacity_rows={self.capacity_rows!r}, "
+                f"capacity_fraction={self.capacity_fraction!r}"
+            )
+        if self.capacity_rows is not None:
+            _int("capacity_rows", self.capacity_rows, 0)
+        if self.capacity_fraction is not None:
+            f = self.capacity_fraction
+            if not isinstance(f, int | float) or isinstance(f, bool):
+                raise TypeError(
+                    f"CacheConfig: capacity_fraction must be a number, got {type(f).__name__}"
+                )
+            if not (math.isfinite(f) and 0 < f <= 1):
+                raise ValueError(f"CacheConfig: capacity_fraction must be in (0, 1], got {f}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"CacheConfig: policy must be one of {POLICIES}, got {self.policy!r}")
+        _int("read_bound", self.read_bound, 0)
+        _int("write_bound", self.write_bound, 0)
+        if self.local_lr is not None:
+            lr = self.local_lr
+            if not isinstance(lr, int | float) or isinstance(lr, bool):
+                raise TypeError(f"CacheConfig: local_lr must be a number, got {type(lr).__name__}")
+            if not (math.isfinite(lr) and lr >= 0):
+                raise ValueError(f"CacheConfig: local_lr must be a finite number >= 0, got {lr}")
+        for name in ("verify_prefetched", "exact_staleness"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"CacheConfig: {name} must be a bool, got {type(getattr(self, name)).__name__}"
+                )
+        if self.evict_chunk is not None:
+            _int("evict_chunk", self.evict_chunk, 1)
+
+    def capacity(self, spec: TableSpec) -> int:
+        """Cache rows for the table ``spec``."""
+        if self.capacity_rows is not None:
+            return self.capacity_rows
+        assert self.capacity_fraction is not None
+        if spec.num_rows is None:
+            raise ValueError(
+                f"CacheConfig: table {spec.name!r} is dynamic (no num_rows), so "
+                f"capacity_fraction={self.capacity_fraction} has no size to scale; "
+                "use capacity_rows"
+            )
+        return math.ceil(self.capacity_fraction * spec.num_rows)
+
+    def chunk(self, capacity: int) -> int:
+        """Rows evicted at least at once in a cache of ``capacity`` rows."""
+        if self.evict_chunk is not None:
+            return self.evict_chunk
+        return max(1, capacity // 16)
+
+    def lr_for(self, spec: TableSpec) -> float:
+        """The step size of the local SGD step on cached copies of ``spec``'s rows."""
+        if self.local_lr is not None:
+            return float(self.local_lr)
+        opt = spec.optimizer
+        if isinstance(opt, SGD | RowWiseAdagrad | Adagrad | Adam):
+            return float(opt.lr)
+        return 0.0

@@ -1,0 +1,581 @@
+"""The cache of one table: preallocated slots, each one record of row, pending sum and
+metadata.
+
+Layout (``C`` = capacity, ``D`` = dim). The hot state is ONE numpy array of records,
+``slab`` float32 ``[C, W]`` (``W`` = 2 D + 16 words rounded up to 64 bytes, records
+aligned to cache lines)::
+
+    slab[s, 0:D]        float32   row      the copy served: PS row at CLOCK + local updates
+    slab[s, D:2D]       float32   pend     sum of the gradients not pushed yet (0 if COUNT = 0)
+    slab[s, 2D:2D+16]   int64 x 8 meta:
+        CLOCK    PS clock of the row when the copy was read
+        OWN      pushes of the row by this cache since the copy was read
+        COUNT    updates in `pend` (pushed when > write bound)
+        FREQ     lookups since the row entered the cache (LFU)
+        PF       4 * tick + kind of the last prefetch that checked the row for batch `tick`
+                 (kind 0 checked, 1 fetched a miss, 2 refreshed; 0: none)
+        CHECKED  request number of the last PS answer about the row
+        PUSHED   request number of the row's last push
+
+plus ``row_id`` int64 ``[C]`` (-1: free), the id -> slot map (:mod:`cache.slot_index`: a
+plain int32 array for fixed tables), the eviction keys (:mod:`cache.policy`, int64
+``[C]``) and a stack of free slots.
+
+Why records: a batch's ids hit random slots, so the cost of a step is the number of
+random memory passes over its ids (each ~1 cache miss per id), not the number of
+numpy calls. With records, everything about a slot comes in ONE gather (and goes
+back in one scatter): a step of one table is a map lookup and a record gather for the
+prefetch, a record gather (the map lookup is reused) and a key scatter for the
+serving pull, and a record gather and scatter for the push -- ~6 passes, about what
+an uncached pull and push of the same ids cost the store. Every operation works on
+whole batches with numpy index operations (numpy's per-call cost on small arrays is a
+fraction of torch's); nothing loops over ids in Python, and nothing scans all ``C``
+slots except a victim search (amortised by evicting in chunks).
+
+A fetch (a serving pull or a prefetch) is planned, sent as ONE conditional pull
+carrying the copy clocks of the cached ids (misses carry ``-1 - bound`` so they
+always come back), and installed when its reply arrives. Nothing else may touch
+the table in between: the owner (:class:`cache.CachedStore`) finishes a table's
+in-flight fetch before any other operation on that table.
+
+Not thread-safe by itself: the owner holds :attr:`TableCache.lock`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from cache.config import CacheConfig
+from cache.policy import EvictionPolicy
+from cache.slot_index import make_slot_index
+from cache.stats import CacheStats
+from comm import Handle
+from ps import PullResult, Store, TableSpec
+from ps.local_table import coalesce
+
+CLOCK, OWN, COUNT, FREQ, PF, CHECKED, PUSHED = range(7)
+_META_WORDS = 16  # 8 int64 fields, as float32 words
+_MISS, _REFRESH = 1, 2
+_EMPTY_I64 = np.empty(0, dtype=np.int64)
+
+
+@dataclass(slots=True, eq=False)
+class Fetch:
+    """One planned request for a table's rows (a serving pull or a prefetch)."""
+
+    uniq: np.ndarray  # [U] distinct ids, the order results come in
+    counts: np.ndarray | None  # [U] occurrences in the request (None: once each)
+    inverse: np.ndarray | None  # [N] position in uniq of each requested id (None: N = U)
+    slots: np.ndarray  # [U] slot of each id at planning, -1 if not cached
+    hit: np.ndarray  # [U] slots >= 0
+    rec: np.ndarray | None  # [U, W] records at planning (garbage where not cached); None:
+    # a prefetch of misses only
+    asked: np.ndarray | None  # [A] indices into uniq sent to the PS (None: all of them)
+    handle: Handle | None  # the PS request, None if nothing was asked
+    seq: int  # request number (orders PS answers against this cache's pushes)
+    tick: int  # the batch the rows are for
+    prefetch: bool
+    done: bool = False
+    result: PullResult | None = None  # a serving pull's rows, once installed
+
+
+@dataclass(slots=True, eq=False)
+class _Known:
+    """Slots of a batch's ids as of index generation ``gen`` (saves a map lookup)."""
+
+    uniq: np.ndarray  # [U]
+    slots: np.ndarray  # [U], -1 not cached
+    gen: int
+    tick: int
+    complete: bool  # every id was cached
+
+
+def _increasing(ids: np.ndarray) -> bool:
+    return ids.size < 2 or bool((ids[1:] > ids[:-1]).all())
+
+
+def _aligned_records(rows: int, words: int) -> np.ndarray:
+    """Zeroed float32 ``[rows, words]`` whose rows start on 64-byte boundaries."""
+    buf = np.zeros(rows * words + 16, dtype=np.float32)
+    start = (-buf.ctypes.data % 64) // 4
+    return buf[start : start + rows * words].reshape(rows, words)
+
+
+class TableCache:
+    """Rows of one table cached under ``config``; see the module docstring."""
+
+    def __init__(self, spec: TableSpec, config: CacheConfig, store: Store) -> None:
+        cap = config.capacity(spec)
+        d = spec.dim
+        self.spec, self.name, self.dim = spec, spec.name, d
+        self.store = store
+        self.capacity = cap
+        self.read_bound = config.read_bound
+        self.write_bound = config.write_bound
+        self.lr = config.lr_for(spec)
+        self.lfu = config.policy == "lfu"
+        self.verify_prefetched = config.verify_prefetched
+        self.exact = config.exact_staleness
+        self.chunk = config.chunk(cap)
+        self.width = -(-(2 * d + _META_WORDS) // 16) * 16  # W: whole 64-byte lines
+        self.slab = _aligned_records(cap, self.width)  # [C, W]
+        self._void = np.dtype((np.void, 4 * self.width))
+        self.vslab = self.slab.view(self._void).reshape(cap)  # [C] one item per record
+        self.meta = self.slab[:, 2 * d : 2 * d + _META_WORDS].view(np.int64)  # [C, 8] view
+        self.row_id = np.full(cap, -1, dtype=np.int64)  # [C]
+        self.free = np.arange(cap - 1, -1, -1, dtype=np.int64)  # stack: free[:n_free], top last
+        self.n_free = cap
+        self.index = make_slot_index(spec.num_rows, cap)
+        self.policy = EvictionPolicy(cap, config.policy)
+        self.stats = CacheStats(dim=d, exact=self.exact)
+        self.lock = threading.RLock()
+        self.tick = 0  # serving pulls so far; the current batch's tick
+        self.seq = 0  # requests and pushes so far
+        self.gen = 0  # changes of the id -> slot map so far
+        self.touched = 0  # slots given last use >= tick (an upper bound; see _admittable)
+        self.prefetched: _Known | None = None  # the last prefetch's ids and slots
+        self.served: _Known | None = None  # the last serving pull's ids and slots
+        self.inflight: Fetch | None = None
+        self.push_handles: list[Handle] = []
+
+    # ------------------------------------------------------------ records
+
+    def _gather(self, slots: np.ndarray) -> np.ndarray:
+        """Records of ``slots`` ``[K]`` (-1 reads the last slot): float32 ``[K, W]``."""
+        return self.vslab.take(slots).view(np.float32).reshape(-1, self.width)
+
+    def _scatter(self, slots: np.ndarray, rec: np.ndarray) -> None:
+        """Write records ``rec`` ``[K, W]`` (C-contiguous) to distinct ``slots`` ``[K]``."""
+        self.vslab[slots] = rec.view(self._void).reshape(-1)
+
+    def _meta(self, rec: np.ndarray) -> np.ndarray:
+        """The int64 ``[K, 8]`` metadata view of records ``rec`` ``[K, W]``."""
+        d = self.dim
+        return rec[:, 2 * d : 2 * d + _META_WORDS].view(np.int64)
+
+    def _slots_of(self, uniq: np.ndarray, known: _Known | None, tick: int | None) -> np.ndarray:
+        """Slots of ``uniq``: from ``known`` when it holds the same ids and is current.
+
+        ``known`` is current if the map did not change since, or (with ``tick``: the slots
+        of the current batch, which no eviction may take before the next serving pull)
+        if it had every id cached, so no admission could have changed them."""
+        if (
+            known is not None
+            and (tick is None or known.tick == tick)
+            and (known.gen == self.gen or (tick is not None and known.complete))
+            and known.uniq.size == uniq.size
+            and np.array_equal(known.uniq, uniq)
+        ):
+            return known.slots
+        return self.index.lookup(uniq)
+
+    # ------------------------------------------------------------ sizes
+
+    @property
+    def cached_rows(self) -> int:
+        return self.capacity - self.n_free
+
+    @property
+    def pending_rows(self) -> int:
+        return int(np.count_nonzero(self.meta[:, COUNT]))
+
+    def cached_ids(self) -> torch.Tensor:
+        """Ids of the cached rows, sorted: int64 ``[cached_rows]``."""
+        return torch.from_numpy(np.sort(self.row_id[self.row_id >= 0]))
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.stats.snapshot(
+            cached_rows=self.cached_rows, pending_rows=self.pending_rows, capacity=self.capacity
+        )
+
+    # ------------------------------------------------------------ fetch
+
+    def plan(self, ids: torch.Tensor, *, prefetch: bool) -> Fetch:
+        """Plan and send the PS request for ``ids`` int64 ``[N]`` (a pull or a prefetch).
+
+        A serving pull asks for every id (cached ones with their copy clocks; see the
+        module docstring). A prefetch with ``verify_prefetched`` asks only for the misses
+        that free or evictable slots can take, with a plain pull (the serving pull checks
+        every cached row anyway); without it, it also checks the cached rows, and the
+        serving pull trusts that check.
+        """
+        counts = inverse = None
+        uniq = ids.numpy()
+        if not _increasing(uniq):
+            u, inv, cnt = torch.unique(ids, return_inverse=True, return_counts=True)
+            uniq, inverse, counts = u.numpy(), inv.numpy(), cnt.numpy()
+        self.seq += 1
+        if prefetch:
+            tick = self.tick + 1  # for the next batch
+            slots = self.index.lookup(uniq)  # [U], -1: not cached
+        else:
+            self.tick += 1
+            self.touched = 0
+            tick = self.tick
+            slots = self._slots_of(uniq, self.prefetched, None)
+        hit = slots >= 0
+        if prefetch and self.verify_prefetched:
+            asked = self._admittable(hit, slots, misses_only=True)
+            assert asked is not None
+            handle = None
+            if asked.size > 0:
+                handle = self.store.pull_async(self.name, torch.from_numpy(uniq.take(asked)))
+            return Fetch(
+                uniq, counts, inverse, slots, hit, None, asked, handle, self.seq, tick, True
+            )
+        rec = self._gather(slots)  # [U, W]
+        meta = self._meta(rec)
+        asked = None
+        if not prefetch and not self.verify_prefetched:
+            # Trust what this batch's prefetch checked, unless this cache pushed it since.
+            ok = hit & (meta[:, PF] >> 2 == tick) & (meta[:, PUSHED] < meta[:, CHECKED])
+            if ok.any():
+                asked = np.flatnonzero(~ok)  # [A]
+        if prefetch:
+            asked = self._admittable(hit, slots, misses_only=False)
+        copy_clock = np.where(hit, meta[:, CLOCK], -1 - self.read_bound)  # [U]
+        ask_ids, ask_clock = uniq, copy_clock
+        if asked is not None:
+            ask_ids, ask_clock = uniq.take(asked), copy_clock.take(asked)
+        handle = None
+        if ask_ids.size > 0:
+            handle = self.store.pull_async(
+                self.name,
+                torch.from_numpy(ask_ids),
+                clocks=torch.from_numpy(ask_clock),
+                bound=self.read_bound,
+            )
+        return Fetch(
+            uniq, counts, inverse, slots, hit, rec, asked, handle, self.seq, tick, prefetch
+        )
+
+    def _admittable(
+        self, hit: np.ndarray, slots: np.ndarray, *, misses_only: bool
+    ) -> np.ndarray | None:
+        """Indices into the prefetch's ids worth asking for: the cached ids (unless
+        ``misses_only``) and only as many misses (the first ones) as free or evictable
+        slots can take. None: all of them."""
+        n_hit = int(np.count_nonzero(hit))
+        misses = hit.size - n_hit
+        room = misses
+        if misses > self.n_free and misses > self.capacity - self.touched - n_hit:
+            # At most `touched` slots were used by the current batch (or prefetched), and
+            # `n_hit` are wanted by the next one; other cached rows are evictable. Only
+            # when that bound does not settle it, count exactly (O(capacity)).
+            evictable = self.policy.evictable(self.tick)  # free slots are not
+            evictable[slots[hit]] = False
+            room = min(misses, self.n_free + int(np.count_nonzero(evictable)))
+        if misses_only:
+            return np.flatnonzero(~hit)[:room]
+        if room == misses:
+            return None
+        keep = hit.copy()
+        keep[np.flatnonzero(~hit)[:room]] = True
+        return np.flatnonzero(keep)
+
+    def _finish_misses(self, f: Fetch) -> None:
+        """Install a prefetch that asked only for misses (``f.asked``, a plain pull)."""
+        assert f.asked is not None
+        uniq, slots, asked = f.uniq, f.slots, f.asked
+        final = slots
+        if f.handle is not None:
+            res: PullResult = f.handle.wait()
+            fresh, fresh_clock = res.rows.numpy(), res.clocks.numpy()  # [A, D], [A]
+            self.stats.pulled(asked.size, asked.size, 0)
+            new_slots = self._admit(uniq.take(asked), slots[f.hit])  # [n]
+            n = new_slots.size
+            if n > 0:
+                d = self.dim
+                rec = np.zeros((n, self.width), dtype=np.float32)  # [n, W]
+                rec[:, :d] = fresh[:n]
+                meta = self._meta(rec)
+                meta[:, CLOCK] = fresh_clock[:n]
+                meta[:, CHECKED] = f.seq
+                meta[:, PF] = f.tick * 4 + _MISS
+                self._scatter(new_slots, rec)
+                self.policy.use(new_slots, np.zeros(n, np.int64) if self.lfu else None, f.tick)
+                self.touched += n
+                final = slots.copy()
+                final[asked[:n]] = new_slots
+        self.prefetched = _Known(uniq, final, self.gen, f.tick, False)
+
+    def finish(self, f: Fetch) -> PullResult | None:
+        """Install the reply of ``f``; a serving pull returns the rows in request order."""
+        if f.done:
+            return f.result
+        f.done = True
+        if self.inflight is f:
+            self.inflight = None
+        if f.rec is None:
+            self._finish_misses(f)
+            return None
+        d = self.dim
+        uniq, slots, hit, rec = f.uniq, f.slots, f.hit, f.rec
+        meta = self._meta(rec)  # [U, 8] view into rec
+        if f.handle is not None:
+            res: PullResult = f.handle.wait()
+            assert res.positions is not None
+            pos = res.positions.numpy()
+            got = pos if f.asked is None else f.asked.take(pos)  # [M] indices into uniq
+            fresh, fresh_clock = res.rows.numpy(), res.clocks.numpy()  # [M, D], [M]
+        else:
+            got = _EMPTY_I64
+            fresh = np.empty((0, d), dtype=np.float32)
+            fresh_clock = _EMPTY_I64
+        got_hit = hit.take(got)  # [M]
+        ref_sel = np.flatnonzero(got_hit)  # [R] indices into got
+        miss_sel = np.flatnonzero(~got_hit)  # [K] indices into got
+        ref_u, miss_u = got.take(ref_sel), got.take(miss_sel)  # indices into uniq
+        asked_hit = hit if f.asked is None else np.zeros_like(hit)
+        if f.asked is not None:
+            asked_hit[f.asked] = hit.take(f.asked)
+        if f.handle is not None:
+            n_asked = uniq.size if f.asked is None else f.asked.size
+            saved = int(np.count_nonzero(asked_hit)) - ref_sel.size
+            self.stats.pulled(n_asked, got.size, saved)
+        dirty = np.zeros(uniq.size, dtype=bool)  # records to write back
+        if not self.verify_prefetched and f.handle is not None:  # cached rows the PS answered
+            meta[asked_hit, CHECKED] = f.seq
+            dirty |= asked_hit
+
+        # Cached rows past the bound: copy := PS row minus the unpushed local delta.
+        if ref_u.size > 0:
+            rows = fresh.take(ref_sel, axis=0)  # [R, D]
+            if self.lr != 0.0:  # pend is zero for rows without pending updates: exact
+                rows -= self.lr * rec[ref_u, d : 2 * d]
+            rec[ref_u, :d] = rows
+            meta[ref_u, CLOCK] = fresh_clock.take(ref_sel)
+            meta[ref_u, OWN] = 0
+            dirty[ref_u] = True
+
+        # Misses: admit into free (or freed) slots; those that do not fit pass through.
+        if not f.prefetch:  # this batch's cached rows are in use (protected from eviction)
+            self.policy.use(slots[hit], None, f.tick)  # LFU keys are rewritten below
+            self.touched += int(np.count_nonzero(hit))
+        new_slots = self._admit(uniq.take(miss_u), slots[hit] if f.prefetch else None)
+        n_adm = new_slots.size
+        adm_u = miss_u[:n_adm]
+        final = slots.copy()
+        if n_adm > 0:
+            final[adm_u] = new_slots
+            rec[adm_u, :d] = fresh.take(miss_sel[:n_adm], axis=0)
+            rec[adm_u, d:] = 0.0  # no pending sum, metadata zero
+            meta[adm_u, CLOCK] = fresh_clock.take(miss_sel[:n_adm])
+            meta[adm_u, CHECKED] = f.seq
+            dirty[adm_u] = True
+            self.touched += n_adm
+
+        if f.prefetch:
+            marks = f.tick * 4
+            if not self.verify_prefetched:  # checked rows are trusted by the next pull
+                meta[asked_hit, PF] = marks
+            meta[adm_u, PF] = marks + _MISS
+            meta[ref_u, PF] = marks + _REFRESH
+            self.policy.use(new_slots, None if not self.lfu else meta[adm_u, FREQ], f.tick)
+            self._write(final, rec, dirty)
+            self.prefetched = _Known(uniq, final, self.gen, f.tick, False)
+            return None
+
+        # Served: every cached row of the batch counts one use per occurrence.
+        cached = final >= 0
+        through_u = miss_u[n_adm:]
+        if self.lfu:
+            meta[cached, FREQ] += 1 if f.counts is None else f.counts[cached]
+            self.policy.use(final[cached], meta[cached, FREQ], f.tick)
+            dirty = cached
+        elif n_adm > 0:
+            self.policy.use(new_slots, None, f.tick)
+        self._count_served(f, ref_u, miss_sel.size, dirty)
+        self._write(final, rec, dirty)
+        self.served = _Known(uniq, final, self.gen, f.tick, through_u.size == 0)
+
+        out = np.ascontiguousarray(rec[:, :d])  # [U, D]
+        out_clock = meta[:, CLOCK].copy()  # [U]
+        if through_u.size > 0:
+            through = miss_sel[n_adm:]
+            out[through_u] = fresh.take(through, axis=0)
+            out_clock[through_u] = fresh_clock.take(through)
+            self.stats.add("pass_through", through.size)
+        if f.inverse is not None:
+            out, out_clock = out.take(f.inverse, axis=0), out_clock.take(f.inverse)
+        f.result = PullResult(torch.from_numpy(out), torch.from_numpy(out_clock), None)
+        return f.result
+
+    def _write(self, final: np.ndarray, rec: np.ndarray, dirty: np.ndarray) -> None:
+        """Write back the records ``rec`` ``[U, W]`` of a fetch to slots ``final`` ``[U]``
+        where ``dirty`` (bool ``[U]``)."""
+        sel = np.flatnonzero(dirty)
+        if sel.size == rec.shape[0]:
+            self._scatter(final, rec)
+        elif sel.size > 0:
+            self._scatter(final.take(sel), rec.take(sel, axis=0))
+
+    def _count_served(
+        self, f: Fetch, ref_u: np.ndarray, n_miss: int, dirty: np.ndarray
+    ) -> None:
+        """Hits, misses, refreshes (now or by the prefetch) and served staleness; clears the
+        prefetch marks of rows served now (marks ``dirty``)."""
+        u = f.uniq.size
+        st = self.stats
+        st.add("lookups", u)
+        st.add("refreshes", ref_u.size)
+        st.add("misses", n_miss)
+        # Cached rows served without moving now: hits unless this batch's prefetch moved them.
+        old_mask = f.hit.copy()
+        old_mask[ref_u] = False
+        old = np.flatnonzero(old_mask)  # [H] indices into uniq
+        assert f.rec is not None
+        meta = self._meta(f.rec)
+        pf = meta[old, PF]  # [H]
+        n_pf = 0
+        kind = pf & 3
+        if kind.any():
+            by_pf = (kind > 0) & (pf >> 2 == f.tick)
+            kinds = kind[by_pf]
+            n_pf_miss = int(np.count_nonzero(kinds == _MISS))
+            n_pf = kinds.size
+            st.add("misses", n_pf_miss)
+            st.add("refreshes", n_pf - n_pf_miss)
+            st.add("prefetched", n_pf)
+            clear = old[kind > 0]
+            meta[clear, PF] = 0
+            dirty[clear] = True
+        st.add("hits", old.size - n_pf)
+        # Staleness: rows that came from the PS now are current (0).
+        if self.exact and old.size > 0:
+            now = self.store.clocks(self.name, torch.from_numpy(f.uniq.take(old))).numpy()
+            lag = now - meta[old, CLOCK]
+        else:
+            lag = meta[old, OWN]  # a lower bound: this worker's own pushes since
+        st.served(u - old.size, lag)
+
+    def _admit(self, ids: np.ndarray, protect: np.ndarray | None) -> np.ndarray:
+        """Slots for the first of the new ids ``[K]`` that fit (evicting if needed).
+
+        Never evicts ``protect`` slots or rows used by the current batch (or
+        prefetched for the next one): their gradients are still to come.
+        """
+        k = ids.size
+        if k == 0:
+            return _EMPTY_I64
+        need = k - self.n_free
+        if need > 0 and self.capacity > 0:
+            victims = self.policy.victims(max(need, self.chunk), self.tick, protect, self.row_id)
+            self._evict(victims)
+        n = min(k, self.n_free)
+        top = self.n_free
+        slots = self.free[top - n : top][::-1].copy()
+        self.n_free = top - n
+        if n > 0:
+            self.index.insert(ids[:n], slots)
+            self.row_id[slots] = ids[:n]
+            self.gen += 1
+        return slots
+
+    def _evict(self, victims: np.ndarray) -> None:
+        if victims.size == 0:
+            return
+        rec = self._gather(victims)
+        meta = self._meta(rec)
+        pend = np.flatnonzero(meta[:, COUNT])
+        if pend.size > 0:  # never dropped: push their gradient sums first
+            d = self.dim
+            self._push(self.row_id.take(victims.take(pend)), rec[pend, d : 2 * d])
+            self.stats.add("evicted_pending", pend.size)
+            self.meta[victims.take(pend), COUNT] = 0  # free slots hold no count
+        self.index.remove(self.row_id.take(victims))
+        self.row_id[victims] = -1
+        self.policy.free(victims)
+        self.free[self.n_free : self.n_free + victims.size] = victims
+        self.n_free += victims.size
+        self.gen += 1
+        self.stats.add("evictions", victims.size)
+
+    # ------------------------------------------------------------ updates
+
+    def _push(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        """Send a push of ``ids`` ``[P]`` and ``grads`` ``[P, D]`` (fresh arrays) to the PS."""
+        if len(self.push_handles) > 8:
+            self.push_handles = [h for h in self.push_handles if not h.is_completed()]
+        h = self.store.push_async(self.name, torch.from_numpy(ids), torch.from_numpy(grads))
+        self.push_handles.append(h)
+        self.stats.pushed(ids.size)
+
+    def update(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Apply row gradients ``grads`` ``[N, D]`` of ``ids`` ``[N]`` (checked already).
+
+        Repeated ids are summed first (as a store does). Cached rows: the copy takes
+        an SGD step of ``lr``, the gradient joins the row's pending sum, and rows
+        with more than ``write_bound`` pending updates are pushed (their sum) now.
+        Rows not cached are pushed at once. Everything due goes in one push.
+        """
+        uniq, g = ids.numpy(), grads.numpy()
+        if not _increasing(uniq):
+            u, gs = coalesce(ids, grads)  # [U], [U, D]
+            uniq, g = u.numpy(), gs.numpy()
+        self.seq += 1
+        d = self.dim
+        # The batch's rows stay in their slots until the next serving pull (they are
+        # protected from eviction), so its slots need no lookup unless ids were admitted.
+        slots = self._slots_of(uniq, self.served, self.tick)  # [U]
+        self.stats.add("updates", uniq.size)
+        direct = None
+        if slots.size == 0 or slots.min() >= 0:
+            s, gc, c_ids = slots, g, uniq  # [S], [S, D], [S]
+        else:
+            cached = slots >= 0
+            c_sel = np.flatnonzero(cached)
+            direct = np.flatnonzero(~cached)
+            s, gc, c_ids = slots.take(c_sel), g.take(c_sel, axis=0), uniq.take(c_sel)
+        due_ids: np.ndarray = _EMPTY_I64
+        due_g: np.ndarray = np.empty((0, d), dtype=np.float32)
+        if s.size > 0:
+            rec = self._gather(s)  # [S, W]
+            meta = self._meta(rec)
+            if self.lr != 0.0:
+                rec[:, :d] -= self.lr * gc
+            if self.write_bound == 0:  # every update is due: push the gradients as they are
+                due_ids, due_g = c_ids.copy(), gc.copy()
+                meta[:, OWN] += 1
+                meta[:, PUSHED] = self.seq
+            else:
+                pend = rec[:, d : 2 * d]  # [S, D] view; zeros where nothing is pending
+                pend += gc
+                meta[:, COUNT] += 1
+                due = np.flatnonzero(meta[:, COUNT] > self.write_bound)
+                if due.size > 0:
+                    due_ids, due_g = c_ids.take(due), pend[due]
+                    pend[due] = 0.0
+                    meta[due, COUNT] = 0
+                    meta[due, OWN] += 1
+                    meta[due, PUSHED] = self.seq
+            self._scatter(s, rec)
+        push_ids, push_g = due_ids, due_g
+        if direct is not None:
+            push_ids = np.concatenate([uniq.take(direct), due_ids])
+            push_g = np.concatenate([g.take(direct, axis=0), due_g])
+        if push_ids.size > 0:
+            self._push(push_ids, push_g)
+
+    def flush(self) -> None:
+        """Push every pending sum, then wait for every push of this table."""
+        slots = np.flatnonzero(self.meta[:, COUNT])
+        if slots.size > 0:
+            self.seq += 1
+            d = self.dim
+            rec = self._gather(slots)
+            meta = self._meta(rec)
+            self._push(self.row_id.take(slots), rec[:, d : 2 * d].copy())
+            rec[:, d : 2 * d] = 0.0
+            meta[:, COUNT] = 0
+            meta[:, OWN] += 1
+            meta[:, PUSHED] = self.seq
+            self._scatter(slots, rec)
+        handles, self.push_handles = self.push_handles, []
+        for h in handles:
+            h.wait()

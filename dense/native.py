@@ -1,0 +1,89 @@
+"""Build a small C source into a shared library on first use, cached per user and CPU.
+
+Plain C (no torch headers: a build takes well under a second), compiled with the
+system C compiler (``$CC``, else ``cc``/``gcc``) into ``$HYBRIDREC_KERNEL_DIR``
+(default ``~/.cache/hybridrec/kernels``) under a name hashed from the source, the
+compiler, the flags and the CPU (``-march=native`` code must not move to another
+CPU), and loaded with ``ctypes``. Flags are tried from the fastest set down
+(``-march=native -fopenmp``, then without ``-march``, then without OpenMP).
+
+:func:`load_c_library` returns None where there is no compiler, every build fails,
+or ``HYBRIDREC_CPU_KERNEL=0`` is set; callers then take their torch path.
+
+(The same helper lives in ``embedding/cpu_kernel.py``; the layering lets
+``embedding`` and ``dense`` share code only through ``comm``.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+FLAG_SETS = (
+    ("-O3", "-march=native", "-fopenmp"),
+    ("-O3", "-fopenmp"),
+    ("-O3",),
+)
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("HYBRIDREC_KERNEL_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "hybridrec" / "kernels"
+
+
+@functools.cache
+def _cpu_tag() -> str:
+    tag = platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features", "model name")):
+                    tag += line
+                    if len(tag) > 4096:
+                        break
+    except OSError:
+        pass
+    return tag
+
+
+def _compile(cc: str, flags: tuple[str, ...], source: str, out: Path) -> bool:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src = Path(tmp) / "kernel.c"
+        src.write_text(source, encoding="utf-8")
+        so = Path(tmp) / out.name
+        cmd = [cc, *flags, "-shared", "-fPIC", str(src), "-o", str(so), "-lm"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, timeout=120, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return False
+        if done.returncode != 0 or not so.exists():
+            return False
+        os.replace(so, out)  # atomic: several processes may build the same file
+    return True
+
+
+def load_c_library(name: str, source: str) -> ctypes.CDLL | None:
+    """``source`` built and loaded (see the module docstring), or None."""
+    if os.environ.get("HYBRIDREC_CPU_KERNEL", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    for flags in FLAG_SETS:
+        key = hashlib.sha256("\0".join([source, cc, *flags, _cpu_tag()]).encode()).hexdigest()
+        path = _cache_dir() / f"{name}_{key[:20]}.so"
+        try:
+            if not path.exists() and not _compile(cc, flags, source, path):
+                continue
+            return ctypes.CDLL(str(path))
+        except OSError:
+            continue
+    return None

@@ -1,0 +1,62 @@
+"""Input checks shared by every placement: ids in range, sequence lengths, weights.
+
+Every error names the feature, the table and the offending numbers, so a bad
+batch is found without a debugger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from embedding.config import TableConfig
+
+
+def check_ids(cfg: TableConfig, feats: Sequence[str], ids: Sequence[torch.Tensor]) -> None:
+    """Raise ValueError if an id of ``feats`` (``ids[i]`` int64 ``[N_i]``) is outside
+    ``[0, cfg.num_rows)``. Dynamic tables (``num_rows`` None) accept any int64 id."""
+    n = cfg.num_rows
+    if n is None:
+        return
+    for feat, t in zip(feats, ids, strict=True):
+        if t.numel() == 0:
+            continue
+        lo, hi = torch.aminmax(t)
+        if int(lo) < 0 or int(hi) >= n:
+            bad = int(lo) if int(lo) < 0 else int(hi)
+            raise ValueError(
+                f"EmbeddingCollection: feature {feat!r} has id {bad}, out of range for "
+                f"table {cfg.name!r} with {n} rows (valid ids [0, {n}))"
+            )
+
+
+def check_weights(cfg: TableConfig, feats: Sequence[str], weighted: bool) -> None:
+    """Per-id weights scale each id's row: fine for "sum" and "none", not for "mean"."""
+    if weighted and cfg.pooling == "mean":
+        raise ValueError(
+            f"EmbeddingCollection: the batch has per-id weights, but table {cfg.name!r} "
+            f"(features {list(feats)}) pools with 'mean'; weights need pooling='sum' "
+            "(or 'none')"
+        )
+
+
+def sequence_length(cfg: TableConfig, feat: str, lengths: torch.Tensor) -> int:
+    """``T`` of an unpooled feature whose ``[B]`` lengths must all equal ``T``.
+
+    Raises ValueError naming the feature and the lengths seen when they differ
+    (an unpooled output is a dense ``[B, T, D]`` tensor, so ragged samples have
+    no place in it: pad them to one length first).
+    """
+    if lengths.numel() == 0:
+        return 0
+    lo, hi = torch.aminmax(lengths)
+    if int(lo) != int(hi):
+        seen = sorted(set(lengths.tolist()))
+        shown = seen if len(seen) <= 8 else [*seen[:8], "..."]
+        raise ValueError(
+            f"EmbeddingCollection: feature {feat!r} of table {cfg.name!r} has pooling='none', "
+            f"which needs the same number of ids in every sample, got lengths {shown} "
+            f"(min {int(lo)}, max {int(hi)}); pad the sequences to one length"
+        )
+    return int(lo)

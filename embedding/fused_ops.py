@@ -1,0 +1,355 @@
+"""The fused local lookup: one gather+pool for many tables, and a backward fused
+with the optimizer that never builds a dense gradient.
+
+Layout (like FBGEMM's table-batched embedding): the tables of one *fused group*
+(same ``dim``, same optimizer config) are stacked into one flat weight::
+
+    weight [R, D]      R = sum of the tables' rows; table t owns rows
+                       [base[t], base[t] + num_rows[t])
+    state  [R, S]      the ps optimizer's per-row state (S = optimizer.state_dim(D))
+    clocks [R]         int64, how many updates each row received (as a ps store counts)
+
+A row-major ``[R, D]`` weight per group (rather than one 1-D buffer for every
+dim, as FBGEMM does) keeps each group a plain 2-D tensor that ``embedding_bag``
+reads directly; a collection rarely has more than two or three distinct dims.
+
+Forward of a group is ONE ``embedding_bag(mode="sum")`` call over every feature
+of the batch: ids are offset by their table's base, "mean" bags become
+per-id weights ``1/len``, and unpooled (``pooling="none"``) features are bags of
+exactly one id.
+
+Backward (:func:`segment_sum` + :func:`apply_optimizer`): the gradient of every
+id is ``w_i * grad_out[bag_i]``; ids are sorted, and the gradients of equal ids
+are summed by another ``embedding_bag`` call whose "weight" is ``grad_out`` and
+whose bags are the runs of equal ids (so the ``[N, D]`` per-id gradient is never
+materialised either). The ps optimizer's own ``apply`` then updates the gathered
+touched rows and state, which are scattered back in place: the same math as the
+parameter server, so local and hybrid tables train identically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from comm import ProcessGroup
+from embedding import cpu_kernel
+from embedding.checks import sequence_length
+from embedding.config import TableConfig
+from embedding.jagged import KeyedJaggedIds, offsets_from_lengths
+from embedding.kernels import use_triton
+from ps import Optimizer, RowWiseAdagrad
+
+
+@dataclass(slots=True)
+class GroupBatch:
+    """One fused group's share of a batch, ready for the lookup.
+
+    ``ids`` int64 ``[N]`` are flat rows (table base added), ``offsets`` int64
+    ``[nbags + 1]`` delimit the bags, ``weights`` float ``[N]`` or None (the
+    per-id factors: user weights times ``1/len`` of mean bags).
+    """
+
+    ids: torch.Tensor
+    offsets: torch.Tensor
+    weights: torch.Tensor | None
+
+    @property
+    def num_bags(self) -> int:
+        return int(self.offsets.numel()) - 1
+
+
+@dataclass(slots=True)
+class FusedGroup:
+    """The flat storage of the tables that share one dim and one optimizer."""
+
+    dim: int
+    optimizer: Optimizer
+    weight: torch.Tensor  # [R, D] float32
+    state: torch.Tensor  # [R, S] float32
+    clocks: torch.Tensor  # [R] int64
+
+
+def group_batch(
+    kjt: KeyedJaggedIds, feats: Sequence[tuple[TableConfig, str]], bases: Sequence[int]
+) -> GroupBatch:
+    """The bags of ``feats`` (``(table config, feature)`` pairs, in output order) as one
+    :class:`GroupBatch`: ids offset by their feature's ``bases[k]``, one bag per sample
+    for pooled features ("mean" as per-id weights ``1/len``) and one bag per id for
+    unpooled ones. ``kjt`` holds the features; the ids are checked by the caller."""
+    device = kjt.ids.device
+    if not feats:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return GroupBatch(empty, torch.zeros(1, dtype=torch.int64, device=device), None)
+    names = [f for _, f in feats]
+    sub = kjt if names == kjt.keys else kjt.select(names)
+    k, b = len(names), kjt.batch_size
+    per_key = sub.lengths.view(k, b).sum(dim=1)  # [K] ids per key
+    n = sub.ids.numel()
+    if any(bases):
+        base = torch.tensor(list(bases), dtype=torch.int64, device=device)  # [K]
+        ids = sub.ids + torch.repeat_interleave(base, per_key, output_size=n)  # [N]
+    else:
+        ids = sub.ids
+    unpooled = any(c.pooling == "none" for c, _ in feats)
+    mean = any(c.pooling == "mean" for c, _ in feats)
+    counts = per_key.tolist() if (unpooled or mean) else []
+    if not unpooled:
+        offsets = sub.offsets()  # [K * B + 1]
+    else:
+        pieces = [
+            torch.ones(counts[i], dtype=torch.int64, device=device)
+            if cfg.pooling == "none"
+            else sub.lengths[i * b : (i + 1) * b]
+            for i, (cfg, _) in enumerate(feats)
+        ]
+        offsets = offsets_from_lengths(torch.cat(pieces))
+    weights = sub.weights
+    if mean:
+        scale = torch.ones(n, dtype=torch.float32, device=device)  # [N]
+        start = 0
+        for i, (cfg, _) in enumerate(feats):
+            if cfg.pooling == "mean":
+                lens = sub.lengths[i * b : (i + 1) * b]  # [B]
+                inv = 1.0 / lens.clamp(min=1).to(torch.float32)  # [B]
+                scale[start : start + counts[i]] = torch.repeat_interleave(
+                    inv, lens, output_size=counts[i]
+                )
+            start += counts[i]
+        weights = scale if weights is None else weights.to(torch.float32) * scale
+    elif weights is not None:
+        weights = weights.to(torch.float32)
+    return GroupBatch(ids, offsets, weights)
+
+
+def feature_outputs(
+    pooled: torch.Tensor, kjt: KeyedJaggedIds, feats: Sequence[tuple[TableConfig, str]]
+) -> dict[str, torch.Tensor]:
+    """Split a group's ``[nbags, D]`` lookup (bags laid out by :func:`group_batch`) into
+    ``{feature: [B, D]}`` (``[B, T, D]`` for unpooled features, checking that every
+    sample has ``T`` ids). One ``split`` (its backward is one concatenation), not a
+    slice per feature, whose backward would build a zero tensor the size of ``pooled``."""
+    b = kjt.batch_size
+    seq = [
+        sequence_length(cfg, feat, kjt.key_slice(feat).lengths) if cfg.pooling == "none" else -1
+        for cfg, feat in feats
+    ]  # T per unpooled feature, -1 for pooled ones
+    sizes = [b if t < 0 else b * t for t in seq]
+    parts = pooled.split(sizes) if sizes else ()
+    out: dict[str, torch.Tensor] = {}
+    for (cfg, feat), t, part in zip(feats, seq, parts, strict=True):
+        out[feat] = part if t < 0 else part.view(b, t, cfg.dim)
+    return out
+
+
+def lookup(weight: torch.Tensor, batch: GroupBatch) -> torch.Tensor:
+    """``[nbags, D]``: the weighted sum of each bag's rows (zeros for empty bags).
+
+    On CUDA with triton installed, the Triton gather+pool kernel
+    (:mod:`embedding.kernels.triton_pool`); elsewhere ``F.embedding_bag``.
+    """
+    if weight.is_cuda and use_triton(weight):
+        from embedding.kernels.triton_pool import pooled_lookup
+
+        return pooled_lookup(
+            weight,
+            batch.ids,
+            batch.offsets,
+            mode="sum",
+            per_sample_weights=batch.weights,
+            validate=False,
+        )
+    return F.embedding_bag(
+        batch.ids,
+        weight,
+        batch.offsets,
+        mode="sum",
+        per_sample_weights=batch.weights,
+        include_last_offset=True,
+    )
+
+
+def segment_sum(
+    ids: torch.Tensor, src: torch.Tensor, src_index: torch.Tensor, weights: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coalesce per unique id: ``(unique ids [U] sorted, sums [U, D])`` where
+    ``sums[u] = sum over i with ids[i] == unique[u] of weights[i] * src[src_index[i]]``.
+
+    ``ids``, ``src_index`` int64 ``[N]``, ``src`` ``[M, D]``, ``weights`` ``[N]`` or
+    None (all ones). Runs as a sort plus one ``embedding_bag`` whose bags are the
+    runs of equal ids, so no ``[N, D]`` temporary is built.
+    """
+    srt, perm = torch.sort(ids)  # [N], [N]
+    uniq, counts = torch.unique_consecutive(srt, return_counts=True)  # [U], [U]
+    return uniq, sorted_segment_sum(perm, counts, src, src_index, weights)
+
+
+def sorted_segment_sum(
+    perm: torch.Tensor,
+    counts: torch.Tensor,
+    src: torch.Tensor,
+    src_index: torch.Tensor | None,
+    weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """``[U, D]``: segment ``u`` sums ``weights[p] * src[src_index[p]]`` over the
+    positions ``p = perm[i]`` of its run (``counts[u]`` consecutive entries of
+    ``perm``). ``src_index`` None: ``src`` rows are the positions themselves. One
+    ``embedding_bag`` whose bags are the runs; no ``[N, D]`` temporary."""
+    idx = perm if src_index is None else src_index[perm]  # [N]
+    w = None if weights is None else weights[perm].to(src.dtype)
+    return F.embedding_bag(
+        idx,
+        src,
+        offsets_from_lengths(counts),
+        mode="sum",
+        per_sample_weights=w,
+        include_last_offset=True,
+    )  # [U, D]
+
+
+def row_gradients(batch: GroupBatch, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The coalesced gradient of a lookup: ``(unique flat rows [U], grads [U, D])``."""
+    bag_lengths = batch.offsets[1:] - batch.offsets[:-1]  # [nbags]
+    bag_of_id = torch.repeat_interleave(
+        torch.arange(batch.num_bags, device=grad_out.device), bag_lengths
+    )  # [N]
+    return segment_sum(batch.ids, grad_out, bag_of_id, batch.weights)
+
+
+def apply_optimizer(group: FusedGroup, rows: torch.Tensor, grads: torch.Tensor) -> None:
+    """Apply the group's optimizer to the distinct flat ``rows`` [U] with ``grads`` [U, D]
+    in place: gather the touched rows and state, run the ps optimizer's ``apply``
+    on the copies (the exact math of the parameter server), scatter them back."""
+    if rows.numel() == 0:
+        return
+    w = group.weight.index_select(0, rows)  # [U, D]
+    s = group.state.index_select(0, rows)  # [U, S]
+    group.optimizer.apply(w, s, grads.to(torch.float32))
+    group.weight.index_copy_(0, rows, w)
+    if s.shape[1] > 0:
+        group.state.index_copy_(0, rows, s)
+    group.clocks.index_add_(0, rows, torch.ones_like(rows))
+
+
+class FusedLookupFunction(torch.autograd.Function):
+    """Lookup of every fused group in one autograd node; the backward updates the rows.
+
+    One node for all groups (rather than one per group) means the backward runs
+    once whenever any output is used, so data-parallel ranks always enter the
+    same collectives in the same order.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        anchor: torch.Tensor,
+        groups: list[FusedGroup],
+        batches: list[GroupBatch],
+        group: ProcessGroup,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.groups = groups  # type: ignore[attr-defined]
+        ctx.batches = batches  # type: ignore[attr-defined]
+        ctx.comm = group  # type: ignore[attr-defined]
+        return tuple(lookup(g.weight, b) for g, b in zip(groups, batches, strict=True))
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, *grad_outs: torch.Tensor
+    ) -> tuple[None, ...]:
+        groups: list[FusedGroup] = ctx.groups  # type: ignore[attr-defined]
+        batches: list[GroupBatch] = ctx.batches  # type: ignore[attr-defined]
+        pg: ProcessGroup = ctx.comm  # type: ignore[attr-defined]
+        for g, b, grad in zip(groups, batches, grad_outs, strict=True):
+            grad = grad.contiguous()  # [nbags, D]
+            triton_adagrad = _triton_rowwise_adagrad(g)
+            if triton_adagrad and pg.size == 1:
+                from embedding.kernels.triton_adagrad import fused_backward_rowwise_adagrad_
+
+                opt = g.optimizer
+                assert isinstance(opt, RowWiseAdagrad)
+                fused_backward_rowwise_adagrad_(
+                    g.weight,
+                    g.state,
+                    b.ids,
+                    b.offsets,
+                    grad,
+                    mode="sum",
+                    per_sample_weights=b.weights,
+                    lr=opt.lr,
+                    eps=opt.eps,
+                    clocks=g.clocks,
+                    validate=False,
+                )
+                continue
+            if pg.size == 1 and _cpu_rowwise_adagrad(g, b, grad):
+                continue
+            rows, grads = row_gradients(b, grad)  # [U], [U, D]
+            if pg.size > 1:
+                rows, grads = _combine_ranks(pg, rows, grads)
+                if _cpu_rowwise_adagrad_rows(g, rows, grads):
+                    continue
+            if triton_adagrad:
+                from embedding.kernels.triton_adagrad import rowwise_adagrad_rows_
+
+                opt = g.optimizer
+                assert isinstance(opt, RowWiseAdagrad)
+                rowwise_adagrad_rows_(
+                    g.weight, g.state, rows, grads.contiguous(), lr=opt.lr, eps=opt.eps,
+                    clocks=g.clocks,
+                )  # fmt: skip
+                continue
+            apply_optimizer(g, rows, grads)
+        return None, None, None, None
+
+
+def _cpu_rowwise_adagrad(g: FusedGroup, b: GroupBatch, grad: torch.Tensor) -> bool:
+    """Backward + row-wise Adagrad of one group in the C kernel (:mod:`embedding.cpu_kernel`):
+    one sort, then one pass per unique row. False (nothing done) where it does not apply."""
+    opt = g.optimizer
+    if not isinstance(opt, RowWiseAdagrad) or g.weight.is_cuda or not cpu_kernel.available():
+        return False
+    if b.ids.numel() == 0:
+        return True
+    srt, perm = torch.sort(b.ids)  # [N], [N]
+    bag_lengths = b.offsets[1:] - b.offsets[:-1]  # [nbags]
+    bag_of = torch.repeat_interleave(
+        torch.arange(b.num_bags, device=grad.device), bag_lengths, output_size=b.ids.numel()
+    )  # [N]
+    return cpu_kernel.rowwise_adagrad_(
+        g.weight, g.state, g.clocks, srt, grad.to(torch.float32).contiguous(),
+        lr=opt.lr, eps=opt.eps, perm=perm, bag_of=bag_of,
+        weights=None if b.weights is None else b.weights.to(torch.float32).contiguous(),
+    )  # fmt: skip
+
+
+def _cpu_rowwise_adagrad_rows(g: FusedGroup, rows: torch.Tensor, grads: torch.Tensor) -> bool:
+    """Row-wise Adagrad of distinct sorted ``rows`` [U] with ``grads`` [U, D] in the C kernel."""
+    opt = g.optimizer
+    if not isinstance(opt, RowWiseAdagrad) or g.weight.is_cuda or not cpu_kernel.available():
+        return False
+    return cpu_kernel.rowwise_adagrad_(
+        g.weight, g.state, g.clocks, rows.contiguous(), grads.to(torch.float32).contiguous(),
+        lr=opt.lr, eps=opt.eps,
+    )  # fmt: skip
+
+
+def _triton_rowwise_adagrad(g: FusedGroup) -> bool:
+    """The Triton fused backward handles row-wise Adagrad on CUDA tables; other
+    optimizers (and CPU tables) take the torch path, which runs the ps math."""
+    return g.weight.is_cuda and isinstance(g.optimizer, RowWiseAdagrad) and use_triton(g.weight)
+
+
+def _combine_ranks(
+    pg: ProcessGroup, rows: torch.Tensor, grads: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replicated data parallel: every rank's coalesced row gradients, divided by the
+    group size (the global loss is the mean of the ranks' mean losses), coalesced
+    again, so every replica applies the identical update."""
+    all_rows = pg.allgatherv(rows.contiguous())  # [sum U_r]
+    all_grads = pg.allgatherv(grads.contiguous())  # [sum U_r, D]
+    all_grads.div_(pg.size)
+    index = torch.arange(all_rows.numel(), device=all_rows.device)
+    return segment_sum(all_rows, all_grads, index, None)

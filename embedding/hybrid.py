@@ -1,0 +1,286 @@
+"""Hybrid tables: rows live in a ``ps`` store (possibly behind a ``cache``).
+
+Forward, per *group* of tables with the same ``dim`` (laid out like the local
+fused path, :func:`embedding.fused_ops.group_batch`)::
+
+    ids of every feature of the group, table by table     [N]
+    one sort -> unique (table, id) pairs, inverse, runs    [U], [N]   (one dedup for
+                                                                       pull AND push)
+    pull each table's unique ids (all issued, then waited) [U_t, D] -> rows [U, D]
+    ONE embedding_bag over rows, bags as in the local path -> [nbags, D] -> features
+
+Backward is fused with the push (as TorchRec fuses it with the optimizer): one
+autograd node for the whole module; its backward sums the output gradient per
+unique row with ONE ``embedding_bag`` over the dedup's runs (no ``[N, D]``
+temporary, no dense ``[U, D]`` zeros per table) and pushes each table's
+``(unique ids, row gradients)`` to the store, which applies the table's optimizer.
+There is no separate optimizer step and no embedding ``nn.Parameter``.
+
+Data parallel (``group.size > 1``), two cases:
+
+* **replicated store** (``store_is_shared=False``; the default for a
+  :class:`ps.InProcessStore`): every rank holds its own copy of every table
+  (all start from the same deterministic rows). The backward hook gathers every
+  rank's ``(unique ids, row gradients)`` with ``allgatherv``, divides the
+  gradients by ``group.size`` (the gradient of the global mean loss is the
+  average of the per-rank gradients of the local mean losses) and pushes the
+  whole concatenation, so every replica applies the identical update. Like DDP
+  this needs every rank to run forward on the same collection and then one
+  backward through every output it used.
+* **shared store** (``store_is_shared=True``; the default for any other store,
+  e.g. MPI server ranks or Redis, also behind a cache): one copy of each table
+  is shared by all workers, so each worker pushes its own row gradients divided
+  by ``group.size`` and nothing is gathered. The store applies each push as it
+  comes (asynchronous PS training): with a stateful optimizer two pushes are not
+  exactly one push of their sum, by design.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from comm import ProcessGroup
+from embedding.checks import check_ids, check_weights
+from embedding.config import TableConfig
+from embedding.fused_ops import (
+    GroupBatch,
+    feature_outputs,
+    group_batch,
+    lookup,
+    sorted_segment_sum,
+)
+from embedding.jagged import KeyedJaggedIds
+from ps import InProcessStore, Store
+
+
+def store_is_replicated(store: Store) -> bool:
+    """True when ``store`` keeps its tables in this process (an :class:`ps.InProcessStore`,
+    directly or wrapped by a cache whose backing store is one): each rank then has its
+    own copy. Wrappers are followed through a ``store`` or ``inner`` attribute."""
+    seen = 0
+    while seen < 8:
+        if isinstance(store, InProcessStore):
+            return True
+        inner = getattr(store, "store", None) or getattr(store, "inner", None)
+        if not isinstance(inner, Store) or inner is store:
+            return False
+        store, seen = inner, seen + 1
+    return False
+
+
+@dataclass(slots=True)
+class _Group:
+    """One dim group's share of a batch, between dedup and the push."""
+
+    features: list[tuple[TableConfig, str]]  # output order: table by table
+    tables: list[TableConfig]  # the group's tables in the batch, in order
+    batch: GroupBatch  # ids = index into the group's unique rows, bags as in local
+    perm: torch.Tensor  # [N] positions of the ids, sorted by (table, id)
+    counts: torch.Tensor  # [U] occurrences of each unique row (runs of ``perm``)
+    unique: list[torch.Tensor]  # per table: its unique ids [U_t], sorted (CPU)
+
+
+class HybridTables(nn.Module):
+    """Store-backed tables of an :class:`~embedding.EmbeddingCollection`.
+
+    ``forward(kjt, tables)`` takes ``[(config, features present in kjt)]`` and
+    returns ``{feature: [B, D] or [B, T, D]}``.
+    """
+
+    def __init__(
+        self,
+        configs: Sequence[TableConfig],
+        store: Store,
+        group: ProcessGroup,
+        store_is_shared: bool | None = None,
+    ) -> None:
+        super().__init__()
+        self.configs = {c.name: c for c in configs}
+        self.store = store
+        self.group = group
+        if store_is_shared is None:
+            store_is_shared = not store_is_replicated(store)
+        self.store_is_shared = bool(store_is_shared)
+        existing = set(store.tables())
+        for cfg in configs:
+            spec = cfg.to_spec()
+            if cfg.name not in existing:
+                store.create_table(spec)
+            elif store.spec(cfg.name) != spec:
+                raise ValueError(
+                    f"EmbeddingCollection: the store already has a table {cfg.name!r} with "
+                    f"spec {store.spec(cfg.name)}, which differs from {spec}"
+                )
+        # Autograd needs one input that requires grad to record the lookup node.
+        self._anchor = torch.zeros(0, requires_grad=True)
+
+    def prefetch(self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]) -> None:
+        """Hand each table's unique ids to ``store.prefetch`` (a cache), if it has one."""
+        fetch = getattr(self.store, "prefetch", None)
+        if fetch is None:
+            return
+        for cfg, feats in tables:
+            ids = torch.cat([kjt.key_slice(f).ids for f in feats])
+            check_ids(cfg, feats, [kjt.key_slice(f).ids for f in feats])
+            fetch(cfg.name, torch.unique(ids).cpu())
+
+    def forward(
+        self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]
+    ) -> dict[str, torch.Tensor]:
+        by_dim: dict[int, list[tuple[TableConfig, list[str]]]] = {}
+        for cfg, feats in tables:
+            check_ids(cfg, feats, [kjt.key_slice(f).ids for f in feats])
+            check_weights(cfg, feats, kjt.weights is not None)
+            by_dim.setdefault(cfg.dim, []).append((cfg, feats))
+        groups = [self._dedup(kjt, tabs) for tabs in by_dim.values()]
+        # Every table's pull is issued before any is waited, so remote stores overlap them.
+        handles = [
+            [self.store.pull_async(cfg.name, u) for cfg, u in zip(g.tables, g.unique, strict=True)]
+            for g in groups
+        ]
+        device = kjt.ids.device
+        rows = []
+        for hs in handles:
+            pulled = [h.wait().rows for h in hs]  # [U_t, D] each
+            rows.append((pulled[0] if len(pulled) == 1 else torch.cat(pulled)).to(device))
+        if self.training and torch.is_grad_enabled():
+            outs = _HybridLookup.apply(self._anchor, self, groups, rows)
+        else:
+            outs = tuple(lookup(r, g.batch) for g, r in zip(groups, rows, strict=True))
+        out: dict[str, torch.Tensor] = {}
+        for g, pooled in zip(groups, outs, strict=True):
+            out.update(feature_outputs(pooled, kjt, g.features))
+        return out
+
+    def _dedup(self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]) -> _Group:
+        """One sort for every table of the group: ids are keyed ``(table, id)``.
+
+        Fixed-size tables are packed into one id space (table ``t`` at base
+        ``sum of the earlier tables' rows``), so a single sort orders the ids by table,
+        then id; a group with a dynamic table (any int64 id) sorts table by table.
+        """
+        feats = [(cfg, f) for cfg, fs in tables for f in fs]
+        cfgs = [cfg for cfg, _ in tables]
+        packed = all(c.num_rows is not None for c in cfgs)
+        starts, base = [], 0
+        for c in cfgs:
+            starts.append(base)
+            base += int(c.num_rows or 0)
+        table_base = {c.name: b for c, b in zip(cfgs, starts, strict=True)}
+        bases = [table_base[c.name] for c, _ in feats] if packed else [0] * len(feats)
+        gb = group_batch(kjt, feats, bases)  # ids: packed keys (or raw ids) [N]
+        if packed:
+            srt, perm = torch.sort(gb.ids)  # [N]
+            keys, counts = torch.unique_consecutive(srt, return_counts=True)  # [U]
+            bounds = torch.searchsorted(keys, torch.tensor([*starts, base], device=keys.device))
+            cut = bounds.tolist()
+            keys_cpu = keys.cpu()
+            unique = [
+                keys_cpu[cut[i] : cut[i + 1]] - starts[i] for i in range(len(cfgs))
+            ]  # [U_t] each
+        else:
+            per_table = [sum(kjt.key_slice(f).ids.numel() for f in fs) for _, fs in tables]
+            perms, all_counts, unique = [], [], []
+            pos = 0
+            for n in per_table:
+                srt, p = torch.sort(gb.ids[pos : pos + n])
+                u, c = torch.unique_consecutive(srt, return_counts=True)
+                perms.append(p + pos)
+                all_counts.append(c)
+                unique.append(u.cpu())
+                pos += n
+            perm, counts = torch.cat(perms), torch.cat(all_counts)
+        index = torch.empty_like(perm)  # [N] each id's unique row
+        index[perm] = torch.repeat_interleave(
+            torch.arange(counts.numel(), device=perm.device), counts, output_size=perm.numel()
+        )
+        batch = GroupBatch(index, gb.offsets, gb.weights)
+        return _Group(feats, cfgs, batch, perm, counts, unique)
+
+
+class _HybridLookup(torch.autograd.Function):
+    """The lookups of every dim group in one autograd node; the backward pushes.
+
+    One node for the module (not a hook per table) means the row gradients of all
+    tables are ready at once, so the pushes go out in table order: replicated data
+    parallel ranks then enter the same ``allgatherv`` sequence.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        anchor: torch.Tensor,
+        owner: HybridTables,
+        groups: list[_Group],
+        rows: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.owner = owner  # type: ignore[attr-defined]
+        ctx.groups = groups  # type: ignore[attr-defined]
+        ctx.set_materialize_grads(False)  # an unused output pushes nothing
+        return tuple(lookup(r, g.batch) for g, r in zip(groups, rows, strict=True))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, *grad_outs: torch.Tensor | None
+    ) -> tuple[None, ...]:
+        owner: HybridTables = ctx.owner  # type: ignore[attr-defined]
+        groups: list[_Group] = ctx.groups  # type: ignore[attr-defined]
+        grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for g, grad in zip(groups, grad_outs, strict=True):
+            if grad is None:
+                continue
+            b = g.batch
+            bag_of = torch.repeat_interleave(
+                torch.arange(b.num_bags, device=grad.device),
+                b.offsets[1:] - b.offsets[:-1],
+                output_size=b.ids.numel(),
+            )  # [N]
+            sums = sorted_segment_sum(g.perm, g.counts, grad.contiguous(), bag_of, b.weights)
+            sums = sums.to(torch.float32).cpu()  # [U, D]
+            start = 0
+            for cfg, ids in zip(g.tables, g.unique, strict=True):
+                n = int(ids.numel())
+                grads[cfg.name] = (ids, sums[start : start + n])
+                start += n
+        _push(owner, grads)
+        return None, None, None, None
+
+
+def _push(owner: HybridTables, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Push every table's ``(unique ids [U], row gradients [U, D])``, in table order.
+
+    Shared store (or one rank): each rank pushes its own gradients divided by the
+    group size. Replicated store: every table of the module (empty where this rank's
+    batch lacked it) is gathered from all ranks, averaged and pushed, so every
+    replica applies the identical update.
+    """
+    group, store = owner.group, owner.store
+    if group.size == 1 or owner.store_is_shared:
+        scale = 1.0 / group.size
+        handles = []
+        for name in owner.configs:
+            if name in grads:
+                ids, g = grads[name]
+                g = g.contiguous()
+                if scale != 1.0:
+                    g = g * scale
+                handles.append(store.push_async(name, ids, g))
+        for h in handles:
+            h.wait()
+        return
+    for name, cfg in owner.configs.items():
+        if name in grads:
+            ids, g = grads[name]
+            ids, g = ids.contiguous(), g.contiguous()
+        else:
+            ids = torch.empty(0, dtype=torch.int64)
+            g = torch.empty(0, cfg.dim, dtype=torch.float32)
+        all_ids = group.allgatherv(ids)  # [sum U_r]
+        all_grads = group.allgatherv(g)  # [sum U_r, D]
+        all_grads.div_(group.size)
+        store.push(name, all_ids, all_grads)

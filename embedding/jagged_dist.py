@@ -1,0 +1,128 @@
+"""Splitting a batch's ids by owner rank for an alltoallv, and the rows back.
+
+The sharded collection exchanges *unique* ids, not bags: each rank deduplicates
+every table's ids, sends each unique id once to the rank owning its row, gets
+one row back per unique id and pools locally. Every buffer is ordered by rank
+(destination, or source on the owner), then table, then unique id::
+
+    2 ranks, tables A (rows 0..9 on rank 0) and B (row-wise: 0..4 on r0, 5..9 on r1)
+    unique A = [2, 7]        unique B = [1, 6, 8]        (sorted, from torch.unique)
+    send ids    = [ 2, 7,  1  |  1, 3 ]        # local rows: B's 6, 8 are 1, 3 on rank 1
+                    A  A   B     B  B
+    counts      = [[2, 1],                      # [W, T] ids per (destination, table)
+                   [0, 2]]
+    send_splits = [3, 2]
+
+Rows come back as one flat float buffer in the same order (tables may differ in
+width, so chunk ``(rank, table)`` holds ``counts[rank, table] * dim[table]``
+floats). Because each table's ranges are owned in rank order, sorted unique ids
+are grouped by ascending owner: concatenating table ``t``'s chunks in rank order
+gives its rows in unique-id order, with no index to keep (:func:`unpack_rows`).
+The owner does the same with the ids it received (:func:`split_ids`) and packs
+its answer with :func:`pack_rows`. Gradients travel back in the same layout.
+
+Everything is tensor code; the only Python loops run over tables and ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from embedding.sharding_plan import ShardingPlan
+
+
+def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(unique [U] sorted, inverse [N])`` with ``unique[inverse] == ids``."""
+    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    return unique, inverse
+
+
+@dataclass(slots=True)
+class IdBuckets:
+    """One rank's unique ids bucketed by owner (see the module doc)."""
+
+    send_ids: torch.Tensor  # [S] int64 rows local to the owner, ordered (dest, table, unique)
+    counts: torch.Tensor  # [W, T] int64 ids per (destination rank, table)
+
+    @property
+    def send_splits(self) -> list[int]:
+        """Ids per destination rank ``[W]``."""
+        return [int(c) for c in self.counts.sum(dim=1).tolist()]
+
+
+def bucketize(
+    plan: ShardingPlan, tables: Sequence[str], uniques: Sequence[torch.Tensor]
+) -> IdBuckets:
+    """Order the unique ids of ``tables`` by owner: ``uniques[t]`` int64 ``[U_t]``,
+    sorted ascending and in range (as :func:`dedup` returns them).
+
+    Returns the send buffer of owner-local rows and the ``[W, T]`` counts.
+    """
+    w, t_count = plan.world_size, len(tables)
+    device = uniques[0].device if uniques else torch.device("cpu")
+    if t_count == 0:
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return IdBuckets(empty, torch.zeros(w, 0, dtype=torch.int64, device=device))
+    owners, local = [], []
+    for name, u in zip(tables, uniques, strict=True):
+        o = plan.owner_of(name, u)  # [U_t]
+        owners.append(o)
+        local.append(plan.local_rows(name, u, o))
+    sizes = torch.tensor([u.numel() for u in uniques], dtype=torch.int64, device=device)  # [T]
+    table_idx = torch.repeat_interleave(torch.arange(t_count, device=device), sizes)  # [S]
+    owner = torch.cat(owners)  # [S] in (table, unique) order
+    key = owner * t_count + table_idx  # [S] destination-major, then table
+    order = torch.argsort(key, stable=True)  # [S] buffer slot -> (table, unique) item
+    send_ids = torch.cat(local)[order]  # [S]
+    counts = torch.bincount(key, minlength=w * t_count).view(w, t_count)  # [W, T]
+    return IdBuckets(send_ids, counts)
+
+
+def float_splits(counts: torch.Tensor, dims: torch.Tensor) -> list[int]:
+    """Floats per rank ``[W]`` of a flat row buffer with ``counts [W, T]`` items."""
+    return [int(x) for x in (counts * dims.unsqueeze(0)).sum(dim=1).tolist()]
+
+
+def split_ids(ids: torch.Tensor, counts: torch.Tensor) -> list[torch.Tensor]:
+    """Per table, the ids of a buffer ordered (rank, table) with ``counts [W, T]``,
+    concatenated in rank order: ``[n_t]`` each (views where possible)."""
+    w, t_count = counts.shape
+    chunks = torch.split(ids, counts.reshape(-1).tolist())  # W * T chunks, (rank, table)
+    return [torch.cat([chunks[r * t_count + t] for r in range(w)]) for t in range(t_count)]
+
+
+def unpack_rows(flat: torch.Tensor, counts: torch.Tensor, dims: torch.Tensor) -> list[torch.Tensor]:
+    """Per table ``[n_t, D_t]``: the rows of a flat buffer ordered (rank, table), in rank order.
+
+    For the requester's buffer, table ``t``'s rows come out in the order of its
+    sorted unique ids: ranges are owned in rank order, so sorted ids are already
+    grouped by ascending owner. Differentiable (split + view + cat).
+    """
+    w, t_count = counts.shape
+    sizes = (counts * dims.unsqueeze(0)).reshape(-1).tolist()  # [W * T] floats per chunk
+    chunks = torch.split(flat, sizes)
+    d = dims.tolist()
+    return [
+        torch.cat([chunks[r * t_count + t].view(-1, d[t]) for r in range(w)])
+        for t in range(t_count)
+    ]
+
+
+def pack_rows(rows: list[torch.Tensor | None], counts: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`unpack_rows`: per table ``[n_t, D_t]`` rows in rank order
+    (None for a table with no rows) -> one flat buffer ordered (rank, table)."""
+    w, t_count = counts.shape
+    per_table: list[list[torch.Tensor]] = []
+    for t, r in enumerate(rows):
+        if r is None:
+            assert int(counts[:, t].sum()) == 0, "rows asked of a table without rows"
+            per_table.append([])
+        else:
+            per_table.append(list(torch.split(r, counts[:, t].tolist())))
+    parts = [per_table[t][r].reshape(-1) for r in range(w) for t in range(t_count) if per_table[t]]
+    if not parts:
+        return torch.empty(0, dtype=torch.float32)
+    return torch.cat(parts)

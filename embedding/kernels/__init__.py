@@ -1,0 +1,60 @@
+"""embedding.kernels: Triton GPU kernels for the fused (table-batched) local placement.
+
+Two kernels over ONE flat weight ``[R, D]`` holding every table of a fused group
+(table ``t`` owns rows ``[base[t], base[t] + rows[t])``; ids arrive already
+offset by their table's base, as in FBGEMM's TBE):
+
+- :func:`embedding.kernels.triton_pool.pooled_lookup` -- gather + sum/mean pool,
+  optional per-id weights, empty bags give zeros;
+- :func:`embedding.kernels.triton_adagrad.fused_backward_rowwise_adagrad_` -- the
+  backward of that pool fused with row-wise Adagrad, in place, deterministic.
+
+``triton`` is optional: this package imports it only inside the two kernel
+modules, so ``import embedding.kernels`` works without it. Callers ask
+:func:`use_triton` per tensor and fall back to the torch path otherwise. See
+``docs/kernels.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+__all__ = ["interpreter_enabled", "triton_available", "use_triton"]
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when ``triton`` and ``triton.language`` import (checked once per process)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install failing at import time
+        return False
+    return True
+
+
+def interpreter_enabled() -> bool:
+    """True when ``TRITON_INTERPRET=1``: Triton runs kernels in its numpy interpreter.
+
+    Triton reads this variable when a kernel is *defined* (at import of the kernel
+    module), so it must be set before the first import of ``triton_pool`` /
+    ``triton_adagrad`` in the process.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(t: torch.Tensor, *, allow_interpreter: bool = False) -> bool:
+    """Whether the Triton kernels should handle tensors like ``t``.
+
+    True when triton imports and ``t`` is on CUDA; also for a CPU ``t`` when the
+    caller opts in explicitly (``allow_interpreter=True``, for tests) AND
+    ``TRITON_INTERPRET=1`` is set, so the interpreter is never picked by accident.
+    """
+    if not triton_available():
+        return False
+    if t.is_cuda:
+        return True
+    return allow_interpreter and interpreter_enabled() and t.device.type == "cpu"

@@ -1,0 +1,210 @@
+"""Local tables: every local table of a collection in this process, fused.
+
+Tables with the same ``dim`` and optimizer config form one *fused group* (see
+:mod:`embedding.fused_ops` for the flat layout and the fused backward). A batch
+costs one ``embedding_bag`` per group forward and one sort + ``embedding_bag`` +
+optimizer gather/scatter per group backward, whatever the number of tables.
+
+Data parallel (``group.size > 1``): the tables are replicated, one copy per
+rank, all starting from the tables' deterministic initial rows (``TableSpec``'s
+initializer); the backward gathers every rank's coalesced row gradients with
+``allgatherv`` and divides them by ``group.size``, so every replica applies the
+identical update (the same rule as replicated hybrid tables).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from comm import ProcessGroup
+from comm.device import default_device
+from embedding.checks import check_ids, check_weights
+from embedding.config import TableConfig
+from embedding.fused_ops import (
+    FusedGroup,
+    FusedLookupFunction,
+    GroupBatch,
+    feature_outputs,
+    group_batch,
+    lookup,
+)
+from embedding.jagged import KeyedJaggedIds
+from ps import Optimizer, TableSpec
+from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
+from ps.local_table import table_array
+
+_INIT_CHUNK_ROWS = 1 << 16  # rows initialised at once (bounds the hash temporaries)
+
+
+class LocalTables(nn.Module):
+    """The local tables of an :class:`~embedding.EmbeddingCollection`, fused per group.
+
+    ``forward(kjt, tables)`` takes ``[(config, features present in kjt)]`` and
+    returns ``{feature: [B, D] or [B, T, D]}``. Training (``.train()`` and grad
+    enabled) updates the touched rows inside ``backward()``.
+    """
+
+    def __init__(self, configs: Sequence[TableConfig], group: ProcessGroup) -> None:
+        super().__init__()
+        self.configs = {c.name: c for c in configs}
+        self.group = group
+        device = default_device(group)
+        keys: dict[tuple[int, Optimizer], list[TableConfig]] = {}
+        for cfg in configs:
+            keys.setdefault((cfg.dim, cfg.optimizer), []).append(cfg)
+        self.groups: list[FusedGroup] = []
+        self.specs: dict[str, TableSpec] = {}
+        self.where: dict[str, tuple[int, int]] = {}  # table -> (group index, base row)
+        for gi, ((dim, opt), cfgs) in enumerate(keys.items()):
+            total = sum(int(c.num_rows or 0) for c in cfgs)
+            # numpy-allocated storage gets transparent huge pages: random row reads over a
+            # large table miss the TLB far less (measured 26 x 100k x 64, 53k ids: gather
+            # 11.8 ms -> 1.8 ms, row scatter 14 ms -> 3.5 ms).
+            weight = table_array((total, dim), torch.float32)  # [R, D]
+            base = 0
+            for c in cfgs:
+                spec = c.to_spec()
+                n = int(c.num_rows or 0)
+                for start in range(0, n, _INIT_CHUNK_ROWS):
+                    stop = min(n, start + _INIT_CHUNK_ROWS)
+                    weight[base + start : base + stop] = spec.initial_rows(
+                        torch.arange(start, stop)
+                    )
+                self.specs[c.name] = spec
+                self.where[c.name] = (gi, base)
+                base += n
+            state = table_array((total, opt.state_dim(dim)), torch.float32)  # [R, S]
+            state[:] = opt.initial_state(dim)
+            clocks = table_array((total,), torch.int64)  # [R]
+            self.groups.append(
+                FusedGroup(
+                    dim=dim,
+                    optimizer=opt,
+                    weight=weight.to(device),
+                    state=state.to(device),
+                    clocks=clocks.to(device),
+                )
+            )
+        # Autograd needs one input that requires grad to record the fused node.
+        self._anchor = torch.zeros(0, requires_grad=True)
+
+    # ------------------------------------------------------------ reads
+
+    def _table_rows(self, table: str) -> tuple[FusedGroup, int, int]:
+        if table not in self.where:
+            raise KeyError(f"no local table {table!r}; local tables: {list(self.where)}")
+        gi, base = self.where[table]
+        return self.groups[gi], base, int(self.configs[table].num_rows or 0)
+
+    def _check_read_ids(self, table: str, ids: torch.Tensor, n: int) -> None:
+        if ids.dtype != torch.int64:
+            raise TypeError(f"table {table!r}: ids must be int64, got {ids.dtype}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            raise ValueError(
+                f"table {table!r}: ids must be in [0, {n}), got range "
+                f"[{int(ids.min())}, {int(ids.max())}]"
+            )
+
+    def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """A copy of rows ``ids`` ``[N]`` of ``table``: ``[N, D]``."""
+        g, base, n = self._table_rows(table)
+        self._check_read_ids(table, ids, n)
+        return g.weight.index_select(0, ids.to(g.weight.device) + base)
+
+    def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """A copy of the optimizer state of rows ``ids``: ``[N, S]``."""
+        g, base, n = self._table_rows(table)
+        self._check_read_ids(table, ids, n)
+        return g.state.index_select(0, ids.to(g.state.device) + base)
+
+    def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """How many updates rows ``ids`` received: int64 ``[N]``."""
+        g, base, n = self._table_rows(table)
+        self._check_read_ids(table, ids, n)
+        return g.clocks.index_select(0, ids.to(g.clocks.device) + base)
+
+    # ------------------------------------------------------------ forward
+
+    def forward(
+        self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]
+    ) -> dict[str, torch.Tensor]:
+        train = self.training and torch.is_grad_enabled()
+        per_group: list[list[tuple[TableConfig, str]]] = [[] for _ in self.groups]
+        for cfg, feats in tables:
+            slices = [kjt.key_slice(f) for f in feats]
+            check_ids(cfg, feats, [s.ids for s in slices])
+            check_weights(cfg, feats, kjt.weights is not None)
+            gi = self.where[cfg.name][0]
+            per_group[gi].extend((cfg, f) for f in feats)
+        # In data parallel every rank runs every group (maybe empty), so the ranks'
+        # backward collectives match.
+        active = [gi for gi, fs in enumerate(per_group) if fs or (train and self.group.size > 1)]
+        batches = [self._group_batch(kjt, per_group[gi]) for gi in active]
+        groups = [self.groups[gi] for gi in active]
+        if train:
+            outs = FusedLookupFunction.apply(self._anchor, groups, batches, self.group)
+        else:
+            outs = tuple(lookup(g.weight, b) for g, b in zip(groups, batches, strict=True))
+        result: dict[str, torch.Tensor] = {}
+        for gi, pooled in zip(active, outs, strict=True):
+            result.update(feature_outputs(pooled, kjt, per_group[gi]))
+        return result
+
+    def _group_batch(self, kjt: KeyedJaggedIds, feats: list[tuple[TableConfig, str]]) -> GroupBatch:
+        """Flat rows (table base added), bag offsets and per-id factors of one group."""
+        return group_batch(kjt, feats, [self.where[c.name][1] for c, _ in feats])
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write every local table (rows, optimizer state, clocks) in the ps checkpoint
+        format (:mod:`ps.checkpoint`: JSON manifest + ``.npy``), so a parameter-server
+        store can load it too."""
+        entries = []
+        for name, spec in self.specs.items():
+            g, base, n = self._table_rows(name)
+            part = TablePart(
+                ids=torch.arange(n, dtype=torch.int64),
+                weights=g.weight[base : base + n].cpu(),
+                state=g.state[base : base + n].cpu(),
+                clocks=g.clocks[base : base + n].cpu(),
+            )
+            entries.append((spec, [part]))
+        write_checkpoint(path, entries, writer="embedding.LocalTables")
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Read the local tables back from a ps checkpoint (written by :meth:`save` or
+        by any store's ``save``). Every local table must be in it with the same
+        rows, dim and optimizer; rows a checkpoint lacks are left as they are."""
+        ckpt = read_checkpoint(path)
+        found = {s.name: s for s in ckpt.specs}
+        for name, spec in self.specs.items():
+            have = found.get(name)
+            if have is None:
+                raise ValueError(
+                    f"load {str(path)!r}: no table {name!r} in the checkpoint; it has "
+                    f"{sorted(found)}"
+                )
+            if (have.num_rows, have.dim, have.optimizer) != (
+                spec.num_rows,
+                spec.dim,
+                spec.optimizer,
+            ):
+                raise ValueError(
+                    f"load {str(path)!r}: table {name!r} was saved with num_rows="
+                    f"{have.num_rows}, dim={have.dim}, optimizer={have.optimizer}; this "
+                    f"collection has num_rows={spec.num_rows}, dim={spec.dim}, "
+                    f"optimizer={spec.optimizer}"
+                )
+        for name in self.specs:
+            g, base, _ = self._table_rows(name)
+            for part in ckpt.parts(name):
+                rows = part.ids.to(g.weight.device) + base
+                g.weight.index_copy_(0, rows, part.weights.to(g.weight.device))
+                if g.state.shape[1] > 0:
+                    g.state.index_copy_(0, rows, part.state.to(g.state.device))
+                g.clocks.index_copy_(0, rows, part.clocks.to(g.clocks.device))

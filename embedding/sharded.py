@@ -1,0 +1,447 @@
+"""Model-parallel embedding tables: each rank owns some tables or row ranges.
+
+No parameter server: the rows of every table live on the ranks of ``group``,
+placed by a :class:`~embedding.sharding_plan.ShardingPlan` (whole tables, or
+row ranges of large ones). One forward on every rank, with its own local batch:
+
+1. **dedup**: per table, the unique ids of all its features in the local batch;
+2. **input dist** (alltoallv): each unique id goes to the rank owning its row
+   (as a row number local to that owner), preceded by a tiny alltoall of the
+   ``[W, T]`` counts and an error flag (so bad input raises on every rank);
+3. **lookup**: owners gather the requested rows of their shards;
+4. **output dist** (alltoallv): the rows come back, one per unique id;
+5. **pool**: the requesting rank pools its bags locally with ``embedding_bag``
+   over the returned unique rows (weighted sum, mean, empty bags = zeros), or
+   keeps one vector per id for ``pooling="none"``.
+
+This is the row-exchange variant of TorchRec's sharded EmbeddingBagCollection:
+TorchRec ships whole bags and pools on the owner; shipping deduplicated rows
+sends each id once per rank and step, which is cheaper under skewed (Zipf) ids,
+and keeps weighted/mean pooling on the requesting rank.
+
+Backward runs the same path in reverse inside ``loss.backward()``: the
+gradient of the returned unique rows ``[U_t, D]`` (already summed over bags by
+``embedding_bag``'s backward) goes back to the owners by one alltoallv; each
+owner sums the gradients of a row sent by several ranks and applies the table's
+``ps`` optimizer (SGD, RowWiseAdagrad, Adagrad, Adam, FTRL: exactly the math of
+:class:`ps.InProcessStore`, through :class:`ps.local_table.LocalTable`) once per
+unique row. There is no embedding ``nn.Parameter`` and no optimizer step.
+
+**Gradient scale** (the DDP convention): the row gradients are divided by
+``group.size``. When every rank takes ``B`` samples of a global batch of
+``W * B`` and computes a *mean* loss over its own samples, the update equals
+one process training on the global batch with the global mean loss.
+
+**Collective rule**: every rank must call ``forward`` the same number of times
+and run one backward through the outputs of each training forward (as DDP
+requires); a rank whose local batch is empty still takes part (empty splits).
+
+Initial rows are the ps initializer's values for the *global* row ids
+(:meth:`ps.TableSpec.initial_rows` is a hash of ``(seed, id, column)``), so a
+sharded table starts exactly like the same unsharded table.
+
+Everything is computed on the CPU (the exchange uses the group's CPU
+backends); outputs are moved to the device of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from comm import ProcessGroup
+from embedding.checks import check_weights, sequence_length
+from embedding.config import TableConfig
+from embedding.jagged import JaggedIds, KeyedJaggedIds, offsets_from_lengths
+from embedding.jagged_dist import (
+    bucketize,
+    dedup,
+    float_splits,
+    pack_rows,
+    split_ids,
+    unpack_rows,
+)
+from embedding.sharding_plan import DEFAULT_ROW_WISE_THRESHOLD_ROWS, ShardingPlan
+from ps.local_table import LocalTable, take
+from ps.table import TableSpec
+
+_INIT_CHUNK_ROWS = 1 << 16
+
+# Error codes carried by the count exchange (column T of each row).
+_OK, _BAD_ID, _BAD_BATCH = 0, 1, 2
+
+
+@dataclass(slots=True)
+class _TableBatch:
+    """One table's share of this rank's local batch."""
+
+    index: int  # position of the table in the plan
+    features: list[str]  # its features in the batch, in key order
+    inverse: torch.Tensor  # [N] position of each id in ``unique``
+    unique: torch.Tensor  # [U] int64
+    lengths: torch.Tensor  # [F * B]
+    weights: torch.Tensor | None  # [N] or None
+
+
+@dataclass(slots=True)
+class _Exchange:
+    """What one forward's backward needs: who asked for which rows."""
+
+    send_counts: torch.Tensor  # [W, T] what this rank asked of each owner
+    recv_counts: torch.Tensor  # [W, T] what each rank asked of this one
+    served: list[torch.Tensor | None]  # per table, [n_t] local rows asked of this rank
+
+
+class ShardedTables(nn.Module):
+    """Tables sharded over ``group`` by a plan; ``forward(kjt)`` pools this rank's batch.
+
+    ``forward(kjt)`` returns ``{feature: [B_local, dim]}`` (``[B_local, T, dim]``
+    for ``pooling="none"``) in the order of ``kjt.keys``; every key must be a
+    feature of one of ``configs``. ``plan`` defaults to
+    ``ShardingPlan.build(configs, group.size, row_wise_threshold_rows=...)``;
+    all ranks must build the same one (checked at construction).
+    """
+
+    def __init__(
+        self,
+        configs: Sequence[TableConfig],
+        group: ProcessGroup,
+        *,
+        plan: ShardingPlan | None = None,
+        row_wise_threshold_rows: int | None = DEFAULT_ROW_WISE_THRESHOLD_ROWS,
+    ) -> None:
+        super().__init__()
+        configs = list(configs)
+        if not configs:
+            raise ValueError("ShardedTables: needs at least one TableConfig")
+        if not isinstance(group, ProcessGroup):
+            raise TypeError(f"ShardedTables: group must be a comm.ProcessGroup, got {group!r}")
+        self._configs: list[TableConfig] = []
+        self._table_of: dict[str, int] = {}  # feature -> table index
+        for cfg in configs:
+            if not isinstance(cfg, TableConfig):
+                raise TypeError(f"ShardedTables: expected TableConfig, got {type(cfg).__name__}")
+            if any(c.name == cfg.name for c in self._configs):
+                raise ValueError(f"ShardedTables: table name {cfg.name!r} appears twice")
+            for feat in cfg.feature_names:
+                if feat in self._table_of:
+                    other = self._configs[self._table_of[feat]].name
+                    raise ValueError(
+                        f"ShardedTables: feature {feat!r} is mapped to two tables, "
+                        f"{other!r} and {cfg.name!r}"
+                    )
+                self._table_of[feat] = len(self._configs)
+            self._configs.append(cfg)
+        self._features = list(self._table_of)  # error codes name features by this index
+        self.group = group
+        if plan is None:
+            plan = ShardingPlan.build(
+                configs, group.size, row_wise_threshold_rows=row_wise_threshold_rows
+            )
+        self.plan = plan
+        self._check_plan()
+        self._dims = torch.tensor([c.dim for c in self._configs], dtype=torch.int64)  # [T]
+        self._shards: list[LocalTable | None] = [self._make_shard(c) for c in self._configs]
+        # The leaf the row exchange hangs off, so autograd calls its backward.
+        self._anchor = torch.empty(0, requires_grad=True)
+
+    # ------------------------------------------------------------ setup
+
+    def _check_plan(self) -> None:
+        plan, group = self.plan, self.group
+        if not isinstance(plan, ShardingPlan):
+            raise TypeError(f"ShardedTables: plan must be a ShardingPlan, got {plan!r}")
+        if plan.world_size != group.size:
+            raise ValueError(
+                f"ShardedTables: the plan is for {plan.world_size} ranks, the group has "
+                f"{group.size}"
+            )
+        names = [c.name for c in self._configs]
+        if plan.table_names != names:
+            raise ValueError(
+                f"ShardedTables: the plan covers tables {plan.table_names}, the configs are "
+                f"{names} (same tables in the same order expected)"
+            )
+        for cfg in self._configs:
+            t = plan.table(cfg.name)
+            if (t.num_rows, t.dim) != (cfg.num_rows, cfg.dim):
+                raise ValueError(
+                    f"ShardedTables: table {cfg.name!r} is {cfg.num_rows}x{cfg.dim} but the "
+                    f"plan has {t.num_rows}x{t.dim}"
+                )
+        if group.size > 1:
+            mine = torch.tensor(plan.fingerprint(), dtype=torch.int64)
+            everyone = group.allgather(mine)  # [W, 3]
+            differ = [r for r in range(group.size) if not torch.equal(everyone[r], mine)]
+            if differ:
+                raise ValueError(
+                    f"ShardedTables: rank {group.rank} built a different sharding plan than "
+                    f"ranks {differ} (same configs and threshold on every rank needed); this "
+                    f"rank's plan:\n{plan.describe()}"
+                )
+
+    def _make_shard(self, cfg: TableConfig) -> LocalTable | None:
+        start, stop = self.plan.table(cfg.name).rows_on(self.group.rank)
+        if stop == start:
+            return None
+        full = cfg.to_spec()  # its init is resolved: the same on every rank
+        spec = TableSpec(
+            name=cfg.name, num_rows=stop - start, dim=cfg.dim, optimizer=cfg.optimizer,
+            init=full.init,
+        )  # fmt: skip
+        shard = LocalTable(spec, initialise=False)
+        for lo in range(start, stop, _INIT_CHUNK_ROWS):
+            hi = min(stop, lo + _INIT_CHUNK_ROWS)
+            shard.weights[lo - start : hi - start] = full.initial_rows(torch.arange(lo, hi))
+        return shard
+
+    # ------------------------------------------------------------ accessors
+
+    @property
+    def tables(self) -> list[TableConfig]:
+        return list(self._configs)
+
+    @property
+    def feature_names(self) -> list[str]:
+        return list(self._features)
+
+    def shard(self, table: str) -> tuple[int, int, torch.Tensor]:
+        """``(start, stop, weights [stop - start, D])`` of this rank's rows of ``table``."""
+        i = self._index(table)
+        start, stop = self.plan.table(table).rows_on(self.group.rank)
+        sh = self._shards[i]
+        rows = sh.weights if sh is not None else torch.empty(0, self._configs[i].dim)
+        return start, stop, rows
+
+    def full_table(self, table: str) -> torch.Tensor:
+        """Collective: the whole table ``[num_rows, D]`` on every rank (for tests, export)."""
+        return self._gather(table, "weights")
+
+    def full_state(self, table: str) -> torch.Tensor:
+        """Collective: the optimizer state ``[num_rows, S]`` on every rank."""
+        return self._gather(table, "state")
+
+    def full_clocks(self, table: str) -> torch.Tensor:
+        """Collective: updates applied per row ``[num_rows]`` int64."""
+        return self._gather(table, "clocks")
+
+    def _gather(self, table: str, what: str) -> torch.Tensor:
+        i = self._index(table)
+        cfg, sh = self._configs[i], self._shards[i]
+        if sh is not None:
+            part = getattr(sh, what).clone()
+        elif what == "clocks":
+            part = torch.empty(0, dtype=torch.int64)
+        else:
+            width = cfg.dim if what == "weights" else cfg.optimizer.state_dim(cfg.dim)
+            part = torch.empty(0, width, dtype=torch.float32)
+        # Ranges run in rank order, so the rank-ordered concatenation is the table.
+        return self.group.allgatherv(part.contiguous())
+
+    def _index(self, table: str) -> int:
+        for i, c in enumerate(self._configs):
+            if c.name == table:
+                return i
+        raise KeyError(
+            f"ShardedTables: no table {table!r}; tables: {[c.name for c in self._configs]}"
+        )
+
+    def extra_repr(self) -> str:
+        parts = [
+            f"{c.name}: {c.num_rows}x{c.dim} {c.pooling} {c.feature_names}" for c in self._configs
+        ]
+        return f"tables=[{'; '.join(parts)}], group={self.group!r}"
+
+    # ------------------------------------------------------------ forward
+
+    def forward(self, kjt: KeyedJaggedIds) -> dict[str, torch.Tensor]:
+        group, w, t_count = self.group, self.group.size, len(self._configs)
+        error: Exception | None = None
+        code = [_OK, 0, 0]
+        batches: list[_TableBatch] = []
+        try:
+            batches, code = self._prepare(kjt)
+        except (ValueError, TypeError, KeyError) as e:
+            error, code = e, [_BAD_BATCH, 0, 0]
+        uniques = [torch.empty(0, dtype=torch.int64) for _ in self._configs]  # [U_t] each
+        for tb in batches:
+            uniques[tb.index] = tb.unique
+        buckets = bucketize(self.plan, [c.name for c in self._configs], uniques)
+        counts = buckets.counts  # [W, T]: what this rank asks of each owner
+        # 1) counts + error flag: row p goes to rank p; every rank learns every error.
+        head = torch.cat([counts, torch.tensor([code] * w, dtype=torch.int64)], dim=1)
+        got = group.alltoallv(head.contiguous(), [1] * w, [1] * w)  # [W, T + 3]
+        self._raise_if_bad(got[:, t_count:], error)
+        recv_counts = got[:, :t_count].contiguous()  # [W, T]: what each rank asks of me
+        # 2) unique ids to their owners (as owner-local rows).
+        recv_ids = group.alltoallv(
+            buckets.send_ids.contiguous(), buckets.send_splits, recv_counts.sum(1).tolist()
+        )  # [R]
+        # 3) look up the rows this rank owns, packed in the order they were asked for.
+        served: list[torch.Tensor | None] = []
+        rows: list[torch.Tensor | None] = []
+        for shard, local in zip(self._shards, split_ids(recv_ids, recv_counts), strict=True):
+            # local: [n_t] rows of this shard, asked by rank 0, then rank 1, ...
+            served.append(None if shard is None else local)
+            rows.append(None if shard is None else take(shard.weights, local))  # [n_t, D_t]
+        answer = pack_rows(rows, recv_counts)  # ordered (asking rank, table)
+        # 4) rows back to the ranks that asked (through autograd when training).
+        ex = _Exchange(counts, recv_counts, served)
+        if self.training and torch.is_grad_enabled():
+            flat = _RowExchange.apply(self._anchor, self, ex, answer)  # [sum_i D_t(i)]
+        else:
+            flat = self._rows_back(answer, ex)
+        # 5) pool locally over the unique rows.
+        per_table = unpack_rows(flat, counts, self._dims)  # [U_t, D_t] in unique-id order
+        device = kjt.ids.device
+        b = kjt.batch_size
+        out: dict[str, torch.Tensor] = {}
+        for tb in batches:
+            cfg = self._configs[tb.index]
+            pooled_feats = self._pool(cfg, tb, per_table[tb.index], b)
+            for feat, pooled in zip(tb.features, pooled_feats, strict=True):
+                out[feat] = pooled.to(device)
+        return {k: out[k] for k in kjt.keys}
+
+    def _prepare(self, kjt: KeyedJaggedIds) -> tuple[list[_TableBatch], list[int]]:
+        """Group this rank's batch by table and dedup it; ``code`` flags an id out of range."""
+        if not isinstance(kjt, KeyedJaggedIds):
+            raise TypeError(f"ShardedTables: expected a KeyedJaggedIds, got {type(kjt).__name__}")
+        per_table: dict[int, list[str]] = {}
+        for key in kjt.keys:
+            t = self._table_of.get(key)
+            if t is None:
+                raise ValueError(
+                    f"ShardedTables: feature {key!r} is not in any sharded table; known "
+                    f"features: {self._features}"
+                )
+            per_table.setdefault(t, []).append(key)
+        batches: list[_TableBatch] = []
+        b = kjt.batch_size
+        for t in sorted(per_table):
+            cfg, feats = self._configs[t], per_table[t]
+            slices = [_on_cpu(kjt.key_slice(f)) for f in feats]
+            check_weights(cfg, feats, kjt.weights is not None)
+            if cfg.pooling == "none":
+                for f, s in zip(feats, slices, strict=True):
+                    sequence_length(cfg, f, s.lengths)
+            ids = torch.cat([s.ids for s in slices])  # [N]
+            n = cfg.num_rows
+            assert n is not None  # checked by the plan
+            if ids.numel() > 0:
+                bad = (ids < 0) | (ids >= n)
+                if bool(bad.any()):
+                    pos = int(torch.nonzero(bad)[0, 0])
+                    ends = torch.tensor([s.ids.numel() for s in slices]).cumsum(0)
+                    feat = feats[int(torch.searchsorted(ends, pos, right=True))]
+                    return [], [_BAD_ID, self._features.index(feat), int(ids[pos])]
+            unique, inverse = dedup(ids)  # [U], [N]
+            lengths = torch.cat([s.lengths for s in slices])  # [F * B]
+            weights = None
+            if kjt.weights is not None:
+                weights = torch.cat([s.weights for s in slices if s.weights is not None])
+            batches.append(_TableBatch(t, feats, inverse, unique, lengths, weights))
+            assert lengths.numel() == len(feats) * b
+        return batches, [_OK, 0, 0]
+
+    def _raise_if_bad(self, codes: torch.Tensor, mine: Exception | None) -> None:
+        """``codes`` ``[W, 3]``: each rank's (kind, feature index, id). Raise on every rank."""
+        if mine is not None:
+            raise mine
+        bad = torch.nonzero(codes[:, 0] != _OK).squeeze(1).tolist()
+        if not bad:
+            return
+        r = int(bad[0])
+        kind, fi, bad_id = (int(x) for x in codes[r].tolist())
+        if kind == _BAD_ID:
+            feat = self._features[fi]
+            cfg = self._configs[self._table_of[feat]]
+            raise ValueError(
+                f"ShardedTables: rank {r}: feature {feat!r} has id {bad_id}, out of range for "
+                f"table {cfg.name!r} with {cfg.num_rows} rows (valid ids [0, {cfg.num_rows})); "
+                "no rank exchanged any ids"
+            )
+        raise ValueError(
+            f"ShardedTables: rank {r} rejected its batch (its own error says why; ranks "
+            f"{bad} had bad batches); no rank exchanged any ids"
+        )
+
+    def _pool(
+        self, cfg: TableConfig, tb: _TableBatch, rows: torch.Tensor, b: int
+    ) -> list[torch.Tensor]:
+        """Per feature of ``tb``: ``[B, D]`` pooled, or ``[B, T, D]`` for pooling "none"."""
+        weights = None if tb.weights is None else tb.weights.to(rows.dtype)
+        f_count = len(tb.features)
+        if cfg.pooling == "none":
+            per_id = F.embedding(tb.inverse, rows)  # [N, D]
+            if weights is not None:
+                per_id = per_id * weights.unsqueeze(1)
+            out = []
+            for i, part in enumerate(
+                torch.split(per_id, tb.lengths.view(f_count, b).sum(1).tolist())
+            ):
+                seq = int(tb.lengths[i * b]) if b > 0 else 0
+                out.append(part.view(b, seq, cfg.dim))
+            return out
+        pooled = F.embedding_bag(
+            tb.inverse,
+            rows,
+            offsets_from_lengths(tb.lengths),
+            mode=cfg.pooling,
+            per_sample_weights=weights,
+            include_last_offset=True,
+        )  # [F * B, D]; empty bags are zeros
+        return list(pooled.view(f_count, b, cfg.dim).unbind(0))
+
+    # ------------------------------------------------------------ exchange of rows
+
+    def _rows_back(self, answer: torch.Tensor, ex: _Exchange) -> torch.Tensor:
+        """Owner -> requester: ``answer`` (ordered like the ids received) comes back
+        ordered like the ids this rank sent."""
+        return self.group.alltoallv(
+            answer,
+            float_splits(ex.recv_counts, self._dims),
+            float_splits(ex.send_counts, self._dims),
+        )
+
+    def _apply_grads(self, grad: torch.Tensor, ex: _Exchange) -> None:
+        """Requester -> owner: the rows' gradients go back; owners run the optimizer."""
+        got = self.group.alltoallv(
+            grad.contiguous(),
+            float_splits(ex.send_counts, self._dims),
+            float_splits(ex.recv_counts, self._dims),
+        )  # ordered like the ids this rank received
+        scale = 1.0 / self.group.size  # the DDP average: see the module doc
+        grads = unpack_rows(got, ex.recv_counts, self._dims)  # [n_t, D_t] like ex.served
+        for shard, local, g in zip(self._shards, ex.served, grads, strict=True):
+            if shard is None or local is None or local.numel() == 0:
+                continue
+            g = g.mul(scale)
+            with shard.lock:
+                shard.push(local, g)  # sums repeats, optimizer once per unique row; raises on Inf
+
+
+def _on_cpu(s: JaggedIds) -> JaggedIds:
+    w = None if s.weights is None else s.weights.cpu()
+    return JaggedIds(s.ids.cpu(), s.lengths.cpu(), w)
+
+
+class _RowExchange(torch.autograd.Function):
+    """Rows owner -> requester in forward; their gradients back + optimizer in backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, anchor: torch.Tensor, module: ShardedTables, ex: _Exchange, answer: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.module, ctx.ex = module, ex
+        return module._rows_back(answer, ex)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:  # type: ignore[override]
+        ctx.module._apply_grads(grad, ctx.ex)
+        return None, None, None, None

@@ -1,0 +1,231 @@
+"""A streaming reader for the Criteo display-advertising TSV format.
+
+Each line is one impression, 40 tab-separated fields::
+
+    label \\t I1 ... I13 \\t C1 ... C26
+
+* ``label``: 0 or 1 (clicked);
+* ``I1..I13``: integer counts, possibly empty (missing) or negative; they become
+  ``log1p(max(x, 0))`` with missing as 0, the usual DLRM preprocessing;
+* ``C1..C26``: 32-bit categorical values written in hex (``"68fd1e64"``),
+  possibly empty (missing).
+
+A categorical value becomes one embedding id, mixed with its feature index so
+that the same hex value in two features lands on unrelated rows:
+
+* ``num_rows`` given: ``splitmix64(value * 32 + feature) mod num_rows``, an id in
+  a fixed table of ``num_rows`` rows (the "hashing trick": collisions accepted);
+* ``num_rows`` None: ``splitmix64(value * 32 + feature)`` with the sign bit
+  cleared, a raw id for a dynamic (unbounded) table on the parameter server.
+
+A missing categorical is an empty bag (no id): pooled, it contributes zeros.
+
+Files are read line by line (plain or ``.gz``), never whole, and lines are dealt
+to ranks round robin (rank ``r`` of ``n`` reads lines ``r, r + n, ...``) so every
+rank sees a disjoint ``1/n`` of each file without any coordination. A malformed
+line raises ``ValueError`` naming the file and line number, or is counted and
+skipped with ``skip_bad_lines=True``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embedding import KeyedJaggedIds
+from examples.data.ctr import Batch
+from ps.routing import splitmix64
+
+NUM_INT = 13
+NUM_CAT = 26
+NUM_FIELDS = 1 + NUM_INT + NUM_CAT
+INT_NAMES = [f"I{i}" for i in range(1, NUM_INT + 1)]
+CAT_NAMES = [f"C{i}" for i in range(1, NUM_CAT + 1)]
+
+
+@dataclass(kw_only=True, slots=True)
+class CriteoConfig:
+    """Where the TSV files are and how lines become batches."""
+
+    paths: list[str]
+    batch_size: int = 2048  # samples per batch on this rank
+    num_rows: int | None = 100_000  # rows per table; None: raw ids for dynamic tables
+    rank: int = 0
+    world_size: int = 1
+    skip_bad_lines: bool = False  # count and skip malformed lines instead of raising
+    drop_last: bool = False  # drop a final batch smaller than batch_size
+
+    def __post_init__(self) -> None:
+        if isinstance(self.paths, str | Path):
+            self.paths = [str(self.paths)]
+        if not self.paths:
+            raise ValueError("CriteoConfig: paths is empty; give at least one TSV file")
+        self.paths = [str(p) for p in self.paths]
+        if self.batch_size < 1:
+            raise ValueError(f"CriteoConfig: batch_size must be >= 1, got {self.batch_size}")
+        if self.num_rows is not None and self.num_rows < 1:
+            raise ValueError(f"CriteoConfig: num_rows must be >= 1 or None, got {self.num_rows}")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"CriteoConfig: need 0 <= rank < world_size, got rank {self.rank} "
+                f"of world_size {self.world_size}"
+            )
+
+
+@dataclass(slots=True)
+class ReaderPosition:
+    """How far a reader got: enough to resume exactly where it stopped."""
+
+    file_index: int = 0
+    line: int = 0  # lines of that file consumed (all ranks' lines, not just ours)
+    skipped: int = 0  # malformed lines skipped so far (by this rank)
+    samples: int = 0  # samples yielded so far (by this rank)
+
+
+def _open_text(path: str) -> io.TextIOBase:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"Criteo data: {path} does not exist or is not a file")
+    if path.endswith(".gz"):
+        return io.TextIOWrapper(gzip.open(p, "rb"), encoding="utf-8", newline="\n")
+    return open(p, encoding="utf-8", newline="\n")  # noqa: SIM115 - closed by the caller
+
+
+def _parse_line(text: str, where: str) -> tuple[int, list[int], list[int | None]]:
+    """One line -> (label, 13 ints (missing = 0), 26 categorical values or None)."""
+    fields = text.rstrip("\r\n").split("\t")
+    if len(fields) != NUM_FIELDS:
+        raise ValueError(
+            f"{where}: expected {NUM_FIELDS} tab-separated fields (label, {NUM_INT} integer, "
+            f"{NUM_CAT} categorical), got {len(fields)}"
+        )
+    if fields[0] not in ("0", "1"):
+        raise ValueError(f"{where}: label must be 0 or 1, got {fields[0]!r}")
+    ints: list[int] = []
+    for name, f in zip(INT_NAMES, fields[1 : 1 + NUM_INT], strict=True):
+        try:
+            ints.append(int(f) if f else 0)
+        except ValueError:
+            raise ValueError(f"{where}: field {name} must be an integer, got {f!r}") from None
+    cats: list[int | None] = []
+    for name, f in zip(CAT_NAMES, fields[1 + NUM_INT :], strict=True):
+        if not f:
+            cats.append(None)
+            continue
+        try:
+            v = int(f, 16)
+        except ValueError:
+            raise ValueError(f"{where}: field {name} must be hex, got {f!r}") from None
+        if not 0 <= v < 2**32:
+            raise ValueError(f"{where}: field {name} must be a 32-bit hex value, got {f!r}")
+        cats.append(v)
+    return int(fields[0]), ints, cats
+
+
+def hash_categorical(values: torch.Tensor, feature: int, num_rows: int | None) -> torch.Tensor:
+    """Raw 32-bit values int64 ``[N]`` of categorical ``feature`` -> ids int64 ``[N]``."""
+    mixed = splitmix64(values * 32 + feature)  # int64, any sign
+    if num_rows is None:
+        return mixed & 0x7FFF_FFFF_FFFF_FFFF
+    return torch.remainder(mixed, num_rows)
+
+
+@dataclass(slots=True)
+class _Pending:
+    labels: list[int] = field(default_factory=list)
+    ints: list[list[int]] = field(default_factory=list)
+    cats: list[list[int | None]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+class CriteoReader:
+    """Iterates :class:`~examples.data.ctr.Batch` es over the files of ``config``.
+
+    ``batch.dense`` is float32 ``[B, 13]`` (``log1p`` of the clipped counts),
+    ``batch.sparse`` has keys ``C1..C26`` (0 or 1 id each), ``batch.labels``
+    float32 ``[B]``. :attr:`position` says how far it got; pass it back as
+    ``start`` to resume after the last yielded batch.
+    """
+
+    def __init__(self, config: CriteoConfig, start: ReaderPosition | None = None) -> None:
+        self.config = config
+        self.position = ReaderPosition() if start is None else start
+        for p in config.paths:
+            if not Path(p).is_file():
+                raise FileNotFoundError(f"Criteo data: {p} does not exist or is not a file")
+
+    @property
+    def skipped(self) -> int:
+        return self.position.skipped
+
+    def __iter__(self) -> Iterator[Batch]:
+        cfg, pos = self.config, self.position
+        pending = _Pending()
+        while pos.file_index < len(cfg.paths):
+            path = cfg.paths[pos.file_index]
+            with _open_text(path) as f:
+                lines_in_file = 0
+                for lineno, text in enumerate(f):
+                    lines_in_file += 1
+                    if lineno < pos.line:
+                        continue  # resuming: already consumed
+                    pos.line = lineno + 1
+                    if lineno % cfg.world_size != cfg.rank:
+                        continue
+                    try:
+                        label, ints, cats = _parse_line(text, f"{path}:{lineno + 1}")
+                    except ValueError:
+                        if not cfg.skip_bad_lines:
+                            raise
+                        pos.skipped += 1
+                        continue
+                    pending.labels.append(label)
+                    pending.ints.append(ints)
+                    pending.cats.append(cats)
+                    if len(pending) == cfg.batch_size:
+                        pos.samples += len(pending)
+                        yield self._to_batch(pending)
+                        pending = _Pending()
+                if lines_in_file == 0:
+                    raise ValueError(f"Criteo data: {path} is empty (expected TSV lines)")
+            pos.file_index += 1
+            pos.line = 0
+        if len(pending) and not cfg.drop_last:
+            pos.samples += len(pending)
+            yield self._to_batch(pending)
+
+    def _to_batch(self, p: _Pending) -> Batch:
+        b = len(p)
+        counts = np.maximum(np.asarray(p.ints, dtype=np.float64), 0.0)  # [B, 13]
+        dense = torch.from_numpy(np.log1p(counts).astype(np.float32))
+        present = np.array([[v is not None for v in row] for row in p.cats], dtype=bool)  # [B, 26]
+        raw = np.array([[0 if v is None else v for v in row] for row in p.cats], dtype=np.int64)
+        ids: list[torch.Tensor] = []
+        for j in range(NUM_CAT):
+            col = torch.from_numpy(raw[present[:, j], j])  # ids of samples that have C{j+1}
+            ids.append(hash_categorical(col, j, self.config.num_rows))
+        lengths = torch.from_numpy(present.T.reshape(-1).astype(np.int64))  # [26 * B] key-major
+        return Batch(
+            dense=dense.reshape(b, NUM_INT),
+            sparse=KeyedJaggedIds(CAT_NAMES, torch.cat(ids), lengths),
+            labels=torch.tensor(p.labels, dtype=torch.float32),
+        )
+
+
+def write_criteo_fixture(path: str | Path, rows: list[list[str]]) -> None:
+    """Write ``rows`` (40 strings each) as a Criteo TSV file (gzip if ``path`` ends in .gz)."""
+    text = "".join("\t".join(r) + "\n" for r in rows).encode()
+    p = Path(path)
+    if p.suffix == ".gz":
+        with gzip.open(p, "wb") as f:
+            f.write(text)
+    else:
+        p.write_bytes(text)

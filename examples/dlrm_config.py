@@ -1,0 +1,173 @@
+"""The options of the DLRM job (``examples/train_dlrm.py --help`` prints them all).
+
+Every field is one command-line option (``batch_size`` -> ``--batch-size``) and one
+key of a ``--config run.toml`` file; see :mod:`examples.cli`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from comm.compression import CODECS
+from examples.cli import option
+from examples.stores import parse_ps
+
+PLACEMENTS = ("auto", "local", "hybrid", "sharded")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    # ---- data
+    data: Literal["movielens", "synthetic", "criteo"] = option(
+        "movielens",
+        help="movielens: MovieLens-100k from the recbole package; synthetic: Criteo-shaped "
+        "Zipf clicks; criteo: Criteo TSV files (--criteo-path)",
+    )
+    criteo_path: list[str] = option(
+        [], help="Criteo TSV files (plain or .gz) to train on, streamed, dealt to ranks by line"
+    )
+    criteo_val_path: list[str] = option(
+        [], help="Criteo TSV files for validation (AUC, log loss); none: no validation"
+    )
+    criteo_rows: int = option(
+        100_000,
+        help="rows per Criteo table: categorical values are hashed into this many rows; "
+        "0: raw 63-bit ids in dynamic tables on the parameter server (hybrid placement)",
+    )
+    skip_bad_lines: bool = option(
+        False, help="count and skip malformed Criteo lines instead of stopping with an error"
+    )
+    synthetic_rows: int = option(10_000, help="rows per table of the synthetic data")
+    synthetic_samples: int = option(200_000, help="samples of the synthetic data")
+    # ---- schedule
+    epochs: int | None = option(
+        None, help="passes over the training data; default 3 for MovieLens, else 1"
+    )
+    max_steps: int = option(0, help="stop after this many steps in total; 0 = no limit")
+    batch_size: int = option(256, help="global batch size, split evenly over the worker ranks")
+    eval_batch_size: int = option(4096, help="samples per forward pass when evaluating")
+    eval_every: int = option(0, help="steps between validation passes; 0 = after each epoch")
+    # ---- model and optimizers
+    dim: int = option(16, help="embedding dimension (and the bottom MLP's output width)")
+    bottom_mlp: list[int] = option([64], help="hidden widths of the bottom MLP (+ a layer of dim)")
+    top_mlp: list[int] = option([64, 32], help="hidden widths of the top MLP (+ a layer of 1)")
+    lr: float = option(1e-3, help="dense learning rate")
+    dense_optimizer: Literal["adam", "adagrad"] = option("adam", help="dense optimizer")
+    emb_lr: float = option(0.05, help="learning rate of the row-wise Adagrad on embedding rows")
+    seed: int = option(0, help="seed of the model init, the data split and the shuffles")
+    # ---- where the embedding rows live
+    ps: str = option(
+        "local",
+        help="parameter server for hybrid tables: local (in-process, one replica per rank), "
+        "mpi or mpi:S (the last S ranks of mpirun serve), redis://[user:pw@]host:port/db "
+        "(?cluster=1 for Redis Cluster)",
+    )
+    placement: Literal["auto", "local", "hybrid", "sharded"] = option(
+        "auto",
+        help="where every table's rows live: local (replicated, fused), hybrid (in the --ps "
+        "store, behind the cache if one is set), sharded (split over the ranks, alltoallv); "
+        "auto: hybrid with a cache, a non-local --ps or dynamic tables, else local",
+    )
+    placement_of: list[str] = option(
+        [], help="per-table overrides TABLE=PLACEMENT, e.g. --placement-of user=sharded item=hybrid"
+    )
+    cache_rows: int = option(0, help="hot-row cache in front of the store: rows per table")
+    cache_fraction: float = option(0.0, help="cache size as a fraction of each table's rows")
+    read_bound: int = option(0, help="cache read staleness bound s_r (PS updates a copy may miss)")
+    write_bound: int = option(0, help="cache write bound s_w (updates a row may hold unpushed)")
+    cache_policy: Literal["lru", "lfu"] = option("lru", help="cache eviction policy")
+    # ---- dense data parallelism
+    compression: str | None = option(
+        None, help=f"gradient codec for the dense allreduce: one of {', '.join(CODECS)}"
+    )
+    zero_stage: int = option(
+        0, help="0: DataParallel (bucketed allreduce); 1, 2: ZeRO-sharded optimizer state / grads"
+    )
+    bucket_mb: float = option(25.0, help="DataParallel bucket size (MiB)")
+    # ---- checkpoints and metrics
+    checkpoint_dir: str | None = option(None, help="write checkpoints here (none: no checkpoints)")
+    checkpoint_every: int = option(0, help="steps between checkpoints (0: only at the end)")
+    checkpoint_keep: int = option(2, help="how many of the newest checkpoints to keep")
+    resume: bool = option(False, help="continue from the newest checkpoint in --checkpoint-dir")
+    metrics_out: str | None = option(
+        None, help="JSON lines file of metrics (rank 0); a PNG plot is written next to it"
+    )
+    log_every: int = option(50, help="steps between training-loss lines in the metrics file")
+    progress: bool = option(True, help="progress bar (rank 0, only on a terminal)")
+    verbose: bool = option(True, help="print epoch and final results (rank 0)")
+    # ---- runtime
+    backend: str = option("auto", help="auto (mpirun -> mpi, torchrun -> gloo), local, mpi, gloo")
+    validate_comm: bool = option(False, help="cross-rank checks on every collective (slower)")
+    threads: int = option(1, help="torch threads per rank; 0 = torch's default")
+
+    def __post_init__(self) -> None:
+        if self.data not in ("movielens", "synthetic", "criteo"):
+            raise ValueError(
+                f"data must be 'movielens', 'synthetic' or 'criteo', got {self.data!r}"
+            )
+        if self.epochs is None:
+            self.epochs = 3 if self.data == "movielens" else 1
+        if self.data == "criteo" and not self.criteo_path:
+            raise ValueError("data 'criteo' needs --criteo-path FILE [FILE ...]")
+        if self.dense_optimizer not in ("adam", "adagrad"):
+            raise ValueError(
+                f"dense_optimizer must be 'adam' or 'adagrad', got {self.dense_optimizer!r}"
+            )
+        for name in ("epochs", "batch_size", "dim", "synthetic_rows", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cache_rows and self.cache_fraction:
+            raise ValueError(
+                f"give cache_rows or cache_fraction, not both (got {self.cache_rows} and "
+                f"{self.cache_fraction})"
+            )
+        if not 0 <= self.cache_fraction <= 1:
+            raise ValueError(f"cache_fraction must be in [0, 1], got {self.cache_fraction}")
+        for name in (
+            "max_steps", "threads", "cache_rows", "read_bound", "write_bound", "criteo_rows",
+            "eval_every", "checkpoint_every", "seed",
+        ):  # fmt: skip
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("log_every", "checkpoint_keep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "emb_lr", "bucket_mb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.synthetic_samples < 10:
+            raise ValueError(f"synthetic_samples must be >= 10, got {self.synthetic_samples}")
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage}")
+        if self.compression is not None and self.compression not in CODECS:
+            raise ValueError(
+                f"compression must be one of {', '.join(CODECS)}, got {self.compression!r}"
+            )
+        if self.compression is not None and self.zero_stage:
+            raise ValueError(
+                f"compression {self.compression!r} applies to the DataParallel allreduce; "
+                f"ZeRO stage {self.zero_stage} reduces gradients itself (use zero_stage 0)"
+            )
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        self.placement_overrides()  # checks the TABLE=PLACEMENT syntax
+        parse_ps(self.ps)  # checks the --ps syntax
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume needs checkpoint_dir (where to find the checkpoints)")
+
+    @property
+    def cache_on(self) -> bool:
+        return bool(self.cache_rows or self.cache_fraction)
+
+    def placement_overrides(self) -> dict[str, str]:
+        """``placement_of`` as ``{table: placement}``."""
+        out = {}
+        for item in self.placement_of:
+            table, sep, where = item.partition("=")
+            if not sep or not table or where not in PLACEMENTS[1:]:
+                raise ValueError(
+                    f"placement_of: expected TABLE=local|hybrid|sharded, got {item!r}"
+                )
+            out[table] = where
+        return out

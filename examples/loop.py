@@ -1,0 +1,82 @@
+"""The per-step bookkeeping both example jobs share: progress bar, loss lines, checkpoint cadence.
+
+A job's loop is its own (what a step is differs), but around every step it calls
+:meth:`StepLog.step`; every ``log_every`` steps that writes one ``"step"`` line to
+the metrics file with the global-batch loss (the mean of every rank's local mean
+loss, one allreduce per line, none per step), samples/s and the job's extra
+counters (cache hit rate, PS rows moved, ...), read on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from comm import ProcessGroup
+from examples.metrics_log import MetricsLog
+from examples.progress import Progress
+
+
+def due(step: int, every: int) -> bool:
+    """True every ``every`` steps (never for ``every`` 0)."""
+    return every > 0 and step % every == 0
+
+
+class StepLog:
+    """Collective at every ``log_every``-th step: all ranks must call :meth:`step` alike."""
+
+    def __init__(
+        self,
+        *,
+        group: ProcessGroup,
+        log: MetricsLog,
+        log_every: int,
+        samples_per_step: int,
+        total_steps: int | None,
+        start_step: int = 0,
+        progress: bool = True,
+        extras: Callable[[], dict[str, float]] | None = None,
+    ) -> None:
+        self.group = group
+        self.log = log
+        self.log_every = log_every
+        self.samples_per_step = samples_per_step  # global: every rank's samples together
+        self.extras = extras
+        self.bar = Progress(total_steps, rank=group.rank, enabled=progress, initial=start_step)
+        self._acc = torch.zeros(2, dtype=torch.float64)  # [sum of local mean losses, steps]
+        self._since = time.perf_counter()
+        self._steps_since = 0
+        self.last_loss: float | None = None
+
+    def step(self, step: int, loss: float) -> None:
+        """Step ``step`` (1-based, global count) finished with this rank's mean loss ``loss``."""
+        self.bar.step(self.samples_per_step, loss)
+        self._acc += torch.tensor([loss, 1.0], dtype=torch.float64)
+        self._steps_since += 1
+        if due(step, self.log_every):
+            self.flush(step)
+
+    def flush(self, step: int) -> None:
+        """Write a ``"step"`` line for the steps since the last one (collective)."""
+        if self._steps_since == 0:
+            return
+        acc = self.group.allreduce(self._acc.clone(), op="sum")  # over ranks: [sum, steps*size]
+        now = time.perf_counter()
+        row: dict[str, float | int | str] = {
+            "kind": "step",
+            "step": step,
+            "loss": float(acc[0] / acc[1]),
+            "samples_per_s": self._steps_since * self.samples_per_step / max(now - self._since, 1e-9),
+        }
+        self.last_loss = float(row["loss"])
+        if self.extras is not None and self.group.rank == 0:
+            row.update(self.extras())
+        self.log.write(row)
+        self._acc.zero_()
+        self._steps_since = 0
+        self._since = now
+
+    def close(self) -> None:
+        self.bar.close()

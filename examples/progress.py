@@ -1,0 +1,59 @@
+"""A progress bar for training loops: samples/s, loss and ETA, on rank 0 only.
+
+Quiet when stderr is not a terminal (CI logs, redirected runs), on ranks other
+than 0 (multi-rank jobs print one bar, not N interleaved ones) or when the job
+says so (``--no-progress``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+
+class Progress:
+    """``with Progress(total_steps, rank=r) as bar: bar.step(samples, loss)``.
+
+    ``total_steps`` None: no ETA (a stream of unknown length); ``initial``: steps
+    already done (a resumed run).
+    """
+
+    def __init__(
+        self,
+        total_steps: int | None,
+        *,
+        rank: int = 0,
+        desc: str = "train",
+        enabled: bool = True,
+        initial: int = 0,
+    ) -> None:
+        on = enabled and rank == 0 and sys.stderr.isatty()
+        self._bar: Any = tqdm(
+            total=total_steps,
+            initial=initial,
+            desc=desc,
+            unit="step",
+            disable=not on,
+            dynamic_ncols=True,
+        )
+        self._samples = 0
+
+    def step(self, samples: int, loss: float, **extra: float) -> None:
+        """One step of ``samples`` samples done with training loss ``loss``."""
+        self._samples += samples
+        elapsed = self._bar.format_dict.get("elapsed", 0.0) or 1e-9
+        fields = {"loss": f"{loss:.4f}", "samples/s": f"{self._samples / elapsed:.0f}"}
+        fields.update({k: f"{v:.4g}" for k, v in extra.items()})
+        self._bar.set_postfix(fields, refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

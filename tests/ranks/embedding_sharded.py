@@ -1,0 +1,377 @@
+"""Rank script: sharded tables trained on local batches equal one process on the global batch.
+
+Modes (first argument):
+
+* ``train``: every rank builds the same global batches (same seed), runs its
+  slice of the samples through :class:`embedding.sharded.ShardedTables` with a
+  local mean loss and backward. After every step, every table (gathered from its
+  shards), the row-wise Adagrad accumulators and the clocks are compared with a
+  single-process reference built from plain ``torch.nn.EmbeddingBag`` /
+  ``F.embedding`` and optimizers written in plain torch, trained on the whole
+  global batch with the global mean loss; this rank's pooled outputs are
+  compared with the reference's outputs for the same samples. Two scenarios: sum
+  and mean pooling without weights, and all-sum with per-id weights. One table
+  is split row-wise, the others are placed whole; two features share a table;
+  a sequence table (pooling "none") is in both; one step has whole ranks with no
+  ids at all.
+* ``bad``: out-of-range ids on one rank, an unknown feature on rank 0 and
+  ranks that disagree on the plan must raise ValueError on every rank (no hang),
+  and the module must keep working afterwards.
+
+Backend from ``HYBRIDREC_TEST_BACKEND`` (set by tests/multiproc.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+import comm
+import ps
+from embedding.config import TableConfig
+from embedding.jagged import KeyedJaggedIds
+from embedding.sharded import ShardedTables
+from embedding.sharding_plan import ShardingPlan
+
+GLOBAL_BATCH = 8  # divisible by 1, 2 and 4 ranks
+STEPS = 3
+EMPTY_STEP = 2  # the first half of this step's samples have no ids at all
+SEQ_LEN = 3
+ROW_WISE_THRESHOLD = 50  # "big" (60 rows) is split over all ranks
+TOL = 1e-6
+
+
+def tables(weighted: bool) -> list[TableConfig]:
+    mean: Literal["sum", "mean"] = "sum" if weighted else "mean"
+    return [
+        TableConfig(
+            name="items", num_rows=40, dim=8, feature_names=["clicked", "bought"],
+            pooling="sum", placement="sharded", optimizer=ps.RowWiseAdagrad(lr=0.1),
+        ),
+        TableConfig(
+            name="users", num_rows=15, dim=4, feature_names=["user"], pooling=mean,
+            placement="sharded", optimizer=ps.SGD(lr=0.5),
+        ),
+        TableConfig(
+            name="big", num_rows=60, dim=6, feature_names=["query", "doc"], pooling=mean,
+            placement="sharded", optimizer=ps.Adam(lr=0.05),
+        ),
+        TableConfig(
+            name="cats", num_rows=7, dim=3, feature_names=["cat"], pooling="sum",
+            placement="sharded", optimizer=ps.SGD(lr=0.3),
+        ),
+        TableConfig(
+            name="tokens", num_rows=30, dim=5, feature_names=["seq"], pooling="none",
+            placement="sharded", optimizer=ps.RowWiseAdagrad(lr=0.2),
+        ),
+    ]  # fmt: skip
+
+
+def global_batch(
+    cfgs: list[TableConfig], gen: torch.Generator, step: int, weighted: bool
+) -> KeyedJaggedIds:
+    ids: dict[str, list[list[int]]] = {}
+    weights: dict[str, list[list[float]]] = {}
+    for cfg in cfgs:
+        assert cfg.num_rows is not None
+        for feat in cfg.feature_names:
+            samples, ws = [], []
+            for b in range(GLOBAL_BATCH):
+                n = int(torch.randint(0, 5, (1,), generator=gen))
+                if cfg.pooling == "none":
+                    n = 0 if step == EMPTY_STEP else SEQ_LEN
+                # Small id ranges except for the row-wise table: many repeats.
+                hi = cfg.num_rows if cfg.name == "big" else min(9, cfg.num_rows)
+                row = torch.randint(0, hi, (n,), generator=gen)
+                if step == EMPTY_STEP and b < GLOBAL_BATCH // 2:
+                    row = row[:0]
+                samples.append(row.tolist())
+                ws.append((torch.rand(row.numel(), generator=gen) + 0.5).tolist())
+            ids[feat], weights[feat] = samples, ws
+    return KeyedJaggedIds.from_lists(ids, weights if weighted else None)
+
+
+class Reference:
+    """The single-process model: plain EmbeddingBag / embedding + optimizers in plain torch."""
+
+    def __init__(self, cfgs: list[TableConfig]) -> None:
+        self.cfgs = cfgs
+        self.bags: dict[str, torch.nn.EmbeddingBag] = {}
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        self.clocks: dict[str, torch.Tensor] = {}
+        self.sgd: dict[str, torch.optim.SGD] = {}
+        for cfg in cfgs:
+            assert cfg.num_rows is not None
+            mode = "sum" if cfg.pooling == "none" else cfg.pooling
+            bag = torch.nn.EmbeddingBag(cfg.num_rows, cfg.dim, mode=mode)
+            with torch.no_grad():  # the same deterministic init as the sharded shards
+                bag.weight.copy_(cfg.to_spec().initial_rows(torch.arange(cfg.num_rows)))
+            self.bags[cfg.name] = bag
+            self.clocks[cfg.name] = torch.zeros(cfg.num_rows, dtype=torch.int64)
+            rows, d = cfg.num_rows, cfg.dim
+            if isinstance(cfg.optimizer, ps.SGD):
+                self.sgd[cfg.name] = torch.optim.SGD(bag.parameters(), lr=cfg.optimizer.lr)
+            elif isinstance(cfg.optimizer, ps.RowWiseAdagrad):
+                self.state[cfg.name] = {"acc": torch.zeros(rows)}
+            elif isinstance(cfg.optimizer, ps.Adam):
+                self.state[cfg.name] = {
+                    "m": torch.zeros(rows, d), "v": torch.zeros(rows, d),
+                    "t": torch.zeros(rows, dtype=torch.float64),
+                }  # fmt: skip
+
+    def forward(self, kjt: KeyedJaggedIds) -> dict[str, torch.Tensor]:
+        out = {}
+        b = kjt.batch_size
+        for cfg in self.cfgs:
+            bag = self.bags[cfg.name]
+            for feat in cfg.feature_names:
+                s = kjt[feat]
+                if cfg.pooling == "none":
+                    rows = F.embedding(s.ids, bag.weight)  # [B * T, D]
+                    if s.weights is not None:
+                        rows = rows * s.weights.unsqueeze(1)
+                    out[feat] = rows.view(b, -1, cfg.dim)
+                else:
+                    out[feat] = bag(s.ids, s.offsets()[:-1], per_sample_weights=s.weights)
+        return out
+
+    @torch.no_grad()
+    def step(self, kjt: KeyedJaggedIds) -> None:
+        for cfg in self.cfgs:
+            w = self.bags[cfg.name].weight
+            assert w.grad is not None
+            g = w.grad
+            touched = torch.zeros(w.shape[0], dtype=torch.bool)
+            for feat in cfg.feature_names:
+                touched[kjt[feat].ids] = True
+            self.clocks[cfg.name] += touched.long()
+            opt = cfg.optimizer
+            if isinstance(opt, ps.SGD):
+                self.sgd[cfg.name].step()
+            elif isinstance(opt, ps.RowWiseAdagrad):
+                acc = self.state[cfg.name]["acc"]
+                acc[touched] += g[touched].pow(2).mean(dim=1)
+                w[touched] -= opt.lr * g[touched] / (acc[touched].sqrt() + opt.eps).unsqueeze(1)
+            elif isinstance(opt, ps.Adam):
+                st = self.state[cfg.name]
+                b1, b2 = opt.betas
+                m, v, t = st["m"], st["v"], st["t"]
+                t[touched] += 1
+                m[touched] = b1 * m[touched] + (1 - b1) * g[touched]
+                v[touched] = b2 * v[touched] + (1 - b2) * g[touched] ** 2
+                tt = t[touched]
+                size = (opt.lr * torch.sqrt(1 - b2**tt) / (1 - b1**tt)).float().unsqueeze(1)
+                w[touched] -= size * m[touched] / (v[touched].sqrt() + opt.eps)
+            else:
+                raise AssertionError(f"no reference for {opt}")
+            w.grad = None
+
+
+def mean_loss(pooled: dict[str, torch.Tensor], proj: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean over samples of sum_f <pooled_f, proj_f> (sequence outputs summed over T)."""
+    batch = next(iter(pooled.values())).shape[0]
+    total = torch.zeros(())
+    for feat, p in pooled.items():
+        q = p.sum(dim=1) if p.dim() == 3 else p  # [B, D]
+        total = total + (q * proj[feat]).sum()
+    return total / batch
+
+
+def check_close(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    got, want = got.detach(), want.detach()
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+    if got.numel() and float((got.float() - want.float()).abs().max()) > TOL:
+        err = float((got.float() - want.float()).abs().max())
+        raise AssertionError(f"{what}: differs from the reference by {err:.3g} (> {TOL})")
+
+
+def train(group: comm.ProcessGroup, weighted: bool) -> None:
+    rank, size = group.rank, group.size
+    local = GLOBAL_BATCH // size
+    cfgs = tables(weighted)
+    model = ShardedTables(cfgs, group, row_wise_threshold_rows=ROW_WISE_THRESHOLD)
+    assert size == 1 or model.plan.table("big").row_wise, model.plan.describe()
+    ref = Reference(cfgs)
+    gen = torch.Generator().manual_seed(99 + int(weighted))
+    proj = {
+        f: torch.randn(GLOBAL_BATCH, c.dim, generator=gen) for c in cfgs for f in c.feature_names
+    }
+    tag = f"rank {rank}/{size} {'weighted' if weighted else 'plain'}"
+    for step in range(STEPS):
+        kjt = global_batch(cfgs, gen, step, weighted)
+        mine = kjt.sample_slice(rank * local, (rank + 1) * local)
+        if step == EMPTY_STEP and rank < size // 2:
+            assert mine.ids.numel() == 0  # this rank asks for nothing, but still serves
+        my_proj = {f: p[rank * local : (rank + 1) * local] for f, p in proj.items()}
+        got = model(mine)
+        want = ref.forward(kjt)
+        if list(got) != mine.keys:
+            raise AssertionError(f"{tag}: output keys {list(got)} != batch keys {mine.keys}")
+        for feat, g in got.items():
+            check_close(
+                f"{tag} step {step} output {feat}",
+                g.detach(),
+                want[feat][rank * local : (rank + 1) * local].detach(),
+            )
+        mean_loss(got, my_proj).backward()
+        mean_loss(want, proj).backward()
+        ref.step(kjt)
+        for cfg in cfgs:
+            check_close(
+                f"{tag} step {step} table {cfg.name}",
+                model.full_table(cfg.name),
+                ref.bags[cfg.name].weight,
+            )
+            if step != STEPS - 1:
+                continue  # state and clocks once at the end: fewer collectives, same cover
+            clocks = model.full_clocks(cfg.name)
+            if not torch.equal(clocks, ref.clocks[cfg.name]):
+                raise AssertionError(
+                    f"{tag} step {step} table {cfg.name}: clocks {clocks.tolist()} != "
+                    f"{ref.clocks[cfg.name].tolist()}"
+                )
+            if isinstance(cfg.optimizer, ps.RowWiseAdagrad):
+                state = model.full_state(cfg.name)[:, 0]
+                check_close(
+                    f"{tag} step {step} table {cfg.name} accumulators",
+                    state,
+                    ref.state[cfg.name]["acc"],
+                )
+            if isinstance(cfg.optimizer, ps.Adam):
+                state = model.full_state(cfg.name)
+                d = cfg.dim
+                check_close(
+                    f"{tag} step {step} {cfg.name} adam m", state[:, :d], ref.state[cfg.name]["m"]
+                )
+                check_close(
+                    f"{tag} step {step} {cfg.name} adam t",
+                    state[:, 2 * d],
+                    ref.state[cfg.name]["t"],
+                )
+    for cfg in cfgs:
+        assert int(ref.clocks[cfg.name].sum()) > 0, f"table {cfg.name} never trained"
+    print(f"{tag}: ok sharded training ({group.backend})", flush=True)
+
+
+def expect_value_error(what: str, fn: object, *needles: str) -> str:
+    try:
+        fn()  # type: ignore[operator]
+    except ValueError as e:
+        text = str(e)
+        missing = [n for n in needles if n not in text]
+        if missing:
+            raise AssertionError(f"{what}: error {text!r} lacks {missing}") from e
+        return text
+    raise AssertionError(f"{what}: no ValueError raised")
+
+
+def bad(group: comm.ProcessGroup) -> None:
+    rank, size = group.rank, group.size
+    cfgs = tables(weighted=False)
+    model = ShardedTables(cfgs, group, row_wise_threshold_rows=ROW_WISE_THRESHOLD)
+    gen = torch.Generator().manual_seed(5)
+    good = global_batch(cfgs, gen, 0, False)
+    lists = {f: good[f].to_lists() for f in good.keys}
+    # 1) an id out of range on the last rank only: every rank names feature, table, id, rows.
+    wrong = {f: [list(s) for s in v] for f, v in lists.items()}
+    if rank == size - 1:
+        wrong["bought"][0] = [3, 40]
+    batch = KeyedJaggedIds.from_lists(wrong)
+    expect_value_error(
+        "out of range", lambda: model(batch), "'bought'", "'items'", "id 40", "40 rows",
+        f"rank {size - 1}",
+    )  # fmt: skip
+    # 2) a feature no table has, on rank 0: rank 0 says which; the others say rank 0 failed.
+    odd = dict(lists)
+    if rank == 0:
+        odd = {**lists, "nope": lists["user"]}
+    batch = KeyedJaggedIds.from_lists(odd)
+    needle = "'nope'" if rank == 0 else "rank 0 rejected its batch"
+    expect_value_error("unknown feature", lambda: model(batch), needle)
+    # 3) ranks that disagree on the plan (different thresholds) fail at construction.
+    if size > 1:
+        thr = ROW_WISE_THRESHOLD if rank == 0 else 1000
+        expect_value_error(
+            "plan mismatch",
+            lambda: ShardedTables(cfgs, group, row_wise_threshold_rows=thr),
+            "different sharding plan",
+        )
+    # 4) the module still works for everyone.
+    out = model(good)
+    sum(o.sum() for o in out.values()).backward()
+    if not all(torch.isfinite(o).all() for o in out.values()):
+        raise AssertionError("non-finite output after the errors")
+    plan = ShardingPlan.build(cfgs, size, row_wise_threshold_rows=ROW_WISE_THRESHOLD)
+    assert plan == model.plan
+    print(f"rank {rank}/{size}: ok sharded bad input ({group.backend})", flush=True)
+
+
+def collection(group: comm.ProcessGroup) -> None:
+    """Through EmbeddingCollection: sharded and local tables side by side equal one
+    process with every table local, trained on the global batch."""
+    from embedding.collection import EmbeddingCollection
+
+    rank, size = group.rank, group.size
+    local = GLOBAL_BATCH // size
+    base = tables(weighted=False)
+    mixed = [
+        dataclasses.replace(c, placement="local") if c.name in ("users", "cats") else c
+        for c in base
+    ]
+    flat = [dataclasses.replace(c, placement="local") for c in base]
+    ec = EmbeddingCollection(mixed, group=group)
+    ref = EmbeddingCollection(flat)
+    assert isinstance(ec.sharded, ShardedTables)
+    gen = torch.Generator().manual_seed(7)
+    proj = {
+        f: torch.randn(GLOBAL_BATCH, c.dim, generator=gen) for c in base for f in c.feature_names
+    }
+    for step in range(2):
+        kjt = global_batch(base, gen, step, False)
+        mine = kjt.sample_slice(rank * local, (rank + 1) * local)
+        my_proj = {f: p[rank * local : (rank + 1) * local] for f, p in proj.items()}
+        mean_loss(ec(mine), my_proj).backward()
+        mean_loss(ref(kjt), proj).backward()
+        for c in mixed:
+            assert c.num_rows is not None
+            want = ref.rows(c.name, torch.arange(c.num_rows))
+            if c.placement == "sharded":
+                got = ec.sharded.full_table(c.name)
+            else:
+                got = ec.rows(c.name, torch.arange(c.num_rows))
+            check_close(f"rank {rank}/{size} collection step {step} table {c.name}", got, want)
+    print(f"rank {rank}/{size}: ok sharded collection ({group.backend})", flush=True)
+
+
+def main() -> None:
+    mode = sys.argv[1] if len(sys.argv) > 1 else "train"
+    group = comm.init(os.environ["HYBRIDREC_TEST_BACKEND"], timeout_s=60.0)
+    try:
+        if GLOBAL_BATCH % group.size != 0:
+            raise ValueError(f"global batch {GLOBAL_BATCH} does not split over {group.size}")
+        if mode == "train":
+            train(group, weighted=False)
+            train(group, weighted=True)
+        elif mode == "bad":
+            bad(group)
+        elif mode == "collection":
+            collection(group)
+        elif mode == "all":
+            train(group, weighted=False)
+            train(group, weighted=True)
+            bad(group)
+            collection(group)
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+    finally:
+        group.close()
+
+
+if __name__ == "__main__":
+    main()

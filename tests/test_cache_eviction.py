@@ -1,0 +1,227 @@
+"""LRU / LFU eviction, write-back of evicted pending rows, and the bounded-staleness rules,
+checked against a sequential replay: a per-id Python model of the cache rules (dicts, one
+row at a time) driving its own InProcessStore. Served rows, cached ids and the final PS
+rows, clocks and optimizer state must be identical."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import pytest
+import torch
+
+import cache
+import ps
+
+pytestmark = pytest.mark.timeout(120)
+
+DIM = 4
+ROWS = 40
+
+
+@dataclass
+class _Entry:
+    row: torch.Tensor  # [D]
+    clock: int
+    pend: torch.Tensor | None = None  # [D]
+    count: int = 0
+    last_use: int = 0
+    freq: int = 0
+
+
+class ReplayCache:
+    """The documented cache rules, one id at a time (docs/cache.md), over ``store``."""
+
+    def __init__(
+        self, store: ps.Store, cap: int, s_r: int, s_w: int, lr: float, policy: str
+    ) -> None:
+        self.store, self.cap, self.s_r, self.s_w, self.lr, self.policy = (
+            store,
+            cap,
+            s_r,
+            s_w,
+            lr,
+            policy,
+        )
+        self.e: dict[int, _Entry] = {}
+        self.tick = 0
+
+    def _key(self, i: int) -> tuple[int, ...]:
+        e = self.e[i]
+        return (e.last_use, i) if self.policy == "lru" else (e.freq, e.last_use, i)
+
+    def pull(self, ids: list[int]) -> torch.Tensor:
+        self.tick += 1
+        ids = sorted(set(ids))
+        ps_clock = self.store.clocks("t", torch.tensor(ids)).tolist()
+        out: dict[int, torch.Tensor] = {}
+        misses = []
+        for i, c in zip(ids, ps_clock, strict=True):
+            e = self.e.get(i)
+            if e is None:
+                misses.append(i)
+                continue
+            if c > e.clock + self.s_r:  # refresh; re-apply unpushed local updates
+                fresh = self.store.pull("t", torch.tensor([i])).rows[0]
+                if e.count > 0 and self.lr != 0:
+                    assert e.pend is not None
+                    fresh = fresh - self.lr * e.pend
+                e.row, e.clock = fresh, c
+            e.last_use, e.freq = self.tick, e.freq + 1
+        need = len(misses) - (self.cap - len(self.e))
+        if need > 0:
+            cands = [i for i, e in self.e.items() if e.last_use < self.tick]
+            victims = sorted(cands, key=self._key)[:need]
+            pending = [i for i in victims if self.e[i].count > 0]
+            if pending:
+                grads = torch.stack([self.e[i].pend for i in pending])  # type: ignore[misc]
+                self.store.push("t", torch.tensor(pending), grads)
+            for i in victims:
+                del self.e[i]
+        free = self.cap - len(self.e)
+        for n, i in enumerate(misses):
+            got = self.store.pull("t", torch.tensor([i]))
+            if n < free:
+                self.e[i] = _Entry(got.rows[0], int(got.clocks[0]), last_use=self.tick, freq=1)
+            else:
+                out[i] = got.rows[0]  # passed through
+        return torch.stack([out[i] if i in out else self.e[i].row for i in ids])
+
+    def push(self, ids: list[int], grads: torch.Tensor) -> None:
+        push_ids, push_g = [], []
+        for i, g in zip(ids, grads, strict=True):
+            e = self.e.get(i)
+            if e is None:
+                push_ids.append(i)
+                push_g.append(g)
+                continue
+            e.pend = g.clone() if e.count == 0 else e.pend + g  # type: ignore[operator]
+            if self.lr != 0:
+                e.row = e.row - self.lr * g
+            e.count += 1
+            if e.count > self.s_w:
+                push_ids.append(i)
+                push_g.append(e.pend)
+                e.pend, e.count = None, 0
+        if push_ids:
+            self.store.push("t", torch.tensor(push_ids), torch.stack(push_g))
+
+    def flush(self) -> None:
+        pending = sorted(i for i, e in self.e.items() if e.count > 0)
+        if pending:
+            grads = torch.stack([self.e[i].pend for i in pending])  # type: ignore[misc]
+            self.store.push("t", torch.tensor(pending), grads)
+        for i in pending:
+            self.e[i].pend, self.e[i].count = None, 0
+
+
+def _stores(opt: ps.Optimizer) -> tuple[ps.InProcessStore, ps.InProcessStore]:
+    a, b = ps.InProcessStore(), ps.InProcessStore()
+    for s in (a, b):
+        s.create_table(ps.TableSpec(name="t", num_rows=ROWS, dim=DIM, optimizer=opt))
+    return a, b
+
+
+def _batches(steps: int, seed: int) -> list[list[int]]:
+    """Skewed id sets: a few hot ids in most batches, a long tail."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.distributions.Categorical(1.0 / torch.arange(1, ROWS + 1).float() ** 1.1)
+    torch.manual_seed(seed)
+    perm = torch.randperm(ROWS, generator=g)
+    out = []
+    for _ in range(steps):
+        n = int(torch.randint(3, 12, (1,), generator=g))
+        out.append(sorted(set(perm[ranks.sample((n,))].tolist())))
+    return out
+
+
+OPTS = {
+    "sgd": ps.SGD(lr=0.1),
+    "rowwise_adagrad": ps.RowWiseAdagrad(lr=0.1),
+    "adam": ps.Adam(lr=0.01),
+}
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize(("s_r", "s_w"), [(0, 0), (2, 3), (4, 1)])
+@pytest.mark.parametrize("opt", list(OPTS))
+def test_matches_sequential_replay(
+    policy: Literal["lru", "lfu"], s_r: int, s_w: int, opt: str
+) -> None:
+    inner, ref_store = _stores(OPTS[opt])
+    cfg = cache.CacheConfig(
+        capacity_rows=8, policy=policy, read_bound=s_r, write_bound=s_w, evict_chunk=1
+    )
+    store = cache.CachedStore(inner, cfg)
+    ref = ReplayCache(ref_store, 8, s_r, s_w, cfg.lr_for(inner.spec("t")), policy)
+    g = torch.Generator().manual_seed(7)
+    for step, ids in enumerate(_batches(60, seed=3)):
+        got = store.pull("t", torch.tensor(ids)).rows
+        want = ref.pull(ids)
+        assert torch.equal(got, want), f"step {step}: served rows differ"
+        assert store.cached_ids("t").tolist() == sorted(ref.e), f"step {step}: cached ids"
+        grads = torch.randn(len(ids), DIM, generator=g)
+        store.push("t", torch.tensor(ids), grads)
+        ref.push(ids, grads)
+    store.flush()
+    ref.flush()
+    every = torch.arange(ROWS)
+    assert torch.equal(inner.pull("t", every).rows, ref_store.pull("t", every).rows)
+    assert torch.equal(inner.clocks("t", every), ref_store.clocks("t", every))
+    assert torch.equal(inner.state("t", every), ref_store.state("t", every))
+    st = store.cache_stats()["t"]
+    assert st["evictions"] > 0 and st["pending_rows"] == 0
+    if s_w > 0:
+        assert st["evicted_pending"] > 0  # pending rows were evicted (and pushed)
+    assert max(st["staleness_served"]) <= s_r
+
+
+def test_lru_and_lfu_choose_different_victims() -> None:
+    """Capacity 3: id 0 used often long ago, 1 and 2 used once recently; a new id 3 arrives.
+    LRU evicts 0 (least recent); LFU keeps 0 (most used) and evicts 1 (fewest uses, older)."""
+    cases: list[tuple[Literal["lru", "lfu"], int]] = [("lru", 0), ("lfu", 1)]
+    for policy, evicted in cases:
+        inner, _ = _stores(ps.SGD(lr=0.1))
+        cfg = cache.CacheConfig(capacity_rows=3, policy=policy, evict_chunk=1)
+        store = cache.CachedStore(inner, cfg)
+        for ids in ([0], [0], [0], [1], [2], [3]):
+            store.pull("t", torch.tensor(ids))
+        assert store.cached_ids("t").tolist() == sorted({0, 1, 2, 3} - {evicted}), policy
+        assert store.cache_stats()["t"]["evictions"] == 1
+
+
+def test_lfu_counts_repeats_within_a_request() -> None:
+    """Frequency counts lookups, not distinct keys: an id repeated in one request counts twice."""
+    inner, _ = _stores(ps.SGD(lr=0.1))
+    store = cache.CachedStore(
+        inner, cache.CacheConfig(capacity_rows=2, policy="lfu", evict_chunk=1)
+    )
+    store.pull("t", torch.tensor([5, 6, 6]))  # 5 once, 6 twice
+    store.pull("t", torch.tensor([7]))  # evicts 5 (fewer uses), not 6
+    assert store.cached_ids("t").tolist() == [6, 7]
+
+
+def test_evicted_pending_updates_are_pushed_never_dropped() -> None:
+    """SGD with lr 1/2 on gradients in multiples of 1/8: exact arithmetic, so after flush every
+    row is exactly its initial value minus lr times the sum of all its gradients, however the
+    cache batched and evicted them (capacity 4 of 40 rows, write bound 5)."""
+    inner, _ = _stores(ps.SGD(lr=0.5))
+    every = torch.arange(ROWS)
+    zero = inner.pull("t", every).rows
+    inner.push("t", every, 2 * zero)  # rows := 0 (exactly)
+    cfg = cache.CacheConfig(capacity_rows=4, read_bound=3, write_bound=5, local_lr=0.0)
+    store = cache.CachedStore(inner, cfg)
+    total = torch.zeros(ROWS, DIM)
+    g = torch.Generator().manual_seed(1)
+    for ids in _batches(80, seed=5):
+        t = torch.tensor(ids)
+        store.pull("t", t)
+        grads = torch.randint(-8, 9, (len(ids), DIM), generator=g).float() / 8
+        store.push("t", t, grads)
+        total[t] += grads
+    st = store.cache_stats()["t"]
+    assert st["evicted_pending"] > 0 and st["pending_rows"] > 0
+    store.flush()
+    assert store.cache_stats()["t"]["pending_rows"] == 0
+    assert torch.equal(inner.pull("t", every).rows, -0.5 * total)

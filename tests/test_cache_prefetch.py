@@ -1,0 +1,146 @@
+"""Prefetch: the next batch's pull runs while this batch computes, so a step takes about
+max(compute, pull) instead of their sum; prefetched rows are counted as moved, not as hits.
+
+The slow store is a real ``ps.Store``: an InProcessStore whose pull replies arrive
+``delay`` seconds after the request, like a remote parameter server's."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import pytest
+import torch
+
+import cache
+import ps
+from comm import Handle
+
+pytestmark = pytest.mark.timeout(120)
+
+DIM = 4
+
+
+class SlowStore(ps.Store):
+    """``InProcessStore`` with ``delay`` seconds of latency on every pull reply."""
+
+    def __init__(self, delay: float) -> None:
+        self.inner = ps.InProcessStore()
+        self.delay = delay
+        self.pulls = 0
+
+    def create_table(self, spec: ps.TableSpec) -> None:
+        self.inner.create_table(spec)
+
+    def tables(self) -> list[str]:
+        return self.inner.tables()
+
+    def spec(self, table: str) -> ps.TableSpec:
+        return self.inner.spec(table)
+
+    def pull_async(
+        self,
+        table: str,
+        ids: torch.Tensor,
+        *,
+        clocks: torch.Tensor | None = None,
+        bound: int | None = None,
+    ) -> Handle:
+        self.pulls += 1
+        result = self.inner.pull(table, ids, clocks=clocks, bound=bound)
+        ready = time.monotonic() + self.delay
+
+        def block(limit: float) -> None:
+            time.sleep(max(0.0, ready - time.monotonic()))
+
+        return Handle(
+            lambda: time.monotonic() >= ready,
+            lambda: result,
+            what="slow pull",
+            timeout_s=30.0,
+            block=block,
+        )
+
+    def push_async(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> Handle:
+        return self.inner.push_async(table, ids, grads)
+
+    def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.clocks(table, ids)
+
+    def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.state(table, ids)
+
+    def stats(self) -> dict[str, dict[str, int | float]]:
+        return self.inner.stats()
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        self.inner.save(path)
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        self.inner.load(path)
+
+
+def _cached(delay: float, **kw: object) -> tuple[cache.CachedStore, SlowStore]:
+    slow = SlowStore(delay)
+    slow.create_table(ps.TableSpec(name="t", num_rows=100, dim=DIM, optimizer=ps.SGD(lr=0.1)))
+    cfg = cache.CacheConfig(capacity_rows=50, **kw)  # type: ignore[arg-type]
+    return cache.CachedStore(slow, cfg), slow
+
+
+@pytest.mark.timeout(60)
+def test_prefetch_overlaps_pull_with_compute() -> None:
+    delay = compute = 0.25
+    # Two disjoint id sets in turn: the rows a prefetch brings were not pushed since.
+    batches = [torch.arange(0, 20), torch.arange(20, 40)]
+    step_times: dict[bool, list[float]] = {}
+    for prefetch in (False, True):
+        store, _ = _cached(delay, verify_prefetched=False)
+        times = []
+        for step in range(6):
+            t0 = time.perf_counter()
+            ids = batches[step % 2]
+            rows = store.pull("t", ids).rows
+            if prefetch:
+                store.prefetch("t", batches[(step + 1) % 2])
+            time.sleep(compute)  # forward + backward
+            store.push("t", ids, torch.ones_like(rows))
+            times.append(time.perf_counter() - t0)
+        step_times[prefetch] = times[2:]  # after the first prefetch took effect
+    plain, overlapped = (statistics.median(step_times[p]) for p in (False, True))
+    assert plain > delay + compute - 0.02, step_times
+    assert overlapped < max(delay, compute) + 0.12, step_times
+    assert overlapped < 0.75 * plain, step_times
+
+
+def test_prefetched_rows_count_as_moved_not_as_hits() -> None:
+    for verify, requests in ((True, 2), (False, 1)):
+        store, slow = _cached(0.0, verify_prefetched=verify)
+        ids = torch.tensor([1, 2, 3])
+        store.prefetch("t", ids)
+        store.pull("t", ids)
+        st = store.cache_stats()["t"]
+        assert (st["misses"], st["prefetched"], st["hits"]) == (3, 3, 0)
+        # verify: the pull still asks the PS (one conditional request; nothing came back)
+        assert slow.pulls == st["pull_requests"] == requests and st["rows_pulled"] == 3
+        store.pull("t", ids)  # now a real hit
+        assert store.cache_stats()["t"]["hits"] == 3
+
+
+def test_prefetch_then_push_first_keeps_order() -> None:
+    """A push before the prefetched pull: the prefetch is installed first, then the update."""
+    store, slow = _cached(0.0, read_bound=0, write_bound=3)
+    ref = ps.InProcessStore()
+    ref.create_table(slow.spec("t"))
+    ids = torch.tensor([5, 6])
+    store.pull("t", ids)
+    store.prefetch("t", torch.tensor([6, 7]))
+    g = torch.full((2, DIM), 0.5)
+    store.push("t", ids, g)  # cached: pending, copies take an SGD step
+    rows = store.pull("t", torch.tensor([6, 7])).rows
+    want = ref.pull("t", torch.tensor([6, 7])).rows
+    want[0] -= 0.1 * 0.5
+    assert torch.equal(rows, want)
+    store.flush()
+    ref.push("t", ids, g)
+    assert torch.equal(slow.pull("t", torch.arange(10)).rows, ref.pull("t", torch.arange(10)).rows)

@@ -1,0 +1,556 @@
+"""Cases for the Triton kernels against a plain torch reference; run as a script.
+
+``python tests/triton_cases.py --device cpu`` runs every case in Triton's
+interpreter (it sets ``TRITON_INTERPRET=1`` before triton is imported, because
+Triton reads it when a kernel is defined) and prints one JSON line per case:
+``{"case": name, "ok": bool, "error": str}``. ``--device cuda`` runs the same
+cases compiled on a GPU. Exit status 1 if any case failed.
+``tests/test_triton_kernels.py`` runs this in a subprocess, one pytest test per case.
+
+Reference: ``F.embedding_bag`` (autograd for the row gradients) and row-wise
+Adagrad written out by hand, checked once against ``ps.optimizers.RowWiseAdagrad``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal to 1e-6 (relative and absolute): float32 rounding of different summation orders."""
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+
+
+@dataclass(kw_only=True, slots=True)
+class Batch:
+    """A flat table-batched lookup problem: weight [R, D], ids [N], offsets [B+1], psw [N]."""
+
+    weight: torch.Tensor
+    ids: torch.Tensor
+    offsets: torch.Tensor
+    psw: torch.Tensor | None
+
+
+def make_batch(
+    *,
+    seed: int,
+    table_rows: list[int],
+    dim: int,
+    batch: int,
+    max_len: int,
+    weighted: bool,
+    device: str,
+    empty_frac: float = 0.2,
+    hot: int = 0,
+) -> Batch:
+    """Random bags for every table (feature-major: table t's bags are t*batch .. t*batch+batch-1).
+
+    Ids are offset by their table's base row. ``hot`` > 0 draws ids from the first
+    ``hot`` rows of each table only, forcing many repeats.
+    """
+    g = torch.Generator().manual_seed(seed)
+    total = sum(table_rows)
+    weight = torch.randn(total, dim, generator=g)
+    ids, lengths = [], []
+    base = 0
+    for rows in table_rows:
+        for _ in range(batch):
+            n = (
+                0
+                if torch.rand(1, generator=g).item() < empty_frac
+                else int(torch.randint(1, max_len + 1, (1,), generator=g))
+            )
+            hi = min(rows, hot) if hot else rows
+            ids.append(torch.randint(0, hi, (n,), generator=g) + base)
+            lengths.append(n)
+        base += rows
+    flat = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    psw = torch.rand(flat.numel(), generator=g) * 2 - 0.5 if weighted else None
+    return Batch(
+        weight=weight.to(device),
+        ids=flat.to(device),
+        offsets=offsets.to(device),
+        psw=psw.to(device) if psw is not None else None,
+    )
+
+
+def ref_pool(b: Batch, mode: str, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """F.embedding_bag; weighted mean (which it refuses) as weighted sum / bag length."""
+    w = b.weight if weight is None else weight
+    if b.psw is not None and mode == "mean":
+        s = F.embedding_bag(
+            b.ids, w, b.offsets, mode="sum", per_sample_weights=b.psw, include_last_offset=True
+        )
+        lengths = (b.offsets[1:] - b.offsets[:-1]).clamp_min(1).to(s.dtype)
+        return s / lengths[:, None]
+    return F.embedding_bag(
+        b.ids, w, b.offsets, mode=mode, per_sample_weights=b.psw, include_last_offset=True
+    )
+
+
+def ref_step(
+    b: Batch, state: torch.Tensor, grad_out: torch.Tensor, mode: str, lr: float, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One reference step on copies: autograd row gradients, then row-wise Adagrad by hand."""
+    w = b.weight.detach().clone().requires_grad_(True)
+    (ref_pool(b, mode, w) * grad_out).sum().backward()
+    assert w.grad is not None
+    new_w, new_s = b.weight.detach().clone(), state.clone()
+    touched = torch.unique(b.ids)  # [U]
+    g = w.grad[touched]  # [U, D]
+    acc = new_s[touched] + g.square().mean(dim=1)  # [U]
+    step = g / (acc.sqrt() + eps).unsqueeze(1)  # [U, D]
+    new_s[touched] = acc
+    new_w[touched] = new_w[touched].add(step, alpha=-lr)
+    return new_w, new_s
+
+
+def kernels(device: str) -> tuple[Callable[..., torch.Tensor], Callable[..., None]]:
+    from embedding.kernels.triton_adagrad import fused_backward_rowwise_adagrad_
+    from embedding.kernels.triton_pool import pooled_lookup
+
+    return pooled_lookup, fused_backward_rowwise_adagrad_
+
+
+def check_forward(b: Batch, mode: str, device: str) -> None:
+    pooled_lookup, _ = kernels(device)
+    out = pooled_lookup(b.weight, b.ids, b.offsets, mode=mode, per_sample_weights=b.psw)
+    ref = ref_pool(b, mode)
+    close(out, ref)
+    empty = (b.offsets[1:] == b.offsets[:-1]).nonzero().flatten()
+    assert bool((out[empty] == 0).all()), "empty bags must pool to exact zeros"
+
+
+def check_backward(
+    b: Batch,
+    mode: str,
+    device: str,
+    *,
+    steps: int = 1,
+    init_state: float = 0.0,
+    lr: float = 0.05,
+    eps: float = 1e-8,
+) -> None:
+    """``steps`` fused steps equal ``steps`` reference steps; untouched rows bitwise unchanged."""
+    _, fused = kernels(device)
+    rows, dim = b.weight.shape
+    g = torch.Generator().manual_seed(1234)
+    w_ref, s_ref = b.weight.clone(), torch.full((rows,), init_state, device=device)
+    w, s = b.weight.clone(), s_ref.clone()
+    clocks = torch.zeros(rows, dtype=torch.int64, device=device)
+    for _ in range(steps):
+        grad_out = torch.randn(b.offsets.numel() - 1, dim, generator=g).to(device)
+        step_b = Batch(weight=w_ref, ids=b.ids, offsets=b.offsets, psw=b.psw)
+        w_ref, s_ref = ref_step(step_b, s_ref, grad_out, mode, lr, eps)
+        fused(
+            w, s, b.ids, b.offsets, grad_out,
+            mode=mode, per_sample_weights=b.psw, lr=lr, eps=eps, clocks=clocks,
+        )  # fmt: skip
+    close(s, s_ref)
+    close(w, w_ref)
+    untouched = torch.ones(rows, dtype=torch.bool, device=device)
+    untouched[b.ids] = False
+    assert torch.equal(w[untouched], b.weight[untouched]), "untouched rows changed"
+    assert bool((s[untouched] == init_state).all()), "untouched state changed"
+    expect = torch.zeros(rows, dtype=torch.int64, device=device)
+    expect[torch.unique(b.ids)] = steps
+    assert torch.equal(clocks, expect), "clocks must count one update per touched row per step"
+
+
+# --- the cases -------------------------------------------------------------------------
+
+
+def _b(device: str, **kw: object) -> Batch:
+    args: dict = dict(seed=0, table_rows=[50], dim=16, batch=12, max_len=5, weighted=False)
+    args.update(kw)
+    return make_batch(device=device, **args)
+
+
+def case_fwd_sum(device: str) -> None:
+    check_forward(_b(device), "sum", device)
+
+
+def case_fwd_mean(device: str) -> None:
+    check_forward(_b(device, seed=1), "mean", device)
+
+
+def case_fwd_weighted_sum(device: str) -> None:
+    check_forward(_b(device, seed=2, weighted=True), "sum", device)
+
+
+def case_fwd_weighted_mean(device: str) -> None:
+    check_forward(_b(device, seed=3, weighted=True), "mean", device)
+
+
+def case_fwd_multi_table_odd_dim(device: str) -> None:
+    b = _b(device, seed=4, table_rows=[7, 30, 5], dim=13, batch=6, weighted=True)
+    check_forward(b, "sum", device)
+    check_forward(b, "mean", device)
+
+
+def case_fwd_wide_dim_long_bags(device: str) -> None:
+    # D = 300 > MAX_BLOCK_D (256): two column tiles; bags of up to 40 ids > BLOCK_N (16).
+    b = _b(device, seed=5, table_rows=[9], dim=300, batch=4, max_len=40, hot=4)
+    check_forward(b, "sum", device)
+    check_forward(b, "mean", device)
+
+
+def case_fwd_all_empty_and_no_bags(device: str) -> None:
+    b = _b(device, seed=6, empty_frac=1.0)
+    assert b.ids.numel() == 0
+    check_forward(b, "sum", device)
+    check_forward(b, "mean", device)
+    pooled_lookup, _ = kernels(device)
+    none = torch.zeros(1, dtype=torch.int64, device=device)
+    out = pooled_lookup(b.weight, b.ids, none, mode="sum")
+    assert out.shape == (0, 16), out.shape
+
+
+def case_fwd_int32_ids(device: str) -> None:
+    b = _b(device, seed=7, weighted=True)
+    b32 = Batch(weight=b.weight, ids=b.ids.int(), offsets=b.offsets.int(), psw=b.psw)
+    pooled_lookup, _ = kernels(device)
+    out = pooled_lookup(b32.weight, b32.ids, b32.offsets, mode="sum", per_sample_weights=b.psw)
+    close(out, ref_pool(b, "sum"))
+
+
+def case_bwd_sum(device: str) -> None:
+    check_backward(_b(device, seed=10), "sum", device)
+
+
+def case_bwd_mean(device: str) -> None:
+    check_backward(_b(device, seed=11), "mean", device)
+
+
+def case_bwd_weighted_sum(device: str) -> None:
+    check_backward(_b(device, seed=12, weighted=True), "sum", device)
+
+
+def case_bwd_weighted_mean(device: str) -> None:
+    check_backward(_b(device, seed=13, weighted=True), "mean", device)
+
+
+def case_bwd_repeated_ids_three_steps(device: str) -> None:
+    # 8 hot rows, bags up to 40 ids: a row occurs many times within and across bags.
+    b = _b(device, seed=14, table_rows=[20], batch=10, max_len=40, hot=8, weighted=True)
+    check_backward(b, "sum", device, steps=3, init_state=0.1)
+
+
+def case_bwd_multi_table_odd_dim(device: str) -> None:
+    b = _b(device, seed=15, table_rows=[7, 30, 5], dim=13, batch=6, weighted=True)
+    check_backward(b, "sum", device, steps=2)
+    check_backward(b, "mean", device, steps=2)
+
+
+def case_bwd_wide_dim(device: str) -> None:
+    # D = 1100 > MAX_BLOCK_D (1024): the two-pass path of the backward kernel.
+    b = _b(device, seed=16, table_rows=[6], dim=1100, batch=3, max_len=20, hot=3)
+    check_backward(b, "mean", device, steps=2)
+
+
+def case_bwd_large_eps(device: str) -> None:
+    # A large eps (and lr) makes "eps outside the sqrt" and the order of the update visible.
+    b = _b(device, seed=20, weighted=True)
+    check_backward(b, "sum", device, steps=2, init_state=0.04, lr=0.7, eps=0.3)
+
+
+def case_bwd_empty(device: str) -> None:
+    b = _b(device, seed=17, empty_frac=1.0)
+    check_backward(b, "sum", device)
+
+
+def case_bwd_state_2d_matches_ps(device: str) -> None:
+    # state [R, 1] (the ps layout) is accepted; the hand-written reference equals ps's apply.
+    from ps.optimizers import RowWiseAdagrad
+
+    b = _b(device, seed=18, weighted=True)
+    _, fused = kernels(device)
+    rows, dim = b.weight.shape
+    grad_out = torch.randn(b.offsets.numel() - 1, dim, generator=torch.Generator().manual_seed(3))
+    grad_out = grad_out.to(device)
+    w, s = b.weight.clone(), torch.full((rows, 1), 0.5, device=device)
+    fused(w, s, b.ids, b.offsets, grad_out, mode="sum", per_sample_weights=b.psw, lr=0.1, eps=1e-6)
+    w_ref, s_ref = ref_step(b, torch.full((rows,), 0.5, device=device), grad_out, "sum", 0.1, 1e-6)
+    close(w, w_ref)
+    close(s[:, 0], s_ref)
+    # ps.optimizers.RowWiseAdagrad on the touched rows gives the same reference step.
+    wg = b.weight.clone().requires_grad_(True)
+    (ref_pool(b, "sum", wg) * grad_out).sum().backward()
+    assert wg.grad is not None
+    touched = torch.unique(b.ids)
+    rows_ps = b.weight[touched].clone()
+    state_ps = torch.full((touched.numel(), 1), 0.5, device=device)
+    RowWiseAdagrad(lr=0.1, eps=1e-6).apply(rows_ps, state_ps, wg.grad[touched])
+    torch.testing.assert_close(w_ref[touched], rows_ps, rtol=0, atol=0)
+    torch.testing.assert_close(s_ref[touched], state_ps[:, 0], rtol=0, atol=0)
+
+
+def case_bwd_coalesced_rows(device: str) -> None:
+    # rowwise_adagrad_rows_ (gradients already coalesced per row) equals ps's apply.
+    from embedding.kernels.triton_adagrad import rowwise_adagrad_rows_
+    from ps.optimizers import RowWiseAdagrad
+
+    g = torch.Generator().manual_seed(21)
+    weight = torch.randn(40, 19, generator=g).to(device)
+    rows = torch.randperm(40, generator=g)[:11].to(device)
+    grads = torch.randn(11, 19, generator=g).to(device)
+    w, s = weight.clone(), torch.full((40, 1), 0.2, device=device)
+    clocks = torch.zeros(40, dtype=torch.int64, device=device)
+    rowwise_adagrad_rows_(w, s, rows, grads, lr=0.3, eps=0.1, clocks=clocks)
+    w_ref, s_ref = weight[rows].clone(), torch.full((11, 1), 0.2, device=device)
+    RowWiseAdagrad(lr=0.3, eps=0.1).apply(w_ref, s_ref, grads)
+    close(w[rows], w_ref)
+    close(s[rows], s_ref)
+    assert int(clocks.sum()) == 11 and int(clocks[rows].min()) == 1
+
+
+def case_bwd_deterministic(device: str) -> None:
+    b = _b(device, seed=19, table_rows=[10], batch=16, max_len=30, hot=5, weighted=True)
+    _, fused = kernels(device)
+    grad_out = torch.randn(b.offsets.numel() - 1, 16, generator=torch.Generator().manual_seed(9))
+    grad_out = grad_out.to(device)
+    results = []
+    for _ in range(2):
+        w, s = b.weight.clone(), torch.zeros(b.weight.shape[0], device=device)
+        fused(w, s, b.ids, b.offsets, grad_out, mode="mean", per_sample_weights=b.psw,
+              lr=0.05, eps=1e-8)  # fmt: skip
+        results.append((w, s))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def case_random_batches(device: str) -> None:
+    for seed in range(20, 26):
+        g = torch.Generator().manual_seed(seed)
+        n_tables = int(torch.randint(1, 4, (1,), generator=g))
+        b = make_batch(
+            seed=seed,
+            table_rows=[int(torch.randint(1, 40, (1,), generator=g)) for _ in range(n_tables)],
+            dim=int(torch.randint(1, 40, (1,), generator=g)),
+            batch=int(torch.randint(1, 8, (1,), generator=g)),
+            max_len=int(torch.randint(1, 25, (1,), generator=g)),
+            weighted=bool(seed % 2),
+            device=device,
+            empty_frac=float(torch.rand(1, generator=g)) * 0.5,
+        )
+        mode = "mean" if seed % 3 == 0 else "sum"
+        check_forward(b, mode, device)
+        check_backward(b, mode, device)
+
+
+def case_bad_input(device: str) -> None:
+    pooled_lookup, fused = kernels(device)
+    b = _b(device, seed=30)
+    w, ids, off = b.weight, b.ids, b.offsets
+    n, rows = ids.numel(), w.shape[0]
+    bad: list[tuple[str, Callable[[], object], type[Exception], str]] = [
+        ("mode", lambda: pooled_lookup(w, ids, off, mode="max"), ValueError, "'max'"),
+        ("float ids", lambda: pooled_lookup(w, ids.float(), off, mode="sum"), TypeError, "ids"),
+        ("1-D weight", lambda: pooled_lookup(w[0], ids, off, mode="sum"), TypeError, "weight"),
+        (
+            "offsets end",
+            lambda: pooled_lookup(w, ids[:-1], off, mode="sum"),
+            ValueError,
+            f"len(ids) = {n - 1}",
+        ),
+        (
+            "id out of range",
+            lambda: pooled_lookup(w, ids + rows, off, mode="sum"),
+            ValueError,
+            f"[0, {rows})",
+        ),
+        (
+            "psw shape",
+            lambda: pooled_lookup(w, ids, off, mode="sum", per_sample_weights=ids[:1].float()),
+            ValueError,
+            "per_sample_weights",
+        ),
+        (
+            "state size",
+            lambda: fused(
+                w.clone(),
+                torch.zeros(rows - 1, device=device),
+                ids,
+                off,
+                torch.zeros(off.numel() - 1, w.shape[1], device=device),
+                mode="sum",
+                per_sample_weights=None,
+                lr=0.1,
+                eps=1e-8,
+            ),  # fmt: skip
+            ValueError,
+            f"({rows})",
+        ),
+        (
+            "grad shape",
+            lambda: fused(
+                w.clone(),
+                torch.zeros(rows, device=device),
+                ids,
+                off,
+                torch.zeros(off.numel(), w.shape[1], device=device),
+                mode="sum",
+                per_sample_weights=None,
+                lr=0.1,
+                eps=1e-8,
+            ),  # fmt: skip
+            ValueError,
+            "grad_output",
+        ),
+    ]
+    for what, call, exc, needle in bad:
+        try:
+            call()
+        except exc as e:
+            assert needle in str(e), f"{what}: message {str(e)!r} lacks {needle!r}"
+        else:
+            raise AssertionError(f"{what}: no {exc.__name__} raised")
+
+
+# --- ahead-of-time compile for a real GPU target (no GPU needed) ------------------------
+
+POOL_SIG = {
+    "weight_ptr": "*fp32",
+    "stride_w": "i64",
+    "ids_ptr": "*i64",
+    "offsets_ptr": "*i64",
+    "psw_ptr": "*fp32",
+    "out_ptr": "*fp32",
+    "D": "i32",
+}
+ADAGRAD_SIG = {
+    "weight_ptr": "*fp32",
+    "stride_w": "i64",
+    "state_ptr": "*fp32",
+    "clocks_ptr": "*i64",
+    "uniq_ptr": "*i64",
+    "row_ptr_ptr": "*i64",
+    "occ_bag_ptr": "*i64",
+    "occ_scale_ptr": "*fp32",
+    "grad_ptr": "*fp32",
+    "stride_g": "i64",
+    "D": "i32",
+    "Df": "fp32",
+    "lr": "fp32",
+    "eps": "fp32",
+}
+#: (kernel, signature overrides, constexprs): together they reach every branch.
+COMPILE_VARIANTS: dict[str, tuple[str, dict[str, str], dict[str, object]]] = {
+    "pool_weighted_mean": (
+        "pool",
+        {},
+        {"HAS_WEIGHTS": True, "MEAN": True, "BLOCK_N": 16, "BLOCK_D": 64},
+    ),
+    "pool_sum_bf16_int32": (
+        "pool",
+        {"weight_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i32", "offsets_ptr": "*i32"},
+        {"HAS_WEIGHTS": False, "MEAN": False, "BLOCK_N": 16, "BLOCK_D": 16},
+    ),
+    "adagrad_one_tile": (
+        "adagrad",
+        {},
+        {"HAS_SCALE": True, "HAS_CLOCKS": True, "NUM_D_BLOCKS": 1, "BLOCK_N": 16, "BLOCK_D": 64},
+    ),
+    "adagrad_two_pass": (
+        "adagrad",
+        {},
+        {
+            "HAS_SCALE": False,
+            "HAS_CLOCKS": False,
+            "NUM_D_BLOCKS": 2,
+            "BLOCK_N": 16,
+            "BLOCK_D": 1024,
+        },
+    ),  # fmt: skip
+}
+
+
+def compile_variant(name: str, arch: int) -> None:
+    """Compile one kernel variant down to a cubin for ``sm_<arch>`` with the bundled ptxas.
+
+    The interpreter runs kernels through numpy and so misses what only the real
+    compiler rejects (types, shapes, unsupported ops); this catches those without a GPU.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    from embedding.kernels.triton_adagrad import _rowwise_adagrad_kernel
+    from embedding.kernels.triton_pool import _pool_kernel
+
+    kernel, overrides, constexprs = COMPILE_VARIANTS[name]
+    fn, sig = (
+        (_pool_kernel, POOL_SIG) if kernel == "pool" else (_rowwise_adagrad_kernel, ADAGRAD_SIG)
+    )
+    signature = {**sig, **overrides, **{k: "constexpr" for k in constexprs}}
+    src = ASTSource(fn, signature, constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+    assert compiled.asm.get("cubin"), f"{name}: no cubin produced"
+
+
+def _compile_case(name: str, arch: int, _device: str) -> None:
+    compile_variant(name, arch)
+
+
+CASES: dict[str, Callable[[str], None]] = {
+    name[len("case_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--compile-arch",
+        type=int,
+        default=0,
+        help="instead of running cases, compile every kernel variant for sm_<ARCH> (e.g. 90); "
+        "needs TRITON_INTERPRET unset",
+    )
+    parser.add_argument("cases", nargs="*", help="case names (default: all)")
+    args = parser.parse_args(argv)
+    if args.compile_arch:
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            parser.error("--compile-arch needs TRITON_INTERPRET unset (it compiles for real)")
+        arch = args.compile_arch
+        variants = {
+            f"compile_sm{arch}_{n}": functools.partial(_compile_case, n, arch)
+            for n in COMPILE_VARIANTS
+        }
+        return run_all(variants, args.device)
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules define their kernels
+    elif not torch.cuda.is_available():
+        print(json.dumps({"case": "*", "ok": False, "error": "--device cuda: no CUDA device"}))
+        return 1
+    selected = {n: CASES[n] for n in args.cases} if args.cases else CASES
+    return run_all(selected, args.device)
+
+
+def run_all(cases: Mapping[str, Callable[[str], None]], device: str) -> int:
+    """Run each case, print one JSON line per case; 1 if any failed."""
+    failed = 0
+    for name, fn in cases.items():
+        try:
+            fn(device)
+            ok, err = True, ""
+        except Exception:
+            ok, err = False, traceback.format_exc(limit=4)
+        failed += not ok
+        print(json.dumps({"case": name, "ok": ok, "error": err}), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
