@@ -15,7 +15,8 @@ compute (``--compute-ms`` adds a sleep), so step time is the embedding traffic p
 cache's own work.
 
 * uncached: the store itself;
-* cached: ``cache.CachedStore`` with 10 % of each table's rows, bounds (4, 4).
+* cached: ``cache.CachedStore`` with 10 % of each table's rows, bounds (4, 4), LFU
+  (``--policy lru`` for LRU; LFU moves fewer rows on a Zipf law).
 
 Stores: in-process (this process) and MPI (``mpirun -n 2``: one worker, one server
 rank; this script re-launched with ``--mpi-part``). The two variants run on separate
@@ -77,21 +78,21 @@ class Sizes:
     fraction: float = 0.1
     read_bound: int = 4
     write_bound: int = 4
-    policy: Literal["lru", "lfu"] = "lru"
+    policy: Literal["lru", "lfu"] = "lfu"
+    prefetch: bool = True
     compute_ms: float = 0.0
     max_fill: int = 2000  # warm-up steps at most while the caches fill
 
     @staticmethod
-    def of(quick: bool, compute_ms: float, mpi: bool, policy: Literal["lru", "lfu"]) -> Sizes:
+    def of(quick: bool, mpi: bool, **kw: Any) -> Sizes:
         if quick:
             return Sizes(
                 tables=8 if mpi else 26, rows=100_000, batch=2048, dim=16, settle=20, block=4,
-                rounds=2, compute_ms=compute_ms, policy=policy,
+                rounds=2, **kw,
             )  # fmt: skip
         return Sizes(
-            tables=26, rows=1_000_000, batch=2048, dim=16, settle=300, block=10, rounds=5,
-            compute_ms=compute_ms, policy=policy,
-        )  # fmt: skip
+            tables=26, rows=1_000_000, batch=2048, dim=16, settle=300, block=10, rounds=5, **kw
+        )
 
 
 def make_tables(store: ps.Store, prefix: str, z: Sizes) -> list[str]:
@@ -112,11 +113,12 @@ def step(
     nxt: list[torch.Tensor] | None,
     grad: torch.Tensor,
     compute_s: float,
+    prefetch: bool = True,
 ) -> None:
     handles = [store.pull_async(n, i) for n, i in zip(names, ids, strict=True)]
     for h in handles:
         h.wait()
-    if nxt is not None and isinstance(store, cache.CachedStore):
+    if nxt is not None and isinstance(store, cache.CachedStore) and prefetch:
         for n, i in zip(names, nxt, strict=True):
             store.prefetch(n, i)
     if compute_s:
@@ -129,7 +131,7 @@ def step(
 def floor_figures(z: Sizes, draws: ZipfDraws) -> dict[str, float]:
     """Analytic rows-moved floor of an ideal static cache (see the module docstring)."""
     capacity = cache.CacheConfig(capacity_fraction=z.fraction).capacity(
-        ps.TableSpec(name="x", num_rows=z.rows, dim=z.dim)
+        ps.TableSpec(name="x", num_rows=z.rows, dim=z.dim, optimizer=ps.SGD(lr=0.1))
     )
     distinct, cold = draws.expected_distinct(capacity)
     hot = distinct - cold
@@ -164,7 +166,7 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
         store, names = (store_u, names_u) if which == "u" else (cached, names_c)
         t = time.perf_counter()
         for s in range(count):
-            step(store, names, steps[s], steps[s + 1], grad, compute_s)
+            step(store, names, steps[s], steps[s + 1], grad, compute_s, z.prefetch)
         if which == "c":  # complete the prefetch of the block's last step inside the block
             for n in names_c:
                 cached.pull_async(n, steps[count][0][:0]).wait()
@@ -173,17 +175,17 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
     t0 = time.perf_counter()
     s = 0
     nxt = batch(0)
-    while True:  # fill the caches (warm-up), then settle into the steady state
+    while True:  # until every cache was full, then settle into the steady state
         cur, nxt = nxt, batch(s + 1)
-        step(cached, names_c, cur, nxt, grad, 0.0)
+        step(cached, names_c, cur, nxt, grad, 0.0, z.prefetch)
         s += 1
-        full = all(st["cached_rows"] == st["capacity"] for st in cached.cache_stats().values())
+        full = all(st["evictions"] > 0 for st in cached.cache_stats().values())
         if full or s >= z.max_fill:
             break
     filled = s
     for _ in range(z.settle):
         cur, nxt = nxt, batch(s + 1)
-        step(cached, names_c, cur, nxt, grad, 0.0)
+        step(cached, names_c, cur, nxt, grad, 0.0, z.prefetch)
         s += 1
     for n in names_c:  # complete the last prefetch before the blocks start
         cached.pull_async(n, nxt[0][:0]).wait()
@@ -231,7 +233,7 @@ def _say(*a: Any) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
-def mpi_part(quick: bool, compute_ms: float, policy: Literal["lru", "lfu"]) -> None:
+def mpi_part(quick: bool, **kw: Any) -> None:
     """Under ``mpirun -n 2``: rank 1 serves, rank 0 runs :func:`compare` and prints JSON."""
     import comm
     from ps.mpi_server import serve_mpi
@@ -243,7 +245,7 @@ def mpi_part(quick: bool, compute_ms: float, policy: Literal["lru", "lfu"]) -> N
         serve_mpi(group, topology)
         return
     torch.set_num_threads(1)
-    z = Sizes.of(quick, compute_ms, mpi=True, policy=policy)
+    z = Sizes.of(quick, mpi=True, **kw)
     with MPIStore(group, topology, request_timeout_s=300.0) as store:
         result = compare(store, store, z, _say)
     print(json.dumps({"config": _config(z), "figures": result}), flush=True)
@@ -255,15 +257,16 @@ def _config(z: Sizes) -> dict[str, Any]:
         "cache_fraction": z.fraction, "bounds": [z.read_bound, z.write_bound],
         "settle_steps": z.settle, "block_steps": z.block, "rounds": z.rounds,
         "compute_ms": z.compute_ms, "optimizer": "rowwise_adagrad", "policy": z.policy,
+        "prefetch": z.prefetch,
         "zipf_a": 1.05,
     }  # fmt: skip
 
 
-def run_mpi(quick: bool, compute_ms: float, policy: str) -> dict[str, Any]:
+def run_mpi(quick: bool, compute_ms: float, policy: str, prefetch: bool) -> dict[str, Any]:
     mpirun = Path(sys.executable).parent / "mpirun"
     cmd = [str(mpirun if mpirun.exists() else "mpirun"), "-n", "2", sys.executable, __file__]
     cmd += ["--mpi-part", "--compute-ms", str(compute_ms), "--policy", policy]
-    cmd += ["--quick"] if quick else []
+    cmd += (["--quick"] if quick else []) + ([] if prefetch else ["--no-prefetch"])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, check=False)
@@ -289,21 +292,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes, < 1 minute")
     p.add_argument("--compute-ms", type=float, default=0.0, help="model compute per step")
-    p.add_argument("--policy", choices=["lru", "lfu"], default="lru", help="eviction policy")
+    p.add_argument("--policy", choices=["lru", "lfu"], default="lfu", help="eviction policy")
+    p.add_argument("--no-prefetch", action="store_true", help="cached steps do not prefetch")
     p.add_argument("--no-mpi", action="store_true", help="skip the MPI store")
     p.add_argument("--mpi-part", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    kw = dict(compute_ms=args.compute_ms, policy=args.policy, prefetch=not args.no_prefetch)
     if args.mpi_part:
-        mpi_part(args.quick, args.compute_ms, args.policy)
+        mpi_part(args.quick, **kw)
         return
     torch.set_num_threads(1)
-    z = Sizes.of(args.quick, args.compute_ms, mpi=False, policy=args.policy)
+    z = Sizes.of(args.quick, mpi=False, **kw)
     local = compare(ps.InProcessStore(), ps.InProcessStore(), z, _say)
     _show("in-process", local)
     figures: dict[str, Any] = {"inprocess": local}
     config: dict[str, Any] = {"quick": args.quick, "inprocess": _config(z)}
     if not args.no_mpi:
-        mpi = run_mpi(args.quick, args.compute_ms, args.policy)
+        mpi = run_mpi(args.quick, args.compute_ms, args.policy, not args.no_prefetch)
         _show("mpi", mpi["figures"])
         figures["mpi"] = mpi["figures"]
         config["mpi"] = mpi["config"]

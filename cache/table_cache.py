@@ -415,9 +415,7 @@ class TableCache:
         elif sel.size > 0:
             self._scatter(final.take(sel), rec.take(sel, axis=0))
 
-    def _count_served(
-        self, f: Fetch, ref_u: np.ndarray, n_miss: int, dirty: np.ndarray
-    ) -> None:
+    def _count_served(self, f: Fetch, ref_u: np.ndarray, n_miss: int, dirty: np.ndarray) -> None:
         """Hits, misses, refreshes (now or by the prefetch) and served staleness; clears the
         prefetch marks of rows served now (marks ``dirty``)."""
         u = f.uniq.size

@@ -213,6 +213,25 @@ class _Interaction(torch.autograd.Function):
         return g_t, None, None, None, None
 
 
+class _InteractionRows(torch.autograd.Function):
+    """:class:`_Interaction` (with the first vector) of N separate ``[B, D]`` float32
+    CPU tensors, read in place by the C kernel: no ``[B, N, D]`` stack is built in the
+    forward. The backward's ``[B, N, D]`` gradient is handed out as N views."""
+
+    @staticmethod
+    def forward(ctx: Any, width: int, *rows: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        rows = tuple(r.contiguous() for r in rows)
+        ctx.save_for_backward(*rows)
+        return interaction_kernel.forward(rows, with_first=True, width=width)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rows = ctx.saved_tensors
+        g_t = interaction_kernel.backward(list(rows), grad, with_first=True)  # [B, N, D]
+        return None, *g_t.unbind(1)
+
+
 def _interact(t: torch.Tensor, *, with_first: bool, width: int) -> torch.Tensor:
     pairs, sym = _pair_indices(t.shape[1])
     if pairs.device != t.device:
@@ -280,12 +299,17 @@ class DLRMDense(nn.Module):
         batch = dense.shape[0]
         parts = self._check_sparse(sparse, batch)
         x = self.bottom(dense)  # [B, D]
+        top0 = self.top[0]
+        width = top0.padded_in if isinstance(top0, AlignedLinear) else cfg.top_input_dim
+        if not isinstance(parts, torch.Tensor) and all(
+            interaction_kernel.usable(p) for p in [x, *parts]
+        ):
+            out: torch.Tensor = _InteractionRows.apply(width, x, *parts)  # [B, top_padded]
+            return self.top(out).squeeze(1)  # [B]
         if isinstance(parts, torch.Tensor):
             t = torch.cat([x.unsqueeze(1), parts], dim=1)  # [B, F+1, D]
         else:
             t = torch.stack([x, *parts], dim=1)  # [B, F+1, D], one copy
-        top0 = self.top[0]
-        width = top0.padded_in if isinstance(top0, AlignedLinear) else cfg.top_input_dim
         top_in = _interact(t, with_first=True, width=width)  # [B, D + (F+1)F/2 + pad]
         return self.top(top_in).squeeze(1)  # [B]
 

@@ -15,17 +15,18 @@ backward 3.8 ms vs ~9.5 ms for the torch path (``docs/dlrm_bench.md``). Samples 
 split over ``torch.get_num_threads()`` OpenMP threads. Numerics: the same products
 summed in another order (float32 rounding only); float64 and non-CPU tensors take
 the torch path, as does everything when the library cannot be built
-(:mod:`dense.native`).
+(:mod:`comm.native`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 
 import torch
 
-from dense.native import load_c_library
+from comm.native import load_c_library
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -47,46 +48,51 @@ static float dot(const float* a, const float* b, int64_t d) {
     return s;
 }
 
-/* t [B, N, D] -> out [B, W] (see the Python module). */
-void hr_interaction_fwd(int64_t B, int64_t N, int64_t D, const float* t, float* out,
-                        int64_t W, int with_first, int nthreads) {
+/* Feature i of sample b is the row rows[i] + b * stride ([D] floats): N separate
+   [B, D] tensors (stride D) or one [B, N, D] tensor (rows[i] = t + i * D, stride N * D).
+   out [B, W] (see the Python module). */
+void hr_interaction_fwd(int64_t B, int64_t N, int64_t D, const float* const* rows,
+                        int64_t stride, float* out, int64_t W, int with_first, int nthreads) {
     if (B < 64) nthreads = 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < B; ++b) {
-        const float* tb = t + b * N * D;
         float* o = out + b * W;
         int64_t k = 0;
-        if (with_first) { memcpy(o, tb, (size_t)D * sizeof(float)); k = D; }
+        if (with_first) { memcpy(o, rows[0] + b * stride, (size_t)D * sizeof(float)); k = D; }
         for (int64_t i = 1; i < N; ++i) {
-            const float* ti = tb + i * D;
+            const float* ti = rows[i] + b * stride;
             int64_t j = 0;
             if (D % 8 == 0) {
                 for (; j + 4 <= i; j += 4) {  /* four dot products share the loads of t_i */
-                    const float* tj = tb + j * D;
+                    const float* t0 = rows[j] + b * stride;
+                    const float* t1 = rows[j + 1] + b * stride;
+                    const float* t2 = rows[j + 2] + b * stride;
+                    const float* t3 = rows[j + 3] + b * stride;
                     v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
                     for (int64_t d = 0; d < D; d += 8) {
                         v8 x = ld(ti + d);
-                        a0 += x * ld(tj + d);
-                        a1 += x * ld(tj + D + d);
-                        a2 += x * ld(tj + 2 * D + d);
-                        a3 += x * ld(tj + 3 * D + d);
+                        a0 += x * ld(t0 + d);
+                        a1 += x * ld(t1 + d);
+                        a2 += x * ld(t2 + d);
+                        a3 += x * ld(t3 + d);
                     }
                     o[k++] = hsum(a0); o[k++] = hsum(a1); o[k++] = hsum(a2); o[k++] = hsum(a3);
                 }
             }
-            for (; j < i; ++j) o[k++] = dot(ti, tb + j * D, D);
+            for (; j < i; ++j) o[k++] = dot(ti, rows[j] + b * stride, D);
         }
         for (; k < W; ++k) o[k] = 0.0f;
     }
 }
 
-/* g [B, W] (gradient of out), t [B, N, D] -> dt [B, N, D]. */
-void hr_interaction_bwd(int64_t B, int64_t N, int64_t D, const float* t, const float* g,
-                        int64_t W, int with_first, float* dt, int nthreads) {
+/* g [B, W] (gradient of out), the rows as in the forward -> dt [B, N, D]. */
+void hr_interaction_bwd(int64_t B, int64_t N, int64_t D, const float* const* rows,
+                        int64_t stride, const float* g, int64_t W, int with_first, float* dt,
+                        int nthreads) {
     if (B < 64) nthreads = 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < B; ++b) {
-        const float* tb = t + b * N * D;
+#define ROW(j) (rows[j] + b * stride)
         const float* gp = g + b * W + (with_first ? D : 0);  /* pair gradients */
         float* db = dt + b * N * D;
         for (int64_t i = 0; i < N; ++i) {
@@ -98,7 +104,7 @@ void hr_interaction_bwd(int64_t B, int64_t N, int64_t D, const float* t, const f
                     if (j == i) continue;
                     float s = i > j ? gp[i * (i - 1) / 2 + j] : gp[j * (j - 1) / 2 + i];
                     v8 gv = {s, s, s, s, s, s, s, s};
-                    const float* tj = tb + j * D + d0;
+                    const float* tj = ROW(j) + d0;
                     a0 += gv * ld(tj);      a1 += gv * ld(tj + 8);
                     a2 += gv * ld(tj + 16); a3 += gv * ld(tj + 24);
                     a4 += gv * ld(tj + 32); a5 += gv * ld(tj + 40);
@@ -115,7 +121,7 @@ void hr_interaction_bwd(int64_t B, int64_t N, int64_t D, const float* t, const f
                     if (j == i) continue;
                     float s = i > j ? gp[i * (i - 1) / 2 + j] : gp[j * (j - 1) / 2 + i];
                     v8 gv = {s, s, s, s, s, s, s, s};
-                    a += gv * ld(tb + j * D + d0);
+                    a += gv * ld(ROW(j) + d0);
                 }
                 st(di + d0, a);
             }
@@ -124,7 +130,7 @@ void hr_interaction_bwd(int64_t B, int64_t N, int64_t D, const float* t, const f
                 for (int64_t j = 0; j < N; ++j) {
                     if (j == i) continue;
                     float s = i > j ? gp[i * (i - 1) / 2 + j] : gp[j * (j - 1) / 2 + i];
-                    a += s * tb[j * D + d0];
+                    a += s * ROW(j)[d0];
                 }
                 di[d0] = a;
             }
@@ -133,6 +139,7 @@ void hr_interaction_bwd(int64_t B, int64_t N, int64_t D, const float* t, const f
             const float* g0 = g + b * W;
             for (int64_t d = 0; d < D; ++d) db[d] += g0[d];
         }
+#undef ROW
     }
 }
 """
@@ -145,47 +152,60 @@ def _load() -> ctypes.CDLL | None:
         return None
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.hr_interaction_fwd.restype = None
-    lib.hr_interaction_fwd.argtypes = [i64, i64, i64, ptr, ptr, i64, cint, cint]
+    lib.hr_interaction_fwd.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, cint, cint]
     lib.hr_interaction_bwd.restype = None
-    lib.hr_interaction_bwd.argtypes = [i64, i64, i64, ptr, ptr, i64, cint, ptr, cint]
+    lib.hr_interaction_bwd.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, cint, ptr, cint]
     return lib
 
 
 def usable(t: torch.Tensor) -> bool:
-    """Whether the kernel handles ``t`` ``[B, N, D]``: float32, CPU, built here."""
+    """Whether the kernel handles tensors like ``t``: float32, CPU, library built here."""
     return t.dtype == torch.float32 and t.device.type == "cpu" and _load() is not None
 
 
-def forward(t: torch.Tensor, *, with_first: bool, width: int) -> torch.Tensor:
-    """``[B, width]``: ``[t[:, 0] if with_first | pairs | zeros]`` of ``t`` ``[B, N, D]``
-    (call only where :func:`usable`)."""
+Rows = torch.Tensor | Sequence[torch.Tensor]
+
+
+def _row_pointers(rows: Rows) -> tuple[ctypes.Array[ctypes.c_void_p], int, int, int, int]:
+    """``(pointers [N], stride, B, N, D)`` of ``[B, N, D]`` or N contiguous ``[B, D]``."""
+    if isinstance(rows, torch.Tensor):
+        assert rows.is_contiguous()
+        b, n, d = rows.shape
+        base, size = rows.data_ptr(), rows.element_size()
+        addrs = [base + i * d * size for i in range(n)]
+        stride = n * d
+    else:
+        assert all(r.is_contiguous() for r in rows)
+        b, d = rows[0].shape
+        n = len(rows)
+        addrs = [r.data_ptr() for r in rows]
+        stride = d
+    return (ctypes.c_void_p * n)(*addrs), stride, b, n, d
+
+
+def forward(rows: Rows, *, with_first: bool, width: int) -> torch.Tensor:
+    """``[B, width]``: ``[row 0 if with_first | pairs | zeros]`` of ``rows``, one
+    contiguous ``[B, N, D]`` tensor or N contiguous ``[B, D]`` tensors (call only
+    where :func:`usable`)."""
     lib = _load()
     assert lib is not None
-    t = t.contiguous()
-    b, n, d = t.shape
-    out = torch.empty(b, width, dtype=t.dtype)
-    lib.hr_interaction_fwd(
-        b, n, d, t.data_ptr(), out.data_ptr(), width, int(with_first), torch.get_num_threads()
-    )
+    ptrs, stride, b, n, d = _row_pointers(rows)
+    out = torch.empty(b, width, dtype=torch.float32)
+    nt = torch.get_num_threads()
+    lib.hr_interaction_fwd(b, n, d, ptrs, stride, out.data_ptr(), width, int(with_first), nt)
     return out
 
 
-def backward(t: torch.Tensor, grad: torch.Tensor, *, with_first: bool) -> torch.Tensor:
-    """``[B, N, D]``: the gradient w.r.t. ``t`` of :func:`forward` given ``grad`` ``[B, W]``."""
+def backward(rows: Rows, grad: torch.Tensor, *, with_first: bool) -> torch.Tensor:
+    """``[B, N, D]``: the gradient w.r.t. the rows of :func:`forward` given ``grad``
+    ``[B, width]``."""
     lib = _load()
     assert lib is not None
-    t, grad = t.contiguous(), grad.contiguous()
-    b, n, d = t.shape
-    out = torch.empty_like(t)
+    grad = grad.contiguous()
+    ptrs, stride, b, n, d = _row_pointers(rows)
+    out = torch.empty(b, n, d, dtype=torch.float32)
+    nt = torch.get_num_threads()
     lib.hr_interaction_bwd(
-        b,
-        n,
-        d,
-        t.data_ptr(),
-        grad.data_ptr(),
-        grad.shape[1],
-        int(with_first),
-        out.data_ptr(),
-        torch.get_num_threads(),
+        b, n, d, ptrs, stride, grad.data_ptr(), grad.shape[1], int(with_first), out.data_ptr(), nt
     )
     return out

@@ -36,12 +36,11 @@ import torch
 import torch.nn.functional as F
 
 from comm import ProcessGroup
-from embedding import cpu_kernel
 from embedding.checks import sequence_length
 from embedding.config import TableConfig
 from embedding.jagged import KeyedJaggedIds, offsets_from_lengths
 from embedding.kernels import use_triton
-from ps import Optimizer, RowWiseAdagrad
+from ps import Optimizer, RowWiseAdagrad, cpu_kernel
 
 
 @dataclass(slots=True)
@@ -222,8 +221,20 @@ def row_gradients(batch: GroupBatch, grad_out: torch.Tensor) -> tuple[torch.Tens
 def apply_optimizer(group: FusedGroup, rows: torch.Tensor, grads: torch.Tensor) -> None:
     """Apply the group's optimizer to the distinct flat ``rows`` [U] with ``grads`` [U, D]
     in place: gather the touched rows and state, run the ps optimizer's ``apply``
-    on the copies (the exact math of the parameter server), scatter them back."""
+    on the copies (the exact math of the parameter server), scatter them back.
+    Row-wise Adagrad (the torch fallback of the C kernel) writes in place instead."""
     if rows.numel() == 0:
+        return
+    opt = group.optimizer
+    if isinstance(opt, RowWiseAdagrad) and group.state.shape[1] == 1:
+        # The same formula without gathering and scattering [U, D] rows: the state
+        # is updated by index_add_ (rows are distinct), the step added by index_add_.
+        acc = group.state[:, 0]  # [R] view
+        acc.index_add_(0, rows, grads.to(torch.float32).square().mean(dim=1))
+        denom = acc.index_select(0, rows).sqrt_().add_(opt.eps)  # [U]
+        step = grads.to(torch.float32) / denom.unsqueeze(1)  # [U, D]
+        group.weight.index_add_(0, rows, step, alpha=-opt.lr)
+        group.clocks.index_add_(0, rows, torch.ones_like(rows))
         return
     w = group.weight.index_select(0, rows)  # [U, D]
     s = group.state.index_select(0, rows)  # [U, S]
@@ -306,7 +317,7 @@ class FusedLookupFunction(torch.autograd.Function):
 
 
 def _cpu_rowwise_adagrad(g: FusedGroup, b: GroupBatch, grad: torch.Tensor) -> bool:
-    """Backward + row-wise Adagrad of one group in the C kernel (:mod:`embedding.cpu_kernel`):
+    """Backward + row-wise Adagrad of one group in the C kernel (:mod:`ps.cpu_kernel`):
     one sort, then one pass per unique row. False (nothing done) where it does not apply."""
     opt = g.optimizer
     if not isinstance(opt, RowWiseAdagrad) or g.weight.is_cuda or not cpu_kernel.available():

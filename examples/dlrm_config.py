@@ -166,8 +166,6 @@ class TrainConfig:
         for item in self.placement_of:
             table, sep, where = item.partition("=")
             if not sep or not table or where not in PLACEMENTS[1:]:
-                raise ValueError(
-                    f"placement_of: expected TABLE=local|hybrid|sharded, got {item!r}"
-                )
+                raise ValueError(f"placement_of: expected TABLE=local|hybrid|sharded, got {item!r}")
             out[table] = where
         return out

@@ -61,9 +61,7 @@ class InMemorySource:
     def __init__(self, data: CTRData, cfg: TrainConfig, group: ProcessGroup) -> None:
         self.data, self.cfg, self.group = data, cfg, group
         self.per_rank = per_rank_batch(cfg, group)
-        self.features = [
-            Feature(f.name, f.num_rows, multi=f.ids.shape[1] > 1) for f in data.sparse
-        ]
+        self.features = [Feature(f.name, f.num_rows, multi=f.ids.shape[1] > 1) for f in data.sparse]
         self.num_dense = len(data.dense_names)
 
     def describe(self) -> str:
@@ -88,8 +86,11 @@ class InMemorySource:
             for s in range(self.steps_per_epoch)
         ]
 
-    def train_batches(self, epoch: int, skip: int = 0) -> Iterator[tuple[Batch, torch.Tensor]]:
+    def train_batches(
+        self, epoch: int, skip: int = 0, start: torch.Tensor | None = None
+    ) -> Iterator[tuple[Batch, torch.Tensor]]:
         """``(batch, position)`` from step ``skip`` of ``epoch`` on; no per-rank position."""
+        del start
         for idx in self.local_batches(epoch)[skip:]:
             yield gather_batch(self.data, idx), torch.empty(0, dtype=torch.int64)
 
@@ -150,10 +151,11 @@ class CriteoSource:
         return CriteoReader(cfg, start)
 
     def train_batches(
-        self, epoch: int, start: torch.Tensor | None = None
+        self, epoch: int, skip: int = 0, start: torch.Tensor | None = None
     ) -> Iterator[tuple[Batch, torch.Tensor]]:
-        """``(batch, this rank's reader position after it)``; ``start`` resumes a position."""
-        del epoch  # every epoch reads the files from the start (no shuffle of a stream)
+        """``(batch, this rank's reader position after it)``; ``start`` resumes a position
+        (``skip``, the steps already done in the epoch, is implied by it)."""
+        del epoch, skip  # every epoch reads the files from the start (no shuffle of a stream)
         pos = None if start is None else ReaderPosition(*[int(v) for v in start.tolist()])
         reader = self._reader(list(self.cfg.criteo_path), self.per_rank, pos)
         for batch in reader:

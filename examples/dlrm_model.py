@@ -70,19 +70,7 @@ def build_dlrm(
         features = features_of(features)
     if num_dense is None:
         raise ValueError("build_dlrm: num_dense is needed with a list of features")
-    where = dict(placements or {})
-    tables = [
-        TableConfig(
-            name=f.name,
-            num_rows=f.num_rows,
-            dim=dim,
-            feature_names=[f.name],
-            pooling="mean" if f.multi else "sum",
-            placement=where.get(f.name, "local"),  # type: ignore[arg-type]
-            optimizer=RowWiseAdagrad(lr=emb_lr),
-        )
-        for f in features
-    ]
+    tables = dlrm_tables(features, dim=dim, emb_lr=emb_lr, placements=placements)
     embeddings = EmbeddingCollection(tables, group=group, store=store)
     config = DLRMConfig(
         num_dense=num_dense,
@@ -95,3 +83,26 @@ def build_dlrm(
         torch.manual_seed(seed)
         dense = DLRMDense(config)
     return DLRM(embeddings, dense)
+
+
+def dlrm_tables(
+    features: Sequence[Feature],
+    *,
+    dim: int,
+    emb_lr: float,
+    placements: Mapping[str, str] | None = None,
+) -> list[TableConfig]:
+    """One table per feature, named after it, with row-wise Adagrad."""
+    where = dict(placements or {})
+    return [
+        TableConfig(
+            name=f.name,
+            num_rows=f.num_rows,
+            dim=dim,
+            feature_names=[f.name],
+            pooling="mean" if f.multi else "sum",
+            placement=where.get(f.name, "local"),  # type: ignore[arg-type]
+            optimizer=RowWiseAdagrad(lr=emb_lr),
+        )
+        for f in features
+    ]

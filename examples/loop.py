@@ -68,7 +68,9 @@ class StepLog:
             "kind": "step",
             "step": step,
             "loss": float(acc[0] / acc[1]),
-            "samples_per_s": self._steps_since * self.samples_per_step / max(now - self._since, 1e-9),
+            "samples_per_s": self._steps_since
+            * self.samples_per_step
+            / max(now - self._since, 1e-9),
         }
         self.last_loss = float(row["loss"])
         if self.extras is not None and self.group.rank == 0:

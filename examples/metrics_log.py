@@ -48,7 +48,7 @@ class MetricsLog:
 def cache_metrics(stats: dict[str, dict[str, Any]]) -> dict[str, float]:
     """Hit rate, rows moved and staleness served, over every table of ``cache_stats()``."""
     lookups = sum(s["lookups"] for s in stats.values())
-    served = {}
+    served: dict[int, int] = {}
     for s in stats.values():
         for k, n in s["staleness_served"].items():
             served[int(k)] = served.get(int(k), 0) + n

@@ -47,14 +47,17 @@ def plot_metrics(path: str | Path, out: str | Path | None = None) -> Path | None
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("training loss")
     ax_loss.grid(alpha=0.3)
+    drawn = False
     for key in EVAL_KEYS:
         pts = [
             (r["steps"] if "steps" in r else r.get("step", 0), r[key]) for r in evals if key in r
         ]
         if pts:
             ax_eval.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+            drawn = True
     ax_eval.set_xlabel("step")
-    ax_eval.legend(loc="best")
+    if drawn:  # no validation data: an empty panel, no legend
+        ax_eval.legend(loc="best")
     ax_eval.grid(alpha=0.3)
     fig.suptitle(Path(path).name)
     fig.tight_layout()

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
+import torch
+
 from cache import CacheConfig, CachedStore
 from comm import ProcessGroup, Role, Topology
 from embedding.hybrid import store_is_replicated
-from ps import InProcessStore, Store
+from ps import InProcessStore, Store, TableSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +113,33 @@ def open_ps(value: str, group: ProcessGroup) -> PSRole:
     return PSRole(topo, role, workers, MPIStore(group, topo))
 
 
+def create_shared_tables(store: Store, specs: list[TableSpec], group: ProcessGroup) -> None:
+    """Collective: create the tables of a store shared by the workers (MPI servers, Redis)
+    from rank 0 only, before the workers build their embedding collections.
+
+    Each collection creates the tables it misses; on a shared store two workers doing
+    that at the same moment would race ("table already exists"). Rank 0 creates them
+    first, the others wait; each collection then finds them and checks their specs.
+    A per-rank (replicated) store needs nothing.
+    """
+    if group.size == 1 or store_is_replicated(store) or not specs:
+        return
+    error: Exception | None = None
+    if group.rank == 0:
+        try:
+            have = set(store.tables())
+            for spec in specs:
+                if spec.name not in have:
+                    store.create_table(spec)
+        except Exception as e:  # raised on every rank below
+            error = e
+    flag = group.allreduce(torch.tensor([0 if error is None else 1]), op="max")
+    if error is not None:
+        raise error
+    if int(flag):
+        raise RuntimeError("creating the embedding tables in the shared store failed on rank 0")
+
+
 def with_cache(cfg: Any, store: Store, group: ProcessGroup) -> CachedStore | None:
     """The hot-row cache in front of ``store`` when ``cfg`` (a job config with fields
     ``cache_rows``, ``cache_fraction``, ``cache_policy``, ``read_bound``, ``write_bound``)
@@ -135,4 +164,12 @@ def with_cache(cfg: Any, store: Store, group: ProcessGroup) -> CachedStore | Non
     )
 
 
-__all__ = ["PSChoice", "PSRole", "open_ps", "parse_ps", "topology_for", "with_cache"]
+__all__ = [
+    "PSChoice",
+    "PSRole",
+    "open_ps",
+    "parse_ps",
+    "topology_for",
+    "with_cache",
+    "create_shared_tables",
+]

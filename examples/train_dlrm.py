@@ -41,10 +41,16 @@ from examples.cli import parse_config
 from examples.data.ctr import Batch
 from examples.dlrm_config import TrainConfig
 from examples.dlrm_data import CriteoSource, Feature, Source, auc_logloss, open_source
-from examples.dlrm_model import DLRM, build_dlrm
+from examples.dlrm_model import DLRM, build_dlrm, dlrm_tables
 from examples.loop import StepLog, due
 from examples.metrics_log import MetricsLog, cache_metrics, store_metrics
-from examples.stores import PSRole, open_ps, topology_for, with_cache
+from examples.stores import (
+    PSRole,
+    create_shared_tables,
+    open_ps,
+    topology_for,
+    with_cache,
+)
 from ps import InProcessStore, Store
 
 T = TypeVar("T")
@@ -61,11 +67,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 def resolve_placements(cfg: TrainConfig, features: list[Feature]) -> dict[str, str]:
     """``{table: placement}`` from ``--placement`` and ``--placement-of``."""
-    default = cfg.placement
+    default: str = cfg.placement
     if default == "auto":
         dynamic = any(f.num_rows is None for f in features)
         default = "hybrid" if (cfg.cache_on or cfg.ps != "local" or dynamic) else "local"
-    out = {f.name: default for f in features}
+    out: dict[str, str] = {f.name: default for f in features}
     for table, where in cfg.placement_overrides().items():
         if table not in out:
             raise ValueError(f"placement_of: no table {table!r}; the tables are {list(out)}")
@@ -94,6 +100,8 @@ def build(
     cached = with_cache(cfg, store, group)
     if cached is not None and "hybrid" not in placements.values():
         raise ValueError(f"the cache serves hybrid tables, but the placements are {placements}")
+    tables = dlrm_tables(source.features, dim=cfg.dim, emb_lr=cfg.emb_lr, placements=placements)
+    create_shared_tables(store, [t.to_spec() for t in tables if t.placement == "hybrid"], group)
     model = build_dlrm(
         source.features,
         source.num_dense,
@@ -201,8 +209,9 @@ def _train(cfg: TrainConfig, group: ProcessGroup, store: Store) -> dict[str, Any
     say(f"DLRM on {source.describe()}; {group.size} worker rank(s) ({group.backend})")
 
     epoch, skip, step, start_pos = 0, 0, 0, None
-    resume_from = latest_checkpoint(cfg.checkpoint_dir) if cfg.resume else None
-    assert cfg.checkpoint_dir is not None or resume_from is None
+    resume_from = (
+        latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir and cfg.resume else None
+    )
     if resume_from is not None:
         meta, start_pos = load_checkpoint(
             resume_from, group=group, dense=dense_module(model), optimizer=opt,
@@ -256,10 +265,7 @@ def _train(cfg: TrainConfig, group: ProcessGroup, store: Store) -> dict[str, Any
         t0 = time.perf_counter()
         loss_sum = torch.zeros(2, dtype=torch.float64)  # [sum of local mean losses, steps]
         in_epoch = skip if e == epoch else 0
-        if stream:
-            batches = source.train_batches(e, start_pos if e == epoch else None)
-        else:
-            batches = source.train_batches(e, in_epoch)
+        batches = source.train_batches(e, in_epoch, start_pos if e == epoch else None)
         pos = None
         for (batch, pos), nxt in with_next(agreed(batches, group, stream), cached is not None):
             loss = train_step(model, opt, batch, None if nxt is None else nxt[0])

@@ -39,8 +39,14 @@ from embedding import EmbeddingCollection
 from examples.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from examples.cli import build_parser as build_config_parser
 from examples.cli import parse_config
-from examples.data.text import eval_batches, get_batch, load_corpus, make_tokenizer
-from examples.data.text import split_tokens, tokenize
+from examples.data.text import (
+    eval_batches,
+    get_batch,
+    load_corpus,
+    make_tokenizer,
+    split_tokens,
+    tokenize,
+)
 from examples.lm_config import LMConfig
 from examples.lm_model import (
     LanguageModel,
@@ -51,7 +57,13 @@ from examples.lm_model import (
 )
 from examples.loop import StepLog, due
 from examples.metrics_log import MetricsLog, cache_metrics
-from examples.stores import PSRole, open_ps, topology_for, with_cache
+from examples.stores import (
+    PSRole,
+    create_shared_tables,
+    open_ps,
+    topology_for,
+    with_cache,
+)
 from ps import InProcessStore, Store
 
 __all__ = ["LMConfig", "build_parser", "embed_tokens", "main", "parse_args", "train"]
@@ -124,8 +136,11 @@ def _train(cfg: LMConfig, group: ProcessGroup, store: Store) -> dict[str, Any]:
     )
     trained, opt = make_dense_optimizer(cfg, gpt, group)
     cached = with_cache(cfg, store, group)
+    table = token_table(cfg, vocab)
+    if table.placement == "hybrid":
+        create_shared_tables(store, [table.to_spec()], group)
     tokens = EmbeddingCollection(
-        [token_table(cfg, vocab)], store=cached if cached is not None else store, group=group
+        [table], store=cached if cached is not None else store, group=group
     )
     model = LanguageModel(tokens, trained)
     say(
@@ -143,7 +158,9 @@ def _train(cfg: LMConfig, group: ProcessGroup, store: Store) -> dict[str, Any]:
     )
 
     start = 0
-    resume_from = latest_checkpoint(cfg.checkpoint_dir) if cfg.resume else None
+    resume_from = (
+        latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir and cfg.resume else None
+    )
     if resume_from is not None:
         meta, _ = load_checkpoint(
             resume_from, group=group, dense=gpt, optimizer=opt, embeddings=tokens

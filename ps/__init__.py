@@ -47,6 +47,7 @@ _LAZY = {
     "RedisStore": "ps.redis_store",
     "RedisUnavailableError": "ps.redis_store",
     "RedisAuthError": "ps.redis_store",
+    "RedisDataLossError": "ps.redis_store",
 }
 
 
@@ -62,6 +63,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "MPIStore",
     "RedisAuthError",
+    "RedisDataLossError",
     "RedisStore",
     "RedisUnavailableError",
     "ServerConfig",

@@ -37,8 +37,10 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from ps import cpu_kernel
 from ps.checkpoint import TablePart
 from ps.dynamic_index import IdIndex
+from ps.optimizers import RowWiseAdagrad
 from ps.store import PullResult
 from ps.table import TableSpec
 from ps.validate import finite_rows
@@ -260,6 +262,9 @@ class LocalTable:
             self.step += 1
         if uniq.numel() > 0:
             slots = self._create(uniq) if self.dynamic else uniq
+            if not self.dynamic and self._push_in_place(slots, summed):
+                self.counters["rows_pushed"] += int(uniq.numel())
+                return
             rows = take(self.weights, slots)  # [U, D] copies
             state = take(self.state, slots)  # [U, S] copies
             self.spec.optimizer.apply(rows, state, summed)
@@ -271,6 +276,26 @@ class LocalTable:
                 self.last_touch.index_fill_(0, slots, self.step)
         if self.dynamic:
             self._evict()
+
+    def _push_in_place(self, slots: torch.Tensor, summed: torch.Tensor) -> bool:
+        """Row-wise Adagrad on a fixed table in the C kernel (one pass per row, no copies).
+
+        ``slots`` are distinct and sorted (from :func:`coalesce`); the kernel runs the
+        same math as :meth:`ps.optimizers.RowWiseAdagrad.apply` and bumps the clocks.
+        False (nothing changed) for other optimizers or where the kernel is unavailable.
+        """
+        opt = self.spec.optimizer
+        if not isinstance(opt, RowWiseAdagrad):
+            return False
+        return cpu_kernel.rowwise_adagrad_(
+            self.weights,
+            self.state,
+            self.clocks,
+            slots,
+            summed.contiguous(),
+            lr=opt.lr,
+            eps=opt.eps,
+        )
 
     def _create(self, uniq: torch.Tensor) -> torch.Tensor:
         """Slots of the distinct ids ``uniq`` ``[U]``, creating the rows that are missing."""

@@ -495,6 +495,11 @@ class _Server:
 
 def _text_reply(op: int, request_id: int, text: str, *, table: int = -1) -> Any:
     raw = text.encode("utf-8")
+    if len(raw) > wire.MAX_TEXT_BYTES:
+        raise ValueError(
+            f"op {op}: the reply text has {len(raw)} bytes, more than the protocol's "
+            f"{wire.MAX_TEXT_BYTES} (too many tables?)"
+        )
     return wire.message(
         wire.header(op, request_id, table=table, arg=len(raw)), wire.pack_bytes(raw)
     ), _EMPTY_F32

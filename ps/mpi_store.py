@@ -371,7 +371,9 @@ class MPIStore(Store):
         """Send a text request to every server and wait for all replies."""
         raw = text.encode("utf-8")
         calls = [
-            self._start(s, op, payload=(wire.pack_bytes(raw),), arg=len(raw))
+            self._start(
+                s, op, payload=(wire.pack_bytes(raw),), arg=len(raw), reply_words=wire.TEXT_WORDS
+            )
             for s in range(len(self._servers))
         ]
         self._handle(calls, lambda: None, what).wait()
@@ -398,7 +400,7 @@ class MPIStore(Store):
         self._tables[spec.name] = _Table(spec, [int(c.reply[wire.W_TABLE]) for c in calls])
 
     def tables(self) -> list[str]:
-        call = self._start(0, Op.LIST)
+        call = self._start(0, Op.LIST, reply_words=wire.TEXT_WORDS)
         self._handle([call], lambda: None, "tables").wait()
         names: list[str] = json.loads(call.text())
         return names

@@ -56,8 +56,8 @@ class RedisAuthError(PermissionError):
 
 
 def _is_auth_error(err: BaseException) -> bool:
-    if isinstance(err, AuthenticationError):
-        return True
+    if isinstance(err, AuthenticationError | redis.exceptions.NoPermissionError):
+        return True  # NoPermissionError: an ACL user without rights on the keys (NOPERM)
     text = str(err)
     return isinstance(err, ResponseError) and text.startswith(("NOAUTH", "WRONGPASS", "NOPERM"))
 

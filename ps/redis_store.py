@@ -51,10 +51,14 @@ Requests (one command per touched bucket, each node's commands written in one go
 Asynchrony and order: ``pull_async``/``push_async`` write their commands at once
 and return; ``wait()`` reads the replies. A store keeps one connection per Redis
 node, so Redis applies one store's requests in the order they were issued (a pull
-issued after a push sees it) whatever order the handles are waited in. A push is
-complete only once its handle is waited: rows it creates are written in that
-second round trip. ``wait(timeout)`` past its limit closes the connection, which
-fails the other requests in flight on it.
+issued after a push sees it) whatever order the handles are waited in. The rows a
+push creates are written by its second round trip, sent when the push is *settled*:
+by its own ``wait()`` or by the wait of any later request of this store on the same
+table (a pull, push, ``clocks``, ``state``, ``save``), which first settles the
+earlier pushes in issue order and, if one of them created rows, sends its own
+commands again; so a pull issued after an unwaited push still sees it (the cache
+never waits its pushes until ``flush``). ``wait(timeout)`` past its limit closes
+the connection, which fails the other requests in flight on it.
 
 Eviction (dynamic tables, the rules of :class:`ps.table.TableSpec`): the table
 step is a Redis counter (INCR per push); pulls and pushes stamp the rows they
@@ -188,6 +192,36 @@ def _check_key_part(what: str, value: object) -> str:
     return value
 
 
+class _PushSettle:
+    """Completes one push once: reads its replies, sends its second round (rows missing
+    from Redis), evicts, counts. Called by the push's own ``wait()`` and by every later
+    request of the same client on the table (:meth:`RedisStore._settle`)."""
+
+    __slots__ = ("run", "lock", "done", "error", "second")
+
+    def __init__(self, run: Any) -> None:
+        self.run = run  # run(limit) -> True if a second round was sent
+        self.lock = threading.Lock()
+        self.done = False
+        self.error: BaseException | None = None
+        self.second = False
+
+    def __call__(self, limit: float | None) -> bool:
+        """Complete the push (at most once); True if it sent a second round."""
+        with self.lock:
+            if not self.done:
+                try:
+                    self.second = bool(self.run(limit))
+                except BaseException as err:
+                    self.error = err
+                finally:
+                    self.done = True
+                    self.run = None  # drop the closure (it holds the request's buffers)
+            if self.error is not None:
+                raise self.error
+            return self.second
+
+
 @dataclass(slots=True)
 class _Table:
     """A table as this client sees it: spec, bucket keys, scripts, counters."""
@@ -206,6 +240,9 @@ class _Table:
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
     seq_next: list[int] = field(default_factory=list)  # [B] last number given out
     unanswered: list[set[int]] = field(default_factory=list)  # [B] numbers without an answer
+    # Pushes of this client whose replies were not processed yet, in issue order (see
+    # RedisStore._settle): each one's completion (replies, second round, eviction).
+    pending: list[_PushSettle] = field(default_factory=list)
 
     @property
     def evicts(self) -> bool:
@@ -481,15 +518,23 @@ class RedisStore(Store):
         *,
         push: _Table | None = None,
         failed: Any = None,
+        earlier: list[_PushSettle] | None = None,
     ) -> Handle:
         """Start ``cmds``; the handle's ``wait()`` reads the replies (resending on a lost
         reply, see :meth:`_replies`) and returns ``finish(replies)``. ``failed()`` runs
-        if no replies come. ``push``: the table of a push (counters, fault injection)."""
+        if no replies come. ``push``: the table of a push (counters, fault injection).
+        ``earlier``: this client's pushes on the table not settled when ``cmds`` were
+        sent (a read): they are settled first, and if one of them had to send a second
+        round (rows it created after ``cmds`` ran), ``cmds`` are sent again, so the
+        read sees every push issued before it."""
         box: dict[str, Any] = {"batch": self._start(cmds, what)}
 
         def block(limit: float) -> None:
             try:
+                again = self._settle(earlier) if earlier else False
                 box["replies"] = self._replies(box.pop("batch"), cmds, what, limit, push)
+                if again:
+                    box["replies"] = self._replies(None, cmds, what, limit, push)
             except BaseException:
                 if failed is not None:
                     failed()
@@ -499,6 +544,28 @@ class RedisStore(Store):
             return finish(box["replies"])
 
         return Handle(lambda: False, done, what=what, timeout_s=self._timeout_s, block=block)
+
+    def _unsettled(self, t: _Table) -> list[_PushSettle]:
+        """This client's pushes on ``t`` not settled yet, in issue order."""
+        with self._lock:
+            t.pending = [p for p in t.pending if not p.done]
+            return list(t.pending)
+
+    def _settle(self, pushes: list[_PushSettle] | None) -> bool:
+        """Complete ``pushes`` in issue order; True if one of them sent a second round.
+
+        Why: a push's rows missing from Redis are created by a second call sent only
+        when the push completes, so without this a later pull (or push) of the same
+        client would overtake them: the store must apply one client's requests in
+        issue order (:class:`cache.CachedStore` relies on it). A push's error is
+        raised by its own ``wait()``, not here."""
+        again = False
+        for p in pushes or ():
+            try:
+                again |= p(self._timeout_s)
+            except Exception:  # noqa: S112 -- reported by that push's own wait()
+                continue
+        return again
 
     def _start(self, cmds: list[Command], what: str) -> Batch | None:
         """Write ``cmds`` (None if Redis cannot be reached now: :meth:`_replies` retries)."""
@@ -610,6 +677,7 @@ class RedisStore(Store):
         with self._lock:
             t.counters["pull_requests"] += 1
         what = f"pull table {table!r} from Redis {self.address}"
+        earlier = self._unsettled(t)  # before the pull is sent (see _handle)
         step = self._step(t) if t.evicts else None
         order, calls = self._split(t, ids)
         sorted_ids = ids[order].numpy().astype("<i8")  # [N] bucket-sorted
@@ -663,7 +731,7 @@ class RedisStore(Store):
                 t.counters["rows_skipped_by_bound"] += n - m
             return result
 
-        return self._handle(cmds, finish, what)
+        return self._handle(cmds, finish, what, earlier=earlier)
 
     def _decode_values(
         self, t: _Table, sorted_ids: np.ndarray, order: np.ndarray, replies: list[Any]
@@ -745,6 +813,7 @@ class RedisStore(Store):
                 skipped = int((~ok).sum())
                 uniq, summed = uniq[ok], summed[ok]
         step = b""
+        earlier = self._unsettled(t)  # their second rounds must run before this push's
         if t.evicts:
             got = self._link.command(t.step_key, "INCR", t.step_key, what=what)
             step = str(int(got)).encode()
@@ -791,9 +860,18 @@ class RedisStore(Store):
             ]
             return evalsha(t.push_sha, t.push_src, keys, args)
 
-        def finish(replies: list[Any]) -> None:
+        first = [command(k, None, seqs[k], 0) for k in range(len(calls))]
+        box: dict[str, Any] = {"batch": self._start(first, what)}
+
+        def run(limit: float | None) -> bool:
+            """Replies, second round, eviction, counters; True if a second round was sent."""
             try:
-                created, repeated = self._second_round(t, calls, seqs, replies, command, what)
+                self._settle(earlier)  # their second rounds before ours: issue order
+                earlier.clear()
+                replies = self._replies(box.pop("batch"), first, what, limit, t)
+                created, _repeated, second = self._second_round(
+                    t, calls, seqs, replies, command, what
+                )
             finally:
                 self._answered(t, calls, seqs)
             evicted = self._evict(t, int(step)) if t.evicts else 0
@@ -804,10 +882,21 @@ class RedisStore(Store):
                 c["rows_skipped_nan"] += skipped
                 c["rows_created"] += created
                 c["rows_evicted"] += evicted
+            return second
 
-        first = [command(k, None, seqs[k], 0) for k in range(len(calls))]
-        return self._handle(
-            first, finish, what, push=t, failed=lambda: self._answered(t, calls, seqs)
+        settle = _PushSettle(run)
+        with self._lock:
+            t.pending.append(settle)
+
+        def block(limit: float) -> None:
+            settle(limit)
+
+        return Handle(
+            lambda: settle.done,
+            lambda: settle(None),
+            what=what,
+            timeout_s=self._timeout_s,
+            block=block,
         )
 
     def _numbers(self, t: _Table, buckets: list[int]) -> list[tuple[int, int]]:
@@ -837,9 +926,9 @@ class RedisStore(Store):
         replies: list[Any],
         command: Any,
         what: str,
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, bool]:
         """Send the rows the first calls skipped (missing from Redis) with their initial
-        values, as new calls (new numbers); ``(rows created, repeats)``."""
+        values, as new calls (new numbers); ``(rows created, repeats, sent any)``."""
         created = repeated = 0
         need: list[tuple[int, np.ndarray]] = []  # (call, 0-based positions within it)
         for k, r in enumerate(replies):
@@ -850,7 +939,7 @@ class RedisStore(Store):
             if r[2]:
                 need.append((k, np.frombuffer(r[2], dtype="<i4").astype(np.int64) - 1))
         if not need:
-            return created, repeated
+            return created, repeated, False
         more = [calls[k] for k, _m in need]
         numbers = self._numbers(t, [b for b, _lo, _hi in more])
         cmds = [command(k, m, nums, seqs[k][0]) for (k, m), nums in zip(need, numbers, strict=True)]
@@ -864,7 +953,7 @@ class RedisStore(Store):
             assert not r[2], "rows missing despite their initial rows"
             repeated += int(r[0]) == PUSH_REPEAT
             created += int(r[1])
-        return created, repeated
+        return created, repeated, True
 
     # ------------------------------------------------------------ eviction
 
@@ -925,7 +1014,8 @@ class RedisStore(Store):
         self, t: _Table, ids: torch.Tensor, keys: list[bytes], what: str
     ) -> tuple[np.ndarray, list[Any], torch.Tensor]:
         """HMGET ``ids`` from the bucket hashes ``keys`` (the rows hashes: their markers are
-        checked too)."""
+        checked too). This client's pushes on ``t`` are settled first (issue order)."""
+        self._settle(self._unsettled(t))
         order, calls = self._split(t, ids)
         sorted_ids = ids[order].numpy().astype("<i8")
         fields = bulk_rows([sorted_ids.view(np.uint8).reshape(-1, 8)])
@@ -1052,7 +1142,10 @@ class RedisStore(Store):
             lost = [t for name, t in self._tables.items() if name not in names]
         if lost:  # tables this client used are no longer listed: not a checkpoint to write
             raise self._gone(lost[0], None, None)
-        tables = [(t.spec, self._table_parts(t)) for t in map(self._get, names)]
+        used = [self._get(n) for n in names]
+        for t in used:
+            self._settle(self._unsettled(t))  # every push issued before the save is in it
+        tables = [(t.spec, self._table_parts(t)) for t in used]
         write_checkpoint(path, tables, writer=type(self).__name__)
 
     def load(self, path: str | os.PathLike[str]) -> None:

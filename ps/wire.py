@@ -61,6 +61,9 @@ HEADER_LEN = 8
 MAX_IDS = 1 << 27
 MAX_ERROR_BYTES = 4000  # longer error messages are cut; bounds the reply buffers
 ERROR_WORDS = (MAX_ERROR_BYTES + 7) // 8
+#: Largest text / JSON reply (table list, stats, save parts); a worker's reply buffer.
+MAX_TEXT_BYTES = 1 << 20
+TEXT_WORDS = (MAX_TEXT_BYTES + 7) // 8
 
 TAG_REQUEST = 1
 TAG_REQUEST_DATA = 2

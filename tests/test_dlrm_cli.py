@@ -38,7 +38,7 @@ def test_defaults_and_every_option() -> None:
         bucket_mb=4.0, checkpoint_dir="ck", checkpoint_every=5, checkpoint_keep=3, resume=True,
         log_every=2, progress=False, verbose=False, eval_every=9, eval_batch_size=100,
     )  # fmt: skip
-    crit = parse_args("--data criteo --criteo-path a.tsv b.gz --criteo-rows 0".split())
+    crit = parse_args(["--data", "criteo", "--criteo-path", "a.tsv", "b.gz", "--criteo-rows", "0"])
     assert (crit.criteo_path, crit.criteo_rows, crit.epochs) == (["a.tsv", "b.gz"], 0, 1)
 
 

@@ -199,8 +199,10 @@ def test_interaction_kernel_equals_float64_reference(
     torch.testing.assert_close(fast_in.grad.double(), ref_in.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_float32_model_uses_kernel_and_matches_float64() -> None:
-    """A whole float32 DLRMDense step (kernel path where built) against float64."""
+@pytest.mark.parametrize("as_list", [False, True])
+def test_float32_model_uses_kernel_and_matches_float64(as_list: bool) -> None:
+    """A whole float32 DLRMDense step (kernel path where built: the stacked input, or
+    the list read in place) against float64."""
     torch.manual_seed(5)
     cfg = _config(num_dense=13, num_sparse=26, embedding_dim=16, bottom_mlp=[32, 16])
     model = DLRMDense(cfg)
@@ -208,7 +210,8 @@ def test_float32_model_uses_kernel_and_matches_float64() -> None:
     ref.load_state_dict(model.state_dict())
     dense, sparse = torch.randn(80, 13), torch.randn(80, 26, 16)
     sp32, sp64 = sparse.clone().requires_grad_(True), sparse.double().requires_grad_(True)
-    out32, out64 = model(dense, sp32), ref(dense.double(), sp64)
+    out32 = model(dense, list(sp32.unbind(1)) if as_list else sp32)
+    out64 = ref(dense.double(), sp64)
     torch.testing.assert_close(out32.double(), out64, rtol=1e-4, atol=1e-4)
     out32.sum().backward()
     out64.sum().backward()

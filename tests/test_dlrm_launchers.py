@@ -37,9 +37,7 @@ def _run(
     cmd: list[str], out: Path, args: list[str] = ARGS, timeout: float = 200
 ) -> list[dict[str, Any]]:
     cmd = [*cmd, str(SCRIPT), *args, "--metrics-out", str(out)]
-    run = subprocess.run(
-        cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
-    )
+    run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, f"{cmd}\n{run.stdout}\n{run.stderr}"
     return [json.loads(line) for line in out.read_text().splitlines()]
 
@@ -88,3 +86,31 @@ def test_mpi_parameter_server_ranks_train(tmp_path: Path) -> None:
     assert moved == sorted(moved) and moved[0] > 0, moved
     # Measured: test AUC ~0.759 vs popularity 0.699 after 150 steps.
     assert final["test_auc"] > final["popularity_auc"] + 0.03, final
+
+
+@pytest.mark.timeout(300)
+def test_two_workers_share_a_redis_store_and_resume_from_it(tmp_path: Path) -> None:
+    """``--ps redis://``: both workers' hybrid tables in one Redis (created once, by rank
+    0); the checkpoint holds the Redis tables and a resumed run loads them back."""
+    from redis_server import redis_server
+
+    args = [
+        "--data", "synthetic", "--synthetic-samples", "3000", "--synthetic-rows", "200",
+        "--batch-size", "100", "--dim", "8", "--no-progress", "--log-every", "6",
+        "--checkpoint-dir", str(tmp_path / "ck"), "--lr", "0.01",
+    ]  # fmt: skip
+    cmd = [mpirun_path(), "-n", "2", sys.executable]
+    out = tmp_path / "r.jsonl"
+    with redis_server() as srv:
+        first = _run(cmd, out, [*args, "--ps", srv.url, "--epochs", "1"], timeout=140)
+        keys = srv.client().dbsize()
+        srv.client().flushdb()  # the resumed run must get its rows from the checkpoint
+        rows = _run(cmd, out, [*args, "--ps", srv.url, "--epochs", "2", "--resume"], 140)
+    assert first[-1]["world_size"] == 2 and first[-1]["steps"] == 24 and keys > 0
+    store = tmp_path / "ck" / "step-00000024" / "tables" / "store" / "manifest.json"
+    assert json.loads(store.read_text())["writer"] == "RedisStore"
+    steps = [r for r in rows if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [6, 12, 18, 24, 30, 36, 42, 48]
+    assert all(r["ps_rows_moved"] > 0 for r in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.2, steps
+    assert rows[-1]["steps"] == 48 and rows[-1]["test_auc"] > 0.55

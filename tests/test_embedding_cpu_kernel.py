@@ -1,4 +1,4 @@
-"""The C kernel of the CPU fused backward (embedding/cpu_kernel.py) against the ps math.
+"""The C kernel of the CPU fused backward (ps/cpu_kernel.py) against the ps math.
 
 Reference: per-id gradients summed per unique row by ``index_add_`` in float64,
 then ``ps.RowWiseAdagrad.apply`` (the parameter server's own update) on copies of
@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from embedding import cpu_kernel
-from ps import RowWiseAdagrad
+from ps import RowWiseAdagrad, cpu_kernel
 
 pytestmark = [
     pytest.mark.timeout(120),

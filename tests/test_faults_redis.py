@@ -17,7 +17,6 @@ restarted on the same port and data folder:
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 import uuid
@@ -168,15 +167,7 @@ def test_aof_kill_during_pushes_loses_no_acknowledged_push() -> None:
         store.close()
 
 
-def _has_vanished_check() -> bool:
-    import ps.redis_store as rs
-
-    return "gone from Redis" in inspect.getsource(rs)
-
-
 def test_restart_without_persistence_is_an_error_not_fresh_rows() -> None:
-    if not _has_vanished_check():
-        pytest.xfail("pending: ps/redis_store.py has no 'gone from Redis' check yet (issue 8)")
     with redis_server(appendonly=False) as srv:
         store = _store(srv, _prefix())
         store.create_table(SPEC)
@@ -184,10 +175,10 @@ def test_restart_without_persistence_is_an_error_not_fresh_rows() -> None:
         store.push("t", ids, grads)
         srv.kill()
         srv.restart()  # empty: no RDB, no AOF
-        with pytest.raises(Exception, match=r"gone from Redis") as pull_err:
+        with pytest.raises(ps.RedisDataLossError, match=r"gone from Redis") as pull_err:
             store.pull("t", ids)
         assert "'t'" in str(pull_err.value) and f"{srv.port}" in str(pull_err.value)
-        with pytest.raises(Exception, match=r"gone from Redis"):
+        with pytest.raises(ps.RedisDataLossError, match=r"gone from Redis"):
             store.push("t", ids, grads)
         # Nothing was written back: the push did not recreate rows or the table.
         client = srv.client()

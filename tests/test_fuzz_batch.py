@@ -97,13 +97,13 @@ def raw_parts(draw: st.DrawFn) -> dict[str, Any]:
             parts["ids"] = ids_t.to(torch.float64)
         elif m == "ids list" and isinstance(ids_t, torch.Tensor):
             parts["ids"] = ids_t.tolist()
-        elif m == "ids 2-D" and isinstance(ids_t, torch.Tensor):
+        elif m == "ids 2-D" and isinstance(ids_t, torch.Tensor) and ids_t.dim() == 1:
             parts["ids"] = ids_t.reshape(1, -1)
         elif m == "lengths float" and isinstance(len_t, torch.Tensor):
             parts["lengths"] = len_t.to(torch.float32)
         elif m == "lengths bool" and isinstance(len_t, torch.Tensor):
             parts["lengths"] = len_t > 0
-        elif m == "lengths 2-D" and isinstance(len_t, torch.Tensor):
+        elif m == "lengths 2-D" and isinstance(len_t, torch.Tensor) and len_t.dim() == 1:
             parts["lengths"] = len_t.reshape(1, -1)
         elif m == "lengths int32" and isinstance(len_t, torch.Tensor):
             parts["lengths"] = len_t.to(torch.int32)
@@ -115,7 +115,7 @@ def raw_parts(draw: st.DrawFn) -> dict[str, Any]:
             t = len_t.clone()
             t[draw(st.integers(0, t.numel() - 1))] += 1
             parts["lengths"] = t
-        elif m == "lengths count" and isinstance(len_t, torch.Tensor):
+        elif m == "lengths count" and isinstance(len_t, torch.Tensor) and len_t.dim() == 1:
             parts["lengths"] = torch.cat([len_t, torch.zeros(1, dtype=len_t.dtype)])
         elif m == "weights shape":
             parts["weights"] = torch.rand(n + 1)
@@ -198,7 +198,7 @@ TABLES = [
         optimizer=ps.SGD(lr=0.5),
     ),
 ]  # fmt: skip
-ROWS = {t.name: t.num_rows for t in TABLES}
+ROWS = {t.name: int(t.num_rows or 0) for t in TABLES}
 TABLE_OF = {f: t for t in TABLES for f in t.feature_names}
 
 

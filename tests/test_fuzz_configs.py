@@ -35,7 +35,7 @@ SETTINGS: dict[str, Any] = {
     "suppress_health_check": [HealthCheck.too_slow],
 }
 
-ANY_BAD = st.sampled_from([None, True, 1.5, "3", -1, 0, [], math.nan])
+ANY_BAD: st.SearchStrategy[Any] = st.sampled_from([None, True, 1.5, "3", -1, 0, [], math.nan])
 NAMES = st.one_of(st.sampled_from(["items", "u", "表"]), st.sampled_from(["", 3, None]))
 
 
@@ -188,7 +188,7 @@ def test_table_specs_and_their_json() -> None:
     assert count[0] >= 200, count
 
 
-OPT_FIELDS = {
+OPT_FIELDS: dict[type, dict[str, str]] = {
     ps.SGD: {"lr": "positive", "momentum": "unit"},
     ps.RowWiseAdagrad: {"lr": "positive", "eps": "positive", "initial_accumulator": "non-neg"},
     ps.Adagrad: {"lr": "positive", "eps": "positive", "initial_accumulator": "non-neg"},

@@ -47,7 +47,7 @@ def _splitmix64(x: int) -> int:
 def _decode(fields: list[str]) -> tuple[float, list[float], list[list[int]]]:
     label = float(fields[0])
     dense = [math.log1p(max(int(v), 0)) if v else 0.0 for v in fields[1 : 1 + NUM_INT]]
-    cats = []
+    cats: list[list[int]] = []
     for j, v in enumerate(fields[1 + NUM_INT :]):
         if not v:
             cats.append([])
@@ -187,11 +187,6 @@ def test_random_and_corrupted_files() -> None:
     assert count[0] >= EXAMPLES and count[1] >= EXAMPLES // 3, count
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="examples/data/criteo.py opens files as strict UTF-8: a bad byte is a bare "
-    "UnicodeDecodeError without file:line, and skip_bad_lines cannot skip it (issue 8)",
-)
 def test_bytes_that_are_not_utf8_name_the_line_and_can_be_skipped(tmp_path: Path) -> None:
     row = ["1", *["3"] * NUM_INT, *["0000abcd"] * NUM_CAT]
     good = ("\t".join(row) + "\n").encode()

@@ -141,8 +141,8 @@ def _bad(draw: st.DrawFn, case: Case) -> tuple[str, Callable[[ps.Store], Any], s
         other = draw(st.sampled_from(["nope", "T", t + " ", ""]))
         return kind, lambda s: s.pull(other, ids), repr(other)
     if kind == "table not a str":
-        other = draw(st.sampled_from([3, None, b"t"]))
-        return kind, lambda s: s.pull(other, ids), repr(other)  # type: ignore[arg-type]
+        not_str: object = draw(st.sampled_from([3, None, b"t"]))
+        return kind, lambda s: s.pull(not_str, ids), repr(not_str)  # type: ignore[arg-type]
     if kind == "push to unknown":
         return kind, lambda s: s.push("missing", ids, good_g), "'missing'"
     if kind == "ids list":

@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 
 import comm
-from examples.train_lm import LMConfig, build_parser, embed_tokens, parse_args, train
+from examples.lm_config import LMConfig
+from examples.lm_model import embed_tokens, token_table
+from examples.train_lm import build_parser, parse_args, train
 from multiproc import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,18 +47,23 @@ def test_defaults_and_every_option() -> None:
         "--batch-size 4 --n-layer 3 --n-head 2 --d-model 16 --dropout 0.1 --steps 7 --lr 0.01 "
         "--weight-decay 0 --placement sharded --emb-optimizer sgd --emb-lr 0.5 --zero-stage 2 "
         "--bucket-mb 1 --eval-every 3 --eval-batches 2 --seed 4 --backend gloo "
-        "--validate-comm --threads 2 --metrics-out m.jsonl --quiet"
+        "--validate-comm --threads 2 --metrics-out m.jsonl --no-verbose --ps redis://h:1/0 "
+        "--cache-rows 0 --checkpoint-dir ck --checkpoint-every 3 "
+        "--checkpoint-keep 1 --resume --log-every 2 --no-progress"
     )
     assert parse_args(argv.split()) == LMConfig(
         text_dir="/t", max_bytes=9, tokenizer="auto", bpe_file="/b", block_size=8, batch_size=4,
         n_layer=3, n_head=2, d_model=16, dropout=0.1, steps=7, lr=0.01, weight_decay=0.0,
         placement="sharded", emb_optimizer="sgd", emb_lr=0.5, zero_stage=2, bucket_mb=1.0,
         eval_every=3, eval_batches=2, seed=4, backend="gloo", validate_comm=True, threads=2,
-        metrics_out="m.jsonl", verbose=False,
+        metrics_out="m.jsonl", verbose=False, ps="redis://h:1/0", cache_rows=0,
+        checkpoint_dir="ck", checkpoint_every=3, checkpoint_keep=1,
+        resume=True, log_every=2, progress=False,
     )  # fmt: skip
+    assert parse_args(["--compression", "topk"]).compression == "topk"
     fields = set(LMConfig.__dataclass_fields__)
     for action in build_parser()._actions:
-        if action.dest != "help":
+        if action.dest not in ("help", "config"):
             assert action.dest in fields and action.help, action.dest  # --help explains it
 
 
@@ -68,6 +75,8 @@ def test_defaults_and_every_option() -> None:
         (dict(tokenizer="bpe"), "tokenizer must be 'byte', 'gpt2' or 'auto', got 'bpe'"),
         (dict(zero_stage=3), "zero_stage must be 0, 1 or 2, got 3"),
         (dict(seed=-1), "seed must be >= 0, got -1"),
+        (dict(cache_rows=5, placement="sharded"), "a cache needs placement 'hybrid'"),
+        (dict(zero_stage=1, compression="fp16"), "ZeRO stage 1 reduces gradients itself"),
     ],
 )
 def test_config_validation(kw: dict[str, object], pattern: str) -> None:
@@ -79,7 +88,6 @@ def test_token_lookup_is_unpooled_rows() -> None:
     import torch
 
     from embedding import EmbeddingCollection
-    from examples.train_lm import token_table
     from ps import InProcessStore
 
     ec = EmbeddingCollection([token_table(LMConfig(d_model=8), 50)], store=InProcessStore())
@@ -92,15 +100,18 @@ def test_token_lookup_is_unpooled_rows() -> None:
 @pytest.mark.timeout(120)
 def test_validation_loss_falls_alone(tmp_path: Path) -> None:
     out = tmp_path / "m.jsonl"
-    cfg = LMConfig(**SMALL, metrics_out=str(out), verbose=False)  # type: ignore[arg-type]
+    cfg = LMConfig(**SMALL, metrics_out=str(out), verbose=False, log_every=5)  # type: ignore[arg-type]
     result = train(cfg, comm.LocalGroup())
     losses = [e["val_loss"] for e in result["evals"]]
     assert [e["step"] for e in result["evals"]] == [0, 15, 30]
     assert losses[0] > 5.0  # ~ln(256): uniform over bytes at the start
     assert losses[1] < losses[0] - 1.5 and losses[2] < losses[1]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["kind"] for r in rows] == ["eval", "eval", "eval", "final"]
+    kinds = ["eval"] + ["step"] * 3 + ["eval"] + ["step"] * 3 + ["eval", "final"]
+    assert [r["kind"] for r in rows] == kinds
+    assert [r["step"] for r in rows if r["kind"] == "step"] == [5, 10, 15, 20, 25, 30]
     assert rows[-1]["val_loss"] == losses[-1]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def single_state_bytes(nprocs: int) -> float:
@@ -149,8 +160,7 @@ def test_ranks_match_one_process(
     text = "\n".join(run_ranks(SCRIPT, nprocs, backend, args=args, timeout=220))
     assert f"{nprocs} rank(s) ({backend}), zero stage {zero_stage}" in text, text
     assert "final val loss" in text, text
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    final = rows[-1]
+    final = json.loads(out.read_text().splitlines()[-1])
     assert final["kind"] == "final" and final["world_size"] == nprocs
     losses = [e["val_loss"] for e in final["evals"]]
     assert losses[-1] < losses[0] - 1.5  # falls

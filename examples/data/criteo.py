@@ -88,17 +88,24 @@ class ReaderPosition:
     samples: int = 0  # samples yielded so far (by this rank)
 
 
-def _open_text(path: str) -> io.TextIOBase:
+def _open_lines(path: str) -> io.BufferedIOBase:
+    """The file as bytes (lines are decoded one by one, so a bad byte names its line)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"Criteo data: {path} does not exist or is not a file")
     if path.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(p, "rb"), encoding="utf-8", newline="\n")
-    return open(p, encoding="utf-8", newline="\n")  # noqa: SIM115 - closed by the caller
+        return gzip.open(p, "rb")  # type: ignore[return-value]
+    return open(p, "rb")  # noqa: SIM115 - closed by the caller
 
 
-def _parse_line(text: str, where: str) -> tuple[int, list[int], list[int | None]]:
+def _parse_line(raw: bytes, where: str) -> tuple[int, list[int], list[int | None]]:
     """One line -> (label, 13 ints (missing = 0), 26 categorical values or None)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})"
+        ) from None
     fields = text.rstrip("\r\n").split("\t")
     if len(fields) != NUM_FIELDS:
         raise ValueError(
@@ -171,7 +178,7 @@ class CriteoReader:
         pending = _Pending()
         while pos.file_index < len(cfg.paths):
             path = cfg.paths[pos.file_index]
-            with _open_text(path) as f:
+            with _open_lines(path) as f:
                 lines_in_file = 0
                 for lineno, text in enumerate(f):
                     lines_in_file += 1

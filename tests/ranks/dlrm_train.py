@@ -54,8 +54,8 @@ def source(group: ProcessGroup) -> InMemorySource:
 
 def build(group: ProcessGroup, seed: int) -> DLRM:
     return build_dlrm(
-        source(group).data, dim=CFG.dim, emb_lr=CFG.emb_lr, bottom_mlp=CFG.bottom_mlp, top_mlp=CFG.top_mlp,
-        seed=seed, group=group,
+        source(group).data, dim=CFG.dim, emb_lr=CFG.emb_lr, bottom_mlp=CFG.bottom_mlp,
+        top_mlp=CFG.top_mlp, seed=seed, group=group,
     )  # fmt: skip
 
 
@@ -63,6 +63,7 @@ def flat_state(model: DLRM) -> torch.Tensor:
     """Dense parameters and all embedding rows, flattened: ``[P]``."""
     parts = [p.detach().reshape(-1) for p in model.dense.parameters()]
     for table in model.embeddings.tables:
+        assert table.num_rows is not None
         ids = torch.arange(table.num_rows)
         parts.append(model.embeddings.rows(table.name, ids).reshape(-1))
     return torch.cat(parts)
@@ -118,6 +119,7 @@ def check_broadcast_parameters(group: ProcessGroup) -> None:
     """Parameters and buffers (float and int) all end up as rank 0's."""
     module = nn.BatchNorm1d(3)
     r = float(group.rank)
+    assert module.running_mean is not None and module.num_batches_tracked is not None
     with torch.no_grad():
         module.weight.fill_(r + 1)
         module.running_mean.fill_(r + 2)

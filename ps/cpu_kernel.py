@@ -1,4 +1,7 @@
-"""A small C kernel for the CPU backward of the fused lookup + row-wise Adagrad.
+"""A small C kernel for row-wise Adagrad on the CPU, in place on the touched rows.
+
+Two callers: the embedding collection's fused backward (per-id gradients of a lookup)
+and :class:`ps.local_table.LocalTable`'s push (already summed gradients per unique row).
 
 The torch path (:func:`embedding.fused_ops.row_gradients` then
 :func:`embedding.fused_ops.apply_optimizer`) coalesces the per-id gradients into a
@@ -28,16 +31,10 @@ the torch path, which runs the identical math (tests compare the two).
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
+
+from comm.native import load_c_library
 
 _SOURCE = r"""
 #include <math.h>
@@ -126,72 +123,7 @@ int hr_rowwise_adagrad(int64_t n, int64_t d, int64_t s_stride, const int64_t* so
 }
 """
 
-# The C build helper: the same as dense/native.py (embedding and dense may share code
-# only through comm).
-FLAG_SETS = (
-    ("-O3", "-march=native", "-fopenmp"),
-    ("-O3", "-fopenmp"),
-    ("-O3",),
-)
 
-
-def _cache_dir() -> Path:
-    env = os.environ.get("HYBRIDREC_KERNEL_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "hybridrec" / "kernels"
-
-
-@functools.cache
-def _cpu_tag() -> str:
-    tag = platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features", "model name")):
-                    tag += line
-                    if len(tag) > 4096:
-                        break
-    except OSError:
-        pass
-    return tag
-
-
-def _compile(cc: str, flags: tuple[str, ...], source: str, out: Path) -> bool:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src = Path(tmp) / "kernel.c"
-        src.write_text(source, encoding="utf-8")
-        so = Path(tmp) / out.name
-        cmd = [cc, *flags, "-shared", "-fPIC", str(src), "-o", str(so), "-lm"]
-        try:
-            done = subprocess.run(cmd, capture_output=True, timeout=120, check=False)
-        except (OSError, subprocess.SubprocessError):
-            return False
-        if done.returncode != 0 or not so.exists():
-            return False
-        os.replace(so, out)  # atomic: several processes may build the same file
-    return True
-
-
-def load_c_library(name: str, source: str) -> ctypes.CDLL | None:
-    """``source`` built and loaded (see the module docstring), or None."""
-    if os.environ.get("HYBRIDREC_CPU_KERNEL", "1") == "0":
-        return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return None
-    for flags in FLAG_SETS:
-        key = hashlib.sha256("\0".join([source, cc, *flags, _cpu_tag()]).encode()).hexdigest()
-        path = _cache_dir() / f"{name}_{key[:20]}.so"
-        try:
-            if not path.exists() and not _compile(cc, flags, source, path):
-                continue
-            return ctypes.CDLL(str(path))
-        except OSError:
-            continue
-    return None
-
-
-@functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library (built on first use), or None where it is disabled
     (``HYBRIDREC_CPU_KERNEL=0``), no C compiler is found, or the build fails."""

@@ -10,8 +10,9 @@ CPU), and loaded with ``ctypes``. Flags are tried from the fastest set down
 :func:`load_c_library` returns None where there is no compiler, every build fails,
 or ``HYBRIDREC_CPU_KERNEL=0`` is set; callers then take their torch path.
 
-(The same helper lives in ``embedding/cpu_kernel.py``; the layering lets
-``embedding`` and ``dense`` share code only through ``comm``.)
+It lives in ``comm`` because both ``embedding`` (the fused row-wise Adagrad) and
+``dense`` (the DLRM interaction) build kernels with it, and the layering lets them share
+code only through ``comm``.
 """
 
 from __future__ import annotations
