@@ -266,7 +266,13 @@ class KeyedJaggedIds:
         )
 
     def pin_memory(self) -> KeyedJaggedIds:
-        """A copy in page-locked host memory (for ``to("cuda", non_blocking=True)``)."""
+        """A copy in page-locked host memory (for ``to("cuda", non_blocking=True)``).
+
+        Without an accelerator there is nothing to pin for (torch refuses): the batch is
+        returned as it is, as torch's DataLoader does with ``pin_memory=True`` on CPU.
+        """
+        if not torch.cuda.is_available():
+            return self
         w = None if self._weights is None else self._weights.pin_memory()
         return KeyedJaggedIds(self._keys, self._ids.pin_memory(), self._lengths.pin_memory(), w)
 
