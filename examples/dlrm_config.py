@@ -9,15 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from comm.compression import CODECS
 from examples.cli import option
+from examples.run_options import RunOptions
 from examples.stores import parse_ps
 
 PLACEMENTS = ("auto", "local", "hybrid", "sharded")
 
 
 @dataclass(kw_only=True, slots=True)
-class TrainConfig:
+class TrainConfig(RunOptions):
     # ---- data
     data: Literal["movielens", "synthetic", "criteo"] = option(
         "movielens",
@@ -77,31 +77,12 @@ class TrainConfig:
     read_bound: int = option(0, help="cache read staleness bound s_r (PS updates a copy may miss)")
     write_bound: int = option(0, help="cache write bound s_w (updates a row may hold unpushed)")
     cache_policy: Literal["lru", "lfu"] = option("lru", help="cache eviction policy")
-    # ---- dense data parallelism
-    compression: str | None = option(
-        None, help=f"gradient codec for the dense allreduce: one of {', '.join(CODECS)}"
-    )
-    zero_stage: int = option(
-        0, help="0: DataParallel (bucketed allreduce); 1, 2: ZeRO-sharded optimizer state / grads"
-    )
-    bucket_mb: float = option(25.0, help="DataParallel bucket size (MiB)")
-    # ---- checkpoints and metrics
-    checkpoint_dir: str | None = option(None, help="write checkpoints here (none: no checkpoints)")
-    checkpoint_every: int = option(0, help="steps between checkpoints (0: only at the end)")
-    checkpoint_keep: int = option(2, help="how many of the newest checkpoints to keep")
-    resume: bool = option(False, help="continue from the newest checkpoint in --checkpoint-dir")
-    metrics_out: str | None = option(
-        None, help="JSON lines file of metrics (rank 0); a PNG plot is written next to it"
-    )
+    # ---- metrics (dense parallelism, checkpoints, runtime: examples.run_options)
     log_every: int = option(50, help="steps between training-loss lines in the metrics file")
-    progress: bool = option(True, help="progress bar (rank 0, only on a terminal)")
     verbose: bool = option(True, help="print epoch and final results (rank 0)")
-    # ---- runtime
-    backend: str = option("auto", help="auto (mpirun -> mpi, torchrun -> gloo), local, mpi, gloo")
-    validate_comm: bool = option(False, help="cross-rank checks on every collective (slower)")
-    threads: int = option(1, help="torch threads per rank; 0 = torch's default")
 
     def __post_init__(self) -> None:
+        self.check_run_options()
         if self.data not in ("movielens", "synthetic", "criteo"):
             raise ValueError(
                 f"data must be 'movielens', 'synthetic' or 'criteo', got {self.data!r}"
@@ -138,23 +119,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.synthetic_samples < 10:
             raise ValueError(f"synthetic_samples must be >= 10, got {self.synthetic_samples}")
-        if self.zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage}")
-        if self.compression is not None and self.compression not in CODECS:
-            raise ValueError(
-                f"compression must be one of {', '.join(CODECS)}, got {self.compression!r}"
-            )
-        if self.compression is not None and self.zero_stage:
-            raise ValueError(
-                f"compression {self.compression!r} applies to the DataParallel allreduce; "
-                f"ZeRO stage {self.zero_stage} reduces gradients itself (use zero_stage 0)"
-            )
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         self.placement_overrides()  # checks the TABLE=PLACEMENT syntax
         parse_ps(self.ps)  # checks the --ps syntax
-        if self.resume and not self.checkpoint_dir:
-            raise ValueError("resume needs checkpoint_dir (where to find the checkpoints)")
 
     @property
     def cache_on(self) -> bool:

@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from comm.compression import CODECS
 from examples.cli import option
+from examples.run_options import RunOptions
 from examples.stores import parse_ps
 
 
 @dataclass(kw_only=True, slots=True)
-class LMConfig:
+class LMConfig(RunOptions):
     # ---- data
     text_dir: str | None = option(
         None,
@@ -65,33 +65,12 @@ class LMConfig:
     read_bound: int = option(0, help="cache read staleness bound s_r")
     write_bound: int = option(0, help="cache write bound s_w")
     cache_policy: Literal["lru", "lfu"] = option("lru", help="cache eviction policy")
-    # ---- dense data parallelism
-    zero_stage: int = option(
-        0,
-        help="0: DataParallel (bucketed allreduce overlapped with backward) + AdamW; 1: "
-        "dense.ZeroOptimizer, AdamW state sharded over the ranks; 2: gradients sharded too",
-    )
-    compression: str | None = option(
-        None, help=f"gradient codec for the DataParallel allreduce: one of {', '.join(CODECS)}"
-    )
-    bucket_mb: float = option(25.0, help="DataParallel bucket size (MiB)")
-    # ---- checkpoints and metrics
-    checkpoint_dir: str | None = option(None, help="write checkpoints here (none: no checkpoints)")
-    checkpoint_every: int = option(0, help="steps between checkpoints (0: only at the end)")
-    checkpoint_keep: int = option(2, help="how many of the newest checkpoints to keep")
-    resume: bool = option(False, help="continue from the newest checkpoint in --checkpoint-dir")
-    metrics_out: str | None = option(
-        None, help="JSON lines file of metrics (rank 0); a PNG plot is written next to it"
-    )
+    # ---- metrics (dense parallelism, checkpoints, runtime: examples.run_options)
     log_every: int = option(10, help="steps between training-loss lines in the metrics file")
-    progress: bool = option(True, help="progress bar (rank 0, only on a terminal)")
     verbose: bool = option(True, help="print validation results (rank 0)")
-    # ---- runtime
-    backend: str = option("auto", help="auto (mpirun -> mpi, torchrun -> gloo), local, mpi, gloo")
-    validate_comm: bool = option(False, help="cross-rank checks on every collective (slower)")
-    threads: int = option(1, help="torch threads per rank; 0 = torch's default")
 
     def __post_init__(self) -> None:
+        self.check_run_options()
         if self.tokenizer not in ("byte", "gpt2", "auto"):
             raise ValueError(f"tokenizer must be 'byte', 'gpt2' or 'auto', got {self.tokenizer!r}")
         if self.placement not in ("hybrid", "sharded", "local"):
@@ -119,8 +98,6 @@ class LMConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage}")
         if self.cache_rows and self.cache_fraction:
             raise ValueError(
                 f"give cache_rows or cache_fraction, not both (got {self.cache_rows} and "
@@ -130,15 +107,4 @@ class LMConfig:
             raise ValueError(f"cache_fraction must be in [0, 1], got {self.cache_fraction}")
         if (self.cache_rows or self.cache_fraction) and self.placement != "hybrid":
             raise ValueError(f"a cache needs placement 'hybrid', got {self.placement!r}")
-        if self.compression is not None and self.compression not in CODECS:
-            raise ValueError(
-                f"compression must be one of {', '.join(CODECS)}, got {self.compression!r}"
-            )
-        if self.compression is not None and self.zero_stage:
-            raise ValueError(
-                f"compression {self.compression!r} applies to the DataParallel allreduce; "
-                f"ZeRO stage {self.zero_stage} reduces gradients itself (use zero_stage 0)"
-            )
         parse_ps(self.ps)
-        if self.resume and not self.checkpoint_dir:
-            raise ValueError("resume needs checkpoint_dir (where to find the checkpoints)")

@@ -1,0 +1,63 @@
+"""Options every example job shares: dense parallelism, checkpoints, metrics, runtime.
+
+:class:`RunOptions` is the base of each job's config dataclass
+(``examples/dlrm_config.py``, ``examples/lm_config.py``); each field is one
+command-line option and one key of a ``--config`` file (:mod:`examples.cli`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from comm.compression import CODECS
+from examples.cli import option
+
+
+@dataclass(kw_only=True, slots=True)
+class RunOptions:
+    # ---- dense data parallelism
+    compression: str | None = option(
+        None, help=f"gradient codec for the DataParallel allreduce: one of {', '.join(CODECS)}"
+    )
+    zero_stage: int = option(
+        0,
+        help="0: DataParallel (bucketed allreduce overlapped with backward); 1: "
+        "dense.ZeroOptimizer, optimizer state sharded over the ranks; 2: gradients sharded too",
+    )
+    bucket_mb: float = option(25.0, help="DataParallel bucket size (MiB)")
+    # ---- checkpoints and metrics
+    checkpoint_dir: str | None = option(None, help="write checkpoints here (none: no checkpoints)")
+    checkpoint_every: int = option(0, help="steps between checkpoints (0: only at the end)")
+    checkpoint_keep: int = option(2, help="how many of the newest checkpoints to keep")
+    resume: bool = option(False, help="continue from the newest checkpoint in --checkpoint-dir")
+    metrics_out: str | None = option(
+        None, help="JSON lines file of metrics (rank 0); a PNG plot is written next to it"
+    )
+    progress: bool = option(True, help="progress bar (rank 0, only on a terminal)")
+    # ---- runtime
+    backend: str = option("auto", help="auto (mpirun -> mpi, torchrun -> gloo), local, mpi, gloo")
+    validate_comm: bool = option(False, help="cross-rank checks on every collective (slower)")
+    threads: int = option(1, help="torch threads per rank; 0 = torch's default")
+
+    def check_run_options(self) -> None:
+        """ValueError naming the option and its value if a shared option is out of range."""
+        for name in ("threads", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.checkpoint_keep < 1:
+            raise ValueError(f"checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage}")
+        if self.compression is not None and self.compression not in CODECS:
+            raise ValueError(
+                f"compression must be one of {', '.join(CODECS)}, got {self.compression!r}"
+            )
+        if self.compression is not None and self.zero_stage:
+            raise ValueError(
+                f"compression {self.compression!r} applies to the DataParallel allreduce; "
+                f"ZeRO stage {self.zero_stage} reduces gradients itself (use zero_stage 0)"
+            )
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume needs checkpoint_dir (where to find the checkpoints)")
