@@ -72,11 +72,6 @@ class TrainConfig(RunOptions):
     placement_of: list[str] = option(
         [], help="per-table overrides TABLE=PLACEMENT, e.g. --placement-of user=sharded item=hybrid"
     )
-    cache_rows: int = option(0, help="hot-row cache in front of the store: rows per table")
-    cache_fraction: float = option(0.0, help="cache size as a fraction of each table's rows")
-    read_bound: int = option(0, help="cache read staleness bound s_r (PS updates a copy may miss)")
-    write_bound: int = option(0, help="cache write bound s_w (updates a row may hold unpushed)")
-    cache_policy: Literal["lru", "lfu"] = option("lru", help="cache eviction policy")
     # ---- metrics (dense parallelism, checkpoints, runtime: examples.run_options)
     log_every: int = option(50, help="steps between training-loss lines in the metrics file")
     verbose: bool = option(True, help="print epoch and final results (rank 0)")
@@ -98,15 +93,8 @@ class TrainConfig(RunOptions):
         for name in ("epochs", "batch_size", "dim", "synthetic_rows", "eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.cache_rows and self.cache_fraction:
-            raise ValueError(
-                f"give cache_rows or cache_fraction, not both (got {self.cache_rows} and "
-                f"{self.cache_fraction})"
-            )
-        if not 0 <= self.cache_fraction <= 1:
-            raise ValueError(f"cache_fraction must be in [0, 1], got {self.cache_fraction}")
         for name in (
-            "max_steps", "threads", "cache_rows", "read_bound", "write_bound", "criteo_rows",
+            "max_steps", "threads", "criteo_rows",
             "eval_every", "checkpoint_every", "seed",
         ):  # fmt: skip
             if getattr(self, name) < 0:
@@ -123,10 +111,6 @@ class TrainConfig(RunOptions):
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         self.placement_overrides()  # checks the TABLE=PLACEMENT syntax
         parse_ps(self.ps)  # checks the --ps syntax
-
-    @property
-    def cache_on(self) -> bool:
-        return bool(self.cache_rows or self.cache_fraction)
 
     def placement_overrides(self) -> dict[str, str]:
         """``placement_of`` as ``{table: placement}``."""

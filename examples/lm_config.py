@@ -60,11 +60,6 @@ class LMConfig(RunOptions):
         help="parameter server for a hybrid table: local (in-process, one replica per rank), "
         "mpi or mpi:S (the last S ranks serve), redis://[user:pw@]host:port/db",
     )
-    cache_rows: int = option(0, help="hot-row cache in front of the store: rows")
-    cache_fraction: float = option(0.0, help="cache size as a fraction of the vocabulary")
-    read_bound: int = option(0, help="cache read staleness bound s_r")
-    write_bound: int = option(0, help="cache write bound s_w")
-    cache_policy: Literal["lru", "lfu"] = option("lru", help="cache eviction policy")
     # ---- metrics (dense parallelism, checkpoints, runtime: examples.run_options)
     log_every: int = option(10, help="steps between training-loss lines in the metrics file")
     verbose: bool = option(True, help="print validation results (rank 0)")
@@ -98,13 +93,6 @@ class LMConfig(RunOptions):
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.cache_rows and self.cache_fraction:
-            raise ValueError(
-                f"give cache_rows or cache_fraction, not both (got {self.cache_rows} and "
-                f"{self.cache_fraction})"
-            )
-        if not 0 <= self.cache_fraction <= 1:
-            raise ValueError(f"cache_fraction must be in [0, 1], got {self.cache_fraction}")
         if (self.cache_rows or self.cache_fraction) and self.placement != "hybrid":
             raise ValueError(f"a cache needs placement 'hybrid', got {self.placement!r}")
         parse_ps(self.ps)

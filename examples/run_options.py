@@ -1,4 +1,4 @@
-"""Options every example job shares: dense parallelism, checkpoints, metrics, runtime.
+"""Options every example job shares: cache, dense parallelism, checkpoints, metrics, runtime.
 
 :class:`RunOptions` is the base of each job's config dataclass
 (``examples/dlrm_config.py``, ``examples/lm_config.py``); each field is one
@@ -8,6 +8,7 @@ command-line option and one key of a ``--config`` file (:mod:`examples.cli`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from comm.compression import CODECS
 from examples.cli import option
@@ -15,6 +16,12 @@ from examples.cli import option
 
 @dataclass(kw_only=True, slots=True)
 class RunOptions:
+    # ---- the hot-row cache in front of the --ps store (hybrid tables)
+    cache_rows: int = option(0, help="hot-row cache in front of the store: rows per table")
+    cache_fraction: float = option(0.0, help="cache size as a fraction of each table's rows")
+    read_bound: int = option(0, help="cache read staleness bound s_r (PS updates a copy may miss)")
+    write_bound: int = option(0, help="cache write bound s_w (updates a row may hold unpushed)")
+    cache_policy: Literal["lru", "lfu"] = option("lru", help="cache eviction policy")
     # ---- dense data parallelism
     compression: str | None = option(
         None, help=f"gradient codec for the DataParallel allreduce: one of {', '.join(CODECS)}"
@@ -39,9 +46,20 @@ class RunOptions:
     validate_comm: bool = option(False, help="cross-rank checks on every collective (slower)")
     threads: int = option(1, help="torch threads per rank; 0 = torch's default")
 
+    @property
+    def cache_on(self) -> bool:
+        return bool(self.cache_rows or self.cache_fraction)
+
     def check_run_options(self) -> None:
         """ValueError naming the option and its value if a shared option is out of range."""
-        for name in ("threads", "checkpoint_every"):
+        if self.cache_rows and self.cache_fraction:
+            raise ValueError(
+                f"give cache_rows or cache_fraction, not both (got {self.cache_rows} and "
+                f"{self.cache_fraction})"
+            )
+        if not 0 <= self.cache_fraction <= 1:
+            raise ValueError(f"cache_fraction must be in [0, 1], got {self.cache_fraction}")
+        for name in ("threads", "checkpoint_every", "cache_rows", "read_bound", "write_bound"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.checkpoint_keep < 1:
