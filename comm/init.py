@@ -26,7 +26,6 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 
@@ -147,41 +146,14 @@ def _init_torch(
         addr, port = launch.master_addr, launch.master_port
         if port is None or addr is None:
             addr, port = _agree_on_address(launch, addr)
-        timeout = timedelta(seconds=timeout_s)
-        if _is_loopback(addr) and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:
-            # torch's own tcp:// rendezvous makes rank 0's store listen on every interface;
-            # a job on one host binds it to loopback only.
-            store = _loopback_store(addr, port, launch, timeout)
-            dist.init_process_group(
-                backend, store=store, rank=launch.rank, world_size=launch.size, timeout=timeout
-            )
-        else:
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://{addr}:{port}",
-                rank=launch.rank,
-                world_size=launch.size,
-                timeout=timeout,
-            )
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{addr}:{port}",
+            rank=launch.rank,
+            world_size=launch.size,
+            timeout=timedelta(seconds=timeout_s),
+        )
     return TorchGroup(None, device=device, timeout_s=timeout_s, validate=validate)
-
-
-def _is_loopback(addr: str) -> bool:
-    return addr == "localhost" or addr.startswith("127.")
-
-
-def _loopback_store(addr: str, port: int, launch: LaunchEnv, timeout: timedelta) -> Any:
-    """The rendezvous store; on rank 0 its server listens on ``addr`` (loopback) only."""
-    import torch.distributed as dist
-
-    if launch.rank != 0:
-        return dist.TCPStore(addr, port, launch.size, False, timeout=timeout)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1" if addr == "localhost" else addr, port))
-    sock.listen(max(16, 2 * launch.size))
-    fd = sock.detach()  # the store owns the listening socket from here on
-    return dist.TCPStore(addr, port, launch.size, True, timeout=timeout, master_listen_fd=fd)
 
 
 def _free_port(host: str) -> int:
