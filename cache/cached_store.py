@@ -90,10 +90,15 @@ class CachedStore(Store):
         return tc
 
     @staticmethod
-    def _settle(tc: TableCache) -> None:
-        """Finish the table's fetch in flight, so nothing else changes its slots meanwhile."""
+    def _settle(tc: TableCache, *, pushing: bool = False) -> None:
+        """Finish the table's fetch in flight, so nothing else changes its slots meanwhile.
+
+        Rows it evicted go to the PS now, before any request can read them, unless
+        the caller is about to push (the push carries them)."""
         if tc.inflight is not None:
             tc.finish(tc.inflight)
+        if not pushing:
+            tc.send_evicted()
 
     # ------------------------------------------------------------ tables
 
@@ -161,7 +166,7 @@ class CachedStore(Store):
             if not bool(ok.all()):
                 ids, grads = ids[ok], grads[ok]
         with tc.lock:
-            self._settle(tc)
+            self._settle(tc, pushing=True)
             tc.update(ids, grads.contiguous())
         return Handle.completed(None, what=f"cached push {table!r}")
 
@@ -247,6 +252,7 @@ def _fetch_handle(tc: TableCache, f: Fetch, what: str) -> Handle:
     def finish() -> PullResult:
         with tc.lock:
             result = tc.finish(f)
+            tc.send_evicted()  # before any later request reads an evicted row
         assert result is not None
         return result
 

@@ -21,16 +21,14 @@ plus ``row_id`` int64 ``[C]`` (-1: free), the id -> slot map (:mod:`cache.slot_i
 plain int32 array for fixed tables), the eviction keys (:mod:`cache.policy`, int64
 ``[C]``) and a stack of free slots.
 
-Why records: a batch's ids hit random slots, so the cost of a step is the number of
-random memory passes over its ids (each ~1 cache miss per id), not the number of
-numpy calls. With records, everything about a slot comes in ONE gather (and goes
-back in one scatter): a step of one table is a map lookup and a record gather for the
-prefetch, a record gather (the map lookup is reused) and a key scatter for the
-serving pull, and a record gather and scatter for the push -- ~6 passes, about what
-an uncached pull and push of the same ids cost the store. Every operation works on
-whole batches with numpy index operations (numpy's per-call cost on small arrays is a
-fraction of torch's); nothing loops over ids in Python, and nothing scans all ``C``
-slots except a victim search (amortised by evicting in chunks).
+Why records: a batch's ids hit random slots, so the cost of a step is the memory
+traffic of its random record accesses, not the number of calls. Everything about a
+slot sits in one record, and the per-row passes of a step (the clocks of a planned pull,
+the served rows, the update of a push) are C kernels (:mod:`cache.record_kernels`) that
+touch only the words they need, in place; rows that change for other reasons (refreshed,
+admitted, marked by a prefetch) are few and written by numpy fancy indexing. Nothing
+loops over ids in Python, and nothing scans all ``C`` slots except a victim search
+(amortised by evicting in chunks).
 
 A fetch (a serving pull or a prefetch) is planned, sent as ONE conditional pull
 carrying the copy clocks of the cached ids (misses carry ``-1 - bound`` so they
@@ -52,6 +50,7 @@ import torch
 
 from cache.config import CacheConfig
 from cache.policy import EvictionPolicy
+from cache.record_kernels import copy_clocks, serve_rows, update_rows
 from cache.slot_index import make_slot_index
 from cache.stats import CacheStats
 from comm import Handle
@@ -73,8 +72,7 @@ class Fetch:
     inverse: np.ndarray | None  # [N] position in uniq of each requested id (None: N = U)
     slots: np.ndarray  # [U] slot of each id at planning, -1 if not cached
     hit: np.ndarray  # [U] slots >= 0
-    rec: np.ndarray | None  # [U, W] records at planning (garbage where not cached); None:
-    # a prefetch of misses only
+    misses_only: bool  # a prefetch asking only for misses (a plain pull)
     asked: np.ndarray | None  # [A] indices into uniq sent to the PS (None: all of them)
     handle: Handle | None  # the PS request, None if nothing was asked
     seq: int  # request number (orders PS answers against this cache's pushes)
@@ -142,6 +140,10 @@ class TableCache:
         self.served: _Known | None = None  # the last serving pull's ids and slots
         self.inflight: Fetch | None = None
         self.push_handles: list[Handle] = []
+        # Pending sums of evicted rows not sent yet: ([K] ids, [K, D] sums) pairs. They
+        # ride on the next push (the batch's update follows the eviction at once in a
+        # training step), saving a request; see :meth:`send_evicted`.
+        self.evicted: list[tuple[np.ndarray, np.ndarray]] = []
 
     # ------------------------------------------------------------ records
 
@@ -226,19 +228,21 @@ class TableCache:
             if asked.size > 0:
                 handle = self.store.pull_async(self.name, torch.from_numpy(uniq.take(asked)))
             return Fetch(
-                uniq, counts, inverse, slots, hit, None, asked, handle, self.seq, tick, True
+                uniq, counts, inverse, slots, hit, True, asked, handle, self.seq, tick, True
             )
-        rec = self._gather(slots)  # [U, W]
-        meta = self._meta(rec)
         asked = None
         if not prefetch and not self.verify_prefetched:
             # Trust what this batch's prefetch checked, unless this cache pushed it since.
+            meta = self.meta[slots]  # [U, 8] (garbage where not cached)
             ok = hit & (meta[:, PF] >> 2 == tick) & (meta[:, PUSHED] < meta[:, CHECKED])
             if ok.any():
                 asked = np.flatnonzero(~ok)  # [A]
         if prefetch:
             asked = self._admittable(hit, slots, misses_only=False)
-        copy_clock = np.where(hit, meta[:, CLOCK], -1 - self.read_bound)  # [U]
+        fill = -1 - self.read_bound  # misses always come back
+        copy_clock = copy_clocks(self.slab, self.dim, slots, fill)  # [U]
+        if copy_clock is None:
+            copy_clock = np.where(hit, self.meta[slots, CLOCK], fill)
         ask_ids, ask_clock = uniq, copy_clock
         if asked is not None:
             ask_ids, ask_clock = uniq.take(asked), copy_clock.take(asked)
@@ -251,7 +255,7 @@ class TableCache:
                 bound=self.read_bound,
             )
         return Fetch(
-            uniq, counts, inverse, slots, hit, rec, asked, handle, self.seq, tick, prefetch
+            uniq, counts, inverse, slots, hit, False, asked, handle, self.seq, tick, prefetch
         )
 
     def _admittable(
@@ -290,14 +294,7 @@ class TableCache:
             new_slots = self._admit(uniq.take(asked), slots[f.hit])  # [n]
             n = new_slots.size
             if n > 0:
-                d = self.dim
-                rec = np.zeros((n, self.width), dtype=np.float32)  # [n, W]
-                rec[:, :d] = fresh[:n]
-                meta = self._meta(rec)
-                meta[:, CLOCK] = fresh_clock[:n]
-                meta[:, CHECKED] = f.seq
-                meta[:, PF] = f.tick * 4 + _MISS
-                self._scatter(new_slots, rec)
+                self._install(new_slots, fresh[:n], fresh_clock[:n], f.seq, f.tick * 4 + _MISS)
                 self.policy.use(new_slots, np.zeros(n, np.int64) if self.lfu else None, f.tick)
                 self.touched += n
                 final = slots.copy()
@@ -305,18 +302,22 @@ class TableCache:
         self.prefetched = _Known(uniq, final, self.gen, f.tick, False)
 
     def finish(self, f: Fetch) -> PullResult | None:
-        """Install the reply of ``f``; a serving pull returns the rows in request order."""
+        """Install the reply of ``f``; a serving pull returns the rows in request order.
+
+        Records are read and written in place (nothing else touched the table since
+        the plan): refreshed rows, admitted misses and prefetch marks by numpy fancy
+        indexing on the few rows concerned; the pass over every served row by
+        :func:`cache.record_kernels.serve_rows` (or :meth:`_serve_numpy`)."""
         if f.done:
             return f.result
         f.done = True
         if self.inflight is f:
             self.inflight = None
-        if f.rec is None:
+        if f.misses_only:
             self._finish_misses(f)
             return None
         d = self.dim
-        uniq, slots, hit, rec = f.uniq, f.slots, f.hit, f.rec
-        meta = self._meta(rec)  # [U, 8] view into rec
+        uniq, slots, hit = f.uniq, f.slots, f.hit
         if f.handle is not None:
             res: PullResult = f.handle.wait()
             assert res.positions is not None
@@ -338,20 +339,18 @@ class TableCache:
             n_asked = uniq.size if f.asked is None else f.asked.size
             saved = int(np.count_nonzero(asked_hit)) - ref_sel.size
             self.stats.pulled(n_asked, got.size, saved)
-        dirty = np.zeros(uniq.size, dtype=bool)  # records to write back
         if not self.verify_prefetched and f.handle is not None:  # cached rows the PS answered
-            meta[asked_hit, CHECKED] = f.seq
-            dirty |= asked_hit
+            self.meta[slots[asked_hit], CHECKED] = f.seq
 
         # Cached rows past the bound: copy := PS row minus the unpushed local delta.
+        ref_slots = slots.take(ref_u)  # [R]
         if ref_u.size > 0:
             rows = fresh.take(ref_sel, axis=0)  # [R, D]
             if self.lr != 0.0:  # pend is zero for rows without pending updates: exact
-                rows -= self.lr * rec[ref_u, d : 2 * d]
-            rec[ref_u, :d] = rows
-            meta[ref_u, CLOCK] = fresh_clock.take(ref_sel)
-            meta[ref_u, OWN] = 0
-            dirty[ref_u] = True
+                rows -= self.lr * self.slab[ref_slots, d : 2 * d]
+            self.slab[ref_slots, :d] = rows
+            self.meta[ref_slots, CLOCK] = fresh_clock.take(ref_sel)
+            self.meta[ref_slots, OWN] = 0
 
         # Misses: admit into free (or freed) slots; those that do not fit pass through.
         if not f.prefetch:  # this batch's cached rows are in use (protected from eviction)
@@ -363,39 +362,36 @@ class TableCache:
         final = slots.copy()
         if n_adm > 0:
             final[adm_u] = new_slots
-            rec[adm_u, :d] = fresh.take(miss_sel[:n_adm], axis=0)
-            rec[adm_u, d:] = 0.0  # no pending sum, metadata zero
-            meta[adm_u, CLOCK] = fresh_clock.take(miss_sel[:n_adm])
-            meta[adm_u, CHECKED] = f.seq
-            dirty[adm_u] = True
+            adm = miss_sel[:n_adm]
+            self._install(new_slots, fresh.take(adm, axis=0), fresh_clock.take(adm), f.seq)
             self.touched += n_adm
 
         if f.prefetch:
             marks = f.tick * 4
             if not self.verify_prefetched:  # checked rows are trusted by the next pull
-                meta[asked_hit, PF] = marks
-            meta[adm_u, PF] = marks + _MISS
-            meta[ref_u, PF] = marks + _REFRESH
-            self.policy.use(new_slots, None if not self.lfu else meta[adm_u, FREQ], f.tick)
-            self._write(final, rec, dirty)
+                self.meta[slots[asked_hit], PF] = marks
+            self.meta[new_slots, PF] = marks + _MISS
+            self.meta[ref_slots, PF] = marks + _REFRESH
+            zeros = np.zeros(n_adm, np.int64) if self.lfu else None  # FREQ of new rows
+            self.policy.use(new_slots, zeros, f.tick)
             self.prefetched = _Known(uniq, final, self.gen, f.tick, False)
             return None
 
         # Served: every cached row of the batch counts one use per occurrence.
+        old = hit.copy()  # cached rows served without moving now
+        old[ref_u] = False
+        served = serve_rows(self.slab, d, final, old, f.counts, lfu=self.lfu, tick=f.tick)
+        if served is None:
+            served = self._serve_numpy(final, old, f.counts, f.tick)
+        out, out_clock, lag, freq, n_pf_miss, n_pf_ref = served
         cached = final >= 0
-        through_u = miss_u[n_adm:]
         if self.lfu:
-            meta[cached, FREQ] += 1 if f.counts is None else f.counts[cached]
-            self.policy.use(final[cached], meta[cached, FREQ], f.tick)
-            dirty = cached
+            self.policy.use(final[cached], freq[cached], f.tick)
         elif n_adm > 0:
             self.policy.use(new_slots, None, f.tick)
-        self._count_served(f, ref_u, miss_sel.size, dirty)
-        self._write(final, rec, dirty)
+        self._count_served(f, ref_u.size, miss_sel.size, old, lag, n_pf_miss, n_pf_ref)
+        through_u = miss_u[n_adm:]
         self.served = _Known(uniq, final, self.gen, f.tick, through_u.size == 0)
-
-        out = np.ascontiguousarray(rec[:, :d])  # [U, D]
-        out_clock = meta[:, CLOCK].copy()  # [U]
         if through_u.size > 0:
             through = miss_sel[n_adm:]
             out[through_u] = fresh.take(through, axis=0)
@@ -406,51 +402,72 @@ class TableCache:
         f.result = PullResult(torch.from_numpy(out), torch.from_numpy(out_clock), None)
         return f.result
 
-    def _write(self, final: np.ndarray, rec: np.ndarray, dirty: np.ndarray) -> None:
-        """Write back the records ``rec`` ``[U, W]`` of a fetch to slots ``final`` ``[U]``
-        where ``dirty`` (bool ``[U]``)."""
-        sel = np.flatnonzero(dirty)
-        if sel.size == rec.shape[0]:
-            self._scatter(final, rec)
-        elif sel.size > 0:
-            self._scatter(final.take(sel), rec.take(sel, axis=0))
+    def _install(
+        self, slots: np.ndarray, rows: np.ndarray, clocks: np.ndarray, seq: int, pf: int = 0
+    ) -> None:
+        """Fresh records in ``slots`` ``[n]``: PS rows ``[n, D]`` read at ``clocks``
+        ``[n]`` by request ``seq``, nothing pending, no uses yet, prefetch mark ``pf``."""
+        n = slots.size
+        rec = np.zeros((n, self.width), dtype=np.float32)  # [n, W]
+        rec[:, : self.dim] = rows
+        meta = self._meta(rec)
+        meta[:, CLOCK] = clocks
+        meta[:, CHECKED] = seq
+        meta[:, PF] = pf
+        self._scatter(slots, rec)
 
-    def _count_served(self, f: Fetch, ref_u: np.ndarray, n_miss: int, dirty: np.ndarray) -> None:
-        """Hits, misses, refreshes (now or by the prefetch) and served staleness; clears the
-        prefetch marks of rows served now (marks ``dirty``)."""
-        u = f.uniq.size
-        st = self.stats
-        st.add("lookups", u)
-        st.add("refreshes", ref_u.size)
-        st.add("misses", n_miss)
-        # Cached rows served without moving now: hits unless this batch's prefetch moved them.
-        old_mask = f.hit.copy()
-        old_mask[ref_u] = False
-        old = np.flatnonzero(old_mask)  # [H] indices into uniq
-        assert f.rec is not None
-        meta = self._meta(f.rec)
-        pf = meta[old, PF]  # [H]
-        n_pf = 0
+    def _serve_numpy(
+        self, final: np.ndarray, old: np.ndarray, uses: np.ndarray | None, tick: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int]:
+        """:func:`cache.record_kernels.serve_rows` on numpy (no C compiler)."""
+        u, d = final.size, self.dim
+        cached = final >= 0
+        cs = final[cached]  # [S]
+        out = np.zeros((u, d), dtype=np.float32)
+        out[cached] = self.slab[cs, :d]
+        out_clock = np.zeros(u, dtype=np.int64)
+        out_clock[cached] = self.meta[cs, CLOCK]
+        lag = np.zeros(u, dtype=np.int64)
+        olds = final[old]  # [H]
+        pf = self.meta[olds, PF]
         kind = pf & 3
-        if kind.any():
-            by_pf = (kind > 0) & (pf >> 2 == f.tick)
-            kinds = kind[by_pf]
-            n_pf_miss = int(np.count_nonzero(kinds == _MISS))
-            n_pf = kinds.size
-            st.add("misses", n_pf_miss)
-            st.add("refreshes", n_pf - n_pf_miss)
-            st.add("prefetched", n_pf)
-            clear = old[kind > 0]
-            meta[clear, PF] = 0
-            dirty[clear] = True
-        st.add("hits", old.size - n_pf)
-        # Staleness: rows that came from the PS now are current (0).
-        if self.exact and old.size > 0:
-            now = self.store.clocks(self.name, torch.from_numpy(f.uniq.take(old))).numpy()
-            lag = now - meta[old, CLOCK]
-        else:
-            lag = meta[old, OWN]  # a lower bound: this worker's own pushes since
-        st.served(u - old.size, lag)
+        mine = kind[(kind > 0) & (pf >> 2 == tick)]
+        n_pf_miss = int(np.count_nonzero(mine == _MISS))
+        self.meta[olds[kind > 0], PF] = 0
+        lag[old] = self.meta[olds, OWN]
+        freq = np.zeros(u, dtype=np.int64)
+        if self.lfu:
+            self.meta[cs, FREQ] += 1 if uses is None else uses[cached]
+            freq[cached] = self.meta[cs, FREQ]
+        return out, out_clock, lag, freq, n_pf_miss, mine.size - n_pf_miss
+
+    def _count_served(
+        self,
+        f: Fetch,
+        n_ref: int,
+        n_miss: int,
+        old: np.ndarray,
+        lag: np.ndarray,
+        n_pf_miss: int,
+        n_pf_ref: int,
+    ) -> None:
+        """Hits, misses, refreshes (now, ``n_ref``/``n_miss``, or by this batch's
+        prefetch, ``n_pf_*``) and the staleness served (``lag`` ``[U]`` at the
+        hits ``old``: own pushes since the read, a lower bound; exact PS clocks
+        with ``exact_staleness``)."""
+        st = self.stats
+        n_old = int(np.count_nonzero(old))
+        n_pf = n_pf_miss + n_pf_ref
+        st.add("lookups", f.uniq.size)
+        st.add("refreshes", n_ref + n_pf_ref)
+        st.add("misses", n_miss + n_pf_miss)
+        st.add("prefetched", n_pf)
+        st.add("hits", n_old - n_pf)
+        old_lag = lag[old]  # [H]
+        if self.exact and n_old > 0:
+            now = self.store.clocks(self.name, torch.from_numpy(f.uniq[old])).numpy()
+            old_lag = now - self.meta[f.slots[old], CLOCK]
+        st.served(f.uniq.size - n_old, old_lag)
 
     def _admit(self, ids: np.ndarray, protect: np.ndarray | None) -> np.ndarray:
         """Slots for the first of the new ids ``[K]`` that fit (evicting if needed).
@@ -483,7 +500,7 @@ class TableCache:
         pend = np.flatnonzero(meta[:, COUNT])
         if pend.size > 0:  # never dropped: push their gradient sums first
             d = self.dim
-            self._push(self.row_id.take(victims.take(pend)), rec[pend, d : 2 * d])
+            self.evicted.append((self.row_id.take(victims.take(pend)), rec[pend, d : 2 * d]))
             self.stats.add("evicted_pending", pend.size)
             self.meta[victims.take(pend), COUNT] = 0  # free slots hold no count
         self.index.remove(self.row_id.take(victims))
@@ -496,8 +513,27 @@ class TableCache:
 
     # ------------------------------------------------------------ updates
 
+    def send_evicted(self) -> None:
+        """Push the pending sums of evicted rows now (if any).
+
+        An evicted row's sum must reach the PS before any later request reads the row
+        (the store applies this worker's requests in issue order). So whoever
+        finishes a fetch (which may evict) calls this before the next request, except
+        a push, which carries them itself."""
+        if self.evicted:
+            self._push(_EMPTY_I64, np.empty((0, self.dim), dtype=np.float32))
+
     def _push(self, ids: np.ndarray, grads: np.ndarray) -> None:
-        """Send a push of ``ids`` ``[P]`` and ``grads`` ``[P, D]`` (fresh arrays) to the PS."""
+        """Send a push of ``ids`` ``[P]`` and ``grads`` ``[P, D]`` (fresh arrays) to the PS,
+        with the evicted rows' sums not sent yet (distinct from ``ids``: a row evicted
+        since the last push was cached, so it is not in a batch's pass-through ids, and
+        it is not cached now, so it is not due)."""
+        if self.evicted:
+            ids = np.concatenate([e[0] for e in self.evicted] + [ids])
+            grads = np.concatenate([e[1] for e in self.evicted] + [grads])
+            self.evicted = []
+        if ids.size == 0:
+            return
         if len(self.push_handles) > 8:
             self.push_handles = [h for h in self.push_handles if not h.is_completed()]
         h = self.store.push_async(self.name, torch.from_numpy(ids), torch.from_numpy(grads))
@@ -522,6 +558,20 @@ class TableCache:
         # protected from eviction), so its slots need no lookup unless ids were admitted.
         slots = self._slots_of(uniq, self.served, self.tick)  # [U]
         self.stats.add("updates", uniq.size)
+        got = None
+        if uniq.size > 0 and g.flags.c_contiguous:  # cached rows in one pass, in C
+            got = update_rows(
+                self.slab, d, slots, g, lr=self.lr, write_bound=self.write_bound, seq=self.seq
+            )
+        if got is not None:
+            due_at, due_grads = got  # [K] positions into uniq, [K, D]
+            push_ids, push_g = uniq.take(due_at), due_grads
+            if slots.min() < 0:  # rows not cached are pushed at once
+                uncached = np.flatnonzero(slots < 0)
+                push_ids = np.concatenate([uniq.take(uncached), push_ids])
+                push_g = np.concatenate([g.take(uncached, axis=0), push_g])
+            self._push(push_ids, push_g)  # with the evicted rows' sums, if any
+            return
         direct = None
         if slots.size == 0 or slots.min() >= 0:
             s, gc, c_ids = slots, g, uniq  # [S], [S, D], [S]
@@ -557,8 +607,7 @@ class TableCache:
         if direct is not None:
             push_ids = np.concatenate([uniq.take(direct), due_ids])
             push_g = np.concatenate([g.take(direct, axis=0), due_g])
-        if push_ids.size > 0:
-            self._push(push_ids, push_g)
+        self._push(push_ids, push_g)  # with the evicted rows' sums, if any
 
     def flush(self) -> None:
         """Push every pending sum, then wait for every push of this table."""
@@ -574,6 +623,7 @@ class TableCache:
             meta[:, OWN] += 1
             meta[:, PUSHED] = self.seq
             self._scatter(slots, rec)
+        self.send_evicted()
         handles, self.push_handles = self.push_handles, []
         for h in handles:
             h.wait()

@@ -72,10 +72,19 @@ def _compile(cc: str, flags: tuple[str, ...], source: str, out: Path) -> bool:
 
 
 def load_c_library(name: str, source: str) -> ctypes.CDLL | None:
-    """``source`` built and loaded (see the module docstring), or None."""
-    if os.environ.get("HYBRIDREC_CPU_KERNEL", "1") == "0":
+    """``source`` built and loaded (see the module docstring), or None.
+
+    Cheap after the first call: the result is kept per (name, source, settings), since
+    callers ask on every step (a lookup of the compiler, a hash and a ``dlopen`` cost
+    ~0.5 ms, 12 ms per step of a 26-table push)."""
+    return _load(name, source, os.environ.get("HYBRIDREC_CPU_KERNEL", "1"), os.environ.get("CC"))
+
+
+@functools.cache
+def _load(name: str, source: str, enabled: str, cc_env: str | None) -> ctypes.CDLL | None:
+    if enabled == "0":
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = cc_env or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
     for flags in FLAG_SETS:

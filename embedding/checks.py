@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from embedding.config import TableConfig
+from embedding.jagged import KeyedJaggedIds
 
 
 def check_ids(cfg: TableConfig, feats: Sequence[str], ids: Sequence[torch.Tensor]) -> None:
@@ -29,6 +30,24 @@ def check_ids(cfg: TableConfig, feats: Sequence[str], ids: Sequence[torch.Tensor
                 f"EmbeddingCollection: feature {feat!r} has id {bad}, out of range for "
                 f"table {cfg.name!r} with {n} rows (valid ids [0, {n}))"
             )
+
+
+def whole_batch_in_range(
+    kjt: KeyedJaggedIds, tables: Sequence[tuple[TableConfig, Sequence[str]]]
+) -> bool:
+    """True if one range check over all of ``kjt``'s ids settles :func:`check_ids` for
+    every ``(table, features)`` of ``tables``: they cover exactly the batch's keys,
+    share one fixed ``num_rows`` and every id is in range. One ``aminmax`` instead of
+    one per feature (26 in DLRM, ~1 ms per step). False: check per feature."""
+    sizes = {cfg.num_rows for cfg, _ in tables}
+    if len(sizes) != 1 or kjt.ids.numel() == 0:
+        return False
+    n = sizes.pop()
+    feats = [f for _, fs in tables for f in fs]
+    if n is None or len(feats) != len(kjt.keys) or set(feats) != set(kjt.keys):
+        return False
+    lo, hi = torch.aminmax(kjt.ids)
+    return int(lo) >= 0 and int(hi) < n
 
 
 def check_weights(cfg: TableConfig, feats: Sequence[str], weighted: bool) -> None:

@@ -124,6 +124,36 @@ def group_batch(
     return GroupBatch(ids, offsets, weights)
 
 
+def feature_sizes(
+    kjt: KeyedJaggedIds, feats: Sequence[tuple[TableConfig, str]]
+) -> tuple[list[int], list[int]]:
+    """``(seq, sizes)`` of a group's features (bags laid out by :func:`group_batch`):
+    ``seq[k]`` the ids per sample of unpooled feature ``k`` (checked equal for every
+    sample; -1 for pooled ones) and ``sizes[k]`` its rows of the lookup (``B`` or
+    ``B * T``)."""
+    b = kjt.batch_size
+    seq = [
+        sequence_length(cfg, feat, kjt.key_slice(feat).lengths) if cfg.pooling == "none" else -1
+        for cfg, feat in feats
+    ]
+    return seq, [b if t < 0 else b * t for t in seq]
+
+
+def name_parts(
+    parts: Sequence[torch.Tensor],
+    kjt: KeyedJaggedIds,
+    feats: Sequence[tuple[TableConfig, str]],
+    seq: Sequence[int],
+) -> dict[str, torch.Tensor]:
+    """``{feature: [B, D]}`` (``[B, T, D]`` for unpooled features) from the parts of
+    a lookup split by :func:`feature_sizes`."""
+    b = kjt.batch_size
+    out: dict[str, torch.Tensor] = {}
+    for (cfg, feat), t, part in zip(feats, seq, parts, strict=True):
+        out[feat] = part if t < 0 else part.view(b, t, cfg.dim)
+    return out
+
+
 def feature_outputs(
     pooled: torch.Tensor, kjt: KeyedJaggedIds, feats: Sequence[tuple[TableConfig, str]]
 ) -> dict[str, torch.Tensor]:
@@ -131,17 +161,9 @@ def feature_outputs(
     ``{feature: [B, D]}`` (``[B, T, D]`` for unpooled features, checking that every
     sample has ``T`` ids). One ``split`` (its backward is one concatenation), not a
     slice per feature, whose backward would build a zero tensor the size of ``pooled``."""
-    b = kjt.batch_size
-    seq = [
-        sequence_length(cfg, feat, kjt.key_slice(feat).lengths) if cfg.pooling == "none" else -1
-        for cfg, feat in feats
-    ]  # T per unpooled feature, -1 for pooled ones
-    sizes = [b if t < 0 else b * t for t in seq]
+    seq, sizes = feature_sizes(kjt, feats)
     parts = pooled.split(sizes) if sizes else ()
-    out: dict[str, torch.Tensor] = {}
-    for (cfg, feat), t, part in zip(feats, seq, parts, strict=True):
-        out[feat] = part if t < 0 else part.view(b, t, cfg.dim)
-    return out
+    return name_parts(parts, kjt, feats, seq)
 
 
 def lookup(weight: torch.Tensor, batch: GroupBatch) -> torch.Tensor:
@@ -260,21 +282,37 @@ class FusedLookupFunction(torch.autograd.Function):
         groups: list[FusedGroup],
         batches: list[GroupBatch],
         group: ProcessGroup,
+        splits: list[list[int]],
     ) -> tuple[torch.Tensor, ...]:
+        """Each group's ``[nbags, D]`` lookup, split by ``splits`` (rows per feature;
+        ``[0]`` for a group without features): the outputs are the parts of all
+        groups in order, so autograd hands back one gradient per feature and the
+        C backward reads them in place (a split done outside this node would
+        concatenate them into a ``[nbags, D]`` copy first, ~4 ms per DLRM step)."""
         ctx.groups = groups  # type: ignore[attr-defined]
         ctx.batches = batches  # type: ignore[attr-defined]
         ctx.comm = group  # type: ignore[attr-defined]
-        return tuple(lookup(g.weight, b) for g, b in zip(groups, batches, strict=True))
+        ctx.splits = splits  # type: ignore[attr-defined]
+        parts: list[torch.Tensor] = []
+        for g, b, sizes in zip(groups, batches, splits, strict=True):
+            parts.extend(lookup(g.weight, b).split(sizes))
+        return tuple(parts)
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, *grad_outs: torch.Tensor
+        ctx: torch.autograd.function.FunctionCtx, *grad_parts: torch.Tensor
     ) -> tuple[None, ...]:
         groups: list[FusedGroup] = ctx.groups  # type: ignore[attr-defined]
         batches: list[GroupBatch] = ctx.batches  # type: ignore[attr-defined]
         pg: ProcessGroup = ctx.comm  # type: ignore[attr-defined]
-        for g, b, grad in zip(groups, batches, grad_outs, strict=True):
-            grad = grad.contiguous()  # [nbags, D]
+        splits: list[list[int]] = ctx.splits  # type: ignore[attr-defined]
+        start = 0
+        for g, b, sizes in zip(groups, batches, splits, strict=True):
+            parts = grad_parts[start : start + len(sizes)]  # [rows_f, D] each
+            start += len(sizes)
+            if pg.size == 1 and _cpu_rowwise_adagrad_parts(g, b, parts):
+                continue
+            grad = (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()  # [nbags, D]
             triton_adagrad = _triton_rowwise_adagrad(g)
             if triton_adagrad and pg.size == 1:
                 from embedding.kernels.triton_adagrad import fused_backward_rowwise_adagrad_
@@ -295,8 +333,6 @@ class FusedLookupFunction(torch.autograd.Function):
                     validate=False,
                 )
                 continue
-            if pg.size == 1 and _cpu_rowwise_adagrad(g, b, grad):
-                continue
             rows, grads = row_gradients(b, grad)  # [U], [U, D]
             if pg.size > 1:
                 rows, grads = _combine_ranks(pg, rows, grads)
@@ -313,25 +349,26 @@ class FusedLookupFunction(torch.autograd.Function):
                 )  # fmt: skip
                 continue
             apply_optimizer(g, rows, grads)
-        return None, None, None, None
+        return None, None, None, None, None
 
 
-def _cpu_rowwise_adagrad(g: FusedGroup, b: GroupBatch, grad: torch.Tensor) -> bool:
-    """Backward + row-wise Adagrad of one group in the C kernel (:mod:`ps.cpu_kernel`):
-    one sort, then one pass per unique row. False (nothing done) where it does not apply."""
+def _cpu_rowwise_adagrad_parts(g: FusedGroup, b: GroupBatch, parts: Sequence[torch.Tensor]) -> bool:
+    """Backward + row-wise Adagrad of one group in the C kernel (:mod:`ps.cpu_kernel`),
+    reading the per-feature gradients ``parts`` in place: one sort, then one pass per
+    unique row. False (nothing done) where it does not apply."""
     opt = g.optimizer
     if not isinstance(opt, RowWiseAdagrad) or g.weight.is_cuda or not cpu_kernel.available():
         return False
     if b.ids.numel() == 0:
         return True
-    srt, perm = torch.sort(b.ids)  # [N], [N]
-    bag_lengths = b.offsets[1:] - b.offsets[:-1]  # [nbags]
-    bag_of = torch.repeat_interleave(
-        torch.arange(b.num_bags, device=grad.device), bag_lengths, output_size=b.ids.numel()
-    )  # [N]
-    return cpu_kernel.rowwise_adagrad_(
-        g.weight, g.state, g.clocks, srt, grad.to(torch.float32).contiguous(),
-        lr=opt.lr, eps=opt.eps, perm=perm, bag_of=bag_of,
+    srt, perm = cpu_kernel.sort_ids(b.ids)  # [N], [N]
+    one_each = b.ids.numel() == b.num_bags and bool(
+        (b.offsets[1:] - b.offsets[:-1] == 1).all()
+    )  # bag p is id p (one id per sample and feature): no bag map needed
+    rows = [p.float() if p.stride(-1) == 1 else p.float().contiguous() for p in parts]
+    return cpu_kernel.rowwise_adagrad_parts_(
+        g.weight, g.state, g.clocks, srt, perm, None if one_each else b.offsets, rows,
+        lr=opt.lr, eps=opt.eps,
         weights=None if b.weights is None else b.weights.to(torch.float32).contiguous(),
     )  # fmt: skip
 

@@ -44,17 +44,18 @@ import torch
 from torch import nn
 
 from comm import ProcessGroup
-from embedding.checks import check_ids, check_weights
+from embedding.checks import check_ids, check_weights, whole_batch_in_range
 from embedding.config import TableConfig
 from embedding.fused_ops import (
     GroupBatch,
-    feature_outputs,
+    feature_sizes,
     group_batch,
     lookup,
+    name_parts,
     sorted_segment_sum,
 )
 from embedding.jagged import KeyedJaggedIds
-from ps import InProcessStore, Store
+from ps import InProcessStore, Store, cpu_kernel
 
 
 def store_is_replicated(store: Store) -> bool:
@@ -132,8 +133,10 @@ class HybridTables(nn.Module):
         self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]
     ) -> dict[str, torch.Tensor]:
         by_dim: dict[int, list[tuple[TableConfig, list[str]]]] = {}
+        checked = whole_batch_in_range(kjt, tables)
         for cfg, feats in tables:
-            check_ids(cfg, feats, [kjt.key_slice(f).ids for f in feats])
+            if not checked:  # per feature (names the culprit)
+                check_ids(cfg, feats, [kjt.key_slice(f).ids for f in feats])
             check_weights(cfg, feats, kjt.weights is not None)
             by_dim.setdefault(cfg.dim, []).append((cfg, feats))
         groups = [self._dedup(kjt, tabs) for tabs in by_dim.values()]
@@ -147,13 +150,21 @@ class HybridTables(nn.Module):
         for hs in handles:
             pulled = [h.wait().rows for h in hs]  # [U_t, D] each
             rows.append((pulled[0] if len(pulled) == 1 else torch.cat(pulled)).to(device))
+        shapes = [feature_sizes(kjt, g.features) for g in groups]  # (seq, sizes)
+        splits = [sizes for _, sizes in shapes]  # every group has features
         if self.training and torch.is_grad_enabled():
-            outs = _HybridLookup.apply(self._anchor, self, groups, rows)
+            parts = _HybridLookup.apply(self._anchor, self, groups, rows, splits)
         else:
-            outs = tuple(lookup(r, g.batch) for g, r in zip(groups, rows, strict=True))
+            parts = tuple(
+                p
+                for g, r, sizes in zip(groups, rows, splits, strict=True)
+                for p in lookup(r, g.batch).split(sizes)
+            )
         out: dict[str, torch.Tensor] = {}
-        for g, pooled in zip(groups, outs, strict=True):
-            out.update(feature_outputs(pooled, kjt, g.features))
+        start = 0
+        for g, (seq, sizes) in zip(groups, shapes, strict=True):
+            out.update(name_parts(parts[start : start + len(sizes)], kjt, g.features, seq))
+            start += len(sizes)
         return out
 
     def _dedup(self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]) -> _Group:
@@ -174,7 +185,7 @@ class HybridTables(nn.Module):
         bases = [table_base[c.name] for c, _ in feats] if packed else [0] * len(feats)
         gb = group_batch(kjt, feats, bases)  # ids: packed keys (or raw ids) [N]
         if packed:
-            srt, perm = torch.sort(gb.ids)  # [N]
+            srt, perm = cpu_kernel.sort_ids(gb.ids) if gb.ids.is_cpu else torch.sort(gb.ids)  # [N]
             keys, counts = torch.unique_consecutive(srt, return_counts=True)  # [U]
             bounds = torch.searchsorted(keys, torch.tensor([*starts, base], device=keys.device))
             cut = bounds.tolist()
@@ -217,38 +228,75 @@ class _HybridLookup(torch.autograd.Function):
         owner: HybridTables,
         groups: list[_Group],
         rows: list[torch.Tensor],
+        splits: list[list[int]],
     ) -> tuple[torch.Tensor, ...]:
+        """Each group's lookup, split by ``splits`` (rows per feature): one output per
+        feature, so the backward reads their gradients in place (see
+        :class:`embedding.fused_ops.FusedLookupFunction`)."""
         ctx.owner = owner  # type: ignore[attr-defined]
         ctx.groups = groups  # type: ignore[attr-defined]
+        ctx.splits = splits  # type: ignore[attr-defined]
         ctx.set_materialize_grads(False)  # an unused output pushes nothing
-        return tuple(lookup(r, g.batch) for g, r in zip(groups, rows, strict=True))
+        parts: list[torch.Tensor] = []
+        for g, r, sizes in zip(groups, rows, splits, strict=True):
+            parts.extend(lookup(r, g.batch).split(sizes))
+        return tuple(parts)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, *grad_outs: torch.Tensor | None
+        ctx: torch.autograd.function.FunctionCtx, *grad_parts: torch.Tensor | None
     ) -> tuple[None, ...]:
         owner: HybridTables = ctx.owner  # type: ignore[attr-defined]
         groups: list[_Group] = ctx.groups  # type: ignore[attr-defined]
+        splits: list[list[int]] = ctx.splits  # type: ignore[attr-defined]
         grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for g, grad in zip(groups, grad_outs, strict=True):
-            if grad is None:
-                continue
-            b = g.batch
-            bag_of = torch.repeat_interleave(
-                torch.arange(b.num_bags, device=grad.device),
-                b.offsets[1:] - b.offsets[:-1],
-                output_size=b.ids.numel(),
-            )  # [N]
-            sums = sorted_segment_sum(g.perm, g.counts, grad.contiguous(), bag_of, b.weights)
-            sums = sums.to(torch.float32).cpu()  # [U, D]
-            start = 0
+        start = 0
+        for g, sizes in zip(groups, splits, strict=True):
+            given = grad_parts[start : start + len(sizes)]
+            start += len(sizes)
+            if all(p is None for p in given):
+                continue  # no output of the group was used: nothing to push
+            sums = _row_gradients(g, given, sizes)  # [U, D]
+            at = 0
             for cfg, ids in zip(g.tables, g.unique, strict=True):
                 n = int(ids.numel())
-                grads[cfg.name] = (ids, sums[start : start + n])
-                start += n
+                grads[cfg.name] = (ids, sums[at : at + n])
+                at += n
         _push(owner, grads)
-        return None, None, None, None
+        return None, None, None, None, None
+
+
+def _row_gradients(
+    g: _Group, given: Sequence[torch.Tensor | None], sizes: Sequence[int]
+) -> torch.Tensor:
+    """The group's row gradients float32 ``[U, D]`` (CPU) from its per-feature output
+    gradients ``given`` (None: unused, zero): the C kernel reads them in place; else
+    one concatenation and one ``embedding_bag`` over the dedup's runs."""
+    b = g.batch
+    d = g.tables[0].dim
+    ref = next(p for p in given if p is not None)
+    parts = [
+        p if p is not None else ref.new_zeros(1, d).expand(n, d)
+        for p, n in zip(given, sizes, strict=True)
+    ]  # [n_f, D] each
+    if ref.is_cpu:
+        one_each = b.ids.numel() == b.num_bags and bool((b.offsets[1:] - b.offsets[:-1] == 1).all())
+        flat = [p.float() if p.stride(-1) == 1 else p.float().contiguous() for p in parts]
+        w = None if b.weights is None else b.weights.to(torch.float32).contiguous()
+        sums = cpu_kernel.segment_sum_parts(
+            g.perm, g.counts, None if one_each else b.offsets, flat, d, w
+        )
+        if sums is not None:
+            return sums
+    grad = torch.cat(parts).contiguous()  # [nbags, D]
+    bag_of = torch.repeat_interleave(
+        torch.arange(b.num_bags, device=grad.device),
+        b.offsets[1:] - b.offsets[:-1],
+        output_size=b.ids.numel(),
+    )  # [N]
+    sums = sorted_segment_sum(g.perm, g.counts, grad, bag_of, b.weights)
+    return sums.to(torch.float32).cpu()
 
 
 def _push(owner: HybridTables, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:

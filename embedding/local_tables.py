@@ -22,15 +22,16 @@ from torch import nn
 
 from comm import ProcessGroup
 from comm.device import default_device
-from embedding.checks import check_ids, check_weights
+from embedding.checks import check_ids, check_weights, whole_batch_in_range
 from embedding.config import TableConfig
 from embedding.fused_ops import (
     FusedGroup,
     FusedLookupFunction,
     GroupBatch,
-    feature_outputs,
+    feature_sizes,
     group_batch,
     lookup,
+    name_parts,
 )
 from embedding.jagged import KeyedJaggedIds
 from ps import Optimizer, TableSpec
@@ -134,9 +135,10 @@ class LocalTables(nn.Module):
     ) -> dict[str, torch.Tensor]:
         train = self.training and torch.is_grad_enabled()
         per_group: list[list[tuple[TableConfig, str]]] = [[] for _ in self.groups]
+        checked = whole_batch_in_range(kjt, tables)
         for cfg, feats in tables:
-            slices = [kjt.key_slice(f) for f in feats]
-            check_ids(cfg, feats, [s.ids for s in slices])
+            if not checked:  # per feature (names the culprit)
+                check_ids(cfg, feats, [kjt.key_slice(f).ids for f in feats])
             check_weights(cfg, feats, kjt.weights is not None)
             gi = self.where[cfg.name][0]
             per_group[gi].extend((cfg, f) for f in feats)
@@ -145,13 +147,23 @@ class LocalTables(nn.Module):
         active = [gi for gi, fs in enumerate(per_group) if fs or (train and self.group.size > 1)]
         batches = [self._group_batch(kjt, per_group[gi]) for gi in active]
         groups = [self.groups[gi] for gi in active]
+        shapes = [feature_sizes(kjt, per_group[gi]) for gi in active]  # (seq, sizes)
+        splits = [sizes or [0] for _, sizes in shapes]  # [0]: a group without features
         if train:
-            outs = FusedLookupFunction.apply(self._anchor, groups, batches, self.group)
+            parts = FusedLookupFunction.apply(self._anchor, groups, batches, self.group, splits)
         else:
-            outs = tuple(lookup(g.weight, b) for g, b in zip(groups, batches, strict=True))
+            parts = tuple(
+                p
+                for g, b, sizes in zip(groups, batches, splits, strict=True)
+                for p in lookup(g.weight, b).split(sizes)
+            )
         result: dict[str, torch.Tensor] = {}
-        for gi, pooled in zip(active, outs, strict=True):
-            result.update(feature_outputs(pooled, kjt, per_group[gi]))
+        start = 0
+        for gi, (seq, sizes) in zip(active, shapes, strict=True):
+            if sizes:
+                mine = parts[start : start + len(sizes)]
+                result.update(name_parts(mine, kjt, per_group[gi], seq))
+            start += len(sizes) or 1
         return result
 
     def _group_batch(self, kjt: KeyedJaggedIds, feats: list[tuple[TableConfig, str]]) -> GroupBatch:

@@ -89,7 +89,7 @@ class InProcessStore(Store):
         finite = t.spec.nan_policy == "raise"
         grads = check_grads(t.spec, ids, grads, finite=finite).detach().cpu()
         with t.lock:
-            t.push(ids, grads)
+            t.push(ids, grads, checked=finite)
         return Handle.completed(None, what=f"push {table!r}")
 
     # ------------------------------------------------------------ inspection

@@ -397,7 +397,7 @@ class _Server:
                 head = wire.header(Op.PUSH, rid, flags=wire.FLAG_DUPLICATE)
                 return wire.message(head), _EMPTY_F32
             self.last_seq[key] = (session, seq)
-        table.push(ids, grads)
+        table.push(ids, grads, checked=spec.nan_policy == "raise")
         self.applied += 1
         every = self.config.drop_reply_every
         if every and self.applied % every == 0 and (src, rid) not in self.dropped:

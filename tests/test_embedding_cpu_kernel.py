@@ -82,6 +82,52 @@ def test_kernel_equals_ps_rowwise_adagrad(n: int, weighted: bool, threads: int) 
     assert torch.equal(clocks, want_clocks)
 
 
+@pytest.mark.parametrize(
+    "one_each, weighted, threads",
+    [(True, False, 1), (False, True, 1), (True, True, 2), (False, False, 2)],
+)
+def test_parts_kernel_reads_split_gradients_in_place(
+    one_each: bool, weighted: bool, threads: int
+) -> None:
+    """The per-feature form (gradients as autograd hands them back: strided views of
+    one ``[B, N, D]`` tensor, an expanded row, a contiguous block) equals the kernel on
+    their concatenation, bit for bit."""
+    gen = torch.Generator().manual_seed(3 + threads)
+    rows, d, b = 3000, 16, 2500  # 3 features x 2500 bags: 7500 ids, 2 threads split them
+    opt = RowWiseAdagrad(lr=0.05, eps=1e-6, initial_accumulator=0.1)
+    lengths = torch.ones(3 * b, dtype=torch.int64)
+    if not one_each:
+        lengths = torch.randint(0, 3, (3 * b,), generator=gen)  # empty bags, repeats
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    n = int(offsets[-1])
+    ids = torch.randint(0, rows, (n,), generator=gen)
+    ids[: n // 2] %= 50  # hot rows
+    weights = torch.rand(n, generator=gen) + 0.5 if weighted else None
+    block = torch.randn(b, 4, d, generator=gen)
+    parts = [block[:, 1], torch.randn(1, d, generator=gen).expand(b, d), block[:, 3]]
+    whole = torch.cat(parts).contiguous()  # [3B, D]
+    bag_of = torch.repeat_interleave(torch.arange(3 * b), lengths)
+    srt, perm = torch.sort(ids)
+    start = [torch.randn(rows, d, generator=gen), torch.rand(rows, 1, generator=gen)]
+    got = [t.clone() for t in start] + [torch.zeros(rows, dtype=torch.int64)]
+    want = [t.clone() for t in start] + [torch.zeros(rows, dtype=torch.int64)]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert cpu_kernel.rowwise_adagrad_parts_(
+            *got, srt, perm, None if one_each else offsets, parts,
+            lr=opt.lr, eps=opt.eps, weights=weights,
+        )  # fmt: skip
+        assert cpu_kernel.rowwise_adagrad_(
+            *want, srt, whole, lr=opt.lr, eps=opt.eps, perm=perm, bag_of=bag_of,
+            weights=weights,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(old)
+    for x, y in zip(got, want, strict=True):
+        assert torch.equal(x, y)
+
+
 def test_kernel_rejects_what_it_cannot_handle() -> None:
     w = torch.zeros(4, 3)
     s = torch.zeros(4, 1)
@@ -128,3 +174,14 @@ def test_collection_same_with_and_without_kernel() -> None:
         outs.append([torch.tensor(json.loads(line)) for line in done.stdout.splitlines()])
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n, high", [(0, 5), (1, 5), (7, 3), (5000, 1), (53_000, 2_600_000),
+                                     (1000, 2**62)])  # fmt: skip
+def test_radix_sort_equals_stable_torch_sort(n: int, high: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, high, (n,), generator=gen)
+    ids[::3] = -ids[::3]  # negative ids too (a full int64 range)
+    got = cpu_kernel.sort_ids(ids)
+    want = torch.sort(ids, stable=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -63,9 +63,13 @@ def _random_batch(
     return KeyedJaggedIds.from_lists(lists, weights=w)
 
 
-def _loss(out: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> torch.Tensor:
+def _loss(
+    out: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], use: set[str] | None = None
+) -> torch.Tensor:
     total = torch.zeros(())
     for f, o in out.items():
+        if use is not None and f not in use:
+            continue
         total = total + (o * targets[f][:, : o.shape[1]] if o.dim() == 3 else o * targets[f]).sum()
     return total
 
@@ -80,8 +84,14 @@ def _targets(gen: torch.Generator, tables: list[TableConfig]) -> dict[str, torch
 
 
 def _train_and_compare(
-    tables: list[TableConfig], placement: str, weighted: bool, seed: int
+    tables: list[TableConfig],
+    placement: str,
+    weighted: bool,
+    seed: int,
+    use: set[str] | None = None,
 ) -> None:
+    """Train both for STEPS batches with a loss over the outputs of ``use`` (None:
+    all features; the others get no gradient) and compare after every step."""
     tables = _place(tables, placement)
     gen = torch.Generator().manual_seed(seed)
     ec = EmbeddingCollection(tables)
@@ -95,8 +105,8 @@ def _train_and_compare(
         for f in kjt.keys:
             assert got[f].shape == want[f].shape, f
             torch.testing.assert_close(got[f], want[f], rtol=0, atol=1e-6)
-        _loss(got, targets).backward()
-        _loss(want, targets).backward()
+        _loss(got, targets, use).backward()
+        _loss(want, targets, use).backward()
         ref.step(kjt)
         for t in tables:
             assert t.num_rows is not None
@@ -190,6 +200,28 @@ def test_unpooled_weighted(placement: str) -> None:
         ),
     ]  # fmt: skip
     _train_and_compare(tables, placement, weighted=True, seed=11)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_outputs_partly_used(placement: str) -> None:
+    """Features whose outputs the loss ignores get zero gradients: on a table shared
+    with a used feature, and a whole table unused ("cats"). The backward reads the
+    used outputs' gradients in place and must not mix them up."""
+    tables = [
+        TableConfig(
+            name="items", num_rows=25, dim=6, feature_names=["a", "b", "c"], pooling="sum",
+            optimizer=RowWiseAdagrad(lr=0.2),
+        ),
+        TableConfig(
+            name="cats", num_rows=9, dim=6, feature_names=["d"], pooling="mean",
+            optimizer=RowWiseAdagrad(lr=0.1),
+        ),
+        TableConfig(
+            name="more", num_rows=9, dim=6, feature_names=["e"], pooling="sum",
+            optimizer=RowWiseAdagrad(lr=0.1),
+        ),
+    ]  # fmt: skip
+    _train_and_compare(tables, placement, weighted=False, seed=13, use={"b", "e"})
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

@@ -1,0 +1,247 @@
+"""C kernels over the cache's slot records: one pass per batch, touching only the
+words each step needs (record layout in :mod:`cache.table_cache`).
+
+Three passes of a table's step, each over the batch's slots ``[S]`` (-1: not cached,
+skipped):
+
+* :func:`copy_clocks` (planning a pull): the ``CLOCK`` word of each record, 8 bytes
+  instead of the whole ``[W]`` record numpy's gather would move;
+* :func:`serve_rows` (installing a served pull): the served row and clock of each
+  cached id; for the hits, the prefetch marks (counted and cleared) and the own
+  pushes since the read (the staleness lower bound); with LFU, ``FREQ += uses``;
+* :func:`update_rows` (a push)::
+
+      for i, s in enumerate(slots):
+          row, pend, meta = slab[s, :D], slab[s, D:2D], slab[s, 2D:] as int64
+          row -= lr * grad[i]                   # float32 product, then subtract (no FMA)
+          if write_bound == 0:                  # every update is due as it is
+              due_g[k] = grad[i]
+          else:
+              pend += grad[i]; meta[COUNT] += 1
+              if meta[COUNT] <= write_bound: continue
+              due_g[k] = pend; pend = 0; meta[COUNT] = 0
+          meta[OWN] += 1; meta[PUSHED] = seq; due_idx[k++] = i
+
+Why C: the table's records are scattered over a slab of ``capacity x W`` floats, so
+every record is a cache miss; numpy moves whole records (gather, then scatter back)
+and runs ~10 calls per pass, and on this 2-core machine the copies are what costs
+(~5 GB/s). These passes read and write the words they need, once. The numpy path in
+:class:`cache.table_cache.TableCache` does the same with the same float32 operations in
+the same order (FMA contraction off here), so both give identical bits;
+``tests/test_cache_kernel.py`` compares them. Built and loaded by :mod:`comm.native`
+(system C compiler, ctypes); every function returns None where that is not possible
+and the caller takes the numpy path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+from comm.native import load_c_library
+
+_SOURCE = r"""
+#pragma GCC optimize ("fp-contract=off")
+#include <stdint.h>
+#include <string.h>
+
+enum { CLOCK, OWN, COUNT, FREQ, PF, CHECKED, PUSHED };
+#define META(slab, s, d, w) ((int64_t*)((slab) + (s) * (w) + 2 * (d)))
+#define AHEAD 6 /* records prefetched ahead: their misses overlap */
+
+void hr_cache_clocks(int64_t n, int64_t d, int64_t w, const int64_t* slots,
+                     const float* slab, int64_t fill, int64_t* out) {
+    for (int64_t i = 0; i < n; ++i) {
+        if (i + AHEAD < n && slots[i + AHEAD] >= 0)
+            __builtin_prefetch(META(slab, slots[i + AHEAD], d, w), 0, 0);
+        int64_t s = slots[i];
+        out[i] = s < 0 ? fill : META(slab, s, d, w)[CLOCK];
+    }
+}
+
+/* Rows and clocks of the cached ids (slots[i] >= 0) into out_rows [n, d], out_clock [n].
+   old[i] (NULL: none) marks the hits: their prefetch marks PF are counted in
+   pf_counts[0] (fetched as a miss) / pf_counts[1] (refreshed) when made for batch
+   `tick`, and cleared; lag[i] := OWN. lfu: FREQ += uses[i] (1 if uses NULL), and
+   freq[i] := FREQ. */
+void hr_cache_serve(int64_t n, int64_t d, int64_t w, const int64_t* slots, float* slab,
+                    const uint8_t* old, const int64_t* uses, int lfu, int64_t tick,
+                    float* out_rows, int64_t* out_clock, int64_t* lag, int64_t* freq,
+                    int64_t* pf_counts) {
+    for (int64_t i = 0; i < n; ++i) {
+        if (i + AHEAD < n && slots[i + AHEAD] >= 0) {
+            const char* p = (const char*)(slab + slots[i + AHEAD] * w);
+            for (int64_t c = 0; c < d * 4; c += 64) __builtin_prefetch(p + c, 0, 0);
+            __builtin_prefetch(META(slab, slots[i + AHEAD], d, w), 1, 0);
+        }
+        int64_t s = slots[i];
+        if (s < 0) continue;
+        memcpy(out_rows + i * d, slab + s * w, sizeof(float) * (size_t)d);
+        int64_t* meta = META(slab, s, d, w);
+        out_clock[i] = meta[CLOCK];
+        if (old && old[i]) {
+            int64_t pf = meta[PF];
+            if (pf & 3) {
+                if ((pf >> 2) == tick) pf_counts[(pf & 3) == 1 ? 0 : 1] += 1;
+                meta[PF] = 0;
+            }
+            lag[i] = meta[OWN];
+        }
+        if (lfu) {
+            meta[FREQ] += uses ? uses[i] : 1;
+            freq[i] = meta[FREQ];
+        }
+    }
+}
+
+int64_t hr_cache_update(int64_t n, int64_t d, int64_t w, const int64_t* slots,
+                        const float* grads, float* slab, float lr, int64_t write_bound,
+                        int64_t seq, int64_t* due_idx, float* due_g) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        int64_t s = slots[i];
+        if (s < 0) continue;
+        float* row = slab + s * w;
+        float* pend = row + d;
+        int64_t* meta = META(slab, s, d, w);
+        const float* g = grads + i * d;
+        if (i + 4 < n && slots[i + 4] >= 0) __builtin_prefetch(slab + slots[i + 4] * w, 1, 0);
+        if (lr != 0.0f) {
+            for (int64_t j = 0; j < d; ++j) {
+                float t = lr * g[j];
+                row[j] = row[j] - t;
+            }
+        }
+        if (write_bound == 0) {
+            memcpy(due_g + k * d, g, sizeof(float) * (size_t)d);
+        } else {
+            for (int64_t j = 0; j < d; ++j) pend[j] += g[j];
+            meta[COUNT] += 1;
+            if (meta[COUNT] <= write_bound) continue;
+            memcpy(due_g + k * d, pend, sizeof(float) * (size_t)d);
+            memset(pend, 0, sizeof(float) * (size_t)d);
+            meta[COUNT] = 0;
+        }
+        meta[OWN] += 1;
+        meta[PUSHED] = seq;
+        due_idx[k++] = i;
+    }
+    return k;
+}
+"""
+
+
+def _library() -> ctypes.CDLL | None:
+    lib = load_c_library("hr_cache_records", _SOURCE)  # kept after the first call
+    if lib is not None:
+        _declare(lib)
+    return lib
+
+
+@functools.cache
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.hr_cache_clocks.restype = None
+    lib.hr_cache_clocks.argtypes = [i64, i64, i64, ptr, ptr, i64, ptr]
+    lib.hr_cache_serve.restype = None
+    lib.hr_cache_serve.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int, i64]
+    lib.hr_cache_serve.argtypes += [ptr] * 5
+    lib.hr_cache_update.restype = i64
+    lib.hr_cache_update.argtypes = [i64, i64, i64, ptr, ptr, ptr, ctypes.c_float, i64, i64]
+    lib.hr_cache_update.argtypes += [ptr, ptr]
+
+
+def available() -> bool:
+    """Whether the functions below run the C kernels here."""
+    return _library() is not None
+
+
+def _ok(*arrays: np.ndarray | None) -> bool:
+    return all(a is None or a.flags.c_contiguous for a in arrays)
+
+
+def copy_clocks(slab: np.ndarray, dim: int, slots: np.ndarray, fill: int) -> np.ndarray | None:
+    """``CLOCK`` of the records of ``slots`` int64 ``[S]`` (``fill`` where -1): int64
+    ``[S]``, or None where the kernel is not available."""
+    lib = _library()
+    if lib is None or not _ok(slab, slots):
+        return None
+    out = np.empty(slots.size, dtype=np.int64)
+    lib.hr_cache_clocks(
+        slots.size, dim, slab.shape[1], slots.ctypes.data, slab.ctypes.data, fill, out.ctypes.data
+    )
+    return out
+
+
+@functools.cache
+def _no_uses() -> np.ndarray:
+    return np.empty(0, dtype=np.int64)
+
+
+def serve_rows(
+    slab: np.ndarray,
+    dim: int,
+    slots: np.ndarray,
+    old: np.ndarray,
+    uses: np.ndarray | None,
+    *,
+    lfu: bool,
+    tick: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int] | None:
+    """The served pass over ``slots`` int64 ``[U]`` (see the module docstring), ``old``
+    bool ``[U]`` the hits, ``uses`` int64 ``[U]`` (None: 1 each).
+
+    Returns ``(rows [U, D], clocks [U], lag [U], freq [U], prefetched misses,
+    prefetched refreshes)``; entries where ``slots`` is -1 are left unset (rows and
+    clocks: the caller fills them), ``lag`` is set where ``old``, ``freq`` with
+    ``lfu``. None where the kernel is not available.
+    """
+    lib = _library()
+    if lib is None or not _ok(slab, slots, old, uses):
+        return None
+    n = slots.size
+    rows = np.empty((n, dim), dtype=np.float32)
+    clocks = np.empty(n, dtype=np.int64)
+    lag = np.empty(n, dtype=np.int64)
+    freq = np.empty(n, dtype=np.int64) if lfu else _no_uses()
+    pf = np.zeros(2, dtype=np.int64)
+    lib.hr_cache_serve(
+        n, dim, slab.shape[1], slots.ctypes.data, slab.ctypes.data,
+        old.view(np.uint8).ctypes.data, None if uses is None else uses.ctypes.data,
+        int(lfu), tick, rows.ctypes.data, clocks.ctypes.data, lag.ctypes.data,
+        freq.ctypes.data, pf.ctypes.data,
+    )  # fmt: skip
+    return rows, clocks, lag, freq, int(pf[0]), int(pf[1])
+
+
+def update_rows(
+    slab: np.ndarray,
+    dim: int,
+    slots: np.ndarray,
+    grads: np.ndarray,
+    *,
+    lr: float,
+    write_bound: int,
+    seq: int,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Apply ``grads`` float32 ``[S, D]`` to the records of ``slots`` int64 ``[S]`` (-1:
+    skipped) of ``slab`` float32 ``[C, W]`` in place (see the module docstring).
+
+    Returns ``(due, due_grads)``: positions int64 ``[K]`` into ``slots`` of the rows to
+    push now and their gradients float32 ``[K, D]`` (fresh arrays), or None (nothing
+    changed) where the kernel is not available.
+    """
+    lib = _library()
+    if lib is None or not _ok(slab, grads, slots):
+        return None
+    n = slots.size
+    assert grads.shape == (n, dim)
+    due = np.empty(n, dtype=np.int64)
+    due_g = np.empty((n, dim), dtype=np.float32)
+    k = lib.hr_cache_update(
+        n, dim, slab.shape[1], slots.ctypes.data, grads.ctypes.data, slab.ctypes.data,
+        lr, write_bound, seq, due.ctypes.data, due_g.ctypes.data,
+    )  # fmt: skip
+    return due[:k], due_g[:k]

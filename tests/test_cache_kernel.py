@@ -1,0 +1,117 @@
+"""The cache's C kernels (cache/record_kernels.py) against their numpy paths: the same
+training run through two caches, one forced onto numpy, gives identical bits in every
+served row, every cache record, every statistic and every PS row, clock and optimizer
+state; for LRU and LFU, with and without verifying prefetched rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import cache
+import cache.table_cache as table_cache
+import ps
+from cache import record_kernels
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not record_kernels.available(), reason="no C compiler: numpy path only"),
+]
+
+ROWS, DIM = 300, 12
+
+
+KERNELS = ("update_rows", "serve_rows", "copy_clocks")
+
+
+def _run(
+    write_bound: int,
+    lr: float | None,
+    numpy_path: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    policy: str = "lfu",
+    verify: bool = True,
+):
+    for name in KERNELS:
+        kernel = getattr(record_kernels, name)
+        monkeypatch.setattr(table_cache, name, (lambda *a, **k: None) if numpy_path else kernel)
+    inner = ps.InProcessStore()
+    inner.create_table(ps.TableSpec(name="t", num_rows=ROWS, dim=DIM, optimizer=ps.Adam(lr=0.05)))
+    store = cache.CachedStore(
+        inner,
+        cache.CacheConfig(
+            capacity_rows=40,
+            read_bound=2,
+            write_bound=write_bound,
+            local_lr=lr,
+            policy=policy,
+            verify_prefetched=verify,
+            exact_staleness=not verify,
+        ),  # fmt: skip
+    )
+    rng = np.random.default_rng(7)
+    served = []
+    for step in range(30):
+        ids = torch.from_numpy((rng.zipf(1.2, size=64) - 1) % ROWS)  # repeats, unsorted
+        rows = store.pull("t", ids).rows  # [64, D]
+        served.append(rows.clone())
+        nxt = torch.from_numpy((rng.zipf(1.2, size=64) - 1) % ROWS)
+        store.prefetch("t", nxt)
+        grads = torch.from_numpy(rng.standard_normal((64, DIM)).astype(np.float32))
+        store.push("t", ids, grads * (1 + step % 3))
+    slab = store._caches["t"].slab.copy()
+    stats = store.cache_stats()["t"]
+    store.flush()
+    every = torch.arange(ROWS)
+    final = (inner.pull("t", every).rows, inner.clocks("t", every), inner.state("t", every))
+    return served, slab, final, stats
+
+
+@pytest.mark.parametrize("write_bound", [0, 1, 4])
+@pytest.mark.parametrize("lr", [None, 0.0])
+def test_kernel_equals_numpy_path(
+    write_bound: int, lr: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = _run(write_bound, lr, numpy_path=False, monkeypatch=monkeypatch)
+    b = _run(write_bound, lr, numpy_path=True, monkeypatch=monkeypatch)
+    for x, y in zip(a[0], b[0], strict=True):
+        assert torch.equal(x, y)
+    assert np.array_equal(a[1].view(np.int32), b[1].view(np.int32))  # bits, NaN-safe
+    for x, y in zip(a[2], b[2], strict=True):
+        assert torch.equal(x, y)
+    assert a[3] == b[3]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_kernels_equal_numpy_paths_policies(
+    policy: str, verify: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = _run(3, None, numpy_path=False, monkeypatch=monkeypatch, policy=policy, verify=verify)
+    b = _run(3, None, numpy_path=True, monkeypatch=monkeypatch, policy=policy, verify=verify)
+    for x, y in zip(a[0], b[0], strict=True):
+        assert torch.equal(x, y)
+    assert np.array_equal(a[1].view(np.int32), b[1].view(np.int32))
+    for x, y in zip(a[2], b[2], strict=True):
+        assert torch.equal(x, y)
+    assert a[3] == b[3] and a[3]["hits"] > 0 and a[3]["prefetched"] > 0
+
+
+def test_kernel_skips_uncached_and_reports_due_rows() -> None:
+    d, w = 4, 32  # records: row, pend, 8 int64 meta, padding
+    slab = np.zeros((3, w), dtype=np.float32)
+    slab[:, :d] = 1.0
+    meta = slab[:, 2 * d : 2 * d + 16].view(np.int64)
+    meta[1, 2] = 1  # slot 1 has one pending update already
+    slots = np.array([1, -1, 2], dtype=np.int64)
+    grads = np.arange(3 * d, dtype=np.float32).reshape(3, d)
+    got = record_kernels.update_rows(slab, d, slots, grads, lr=0.5, write_bound=1, seq=9)
+    assert got is not None
+    due, due_g = got
+    assert due.tolist() == [0]  # slot 1 passed the bound; slot 2 has one pending now
+    assert np.array_equal(due_g, grads[:1])
+    assert np.array_equal(slab[1, :d], 1.0 - np.float32(0.5) * grads[0])
+    assert np.array_equal(slab[2, d : 2 * d], grads[2])
+    assert meta[1].tolist()[1:3] == [1, 0] and meta[1, 6] == 9  # OWN, COUNT; PUSHED
+    assert meta[2, 2] == 1 and meta[0].tolist() == [0] * 8  # slot 0 untouched
