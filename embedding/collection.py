@@ -165,16 +165,33 @@ class EmbeddingCollection(nn.Module):
         local = [(c, f) for c, f in plan if c.placement == "local"]
         hybrid = [(c, f) for c, f in plan if c.placement == "hybrid"]
         sharded = [f for c, fs in plan if c.placement == "sharded" for f in fs]
-        # Data-parallel local/hybrid modules run even without features in this batch, so
-        # every rank enters the same collectives in backward.
+        # In data parallel, a module whose backward exchanges data (local, hybrid over a
+        # replicated store, sharded) runs even without features in this batch, and its
+        # autograd node is tied to an output (a zero added to the first one), so every
+        # rank enters the same collectives in backward.
         dp = self.group.size > 1
+        ran: list[nn.Module] = []
         if self.local is not None and (local or dp):
             out.update(self.local(kjt, local))
-        if self.hybrid is not None and hybrid:
+            ran.append(self.local)
+        if self.hybrid is not None and (hybrid or (dp and not self.hybrid.store_is_shared)):
             out.update(self.hybrid(kjt, hybrid))
+            ran.append(self.hybrid)
         if self.sharded is not None and (sharded or dp):
             out.update(self.sharded(kjt.select(sharded)))
-        return {k: out[k] for k in kjt.keys}
+            ran.append(self.sharded)
+        result = {k: out[k] for k in kjt.keys}
+        ties = [t for m in ran if (t := getattr(m, "tie", None)) is not None]
+        if ties and dp:
+            if not result:
+                raise ValueError(
+                    f"EmbeddingCollection: rank {self.group.rank}'s batch has no feature, "
+                    "but in data parallel every rank must run backward through the "
+                    "collection; pass every feature (empty bags are fine)"
+                )
+            first = kjt.keys[0]
+            result[first] = result[first] + sum(ties)
+        return result
 
     def prefetch(self, kjt: KeyedJaggedIds) -> None:
         """Announce a coming batch: each hybrid table's unique ids go to

@@ -118,6 +118,9 @@ class HybridTables(nn.Module):
                 )
         # Autograd needs one input that requires grad to record the lookup node.
         self._anchor = torch.zeros(0, requires_grad=True)
+        # A zero tied to the lookup node when it has no named output in this batch
+        # (replicated data parallel: its backward's collectives must still run).
+        self.tie: torch.Tensor | None = None
 
     def prefetch(self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]) -> None:
         """Hand each table's unique ids to ``store.prefetch`` (a cache), if it has one."""
@@ -165,6 +168,8 @@ class HybridTables(nn.Module):
         for g, (seq, sizes) in zip(groups, shapes, strict=True):
             out.update(name_parts(parts[start : start + len(sizes)], kjt, g.features, seq))
             start += len(sizes)
+        train = self.training and torch.is_grad_enabled()
+        self.tie = parts[0].sum() if train and parts and not out else None
         return out
 
     def _dedup(self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]) -> _Group:
@@ -240,6 +245,8 @@ class _HybridLookup(torch.autograd.Function):
         parts: list[torch.Tensor] = []
         for g, r, sizes in zip(groups, rows, splits, strict=True):
             parts.extend(lookup(r, g.batch).split(sizes))
+        if not parts:  # no table in this batch: one empty output to tie the node to
+            parts.append(anchor.new_zeros(0))
         return tuple(parts)
 
     @staticmethod

@@ -92,6 +92,7 @@ class LocalTables(nn.Module):
             )
         # Autograd needs one input that requires grad to record the fused node.
         self._anchor = torch.zeros(0, requires_grad=True)
+        self.tie: torch.Tensor | None = None  # see forward
 
     # ------------------------------------------------------------ reads
 
@@ -164,6 +165,9 @@ class LocalTables(nn.Module):
                 mine = parts[start : start + len(sizes)]
                 result.update(name_parts(mine, kjt, per_group[gi], seq))
             start += len(sizes) or 1
+        # Data parallel without a feature here: the node still has to run backward
+        # (its collectives); the collection ties this zero to an output.
+        self.tie = parts[0].sum() if train and parts and not result else None
         return result
 
     def _group_batch(self, kjt: KeyedJaggedIds, feats: list[tuple[TableConfig, str]]) -> GroupBatch:

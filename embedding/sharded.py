@@ -149,6 +149,7 @@ class ShardedTables(nn.Module):
         self._shards: list[LocalTable | None] = [self._make_shard(c) for c in self._configs]
         # The leaf the row exchange hangs off, so autograd calls its backward.
         self._anchor = torch.empty(0, requires_grad=True)
+        self.tie: torch.Tensor | None = None  # see forward
 
     # ------------------------------------------------------------ setup
 
@@ -306,6 +307,10 @@ class ShardedTables(nn.Module):
             pooled_feats = self._pool(cfg, tb, per_table[tb.index], b)
             for feat, pooled in zip(tb.features, pooled_feats, strict=True):
                 out[feat] = pooled.to(device)
+        # No feature here but peers exchange rows: the exchange's backward must still
+        # run on this rank; the collection ties this zero to an output.
+        train = self.training and torch.is_grad_enabled()
+        self.tie = flat.sum() if train and not out else None
         return {k: out[k] for k in kjt.keys}
 
     def _prepare(self, kjt: KeyedJaggedIds) -> tuple[list[_TableBatch], list[int]]:

@@ -19,3 +19,15 @@ def test_data_parallel_matches_single_process(backend: str, nprocs: int) -> None
     text = "\n".join(outs)
     for rank in range(nprocs):
         assert f"rank {rank}/{nprocs}: ok embedding data parallel" in text, text
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+@pytest.mark.parametrize("nprocs", [1, 2, 4])
+def test_rank_without_a_placements_features(backend: str, nprocs: int) -> None:
+    """A rank whose batch lacks every local, hybrid or sharded feature still joins that
+    placement's backward exchange (its peers would wait until the comm timeout)."""
+    outs = run_ranks("embedding_dp_missing.py", nprocs, backend, timeout=180)
+    text = "\n".join(outs)
+    for rank in range(nprocs):
+        assert f"rank {rank}/{nprocs}: ok missing placements" in text, text

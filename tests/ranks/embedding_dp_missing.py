@@ -1,0 +1,109 @@
+"""Rank script: data parallel where a rank's batch lacks every feature of a placement.
+
+One collection with a local table, a hybrid table (replicated in-process store) and a
+sharded table. At step 1 the last rank's batch has no local feature at all (the keys
+are absent, not empty), at step 2 no hybrid feature, at step 3 no sharded feature. That
+rank must still take part in the backward exchange of that placement (its peers would
+wait for it until the comm timeout otherwise), and every table must equal one process
+trained on the global batch, where those samples have empty bags for those features.
+
+Backend from ``HYBRIDREC_TEST_BACKEND`` (set by tests/multiproc.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import comm
+import ps
+from embedding import EmbeddingCollection, KeyedJaggedIds, RowWiseAdagrad, TableConfig
+
+GLOBAL_BATCH = 8  # divisible by 1, 2 and 4 ranks
+STEPS = 4
+TABLES = [
+    TableConfig(
+        name="items", num_rows=30, dim=4, feature_names=["clicked", "bought"],
+        optimizer=RowWiseAdagrad(lr=0.1),
+    ),
+    TableConfig(
+        name="users", num_rows=20, dim=4, feature_names=["user"], optimizer=ps.SGD(lr=0.5),
+        placement="hybrid",
+    ),
+    TableConfig(
+        name="tags", num_rows=16, dim=4, feature_names=["tag"],
+        optimizer=RowWiseAdagrad(lr=0.1), placement="sharded",
+    ),
+]  # fmt: skip
+MISSING = {1: "local", 2: "hybrid", 3: "sharded"}  # step -> placement the last rank lacks
+
+
+def global_batch(gen: torch.Generator, step: int, last: range) -> KeyedJaggedIds:
+    """Random ids; the samples in ``last`` have no ids for MISSING[step]'s features."""
+    lists: dict[str, list[list[int]]] = {}
+    for table in TABLES:
+        assert table.num_rows is not None
+        for feat in table.feature_names:
+            samples = []
+            for b in range(GLOBAL_BATCH):
+                n = int(torch.randint(1, 4, (1,), generator=gen))
+                ids = torch.randint(0, table.num_rows, (n,), generator=gen)
+                if MISSING.get(step) == table.placement and b in last:
+                    ids = ids[:0]
+                samples.append(ids.tolist())
+            lists[feat] = samples
+    return KeyedJaggedIds.from_lists(lists)
+
+
+def loss(
+    out: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], batch: int
+) -> torch.Tensor:
+    total = torch.zeros(())
+    for feat, pooled in out.items():
+        total = total + (pooled * targets[feat]).sum()
+    return total / batch
+
+
+def main() -> None:
+    group = comm.init(os.environ["HYBRIDREC_TEST_BACKEND"], timeout_s=60.0)
+    try:
+        rank, size = group.rank, group.size
+        local = GLOBAL_BATCH // size
+        mine_range = range(rank * local, (rank + 1) * local)
+        last = range((size - 1) * local, size * local)
+        dp = EmbeddingCollection(TABLES, group=group)
+        ref = EmbeddingCollection(TABLES)  # one process, the global batch
+        gen = torch.Generator().manual_seed(7)
+        feats = [f for t in TABLES for f in t.feature_names]
+        targets = {f: torch.randn(GLOBAL_BATCH, 4, generator=gen) for f in feats}
+        for step in range(STEPS):
+            kjt = global_batch(gen, step, last)
+            mine = kjt.sample_slice(mine_range.start, mine_range.stop)
+            if rank == size - 1 and step in MISSING and size > 1:
+                keep = [f for t in TABLES if t.placement != MISSING[step] for f in t.feature_names]
+                mine = mine.select(keep)  # the keys are absent, not just empty
+            my_targets = {f: t[mine_range.start : mine_range.stop] for f, t in targets.items()}
+            loss(dp(mine), my_targets, local).backward()
+            loss(ref(kjt), targets, GLOBAL_BATCH).backward()
+            for t in TABLES:
+                ids = torch.arange(t.num_rows or 0)
+                if t.placement == "sharded":
+                    assert dp.sharded is not None and ref.sharded is not None
+                    got = dp.sharded.full_table(t.name)  # type: ignore[operator]
+                    want = ref.sharded.full_table(t.name)  # type: ignore[operator]
+                else:
+                    got, want = dp.rows(t.name, ids), ref.rows(t.name, ids)
+                err = float((got - want).abs().max())
+                if err > 1e-5:
+                    raise AssertionError(
+                        f"rank {rank}/{size} step {step} table {t.name}: rows differ from "
+                        f"the single-process reference by {err:.3g}"
+                    )
+        print(f"rank {rank}/{size}: ok missing placements", flush=True)
+    finally:
+        group.close()
+
+
+if __name__ == "__main__":
+    main()
