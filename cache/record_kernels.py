@@ -134,13 +134,9 @@ int64_t hr_cache_update(int64_t n, int64_t d, int64_t w, const int64_t* slots,
 
 
 def _library() -> ctypes.CDLL | None:
-    lib = load_c_library("hr_cache_records", _SOURCE)  # kept after the first call
-    if lib is not None:
-        _declare(lib)
-    return lib
+    return load_c_library("hr_cache_records", _SOURCE, _declare)  # kept after the first call
 
 
-@functools.cache
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.hr_cache_clocks.restype = None

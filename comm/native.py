@@ -25,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 FLAG_SETS = (
@@ -71,13 +72,25 @@ def _compile(cc: str, flags: tuple[str, ...], source: str, out: Path) -> bool:
     return True
 
 
-def load_c_library(name: str, source: str) -> ctypes.CDLL | None:
+def load_c_library(
+    name: str, source: str, declare: Callable[[ctypes.CDLL], None] | None = None
+) -> ctypes.CDLL | None:
     """``source`` built and loaded (see the module docstring), or None.
 
-    Cheap after the first call: the result is kept per (name, source, settings), since
-    callers ask on every step (a lookup of the compiler, a hash and a ``dlopen`` cost
-    ~0.5 ms, 12 ms per step of a 26-table push)."""
-    return _load(name, source, os.environ.get("HYBRIDREC_CPU_KERNEL", "1"), os.environ.get("CC"))
+    ``declare(lib)`` sets the functions' ``argtypes``/``restype``; it runs once per
+    library. Cheap after the first call: the result is kept per (name, source,
+    settings), since callers ask on every step (a lookup of the compiler, a hash and a
+    ``dlopen`` cost ~0.5 ms, 12 ms per step of a 26-table push)."""
+    enabled = os.environ.get("HYBRIDREC_CPU_KERNEL", "1")
+    lib = _load(name, source, enabled, os.environ.get("CC"))
+    if lib is not None and declare is not None:
+        _declare_once(lib, declare)
+    return lib
+
+
+@functools.cache
+def _declare_once(lib: ctypes.CDLL, declare: Callable[[ctypes.CDLL], None]) -> None:
+    declare(lib)
 
 
 @functools.cache

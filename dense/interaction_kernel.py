@@ -21,7 +21,6 @@ the torch path, as does everything when the library cannot be built
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -145,17 +144,16 @@ void hr_interaction_bwd(int64_t B, int64_t N, int64_t D, const float* const* row
 """
 
 
-@functools.cache
 def _load() -> ctypes.CDLL | None:
-    lib = load_c_library("hr_interaction", _SOURCE)
-    if lib is None:
-        return None
+    return load_c_library("hr_interaction", _SOURCE, _declare)  # kept after the first call
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.hr_interaction_fwd.restype = None
     lib.hr_interaction_fwd.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, cint, cint]
     lib.hr_interaction_bwd.restype = None
     lib.hr_interaction_bwd.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, cint, ptr, cint]
-    return lib
 
 
 def usable(t: torch.Tensor) -> bool:

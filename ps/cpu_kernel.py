@@ -31,7 +31,6 @@ the torch path, which runs the identical math (tests compare the two).
 from __future__ import annotations
 
 import ctypes
-import functools
 from typing import Any
 
 import torch
@@ -286,13 +285,9 @@ int hr_segment_sum_parts(int64_t nruns, const int64_t* counts, int64_t n, int64_
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library (built on first use), or None where it is disabled
     (``HYBRIDREC_CPU_KERNEL=0``), no C compiler is found, or the build fails."""
-    lib = load_c_library("hr_rowwise_adagrad", _SOURCE)  # kept after the first call
-    if lib is not None:
-        _declare(lib)
-    return lib
+    return load_c_library("hr_rowwise_adagrad", _SOURCE, _declare)  # kept after the first call
 
 
-@functools.cache
 def _declare(lib: ctypes.CDLL) -> None:
     """Argument types of the kernel, set once per library (ctypes then converts them)."""
     fn = lib.hr_rowwise_adagrad
