@@ -30,6 +30,7 @@ from embedding.hybrid import HybridTables
 from embedding.jagged import KeyedJaggedIds
 from embedding.local_tables import LocalTables
 from ps import InProcessStore, Store
+from ps.checkpoint import write_checkpoint
 
 
 class EmbeddingCollection(nn.Module):
@@ -221,19 +222,38 @@ class EmbeddingCollection(nn.Module):
     # ------------------------------------------------------------ checkpoints
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Save the local tables (ps checkpoint format: JSON manifest + ``.npy``, no pickle).
+        """Save the local and sharded tables whole in one ps checkpoint (JSON manifest +
+        ``.npy``, no pickle), loadable by any collection with those tables (any number of
+        ranks, any placement) or by a store.
 
-        Hybrid tables live in the store: save them with ``store.save``.
+        Collective in data parallel: sharded tables are gathered, rank 0 writes, and
+        every rank returns once the checkpoint is complete. Hybrid tables live in the
+        store: save them with ``store.save``.
         """
-        if self.local is None:
-            raise ValueError("save: this collection has no local tables (hybrid: store.save)")
-        self.local.save(path)
+        parts = [] if self.local is None else self.local.checkpoint_parts()
+        if self.sharded is not None:
+            parts += self.sharded.checkpoint_parts()  # type: ignore[operator]
+        if not parts:
+            raise ValueError(
+                "save: this collection has no local or sharded tables (hybrid: store.save)"
+            )
+        if self.group.rank == 0:
+            entries = [(spec, [part]) for spec, part in parts]
+            write_checkpoint(path, entries, writer="embedding.EmbeddingCollection")
+        if self.group.size > 1:
+            self.group.barrier()
 
     def load(self, path: str | os.PathLike[str]) -> None:
-        """Load the local tables saved by :meth:`save` (or by a store's ``save``)."""
-        if self.local is None:
-            raise ValueError("load: this collection has no local tables (hybrid: store.load)")
-        self.local.load(path)
+        """Load the local and sharded tables from a ps checkpoint (from :meth:`save`, or
+        a store's ``save``); each rank copies the rows it holds."""
+        if self.local is None and self.sharded is None:
+            raise ValueError(
+                "load: this collection has no local or sharded tables (hybrid: store.load)"
+            )
+        if self.local is not None:
+            self.local.load(path)
+        if self.sharded is not None:
+            self.sharded.load(path)  # type: ignore[operator]
 
 
 def _make_sharded(configs: list[TableConfig], group: ProcessGroup) -> nn.Module:

@@ -176,11 +176,10 @@ class LocalTables(nn.Module):
 
     # ------------------------------------------------------------ checkpoints
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write every local table (rows, optimizer state, clocks) in the ps checkpoint
-        format (:mod:`ps.checkpoint`: JSON manifest + ``.npy``), so a parameter-server
-        store can load it too."""
-        entries = []
+    def checkpoint_parts(self) -> list[tuple[TableSpec, TablePart]]:
+        """Every local table whole (rows, optimizer state, clocks) as ``(spec, part)``
+        for :func:`ps.checkpoint.write_checkpoint`."""
+        out = []
         for name, spec in self.specs.items():
             g, base, n = self._table_rows(name)
             part = TablePart(
@@ -189,7 +188,13 @@ class LocalTables(nn.Module):
                 state=g.state[base : base + n].cpu(),
                 clocks=g.clocks[base : base + n].cpu(),
             )
-            entries.append((spec, [part]))
+            out.append((spec, part))
+        return out
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write every local table in the ps checkpoint format (:mod:`ps.checkpoint`: JSON
+        manifest + ``.npy``), so a parameter-server store can load it too."""
+        entries = [(spec, [part]) for spec, part in self.checkpoint_parts()]
         write_checkpoint(path, entries, writer="embedding.LocalTables")
 
     def load(self, path: str | os.PathLike[str]) -> None:
@@ -197,25 +202,8 @@ class LocalTables(nn.Module):
         by any store's ``save``). Every local table must be in it with the same
         rows, dim and optimizer; rows a checkpoint lacks are left as they are."""
         ckpt = read_checkpoint(path)
-        found = {s.name: s for s in ckpt.specs}
-        for name, spec in self.specs.items():
-            have = found.get(name)
-            if have is None:
-                raise ValueError(
-                    f"load {str(path)!r}: no table {name!r} in the checkpoint; it has "
-                    f"{sorted(found)}"
-                )
-            if (have.num_rows, have.dim, have.optimizer) != (
-                spec.num_rows,
-                spec.dim,
-                spec.optimizer,
-            ):
-                raise ValueError(
-                    f"load {str(path)!r}: table {name!r} was saved with num_rows="
-                    f"{have.num_rows}, dim={have.dim}, optimizer={have.optimizer}; this "
-                    f"collection has num_rows={spec.num_rows}, dim={spec.dim}, "
-                    f"optimizer={spec.optimizer}"
-                )
+        for spec in self.specs.values():
+            ckpt.expect(spec)
         for name in self.specs:
             g, base, _ = self._table_rows(name)
             for part in ckpt.parts(name):

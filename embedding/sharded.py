@@ -46,6 +46,7 @@ backends); outputs are moved to the device of the batch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,7 @@ from embedding.jagged_dist import (
     unpack_rows,
 )
 from embedding.sharding_plan import DEFAULT_ROW_WISE_THRESHOLD_ROWS, ShardingPlan
+from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
 from ps.local_table import LocalTable, take
 from ps.table import TableSpec
 
@@ -243,6 +245,55 @@ class ShardedTables(nn.Module):
             part = torch.empty(0, width, dtype=torch.float32)
         # Ranges run in rank order, so the rank-ordered concatenation is the table.
         return self.group.allgatherv(part.contiguous())
+
+    # ------------------------------------------------------------ checkpoints
+
+    def checkpoint_parts(self) -> list[tuple[TableSpec, TablePart]]:
+        """Collective: every table gathered whole (rows, optimizer state, clocks; ``[num_rows,
+        D]`` on every rank), as ``(spec, part)`` for :func:`ps.checkpoint.write_checkpoint`.
+
+        Whole tables keep the checkpoint independent of the sharding: it loads into any
+        number of ranks, any plan, a local collection or a store."""
+        out = []
+        for cfg in self._configs:
+            assert cfg.num_rows is not None
+            part = TablePart(
+                ids=torch.arange(cfg.num_rows, dtype=torch.int64),
+                weights=self.full_table(cfg.name),
+                state=self.full_state(cfg.name),
+                clocks=self.full_clocks(cfg.name),
+            )
+            out.append((cfg.to_spec(), part))
+        return out
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Collective: write every table whole to the ps checkpoint folder ``path``
+        (rank 0 writes; every rank returns once it is complete)."""
+        parts = self.checkpoint_parts()
+        if self.group.rank == 0:
+            write_checkpoint(path, [(spec, [part]) for spec, part in parts], writer="ShardedTables")
+        self.group.barrier()
+
+    @torch.no_grad()
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Copy this rank's rows of every table (weights, optimizer state, clocks) from
+        the ps checkpoint at ``path`` (whole tables, e.g. from :meth:`save`, any store's
+        ``save`` or a local collection's). Every table must be in it with the same
+        rows, dim and optimizer; everything is checked before any row changes."""
+        ckpt = read_checkpoint(path)
+        for cfg in self._configs:
+            ckpt.expect(cfg.to_spec())
+        for cfg, shard in zip(self._configs, self._shards, strict=True):
+            if shard is None:
+                continue
+            part = ckpt.read_table(cfg.name)
+            start, stop = self.plan.table(cfg.name).rows_on(self.group.rank)
+            mine = (part.ids >= start) & (part.ids < stop)  # rows a checkpoint lacks stay
+            rows = part.ids[mine] - start
+            shard.weights[rows] = part.weights[mine]
+            if shard.state.shape[1] > 0:
+                shard.state[rows] = part.state[mine]
+            shard.clocks[rows] = part.clocks[mine]
 
     def _index(self, table: str) -> int:
         for i, c in enumerate(self._configs):

@@ -43,7 +43,7 @@ from comm import ProcessGroup
 from dense import ZeroOptimizer, load_zero_state, save_zero_state
 from embedding import EmbeddingCollection
 from embedding.hybrid import store_is_replicated
-from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
+from ps.checkpoint import TablePart, write_checkpoint
 
 FORMAT = "hybridrec-run/1"
 LATEST = "latest"
@@ -146,18 +146,7 @@ def _flush(embeddings: EmbeddingCollection) -> None:
 def _sharded_parts(embeddings: EmbeddingCollection) -> list[tuple[Any, TablePart]]:
     """Collective: every sharded table gathered whole (``[num_rows, D]`` on every rank)."""
     sharded: Any = embeddings.sharded
-    if sharded is None:
-        return []
-    out = []
-    for cfg in sharded.tables:
-        part = TablePart(
-            ids=torch.arange(cfg.num_rows, dtype=torch.int64),
-            weights=sharded.full_table(cfg.name),
-            state=sharded.full_state(cfg.name),
-            clocks=sharded.full_clocks(cfg.name),
-        )
-        out.append((cfg.to_spec(), part))
-    return out
+    return [] if sharded is None else list(sharded.checkpoint_parts())
 
 
 def save_checkpoint(
@@ -218,8 +207,8 @@ def _write(
             write_state(tmp / "optimizer", optimizer.state_dict())
         write_state(tmp / "ranks", {"state": states, "rng": rngs})
         (tmp / "tables").mkdir()
-        if embeddings.local is not None:
-            embeddings.save(tmp / "tables" / "local")
+        if embeddings.local is not None:  # rank 0 only: the module's own (not collective) save
+            embeddings.local.save(tmp / "tables" / "local")
         if embeddings.hybrid is not None:
             embeddings.store.save(tmp / "tables" / "store")
         if sharded:
@@ -271,34 +260,13 @@ def load_checkpoint(
     ranks = read_state(folder / "ranks")
     torch.set_rng_state(ranks["rng"][group.rank].clone())
     if embeddings.local is not None:
-        embeddings.load(folder / "tables" / "local")
+        embeddings.local.load(folder / "tables" / "local")
     if embeddings.hybrid is not None:
         store = embeddings.store
         if store_is_replicated(store) or group.rank == 0:  # a shared store: loaded once
             store.load(folder / "tables" / "store")
         group.barrier()
     if embeddings.sharded is not None:
-        _load_sharded(embeddings.sharded, folder / "tables" / "sharded")
+        embeddings.sharded.load(folder / "tables" / "sharded")  # type: ignore[operator]
     state = ranks["state"][group.rank]
     return meta, (state if state.numel() else None)
-
-
-@torch.no_grad()
-def _load_sharded(sharded: Any, path: Path) -> None:
-    """Copy this rank's row range of every sharded table from the whole-table checkpoint.
-
-    ``ShardedTables`` has no load of its own: its per-rank ``LocalTable`` shards are
-    written in place (weights, optimizer state, clocks).
-    """
-    ckpt = read_checkpoint(path)
-    for i, cfg in enumerate(sharded.tables):
-        part = ckpt.read_table(cfg.name)
-        order = torch.argsort(part.ids)
-        start, stop, _ = sharded.shard(cfg.name)
-        shard = sharded._shards[i]  # LocalTable of rows [start, stop), None if empty
-        if shard is None:
-            continue
-        rows = order[start:stop]
-        shard.weights[: stop - start] = part.weights[rows]
-        shard.state[: stop - start] = part.state[rows]
-        shard.clocks[: stop - start] = part.clocks[rows]

@@ -385,6 +385,23 @@ class Checkpoint:
     def spec(self, table: str) -> TableSpec:
         return self.specs[self._index(table)]
 
+    def expect(self, spec: TableSpec) -> None:
+        """Raise ValueError unless the checkpoint holds ``spec``'s table with the same
+        rows, dim and optimizer (what a caller loading it in place needs)."""
+        if spec.name not in self._by_name:
+            raise ValueError(
+                f"load {str(self.path)!r}: no table {spec.name!r} in the checkpoint; it has "
+                f"{sorted(self.tables())}"
+            )
+        have = self.spec(spec.name)
+        if (have.num_rows, have.dim, have.optimizer) != (spec.num_rows, spec.dim, spec.optimizer):
+            raise ValueError(
+                f"load {str(self.path)!r}: table {spec.name!r} was saved with num_rows="
+                f"{have.num_rows}, dim={have.dim}, optimizer={have.optimizer}; this "
+                f"collection has num_rows={spec.num_rows}, dim={spec.dim}, "
+                f"optimizer={spec.optimizer}"
+            )
+
     def num_rows(self, table: str) -> int:
         """Rows stored for ``table`` (all parts)."""
         return int(self.manifest["tables"][self._index(table)]["rows"])
