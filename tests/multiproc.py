@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,21 +79,61 @@ def run_ranks(
         env["HYBRIDREC_TEST_BACKEND"] = "mpi"
         return [_run_one(cmd, env, timeout, f"mpirun -n {nprocs} {Path(path).name}")]
     if backend in ("gloo", "nccl"):
-        port = free_port()
-        procs = []
-        for rank in range(nprocs):
-            e = dict(env)
-            e.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(nprocs),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                HYBRIDREC_TEST_BACKEND=backend,
+        what = f"{backend} x{nprocs} {Path(path).name}"
+        try:
+            return _run_torch_ranks(path, nprocs, backend, args, env, timeout, what)
+        except AssertionError as err:
+            if not _exit_abort_only(str(err)):
+                raise
+            # A rank finished its work (no traceback anywhere) and then aborted in
+            # torch's teardown at interpreter exit: a rare upstream race (~1 in 100
+            # gloo runs here, see docs/reliability_tests.md). Run once more, loudly.
+            warnings.warn(
+                f"{what}: a rank aborted at exit after its work; rerun once", stacklevel=2
             )
-            procs.append(_start([sys.executable, path, *args], e))
-        return _collect(procs, timeout, f"{backend} x{nprocs} {Path(path).name}")
+            return _run_torch_ranks(path, nprocs, backend, args, env, timeout, what)
     raise ValueError(f"unknown backend {backend!r}; expected 'mpi', 'gloo' or 'nccl'")
+
+
+def _run_torch_ranks(
+    path: str,
+    nprocs: int,
+    backend: str,
+    args: list[str],
+    env: dict[str, str],
+    timeout: float,
+    what: str,
+) -> list[str]:
+    port = free_port()
+    procs = []
+    for rank in range(nprocs):
+        e = dict(env)
+        e.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(nprocs),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            HYBRIDREC_TEST_BACKEND=backend,
+        )
+        procs.append(_start([sys.executable, path, *args], e))
+    return _collect(procs, timeout, what)
+
+
+_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _exit_abort_only(report: str) -> bool:
+    """True if the failure report of :func:`_collect` shows only ranks that exited 0 or
+    were killed by SIGABRT right after printing their last line, with torch's teardown
+    message last and no Python traceback anywhere."""
+    if "timed out" in report.splitlines()[0] or "Traceback" in report:
+        return False
+    ranks = report.split("---- rank/process ")[1:]
+    aborted = [r for r in ranks if "(exit -6)" in r.splitlines()[0]]
+    others_ok = all("(exit 0)" in r.splitlines()[0] for r in ranks if r not in aborted)
+    last_lines = [r.strip().splitlines()[-1] for r in aborted]
+    return bool(aborted) and others_ok and all(line == _EXIT_ABORT for line in last_lines)
 
 
 def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
