@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from comm import LocalGroup, ProcessGroup
+from embedding.checkpoint_io import write_from_rank0
 from embedding.config import TableConfig
 from embedding.hybrid import HybridTables
 from embedding.jagged import KeyedJaggedIds
 from embedding.local_tables import LocalTables
 from ps import InProcessStore, Store
-from ps.checkpoint import write_checkpoint
 
 
 class EmbeddingCollection(nn.Module):
@@ -237,11 +237,7 @@ class EmbeddingCollection(nn.Module):
             raise ValueError(
                 "save: this collection has no local or sharded tables (hybrid: store.save)"
             )
-        if self.group.rank == 0:
-            entries = [(spec, [part]) for spec, part in parts]
-            write_checkpoint(path, entries, writer="embedding.EmbeddingCollection")
-        if self.group.size > 1:
-            self.group.barrier()
+        write_from_rank0(self.group, path, parts, "embedding.EmbeddingCollection")
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Load the local and sharded tables from a ps checkpoint (from :meth:`save`, or

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comm import ProcessGroup
+from embedding.checkpoint_io import write_from_rank0
 from embedding.checks import check_weights, sequence_length
 from embedding.config import TableConfig
 from embedding.jagged import JaggedIds, KeyedJaggedIds, offsets_from_lengths
@@ -68,7 +69,7 @@ from embedding.jagged_dist import (
     unpack_rows,
 )
 from embedding.sharding_plan import DEFAULT_ROW_WISE_THRESHOLD_ROWS, ShardingPlan
-from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
+from ps.checkpoint import TablePart, read_checkpoint
 from ps.local_table import LocalTable, take
 from ps.table import TableSpec
 
@@ -269,10 +270,7 @@ class ShardedTables(nn.Module):
     def save(self, path: str | os.PathLike[str]) -> None:
         """Collective: write every table whole to the ps checkpoint folder ``path``
         (rank 0 writes; every rank returns once it is complete)."""
-        parts = self.checkpoint_parts()
-        if self.group.rank == 0:
-            write_checkpoint(path, [(spec, [part]) for spec, part in parts], writer="ShardedTables")
-        self.group.barrier()
+        write_from_rank0(self.group, path, self.checkpoint_parts(), "embedding.ShardedTables")
 
     @torch.no_grad()
     def load(self, path: str | os.PathLike[str]) -> None:

@@ -96,6 +96,13 @@ def check_checkpoint(dp: EmbeddingCollection, group: comm.ProcessGroup, path: Pa
             want, got = dp.rows(t.name, ids), fresh.rows(t.name, ids)
         if not (torch.equal(got, want) and torch.equal(alone.rows(t.name, ids), want)):
             raise AssertionError(f"rank {group.rank}: table {t.name} not restored from {path}")
+    # A save that fails on rank 0 raises on every rank (no rank waits for it).
+    try:
+        dp.save("/proc/hybridrec-no-such-dir/ckpt")
+    except (OSError, RuntimeError) as e:
+        assert group.rank == 0 or "failed on rank 0" in str(e), e
+    else:
+        raise AssertionError(f"rank {group.rank}: a save to /proc did not raise")
 
 
 def main() -> None:
