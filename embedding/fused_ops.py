@@ -60,6 +60,23 @@ class GroupBatch:
     def num_bags(self) -> int:
         return int(self.offsets.numel()) - 1
 
+    def kernel_offsets(self) -> torch.Tensor | None:
+        """``offsets`` for the C kernels (:mod:`ps.cpu_kernel`), or None when every bag
+        holds exactly one id (bag ``p`` is id ``p``: the kernel needs no bag map)."""
+        lengths = self.offsets[1:] - self.offsets[:-1]  # [nbags]
+        one_each = self.ids.numel() == self.num_bags and bool((lengths == 1).all())
+        return None if one_each else self.offsets
+
+    def kernel_weights(self) -> torch.Tensor | None:
+        """``weights`` as the C kernels read them: float32, contiguous (or None)."""
+        return None if self.weights is None else self.weights.to(torch.float32).contiguous()
+
+
+def kernel_parts(parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-feature gradients ``[n_f, D]`` as the C kernels read them in place: float32
+    with each row's elements contiguous (any row stride, e.g. views of ``[B, N, D]``)."""
+    return [p.float() if p.stride(-1) == 1 else p.float().contiguous() for p in parts]
+
 
 @dataclass(slots=True)
 class FusedGroup:
@@ -362,14 +379,9 @@ def _cpu_rowwise_adagrad_parts(g: FusedGroup, b: GroupBatch, parts: Sequence[tor
     if b.ids.numel() == 0:
         return True
     srt, perm = cpu_kernel.sort_ids(b.ids)  # [N], [N]
-    one_each = b.ids.numel() == b.num_bags and bool(
-        (b.offsets[1:] - b.offsets[:-1] == 1).all()
-    )  # bag p is id p (one id per sample and feature): no bag map needed
-    rows = [p.float() if p.stride(-1) == 1 else p.float().contiguous() for p in parts]
     return cpu_kernel.rowwise_adagrad_parts_(
-        g.weight, g.state, g.clocks, srt, perm, None if one_each else b.offsets, rows,
-        lr=opt.lr, eps=opt.eps,
-        weights=None if b.weights is None else b.weights.to(torch.float32).contiguous(),
+        g.weight, g.state, g.clocks, srt, perm, b.kernel_offsets(), kernel_parts(parts),
+        lr=opt.lr, eps=opt.eps, weights=b.kernel_weights(),
     )  # fmt: skip
 
 

@@ -50,6 +50,7 @@ from embedding.fused_ops import (
     GroupBatch,
     feature_sizes,
     group_batch,
+    kernel_parts,
     lookup,
     name_parts,
     sorted_segment_sum,
@@ -288,11 +289,8 @@ def _row_gradients(
         for p, n in zip(given, sizes, strict=True)
     ]  # [n_f, D] each
     if ref.is_cpu:
-        one_each = b.ids.numel() == b.num_bags and bool((b.offsets[1:] - b.offsets[:-1] == 1).all())
-        flat = [p.float() if p.stride(-1) == 1 else p.float().contiguous() for p in parts]
-        w = None if b.weights is None else b.weights.to(torch.float32).contiguous()
         sums = cpu_kernel.segment_sum_parts(
-            g.perm, g.counts, None if one_each else b.offsets, flat, d, w
+            g.perm, g.counts, b.kernel_offsets(), kernel_parts(parts), d, b.kernel_weights()
         )
         if sums is not None:
             return sums
