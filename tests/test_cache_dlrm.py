@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import comm
-from examples.train_dlrm import TrainConfig, parse_args, train
+from hybridrec.dlrm.job import TrainConfig, parse_args, train
 
 
 def test_cache_options_fill_the_config() -> None:

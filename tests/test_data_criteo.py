@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.data.criteo import (
+from hybridrec.datasets.criteo import (
     CAT_NAMES,
     NUM_CAT,
     NUM_INT,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from examples.data import gather_batch, load_movielens, movielens_dir
+from hybridrec.datasets import gather_batch, load_movielens, movielens_dir
 
 
 def _raw(name: str) -> list[dict[str, str]]:

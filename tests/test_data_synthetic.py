@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from examples.data import CTRData, SparseFeature, gather_batch, make_synthetic
-from examples.data.synthetic import zipf_ids
+from hybridrec.datasets import CTRData, SparseFeature, gather_batch, make_synthetic
+from hybridrec.datasets.synthetic import zipf_ids
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""examples.data.text and examples.data.bpe: corpus discovery, tokenizers, splits and batches."""
+"""hybridrec.datasets.text and .bpe: corpus discovery, tokenizers, splits and batches."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.data import text as text_mod
-from examples.data.bpe import GPT2_SPLIT, ByteTokenizer, GPT2Tokenizer
-from examples.data.text import (
+from hybridrec.datasets import text as text_mod
+from hybridrec.datasets.bpe import GPT2_SPLIT, ByteTokenizer, GPT2Tokenizer
+from hybridrec.datasets.text import (
     TEXT_DIR_ENV,
     eval_batches,
     find_gpt2_ranks,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from examples.cli import build_parser
-from examples.dlrm_config import TrainConfig
-from examples.train_dlrm import main, parse_args
+from hybridrec.config import build_parser
+from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.job import main, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,7 +83,7 @@ def test_config_validation(kw: dict[str, object], pattern: str) -> None:
 
 def test_bad_placement_table_and_rank_count_are_named() -> None:
     from comm import LocalGroup
-    from examples.train_dlrm import train
+    from hybridrec.dlrm.job import train
 
     cfg = TrainConfig(data="synthetic", synthetic_samples=100, placement_of=["nope=sharded"])
     with pytest.raises(ValueError, match="placement_of: no table 'nope'; the tables are"):

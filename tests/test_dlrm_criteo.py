@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 import comm
-from examples.data.criteo import NUM_CAT, NUM_INT, write_criteo_fixture
-from examples.dlrm_config import TrainConfig
-from examples.train_dlrm import train
+from hybridrec.datasets.criteo import NUM_CAT, NUM_INT, write_criteo_fixture
+from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.job import train
 from multiproc import ROOT, run_ranks
 
 SCRIPT = ROOT / "examples" / "train_dlrm.py"

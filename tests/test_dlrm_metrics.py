@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from examples.metrics import average_ranks, log_loss, popularity_scores, roc_auc
+from hybridrec.metrics import average_ranks, log_loss, popularity_scores, roc_auc
 
 
 def _auc_pairs(y: np.ndarray, s: np.ndarray) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import comm
-from examples.train_dlrm import TrainConfig, train
+from hybridrec.dlrm.job import TrainConfig, train
 
 
 @pytest.mark.timeout(240)

@@ -9,8 +9,8 @@ from typing import Literal
 
 import pytest
 
-from examples.cli import build_parser, option, parse_config
-from examples.plot import plot_metrics, read_metrics
+from hybridrec.config import build_parser, option, parse_config
+from hybridrec.plot import plot_metrics, read_metrics
 
 
 @dataclass(kw_only=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from comm import LocalGroup, Role
-from examples.stores import PSChoice, open_ps, parse_ps
+from hybridrec.launch import PSChoice, open_ps, parse_ps
 from ps import InProcessStore
 
 

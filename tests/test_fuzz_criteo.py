@@ -1,4 +1,4 @@
-"""Random and corrupted Criteo TSV files (hypothesis) through ``examples.data.criteo``.
+"""Random and corrupted Criteo TSV files (hypothesis) through ``hybridrec.datasets.criteo``.
 
 Each example writes a small file (plain or gzip) of canonical lines, with some
 lines corrupted: a field dropped or added, a bad label, a non-integer count, a
@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from examples.data.criteo import CAT_NAMES, NUM_CAT, NUM_INT, CriteoConfig, CriteoReader
+from hybridrec.datasets.criteo import CAT_NAMES, NUM_CAT, NUM_INT, CriteoConfig, CriteoReader
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,6 +1,7 @@
 """The import direction between the product packages, checked by parsing every file.
 
-Lowest first: ``comm`` <- ``ps`` <- ``cache`` <- ``embedding``, and ``comm`` <- ``dense``.
+Lowest first: ``comm`` <- ``ps`` <- ``cache`` <- ``embedding``, and ``comm`` <- ``dense``;
+the user-facing ``hybridrec`` package may import all five, and none of them imports it.
 Nothing imports upward or sideways, and product code never imports ``tests`` or
 ``examples``/``benchmarks`` (test and job code), nor a pickle module (no pickle on any wire or
 in checkpoints). The checker is tested on synthetic sources first, so it provably fires.
@@ -22,6 +23,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "cache": frozenset({"comm", "ps"}),
     "embedding": frozenset({"comm", "ps", "cache"}),
     "dense": frozenset({"comm"}),
+    "hybridrec": frozenset({"comm", "ps", "cache", "embedding", "dense"}),
 }
 
 # top-level modules product code must never import
@@ -128,7 +130,11 @@ def check_tree(root: Path) -> tuple[int, list[str]]:
         ("ps.server", "from pickle import dumps\n", 1, "ps imports 'pickle'"),
         ("ps.server", "import cloudpickle\n", 1, "ps imports 'cloudpickle'"),
         ("comm.group", "from tests.multiproc import run\n", 1, "comm imports 'tests.multiproc'"),
-        ("dense.gpt", "import examples.train_dlrm\n", 1, "dense imports 'examples.train_dlrm'"),
+        ("dense.gpt", "import hybridrec.dlrm.job\n", 1, "dense imports hybridrec"),
+        ("ps.store", "from hybridrec import launch\n", 1, "ps imports hybridrec"),
+        ("embedding.hybrid", "import hybridrec\n", 1, "embedding imports hybridrec"),
+        ("hybridrec.launch", "import examples.train_dlrm\n", 1, "hybridrec imports 'examples"),
+        ("hybridrec.trainer", "from tests.multiproc import run\n", 1, "imports 'tests.multiproc'"),
         ("ps.__init__", "from .. import embedding\n", 1, "relative import climbs above package"),
         ("ps.store", "from ..embedding import x\n", 1, "relative import climbs above package"),
         ("comm.init", "import importlib\nimportlib.import_module('ps.x')\n", 2, "comm imports ps"),
@@ -152,6 +158,8 @@ def test_checker_flags_bad_import(module: str, source: str, line: int, expected:
         ("embedding.hybrid", "import cache\nimport ps\nimport comm\nfrom embedding import batch\n"),
         ("dense.ddp", "import comm\nimport torch.distributed as dist\n"),
         ("comm.init", "import importlib\nimportlib.import_module('mpi4py.MPI')\n"),
+        ("hybridrec.dlrm.job", "import comm\nimport ps\nimport cache\nimport embedding\n"),
+        ("hybridrec.trainer", "from dense import DataParallel\nfrom hybridrec import launch\n"),
     ],
 )
 def test_checker_accepts_allowed_imports(module: str, source: str) -> None:
@@ -189,5 +197,6 @@ def test_product_packages_respect_layering() -> None:
     # A check that scans nothing proves nothing: comm always has code.
     assert scanned > 0 and any((ROOT / "comm").glob("*.py")), f"no product files under {ROOT}"
     assert not bad, (
-        "imports against comm <- ps <- cache <- embedding, comm <- dense:\n" + "\n".join(bad)
+        "imports against comm <- ps <- cache <- embedding, comm <- dense, all <- hybridrec:\n"
+        + "\n".join(bad)
     )

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import comm
-from examples.checkpoint import (
+from hybridrec.checkpoint import (
     flatten,
     latest_checkpoint,
     load_checkpoint,
@@ -28,11 +28,11 @@ from examples.checkpoint import (
     unflatten,
     write_state,
 )
-from examples.data.criteo import NUM_CAT, NUM_INT, write_criteo_fixture
-from examples.dlrm_config import TrainConfig
-from examples.lm_config import LMConfig
-from examples.train_dlrm import train
-from examples.train_lm import train as train_lm
+from hybridrec.datasets.criteo import NUM_CAT, NUM_INT, write_criteo_fixture
+from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.job import train
+from hybridrec.lm.config import LMConfig
+from hybridrec.lm.job import train as train_lm
 from multiproc import ROOT, run_ranks
 
 DLRM = dict(

@@ -43,7 +43,7 @@ from redis_server import RedisServer, redis_server
 
 pytestmark = pytest.mark.timeout(120)
 
-PRODUCT = ["comm", "ps", "cache", "embedding", "dense", "examples"]
+PRODUCT = ["comm", "ps", "cache", "embedding", "dense", "hybridrec", "examples"]
 PICKLING_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "shelve", "marshal"}
 PICKLING_MODULES |= {"joblib"}
 # mpi4py's lower-case methods pickle Python objects; the upper-case ones send typed buffers.

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 import comm
-from examples.lm_config import LMConfig
-from examples.lm_model import embed_tokens, token_table
-from examples.train_lm import build_parser, parse_args, train
+from hybridrec.lm.config import LMConfig
+from hybridrec.lm.job import build_parser, parse_args, train
+from hybridrec.lm.model import embed_tokens, token_table
 from multiproc import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent

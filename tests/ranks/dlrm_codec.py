@@ -24,8 +24,8 @@ import torch
 
 import comm
 from comm.compression import CODECS
-from examples.dlrm_config import TrainConfig
-from examples.train_dlrm import train
+from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.job import train
 
 CFG = TrainConfig(data="movielens", epochs=1, verbose=False, progress=False, log_every=10_000)
 # Not a codec: dense layers that never train. Shows how much of the AUC the dense

@@ -23,11 +23,11 @@ from torch import nn
 import comm
 from comm import ProcessGroup
 from dense import allreduce_gradients, broadcast_parameters
-from examples.data.ctr import gather_batch
-from examples.dlrm_config import TrainConfig
-from examples.dlrm_data import InMemorySource, open_source
-from examples.dlrm_model import DLRM, build_dlrm
-from examples.train_dlrm import make_optimizer, train, train_step
+from hybridrec.datasets.ctr import gather_batch
+from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.data import InMemorySource, open_source
+from hybridrec.dlrm.job import make_optimizer, train, train_step
+from hybridrec.dlrm.model import DLRM, build_dlrm
 
 STEPS = 6
 CFG = TrainConfig(

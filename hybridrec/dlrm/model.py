@@ -19,11 +19,11 @@ from torch import nn
 from comm import ProcessGroup
 from dense import DLRMConfig, DLRMDense
 from embedding import EmbeddingCollection, RowWiseAdagrad, TableConfig
-from examples.data.ctr import Batch, CTRData
+from hybridrec.datasets.ctr import Batch, CTRData
 from ps import Store
 
 if TYPE_CHECKING:
-    from examples.dlrm_data import Feature
+    from hybridrec.dlrm.data import Feature
 
 
 class DLRM(nn.Module):
@@ -40,7 +40,7 @@ class DLRM(nn.Module):
 
 
 def features_of(data: CTRData) -> list[Feature]:
-    from examples.dlrm_data import Feature
+    from hybridrec.dlrm.data import Feature
 
     return [Feature(f.name, f.num_rows, multi=f.ids.shape[1] > 1) for f in data.sparse]
 

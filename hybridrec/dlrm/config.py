@@ -1,7 +1,7 @@
 """The options of the DLRM job (``examples/train_dlrm.py --help`` prints them all).
 
 Every field is one command-line option (``batch_size`` -> ``--batch-size``) and one
-key of a ``--config run.toml`` file; see :mod:`examples.cli`.
+key of a ``--config run.toml`` file; see :mod:`hybridrec.config`.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from examples.cli import option
-from examples.run_options import RunOptions
-from examples.stores import parse_ps
+from hybridrec.config import option
+from hybridrec.launch import parse_ps
+from hybridrec.run_options import RunOptions
 
 PLACEMENTS = ("auto", "local", "hybrid", "sharded")
 
@@ -72,7 +72,7 @@ class TrainConfig(RunOptions):
     placement_of: list[str] = option(
         [], help="per-table overrides TABLE=PLACEMENT, e.g. --placement-of user=sharded item=hybrid"
     )
-    # ---- metrics (dense parallelism, checkpoints, runtime: examples.run_options)
+    # ---- metrics (dense parallelism, checkpoints, runtime: hybridrec.run_options)
     log_every: int = option(50, help="steps between training-loss lines in the metrics file")
     verbose: bool = option(True, help="print epoch and final results (rank 0)")
 

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from embedding import KeyedJaggedIds
-from examples.data.ctr import Batch
+from hybridrec.datasets.ctr import Batch
 from ps.routing import splitmix64
 
 NUM_INT = 13
@@ -154,7 +154,7 @@ class _Pending:
 
 
 class CriteoReader:
-    """Iterates :class:`~examples.data.ctr.Batch` es over the files of ``config``.
+    """Iterates :class:`~hybridrec.datasets.ctr.Batch` es over the files of ``config``.
 
     ``batch.dense`` is float32 ``[B, 13]`` (``log1p`` of the clipped counts),
     ``batch.sparse`` has keys ``C1..C26`` (0 or 1 id each), ``batch.labels``

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 
 from comm import ProcessGroup
-from examples.metrics_log import MetricsLog
-from examples.progress import Progress
+from hybridrec.metrics_log import MetricsLog
+from hybridrec.progress import Progress
 
 
 def due(step: int, every: int) -> bool:

@@ -1,1 +1,0 @@
-"""Runnable example jobs (not installed; run from the repository root)."""

@@ -1,0 +1,5 @@
+"""``python -m hybridrec COMMAND ...``: the same as the ``hybridrec`` console command."""
+
+from hybridrec.commands import main
+
+main()

@@ -1,0 +1,1 @@
+"""The DLRM job: config, data sources, model builder and the training entry point."""
