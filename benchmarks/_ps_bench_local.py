@@ -3,7 +3,7 @@
 What one call of :func:`bench_local` measures, in one process, side by side:
 
 * ``numpy_gather``: ``weights_np[ids]`` on a float32 ``[rows, dim]`` array (the
-  ceiling the issue names), and ``numpy_take``: ``np.take(weights_np, ids, axis=0)``
+  ceiling the store is measured against), and ``numpy_take``: ``np.take(weights_np, ids, axis=0)``
   (numpy's faster gather of the same rows), and ``torch_index_select`` (torch's
   gather, OpenMP-parallel: the store gathers with ``np.take`` instead, which does
   not stall when the machine's cores are oversubscribed);

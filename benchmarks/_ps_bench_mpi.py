@@ -1,6 +1,6 @@
 """MPI store pull / push rows/s: 1 server rank, 1 worker rank (a part of ps_bench.py).
 
-Run alone (prints human lines, then one JSON line, see BENCHMARKS.md)::
+Run alone (prints human lines, then one JSON line, see benchmarks/README.md)::
 
     mpirun -n 2 python benchmarks/_ps_bench_mpi.py [--quick]
 
@@ -186,7 +186,7 @@ def _raw_worker(raw: Any, batch: int, iters: int, repeats: int) -> float:
 
 
 def targets(figures: dict[str, float]) -> dict[str, dict[str, Any]]:
-    """The issue's targets, met by the better of 1-in-flight and pipelined."""
+    """The benchmark's targets, met by the better of 1-in-flight and pipelined."""
     best = {
         "mpi_pull_rows_s": max(figures["pull"], figures["pull_pipelined"]),
         "mpi_push_rows_s": max(figures["push"], figures["push_pipelined"]),

@@ -33,10 +33,10 @@ distinct ids outside the ``capacity`` most popular ids (an ideal static cache), 
 a cache would reach with hot rows pushed once per ``s_w + 1`` updates and never
 refreshed: no policy can do much better, so it says whether the target is reachable.
 
-Targets (issue 4): ``rows_moved_reduction`` = 1 - cached / uncached rows moved (0.90),
+Targets: ``rows_moved_reduction`` = 1 - cached / uncached rows moved (0.90),
 ``cached_vs_uncached_step`` = uncached / cached step time (1.0; the MPI store's, the
 in-process ratio is reported beside it). The last line is one JSON object
-(../shared/BENCHMARKS.md).
+(benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ under the same load) and then the median over repeats; higher is better, 1.0
 means no overhead.
 
 Only rank 0 prints: human-readable lines, then one JSON line last
-(see BENCHMARKS.md).
+(see benchmarks/README.md).
 """
 
 from __future__ import annotations

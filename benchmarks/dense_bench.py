@@ -17,7 +17,7 @@ GPT decoder (``dense.gpt``; the token embedding lives outside, so it is a random
 input here). One torch thread per rank, SGD step, the same ``bucket_mb`` (25) for
 DDP and ours, groups built with ``validate=False`` (as a training loop would).
 Step = forward + backward + gradient sync + optimizer step; a block's time is the
-max over ranks. The last line is one JSON object (../shared/BENCHMARKS.md).
+max over ranks. The last line is one JSON object (benchmarks/README.md).
 """
 
 from __future__ import annotations

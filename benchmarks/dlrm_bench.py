@@ -1,7 +1,7 @@
 """One DLRM training step, side by side: hybridrec local / hybrid, plain PyTorch,
 TorchRec, and the dense-only limit.
 
-Model (issue 5): 26 tables x 100k rows x 64 dims (one id per feature and sample),
+Model: 26 tables x 100k rows x 64 dims (one id per feature and sample),
 batch 2048, 13 dense features, bottom MLP 512-256-64, top MLP 512-256-1, Zipf(1.05)
 ids, row-wise Adagrad on the tables, the same dense optimizer (Adagrad) on the
 MLPs of every variant. One process, 2 threads.
@@ -24,7 +24,7 @@ Batches are generated before timing and cycled. Every variant warms up, then the
 variants run in turns (A B C ..., the order rotated each window) for ``--windows``
 windows of ``--steps`` steps; a variant's figure is the median over its windows.
 Ratios therefore come from the same run. The last line is JSON
-(``shared/BENCHMARKS.md``). ``--parts N`` also times N steps per variant split into
+(``benchmarks/README.md``). ``--parts N`` also times N steps per variant split into
 embedding forward / dense forward / dense backward / embedding backward / dense
 optimizer. ``--clock cpu --threads 1`` counts process CPU time instead of wall
 time, for rough ratios on a machine shared with other jobs.

@@ -10,7 +10,7 @@
 
 64-dim float32 rows, batches of 10 k unique Zipf ids. One torch thread per
 process (the machine has 2 cores and the MPI job runs 2 ranks). The last line is
-one JSON object (../shared/BENCHMARKS.md).
+one JSON object (benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Soak test: 4 workers push through hot-row caches for a bounded time; nothing may be lost.
 
-Run (prints progress, then one JSON line, see BENCHMARKS.md)::
+Run (prints progress, then one JSON line, see benchmarks/README.md)::
 
     python benchmarks/soak.py [--seconds 120] [--quick] [--backend both|mpi|redis]
 

@@ -21,7 +21,7 @@ and full step. Before timing, the Triton forward is checked against torch's.
 Needs CUDA. Without a GPU it prints a JSON line with ``"skipped": "no GPU"``,
 unless ``--interpret`` (with ``--quick``) asks for a tiny functional smoke run on
 CPU in Triton's interpreter (times then mean nothing). Last line: one JSON object
-(see BENCHMARKS.md); the issue names no target for this benchmark, so the
+(see benchmarks/README.md); no target is set for this benchmark, so the
 ratios are figures and ``targets`` is empty.
 
     python benchmarks/triton_bench.py [--quick]
