@@ -189,10 +189,15 @@ def _expected(tp: Any) -> str:
         text = "one of " + ", ".join(_shown(c) for c in get_args(base))
     elif get_origin(base) is list:
         (item,) = get_args(base)
-        text = f"a list of {_expected(item)} items (e.g. [{_example(item)}])"
+        text = f"a list of {_items(item)} (e.g. [{_example(item)}])"
     else:
         text = repr(base)
     return f"{text} (or null)" if optional else text
+
+
+def _items(tp: Any) -> str:
+    plural = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
+    return plural.get(tp, f"items each {_expected(tp)}")
 
 
 def _example(tp: Any) -> str:

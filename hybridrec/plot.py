@@ -14,8 +14,9 @@ What the picture shows depends on what the run logged:
 
 The x axis is the training step. A resumed run appends to the same file; a step
 logged twice (a resume from an earlier checkpoint) keeps its latest value.
-matplotlib is optional (``pip install matplotlib``): without it :func:`plot_metrics`
-returns None and says so.
+:func:`metrics_figure` builds the figure from rows (for a notebook),
+:func:`plot_metrics` from a file into a PNG. matplotlib is optional (``pip install
+matplotlib``): without it :func:`plot_metrics` returns None and says so.
 """
 
 from __future__ import annotations
@@ -90,11 +91,21 @@ def plot_metrics(path: str | Path, out: str | Path | None = None) -> Path | None
 
         matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter, LogLocator
     except ImportError:
         print("plot skipped: matplotlib is not installed (pip install matplotlib)")
         return None
-    rows = read_metrics(path)
+    fig = metrics_figure(read_metrics(path), title=Path(path).name)
+    target = Path(out) if out is not None else Path(path).with_suffix(".png")
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return target
+
+
+def metrics_figure(rows: list[dict[str, Any]], title: str = "") -> Any:
+    """The matplotlib ``Figure`` of a run's metric rows (needs matplotlib)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
     finals = [r for r in rows if r.get("kind") == "final"]
     final = finals[-1] if finals else None
     evals = ("eval", "epoch")
@@ -133,9 +144,7 @@ def plot_metrics(path: str | Path, out: str | Path | None = None) -> Path | None
         fig, ax_loss = plt.subplots(1, 1, figsize=(6, 4.2))
         _line(ax_loss, train, lw=0.9, color=TRAIN, label="training")
         _finish(ax_loss, "training loss", "training loss")
-    fig.suptitle(Path(path).name, fontsize=11)
+    if title:
+        fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    target = Path(out) if out is not None else Path(path).with_suffix(".png")
-    fig.savefig(target, dpi=110)
-    plt.close(fig)
-    return target
+    return fig
