@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import tempfile
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -282,11 +281,10 @@ def _well_typed(tp: Any) -> list[Any]:
 
 
 @pytest.mark.parametrize("cls", [TrainConfig, LMConfig])
-def test_config_files(cls: type) -> None:
+def test_config_files(cls: type, tmp_path: Path) -> None:
     hints = typing.get_type_hints(cls)
     names = sorted(f.name for f in dataclasses.fields(cls))
     count = [0, 0, 0, 0]  # examples, badly typed, failing the job's checks, valid
-    folder = Path(tempfile.mkdtemp())
 
     @settings(max_examples=200, **SETTINGS)
     @given(
@@ -309,7 +307,7 @@ def test_config_files(cls: type) -> None:
             for name in chosen
         ]
         doc = {(name.replace("_", "-") if dash else name): v for name, dash, v in items}
-        path = folder / "run.json"
+        path = tmp_path / "run.json"
         path.write_text(json.dumps(doc))
         bad = [(k, v) for k, v in doc.items() if not _file_accepts(hints[k.replace("-", "_")], v)]
         if bad:
