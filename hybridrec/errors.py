@@ -168,6 +168,8 @@ def _end_job(code: int) -> NoReturn:
 
 def report_user_error(err: BaseException) -> NoReturn:
     """Print ``err`` as one line (once per job) and end the job with exit status 2."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()  # what the job printed so far comes before the error line
     rank, size = _launch_rank()
     line = f"{PROG}: error: {describe(err)}"
     if size > 1 and _communication_started():
