@@ -166,6 +166,14 @@ def _end_job(code: int) -> NoReturn:
     raise SystemExit(code)
 
 
+def _quiet_stderr() -> None:
+    """Point this process's stderr (file descriptor 2) at the null device."""
+    with contextlib.suppress(OSError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+
+
 def report_user_error(err: BaseException) -> NoReturn:
     """Print ``err`` as one line (once per job) and end the job with exit status 2."""
     with contextlib.suppress(Exception):
@@ -177,6 +185,8 @@ def report_user_error(err: BaseException) -> NoReturn:
             time.sleep(PEER_GRACE_S)  # rank 0's abort ends this rank here if it failed too
             line = f"{PROG}: error: [rank {rank}] {describe(err)}"
         print(line, file=sys.stderr, flush=True)
+        if _mpi_world() is not None:
+            _quiet_stderr()  # MPI_Abort's own notice would repeat the line with less in it
         _end_job(EXIT_USER_ERROR)
     if rank == 0:
         print(line, file=sys.stderr, flush=True)

@@ -239,15 +239,14 @@ def test_mpirun_prints_a_user_error_once(tmp_path: Path) -> None:
     # before communication starts: every rank hits it, rank 0 alone prints it
     code, out, _ = _mpirun(2, ["-m", "hybridrec", "train-dlrm", "--batch-size", "0"], tmp_path)
     assert code == 2, out
-    assert _error_lines(out) == ["hybridrec: error: --batch-size must be >= 1, got 0"], out
-    assert "Traceback" not in out, out
+    assert out.splitlines() == ["hybridrec: error: --batch-size must be >= 1, got 0"], out
     # after communication started (the store is opened on every rank): once, the job ends
     port = free_port()
     args = ["-m", "hybridrec", "train-dlrm", *TINY_DLRM[:-3], "--ps", f"redis://127.0.0.1:{port}/0"]
     code, out, _ = _mpirun(2, args, tmp_path)
     assert code == 2, out
-    (line,) = _error_lines(out)
-    assert f"cannot reach Redis at 127.0.0.1:{port}" in line and "Traceback" not in out, out
+    (line,) = out.splitlines()  # the whole output of the job: no traceback, no MPI notice
+    assert line.startswith("hybridrec: error: ") and f"Redis at 127.0.0.1:{port}" in line, out
 
 
 @pytest.mark.timeout(200)
@@ -257,5 +256,5 @@ def test_mpirun_a_user_error_on_one_rank_ends_the_job(tmp_path: Path) -> None:
     script = str(RANKS_DIR / "user_error_one_rank.py")
     code, out, seconds = _mpirun(4, [script, "2"], tmp_path)
     assert code == 2, out
-    assert _error_lines(out) == ["hybridrec: error: [rank 2] train file of rank 2 is missing"], out
+    assert out.splitlines() == ["hybridrec: error: [rank 2] train file of rank 2 is missing"], out
     assert seconds < 60, f"took {seconds:.0f} s: the waiting ranks were not ended"
