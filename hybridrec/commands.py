@@ -1,36 +1,77 @@
 """The ``hybridrec`` console command: ``hybridrec train-dlrm ...``, ``hybridrec train-lm ...``.
 
-Each subcommand takes exactly the options of its job (``hybridrec train-dlrm --help``).
+Each subcommand takes exactly the options of its job, the same as the example
+scripts (``hybridrec train-dlrm --help``). ``hybridrec --version`` prints the
+installed version. A user error (a bad option, a missing file, an unreachable
+store) prints one line and exits with status 2; ``--debug`` anywhere on the command
+line, or ``HYBRIDREC_DEBUG=1``, shows the traceback instead (:mod:`hybridrec.errors`).
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Sequence
+from importlib import metadata
 
-from hybridrec.dlrm import job as dlrm_job
-from hybridrec.lm import job as lm_job
+from hybridrec.config import DEBUG_FLAG, ConfigError, program_name
+from hybridrec.errors import reported_errors, show_tracebacks
 
-COMMANDS: dict[str, tuple[Callable[[list[str] | None], None], str]] = {
-    "train-dlrm": (dlrm_job.main, "train DLRM on MovieLens-100k, synthetic or Criteo data"),
-    "train-lm": (lm_job.main, "train a GPT language model with a sparse token table"),
+PROG = "hybridrec"
+
+# name -> (module whose main(argv) runs it, one line of help). Modules are imported
+# only when their command runs, so --help and --version do not load torch.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train-dlrm": ("hybridrec.dlrm.job", "train DLRM on MovieLens-100k, synthetic or Criteo data"),
+    "train-lm": ("hybridrec.lm.job", "train a GPT language model with a sparse token table"),
 }
 
 
+def version() -> str:
+    try:
+        return metadata.version("hybridrec")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def usage() -> str:
-    lines = ["usage: hybridrec COMMAND [options]", "", "commands:"]
+    lines = [f"usage: {PROG} [--version] [{DEBUG_FLAG}] COMMAND [options]", "", "commands:"]
     lines += [f"  {name:12s} {text}" for name, (_, text) in COMMANDS.items()]
-    lines += ["", "hybridrec COMMAND --help lists the options of a command."]
+    lines += [
+        "",
+        f"{PROG} COMMAND --help lists the options of a command; {DEBUG_FLAG} (or "
+        "HYBRIDREC_DEBUG=1) shows the traceback of an error instead of one line.",
+    ]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else list(argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(usage())
-        return
-    name, rest = args[0], args[1:]
-    if name not in COMMANDS:
-        print(f"hybridrec: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
-        raise SystemExit(2)
-    COMMANDS[name][0](rest)
+def unknown_command(name: str) -> ConfigError:
+    close = difflib.get_close_matches(name, list(COMMANDS), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return ConfigError(
+        f"unknown command {name!r}; {hint}the commands are {', '.join(COMMANDS)} ({PROG} --help)"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    with reported_errors():
+        while args and args[0] == DEBUG_FLAG:  # hybridrec --debug train-dlrm ...
+            show_tracebacks()
+            args = args[1:]
+        if not args:
+            print(usage(), file=sys.stderr)
+            raise SystemExit(2)
+        if args[0] in ("-h", "--help"):
+            print(usage())
+            return
+        if args[0] == "--version":
+            print(f"{PROG} {version()}")
+            return
+        name, rest = args[0], args[1:]
+        if name not in COMMANDS:
+            raise unknown_command(name)
+        job = importlib.import_module(COMMANDS[name][0])
+        with program_name(f"{PROG} {name}"):
+            job.main(rest)

@@ -7,23 +7,45 @@ their help text (:func:`option`). :func:`parse_config` turns that into
   (``int``, ``float``, ``str``, ``bool`` as ``--x/--no-x``, ``Literal`` as
   choices, ``list[int]`` as several values, ``X | None``);
 * ``--config run.toml`` (or ``.json``): a file of ``field = value`` pairs
-  (dashes or underscores), unknown keys rejected by name;
+  (dashes or underscores), unknown keys rejected by name, every value checked
+  against the field's type as strictly as the command line checks it (``512.0``
+  or ``"512"`` is not an int; an int is a float);
+* ``--debug``: a user error shows its full traceback (:mod:`hybridrec.errors`);
 
-with the precedence ``defaults < config file < command line``.
+with the precedence ``defaults < config file < command line``. Every mistake is a
+:class:`ConfigError` (a ``ValueError``) on one line that names the option as the
+user wrote it: the flag, and the key and file for a config file value. A
+``ValueError`` from the dataclass's own checks gets its field names turned into
+flags (``batch_size must be >= 1`` -> ``--batch-size must be >= 1``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import difflib
 import json
+import re
+import sys
 import tomllib
 import types
 import typing
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Any, Literal, NoReturn, TypeVar, get_args, get_origin
+
+from hybridrec.errors import show_tracebacks
 
 T = TypeVar("T")
+
+DEBUG_FLAG = "--debug"
+_prog: ContextVar[str | None] = ContextVar("hybridrec_config_prog", default=None)
+
+
+class ConfigError(ValueError):
+    """A bad command-line option or config file value; the message names the option."""
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, **kw: Any) -> Any:  # noqa: A002
@@ -35,6 +57,22 @@ def option(default: Any = dataclasses.MISSING, *, help: str, **kw: Any) -> Any: 
     return dataclasses.field(default=default, metadata={"help": help}, **kw)
 
 
+def flag(field: str) -> str:
+    """The command-line flag of a config field: ``batch_size`` -> ``--batch-size``."""
+    return "--" + field.replace("_", "-")
+
+
+@contextlib.contextmanager
+def program_name(name: str) -> Iterator[None]:
+    """Parsers built inside call themselves ``name`` in usage and help (``hybridrec
+    train-dlrm``) instead of the script's file name."""
+    token = _prog.set(name)
+    try:
+        yield
+    finally:
+        _prog.reset(token)
+
+
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     if get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
@@ -43,8 +81,19 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+# ---------------------------------------------------------------- command line
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises :class:`ConfigError` (one line) instead of printing the
+    whole usage block and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        message = re.sub(r"^argument (\S+): ", r"\1: ", message)
+        raise ConfigError(f"{message} ({self.prog} --help lists the options)")
+
+
 def _add_field(p: argparse.ArgumentParser, f: dataclasses.Field[Any], tp: Any) -> None:
-    flag = "--" + f.name.replace("_", "-")
     help_text = f.metadata.get("help", "")
     if f.default is not dataclasses.MISSING:
         default = f.default
@@ -53,26 +102,30 @@ def _add_field(p: argparse.ArgumentParser, f: dataclasses.Field[Any], tp: Any) -
     else:
         default = None
     help_text = f"{help_text} (default: {default!r})" if help_text else f"default: {default!r}"
-    base, optional = _unwrap_optional(tp)
+    base, _ = _unwrap_optional(tp)  # None comes from the default or a JSON null
     kw: dict[str, Any] = {"dest": f.name, "help": help_text, "default": argparse.SUPPRESS}
+    name = flag(f.name)
     if base is bool:
-        p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        p.add_argument(name, action=argparse.BooleanOptionalAction, **kw)
     elif get_origin(base) is Literal:
         choices = list(get_args(base))
-        p.add_argument(flag, choices=choices, type=type(choices[0]), **kw)
+        p.add_argument(name, choices=choices, type=type(choices[0]), **kw)
     elif get_origin(base) is list:
         (item,) = get_args(base)
-        p.add_argument(flag, nargs="+", type=item, **kw)
+        p.add_argument(name, nargs="+", type=item, **kw)
     elif base in (int, float, str):
-        p.add_argument(flag, type=base, metavar=base.__name__.upper(), **kw)
+        p.add_argument(name, type=base, metavar=base.__name__.upper(), **kw)
     else:
         raise TypeError(f"option {f.name!r}: unsupported type {tp!r} for the command line")
-    del optional  # None comes from the default or a config file; the flag takes a value
 
 
 def build_parser(cls: type, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    p = _Parser(
+        prog=_prog.get(),
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=f"{DEBUG_FLAG} (or HYBRIDREC_DEBUG=1): show the full traceback of an error "
+        "instead of one line",
     )
     p.add_argument(
         "--config",
@@ -85,39 +138,209 @@ def build_parser(cls: type, description: str) -> argparse.ArgumentParser:
     return p
 
 
+# ---------------------------------------------------------------- config files
+
+
+class _Mismatch(Exception):
+    """A file value does not fit the field's type: ``detail`` says what was expected."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+def _shown(value: Any) -> str:
+    """A file value as the user wrote it (JSON spelling: "512", true, [64, 32])."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):  # TOML dates and times
+        return str(value)
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a table"
+    return f"a {type(value).__name__}"
+
+
+def _expected(tp: Any) -> str:
+    base, optional = _unwrap_optional(tp)
+    if base is bool:
+        text = "true or false"
+    elif base is int:
+        text = "an integer"
+    elif base is float:
+        text = "a number"
+    elif base is str:
+        text = "a string"
+    elif get_origin(base) is Literal:
+        text = "one of " + ", ".join(_shown(c) for c in get_args(base))
+    elif get_origin(base) is list:
+        (item,) = get_args(base)
+        text = f"a list of {_items(item)} (e.g. [{_example(item)}])"
+    else:
+        text = repr(base)
+    return f"{text} (or null)" if optional else text
+
+
+def _items(tp: Any) -> str:
+    plural = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
+    return plural.get(tp, f"items each {_expected(tp)}")
+
+
+def _example(tp: Any) -> str:
+    return {int: "64, 32", float: "0.5, 1.0", str: '"a", "b"'}.get(tp, "...")
+
+
+def _typed(value: Any, tp: Any) -> Any:
+    """``value`` checked against ``tp`` (and an int made a float where a float is
+    expected, as the command line does); :class:`_Mismatch` if it does not fit."""
+    base, optional = _unwrap_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise _Mismatch(f"expected {_expected(tp)}, got null")
+    fail = _Mismatch(f"expected {_expected(tp)}, got {_shown(value)} ({_kind(value)})")
+    if base is bool:
+        if not isinstance(value, bool):
+            raise fail
+        return value
+    if base is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise fail
+        return value
+    if base is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise fail
+        return float(value)
+    if base is str:
+        if not isinstance(value, str):
+            raise fail
+        return value
+    if get_origin(base) is Literal:
+        # 1 == True == 1.0 in Python, so the type must match as well as the value
+        if not any(type(value) is type(c) and value == c for c in get_args(base)):
+            raise fail
+        return value
+    if get_origin(base) is list:
+        (item,) = get_args(base)
+        if not isinstance(value, list):
+            raise fail
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(_typed(v, item))
+            except _Mismatch:
+                raise _Mismatch(
+                    f"expected {_expected(tp)}, got {_shown(value)}: item {i} is "
+                    f"{_shown(v)} ({_kind(v)})"
+                ) from None
+        return out
+    raise TypeError(f"unsupported option type {tp!r}")
+
+
+def _read_file(p: Path) -> Any:
+    try:
+        if p.suffix == ".toml":
+            with open(p, "rb") as fh:
+                return tomllib.load(fh)
+        if p.suffix == ".json":
+            return json.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {p}: not valid TOML: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"config file {p}: not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})"
+        ) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {p}: not UTF-8 text ({e.reason})") from None
+    raise ConfigError(f"config file {p}: expected a .toml or .json file, got {p.suffix!r}")
+
+
 def load_config_file(path: str | Path, cls: type) -> dict[str, Any]:
-    """``path`` (TOML or JSON) -> ``{field: value}``, keys checked against ``cls``."""
+    """``path`` (TOML or JSON) -> ``{field: value}``, keys and value types checked
+    against ``cls``; :class:`ConfigError` naming the key, its flag and the value."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"config file {p} does not exist")
-    if p.suffix == ".toml":
-        with open(p, "rb") as fh:
-            raw = tomllib.load(fh)
-    elif p.suffix == ".json":
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    else:
-        raise ValueError(f"config file {p}: expected a .toml or .json file, got {p.suffix!r}")
+    raw = _read_file(p)
     if not isinstance(raw, dict):
-        raise ValueError(f"config file {p}: expected a table of options, got {type(raw).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
+        raise ConfigError(f"config file {p}: expected a table of options, got {_kind(raw)}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
     out: dict[str, Any] = {}
+    written: dict[str, str] = {}  # field -> the key as written in the file
     for key, value in raw.items():
         name = key.replace("-", "_")
         if name not in known:
-            raise ValueError(
-                f"config file {p}: unknown option {key!r}; known options: {sorted(known)}"
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0].replace('_', '-')!r}?)" if close else ""
+            raise ConfigError(
+                f"config file {p}: unknown option {key!r}{hint}; known options: {sorted(known)}"
             )
-        out[name] = value
+        if name in written:
+            raise ConfigError(
+                f"config file {p}: {written[name]!r} and {key!r} are the same option "
+                f"({flag(name)}); give it once"
+            )
+        written[name] = key
+        try:
+            out[name] = _typed(value, hints[name])
+        except _Mismatch as e:
+            raise ConfigError(f"config file {p}: {key!r} ({flag(name)}): {e.detail}") from None
     return out
 
 
-def parse_config(cls: type[T], argv: list[str] | None, description: str) -> T:
+# ---------------------------------------------------------------- parse_config
+
+
+def _fields_as_flags(message: str, fields: Sequence[str]) -> str:
+    """Field names in ``message`` written as flags. A name inside a word, a flag or
+    quotes (a value such as ``'data'``) is left alone."""
+    names = sorted(fields, key=len, reverse=True)
+    pattern = r"(?<![\w\-'\"])(" + "|".join(map(re.escape, names)) + r")(?![\w\-'\"])"
+    return re.sub(pattern, lambda m: flag(m.group(1)), message)
+
+
+def _debug_flag_taken(argv: list[str]) -> list[str]:
+    """``argv`` without ``--debug``; seeing it turns tracebacks on (before anything
+    else is parsed, so even a bad command line shows one)."""
+    if DEBUG_FLAG not in argv:
+        return argv
+    show_tracebacks()
+    return [a for a in argv if a != DEBUG_FLAG]
+
+
+def parse_config(cls: type[T], argv: Sequence[str] | None, description: str) -> T:
     """Defaults, then ``--config`` file values, then command-line values -> ``cls(...)``."""
-    args = vars(build_parser(cls, description).parse_args(argv))
+    args_in = _debug_flag_taken(list(sys.argv[1:] if argv is None else argv))
+    args = vars(build_parser(cls, description).parse_args(args_in))
     path = args.pop("config")
     values = load_config_file(path, cls) if path else {}
     values.update(args)  # only options given on the command line (defaults are SUPPRESSed)
-    return cls(**values)
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    for f in fields:
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in values:
+            raise ConfigError(f"{flag(f.name)} is required (or {f.name!r} in a --config file)")
+    try:
+        return cls(**values)
+    except (ValueError, TypeError) as e:
+        if e.args and isinstance(e.args[0], str):
+            e.args = (_fields_as_flags(e.args[0], [f.name for f in fields]), *e.args[1:])
+        raise
 
 
 def config_dict(cfg: Any) -> dict[str, Any]:

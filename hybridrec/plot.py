@@ -1,20 +1,33 @@
-"""Plot a run's metrics (JSON lines) into a PNG next to them.
+"""Plot a run's metrics (JSON lines, :mod:`hybridrec.metrics_log`) into a PNG next to them.
 
-Rows with ``"kind": "step"`` give the training loss per step; rows with
-``"kind": "epoch"`` or ``"kind": "eval"`` give validation metrics (AUC and log
-loss for click models, loss and perplexity for language models). matplotlib is
-optional (``pip install matplotlib``): without it :func:`plot_metrics` returns
-None and says so.
+What the picture shows depends on what the run logged:
+
+* a click model (``val_auc`` / ``val_logloss`` / ``test_auc``): left, log loss in
+  nats per sample (the training loss of each logged stretch of steps as a line,
+  validation as dots, the test result as a star, the popularity baseline dashed);
+  right, ROC AUC (unitless; 0.5 is chance, 1 a perfect ranking) on its own axis,
+  with the same marks;
+* a language model (``val_loss`` / ``val_ppl``): left, cross-entropy in nats per
+  token (training line, validation dots); right, validation perplexity on a log
+  scale;
+* anything else: the training loss alone.
+
+The x axis is the training step. A resumed run appends to the same file; a step
+logged twice (a resume from an earlier checkpoint) keeps its latest value.
+:func:`metrics_figure` builds the figure from rows (for a notebook),
+:func:`plot_metrics` from a file into a PNG. matplotlib is optional (``pip install
+matplotlib``): without it :func:`plot_metrics` returns None and says so.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-# Metrics shown in the second panel when present, in this order.
-EVAL_KEYS = ("val_auc", "val_logloss", "val_loss", "val_perplexity")
+# Colours and marks shared by both panels, so a reader matches them at a glance.
+TRAIN, VAL, TEST, BASE = "tab:blue", "tab:orange", "tab:green", "tab:gray"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -28,6 +41,49 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _step(row: dict[str, Any]) -> float:
+    return float(row["step"] if "step" in row else row.get("steps", 0))
+
+
+def series(
+    rows: list[dict[str, Any]], kinds: tuple[str, ...], key: str
+) -> list[tuple[float, float]]:
+    """``(step, row[key])`` of the rows of ``kinds`` that have a finite ``key``, by step;
+    a step that appears twice keeps the later row."""
+    by_step: dict[float, float] = {}
+    for r in rows:
+        value = r.get(key)
+        if r.get("kind") in kinds and isinstance(value, int | float) and math.isfinite(value):
+            by_step[_step(r)] = float(value)
+    return sorted(by_step.items())
+
+
+def _line(ax: Any, pts: list[tuple[float, float]], **kw: Any) -> None:
+    if pts:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], **kw)
+
+
+def _final_marks(ax: Any, final: dict[str, Any] | None, test_key: str, base_key: str) -> None:
+    """The test result (a star at the last step) and the popularity baseline (dashed)."""
+    if final is None:
+        return
+    test = final.get(test_key)
+    if isinstance(test, int | float):
+        ax.plot([_step(final)], [test], "*", ms=12, color=TEST, label="test")
+    base = final.get(base_key)
+    if isinstance(base, int | float):
+        ax.axhline(base, ls="--", lw=1, color=BASE, label="popularity baseline")
+
+
+def _finish(ax: Any, ylabel: str, title: str) -> None:
+    ax.set_xlabel("training step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best", fontsize=8)
+
+
 def plot_metrics(path: str | Path, out: str | Path | None = None) -> Path | None:
     """Write ``<path without .jsonl>.png`` (or ``out``); None if matplotlib is missing."""
     try:
@@ -38,30 +94,57 @@ def plot_metrics(path: str | Path, out: str | Path | None = None) -> Path | None
     except ImportError:
         print("plot skipped: matplotlib is not installed (pip install matplotlib)")
         return None
-    rows = read_metrics(path)
-    steps = [r for r in rows if r.get("kind") == "step"]
-    evals = [r for r in rows if r.get("kind") in ("epoch", "eval")]
-    fig, (ax_loss, ax_eval) = plt.subplots(1, 2, figsize=(10, 4))
-    if steps:
-        ax_loss.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=0.8)
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("training loss")
-    ax_loss.grid(alpha=0.3)
-    drawn = False
-    for key in EVAL_KEYS:
-        pts = [
-            (r["steps"] if "steps" in r else r.get("step", 0), r[key]) for r in evals if key in r
-        ]
-        if pts:
-            ax_eval.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
-            drawn = True
-    ax_eval.set_xlabel("step")
-    if drawn:  # no validation data: an empty panel, no legend
-        ax_eval.legend(loc="best")
-    ax_eval.grid(alpha=0.3)
-    fig.suptitle(Path(path).name)
-    fig.tight_layout()
+    fig = metrics_figure(read_metrics(path), title=Path(path).name)
     target = Path(out) if out is not None else Path(path).with_suffix(".png")
-    fig.savefig(target, dpi=100)
+    fig.savefig(target, dpi=110)
     plt.close(fig)
     return target
+
+
+def metrics_figure(rows: list[dict[str, Any]], title: str = "") -> Any:
+    """The matplotlib ``Figure`` of a run's metric rows (needs matplotlib)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    finals = [r for r in rows if r.get("kind") == "final"]
+    final = finals[-1] if finals else None
+    evals = ("eval", "epoch")
+    train = series(rows, ("step",), "loss")
+    click = any(k in r for r in rows for k in ("val_auc", "val_logloss", "test_auc"))
+    lm = not click and any(k in r for r in rows for k in ("val_loss", "val_ppl"))
+
+    if click:
+        fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(11, 4.2))
+        _line(ax_loss, train, lw=0.9, color=TRAIN, label="training")
+        _line(ax_loss, series(rows, evals, "val_logloss"), marker="o", color=VAL,
+              label="validation")  # fmt: skip
+        _final_marks(ax_loss, final, "test_logloss", "popularity_logloss")
+        _finish(ax_loss, "log loss (nats per sample)", "log loss (lower is better)")
+        _line(ax_auc, series(rows, evals, "val_auc"), marker="o", color=VAL, label="validation")
+        _final_marks(ax_auc, final, "test_auc", "popularity_auc")
+        _finish(ax_auc, "ROC AUC (0.5 = chance, 1 = perfect)", "AUC (higher is better)")
+    elif lm:
+        fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4.2))
+        _line(ax_loss, train, lw=0.9, color=TRAIN, label="training")
+        _line(ax_loss, series(rows, evals, "val_loss"), marker="o", color=VAL,
+              label="validation")  # fmt: skip
+        _finish(ax_loss, "cross-entropy (nats per token)", "loss (lower is better)")
+        ppl = series(rows, evals, "val_ppl") or [
+            (s, math.exp(v)) for s, v in series(rows, evals, "val_loss")
+        ]
+        _line(ax_ppl, ppl, marker="o", color=VAL, label="validation")
+        if ppl:
+            ax_ppl.set_yscale("log")  # early perplexity is vocabulary-sized, late near 1
+            plain = FuncFormatter(lambda v, _: f"{v:g}")  # 20, 30, 300 rather than 3x10^2
+            ax_ppl.yaxis.set_major_formatter(plain)
+            ax_ppl.yaxis.set_minor_formatter(plain)
+            ax_ppl.yaxis.set_minor_locator(LogLocator(subs=(2.0, 3.0, 5.0)))
+        _finish(ax_ppl, "perplexity (exp of nats per token)", "perplexity (lower is better)")
+    else:
+        fig, ax_loss = plt.subplots(1, 1, figsize=(6, 4.2))
+        _line(ax_loss, train, lw=0.9, color=TRAIN, label="training")
+        _finish(ax_loss, "training loss", "training loss")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import pytest
 
-from hybridrec.config import build_parser, option, parse_config
-from hybridrec.plot import plot_metrics, read_metrics
+from hybridrec.config import ConfigError, build_parser, option, parse_config
+from hybridrec.plot import metrics_figure, plot_metrics, read_metrics
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,8 +40,11 @@ def test_unknown_key_and_bad_values_are_named(tmp_path: Path) -> None:
     toml.write_text("stepz = 3\n")
     with pytest.raises(ValueError, match="unknown option 'stepz'"):
         parse_config(_Cfg, ["--config", str(toml)], "t")
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match=r"--data: invalid choice: 'c' \(choose from 'a', 'b'\)"):
         parse_config(_Cfg, ["--data", "c"], "t")
+    with pytest.raises(ConfigError, match=r"'steps' \(--steps\): expected an integer, got 2.5"):
+        toml.write_text("steps = 2.5\n")
+        parse_config(_Cfg, ["--config", str(toml)], "t")
     with pytest.raises(ValueError, match="expected a .toml or .json file"):
         (tmp_path / "run.yaml").write_text("x")
         parse_config(_Cfg, ["--config", str(tmp_path / "run.yaml")], "t")
@@ -50,6 +54,74 @@ def test_help_explains_every_option() -> None:
     text = build_parser(_Cfg, "t").format_help()
     for flag, words in [("--steps", "steps to run"), ("--no-quiet", "print less"), ("--mlp", "")]:
         assert flag in text and words in text
+    assert "--debug" in text  # the epilog: full tracebacks on request
+
+
+def test_debug_is_taken_off_the_command_line() -> None:
+    from hybridrec.errors import show_tracebacks, tracebacks_shown
+
+    try:
+        assert parse_config(_Cfg, ["--steps", "3", "--debug"], "t") == _Cfg(steps=3)
+        assert tracebacks_shown()
+    finally:
+        show_tracebacks(False)
+
+
+def _rows_click() -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = [
+        {"kind": "step", "step": i, "loss": 1 / (i + 1)} for i in range(1, 21)
+    ]
+    rows += [{"kind": "eval", "step": 10, "val_auc": 0.6, "val_logloss": 0.66}]
+    rows += [{"kind": "epoch", "steps": 20, "val_auc": 0.7, "val_logloss": 0.6}]
+    rows += [{"kind": "step", "step": 20, "loss": 0.04}]  # a resume logged step 20 again
+    rows += [{"kind": "final", "steps": 20, "test_auc": 0.72, "test_logloss": 0.58,
+              "popularity_auc": 0.55, "popularity_logloss": 0.69}]  # fmt: skip
+    return rows
+
+
+def _lines(ax: object) -> dict[str, tuple[list[float], list[float]]]:
+    return {
+        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+        for line in ax.get_lines()  # type: ignore[attr-defined]
+    }
+
+
+def test_click_plot_puts_log_loss_and_auc_on_separate_labelled_axes() -> None:
+    import matplotlib.pyplot as plt
+
+    fig = metrics_figure(_rows_click(), title="m.jsonl")
+    ax_loss, ax_auc = fig.axes
+    assert ax_loss.get_ylabel() == "log loss (nats per sample)"
+    assert ax_auc.get_ylabel() == "ROC AUC (0.5 = chance, 1 = perfect)"
+    assert ax_loss.get_xlabel() == ax_auc.get_xlabel() == "training step"
+    loss, auc = _lines(ax_loss), _lines(ax_auc)
+    want_train = [1 / (i + 1) for i in range(1, 20)] + [0.04]  # the later step-20 row wins
+    assert loss["training"] == (list(range(1, 21)), pytest.approx(want_train))
+    assert loss["validation"] == ([10, 20], [0.66, 0.6])
+    assert loss["test"] == ([20], [0.58]) and auc["test"] == ([20], [0.72])
+    assert auc["validation"] == ([10, 20], [0.6, 0.7])
+    assert "training" not in auc  # AUC has no training curve; loss and AUC never share an axis
+    assert auc["popularity baseline"][1] == [0.55, 0.55]  # a horizontal line
+    assert loss["popularity baseline"][1] == [0.69, 0.69]
+    plt.close(fig)
+
+
+def test_lm_plot_shows_loss_and_perplexity() -> None:
+    import matplotlib.pyplot as plt
+
+    rows = [{"kind": "step", "step": s, "loss": 5.0 - s / 10} for s in (5, 10, 15)]
+    rows += [{"kind": "eval", "step": s, "val_loss": 5.0 - s / 10} for s in (0, 15)]
+    fig = metrics_figure(rows)
+    ax_loss, ax_ppl = fig.axes
+    assert ax_loss.get_ylabel() == "cross-entropy (nats per token)"
+    assert ax_ppl.get_ylabel() == "perplexity (exp of nats per token)"
+    assert ax_ppl.get_yscale() == "log"
+    xs, ys = _lines(ax_ppl)["validation"]
+    assert xs == [0, 15] and ys == pytest.approx([math.exp(5.0), math.exp(3.5)])
+    plt.close(fig)
+    fig = metrics_figure(rows[:3])  # no validation: the training loss alone
+    assert [ax.get_ylabel() for ax in fig.axes] == ["training loss"]
+    plt.close(fig)
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:

@@ -10,14 +10,25 @@
   removed, renamed or of the wrong type is a ValueError/TypeError, never a spec.
 * the optimizers with random (often bad) hyper-parameters: bad ones are a
   ValueError/TypeError naming the optimizer and the field.
+* ``--config`` files of the DLRM and LM jobs with random keys (dashes or
+  underscores) and values of every JSON kind: an independent table of what each
+  option type accepts says whether the file is well typed; a badly typed one is a
+  ``ConfigError`` naming the first bad key, its flag and the value; a well typed
+  one gives the values (an int as a float where a float is expected) or fails the
+  job's own checks with a message that names flags, not field names.
 
-Counts: 300 + 200 + 200 examples (asserted).
+Counts: 300 + 200 + 200 + 2 x 200 examples (asserted; the config files split into
+badly typed, failing the checks and valid ones, each asserted to occur).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
-from typing import Any
+import typing
+from pathlib import Path
+from typing import Any, Literal
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,6 +36,9 @@ from hypothesis import strategies as st
 
 import ps
 from embedding import TableConfig
+from hybridrec.config import ConfigError, parse_config
+from hybridrec.dlrm.config import TrainConfig
+from hybridrec.lm.config import LMConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -227,3 +241,99 @@ def test_optimizer_hyper_parameters() -> None:
 
     run()
     assert count[0] >= 200, count
+
+
+FILE_VALUES: list[Any] = [
+    0, 1, 7, -3, 512.0, 0.5, "512", "lru", "movielens", "hybrid", "byte", "adagrad", "fp16",
+    True, False, None, [], [64, 32], [1.5], ["C1=sharded"], ["x", 1], {"a": 1},
+]  # fmt: skip
+
+
+def _file_accepts(tp: Any, v: Any) -> bool:
+    """What a config file may hold for an option of type ``tp``: exactly the JSON kinds
+    the command line would accept, with no conversion but int -> float."""
+    if tp in (int, float, str, bool):
+        return type(v) in {int: (int,), float: (int, float), str: (str,), bool: (bool,)}[tp]
+    if typing.get_origin(tp) is Literal:
+        return any(type(v) is type(c) and v == c for c in typing.get_args(tp))
+    if tp == list[int] or tp == list[str]:
+        (item,) = typing.get_args(tp)
+        return type(v) is list and all(type(x) is item for x in v)
+    args = typing.get_args(tp)
+    if type(None) in args:  # X | None
+        (inner,) = [a for a in args if a is not type(None)]
+        return v is None or _file_accepts(inner, v)
+    raise AssertionError(f"no rule for {tp!r}")
+
+
+def _well_typed(tp: Any) -> list[Any]:
+    """Values an option of type ``tp`` accepts, so that a good share of files is valid."""
+    if typing.get_origin(tp) is Literal:
+        return list(typing.get_args(tp))
+    table: dict[Any, list[Any]] = {
+        int: [0, 1, 7, -3], float: [0, 0.5, 2.0, 3], str: ["fp16", "local", "x"],
+        bool: [True, False], list[int]: [[], [64, 32]], list[str]: [[], ["C1=sharded"]],
+    }  # fmt: skip
+    if tp in table:
+        return table[tp]
+    (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+    return [None, *_well_typed(inner)]
+
+
+@pytest.mark.parametrize("cls", [TrainConfig, LMConfig])
+def test_config_files(cls: type, tmp_path: Path) -> None:
+    hints = typing.get_type_hints(cls)
+    names = sorted(f.name for f in dataclasses.fields(cls))
+    count = [0, 0, 0, 0]  # examples, badly typed, failing the job's checks, valid
+
+    @settings(max_examples=200, **SETTINGS)
+    @given(
+        st.lists(st.sampled_from(names), min_size=1, max_size=3, unique=True),
+        st.data(),
+    )
+    def run(chosen: list[str], data: st.DataObject) -> None:
+        count[0] += 1
+        items = [
+            (
+                name,
+                data.draw(st.booleans(), label="dashes"),
+                data.draw(
+                    st.sampled_from(_well_typed(hints[name]))
+                    if data.draw(st.booleans(), label="well typed")
+                    else st.sampled_from(FILE_VALUES),
+                    label=name,
+                ),
+            )
+            for name in chosen
+        ]
+        doc = {(name.replace("_", "-") if dash else name): v for name, dash, v in items}
+        path = tmp_path / "run.json"
+        path.write_text(json.dumps(doc))
+        bad = [(k, v) for k, v in doc.items() if not _file_accepts(hints[k.replace("-", "_")], v)]
+        if bad:
+            count[1] += 1
+            with pytest.raises(ConfigError) as info:
+                parse_config(cls, ["--config", str(path)], "t")
+            key, value = bad[0]
+            msg = str(info.value)
+            flag = "--" + key.replace("_", "-")
+            assert repr(key) in msg and f"({flag})" in msg and json.dumps(value) in msg, msg
+            return
+        try:
+            cfg = parse_config(cls, ["--config", str(path)], "t")
+        except ValueError as e:  # the job's own range checks
+            count[2] += 1
+            assert type(e) is not ConfigError, e
+            fields_named = [n for n in names if "_" in n and n in str(e)]
+            assert not fields_named, (str(e), fields_named)
+            return
+        for key, v in doc.items():
+            name = key.replace("-", "_")
+            if name == "epochs" and v is None:
+                continue  # resolved from --data
+            got = getattr(cfg, name)
+            assert got == v and (hints[name] is not float or type(got) is float), (name, got)
+        count[3] += 1
+
+    run()
+    assert count[0] >= 200 and count[1] >= 50 and count[2] >= 10 and count[3] >= 20, count
