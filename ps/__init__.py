@@ -26,6 +26,7 @@ use: importing mpi4py starts MPI, and a laptop run needs neither.
 from typing import Any
 
 from ps import checkpoint, routing
+from ps.errors import TableExistsError, TableSpecMismatch
 from ps.inprocess import InProcessStore
 from ps.optimizers import (
     FTRL,
@@ -78,7 +79,9 @@ __all__ = [
     "PullResult",
     "RowWiseAdagrad",
     "Store",
+    "TableExistsError",
     "TableSpec",
+    "TableSpecMismatch",
     "UniformInit",
     "checkpoint",
     "default_init",

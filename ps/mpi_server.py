@@ -58,6 +58,7 @@ from mpi4py import MPI
 from comm import ProcessGroup, Topology
 from ps import wire
 from ps.checkpoint import TablePart, check_row_ids, read_checkpoint, write_part
+from ps.errors import check_existing
 from ps.inprocess import PART_ROWS
 from ps.local_table import LocalTable
 from ps.routing import shard_of
@@ -295,11 +296,15 @@ class _Server:
             return wire.message(wire.header(Op.GOODBYE, rid)), _EMPTY_F32
         text = wire.unpack_bytes(payload, int(meta[wire.W_ARG])).decode("utf-8")
         if op == Op.CREATE:
-            return self.create(rid, text)
+            return self.create(
+                rid, text, exist_ok=bool(int(meta[wire.W_FLAGS]) & wire.FLAG_EXIST_OK)
+            )
+        if op == Op.DROP:
+            return self.drop(rid, text)
         if op == Op.LOOKUP:
             return self.lookup(rid, text)
         if op == Op.LIST:
-            return _text_reply(Op.LIST, rid, json.dumps(self.names))
+            return _text_reply(Op.LIST, rid, json.dumps(self.current_names()))
         if op == Op.STATS:
             return _text_reply(Op.STATS, rid, json.dumps(self.stats()))
         if op == Op.SAVE:
@@ -310,10 +315,14 @@ class _Server:
 
     def table(self, meta: np.ndarray, op: str) -> tuple[TableSpec, LocalTable]:
         index = int(meta[wire.W_TABLE])
-        if not 0 <= index < len(self.names) or self.names[index] not in self.tables:
+        if (
+            not 0 <= index < len(self.names)
+            or self.names[index] not in self.tables
+            or self.index_of(self.names[index]) != index  # dropped, then created again
+        ):
             raise ValueError(
                 f"{op}: table index {index} is unknown on server rank {self.rank} "
-                f"(it has {len(self.names)} tables: {self.names})"
+                f"(its tables: {self.current_names()}; was the table dropped?)"
             )
         name = self.names[index]
         spec = self.specs[name]
@@ -325,16 +334,31 @@ class _Server:
             )
         return spec, self.tables[name]
 
-    def create(self, rid: int, text: str) -> tuple[np.ndarray, Any]:
+    def create(self, rid: int, text: str, *, exist_ok: bool) -> tuple[np.ndarray, Any]:
+        """Create (or, with ``exist_ok``, open an equal) table; requests are served one at a
+        time, so of several workers creating the same table at once exactly one creates it."""
         spec = TableSpec.from_json(text)
-        if spec.name in self.specs:
-            raise ValueError(
-                f"create_table: table {spec.name!r} already exists "
-                f"(known tables: {list(self.specs)})"
-            )
-        self.tables[spec.name] = LocalTable(self.shard_spec(spec))
-        self.specs[spec.name] = spec
+        where = f"on the MPI parameter server (server rank {self.rank})"
+        if check_existing(
+            self.specs.get(spec.name),
+            spec,
+            exist_ok=exist_ok,
+            where=where,
+            clear="or restart the job",
+        ):
+            self.tables[spec.name] = LocalTable(self.shard_spec(spec))
+            self.specs[spec.name] = spec
+            self.names.append(spec.name)  # a new index, also for a table dropped before
         return _text_reply(Op.CREATE, rid, text, table=self.index_of(spec.name))
+
+    def drop(self, rid: int, name: str) -> tuple[np.ndarray, Any]:
+        if name not in self.specs:
+            raise unknown_table(name, self.specs)
+        del self.specs[name], self.tables[name]
+        for key in [k for k in self.last_seq if k[0] == name]:
+            del self.last_seq[key]
+        self.duplicates.pop(name, None)
+        return wire.message(wire.header(Op.DROP, rid)), _EMPTY_F32
 
     def lookup(self, rid: int, name: str) -> tuple[np.ndarray, Any]:
         if name not in self.specs:
@@ -342,10 +366,16 @@ class _Server:
         text = json.dumps(self.specs[name].to_json())
         return _text_reply(Op.LOOKUP, rid, text, table=self.index_of(name))
 
+    def current_names(self) -> list[str]:
+        """Names of the tables there are, in the order of their current indices."""
+        return [n for i, n in enumerate(self.names) if n in self.specs and self.index_of(n) == i]
+
     def index_of(self, name: str) -> int:
+        """The table's current index: the last one given to ``name`` (a table dropped and
+        created again gets a new index, so a worker holding the old one is told so)."""
         if name not in self.names:
             self.names.append(name)
-        return self.names.index(name)
+        return len(self.names) - 1 - self.names[::-1].index(name)
 
     def shard_spec(self, spec: TableSpec) -> TableSpec:
         """The spec of this shard's part (see the module docstring)."""

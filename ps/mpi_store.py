@@ -69,7 +69,7 @@ import secrets
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -367,14 +367,28 @@ class MPIStore(Store):
 
         return Handle(test, done, what=what, timeout_s=self.request_timeout_s, block=block)
 
-    def _all(self, op: int, text: str = "", what: str = "") -> list[_Call]:
-        """Send a text request to every server and wait for all replies."""
+    def _all(
+        self,
+        op: int,
+        text: str = "",
+        what: str = "",
+        *,
+        servers: Iterable[int] | None = None,
+        flags: int = 0,
+    ) -> list[_Call]:
+        """Send a text request to every server (or server numbers ``servers``) and wait
+        for all replies."""
         raw = text.encode("utf-8")
         calls = [
             self._start(
-                s, op, payload=(wire.pack_bytes(raw),), arg=len(raw), reply_words=wire.TEXT_WORDS
+                s,
+                op,
+                payload=(wire.pack_bytes(raw),),
+                arg=len(raw),
+                reply_words=wire.TEXT_WORDS,
+                flags=flags,
             )
-            for s in range(len(self._servers))
+            for s in (range(len(self._servers)) if servers is None else servers)
         ]
         self._handle(calls, lambda: None, what).wait()
         return calls
@@ -388,16 +402,32 @@ class MPIStore(Store):
 
     # ------------------------------------------------------------ tables
 
-    def create_table(self, spec: TableSpec) -> None:
+    def create_table(self, spec: TableSpec, *, exist_ok: bool = False) -> None:
+        """Create ``spec.name`` on every server; see :meth:`ps.Store.create_table`.
+
+        Server 0 decides first (it serves one request at a time, so of several
+        workers creating the table at once exactly one creates it there, and a
+        different spec is refused before any other server has it); the other
+        servers follow only once server 0 accepted.
+        """
         if not isinstance(spec, TableSpec):
             raise TypeError(f"create_table: expected a ps.TableSpec, got {type(spec).__name__}")
-        if spec.name in self._tables:
-            raise ValueError(
-                f"create_table: table {spec.name!r} already exists "
-                f"(known tables: {sorted(self._tables)})"
-            )
-        calls = self._all(Op.CREATE, json.dumps(spec.to_json()), f"create_table {spec.name!r}")
-        self._tables[spec.name] = _Table(spec, [int(c.reply[wire.W_TABLE]) for c in calls])
+        what = f"create_table {spec.name!r}"
+        text = json.dumps(spec.to_json())
+        flags = wire.FLAG_EXIST_OK if exist_ok else 0
+        first = self._all(Op.CREATE, text, what, servers=[0], flags=flags)
+        # The rest with exist_ok: a worker that lost the race at server 0 raised there.
+        rest = self._all(
+            Op.CREATE, text, what, servers=range(1, len(self._servers)), flags=wire.FLAG_EXIST_OK
+        )
+        self._tables[spec.name] = _Table(spec, [int(c.reply[wire.W_TABLE]) for c in first + rest])
+
+    def drop_table(self, table: str) -> None:
+        """Delete ``table`` on every server (other workers' next request on it fails)."""
+        if not isinstance(table, str):
+            raise unknown_table(table, self.tables())
+        self._tables.pop(table, None)
+        self._all(Op.DROP, table, f"drop_table {table!r}")
 
     def tables(self) -> list[str]:
         call = self._start(0, Op.LIST, reply_words=wire.TEXT_WORDS)

@@ -384,6 +384,7 @@ class RedisLink:
             if url.startswith("rediss://"):
                 opts.setdefault("ssl", True)
         self.address = f"{host}:{port}"
+        self.db = db
         self._opts = opts
         if cluster:
             if db != 0:

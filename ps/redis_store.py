@@ -132,6 +132,7 @@ import torch
 
 from comm import Handle
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
+from ps.errors import check_existing
 from ps.local_table import COUNTERS, coalesce
 from ps.redis_conn import (
     Batch,
@@ -441,8 +442,9 @@ class RedisStore(Store):
     def create_table(self, spec: TableSpec, *, exist_ok: bool = False) -> None:
         """Create ``spec.name`` in Redis (no rows are written: they start as initial rows).
 
-        With ``exist_ok``, a table that already exists with an equal spec (e.g. made by
-        another worker) is opened instead; a different spec is always a ValueError.
+        See :meth:`ps.Store.create_table` for ``exist_ok``. Race-free: the meta is
+        written with SET NX, so of several workers creating the table at once one
+        writes it and the others compare their spec with it.
         """
         if not isinstance(spec, TableSpec):
             raise TypeError(f"create_table: expected a ps.TableSpec, got {type(spec).__name__}")
@@ -468,16 +470,9 @@ class RedisStore(Store):
         if old is None:
             raise RuntimeError(f"create_table {spec.name!r}: the table was dropped meanwhile")
         old_spec, old_buckets, old_token = self._parse_meta(spec.name, old)
-        if not exist_ok or old_spec.to_json() != spec.to_json():
-            raise ValueError(
-                f"create_table: table {spec.name!r} already exists on Redis {self.address} "
-                f"under prefix {self._prefix!r}"
-                + (
-                    " (pass exist_ok=True to open it)"
-                    if old_spec.to_json() == spec.to_json()
-                    else f" with a different spec: {old_spec.to_json()}"
-                )
-            )
+        where = f"on Redis {self.address} (db {self._link.db}, prefix {self._prefix!r})"
+        clear = "or give the job another Redis db or prefix"
+        check_existing(old_spec, spec, exist_ok=exist_ok, where=where, clear=clear)
         with self._lock:
             self._tables[spec.name] = self._make_table(old_spec, old_buckets, old_token)
 

@@ -30,7 +30,9 @@ Int64 payloads by op (``n`` ids)::
             grads as data [n, dim]                           applied again)
     CLOCKS  ids [n]                                      -> clocks [n]
     STATE   ids [n]                                      -> state as data [n, dim]
-    CREATE  TableSpec JSON bytes                         -> table index in word 3
+    CREATE  TableSpec JSON bytes (FLAG_EXIST_OK: open     -> table index in word 3
+            an equal existing table)
+    DROP    table name utf-8 bytes                       -> nothing
     LOOKUP  table name utf-8 bytes                       -> index, TableSpec JSON bytes
     LIST / STATS                                         -> JSON bytes
     SAVE / LOAD  JSON bytes {"dir": ..., "prefix": ...}  -> JSON bytes
@@ -41,7 +43,8 @@ and table 1, 2, 3, ... within a *session* (a random 63-bit token per
 ``MPIStore``); the server remembers the last number it applied per (table,
 worker rank) and acknowledges a push whose number is not above it (same session)
 without applying it again, so a worker may resend a push whose reply did not come
-(see :mod:`ps.mpi_store`). Protocol 2 added FLAG_SEQ / FLAG_DUPLICATE.
+(see :mod:`ps.mpi_store`). Protocol 2 added FLAG_SEQ / FLAG_DUPLICATE; protocol 3
+added DROP and FLAG_EXIST_OK.
 
 Strings and JSON travel as utf-8 bytes padded to whole int64 words (``arg`` says
 how many bytes are real). Tables are named once (CREATE / LOOKUP) and referred to
@@ -54,8 +57,10 @@ import enum
 
 import numpy as np
 
-PROTOCOL = 2
-MAGIC_VERSION = (0x48525053 << 16) | PROTOCOL  # "HRPS", protocol version 2
+from ps.errors import TableExistsError, TableSpecMismatch
+
+PROTOCOL = 3
+MAGIC_VERSION = (0x48525053 << 16) | PROTOCOL  # "HRPS", protocol version 3
 HEADER_LEN = 8
 #: Most ids one request may carry (a server refuses larger headers before allocating).
 MAX_IDS = 1 << 27
@@ -76,6 +81,7 @@ FLAG_CLOCKS = 1  # PULL request: caller clocks follow the ids; arg is the bound
 FLAG_POSITIONS = 2  # PULL reply: positions follow the clocks
 FLAG_SEQ = 4  # PUSH request: arg is the sequence number, the session follows the ids
 FLAG_DUPLICATE = 8  # PUSH reply: a repeat of an applied push, acknowledged, not applied
+FLAG_EXIST_OK = 16  # CREATE request: an existing table with an equal spec is opened
 
 
 class Op(enum.IntEnum):
@@ -91,6 +97,7 @@ class Op(enum.IntEnum):
     SAVE = 9
     LOAD = 10
     GOODBYE = 11
+    DROP = 12
 
 
 class ErrorKind(enum.IntEnum):
@@ -99,9 +106,15 @@ class ErrorKind(enum.IntEnum):
     VALUE = 1
     TYPE = 2
     RUNTIME = 3
+    TABLE_EXISTS = 4
+    TABLE_MISMATCH = 5
 
     @classmethod
     def of(cls, e: BaseException) -> ErrorKind:
+        if isinstance(e, TableExistsError):
+            return cls.TABLE_EXISTS
+        if isinstance(e, TableSpecMismatch):
+            return cls.TABLE_MISMATCH
         if isinstance(e, TypeError):
             return cls.TYPE
         if isinstance(e, ValueError):
@@ -109,6 +122,10 @@ class ErrorKind(enum.IntEnum):
         return cls.RUNTIME
 
     def exception(self, message: str) -> Exception:
+        if self is ErrorKind.TABLE_EXISTS:
+            return TableExistsError(message)
+        if self is ErrorKind.TABLE_MISMATCH:
+            return TableSpecMismatch(message)
         if self is ErrorKind.TYPE:
             return TypeError(message)
         if self is ErrorKind.VALUE:
