@@ -124,8 +124,8 @@ def figures(issued: int, applied: int, repeats: int, retries: int, wrong: int, *
 
 def mpi_rank(a: argparse.Namespace) -> None:
     import comm
-    from ps.mpi_server import ServerConfig, serve_mpi
-    from ps.mpi_store import MPIStore
+    from ps.mpi.server import ServerConfig, serve_mpi
+    from ps.mpi.store import MPIStore
 
     torch.set_num_threads(1)
     group = comm.init("mpi")
@@ -192,7 +192,7 @@ def run_mpi(a: argparse.Namespace, seconds: float) -> dict[str, Any]:
 
 
 def redis_worker(a: argparse.Namespace) -> None:
-    from ps.redis_store import RedisStore
+    from ps.redis.store import RedisStore
 
     torch.set_num_threads(1)
     with RedisStore(a.url, prefix="soak", drop_reply_every=a.drop) as store:
@@ -264,7 +264,7 @@ def run_redis(a: argparse.Namespace, seconds: float) -> dict[str, Any]:
 
 
 def _connect(url: str) -> Any:
-    from ps.redis_store import RedisStore, RedisUnavailableError
+    from ps.redis.store import RedisStore, RedisUnavailableError
 
     deadline = time.monotonic() + 20
     while True:

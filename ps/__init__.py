@@ -27,7 +27,7 @@ from typing import Any
 
 from ps import checkpoint, routing
 from ps.errors import TableExistsError, TableSpecMismatch
-from ps.inprocess import InProcessStore
+from ps.local.store import InProcessStore
 from ps.optimizers import (
     FTRL,
     SGD,
@@ -42,13 +42,13 @@ from ps.store import STAT_KEYS, PullResult, Store
 from ps.table import TableSpec, UniformInit, default_init
 
 _LAZY = {
-    "MPIStore": "ps.mpi_store",
-    "serve_mpi": "ps.mpi_server",
-    "ServerConfig": "ps.mpi_server",
-    "RedisStore": "ps.redis_store",
-    "RedisUnavailableError": "ps.redis_store",
-    "RedisAuthError": "ps.redis_store",
-    "RedisDataLossError": "ps.redis_store",
+    "MPIStore": "ps.mpi.store",
+    "serve_mpi": "ps.mpi.server",
+    "ServerConfig": "ps.mpi.server",
+    "RedisStore": "ps.redis.store",
+    "RedisUnavailableError": "ps.redis.store",
+    "RedisAuthError": "ps.redis.store",
+    "RedisDataLossError": "ps.redis.store",
 }
 
 

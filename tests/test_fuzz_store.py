@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ps
-from ps.redis_store import RedisStore
+from ps.redis.store import RedisStore
 from ps_reference import reference
 from redis_server import RedisServer, redis_server
 

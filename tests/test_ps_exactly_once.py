@@ -26,7 +26,7 @@ import torch
 
 import ps
 from multiproc import ROOT, run_ranks
-from ps.redis_store import RedisDataLossError, RedisStore
+from ps.redis.store import RedisDataLossError, RedisStore
 from redis_server import RedisCluster, RedisServer, redis_cluster, redis_server
 
 sys.path.insert(0, str(ROOT / "tests" / "ranks"))
@@ -314,6 +314,6 @@ def test_redis_store_options_are_checked() -> None:
     with pytest.raises(TypeError, match="exactly_once"):
         RedisStore("redis://127.0.0.1:1/0", exactly_once=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="drop_reply_every"):
-        from ps.mpi_server import ServerConfig
+        from ps.mpi.server import ServerConfig
 
         ServerConfig(drop_reply_every=-1)

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from multiproc import ROOT, mpirun_path, run_ranks
-from ps import wire
+from ps.mpi import wire
 
 SCRIPT = "ps_mpi_store.py"
 

@@ -24,8 +24,8 @@ import redis
 import torch
 
 import ps
-from ps.redis_conn import RedisLink
-from ps.redis_store import RedisAuthError, RedisStore, RedisUnavailableError
+from ps.redis.conn import RedisLink
+from ps.redis.store import RedisAuthError, RedisStore, RedisUnavailableError
 from ps_reference import assert_matches_reference
 from redis_server import (
     RedisCluster,
@@ -497,7 +497,8 @@ def test_tables_are_shared_between_clients(server: RedisServer) -> None:
         a.push("t", torch.tensor([3]), torch.ones(1, 2))
         assert b.pull("t", torch.tensor([3])).clocks.tolist() == [1]
         other = ps.TableSpec(name="t", num_rows=10, dim=2, optimizer=ps.SGD(lr=0.5))
-        with pytest.raises(ps.TableSpecMismatch, match=r"10 x 2 sgd\(lr=1, .*asks for 10 x 2 sgd\(lr=0.5, "):
+        shapes = r"10 x 2 sgd\(lr=1, .*asks for 10 x 2 sgd\(lr=0.5, "
+        with pytest.raises(ps.TableSpecMismatch, match=shapes):
             b.create_table(other, exist_ok=True)
         with RedisStore(server.url, prefix=prefix) as c:  # a third client finds it by name
             assert c.spec("t").to_json() == spec.to_json()

@@ -40,10 +40,10 @@ import torch
 
 import comm
 import ps
-from ps import wire
+from ps.mpi import wire
 
 if TYPE_CHECKING:
-    from ps.mpi_store import MPIStore
+    from ps.mpi.store import MPIStore
 
 DIM = 4
 ROWS = 64
@@ -227,7 +227,7 @@ def bad_wire_checks(store: MPIStore) -> int:
 
 def redis_worker(args: argparse.Namespace) -> None:
     """One worker process on Redis: its pushes (tables made by the test), then its counters."""
-    from ps.redis_store import RedisStore
+    from ps.redis.store import RedisStore
 
     with RedisStore(
         args.redis,
@@ -256,8 +256,8 @@ def main() -> None:
     if args.redis is not None:
         redis_worker(args)
         return
-    from ps.mpi_server import ServerConfig, serve_mpi
-    from ps.mpi_store import MPIStore
+    from ps.mpi.server import ServerConfig, serve_mpi
+    from ps.mpi.store import MPIStore
 
     group = comm.init("mpi")
     topology = comm.Topology(world_size=group.size, num_servers=args.servers)

@@ -34,9 +34,9 @@ import torch
 
 import comm
 import ps
-from ps import wire
-from ps.mpi_server import serve_mpi
-from ps.mpi_store import MPIStore
+from ps.mpi import wire
+from ps.mpi.server import serve_mpi
+from ps.mpi.store import MPIStore
 
 TOL = 1e-6
 DIM = 8

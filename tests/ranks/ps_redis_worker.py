@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import ps
-from ps.redis_store import RedisStore
+from ps.redis.store import RedisStore
 
 ROWS, DIM = 500, 4
 PUSHES, PER_PUSH = 20, 500  # 10 000 gradient rows per worker

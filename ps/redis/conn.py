@@ -42,7 +42,7 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from ps.redis_lua import sha1
+from ps.redis.lua import sha1
 
 _MAX_REDIRECTS = 8
 

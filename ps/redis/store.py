@@ -42,7 +42,7 @@ Requests (one command per touched bucket, each node's commands written in one go
   stored clocks inside Redis and returns only the stale rows (one round trip,
   bytes moved = the stale rows);
 * push: duplicate ids are summed by the client; a generated Lua script per bucket
-  (:func:`ps.redis_lua.push_script`) applies the optimizer to each row and adds 1
+  (:func:`ps.redis.lua.push_script`) applies the optimizer to each row and adds 1
   to its clock atomically. A row that does not exist yet needs its initial value:
   the script then changes nothing and names the missing ids, and the client
   resends that bucket with their initial rows (a second round trip only for
@@ -93,7 +93,7 @@ Exactly-once pushes: a store has a worker id (``worker_id``, default a random
 63-bit number) and a random session; each push script call gets a sequence
 number per (table, bucket), and the script, atomically with the update, records
 the numbers it applied in the bucket's ``:q`` hash and acknowledges a repeat
-without applying it (see :mod:`ps.redis_lua`). A push or pull whose reply is lost
+without applying it (see :mod:`ps.redis.lua`). A push or pull whose reply is lost
 (``RedisUnavailableError``: connection broken, ``socket_timeout`` passed) is
 resent, the same calls with the same numbers, up to ``max_retries`` times with
 ``retry_backoff_s`` doubling pauses, so a Redis that restarts with its
@@ -133,8 +133,8 @@ import torch
 from comm import Handle
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
 from ps.errors import check_existing
-from ps.local_table import COUNTERS, coalesce
-from ps.redis_conn import (
+from ps.local.table import COUNTERS, coalesce
+from ps.redis.conn import (
     Batch,
     Command,
     RedisAuthError,
@@ -146,7 +146,7 @@ from ps.redis_conn import (
     pack_fixed,
     raw,
 )
-from ps.redis_lua import (
+from ps.redis.lua import (
     EVICT_AGE,
     EVICT_IDS,
     LRU_CANDIDATES,

@@ -1,7 +1,7 @@
 """The in-process store: tables as tensors in this process's memory.
 
 It is the embedded default (no servers) and the reference every other store is
-tested against. All work is vectorised (:mod:`ps.local_table`): ``torch.unique``
+tested against. All work is vectorised (:mod:`ps.local.table`): ``torch.unique``
 to coalesce duplicate ids, ``index_add_`` to sum their gradients, index gathers
 and scatters for rows, state and clocks, a batched hash index for dynamic tables;
 nothing loops over ids in Python.
@@ -18,7 +18,7 @@ import torch
 from comm import Handle
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
 from ps.errors import check_existing
-from ps.local_table import LocalTable
+from ps.local.table import LocalTable
 from ps.store import PullResult, Store
 from ps.table import TableSpec
 from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table

@@ -43,7 +43,7 @@ and table 1, 2, 3, ... within a *session* (a random 63-bit token per
 ``MPIStore``); the server remembers the last number it applied per (table,
 worker rank) and acknowledges a push whose number is not above it (same session)
 without applying it again, so a worker may resend a push whose reply did not come
-(see :mod:`ps.mpi_store`). Protocol 2 added FLAG_SEQ / FLAG_DUPLICATE; protocol 3
+(see :mod:`ps.mpi.store`). Protocol 2 added FLAG_SEQ / FLAG_DUPLICATE; protocol 3
 added DROP and FLAG_EXIST_OK.
 
 Strings and JSON travel as utf-8 bytes padded to whole int64 words (``arg`` says

@@ -1,7 +1,7 @@
 """The worker side of the MPI store: a :class:`ps.Store` whose shards live on server ranks.
 
 Run a job as ``mpirun -n N`` with ``topology = comm.Topology(world_size=N,
-num_servers=S)``: the last ``S`` ranks call :func:`ps.mpi_server.serve_mpi`, the
+num_servers=S)``: the last ``S`` ranks call :func:`ps.mpi.server.serve_mpi`, the
 others open an :class:`MPIStore` and use it like any store::
 
     group = comm.init("mpi")
@@ -22,7 +22,7 @@ other collectives on ``group``.
 A request for ``N`` ids is split by :func:`ps.routing.group_by_shard` into one
 sub-request per server (row ``id`` lives on server ``shard_of(id, S)``), all sent
 at once without blocking; the handle's ``wait()`` merges the replies back into
-the caller's order. Messages are the binary layout of :mod:`ps.wire` (no
+the caller's order. Messages are the binary layout of :mod:`ps.mpi.wire` (no
 pickle). Several requests may be in flight; the requests of one worker are
 applied in the order they were issued.
 
@@ -46,7 +46,7 @@ once; the timeout covers hung servers and ``mpiexec -disable-auto-cleanup``.)
 
 Exactly-once pushes: each push sub-request carries this store's session (a
 random 63-bit token) and a sequence number per (table, server) (1, 2, 3, ...;
-:data:`ps.wire.FLAG_SEQ`). A push whose reply has not come ``push_retry_s``
+:data:`ps.mpi.wire.FLAG_SEQ`). A push whose reply has not come ``push_retry_s``
 after it was sent is sent again, unchanged (same number), up to ``max_retries``
 times while its handle is waited; the server applies a number at most once and
 acknowledges a repeat. A server still silent ``request_timeout_s`` after the
@@ -79,13 +79,14 @@ import torch
 from mpi4py import MPI
 
 from comm import CommTimeoutError, Handle, ProcessGroup, Topology
-from ps import checkpoint, wire
-from ps.mpi_server import check_mpi_topology, check_push_grads
+from ps import checkpoint
+from ps.mpi import wire
+from ps.mpi.server import check_mpi_topology, check_push_grads
+from ps.mpi.wire import HEADER_LEN, Op
 from ps.routing import group_by_shard
 from ps.store import PullResult, Store
 from ps.table import TableSpec
 from ps.validate import check_ids, check_pull_bound, unknown_table
-from ps.wire import HEADER_LEN, Op
 
 _EMPTY_F32 = np.empty(0, dtype=np.float32)
 
@@ -168,7 +169,7 @@ class MPIStore(Store):
         if group.rank not in topology.worker_ranks:
             raise ValueError(
                 f"MPIStore: rank {group.rank} is a server in {topology}; workers are ranks "
-                f"{topology.worker_ranks} (servers call ps.mpi_server.serve_mpi)"
+                f"{topology.worker_ranks} (servers call ps.mpi.server.serve_mpi)"
             )
         t = request_timeout_s
         if (

@@ -2,13 +2,13 @@
 
 Under ``mpirun -n N`` with ``comm.Topology(world_size=N, num_servers=S)`` the
 last ``S`` ranks call :func:`serve_mpi`; it returns once every worker rank has
-closed its :class:`ps.mpi_store.MPIStore`. Server ``k`` (``k = rank - num_workers``)
+closed its :class:`ps.mpi.store.MPIStore`. Server ``k`` (``k = rank - num_workers``)
 holds the rows whose ``ps.routing.shard_of(id, S) == k``.
 
-The shard's tables are :class:`ps.local_table.LocalTable` objects, the engine of
+The shard's tables are :class:`ps.local.table.LocalTable` objects, the engine of
 the in-process store, so optimizers, dynamic tables, statistics and checkpoint
 parts are exactly the in-process store's; the loop only receives requests
-(:mod:`ps.wire`), checks them (sizes, table index, then :mod:`ps.validate`, the
+(:mod:`ps.mpi.wire`), checks them (sizes, table index, then :mod:`ps.validate`, the
 in-process store's own checks), calls the table and sends the reply.
 
 With more than one server, a shard of a *fixed* table is held like a dynamic
@@ -25,15 +25,15 @@ A bad request (unknown table index, ids out of range, wrong sizes, NaN
 gradients, ...) gets an error reply that the worker raises as ValueError /
 TypeError; the server changes nothing and keeps serving. Sizes are checked
 before anything is allocated or read: the header's ``n`` (at most
-:data:`ps.wire.MAX_IDS`) and ``dim`` against the payload words and the float
+:data:`ps.mpi.wire.MAX_IDS`) and ``dim`` against the payload words and the float
 count of the data message, byte counts that are not whole words, a request whose
 data message does not follow within ``ServerConfig.data_timeout_s``, and the
 table index against the tables this server has.
 
-Exactly-once pushes (:data:`ps.wire.FLAG_SEQ`): the server keeps, per (table,
+Exactly-once pushes (:data:`ps.mpi.wire.FLAG_SEQ`): the server keeps, per (table,
 worker rank), the session and sequence number of the last push it applied and
 acknowledges a repeat (same session, number not above) with
-:data:`ps.wire.FLAG_DUPLICATE` without applying it again. MPI delivers one
+:data:`ps.mpi.wire.FLAG_DUPLICATE` without applying it again. MPI delivers one
 worker's messages in order, so "not above the last applied" is exact. The
 numbers are not part of checkpoints (a resumed job runs new sessions) and a
 load keeps them (a resend of a push from before the load is still a repeat).
@@ -56,15 +56,15 @@ import torch
 from mpi4py import MPI
 
 from comm import ProcessGroup, Topology
-from ps import wire
 from ps.checkpoint import TablePart, check_row_ids, read_checkpoint, write_part
 from ps.errors import check_existing
-from ps.inprocess import PART_ROWS
-from ps.local_table import LocalTable
+from ps.local.store import PART_ROWS
+from ps.local.table import LocalTable
+from ps.mpi import wire
+from ps.mpi.wire import HEADER_LEN, Op
 from ps.routing import shard_of
 from ps.table import TableSpec
 from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
-from ps.wire import HEADER_LEN, Op
 
 _EMPTY_F32 = np.empty(0, dtype=np.float32)
 # Idle policy: poll without pause for SPIN_S after the last request (lowest latency

@@ -1,6 +1,6 @@
 """The Lua scripts of the Redis store (Redis >= 6.2 scripting: Lua 5.1 with ``struct``).
 
-Data layout (see :mod:`ps.redis_store`): per bucket of a table, a hash ``...:w``
+Data layout (see :mod:`ps.redis.store`): per bucket of a table, a hash ``...:w``
 maps the 8-byte little-endian id to ``row float32[D] | clock int64`` (``4D+8``
 bytes), a hash ``...:s`` maps it to the optimizer state ``float32[S]`` (absent
 when ``S == 0``), and on tables with eviction a sorted set ``...:t`` scores it
