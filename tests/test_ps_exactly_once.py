@@ -1,8 +1,8 @@
 """Exactly-once pushes, bad wire messages and Redis data-loss detection, on real processes.
 
 Lost replies are injected by real code paths (no mocks): the MPI server applies a
-push and does not send its reply (``ServerConfig.drop_reply_every``), the Redis
-store treats a reply as lost after its scripts ran (``drop_reply_every``), and a
+push and does not send its reply, the Redis store treats a reply as lost after its
+scripts ran (both through the test-only subclasses of ``tests/ps_faults.py``), and a
 Redis server drops a client's connection while its pushes are queued (``CLIENT
 PAUSE`` + ``CLIENT KILL``: the pushes never ran). The workers resend; the rows and
 clocks must equal the sequential reference (``tests/ranks/ps_exactly_once.py``:
@@ -27,6 +27,7 @@ import torch
 import ps
 from multiproc import ROOT, run_ranks
 from ps.redis.store import RedisDataLossError, RedisStore
+from ps_faults import LossyRedisStore
 from redis_server import RedisCluster, RedisServer, redis_cluster, redis_server
 
 sys.path.insert(0, str(ROOT / "tests" / "ranks"))
@@ -89,7 +90,7 @@ def _prefix() -> str:
 
 
 def _make_tables(url: str, prefix: str, workers: int, **kw: object) -> RedisStore:
-    store = RedisStore(url, prefix=prefix, buckets=4, **kw)  # type: ignore[arg-type]
+    store = LossyRedisStore(url, prefix=prefix, buckets=4, **kw)  # type: ignore[arg-type]
     store.create_table(eo.shared_spec())
     eo.zero_shared(store)
     for r in range(workers):
@@ -155,7 +156,7 @@ def test_redis_cluster_lost_replies() -> None:
 
 
 def _cluster_case(cluster: RedisCluster) -> None:
-    store = RedisStore(
+    store = LossyRedisStore(
         host=cluster.host,
         port=cluster.port,
         cluster=True,
@@ -183,7 +184,7 @@ def test_redis_connection_killed_while_pushes_wait(server: RedisServer, dedup: b
     reconnect path, and the drop case above checks the repeat path."""
     spec = ps.TableSpec(name="k", num_rows=16, dim=2, optimizer=ps.SGD(lr=1.0))
     admin = server.client()
-    with RedisStore(server.url, prefix=_prefix(), buckets=2, exactly_once=dedup) as store:
+    with LossyRedisStore(server.url, prefix=_prefix(), buckets=2, exactly_once=dedup) as store:
         store.create_table(spec)
         everything = torch.arange(16)
         store.push("k", everything, store.pull("k", everything).rows)  # rows = 0: sums exact
@@ -306,14 +307,21 @@ def test_redis_store_options_are_checked() -> None:
     for kw, needle in (
         ({"worker_id": -1}, "worker_id"),
         ({"max_retries": -1}, "max_retries"),
-        ({"drop_reply_every": 1.5}, "drop_reply_every"),
         ({"retry_backoff_s": -0.1}, "retry_backoff_s"),
     ):
         with pytest.raises(ValueError, match=needle):
             RedisStore("redis://127.0.0.1:1/0", **kw)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="exactly_once"):
-        RedisStore("redis://127.0.0.1:1/0", exactly_once=1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="drop_reply_every"):
-        from ps.mpi.server import ServerConfig
+    # The fault switches are not part of the product constructors any more.
+    for switch in ("drop_reply_every", "exactly_once"):
+        with pytest.raises(TypeError, match=switch):
+            RedisStore("redis://127.0.0.1:1/0", **{switch: 1})  # type: ignore[arg-type]
+    from ps.mpi.server import ServerConfig
 
-        ServerConfig(drop_reply_every=-1)
+    with pytest.raises(TypeError, match="drop_reply_every"):
+        ServerConfig(drop_reply_every=1)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="worker_timeout_s"):
+        ServerConfig(worker_timeout_s=0)
+    with pytest.raises(ValueError, match="drop_reply_every"):
+        LossyRedisStore("redis://127.0.0.1:1/0", drop_reply_every=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="exactly_once"):
+        LossyRedisStore("redis://127.0.0.1:1/0", exactly_once=1)  # type: ignore[arg-type]

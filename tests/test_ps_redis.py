@@ -13,9 +13,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +28,7 @@ import torch
 import ps
 from ps.redis.conn import RedisLink
 from ps.redis.store import RedisAuthError, RedisStore, RedisUnavailableError
+from ps_lifecycle import check_lifecycle
 from ps_reference import assert_matches_reference
 from redis_server import (
     RedisCluster,
@@ -507,6 +510,32 @@ def test_tables_are_shared_between_clients(server: RedisServer) -> None:
             assert d.tables() == []
 
 
+def _lifecycle(workers: int, **open_kw: object) -> None:
+    """:func:`check_lifecycle` by ``workers`` clients (threads) of one Redis at once."""
+    prefix = _prefix()
+    stores = [RedisStore(prefix=prefix, **open_kw) for _ in range(workers)]  # type: ignore[arg-type]
+    gate = threading.Barrier(workers, timeout=30)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            jobs = [
+                pool.submit(check_lifecycle, s, r, workers, gate.wait, "race")
+                for r, s in enumerate(stores)
+            ]
+            for job in jobs:
+                job.result()
+        assert stores[0].tables() == []
+    finally:
+        for s in stores:
+            s.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_table_lifecycle_with_racing_clients(server: RedisServer, workers: int) -> None:
+    """Clients race to create one table (SET NX of its meta): all succeed on one table;
+    TableExistsError, TableSpecMismatch (naming both shapes), drop_table, re-create."""
+    _lifecycle(workers, host=server.host, port=server.port)
+
+
 def test_async_requests_in_flight_and_script_cache_flush(
     server: RedisServer, store: RedisStore
 ) -> None:
@@ -647,6 +676,11 @@ def test_stats_counts_rows_and_requests(store: RedisStore) -> None:
 
 
 # ---------------------------------------------------------------- cluster
+
+
+@pytest.mark.timeout(120)
+def test_cluster_table_lifecycle_with_racing_clients(cluster: RedisCluster) -> None:
+    _lifecycle(2, host=cluster.host, port=cluster.port, cluster=True)
 
 
 @pytest.mark.timeout(120)

@@ -37,9 +37,7 @@ acknowledges a repeat (same session, number not above) with
 worker's messages in order, so "not above the last applied" is exact. The
 numbers are not part of checkpoints (a resumed job runs new sessions) and a
 load keeps them (a resend of a push from before the load is still a repeat).
-``stats()`` adds ``push_duplicates`` per table. ``ServerConfig.drop_reply_every``
-is a fault injection for tests: the reply of every k-th applied push is not
-sent (the push is applied), so the worker's resend path runs for real.
+``stats()`` adds ``push_duplicates`` per table.
 """
 
 from __future__ import annotations
@@ -55,7 +53,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from comm import ProcessGroup, Topology
+from comm import CommTimeoutError, ProcessGroup, Topology
 from ps.checkpoint import TablePart, check_row_ids, read_checkpoint, write_part
 from ps.errors import check_existing
 from ps.local.store import PART_ROWS
@@ -88,32 +86,38 @@ class ServerConfig:
     ``data_timeout_s``: how long the server waits for the data message that
     must follow a request's header message (a broken client that sends only
     one gets an error reply instead of hanging the server).
-    ``drop_reply_every`` (tests only, 0 = off): apply every push but do not
-    send the reply of every k-th one applied, as if it were lost (at most once
-    per request: a resend is answered); the worker's resend must then be
-    recognised as a repeat.
+    ``worker_timeout_s``: a worker that has sent requests and then sends
+    nothing for this long (no request, no goodbye) is taken for dead or hung:
+    :func:`serve_mpi` raises :class:`comm.CommTimeoutError` naming its rank and
+    how long it was silent, instead of waiting for its goodbye forever. The
+    default (120 s) is far longer than a training step's gap between two
+    requests and well under the 300 s of a collective's timeout; raise it for
+    workers that pause longer without the parameter server (a long evaluation
+    that does not pull, a long pause between epochs), None turns it off. A
+    worker's silence is counted from its first request, so a worker that takes
+    long to start (reading data) is not judged before it talks.
     """
 
     spin_s: float = _SPIN_S
     idle_sleep_s: float = _IDLE_SLEEP_S
     torch_threads: int | None = 1
     data_timeout_s: float = 10.0
-    drop_reply_every: int = 0
+    worker_timeout_s: float | None = 120.0
 
     def __post_init__(self) -> None:
         t = self.torch_threads
         if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
             raise ValueError(f"ServerConfig: torch_threads must be None or an int >= 1, got {t!r}")
-        k = self.drop_reply_every
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise ValueError(f"ServerConfig: drop_reply_every must be an int >= 0, got {k!r}")
-        d = self.data_timeout_s
-        if (
-            not isinstance(d, int | float)
-            or isinstance(d, bool)
-            or not (math.isfinite(d) and d > 0)
-        ):
-            raise ValueError(f"ServerConfig: data_timeout_s must be a number > 0, got {d!r}")
+        for name in ("data_timeout_s", "worker_timeout_s"):
+            d = getattr(self, name)
+            if d is None and name == "worker_timeout_s":
+                continue
+            if (
+                not isinstance(d, int | float)
+                or isinstance(d, bool)
+                or not (math.isfinite(d) and d > 0)
+            ):
+                raise ValueError(f"ServerConfig: {name} must be a number > 0, got {d!r}")
         for name in ("spin_s", "idle_sleep_s"):
             v = getattr(self, name)
             if not isinstance(v, int | float) or not (math.isfinite(v) and v >= 0):
@@ -160,25 +164,33 @@ def serve_mpi(
 
     Collective with the workers' ``MPIStore(group, topology)`` (both duplicate
     the group's communicator, so PS traffic never mixes with other messages).
+    Raises :class:`comm.CommTimeoutError` naming the worker rank when a worker
+    stays silent past ``config.worker_timeout_s`` (it died or hangs).
     """
-    mpi_comm = check_mpi_topology(group, topology, "serve_mpi")
-    if group.rank not in topology.server_ranks:
-        raise ValueError(
-            f"serve_mpi: rank {group.rank} is a worker in {topology}; servers are ranks "
-            f"{topology.server_ranks}"
-        )
-    config = config or ServerConfig()
-    if config.torch_threads is not None:
-        torch.set_num_threads(config.torch_threads)
-    server = _Server(mpi_comm.Dup(), topology, group.rank, config)
-    try:
-        server.run()
-    finally:
-        server.close()
-    return server.stats()
+    return ShardServer.open(group, topology, config).serve()
 
 
-class _Server:
+class ShardServer:
+    """The loop of one server rank (see the module docstring): receives, checks and
+    applies requests on this rank's shard of every table. Built by :meth:`open`."""
+
+    @classmethod
+    def open(
+        cls, group: ProcessGroup, topology: Topology, config: ServerConfig | None = None
+    ) -> ShardServer:
+        """Check the roles, set the torch threads and duplicate the communicator
+        (collective with the workers' ``MPIStore``)."""
+        mpi_comm = check_mpi_topology(group, topology, "serve_mpi")
+        if group.rank not in topology.server_ranks:
+            raise ValueError(
+                f"serve_mpi: rank {group.rank} is a worker in {topology}; servers are ranks "
+                f"{topology.server_ranks}"
+            )
+        config = config or ServerConfig()
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
+        return cls(mpi_comm.Dup(), topology, group.rank, config)
+
     def __init__(self, comm: Any, topology: Topology, rank: int, config: ServerConfig) -> None:
         self.comm = comm
         self.tag_ub = int(comm.Get_attr(MPI.TAG_UB))
@@ -191,14 +203,26 @@ class _Server:
         self.specs: dict[str, TableSpec] = {}  # the specs as the workers gave them
         self.tables: dict[str, LocalTable] = {}  # this shard's part of each table
         self.waiting = set(topology.worker_ranks)  # workers that have not said goodbye
+        self.heard: dict[int, float] = {}  # worker rank -> when its last request came
         self.sends: list[Any] = []  # reply sends in flight (requests keep their buffers)
         # A load waiting for its commit: name -> (spec, this shard's new table).
         self.staged: dict[str, tuple[TableSpec, LocalTable]] | None = None
         # Exactly-once: (table, worker rank) -> (session, last applied sequence number).
         self.last_seq: dict[tuple[str, int], tuple[int, int]] = {}
         self.duplicates: dict[str, int] = {}  # table -> repeats acknowledged, not applied
-        self.applied = 0  # pushes applied (for drop_reply_every)
-        self.dropped: set[tuple[int, int]] = set()  # (worker, request id) replies dropped
+
+    def serve(self) -> dict[str, dict[str, int | float]]:
+        """Run until every worker said goodbye, then free the communicator; the stats."""
+        try:
+            self.run()
+        finally:
+            self.close()
+        return self.stats()
+
+    def reply_lost(self, src: int, request_id: int) -> bool:
+        """Whether to act as if the reply to an applied push were lost (not send it).
+        Never here; a test subclass drops some, so that the workers' resends run."""
+        return False
 
     def stats(self) -> dict[str, dict[str, int | float]]:
         return {
@@ -211,20 +235,45 @@ class _Server:
     def run(self) -> None:
         status = MPI.Status()
         last = time.monotonic()
+        next_check = last + 1.0  # of the workers' silence, about once a second
         polls = 0
         while self.waiting:
             if self.comm.Iprobe(MPI.ANY_SOURCE, wire.TAG_REQUEST, status):
+                self.heard[status.Get_source()] = time.monotonic()
                 self.serve_one(status)
                 last = time.monotonic()
                 polls = 0
+                if last > next_check:
+                    self.check_workers(last)
+                    next_check = last + 1.0
                 continue
             polls += 1
             if polls & 63 == 0:
                 self.sends = [r for r in self.sends if not r.Test()]
-                if time.monotonic() - last > self.config.spin_s and self.config.idle_sleep_s:
+                now = time.monotonic()
+                if now > next_check:
+                    self.check_workers(now)
+                    next_check = now + 1.0
+                if now - last > self.config.spin_s and self.config.idle_sleep_s:
                     time.sleep(self.config.idle_sleep_s)
                 else:
                     os.sched_yield()
+
+    def check_workers(self, now: float) -> None:
+        """Raise if a worker that has talked stayed silent past ``worker_timeout_s``."""
+        limit = self.config.worker_timeout_s
+        if limit is None:
+            return
+        silent = {w: now - self.heard[w] for w in self.waiting if w in self.heard}
+        late = sorted(w for w, s in silent.items() if s > limit)
+        if late:
+            said = ", ".join(f"rank {w} for {silent[w]:.1f} s" for w in late)
+            raise CommTimeoutError(
+                f"serve_mpi on server rank {self.rank}: worker {said} sent no request and no "
+                f"goodbye (ServerConfig.worker_timeout_s={limit:g}); the worker died or "
+                f"hangs. This server stops serving (workers still waiting: "
+                f"{sorted(self.waiting)})"
+            )
 
     def close(self) -> None:
         # Replies still in flight: give the workers a moment to take them.
@@ -252,7 +301,7 @@ class _Server:
             reply = self.dispatch(src, meta, data)
         except Exception as e:  # every failure becomes an error reply; the server goes on
             reply = wire.error_message(op, request_id, e), _EMPTY_F32
-        if reply is None:  # drop_reply_every: the push was applied, its reply "lost"
+        if reply is None:  # reply_lost: the push was applied, its reply "lost"
             return
         reply_meta, reply_data = reply
         meta_tag, data_tag = wire.reply_tags(request_id, self.tag_ub)
@@ -428,10 +477,7 @@ class _Server:
                 return wire.message(head), _EMPTY_F32
             self.last_seq[key] = (session, seq)
         table.push(ids, grads, checked=spec.nan_policy == "raise")
-        self.applied += 1
-        every = self.config.drop_reply_every
-        if every and self.applied % every == 0 and (src, rid) not in self.dropped:
-            self.dropped.add((src, rid))  # a resend (same request id) is answered
+        if self.reply_lost(src, rid):
             return None
         return wire.message(wire.header(Op.PUSH, rid)), _EMPTY_F32
 

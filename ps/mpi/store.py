@@ -155,6 +155,10 @@ class MPIStore(Store):
     docstring for ``exactly_once``.
     """
 
+    # Pushes carry sequence numbers (exactly-once). Only a test subclass turns them off,
+    # to show what a resend does without them.
+    _sequenced = True
+
     def __init__(
         self,
         group: ProcessGroup,
@@ -163,7 +167,6 @@ class MPIStore(Store):
         request_timeout_s: float = 30.0,
         push_retry_s: float | None = None,
         max_retries: int = 2,
-        exactly_once: bool = True,
     ) -> None:
         mpi_comm = check_mpi_topology(group, topology, "MPIStore")
         if group.rank not in topology.worker_ranks:
@@ -187,13 +190,10 @@ class MPIStore(Store):
             raise ValueError(f"MPIStore: push_retry_s must be None or a number > 0, got {r!r}")
         if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
             raise ValueError(f"MPIStore: max_retries must be an int >= 0, got {max_retries!r}")
-        if not isinstance(exactly_once, bool):
-            raise TypeError(f"MPIStore: exactly_once must be a bool, got {exactly_once!r}")
         self.rank = group.rank
         self.request_timeout_s = float(request_timeout_s)
         self.push_retry_s = float(r)
         self.max_retries = max_retries
-        self.exactly_once = exactly_once
         self._session = secrets.randbits(63)  # this store's pushes, told apart from earlier ones
         self._seq: dict[tuple[str, int], int] = {}  # (table, server number) -> last number sent
         self._strays: list[_Stray] = []
@@ -529,7 +529,7 @@ class MPIStore(Store):
             if c or every_server:
                 flags = seq = 0
                 payload: tuple[np.ndarray, ...] = (ids_np[a : a + c],)
-                if self.exactly_once:
+                if self._sequenced:
                     seq = self._seq.get((table, s), 0) + 1
                     self._seq[(table, s)] = seq
                     flags = wire.FLAG_SEQ

@@ -269,8 +269,8 @@ class RedisStore(Store):
     a dead Redis raises :class:`RedisUnavailableError` naming its address within
     seconds. ``prefix`` namespaces the keys of this job (several jobs can share one
     Redis); ``buckets`` is the bucket count of the tables this store creates.
-    ``worker_id``, ``exactly_once``, ``max_retries``, ``retry_backoff_s`` and
-    ``drop_reply_every``: see the module docstring (exactly-once pushes).
+    ``worker_id``, ``max_retries`` and ``retry_backoff_s``: see the module docstring
+    (exactly-once pushes).
     """
 
     def __init__(
@@ -293,32 +293,26 @@ class RedisStore(Store):
         connect_timeout: float = 2.0,
         buckets: int = 64,
         worker_id: int | None = None,
-        exactly_once: bool = True,
         max_retries: int = 3,
         retry_backoff_s: float = 0.1,
-        drop_reply_every: int = 0,
     ) -> None:
         self._prefix = _check_key_part("prefix", prefix)
         if worker_id is None:
             worker_id = secrets.randbits(63)
         if not isinstance(worker_id, int) or isinstance(worker_id, bool) or worker_id < 0:
             raise ValueError(f"RedisStore: worker_id must be an int >= 0, got {worker_id!r}")
-        if not isinstance(exactly_once, bool):
-            raise TypeError(f"RedisStore: exactly_once must be a bool, got {exactly_once!r}")
-        for name, k in (("max_retries", max_retries), ("drop_reply_every", drop_reply_every)):
-            if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-                raise ValueError(f"RedisStore: {name} must be an int >= 0, got {k!r}")
+        if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
+            raise ValueError(f"RedisStore: max_retries must be an int >= 0, got {max_retries!r}")
         b = retry_backoff_s
         if not isinstance(b, int | float) or isinstance(b, bool) or not 0 <= b < 60:
             raise ValueError(f"RedisStore: retry_backoff_s must be in [0, 60) seconds, got {b!r}")
         self.worker_id = worker_id
-        self.exactly_once = exactly_once
         self._session = str(secrets.randbits(63)).encode()
-        self._wid = str(worker_id).encode() if exactly_once else b""
+        # The worker id the push scripts record numbers under (b"": no numbers, the scripts
+        # then apply every call; only a test subclass turns numbering off, to show why).
+        self._wid = str(worker_id).encode()
         self._max_retries = max_retries
         self._backoff_s = float(retry_backoff_s)
-        self._drop_every = drop_reply_every
-        self._push_batches = 0  # push batches answered (for drop_reply_every)
         if not isinstance(buckets, int) or isinstance(buckets, bool) or not 1 <= buckets <= 65536:
             raise ValueError(f"RedisStore: buckets must be an int in [1, 65536], got {buckets!r}")
         for name, v in (("socket_timeout", socket_timeout), ("connect_timeout", connect_timeout)):
@@ -593,15 +587,8 @@ class RedisStore(Store):
                     batch = self._link.start(cmds, what)
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 replies = batch.finish(left)
-                if push is not None and self._drop_every and tries == 0:  # resends answered
-                    with self._lock:
-                        self._push_batches += 1
-                        drop = self._push_batches % self._drop_every == 0
-                    if drop:
-                        raise RedisUnavailableError(
-                            f"{what}: reply dropped on purpose after the scripts ran "
-                            f"(RedisStore drop_reply_every={self._drop_every}, a test setting)"
-                        )
+                if push is not None and tries == 0:  # resends are always answered
+                    self._push_replies_arrived(what)
                 return replies
             except RedisUnavailableError:
                 pause = self._backoff_s * 2**tries
@@ -616,6 +603,11 @@ class RedisStore(Store):
                 if push is not None:
                     with self._lock:
                         push.counters["push_retries"] += 1
+
+    def _push_replies_arrived(self, what: str) -> None:
+        """Called once the replies of a push batch (first send) are read, before they are
+        used. Nothing here; a test subclass raises :class:`RedisUnavailableError` to act
+        as if the replies were lost after the scripts ran, so the resend path runs."""
 
     def _gone(self, t: _Table, bucket: int | None, marker: object) -> RedisDataLossError:
         if bucket is None:
@@ -1228,15 +1220,22 @@ class RedisStore(Store):
     # ------------------------------------------------------------ admin
 
     def drop_table(self, table: str) -> None:
-        """Delete ``table``'s rows and metadata from Redis (every client loses it)."""
+        """Delete ``table``'s rows and metadata from Redis (every client loses it).
+
+        The meta goes first (one DEL: of several clients dropping at once, one deletes
+        it and the others are told the table is unknown), then the buckets."""
+        what = f"drop table {table!r}"
         t = self._get(table)
-        keys = t.w_keys + t.s_keys + t.t_keys + t.q_keys + [t.step_key, self._meta_key(table)]
-        keys.append(self._token_key(table))
-        self._link.run([raw(k, pack(["DEL", k])) for k in keys], f"drop table {table!r}")
-        lst = self._key("tables")
-        self._link.command(lst, "LREM", lst, 0, table, what=f"drop table {table!r}")
+        key = self._meta_key(table)
+        deleted = int(self._link.command(key, "DEL", key, what=what))
         with self._lock:
             self._tables.pop(table, None)
+        if not deleted:  # another client dropped it since this one opened it
+            raise unknown_table(table, self.tables())
+        keys = t.w_keys + t.s_keys + t.t_keys + t.q_keys + [t.step_key, self._token_key(table)]
+        self._link.run([raw(k, pack(["DEL", k])) for k in keys], what)
+        lst = self._key("tables")
+        self._link.command(lst, "LREM", lst, 0, table, what=what)
 
     def close(self) -> None:
         self._link.close()

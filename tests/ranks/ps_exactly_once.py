@@ -1,7 +1,7 @@
 """Rank script: exactly-once pushes of the MPI (and Redis) store with lost replies injected.
 
 Run as ``mpirun -n N python ps_exactly_once.py --servers S --drop K [--no-dedup]``:
-the last ``S`` ranks serve with ``ServerConfig(drop_reply_every=K)`` (every K-th
+the last ``S`` ranks serve with ``tests.ps_faults.serve_mpi_lossy`` (every K-th
 applied push gets no reply, as if it were lost), the others are workers whose
 ``MPIStore`` resends a push after ``push_retry_s`` = 0.25 s.
 
@@ -227,9 +227,9 @@ def bad_wire_checks(store: MPIStore) -> int:
 
 def redis_worker(args: argparse.Namespace) -> None:
     """One worker process on Redis: its pushes (tables made by the test), then its counters."""
-    from ps.redis.store import RedisStore
+    from tests.ps_faults import LossyRedisStore
 
-    with RedisStore(
+    with LossyRedisStore(
         args.redis,
         prefix=args.prefix,
         drop_reply_every=args.drop,
@@ -256,25 +256,25 @@ def main() -> None:
     if args.redis is not None:
         redis_worker(args)
         return
-    from ps.mpi.server import ServerConfig, serve_mpi
+    from ps.mpi.server import ServerConfig
     from ps.mpi.store import MPIStore
+    from tests.ps_faults import serve_mpi_lossy, unnumbered_mpi_store
 
     group = comm.init("mpi")
     topology = comm.Topology(world_size=group.size, num_servers=args.servers)
     mates = topology.role_group(group)
     if topology.role(group.rank) is comm.Role.SERVER:
-        config = ServerConfig(drop_reply_every=args.drop, data_timeout_s=1.0)
-        stats = serve_mpi(group, topology, config)
+        config = ServerConfig(data_timeout_s=1.0)
+        stats = serve_mpi_lossy(group, topology, config, drop_reply_every=args.drop)
         print(f"rank {group.rank}: ok server tables={len(stats)}", flush=True)
         return
-    dedup = not args.no_dedup
-    with MPIStore(
+    open_store = unnumbered_mpi_store if args.no_dedup else MPIStore
+    with open_store(
         group,
         topology,
         request_timeout_s=30.0,
         push_retry_s=0.25,
         max_retries=3,
-        exactly_once=dedup,
     ) as store:
         if mates.rank == 0:
             store.create_table(shared_spec())
