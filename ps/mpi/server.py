@@ -30,14 +30,14 @@ count of the data message, byte counts that are not whole words, a request whose
 data message does not follow within ``ServerConfig.data_timeout_s``, and the
 table index against the tables this server has.
 
-Exactly-once pushes (:data:`ps.mpi.wire.FLAG_SEQ`): the server keeps, per (table,
-worker rank), the session and sequence number of the last push it applied and
-acknowledges a repeat (same session, number not above) with
-:data:`ps.mpi.wire.FLAG_DUPLICATE` without applying it again. MPI delivers one
-worker's messages in order, so "not above the last applied" is exact. The
-numbers are not part of checkpoints (a resumed job runs new sessions) and a
-load keeps them (a resend of a push from before the load is still a repeat).
+Exactly-once pushes: the server keeps, per (table, worker rank), the session and
+sequence number of the last push it applied and acknowledges a repeat with
+:data:`ps.mpi.wire.FLAG_DUPLICATE` without applying it again (``docs/ps_protocol.md``).
 ``stats()`` adds ``push_duplicates`` per table.
+
+Liveness: a worker that has talked and then stays silent past
+``ServerConfig.worker_timeout_s`` (died or hangs) makes :func:`serve_mpi` raise
+:class:`comm.CommTimeoutError` naming its rank, instead of waiting for its goodbye.
 """
 
 from __future__ import annotations

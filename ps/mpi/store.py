@@ -44,19 +44,17 @@ Dead servers: every ``wait()`` gives up after ``request_timeout_s`` and raises
 (With MPICH's default launcher a rank that dies takes the whole job down at
 once; the timeout covers hung servers and ``mpiexec -disable-auto-cleanup``.)
 
-Exactly-once pushes: each push sub-request carries this store's session (a
-random 63-bit token) and a sequence number per (table, server) (1, 2, 3, ...;
-:data:`ps.mpi.wire.FLAG_SEQ`). A push whose reply has not come ``push_retry_s``
-after it was sent is sent again, unchanged (same number), up to ``max_retries``
-times while its handle is waited; the server applies a number at most once and
-acknowledges a repeat. A server still silent ``request_timeout_s`` after the
-first send is reported dead as above. A second reply to a resent push (when the
-first was only late) is received and dropped later. ``exactly_once=False``
-sends pushes without numbers: a resent push is then applied again (it exists
-so that tests can show the difference). ``stats()`` adds this worker's
-``worker_push_calls`` (push sub-requests sent), ``worker_push_retries``
-(resends) and ``worker_push_duplicates`` (replies that said "repeat") to the
-servers' counters, which include ``push_duplicates``.
+Exactly-once pushes: a push whose reply has not come ``push_retry_s`` after it
+was sent is resent unchanged, at most ``max_retries`` times while its handle is
+waited; its sequence number makes the server acknowledge a repeat without applying
+it (``docs/ps_protocol.md``). ``stats()`` adds this worker's ``worker_push_calls``
+(push sub-requests sent), ``worker_push_retries`` (resends) and
+``worker_push_duplicates`` (replies that said "repeat") to the servers' counters,
+which include ``push_duplicates``.
+
+Tables: ``create_table(spec, exist_ok=True)`` may be called by every worker at once
+(server 0 decides first; see ``docs/ps_protocol.md``), ``drop_table`` drops a table on
+every server.
 """
 
 from __future__ import annotations
@@ -151,8 +149,8 @@ class MPIStore(Store):
     ``request_timeout_s`` bounds every wait for a reply (a server that died or
     hangs raises :class:`comm.CommTimeoutError` naming its rank). A push whose
     reply is ``push_retry_s`` late (default ``request_timeout_s / 3``) is resent
-    with the same sequence number, at most ``max_retries`` times; see the module
-    docstring for ``exactly_once``.
+    with the same sequence number, at most ``max_retries`` times (see the module
+    docstring).
     """
 
     # Pushes carry sequence numbers (exactly-once). Only a test subclass turns them off,
