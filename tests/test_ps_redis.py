@@ -11,8 +11,6 @@ import importlib.util
 import math
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -33,7 +31,6 @@ from ps_reference import assert_matches_reference
 from redis_server import (
     RedisCluster,
     RedisServer,
-    env_for_subprocess,
     free_port,
     redis_cluster,
     redis_server,
@@ -322,47 +319,34 @@ def _load_worker_module():  # type: ignore[no-untyped-def]
     return mod
 
 
-@pytest.mark.timeout(180)
-def test_four_workers_lose_no_update(server: RedisServer, tmp_path: Path) -> None:
+@pytest.mark.timeout(120)
+def test_four_workers_lose_no_update(server: RedisServer) -> None:
+    """Four clients (own connections; threads started together) push 10 000 gradient rows
+    each, all in flight at once, into one table: the rows are the exact sum of every
+    gradient and the clocks the pushes per row, so no update was lost or applied twice."""
     w = _load_worker_module()
     prefix = _prefix()
-    go = tmp_path / "go"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(_WORKER), server.url, prefix, str(k), str(go)],
-            env=env_for_subprocess(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for k in range(4)
-    ]
-    try:
-        with RedisStore(server.url, prefix=prefix) as store:
-            store.create_table(w.table_spec(), exist_ok=True)
-            go.touch()
-            outs = [p.communicate(timeout=150)[0] for p in procs]
-            codes = [p.returncode for p in procs]
-            assert codes == [0, 0, 0, 0], "\n----\n".join(outs)
-            # Reference: the sum of every gradient in float64 (exact), clocks = pushes per row.
-            total = np.zeros((w.ROWS, w.DIM))
-            clocks = np.zeros(w.ROWS, dtype=np.int64)
-            for k in range(4):
-                for ids, grads in w.worker_pushes(k):
-                    np.add.at(total, ids.numpy(), grads.numpy().astype(np.float64))
-                    clocks[np.unique(ids.numpy())] += 1
-            spec = w.table_spec()
-            all_ids = torch.arange(w.ROWS)
-            want = spec.initial_rows(all_ids).double().numpy() - w.LR * total
-            got = store.pull(w.TABLE, all_ids)
-            assert np.array_equal(got.rows.double().numpy(), want), "lost or changed updates"
-            assert got.clocks.tolist() == clocks.tolist()
-            assert int(clocks.sum()) > 4 * w.PUSHES * w.ROWS // 2  # rows were shared
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    with RedisStore(server.url, prefix=prefix) as store:
+        store.create_table(w.table_spec(), exist_ok=True)
+        gate = threading.Barrier(4, timeout=60)
+        with ThreadPoolExecutor(4) as pool:
+            jobs = [pool.submit(w.push_worker, server.url, prefix, k, gate.wait) for k in range(4)]
+            for job in jobs:
+                job.result()
+        # Reference: the sum of every gradient in float64 (exact), clocks = pushes per row.
+        total = np.zeros((w.ROWS, w.DIM))
+        clocks = np.zeros(w.ROWS, dtype=np.int64)
+        for k in range(4):
+            for ids, grads in w.worker_pushes(k):
+                np.add.at(total, ids.numpy(), grads.numpy().astype(np.float64))
+                clocks[np.unique(ids.numpy())] += 1
+        spec = w.table_spec()
+        all_ids = torch.arange(w.ROWS)
+        want = spec.initial_rows(all_ids).double().numpy() - w.LR * total
+        got = store.pull(w.TABLE, all_ids)
+        assert np.array_equal(got.rows.double().numpy(), want), "lost or changed updates"
+        assert got.clocks.tolist() == clocks.tolist()
+        assert int(clocks.sum()) > 4 * w.PUSHES * w.ROWS // 2  # rows were shared
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -15,10 +15,8 @@ Each worker pushes a known sequence (several in flight) to two tables:
   row for row (to 1e-6; Adam is order-sensitive, so this catches a repeat
   applied late as well as twice).
 
-Redis mode (``python ps_exactly_once.py --redis URL --prefix P --worker R --drop K``,
-no mpirun): one worker process pushes its sequences through a ``RedisStore`` with
-``drop_reply_every=K`` (the reply of every K-th push batch is treated as lost
-after the scripts ran) and prints its counters; the test compares afterwards.
+The Redis tests (``tests/test_ps_exactly_once.py``) use the same sequences and
+references from their own process.
 
 Worker 0 then compares rows and clocks with the references and prints
 ``rank 0: result match`` or ``rank 0: result mismatch <what>``; with
@@ -225,37 +223,13 @@ def bad_wire_checks(store: MPIStore) -> int:
     return len(cases)
 
 
-def redis_worker(args: argparse.Namespace) -> None:
-    """One worker process on Redis: its pushes (tables made by the test), then its counters."""
-    from tests.ps_faults import LossyRedisStore
-
-    with LossyRedisStore(
-        args.redis,
-        prefix=args.prefix,
-        drop_reply_every=args.drop,
-        exactly_once=not args.no_dedup,
-        buckets=4,
-    ) as store:
-        push_all(store, args.worker, own_in_order=True)
-        st = store.stats()
-        calls = sum(int(v["push_calls"]) for v in st.values())
-        retries = sum(int(v["push_retries"]) for v in st.values())
-    print(f"worker {args.worker}: ok calls={calls} retries={retries}", flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--servers", type=int, default=1)
     parser.add_argument("--drop", type=int, required=True)
     parser.add_argument("--no-dedup", action="store_true")
     parser.add_argument("--bad-wire", action="store_true")
-    parser.add_argument("--redis", default=None)
-    parser.add_argument("--prefix", default="eo")
-    parser.add_argument("--worker", type=int, default=0)
     args = parser.parse_args()
-    if args.redis is not None:
-        redis_worker(args)
-        return
     from ps.mpi.server import ServerConfig
     from ps.mpi.store import MPIStore
     from tests.ps_faults import serve_mpi_lossy, unnumbered_mpi_store
