@@ -1,6 +1,6 @@
 """Rank script: exactly-once pushes of the MPI (and Redis) store with lost replies injected.
 
-Run as ``mpirun -n N python ps_exactly_once.py --servers S --drop K [--no-dedup]``:
+Run as ``mpirun -n N python ps_exactly_once.py --servers S --drop K [--control]``:
 the last ``S`` ranks serve with ``tests.ps_faults.serve_mpi_lossy`` (every K-th
 applied push gets no reply, as if it were lost), the others are workers whose
 ``MPIStore`` resends a push after ``push_retry_s`` = 0.25 s.
@@ -19,10 +19,12 @@ The Redis tests (``tests/test_ps_exactly_once.py``) use the same sequences and
 references from their own process.
 
 Worker 0 then compares rows and clocks with the references and prints
-``rank 0: result match`` or ``rank 0: result mismatch <what>``; with
-``--no-dedup`` (pushes without sequence numbers, the control) a mismatch is the
-expected outcome, which shows that the check can fail. Counters: pushes issued
-(summed over workers), applied and repeated (the servers'), resends.
+``rank 0: result match`` or ``rank 0: result mismatch <what>``. With
+``--control`` the same job then runs a second session (servers serve again, the
+workers open stores whose pushes carry no sequence numbers) and prints ``rank 0:
+control ...``: there a mismatch is the expected outcome, which shows that the check
+can fail. Counters: pushes issued (summed over workers), applied and repeated (the
+servers'), resends.
 """
 
 from __future__ import annotations
@@ -223,11 +225,45 @@ def bad_wire_checks(store: MPIStore) -> int:
     return len(cases)
 
 
+def worker_phase(store: MPIStore, mates: comm.ProcessGroup, label: str, bad_wire: bool) -> None:
+    """Push both sequences on every worker, then rank 0 compares and prints
+    ``rank 0: <label> <match | mismatch ...>`` and the counters."""
+    if mates.rank == 0:
+        store.create_table(shared_spec())
+        zero_shared(store)
+    store.create_table(own_spec(mates.rank))
+    mates.barrier()
+    push_all(store, mates.rank)
+    mine = store.stats()
+    sent = sum(int(v["worker_push_calls"]) for v in mine.values())
+    resent = sum(int(v["worker_push_retries"]) for v in mine.values())
+    counts = torch.tensor([sent, resent], dtype=torch.int64)
+    mates.allreduce(counts)
+    mates.barrier()  # every push is acknowledged
+    if mates.rank == 0:
+        result = compare(store, mates.size)
+        st = store.stats()
+        tables = ["shared", *(f"own{r}" for r in range(mates.size))]
+        applied = sum(int(st[t]["push_requests"]) for t in tables)
+        repeats = sum(int(st[t]["push_duplicates"]) for t in tables)
+        report = {
+            "issued": int(counts[0]),
+            "resent": int(counts[1]),
+            "applied": applied,
+            "duplicates": repeats,
+        }
+        print(f"rank 0: {label} {result}", flush=True)
+        print(f"rank 0: {label} counters {json.dumps(report)}", flush=True)
+        if bad_wire:
+            print(f"rank 0: bad wire ok {bad_wire_checks(store)} cases", flush=True)
+    mates.barrier()  # nobody closes (and ends the servers) before the comparison
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--servers", type=int, default=1)
     parser.add_argument("--drop", type=int, required=True)
-    parser.add_argument("--no-dedup", action="store_true")
+    parser.add_argument("--control", action="store_true")
     parser.add_argument("--bad-wire", action="store_true")
     args = parser.parse_args()
     from ps.mpi.server import ServerConfig
@@ -237,49 +273,21 @@ def main() -> None:
     group = comm.init("mpi")
     topology = comm.Topology(world_size=group.size, num_servers=args.servers)
     mates = topology.role_group(group)
-    if topology.role(group.rank) is comm.Role.SERVER:
-        config = ServerConfig(data_timeout_s=1.0)
-        stats = serve_mpi_lossy(group, topology, config, drop_reply_every=args.drop)
-        print(f"rank {group.rank}: ok server tables={len(stats)}", flush=True)
-        return
-    open_store = unnumbered_mpi_store if args.no_dedup else MPIStore
-    with open_store(
-        group,
-        topology,
-        request_timeout_s=30.0,
-        push_retry_s=0.25,
-        max_retries=3,
-    ) as store:
-        if mates.rank == 0:
-            store.create_table(shared_spec())
-            zero_shared(store)
-        store.create_table(own_spec(mates.rank))
-        mates.barrier()
-        push_all(store, mates.rank)
-        mine = store.stats()
-        sent = sum(int(v["worker_push_calls"]) for v in mine.values())
-        resent = sum(int(v["worker_push_retries"]) for v in mine.values())
-        counts = torch.tensor([sent, resent], dtype=torch.int64)
-        mates.allreduce(counts)
-        mates.barrier()  # every push is acknowledged
-        if mates.rank == 0:
-            result = compare(store, mates.size)
-            st = store.stats()
-            tables = ["shared", *(f"own{r}" for r in range(mates.size))]
-            applied = sum(int(st[t]["push_requests"]) for t in tables)
-            repeats = sum(int(st[t]["push_duplicates"]) for t in tables)
-            report = {
-                "issued": int(counts[0]),
-                "resent": int(counts[1]),
-                "applied": applied,
-                "duplicates": repeats,
-            }
-            print(f"rank 0: result {result}", flush=True)
-            print(f"rank 0: counters {json.dumps(report)}", flush=True)
-            if args.bad_wire:
-                print(f"rank 0: bad wire ok {bad_wire_checks(store)} cases", flush=True)
-        mates.barrier()  # nobody closes (and ends the servers) before the comparison
-    print(f"rank {group.rank}: ok worker", flush=True)
+    # Each session: servers serve until every worker closed its store; then the next.
+    sessions = [("result", MPIStore)]
+    if args.control:
+        sessions.append(("control", unnumbered_mpi_store))
+    for label, open_store in sessions:
+        if topology.role(group.rank) is comm.Role.SERVER:
+            config = ServerConfig(data_timeout_s=1.0)
+            stats = serve_mpi_lossy(group, topology, config, drop_reply_every=args.drop)
+            print(f"rank {group.rank}: ok server {label} tables={len(stats)}", flush=True)
+            continue
+        with open_store(
+            group, topology, request_timeout_s=30.0, push_retry_s=0.25, max_retries=3
+        ) as store:
+            worker_phase(store, mates, label, args.bad_wire and label == "result")
+        print(f"rank {group.rank}: ok worker {label}", flush=True)
 
 
 if __name__ == "__main__":
