@@ -172,7 +172,11 @@ def test_server_names_a_dead_or_hung_worker_and_stops(fate: str, flags: list[str
     out += err
     assert "rank 0: ok worker 9 lifecycle checks" in out, out
     assert "rank 1: ok worker 9 lifecycle checks" in out, out
-    found = re.search(r"rank 2: stopped after [\d.]+ s: .*worker rank 1 for ([\d.]+) s", out)
+    found = re.search(
+        r"rank 2: stopped after [\d.]+ s: .*worker rank 1 sent no request and no goodbye "
+        r"for ([\d.]+) s",
+        out,
+    )
     assert found, out
     assert 3.0 <= float(found.group(1)) < 30.0, found.group(0)
     assert "worker_timeout_s=3" in out and "died or hangs" in out, out

@@ -267,11 +267,12 @@ class ShardServer:
         silent = {w: now - self.heard[w] for w in self.waiting if w in self.heard}
         late = sorted(w for w, s in silent.items() if s > limit)
         if late:
-            said = ", ".join(f"rank {w} for {silent[w]:.1f} s" for w in late)
+            who = f"worker rank {late[0]}" if len(late) == 1 else f"worker ranks {late}"
+            how_long = ", ".join(f"{silent[w]:.1f} s" for w in late)
             raise CommTimeoutError(
-                f"serve_mpi on server rank {self.rank}: worker {said} sent no request and no "
-                f"goodbye (ServerConfig.worker_timeout_s={limit:g}); the worker died or "
-                f"hangs. This server stops serving (workers still waiting: "
+                f"serve_mpi on server rank {self.rank}: {who} sent no request and no goodbye "
+                f"for {how_long} (ServerConfig.worker_timeout_s={limit:g}): it died or hangs. "
+                f"This server stops serving (workers that did not say goodbye: "
                 f"{sorted(self.waiting)})"
             )
 

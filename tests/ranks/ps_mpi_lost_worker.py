@@ -45,6 +45,7 @@ def main() -> None:
             took = time.monotonic() - start
             print(f"rank {group.rank}: stopped after {took:.1f} s: {e}", flush=True)
             MPI.COMM_WORLD.Abort(4)
+            os._exit(4)  # MPICH's Abort may return before the launcher ends this rank
         raise AssertionError("serve_mpi returned although worker 1 never said goodbye")
     store = MPIStore(group, topology, request_timeout_s=30.0)
     n = check_lifecycle(store, mates.rank, mates.size, mates.barrier, "race")
