@@ -346,7 +346,7 @@ class RedisStore(Store):
     ) -> Handle:
         """Start ``cmds``; the handle's ``wait()`` reads the replies (resending on a lost
         reply, see :meth:`_replies`) and returns ``finish(replies)``. ``failed()`` runs
-        if no replies come. ``push``: the table of a push (counters, fault injection).
+        if no replies come. ``push``: the table of a push (its retry counter, the lost-reply hook).
         ``earlier``: this client's pushes on the table not settled when ``cmds`` were
         sent (a read): they are settled first, and if one of them had to send a second
         round (rows it created after ``cmds`` ran), ``cmds`` are sent again, so the
