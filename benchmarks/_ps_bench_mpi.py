@@ -50,8 +50,8 @@ import torch
 
 import comm
 import ps
-from ps.mpi_server import check_mpi_topology, serve_mpi
-from ps.mpi_store import MPIStore
+from ps.mpi.server import check_mpi_topology, serve_mpi
+from ps.mpi.store import MPIStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
 from _bench_util import zipf_unique_batches  # noqa: E402

@@ -45,8 +45,8 @@ import redis
 import torch
 
 import ps
-from ps.redis_conn import pack
-from ps.redis_store import RedisStore
+from ps.redis.conn import pack
+from ps.redis.store import RedisStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
 from _bench_util import time_call, zipf_unique_batches  # noqa: E402

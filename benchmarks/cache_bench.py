@@ -236,8 +236,8 @@ def _say(*a: Any) -> None:
 def mpi_part(quick: bool, **kw: Any) -> None:
     """Under ``mpirun -n 2``: rank 1 serves, rank 0 runs :func:`compare` and prints JSON."""
     import comm
-    from ps.mpi_server import serve_mpi
-    from ps.mpi_store import MPIStore
+    from ps.mpi.server import serve_mpi
+    from ps.mpi.store import MPIStore
 
     group = comm.init("mpi")
     topology = comm.Topology(world_size=group.size, num_servers=1)

@@ -12,9 +12,9 @@ gradients (multiples of 1/8) through it; lost replies are injected all along:
 
 * MPI: ``mpirun -n 6`` (4 workers + 2 servers), started by this script; the
   servers drop the reply of every ``--drop``-th applied push
-  (``ServerConfig.drop_reply_every``), the workers resend after 0.2 s;
+  (``tests/ps_faults.py``), the workers resend after 0.2 s;
 * Redis: a ``redis-server`` this script starts on a free loopback port and
-  stops, 4 worker processes whose ``RedisStore(drop_reply_every=...)`` treat
+  stops, 4 worker processes whose ``LossyRedisStore(drop_reply_every=...)`` treat
   the reply of every ``--drop``-th push batch as lost after the scripts ran.
 
 Reported per backend: pushes issued (push calls sent by the stores, resends not
@@ -49,6 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
+sys.path.insert(0, str(ROOT / "tests"))  # the fault-injecting stores (ps_faults)
 
 from _bench_util import zipf_unique_batches  # noqa: E402
 
@@ -124,15 +125,15 @@ def figures(issued: int, applied: int, repeats: int, retries: int, wrong: int, *
 
 def mpi_rank(a: argparse.Namespace) -> None:
     import comm
-    from ps.mpi_server import ServerConfig, serve_mpi
-    from ps.mpi_store import MPIStore
+    from ps.mpi.store import MPIStore
+    from ps_faults import serve_mpi_lossy
 
     torch.set_num_threads(1)
     group = comm.init("mpi")
     topology = comm.Topology(world_size=group.size, num_servers=SERVERS)
     mates = topology.role_group(group)
     if topology.role(group.rank) is comm.Role.SERVER:
-        serve_mpi(group, topology, ServerConfig(drop_reply_every=a.drop))
+        serve_mpi_lossy(group, topology, drop_reply_every=a.drop)
         return
     with MPIStore(group, topology, request_timeout_s=60.0, push_retry_s=0.2) as store:
         if mates.rank == 0:
@@ -192,10 +193,10 @@ def run_mpi(a: argparse.Namespace, seconds: float) -> dict[str, Any]:
 
 
 def redis_worker(a: argparse.Namespace) -> None:
-    from ps.redis_store import RedisStore
+    from ps_faults import LossyRedisStore
 
     torch.set_num_threads(1)
-    with RedisStore(a.url, prefix="soak", drop_reply_every=a.drop) as store:
+    with LossyRedisStore(a.url, prefix="soak", drop_reply_every=a.drop) as store:
         out = work(store, a, a.worker, time.monotonic() + a.seconds)
         st = store.stats()[TABLE]
     np.save(Path(a.dir) / f"total{a.worker}.npy", out["total"], allow_pickle=False)
@@ -264,7 +265,7 @@ def run_redis(a: argparse.Namespace, seconds: float) -> dict[str, Any]:
 
 
 def _connect(url: str) -> Any:
-    from ps.redis_store import RedisStore, RedisUnavailableError
+    from ps.redis.store import RedisStore, RedisUnavailableError
 
     deadline = time.monotonic() + 20
     while True:

@@ -102,8 +102,15 @@ class CachedStore(Store):
 
     # ------------------------------------------------------------ tables
 
-    def create_table(self, spec: TableSpec) -> None:
-        self.inner.create_table(spec)
+    def create_table(self, spec: TableSpec, *, exist_ok: bool = False) -> None:
+        self.inner.create_table(spec, exist_ok=exist_ok)
+
+    def drop_table(self, table: str) -> None:
+        """Drop ``table`` from the inner store, and this client's cache of it (unflushed
+        pushes included: the table is gone)."""
+        with self._lock:
+            self._caches.pop(table, None)
+        self.inner.drop_table(table)
 
     def tables(self) -> list[str]:
         return self.inner.tables()

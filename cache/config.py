@@ -15,7 +15,7 @@ from ps import SGD, Adagrad, Adam, RowWiseAdagrad, TableSpec
 POLICIES = ("lru", "lfu")
 
 #: Rows up to which a fixed table's id -> slot map is a plain array (4 bytes per row)
-#: instead of a hash index (``ps.dynamic_index.IdIndex``, ~46-92 bytes per cached id).
+#: instead of a hash index (``ps.local.dynamic_index.IdIndex``, ~46-92 bytes per cached id).
 DENSE_INDEX_MAX_ROWS = 1 << 24
 
 

@@ -5,7 +5,7 @@ Two layouts behind one interface (ids and slots are int64 numpy arrays):
 * ``DenseSlotIndex`` (fixed tables up to :data:`cache.config.DENSE_INDEX_MAX_ROWS`
   rows): an int32 array ``[num_rows]`` holding each id's slot or -1 (4 bytes per
   table row); a lookup is one ``take``, ~100x cheaper than hashing;
-* ``HashSlotIndex`` (dynamic or very large tables): ``ps.dynamic_index.IdIndex``,
+* ``HashSlotIndex`` (dynamic or very large tables): ``ps.local.dynamic_index.IdIndex``,
   a vectorised open-addressing hash map (~46-92 bytes per cached id).
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from cache.config import DENSE_INDEX_MAX_ROWS
-from ps.dynamic_index import IdIndex
+from ps.local.dynamic_index import IdIndex
 
 
 class SlotIndex(Protocol):

@@ -24,7 +24,7 @@ plain int32 array for fixed tables), the eviction keys (:mod:`cache.policy`, int
 Why records: a batch's ids hit random slots, so the cost of a step is the memory
 traffic of its random record accesses, not the number of calls. Everything about a
 slot sits in one record, and the per-row passes of a step (the clocks of a planned pull,
-the served rows, the update of a push) are C kernels (:mod:`cache.record_kernels`) that
+the served rows, the update of a push) are C kernels (:mod:`cache.kernels.records`) that
 touch only the words they need, in place; rows that change for other reasons (refreshed,
 admitted, marked by a prefetch) are few and written by numpy fancy indexing. Nothing
 loops over ids in Python, and nothing scans all ``C`` slots except a victim search
@@ -49,13 +49,13 @@ import numpy as np
 import torch
 
 from cache.config import CacheConfig
+from cache.kernels.records import copy_clocks, serve_rows, update_rows
 from cache.policy import EvictionPolicy
-from cache.record_kernels import copy_clocks, serve_rows, update_rows
 from cache.slot_index import make_slot_index
 from cache.stats import CacheStats
 from comm import Handle
 from ps import PullResult, Store, TableSpec
-from ps.local_table import coalesce
+from ps.local.table import coalesce
 
 CLOCK, OWN, COUNT, FREQ, PF, CHECKED, PUSHED = range(7)
 _META_WORDS = 16  # 8 int64 fields, as float32 words
@@ -307,7 +307,7 @@ class TableCache:
         Records are read and written in place (nothing else touched the table since
         the plan): refreshed rows, admitted misses and prefetch marks by numpy fancy
         indexing on the few rows concerned; the pass over every served row by
-        :func:`cache.record_kernels.serve_rows` (or :meth:`_serve_numpy`)."""
+        :func:`cache.kernels.records.serve_rows` (or :meth:`_serve_numpy`)."""
         if f.done:
             return f.result
         f.done = True
@@ -419,7 +419,7 @@ class TableCache:
     def _serve_numpy(
         self, final: np.ndarray, old: np.ndarray, uses: np.ndarray | None, tick: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int]:
-        """:func:`cache.record_kernels.serve_rows` on numpy (no C compiler)."""
+        """:func:`cache.kernels.records.serve_rows` on numpy (no C compiler)."""
         u, d = final.size, self.dim
         cached = final >= 0
         cs = final[cached]  # [S]

@@ -10,9 +10,19 @@ CPU), and loaded with ``ctypes``. Flags are tried from the fastest set down
 :func:`load_c_library` returns None where there is no compiler, every build fails,
 or ``HYBRIDREC_CPU_KERNEL=0`` is set; callers then take their torch path.
 
-It lives in ``comm`` because both ``embedding`` (the fused row-wise Adagrad) and
-``dense`` (the DLRM interaction) build kernels with it, and the layering lets them share
-code only through ``comm``.
+Kernel convention: a package's C kernels live in its ``kernels`` subpackage, one
+pair of files per kernel, ``<package>/kernels/<name>.c`` (the source, shipped as
+package data) and ``<package>/kernels/<name>.py`` (the loader: reads the source with
+:func:`kernel_source`, declares the ctypes signatures, holds the Python entry
+points). The users:
+
+* ``ps/kernels/rowwise_adagrad`` - fused row-wise Adagrad, id sort and segment sums
+  (the ps table engine's pushes; ``embedding``'s CPU fused backward calls it too);
+* ``cache/kernels/records`` - the cache's slot records (serve rows, apply pushes);
+* ``dense/kernels/interaction`` - the DLRM pairwise interaction.
+
+It lives in ``comm`` because ``ps``, ``cache`` and ``dense`` all build kernels with it
+and the layering lets ``dense`` share code with the others only through ``comm``.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.resources
 import os
 import platform
 import shutil
@@ -70,6 +81,13 @@ def _compile(cc: str, flags: tuple[str, ...], source: str, out: Path) -> bool:
             return False
         os.replace(so, out)  # atomic: several processes may build the same file
     return True
+
+
+def kernel_source(package: str, name: str) -> str:
+    """The C source ``<name>.c`` of ``package`` (a ``kernels`` subpackage; see the module
+    docstring). Read through :mod:`importlib.resources`, so it is found in a checkout, an
+    editable install and an installed wheel alike."""
+    return importlib.resources.files(package).joinpath(f"{name}.c").read_text(encoding="utf-8")
 
 
 def load_c_library(

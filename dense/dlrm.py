@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dense import interaction_kernel
+from dense.kernels import interaction as interaction_kernel
 
 
 @dataclass(kw_only=True, slots=True)

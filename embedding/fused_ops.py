@@ -40,7 +40,8 @@ from embedding.checks import sequence_length
 from embedding.config import TableConfig
 from embedding.jagged import KeyedJaggedIds, offsets_from_lengths
 from embedding.kernels import use_triton
-from ps import Optimizer, RowWiseAdagrad, cpu_kernel
+from ps import Optimizer, RowWiseAdagrad
+from ps.kernels import rowwise_adagrad as cpu_kernel
 
 
 @dataclass(slots=True)
@@ -61,7 +62,7 @@ class GroupBatch:
         return int(self.offsets.numel()) - 1
 
     def kernel_offsets(self) -> torch.Tensor | None:
-        """``offsets`` for the C kernels (:mod:`ps.cpu_kernel`), or None when every bag
+        """``offsets`` for the C kernels (:mod:`ps.kernels.rowwise_adagrad`), or None when every bag
         holds exactly one id (bag ``p`` is id ``p``: the kernel needs no bag map)."""
         lengths = self.offsets[1:] - self.offsets[:-1]  # [nbags]
         one_each = self.ids.numel() == self.num_bags and bool((lengths == 1).all())
@@ -370,7 +371,7 @@ class FusedLookupFunction(torch.autograd.Function):
 
 
 def _cpu_rowwise_adagrad_parts(g: FusedGroup, b: GroupBatch, parts: Sequence[torch.Tensor]) -> bool:
-    """Backward + row-wise Adagrad of one group in the C kernel (:mod:`ps.cpu_kernel`),
+    """Backward + row-wise Adagrad of one group in the C kernel (:mod:`ps.kernels.rowwise_adagrad`),
     reading the per-feature gradients ``parts`` in place: one sort, then one pass per
     unique row. False (nothing done) where it does not apply."""
     opt = g.optimizer

@@ -56,7 +56,8 @@ from embedding.fused_ops import (
     sorted_segment_sum,
 )
 from embedding.jagged import KeyedJaggedIds
-from ps import InProcessStore, Store, cpu_kernel
+from ps import InProcessStore, Store
+from ps.kernels import rowwise_adagrad as cpu_kernel
 
 
 def store_is_replicated(store: Store) -> bool:

@@ -36,7 +36,7 @@ from embedding.fused_ops import (
 from embedding.jagged import KeyedJaggedIds
 from ps import Optimizer, TableSpec
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
-from ps.local_table import table_array
+from ps.local.table import table_array
 
 _INIT_CHUNK_ROWS = 1 << 16  # rows initialised at once (bounds the hash temporaries)
 

@@ -24,7 +24,7 @@ gradient of the returned unique rows ``[U_t, D]`` (already summed over bags by
 ``embedding_bag``'s backward) goes back to the owners by one alltoallv; each
 owner sums the gradients of a row sent by several ranks and applies the table's
 ``ps`` optimizer (SGD, RowWiseAdagrad, Adagrad, Adam, FTRL: exactly the math of
-:class:`ps.InProcessStore`, through :class:`ps.local_table.LocalTable`) once per
+:class:`ps.InProcessStore`, through :class:`ps.local.table.LocalTable`) once per
 unique row. There is no embedding ``nn.Parameter`` and no optimizer step.
 
 **Gradient scale** (the DDP convention): the row gradients are divided by
@@ -70,7 +70,7 @@ from embedding.jagged_dist import (
 )
 from embedding.sharding_plan import DEFAULT_ROW_WISE_THRESHOLD_ROWS, ShardingPlan
 from ps.checkpoint import TablePart, read_checkpoint
-from ps.local_table import LocalTable, take
+from ps.local.table import LocalTable, take
 from ps.table import TableSpec
 
 _INIT_CHUNK_ROWS = 1 << 16

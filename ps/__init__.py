@@ -13,11 +13,26 @@ Quick use::
     store.push("items", ids, torch.ones(3, 16))  # id 3's two gradients are summed
     stale = store.pull("items", ids, clocks=got.clocks, bound=0)  # only rows that moved
     store.save("/tmp/ckpt")                 # see ps.checkpoint for the format
+    store.create_table(store.spec("items"), exist_ok=True)  # equal spec: opened (shared
+    store.drop_table("items")                                # stores: every worker calls it)
 
-Modules: ``store`` (the interface), ``table`` (specs, initial rows), ``optimizers``,
-``routing`` (id -> shard), ``checkpoint`` (the on-disk format), ``inprocess``,
-``mpi_store``/``mpi_server``/``wire`` (PS server ranks under mpirun), ``redis_store``
-(Redis / Redis Cluster).
+Layout (what every store shares at the top, one subpackage per kind of store)::
+
+    ps/
+      store.py        the Store interface: pull / push / lifecycle / checkpoints
+      errors.py       TableExistsError, TableSpecMismatch (create_table's outcomes)
+      table.py        TableSpec, deterministic initial rows
+      optimizers.py   SGD, RowWiseAdagrad, Adagrad, Adam, FTRL (applied by the store)
+      routing.py      id -> shard (splitmix64)
+      validate.py     request checks every store runs
+      checkpoint.py   the on-disk format (JSON manifest + .npy parts, no pickle)
+      kernels/        C kernels of the CPU row updates (rowwise_adagrad.c + loader)
+      local/          tables in this process: LocalTable (the engine), InProcessStore
+      mpi/            the MPI store: wire format, server loop (serve_mpi), worker store
+      redis/          the Redis store: connections, Lua, key layout, eviction, snapshots
+
+The protocol of the shared stores (messages, exactly-once pushes, table lifecycle,
+liveness) is described in ``docs/ps_protocol.md``.
 
 ``MPIStore``, ``serve_mpi``, ``ServerConfig`` and ``RedisStore`` are imported on first
 use: importing mpi4py starts MPI, and a laptop run needs neither.
@@ -26,7 +41,8 @@ use: importing mpi4py starts MPI, and a laptop run needs neither.
 from typing import Any
 
 from ps import checkpoint, routing
-from ps.inprocess import InProcessStore
+from ps.errors import TableExistsError, TableSpecMismatch
+from ps.local.store import InProcessStore
 from ps.optimizers import (
     FTRL,
     SGD,
@@ -41,13 +57,13 @@ from ps.store import STAT_KEYS, PullResult, Store
 from ps.table import TableSpec, UniformInit, default_init
 
 _LAZY = {
-    "MPIStore": "ps.mpi_store",
-    "serve_mpi": "ps.mpi_server",
-    "ServerConfig": "ps.mpi_server",
-    "RedisStore": "ps.redis_store",
-    "RedisUnavailableError": "ps.redis_store",
-    "RedisAuthError": "ps.redis_store",
-    "RedisDataLossError": "ps.redis_store",
+    "MPIStore": "ps.mpi.store",
+    "serve_mpi": "ps.mpi.server",
+    "ServerConfig": "ps.mpi.server",
+    "RedisStore": "ps.redis.store",
+    "RedisUnavailableError": "ps.redis.store",
+    "RedisAuthError": "ps.redis.store",
+    "RedisDataLossError": "ps.redis.store",
 }
 
 
@@ -78,7 +94,9 @@ __all__ = [
     "PullResult",
     "RowWiseAdagrad",
     "Store",
+    "TableExistsError",
     "TableSpec",
+    "TableSpecMismatch",
     "UniformInit",
     "checkpoint",
     "default_init",

@@ -38,6 +38,9 @@ Optimizers are lazy (:mod:`ps.optimizers`): rows not in a push do not change.
 Statistics: :meth:`Store.stats` gives per table the counters named in
 :data:`STAT_KEYS` (stores may add more).
 
+Tables: :meth:`Store.create_table` (``exist_ok`` for shared stores, where every
+worker may call it) and :meth:`Store.drop_table`; the errors are in :mod:`ps.errors`.
+
 Checkpoints: :meth:`Store.save` / :meth:`Store.load` use the directory format of
 :mod:`ps.checkpoint` (JSON manifest + ``.npy`` parts carrying row ids, no
 pickle), so any store with any number of shards loads what any other saved.
@@ -93,8 +96,22 @@ class Store(ABC):
     # ------------------------------------------------------------ tables
 
     @abstractmethod
-    def create_table(self, spec: TableSpec) -> None:
-        """Create ``spec.name`` with its initial rows; ValueError if it exists."""
+    def create_table(self, spec: TableSpec, *, exist_ok: bool = False) -> None:
+        """Create ``spec.name`` with its initial rows.
+
+        If the table exists: with an equal spec, ``exist_ok=True`` opens it and
+        ``exist_ok=False`` raises :class:`ps.TableExistsError`; with another spec
+        :class:`ps.TableSpecMismatch` is raised whatever ``exist_ok`` (naming both
+        shapes). On a shared store (MPI, Redis) any number of workers may call it
+        with ``exist_ok=True`` at the same moment: one creates, all succeed.
+        """
+
+    @abstractmethod
+    def drop_table(self, table: str) -> None:
+        """Delete ``table`` (rows, optimizer state, clocks, spec) for every client.
+
+        An unknown table is a ValueError naming the tables there are.
+        """
 
     @abstractmethod
     def tables(self) -> list[str]:

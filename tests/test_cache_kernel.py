@@ -1,4 +1,4 @@
-"""The cache's C kernels (cache/record_kernels.py) against their numpy paths: the same
+"""The cache's C kernels (cache/kernels/records.py) against their numpy paths: the same
 training run through two caches, one forced onto numpy, gives identical bits in every
 served row, every cache record, every statistic and every PS row, clock and optimizer
 state; for LRU and LFU, with and without verifying prefetched rows."""
@@ -12,11 +12,11 @@ import torch
 import cache
 import cache.table_cache as table_cache
 import ps
-from cache import record_kernels
+from cache.kernels import records
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(not record_kernels.available(), reason="no C compiler: numpy path only"),
+    pytest.mark.skipif(not records.available(), reason="no C compiler: numpy path only"),
 ]
 
 ROWS, DIM = 300, 12
@@ -34,7 +34,7 @@ def _run(
     verify: bool = True,
 ):
     for name in KERNELS:
-        kernel = getattr(record_kernels, name)
+        kernel = getattr(records, name)
         monkeypatch.setattr(table_cache, name, (lambda *a, **k: None) if numpy_path else kernel)
     inner = ps.InProcessStore()
     inner.create_table(ps.TableSpec(name="t", num_rows=ROWS, dim=DIM, optimizer=ps.Adam(lr=0.05)))
@@ -106,7 +106,7 @@ def test_kernel_skips_uncached_and_reports_due_rows() -> None:
     meta[1, 2] = 1  # slot 1 has one pending update already
     slots = np.array([1, -1, 2], dtype=np.int64)
     grads = np.arange(3 * d, dtype=np.float32).reshape(3, d)
-    got = record_kernels.update_rows(slab, d, slots, grads, lr=0.5, write_bound=1, seq=9)
+    got = records.update_rows(slab, d, slots, grads, lr=0.5, write_bound=1, seq=9)
     assert got is not None
     due, due_g = got
     assert due.tolist() == [0]  # slot 1 passed the bound; slot 2 has one pending now

@@ -30,8 +30,11 @@ class SlowStore(ps.Store):
         self.delay = delay
         self.pulls = 0
 
-    def create_table(self, spec: ps.TableSpec) -> None:
-        self.inner.create_table(spec)
+    def create_table(self, spec: ps.TableSpec, *, exist_ok: bool = False) -> None:
+        self.inner.create_table(spec, exist_ok=exist_ok)
+
+    def drop_table(self, table: str) -> None:
+        self.inner.drop_table(table)
 
     def tables(self) -> list[str]:
         return self.inner.tables()

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(120)
 
 ROWS, DIM = 60, 4
 # SGD with a power-of-two lr is bit-identical in Redis (Lua doubles rounded to float32
-# once per update); Adam agrees to ~1e-7 relative (see ps.redis_lua), so it is compared
+# once per update); Adam agrees to ~1e-7 relative (see ps.redis.lua), so it is compared
 # with a tolerance, clocks still exactly.
 OPTS = {"sgd": ps.SGD(lr=0.25), "adam": ps.Adam(lr=0.01)}
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dense import DLRMConfig, DLRMDense, interaction_kernel, pairwise_interaction
+from dense import DLRMConfig, DLRMDense, pairwise_interaction
 from dense.dlrm import AlignedLinear, _interact, naive_pairwise_interaction
+from dense.kernels import interaction as interaction_kernel
 
 
 def _config(**kw: object) -> DLRMConfig:

@@ -1,4 +1,4 @@
-"""The C kernel of the CPU fused backward (ps/cpu_kernel.py) against the ps math.
+"""The C kernel of the CPU fused backward (ps/kernels/rowwise_adagrad.py) against the ps math.
 
 Reference: per-id gradients summed per unique row by ``index_add_`` in float64,
 then ``ps.RowWiseAdagrad.apply`` (the parameter server's own update) on copies of
@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ps import RowWiseAdagrad, cpu_kernel
+from ps import RowWiseAdagrad
+from ps.kernels import rowwise_adagrad
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler: torch path only"),
+    pytest.mark.skipif(not rowwise_adagrad.available(), reason="no C compiler: torch path only"),
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +69,7 @@ def test_kernel_equals_ps_rowwise_adagrad(n: int, weighted: bool, threads: int) 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        ok = cpu_kernel.rowwise_adagrad_(
+        ok = rowwise_adagrad.rowwise_adagrad_(
             weight, state, clocks, srt, grad, lr=opt.lr, eps=opt.eps, perm=perm,
             bag_of=bag_of, weights=weights,
         )  # fmt: skip
@@ -114,11 +115,11 @@ def test_parts_kernel_reads_split_gradients_in_place(
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert cpu_kernel.rowwise_adagrad_parts_(
+        assert rowwise_adagrad.rowwise_adagrad_parts_(
             *got, srt, perm, None if one_each else offsets, parts,
             lr=opt.lr, eps=opt.eps, weights=weights,
         )  # fmt: skip
-        assert cpu_kernel.rowwise_adagrad_(
+        assert rowwise_adagrad.rowwise_adagrad_(
             *want, srt, whole, lr=opt.lr, eps=opt.eps, perm=perm, bag_of=bag_of,
             weights=weights,
         )  # fmt: skip
@@ -134,10 +135,10 @@ def test_kernel_rejects_what_it_cannot_handle() -> None:
     c = torch.zeros(4, dtype=torch.int64)
     ids = torch.tensor([0, 2])
     g = torch.ones(2, 3)
-    assert not cpu_kernel.rowwise_adagrad_(w.t().contiguous().t(), s, c, ids, g, lr=1, eps=1)
-    assert not cpu_kernel.rowwise_adagrad_(w.double(), s, c, ids, g, lr=1, eps=1)
-    assert not cpu_kernel.rowwise_adagrad_(w, s, c, ids.int(), g, lr=1, eps=1)
-    assert not cpu_kernel.rowwise_adagrad_(w, torch.zeros(4, 0), c, ids, g, lr=1, eps=1)
+    assert not rowwise_adagrad.rowwise_adagrad_(w.t().contiguous().t(), s, c, ids, g, lr=1, eps=1)
+    assert not rowwise_adagrad.rowwise_adagrad_(w.double(), s, c, ids, g, lr=1, eps=1)
+    assert not rowwise_adagrad.rowwise_adagrad_(w, s, c, ids.int(), g, lr=1, eps=1)
+    assert not rowwise_adagrad.rowwise_adagrad_(w, torch.zeros(4, 0), c, ids, g, lr=1, eps=1)
     assert torch.equal(w, torch.zeros(4, 3))
 
 
@@ -182,6 +183,6 @@ def test_radix_sort_equals_stable_torch_sort(n: int, high: int) -> None:
     gen = torch.Generator().manual_seed(n)
     ids = torch.randint(0, high, (n,), generator=gen)
     ids[::3] = -ids[::3]  # negative ids too (a full int64 range)
-    got = cpu_kernel.sort_ids(ids)
+    got = rowwise_adagrad.sort_ids(ids)
     want = torch.sort(ids, stable=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

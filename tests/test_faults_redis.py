@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import ps
-from ps.redis_store import RedisStore, RedisUnavailableError
+from ps.redis.store import RedisStore, RedisUnavailableError
 from redis_server import RedisServer, redis_server
 
 pytestmark = pytest.mark.timeout(90)

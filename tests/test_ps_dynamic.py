@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ps
-from ps.dynamic_index import IdIndex
+from ps.local.dynamic_index import IdIndex
 
 pytestmark = pytest.mark.timeout(60)
 

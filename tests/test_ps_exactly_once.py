@@ -1,8 +1,8 @@
 """Exactly-once pushes, bad wire messages and Redis data-loss detection, on real processes.
 
 Lost replies are injected by real code paths (no mocks): the MPI server applies a
-push and does not send its reply (``ServerConfig.drop_reply_every``), the Redis
-store treats a reply as lost after its scripts ran (``drop_reply_every``), and a
+push and does not send its reply, the Redis store treats a reply as lost after its
+scripts ran (both through the test-only subclasses of ``tests/ps_faults.py``), and a
 Redis server drops a client's connection while its pushes are queued (``CLIENT
 PAUSE`` + ``CLIENT KILL``: the pushes never ran). The workers resend; the rows and
 clocks must equal the sequential reference (``tests/ranks/ps_exactly_once.py``:
@@ -13,12 +13,13 @@ the rows must differ: the check can fail.
 
 from __future__ import annotations
 
+import json
 import re
-import subprocess
 import sys
 import threading
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,8 @@ import torch
 
 import ps
 from multiproc import ROOT, run_ranks
-from ps.redis_store import RedisDataLossError, RedisStore
+from ps.redis.store import RedisDataLossError, RedisStore
+from ps_faults import LossyRedisStore
 from redis_server import RedisCluster, RedisServer, redis_cluster, redis_server
 
 sys.path.insert(0, str(ROOT / "tests" / "ranks"))
@@ -35,18 +37,21 @@ import ps_exactly_once as eo  # noqa: E402
 SCRIPT = "ps_exactly_once.py"
 
 
-def _mpi(nprocs: int, servers: int, *extra: str) -> tuple[str, dict[str, int]]:
+def _mpi(nprocs: int, servers: int, *extra: str) -> dict[str, tuple[str, dict[str, int]]]:
+    """Run the rank script; per session label ("result", "control"): (outcome, counters)."""
     outs = run_ranks(SCRIPT, nprocs, "mpi", ["--servers", str(servers), *extra], timeout=110)
     out = "\n".join(outs)
+    labels = ["result", "control"] if "--control" in extra else ["result"]
     workers = nprocs - servers
-    assert len(re.findall(r"rank \d+: ok worker", out)) == workers, out
-    assert len(re.findall(r"rank \d+: ok server", out)) == servers, out
-    result = re.search(r"rank 0: result (.*)", out)
-    counters = re.search(r"rank 0: counters (\{.*\})", out)
-    assert result and counters, out
-    import json
-
-    return result.group(1), json.loads(counters.group(1))
+    got = {}
+    for label in labels:
+        assert len(re.findall(rf"rank \d+: ok worker {label}", out)) == workers, out
+        assert len(re.findall(rf"rank \d+: ok server {label}", out)) == servers, out
+        result = re.search(rf"rank 0: {label} (match|mismatch.*)", out)
+        counters = re.search(rf"rank 0: {label} counters (\{{.*\}})", out)
+        assert result and counters, out
+        got[label] = result.group(1), json.loads(counters.group(1))
+    return got
 
 
 # ---------------------------------------------------------------- MPI
@@ -54,23 +59,21 @@ def _mpi(nprocs: int, servers: int, *extra: str) -> tuple[str, dict[str, int]]:
 
 @pytest.mark.timeout(120)
 def test_mpi_lost_replies_one_worker_one_server_and_bad_wire_messages() -> None:
-    result, c = _mpi(2, 1, "--drop", "3", "--bad-wire")
+    result, c = _mpi(2, 1, "--drop", "3", "--bad-wire")["result"]
     assert result == "match", result
     assert c["resent"] > 0 and c["duplicates"] > 0, c
     assert c["applied"] == c["issued"], c  # lost = issued - applied = 0
 
 
-@pytest.mark.timeout(120)
-def test_mpi_lost_replies_two_workers_two_servers() -> None:
-    result, c = _mpi(4, 2, "--drop", "4")
+@pytest.mark.timeout(150)
+def test_mpi_lost_replies_two_workers_two_servers_and_the_control() -> None:
+    """With sequence numbers every resend is a repeat; then, in the same job, the control
+    (same faults, no numbers): the comparison must fail, resends were applied twice."""
+    runs = _mpi(4, 2, "--drop", "4", "--control")
+    result, c = runs["result"]
     assert result == "match", result
     assert c["resent"] > 0 and c["duplicates"] > 0 and c["applied"] == c["issued"], c
-
-
-@pytest.mark.timeout(120)
-def test_mpi_without_sequence_numbers_the_resends_apply_twice() -> None:
-    """The control: same faults, no dedup; the comparison must fail."""
-    result, c = _mpi(3, 1, "--drop", "3", "--no-dedup")
+    result, c = runs["control"]
     assert result.startswith("mismatch") and "shared rows" in result, result
     assert c["applied"] > c["issued"] and c["duplicates"] == 0, c
 
@@ -89,31 +92,12 @@ def _prefix() -> str:
 
 
 def _make_tables(url: str, prefix: str, workers: int, **kw: object) -> RedisStore:
-    store = RedisStore(url, prefix=prefix, buckets=4, **kw)  # type: ignore[arg-type]
+    store = LossyRedisStore(url, prefix=prefix, buckets=4, **kw)  # type: ignore[arg-type]
     store.create_table(eo.shared_spec())
     eo.zero_shared(store)
     for r in range(workers):
         store.create_table(eo.own_spec(r))
     return store
-
-
-def _run_workers(url: str, prefix: str, workers: int, *extra: str) -> list[str]:
-    script = ROOT / "tests" / "ranks" / SCRIPT
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), "--redis", url, "--prefix", prefix]
-            + ["--worker", str(r), *extra],
-            cwd=ROOT,
-            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(workers)
-    ]
-    outs = [p.communicate(timeout=90)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    return outs
 
 
 @pytest.mark.timeout(60)
@@ -137,12 +121,28 @@ def test_redis_lost_replies_one_worker(server: RedisServer, dedup: bool) -> None
 
 
 @pytest.mark.timeout(120)
-def test_redis_lost_replies_two_worker_processes(server: RedisServer) -> None:
+def test_redis_lost_replies_two_concurrent_clients(server: RedisServer) -> None:
+    """Two clients (own connections, worker ids and sessions) push at the same time, each
+    losing every third reply: every resend is a repeat, the sums are exact. Threads, not
+    processes: the race that matters is between the clients' calls inside Redis."""
     prefix = _prefix()
     with _make_tables(server.url, prefix, 2) as store:
-        outs = _run_workers(server.url, prefix, 2, "--drop", "3")
-        retries = [int(m) for o in outs for m in re.findall(r"retries=(\d+)", o)]
-        assert len(retries) == 2 and min(retries) > 0, outs
+        clients = [
+            LossyRedisStore(server.url, prefix=prefix, buckets=4, drop_reply_every=3)
+            for _ in range(2)
+        ]
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                jobs = [
+                    pool.submit(eo.push_all, c, r, own_in_order=True) for r, c in enumerate(clients)
+                ]
+                for job in jobs:
+                    job.result()
+            retries = [sum(int(v["push_retries"]) for v in c.stats().values()) for c in clients]
+        finally:
+            for c in clients:
+                c.close()
+        assert min(retries) > 0, retries
         assert eo.compare(store, 2) == "match"
         st = store.stats()
         assert sum(int(v["push_calls_repeated"]) for v in st.values()) > 0, st
@@ -155,7 +155,7 @@ def test_redis_cluster_lost_replies() -> None:
 
 
 def _cluster_case(cluster: RedisCluster) -> None:
-    store = RedisStore(
+    store = LossyRedisStore(
         host=cluster.host,
         port=cluster.port,
         cluster=True,
@@ -183,7 +183,7 @@ def test_redis_connection_killed_while_pushes_wait(server: RedisServer, dedup: b
     reconnect path, and the drop case above checks the repeat path."""
     spec = ps.TableSpec(name="k", num_rows=16, dim=2, optimizer=ps.SGD(lr=1.0))
     admin = server.client()
-    with RedisStore(server.url, prefix=_prefix(), buckets=2, exactly_once=dedup) as store:
+    with LossyRedisStore(server.url, prefix=_prefix(), buckets=2, exactly_once=dedup) as store:
         store.create_table(spec)
         everything = torch.arange(16)
         store.push("k", everything, store.pull("k", everything).rows)  # rows = 0: sums exact
@@ -306,14 +306,21 @@ def test_redis_store_options_are_checked() -> None:
     for kw, needle in (
         ({"worker_id": -1}, "worker_id"),
         ({"max_retries": -1}, "max_retries"),
-        ({"drop_reply_every": 1.5}, "drop_reply_every"),
         ({"retry_backoff_s": -0.1}, "retry_backoff_s"),
     ):
         with pytest.raises(ValueError, match=needle):
             RedisStore("redis://127.0.0.1:1/0", **kw)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="exactly_once"):
-        RedisStore("redis://127.0.0.1:1/0", exactly_once=1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="drop_reply_every"):
-        from ps.mpi_server import ServerConfig
+    # The fault switches are not part of the product constructors any more.
+    for switch in ("drop_reply_every", "exactly_once"):
+        with pytest.raises(TypeError, match=switch):
+            RedisStore("redis://127.0.0.1:1/0", **{switch: 1})  # type: ignore[arg-type]
+    from ps.mpi.server import ServerConfig
 
-        ServerConfig(drop_reply_every=-1)
+    with pytest.raises(TypeError, match="drop_reply_every"):
+        ServerConfig(drop_reply_every=1)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="worker_timeout_s"):
+        ServerConfig(worker_timeout_s=0)
+    with pytest.raises(ValueError, match="drop_reply_every"):
+        LossyRedisStore("redis://127.0.0.1:1/0", drop_reply_every=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="exactly_once"):
+        LossyRedisStore("redis://127.0.0.1:1/0", exactly_once=1)  # type: ignore[arg-type]

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 import comm
 import ps
+from cache import CacheConfig, CachedStore
+from ps_lifecycle import check_lifecycle
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -367,3 +372,23 @@ def test_summed_gradient_overflow_is_rejected_before_any_change() -> None:
         store.push("t", torch.tensor([4, 4]), huge)
     _assert_unchanged(store, before)
     assert store.stats()["t"]["push_requests"] == 1  # only _touch's push counted
+
+
+def _run_workers(size: int, work: Callable[[int, Callable[[], None]], object]) -> None:
+    """``work(rank, barrier)`` on ``size`` threads at once; re-raises a thread's error."""
+    gate = threading.Barrier(size, timeout=30)
+    with ThreadPoolExecutor(size) as pool:
+        for f in [pool.submit(work, r, gate.wait) for r in range(size)]:
+            f.result()
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_table_lifecycle_with_racing_workers(workers: int) -> None:
+    """create_table(exist_ok) from several threads at once, TableExistsError,
+    TableSpecMismatch, drop_table: on one store, and through a CachedStore per worker
+    over the shared store (the cache passes both calls through)."""
+    shared = ps.InProcessStore()
+    _run_workers(workers, lambda r, b: check_lifecycle(shared, r, workers, b, "plain"))
+    cached = [CachedStore(shared, CacheConfig(capacity_rows=16)) for _ in range(workers)]
+    _run_workers(workers, lambda r, b: check_lifecycle(cached[r], r, workers, b, "cached"))
+    assert shared.tables() == []

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from multiproc import ROOT, mpirun_path, run_ranks
-from ps import wire
+from ps.mpi import wire
 
 SCRIPT = "ps_mpi_store.py"
 
@@ -154,3 +154,31 @@ def test_benchmark_quick_runs() -> None:
     figures = result["figures"]["rows_per_s"]
     assert all(v > 0 for v in figures.values()), figures
     assert set(result["targets"]) == {"mpi_pull_rows_s", "mpi_push_rows_s"}
+
+
+LOST = ROOT / "tests" / "ranks" / "ps_mpi_lost_worker.py"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("fate", "flags"), [("hangs", []), ("dies", ["-disable-auto-cleanup"])], ids=["hangs", "dies"]
+)
+def test_server_names_a_dead_or_hung_worker_and_stops(fate: str, flags: list[str]) -> None:
+    """2 workers + 1 server (after the workers raced to create one table): worker 1 hangs
+    (sleeps) or dies (exits; the launcher told to keep the others) without its goodbye.
+    The server raises naming worker rank 1 and its silence after worker_timeout_s (3 s),
+    and the job ends instead of waiting for the goodbye forever."""
+    code, out, err, seconds = _mpirun(flags, 3, LOST, timeout=100, args=("--fate", fate))
+    out += err
+    assert "rank 0: ok worker 9 lifecycle checks" in out, out
+    assert "rank 1: ok worker 9 lifecycle checks" in out, out
+    found = re.search(
+        r"rank 2: stopped after [\d.]+ s: .*worker rank 1 sent no request and no goodbye "
+        r"for ([\d.]+) s",
+        out,
+    )
+    assert found, out
+    assert 3.0 <= float(found.group(1)) < 30.0, found.group(0)
+    assert "worker_timeout_s=3" in out and "died or hangs" in out, out
+    assert code != 0, (code, out)
+    assert seconds < 90, seconds

@@ -11,11 +11,11 @@ import importlib.util
 import math
 import os
 import signal
-import subprocess
-import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -24,13 +24,13 @@ import redis
 import torch
 
 import ps
-from ps.redis_conn import RedisLink
-from ps.redis_store import RedisAuthError, RedisStore, RedisUnavailableError
+from ps.redis.conn import RedisLink
+from ps.redis.store import RedisAuthError, RedisStore, RedisUnavailableError
+from ps_lifecycle import check_lifecycle
 from ps_reference import assert_matches_reference
 from redis_server import (
     RedisCluster,
     RedisServer,
-    env_for_subprocess,
     free_port,
     redis_cluster,
     redis_server,
@@ -319,47 +319,34 @@ def _load_worker_module():  # type: ignore[no-untyped-def]
     return mod
 
 
-@pytest.mark.timeout(180)
-def test_four_workers_lose_no_update(server: RedisServer, tmp_path: Path) -> None:
+@pytest.mark.timeout(120)
+def test_four_workers_lose_no_update(server: RedisServer) -> None:
+    """Four clients (own connections; threads started together) push 10 000 gradient rows
+    each, all in flight at once, into one table: the rows are the exact sum of every
+    gradient and the clocks the pushes per row, so no update was lost or applied twice."""
     w = _load_worker_module()
     prefix = _prefix()
-    go = tmp_path / "go"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(_WORKER), server.url, prefix, str(k), str(go)],
-            env=env_for_subprocess(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for k in range(4)
-    ]
-    try:
-        with RedisStore(server.url, prefix=prefix) as store:
-            store.create_table(w.table_spec(), exist_ok=True)
-            go.touch()
-            outs = [p.communicate(timeout=150)[0] for p in procs]
-            codes = [p.returncode for p in procs]
-            assert codes == [0, 0, 0, 0], "\n----\n".join(outs)
-            # Reference: the sum of every gradient in float64 (exact), clocks = pushes per row.
-            total = np.zeros((w.ROWS, w.DIM))
-            clocks = np.zeros(w.ROWS, dtype=np.int64)
-            for k in range(4):
-                for ids, grads in w.worker_pushes(k):
-                    np.add.at(total, ids.numpy(), grads.numpy().astype(np.float64))
-                    clocks[np.unique(ids.numpy())] += 1
-            spec = w.table_spec()
-            all_ids = torch.arange(w.ROWS)
-            want = spec.initial_rows(all_ids).double().numpy() - w.LR * total
-            got = store.pull(w.TABLE, all_ids)
-            assert np.array_equal(got.rows.double().numpy(), want), "lost or changed updates"
-            assert got.clocks.tolist() == clocks.tolist()
-            assert int(clocks.sum()) > 4 * w.PUSHES * w.ROWS // 2  # rows were shared
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    with RedisStore(server.url, prefix=prefix) as store:
+        store.create_table(w.table_spec(), exist_ok=True)
+        gate = threading.Barrier(4, timeout=60)
+        with ThreadPoolExecutor(4) as pool:
+            jobs = [pool.submit(w.push_worker, server.url, prefix, k, gate.wait) for k in range(4)]
+            for job in jobs:
+                job.result()
+        # Reference: the sum of every gradient in float64 (exact), clocks = pushes per row.
+        total = np.zeros((w.ROWS, w.DIM))
+        clocks = np.zeros(w.ROWS, dtype=np.int64)
+        for k in range(4):
+            for ids, grads in w.worker_pushes(k):
+                np.add.at(total, ids.numpy(), grads.numpy().astype(np.float64))
+                clocks[np.unique(ids.numpy())] += 1
+        spec = w.table_spec()
+        all_ids = torch.arange(w.ROWS)
+        want = spec.initial_rows(all_ids).double().numpy() - w.LR * total
+        got = store.pull(w.TABLE, all_ids)
+        assert np.array_equal(got.rows.double().numpy(), want), "lost or changed updates"
+        assert got.clocks.tolist() == clocks.tolist()
+        assert int(clocks.sum()) > 4 * w.PUSHES * w.ROWS // 2  # rows were shared
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -497,13 +484,40 @@ def test_tables_are_shared_between_clients(server: RedisServer) -> None:
         a.push("t", torch.tensor([3]), torch.ones(1, 2))
         assert b.pull("t", torch.tensor([3])).clocks.tolist() == [1]
         other = ps.TableSpec(name="t", num_rows=10, dim=2, optimizer=ps.SGD(lr=0.5))
-        with pytest.raises(ValueError, match="with a different spec"):
+        shapes = r"10 x 2 sgd\(lr=1, .*asks for 10 x 2 sgd\(lr=0.5, "
+        with pytest.raises(ps.TableSpecMismatch, match=shapes):
             b.create_table(other, exist_ok=True)
         with RedisStore(server.url, prefix=prefix) as c:  # a third client finds it by name
             assert c.spec("t").to_json() == spec.to_json()
             assert c.clocks("t", torch.tensor([3])).tolist() == [1]
         with RedisStore(server.url, prefix=_prefix()) as d:  # another prefix: another job
             assert d.tables() == []
+
+
+def _lifecycle(workers: int, **open_kw: object) -> None:
+    """:func:`check_lifecycle` by ``workers`` clients (threads) of one Redis at once."""
+    prefix = _prefix()
+    stores = [RedisStore(prefix=prefix, **open_kw) for _ in range(workers)]  # type: ignore[arg-type]
+    gate = threading.Barrier(workers, timeout=30)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            jobs = [
+                pool.submit(check_lifecycle, s, r, workers, gate.wait, "race")
+                for r, s in enumerate(stores)
+            ]
+            for job in jobs:
+                job.result()
+        assert stores[0].tables() == []
+    finally:
+        for s in stores:
+            s.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_table_lifecycle_with_racing_clients(server: RedisServer, workers: int) -> None:
+    """Clients race to create one table (SET NX of its meta): all succeed on one table;
+    TableExistsError, TableSpecMismatch (naming both shapes), drop_table, re-create."""
+    _lifecycle(workers, host=server.host, port=server.port)
 
 
 def test_async_requests_in_flight_and_script_cache_flush(
@@ -646,6 +660,11 @@ def test_stats_counts_rows_and_requests(store: RedisStore) -> None:
 
 
 # ---------------------------------------------------------------- cluster
+
+
+@pytest.mark.timeout(120)
+def test_cluster_table_lifecycle_with_racing_clients(cluster: RedisCluster) -> None:
+    _lifecycle(2, host=cluster.host, port=cluster.port, cluster=True)
 
 
 @pytest.mark.timeout(120)

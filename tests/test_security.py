@@ -38,7 +38,7 @@ import torch
 import ps
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
 from multiproc import ROOT, mpirun_path
-from ps.redis_store import RedisAuthError, RedisStore, RedisUnavailableError
+from ps.redis.store import RedisAuthError, RedisStore, RedisUnavailableError
 from redis_server import RedisServer, redis_server
 
 pytestmark = pytest.mark.timeout(120)

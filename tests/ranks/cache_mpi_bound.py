@@ -26,8 +26,8 @@ import torch
 import cache
 import comm
 import ps
-from ps.mpi_server import serve_mpi
-from ps.mpi_store import MPIStore
+from ps.mpi.server import serve_mpi
+from ps.mpi.store import MPIStore
 
 ROWS, DIM, STEPS = 120, 4, 40
 

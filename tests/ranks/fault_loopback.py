@@ -59,8 +59,8 @@ def main() -> None:
     t = torch.ones(2)
     group.allreduce(t)
     if backend == "mpi":
-        from ps.mpi_server import serve_mpi
-        from ps.mpi_store import MPIStore
+        from ps.mpi.server import serve_mpi
+        from ps.mpi.store import MPIStore
 
         topology = comm.Topology(world_size=group.size, num_servers=1)
         if group.rank in topology.server_ranks:

@@ -48,8 +48,8 @@ import torch.nn.functional as F
 import comm
 import ps
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
-from ps.mpi_server import serve_mpi
-from ps.mpi_store import MPIStore
+from ps.mpi.server import serve_mpi
+from ps.mpi.store import MPIStore
 
 NUM_ROWS = 1000
 DIM = 8

@@ -1,7 +1,7 @@
 """Rank script: exactly-once pushes of the MPI (and Redis) store with lost replies injected.
 
-Run as ``mpirun -n N python ps_exactly_once.py --servers S --drop K [--no-dedup]``:
-the last ``S`` ranks serve with ``ServerConfig(drop_reply_every=K)`` (every K-th
+Run as ``mpirun -n N python ps_exactly_once.py --servers S --drop K [--control]``:
+the last ``S`` ranks serve with ``tests.ps_faults.serve_mpi_lossy`` (every K-th
 applied push gets no reply, as if it were lost), the others are workers whose
 ``MPIStore`` resends a push after ``push_retry_s`` = 0.25 s.
 
@@ -15,16 +15,16 @@ Each worker pushes a known sequence (several in flight) to two tables:
   row for row (to 1e-6; Adam is order-sensitive, so this catches a repeat
   applied late as well as twice).
 
-Redis mode (``python ps_exactly_once.py --redis URL --prefix P --worker R --drop K``,
-no mpirun): one worker process pushes its sequences through a ``RedisStore`` with
-``drop_reply_every=K`` (the reply of every K-th push batch is treated as lost
-after the scripts ran) and prints its counters; the test compares afterwards.
+The Redis tests (``tests/test_ps_exactly_once.py``) use the same sequences and
+references from their own process.
 
 Worker 0 then compares rows and clocks with the references and prints
-``rank 0: result match`` or ``rank 0: result mismatch <what>``; with
-``--no-dedup`` (pushes without sequence numbers, the control) a mismatch is the
-expected outcome, which shows that the check can fail. Counters: pushes issued
-(summed over workers), applied and repeated (the servers'), resends.
+``rank 0: result match`` or ``rank 0: result mismatch <what>``. With
+``--control`` the same job then runs a second session (servers serve again, the
+workers open stores whose pushes carry no sequence numbers) and prints ``rank 0:
+control ...``: there a mismatch is the expected outcome, which shows that the check
+can fail. Counters: pushes issued (summed over workers), applied and repeated (the
+servers'), resends.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ import torch
 
 import comm
 import ps
-from ps import wire
+from ps.mpi import wire
 
 if TYPE_CHECKING:
-    from ps.mpi_store import MPIStore
+    from ps.mpi.store import MPIStore
 
 DIM = 4
 ROWS = 64
@@ -225,87 +225,69 @@ def bad_wire_checks(store: MPIStore) -> int:
     return len(cases)
 
 
-def redis_worker(args: argparse.Namespace) -> None:
-    """One worker process on Redis: its pushes (tables made by the test), then its counters."""
-    from ps.redis_store import RedisStore
-
-    with RedisStore(
-        args.redis,
-        prefix=args.prefix,
-        drop_reply_every=args.drop,
-        exactly_once=not args.no_dedup,
-        buckets=4,
-    ) as store:
-        push_all(store, args.worker, own_in_order=True)
+def worker_phase(store: MPIStore, mates: comm.ProcessGroup, label: str, bad_wire: bool) -> None:
+    """Push both sequences on every worker, then rank 0 compares and prints
+    ``rank 0: <label> <match | mismatch ...>`` and the counters."""
+    if mates.rank == 0:
+        store.create_table(shared_spec())
+        zero_shared(store)
+    store.create_table(own_spec(mates.rank))
+    mates.barrier()
+    push_all(store, mates.rank)
+    mine = store.stats()
+    sent = sum(int(v["worker_push_calls"]) for v in mine.values())
+    resent = sum(int(v["worker_push_retries"]) for v in mine.values())
+    counts = torch.tensor([sent, resent], dtype=torch.int64)
+    mates.allreduce(counts)
+    mates.barrier()  # every push is acknowledged
+    if mates.rank == 0:
+        result = compare(store, mates.size)
         st = store.stats()
-        calls = sum(int(v["push_calls"]) for v in st.values())
-        retries = sum(int(v["push_retries"]) for v in st.values())
-    print(f"worker {args.worker}: ok calls={calls} retries={retries}", flush=True)
+        tables = ["shared", *(f"own{r}" for r in range(mates.size))]
+        applied = sum(int(st[t]["push_requests"]) for t in tables)
+        repeats = sum(int(st[t]["push_duplicates"]) for t in tables)
+        report = {
+            "issued": int(counts[0]),
+            "resent": int(counts[1]),
+            "applied": applied,
+            "duplicates": repeats,
+        }
+        print(f"rank 0: {label} {result}", flush=True)
+        print(f"rank 0: {label} counters {json.dumps(report)}", flush=True)
+        if bad_wire:
+            print(f"rank 0: bad wire ok {bad_wire_checks(store)} cases", flush=True)
+    mates.barrier()  # nobody closes (and ends the servers) before the comparison
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--servers", type=int, default=1)
     parser.add_argument("--drop", type=int, required=True)
-    parser.add_argument("--no-dedup", action="store_true")
+    parser.add_argument("--control", action="store_true")
     parser.add_argument("--bad-wire", action="store_true")
-    parser.add_argument("--redis", default=None)
-    parser.add_argument("--prefix", default="eo")
-    parser.add_argument("--worker", type=int, default=0)
     args = parser.parse_args()
-    if args.redis is not None:
-        redis_worker(args)
-        return
-    from ps.mpi_server import ServerConfig, serve_mpi
-    from ps.mpi_store import MPIStore
+    from ps.mpi.server import ServerConfig
+    from ps.mpi.store import MPIStore
+    from tests.ps_faults import serve_mpi_lossy, unnumbered_mpi_store
 
     group = comm.init("mpi")
     topology = comm.Topology(world_size=group.size, num_servers=args.servers)
     mates = topology.role_group(group)
-    if topology.role(group.rank) is comm.Role.SERVER:
-        config = ServerConfig(drop_reply_every=args.drop, data_timeout_s=1.0)
-        stats = serve_mpi(group, topology, config)
-        print(f"rank {group.rank}: ok server tables={len(stats)}", flush=True)
-        return
-    dedup = not args.no_dedup
-    with MPIStore(
-        group,
-        topology,
-        request_timeout_s=30.0,
-        push_retry_s=0.25,
-        max_retries=3,
-        exactly_once=dedup,
-    ) as store:
-        if mates.rank == 0:
-            store.create_table(shared_spec())
-            zero_shared(store)
-        store.create_table(own_spec(mates.rank))
-        mates.barrier()
-        push_all(store, mates.rank)
-        mine = store.stats()
-        sent = sum(int(v["worker_push_calls"]) for v in mine.values())
-        resent = sum(int(v["worker_push_retries"]) for v in mine.values())
-        counts = torch.tensor([sent, resent], dtype=torch.int64)
-        mates.allreduce(counts)
-        mates.barrier()  # every push is acknowledged
-        if mates.rank == 0:
-            result = compare(store, mates.size)
-            st = store.stats()
-            tables = ["shared", *(f"own{r}" for r in range(mates.size))]
-            applied = sum(int(st[t]["push_requests"]) for t in tables)
-            repeats = sum(int(st[t]["push_duplicates"]) for t in tables)
-            report = {
-                "issued": int(counts[0]),
-                "resent": int(counts[1]),
-                "applied": applied,
-                "duplicates": repeats,
-            }
-            print(f"rank 0: result {result}", flush=True)
-            print(f"rank 0: counters {json.dumps(report)}", flush=True)
-            if args.bad_wire:
-                print(f"rank 0: bad wire ok {bad_wire_checks(store)} cases", flush=True)
-        mates.barrier()  # nobody closes (and ends the servers) before the comparison
-    print(f"rank {group.rank}: ok worker", flush=True)
+    # Each session: servers serve until every worker closed its store; then the next.
+    sessions = [("result", MPIStore)]
+    if args.control:
+        sessions.append(("control", unnumbered_mpi_store))
+    for label, open_store in sessions:
+        if topology.role(group.rank) is comm.Role.SERVER:
+            config = ServerConfig(data_timeout_s=1.0)
+            stats = serve_mpi_lossy(group, topology, config, drop_reply_every=args.drop)
+            print(f"rank {group.rank}: ok server {label} tables={len(stats)}", flush=True)
+            continue
+        with open_store(
+            group, topology, request_timeout_s=30.0, push_retry_s=0.25, max_retries=3
+        ) as store:
+            worker_phase(store, mates, label, args.bad_wire and label == "result")
+        print(f"rank {group.rank}: ok worker {label}", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ import torch
 
 import comm
 import ps
-from ps.mpi_server import serve_mpi
-from ps.mpi_store import MPIStore
+from ps.mpi.server import serve_mpi
+from ps.mpi.store import MPIStore
 
 TIMEOUT_S = 2.0
 

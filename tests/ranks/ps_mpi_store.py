@@ -3,7 +3,8 @@
 Run as ``mpirun -n N python ps_mpi_store.py --servers S --phase P --dir D``; the
 last ``S`` ranks serve, the others are workers. Phases (each a separate launch):
 
-* ``main`` (4 workers + 2 servers): concurrency (every worker pushes 10 000
+* ``main`` (4 workers + 2 servers): the table lifecycle with the workers racing to
+  create one table (``tests/ps_lifecycle.py``); concurrency (every worker pushes 10 000
   known gradient rows with overlapping ids; rows must equal ``-lr * sum`` exactly
   and clocks the number of pushes that touched each row); every optimizer, fixed
   and dynamic tables, conditional pulls and eviction against an InProcessStore
@@ -15,8 +16,8 @@ last ``S`` ranks serve, the others are workers. Phases (each a separate launch):
   servers and into an InProcessStore, compare both with the references; save
   from 3 servers and load that into an InProcessStore; load an in-process
   checkpoint into the MPI store.
-* ``single`` (1 worker + 1 server): the one-server path (no routing) for every
-  optimizer, conditional pulls and bad input.
+* ``single`` (1 worker + 1 server): the table lifecycle, then the one-server path
+  (no routing) for every optimizer, conditional pulls and bad input.
 
 Every rank prints ``rank R: ok <role> ...`` at the end; any failed check raises.
 """
@@ -34,9 +35,10 @@ import torch
 
 import comm
 import ps
-from ps import wire
-from ps.mpi_server import serve_mpi
-from ps.mpi_store import MPIStore
+from ps.mpi import wire
+from ps.mpi.server import serve_mpi
+from ps.mpi.store import MPIStore
+from tests.ps_lifecycle import check_lifecycle
 
 TOL = 1e-6
 DIM = 8
@@ -434,9 +436,10 @@ def compare_conc(what: str, store: ps.Store, folder: Path) -> None:
 
 
 def phase_main(store: MPIStore, workers: comm.ProcessGroup, folder: Path, num_servers: int) -> str:
+    n = check_lifecycle(store, workers.rank, workers.size, workers.barrier, "race")
     concurrency(store, workers, folder)
     ref = ps.InProcessStore()
-    n = optimizer_checks(store, ref, lambda k: k % workers.size == workers.rank)
+    n += optimizer_checks(store, ref, lambda k: k % workers.size == workers.rank)
     if workers.rank == workers.size - 1:
         eviction_checks(store, ref, num_servers)
         nan_skip_checks(store, ref)
@@ -479,8 +482,9 @@ def phase_reload(store: MPIStore, folder: Path) -> str:
 
 
 def phase_single(store: MPIStore) -> str:
+    n = check_lifecycle(store, 0, 1, lambda: None, "race")
     ref = ps.InProcessStore()
-    n = optimizer_checks(store, ref, lambda k: True)
+    n += optimizer_checks(store, ref, lambda k: True)
     eviction_checks(store, ref, 1)
     nan_skip_checks(store, ref)
     n += bad_input_checks(store, ref)

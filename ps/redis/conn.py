@@ -42,7 +42,7 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from ps.redis_lua import sha1
+from ps.redis.lua import sha1
 
 _MAX_REDIRECTS = 8
 
@@ -384,6 +384,7 @@ class RedisLink:
             if url.startswith("rediss://"):
                 opts.setdefault("ssl", True)
         self.address = f"{host}:{port}"
+        self.db = db
         self._opts = opts
         if cluster:
             if db != 0:

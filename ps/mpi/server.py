@@ -2,13 +2,13 @@
 
 Under ``mpirun -n N`` with ``comm.Topology(world_size=N, num_servers=S)`` the
 last ``S`` ranks call :func:`serve_mpi`; it returns once every worker rank has
-closed its :class:`ps.mpi_store.MPIStore`. Server ``k`` (``k = rank - num_workers``)
+closed its :class:`ps.mpi.store.MPIStore`. Server ``k`` (``k = rank - num_workers``)
 holds the rows whose ``ps.routing.shard_of(id, S) == k``.
 
-The shard's tables are :class:`ps.local_table.LocalTable` objects, the engine of
+The shard's tables are :class:`ps.local.table.LocalTable` objects, the engine of
 the in-process store, so optimizers, dynamic tables, statistics and checkpoint
 parts are exactly the in-process store's; the loop only receives requests
-(:mod:`ps.wire`), checks them (sizes, table index, then :mod:`ps.validate`, the
+(:mod:`ps.mpi.wire`), checks them (sizes, table index, then :mod:`ps.validate`, the
 in-process store's own checks), calls the table and sends the reply.
 
 With more than one server, a shard of a *fixed* table is held like a dynamic
@@ -25,21 +25,19 @@ A bad request (unknown table index, ids out of range, wrong sizes, NaN
 gradients, ...) gets an error reply that the worker raises as ValueError /
 TypeError; the server changes nothing and keeps serving. Sizes are checked
 before anything is allocated or read: the header's ``n`` (at most
-:data:`ps.wire.MAX_IDS`) and ``dim`` against the payload words and the float
+:data:`ps.mpi.wire.MAX_IDS`) and ``dim`` against the payload words and the float
 count of the data message, byte counts that are not whole words, a request whose
 data message does not follow within ``ServerConfig.data_timeout_s``, and the
 table index against the tables this server has.
 
-Exactly-once pushes (:data:`ps.wire.FLAG_SEQ`): the server keeps, per (table,
-worker rank), the session and sequence number of the last push it applied and
-acknowledges a repeat (same session, number not above) with
-:data:`ps.wire.FLAG_DUPLICATE` without applying it again. MPI delivers one
-worker's messages in order, so "not above the last applied" is exact. The
-numbers are not part of checkpoints (a resumed job runs new sessions) and a
-load keeps them (a resend of a push from before the load is still a repeat).
-``stats()`` adds ``push_duplicates`` per table. ``ServerConfig.drop_reply_every``
-is a fault injection for tests: the reply of every k-th applied push is not
-sent (the push is applied), so the worker's resend path runs for real.
+Exactly-once pushes: the server keeps, per (table, worker rank), the session and
+sequence number of the last push it applied and acknowledges a repeat with
+:data:`ps.mpi.wire.FLAG_DUPLICATE` without applying it again (``docs/ps_protocol.md``).
+``stats()`` adds ``push_duplicates`` per table.
+
+Liveness: a worker that has talked and then stays silent past
+``ServerConfig.worker_timeout_s`` (died or hangs) makes :func:`serve_mpi` raise
+:class:`comm.CommTimeoutError` naming its rank, instead of waiting for its goodbye.
 """
 
 from __future__ import annotations
@@ -55,15 +53,16 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from comm import ProcessGroup, Topology
-from ps import wire
+from comm import CommTimeoutError, ProcessGroup, Topology
 from ps.checkpoint import TablePart, check_row_ids, read_checkpoint, write_part
-from ps.inprocess import PART_ROWS
-from ps.local_table import LocalTable
+from ps.errors import check_existing
+from ps.local.store import PART_ROWS
+from ps.local.table import LocalTable
+from ps.mpi import wire
+from ps.mpi.wire import HEADER_LEN, Op
 from ps.routing import shard_of
 from ps.table import TableSpec
 from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
-from ps.wire import HEADER_LEN, Op
 
 _EMPTY_F32 = np.empty(0, dtype=np.float32)
 # Idle policy: poll without pause for SPIN_S after the last request (lowest latency
@@ -87,32 +86,38 @@ class ServerConfig:
     ``data_timeout_s``: how long the server waits for the data message that
     must follow a request's header message (a broken client that sends only
     one gets an error reply instead of hanging the server).
-    ``drop_reply_every`` (tests only, 0 = off): apply every push but do not
-    send the reply of every k-th one applied, as if it were lost (at most once
-    per request: a resend is answered); the worker's resend must then be
-    recognised as a repeat.
+    ``worker_timeout_s``: a worker that has sent requests and then sends
+    nothing for this long (no request, no goodbye) is taken for dead or hung:
+    :func:`serve_mpi` raises :class:`comm.CommTimeoutError` naming its rank and
+    how long it was silent, instead of waiting for its goodbye forever. The
+    default (120 s) is far longer than a training step's gap between two
+    requests and well under the 300 s of a collective's timeout; raise it for
+    workers that pause longer without the parameter server (a long evaluation
+    that does not pull, a long pause between epochs), None turns it off. A
+    worker's silence is counted from its first request, so a worker that takes
+    long to start (reading data) is not judged before it talks.
     """
 
     spin_s: float = _SPIN_S
     idle_sleep_s: float = _IDLE_SLEEP_S
     torch_threads: int | None = 1
     data_timeout_s: float = 10.0
-    drop_reply_every: int = 0
+    worker_timeout_s: float | None = 120.0
 
     def __post_init__(self) -> None:
         t = self.torch_threads
         if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
             raise ValueError(f"ServerConfig: torch_threads must be None or an int >= 1, got {t!r}")
-        k = self.drop_reply_every
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise ValueError(f"ServerConfig: drop_reply_every must be an int >= 0, got {k!r}")
-        d = self.data_timeout_s
-        if (
-            not isinstance(d, int | float)
-            or isinstance(d, bool)
-            or not (math.isfinite(d) and d > 0)
-        ):
-            raise ValueError(f"ServerConfig: data_timeout_s must be a number > 0, got {d!r}")
+        for name in ("data_timeout_s", "worker_timeout_s"):
+            d = getattr(self, name)
+            if d is None and name == "worker_timeout_s":
+                continue
+            if (
+                not isinstance(d, int | float)
+                or isinstance(d, bool)
+                or not (math.isfinite(d) and d > 0)
+            ):
+                raise ValueError(f"ServerConfig: {name} must be a number > 0, got {d!r}")
         for name in ("spin_s", "idle_sleep_s"):
             v = getattr(self, name)
             if not isinstance(v, int | float) or not (math.isfinite(v) and v >= 0):
@@ -159,25 +164,33 @@ def serve_mpi(
 
     Collective with the workers' ``MPIStore(group, topology)`` (both duplicate
     the group's communicator, so PS traffic never mixes with other messages).
+    Raises :class:`comm.CommTimeoutError` naming the worker rank when a worker
+    stays silent past ``config.worker_timeout_s`` (it died or hangs).
     """
-    mpi_comm = check_mpi_topology(group, topology, "serve_mpi")
-    if group.rank not in topology.server_ranks:
-        raise ValueError(
-            f"serve_mpi: rank {group.rank} is a worker in {topology}; servers are ranks "
-            f"{topology.server_ranks}"
-        )
-    config = config or ServerConfig()
-    if config.torch_threads is not None:
-        torch.set_num_threads(config.torch_threads)
-    server = _Server(mpi_comm.Dup(), topology, group.rank, config)
-    try:
-        server.run()
-    finally:
-        server.close()
-    return server.stats()
+    return ShardServer.open(group, topology, config).serve()
 
 
-class _Server:
+class ShardServer:
+    """The loop of one server rank (see the module docstring): receives, checks and
+    applies requests on this rank's shard of every table. Built by :meth:`open`."""
+
+    @classmethod
+    def open(
+        cls, group: ProcessGroup, topology: Topology, config: ServerConfig | None = None
+    ) -> ShardServer:
+        """Check the roles, set the torch threads and duplicate the communicator
+        (collective with the workers' ``MPIStore``)."""
+        mpi_comm = check_mpi_topology(group, topology, "serve_mpi")
+        if group.rank not in topology.server_ranks:
+            raise ValueError(
+                f"serve_mpi: rank {group.rank} is a worker in {topology}; servers are ranks "
+                f"{topology.server_ranks}"
+            )
+        config = config or ServerConfig()
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
+        return cls(mpi_comm.Dup(), topology, group.rank, config)
+
     def __init__(self, comm: Any, topology: Topology, rank: int, config: ServerConfig) -> None:
         self.comm = comm
         self.tag_ub = int(comm.Get_attr(MPI.TAG_UB))
@@ -190,14 +203,26 @@ class _Server:
         self.specs: dict[str, TableSpec] = {}  # the specs as the workers gave them
         self.tables: dict[str, LocalTable] = {}  # this shard's part of each table
         self.waiting = set(topology.worker_ranks)  # workers that have not said goodbye
+        self.heard: dict[int, float] = {}  # worker rank -> when its last request came
         self.sends: list[Any] = []  # reply sends in flight (requests keep their buffers)
         # A load waiting for its commit: name -> (spec, this shard's new table).
         self.staged: dict[str, tuple[TableSpec, LocalTable]] | None = None
         # Exactly-once: (table, worker rank) -> (session, last applied sequence number).
         self.last_seq: dict[tuple[str, int], tuple[int, int]] = {}
         self.duplicates: dict[str, int] = {}  # table -> repeats acknowledged, not applied
-        self.applied = 0  # pushes applied (for drop_reply_every)
-        self.dropped: set[tuple[int, int]] = set()  # (worker, request id) replies dropped
+
+    def serve(self) -> dict[str, dict[str, int | float]]:
+        """Run until every worker said goodbye, then free the communicator; the stats."""
+        try:
+            self.run()
+        finally:
+            self.close()
+        return self.stats()
+
+    def reply_lost(self, src: int, request_id: int) -> bool:
+        """Whether to act as if the reply to an applied push were lost (not send it).
+        Never here; a test subclass drops some, so that the workers' resends run."""
+        return False
 
     def stats(self) -> dict[str, dict[str, int | float]]:
         return {
@@ -210,20 +235,46 @@ class _Server:
     def run(self) -> None:
         status = MPI.Status()
         last = time.monotonic()
+        next_check = last + 1.0  # of the workers' silence, about once a second
         polls = 0
         while self.waiting:
             if self.comm.Iprobe(MPI.ANY_SOURCE, wire.TAG_REQUEST, status):
+                self.heard[status.Get_source()] = time.monotonic()
                 self.serve_one(status)
                 last = time.monotonic()
                 polls = 0
+                if last > next_check:
+                    self.check_workers(last)
+                    next_check = last + 1.0
                 continue
             polls += 1
             if polls & 63 == 0:
                 self.sends = [r for r in self.sends if not r.Test()]
-                if time.monotonic() - last > self.config.spin_s and self.config.idle_sleep_s:
+                now = time.monotonic()
+                if now > next_check:
+                    self.check_workers(now)
+                    next_check = now + 1.0
+                if now - last > self.config.spin_s and self.config.idle_sleep_s:
                     time.sleep(self.config.idle_sleep_s)
                 else:
                     os.sched_yield()
+
+    def check_workers(self, now: float) -> None:
+        """Raise if a worker that has talked stayed silent past ``worker_timeout_s``."""
+        limit = self.config.worker_timeout_s
+        if limit is None:
+            return
+        silent = {w: now - self.heard[w] for w in self.waiting if w in self.heard}
+        late = sorted(w for w, s in silent.items() if s > limit)
+        if late:
+            who = f"worker rank {late[0]}" if len(late) == 1 else f"worker ranks {late}"
+            how_long = ", ".join(f"{silent[w]:.1f} s" for w in late)
+            raise CommTimeoutError(
+                f"serve_mpi on server rank {self.rank}: {who} sent no request and no goodbye "
+                f"for {how_long} (ServerConfig.worker_timeout_s={limit:g}): it died or hangs. "
+                f"This server stops serving (workers that did not say goodbye: "
+                f"{sorted(self.waiting)})"
+            )
 
     def close(self) -> None:
         # Replies still in flight: give the workers a moment to take them.
@@ -251,7 +302,7 @@ class _Server:
             reply = self.dispatch(src, meta, data)
         except Exception as e:  # every failure becomes an error reply; the server goes on
             reply = wire.error_message(op, request_id, e), _EMPTY_F32
-        if reply is None:  # drop_reply_every: the push was applied, its reply "lost"
+        if reply is None:  # reply_lost: the push was applied, its reply "lost"
             return
         reply_meta, reply_data = reply
         meta_tag, data_tag = wire.reply_tags(request_id, self.tag_ub)
@@ -295,11 +346,15 @@ class _Server:
             return wire.message(wire.header(Op.GOODBYE, rid)), _EMPTY_F32
         text = wire.unpack_bytes(payload, int(meta[wire.W_ARG])).decode("utf-8")
         if op == Op.CREATE:
-            return self.create(rid, text)
+            return self.create(
+                rid, text, exist_ok=bool(int(meta[wire.W_FLAGS]) & wire.FLAG_EXIST_OK)
+            )
+        if op == Op.DROP:
+            return self.drop(rid, text)
         if op == Op.LOOKUP:
             return self.lookup(rid, text)
         if op == Op.LIST:
-            return _text_reply(Op.LIST, rid, json.dumps(self.names))
+            return _text_reply(Op.LIST, rid, json.dumps(self.current_names()))
         if op == Op.STATS:
             return _text_reply(Op.STATS, rid, json.dumps(self.stats()))
         if op == Op.SAVE:
@@ -310,10 +365,14 @@ class _Server:
 
     def table(self, meta: np.ndarray, op: str) -> tuple[TableSpec, LocalTable]:
         index = int(meta[wire.W_TABLE])
-        if not 0 <= index < len(self.names) or self.names[index] not in self.tables:
+        if (
+            not 0 <= index < len(self.names)
+            or self.names[index] not in self.tables
+            or self.index_of(self.names[index]) != index  # dropped, then created again
+        ):
             raise ValueError(
                 f"{op}: table index {index} is unknown on server rank {self.rank} "
-                f"(it has {len(self.names)} tables: {self.names})"
+                f"(its tables: {self.current_names()}; was the table dropped?)"
             )
         name = self.names[index]
         spec = self.specs[name]
@@ -325,16 +384,31 @@ class _Server:
             )
         return spec, self.tables[name]
 
-    def create(self, rid: int, text: str) -> tuple[np.ndarray, Any]:
+    def create(self, rid: int, text: str, *, exist_ok: bool) -> tuple[np.ndarray, Any]:
+        """Create (or, with ``exist_ok``, open an equal) table; requests are served one at a
+        time, so of several workers creating the same table at once exactly one creates it."""
         spec = TableSpec.from_json(text)
-        if spec.name in self.specs:
-            raise ValueError(
-                f"create_table: table {spec.name!r} already exists "
-                f"(known tables: {list(self.specs)})"
-            )
-        self.tables[spec.name] = LocalTable(self.shard_spec(spec))
-        self.specs[spec.name] = spec
+        where = f"on the MPI parameter server (server rank {self.rank})"
+        if check_existing(
+            self.specs.get(spec.name),
+            spec,
+            exist_ok=exist_ok,
+            where=where,
+            clear="or restart the job",
+        ):
+            self.tables[spec.name] = LocalTable(self.shard_spec(spec))
+            self.specs[spec.name] = spec
+            self.names.append(spec.name)  # a new index, also for a table dropped before
         return _text_reply(Op.CREATE, rid, text, table=self.index_of(spec.name))
+
+    def drop(self, rid: int, name: str) -> tuple[np.ndarray, Any]:
+        if name not in self.specs:
+            raise unknown_table(name, self.specs)
+        del self.specs[name], self.tables[name]
+        for key in [k for k in self.last_seq if k[0] == name]:
+            del self.last_seq[key]
+        self.duplicates.pop(name, None)
+        return wire.message(wire.header(Op.DROP, rid)), _EMPTY_F32
 
     def lookup(self, rid: int, name: str) -> tuple[np.ndarray, Any]:
         if name not in self.specs:
@@ -342,10 +416,16 @@ class _Server:
         text = json.dumps(self.specs[name].to_json())
         return _text_reply(Op.LOOKUP, rid, text, table=self.index_of(name))
 
+    def current_names(self) -> list[str]:
+        """Names of the tables there are, in the order of their current indices."""
+        return [n for i, n in enumerate(self.names) if n in self.specs and self.index_of(n) == i]
+
     def index_of(self, name: str) -> int:
+        """The table's current index: the last one given to ``name`` (a table dropped and
+        created again gets a new index, so a worker holding the old one is told so)."""
         if name not in self.names:
             self.names.append(name)
-        return self.names.index(name)
+        return len(self.names) - 1 - self.names[::-1].index(name)
 
     def shard_spec(self, spec: TableSpec) -> TableSpec:
         """The spec of this shard's part (see the module docstring)."""
@@ -398,10 +478,7 @@ class _Server:
                 return wire.message(head), _EMPTY_F32
             self.last_seq[key] = (session, seq)
         table.push(ids, grads, checked=spec.nan_policy == "raise")
-        self.applied += 1
-        every = self.config.drop_reply_every
-        if every and self.applied % every == 0 and (src, rid) not in self.dropped:
-            self.dropped.add((src, rid))  # a resend (same request id) is answered
+        if self.reply_lost(src, rid):
             return None
         return wire.message(wire.header(Op.PUSH, rid)), _EMPTY_F32
 

@@ -1,7 +1,7 @@
 """The in-process store: tables as tensors in this process's memory.
 
 It is the embedded default (no servers) and the reference every other store is
-tested against. All work is vectorised (:mod:`ps.local_table`): ``torch.unique``
+tested against. All work is vectorised (:mod:`ps.local.table`): ``torch.unique``
 to coalesce duplicate ids, ``index_add_`` to sum their gradients, index gathers
 and scatters for rows, state and clocks, a batched hash index for dynamic tables;
 nothing loops over ids in Python.
@@ -17,7 +17,8 @@ import torch
 
 from comm import Handle
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
-from ps.local_table import LocalTable
+from ps.errors import check_existing
+from ps.local.table import LocalTable
 from ps.store import PullResult, Store
 from ps.table import TableSpec
 from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
@@ -43,16 +44,21 @@ class InProcessStore(Store):
 
     # ------------------------------------------------------------ tables
 
-    def create_table(self, spec: TableSpec) -> None:
+    def create_table(self, spec: TableSpec, *, exist_ok: bool = False) -> None:
+        """Create ``spec.name``; see :meth:`ps.Store.create_table` for ``exist_ok``."""
         if not isinstance(spec, TableSpec):
             raise TypeError(f"create_table: expected a ps.TableSpec, got {type(spec).__name__}")
         with self._create_lock:
-            if spec.name in self._tables:
-                raise ValueError(
-                    f"create_table: table {spec.name!r} already exists "
-                    f"(known tables: {list(self._tables)})"
-                )
-            self._tables[spec.name] = LocalTable(spec)
+            old = self._tables.get(spec.name)
+            where, clear = "in the in-process store", "or open a new InProcessStore"
+            old_spec = None if old is None else old.spec
+            if check_existing(old_spec, spec, exist_ok=exist_ok, where=where, clear=clear):
+                self._tables[spec.name] = LocalTable(spec)
+
+    def drop_table(self, table: str) -> None:
+        with self._create_lock:
+            self._get(table)  # unknown table: ValueError naming the known ones
+            del self._tables[table]
 
     def tables(self) -> list[str]:
         return list(self._tables)

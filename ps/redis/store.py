@@ -1,4 +1,4 @@
-"""The Redis store: tables in Redis (or Redis Cluster) hashes, updated by Lua scripts.
+"""The Redis store: a :class:`ps.Store` on a Redis server or Redis Cluster.
 
 Several workers (processes, machines) open a :class:`RedisStore` on one Redis and
 share its tables; the optimizer runs inside Redis, so concurrent pushes never lose
@@ -10,30 +10,10 @@ does, loses every update that races another)::
     rows = store.pull("items", ids).rows
     store.push("items", ids, grads)
 
-Key layout (``P`` = ``prefix``, ``T`` = table name, ``b`` = bucket number)::
-
-    P:tables            list    table names in creation order
-    P:table:T           string  JSON {"format", "spec": TableSpec.to_json(), "buckets",
-                                "incarnation"}
-    P:table:T:inc       string  the incarnation token (chosen once, before the meta)
-    {P:T:b}:w           hash    id (int64 LE, 8 bytes) -> row float32[D] LE | clock int64 LE,
-                                and "@inc" -> the incarnation token
-    {P:T:b}:s           hash    id -> optimizer state float32[S] LE     (tables with S > 0)
-    {P:T:b}:t           zset    id -> table step of its last touch      (tables with eviction)
-    {P:T:b}:q           hash    worker id -> applied push numbers; @applied, @dup counters
-    {P:T}:step          string  pushes applied to the table             (tables with eviction)
-
-Buckets: ``b = ps.routing.shard_of(id, buckets)`` (``buckets`` per table, fixed at
-creation and stored in the meta). The ``{...}`` hash tag keeps a bucket's keys on
-one Redis Cluster slot, so one script may touch all of them; different buckets
-spread over the cluster's nodes. Hashing (rather than ``id // rows_per_bucket``)
-bounds the commands per request by ``buckets`` whatever the ids (dynamic tables
-use arbitrary int64 ids), spreads a hot id range over all nodes, and gives a
-known set of keys (save and stats walk ``buckets`` keys, never KEYS/SCAN).
-
-Rows that are not in Redis read as their initial row (``TableSpec.initial_rows``,
-computed by the client), clock 0, initial state, on fixed and dynamic tables alike:
-a fixed table costs Redis memory only for the rows that were ever pushed.
+Where the rows live: :mod:`ps.redis.layout` (keys, buckets, metadata). The
+exactly-once protocol, retries and the incarnation tokens that detect lost data are
+described in ``docs/ps_protocol.md``; eviction in :mod:`ps.redis.eviction`, save and
+load in :mod:`ps.redis.snapshot`, the scripts in :mod:`ps.redis.lua`.
 
 Requests (one command per touched bucket, each node's commands written in one go):
 
@@ -42,7 +22,7 @@ Requests (one command per touched bucket, each node's commands written in one go
   stored clocks inside Redis and returns only the stale rows (one round trip,
   bytes moved = the stale rows);
 * push: duplicate ids are summed by the client; a generated Lua script per bucket
-  (:func:`ps.redis_lua.push_script`) applies the optimizer to each row and adds 1
+  (:func:`ps.redis.lua.push_script`) applies the optimizer to each row and adds 1
   to its clock atomically. A row that does not exist yet needs its initial value:
   the script then changes nothing and names the missing ids, and the client
   resends that bucket with their initial rows (a second round trip only for
@@ -60,71 +40,26 @@ commands again; so a pull issued after an unwaited push still sees it (the cache
 never waits its pushes until ``flush``). ``wait(timeout)`` past its limit closes
 the connection, which fails the other requests in flight on it.
 
-Eviction (dynamic tables, the rules of :class:`ps.table.TableSpec`): the table
-step is a Redis counter (INCR per push); pulls and pushes stamp the rows they
-touch in the bucket's sorted set; after each push the client evicts rows older
-than ``max_age_steps`` (one script per bucket) and, over ``capacity``, the least
-recently touched rows (ties: smaller id first). These cost extra round trips per
-request on such tables only. Under concurrent workers the steps interleave, so
-eviction is exact for one worker and approximate (never corrupting) for several.
+Counters in :meth:`RedisStore.stats` (``pull_requests`` ...) are this client's;
+``rows`` and ``bytes`` are read from Redis. ``bytes`` counts the payload held (rows
+stored x (4 (D + S) + 8)), so a fixed table's untouched rows count nothing there.
+``push_calls`` / ``push_retries`` are this client's, ``push_calls_applied`` /
+``push_calls_repeated`` are counted inside Redis (all clients).
 
-Counters in :meth:`stats` (``pull_requests`` ...) are this client's; ``rows`` and
-``bytes`` are read from Redis. ``bytes`` counts the payload held (rows stored x
-(4 (D + S) + 8)), so a fixed table's untouched rows count nothing there.
-
-Save writes the rows present in Redis (a fixed table's untouched rows are left
-out and read back as initial rows by every store's load), each bucket read in
-atomic chunks; a save during concurrent pushes is consistent per row, not across
-the table. Load deletes the table's keys and writes the checkpoint's rows.
-
-Data loss: rows absent from Redis read as initial rows, so a Redis that restarted
-without persistence (or was flushed) would silently hand out re-initialized rows.
-Each table therefore has a random *incarnation token* (in its meta) written into
-every bucket's rows hash (field ``@inc``) when the table is created or loaded;
-every pull, push, ``clocks`` and save reads the bucket's marker with its rows (one
-more field of the same HMGET, no extra round trip) and raises
-:class:`RedisDataLossError` naming the table and the address when it is missing
-or different. With ``appendonly yes`` (``appendfsync always``) a restarted Redis
-keeps everything it acknowledged; the store reconnects by itself on the next
-request (and reloads its scripts). Configure ``maxmemory-policy noeviction``:
-Redis evicting keys is data loss too (and is reported as such).
-
-Exactly-once pushes: a store has a worker id (``worker_id``, default a random
-63-bit number) and a random session; each push script call gets a sequence
-number per (table, bucket), and the script, atomically with the update, records
-the numbers it applied in the bucket's ``:q`` hash and acknowledges a repeat
-without applying it (see :mod:`ps.redis_lua`). A push or pull whose reply is lost
-(``RedisUnavailableError``: connection broken, ``socket_timeout`` passed) is
-resent, the same calls with the same numbers, up to ``max_retries`` times with
-``retry_backoff_s`` doubling pauses, so a Redis that restarts with its
-append-only file costs a pause, not an update. A push is therefore applied
-exactly once (as long as fewer than ``SEQ_WINDOW`` later calls of the same
-store to the same bucket were applied before a resend). ``worker_id`` given
-explicitly must be unique among the stores open at the same time (a restarted
-worker may reuse its id: its new session starts new numbers); each store adds a
-field of ~30 bytes per bucket it pushes to, so long-lived deployments should
-pass stable ids (e.g. the rank). ``exactly_once=False`` sends no numbers (a
-resent push is then applied again: it exists so that tests can show the
-difference). ``drop_reply_every`` (tests only) pretends that the reply of every
-k-th push batch was lost after the scripts ran, so the resend path runs for
-real. ``stats()`` reports ``push_calls`` / ``push_retries`` (this client) and
-``push_calls_applied`` / ``push_calls_repeated`` (counted inside Redis, all clients).
-
-Sequence numbers are not in checkpoints: a job resumed from one opens new stores
-(new sessions). A load keeps the ``:q`` hashes, so a push resent across the load
-is still a repeat (it is not applied to the loaded rows).
+A Redis whose data was lost (restart without persistence, flush, eviction) raises
+:class:`RedisDataLossError` naming the table and the address instead of handing out
+re-initialized rows. Run Redis with ``appendonly yes`` and ``maxmemory-policy
+noeviction``.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import secrets
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -132,8 +67,9 @@ import torch
 
 from comm import Handle
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
-from ps.local_table import COUNTERS, coalesce
-from ps.redis_conn import (
+from ps.errors import check_existing
+from ps.local.table import coalesce
+from ps.redis.conn import (
     Batch,
     Command,
     RedisAuthError,
@@ -145,10 +81,17 @@ from ps.redis_conn import (
     pack_fixed,
     raw,
 )
-from ps.redis_lua import (
-    EVICT_AGE,
-    EVICT_IDS,
-    LRU_CANDIDATES,
+from ps.redis.eviction import EvictionScripts, evict, evict_lru
+from ps.redis.layout import (
+    CLIENT_COUNTERS,
+    RedisTable,
+    bucket_keys,
+    check_key_part,
+    meta_json,
+    parse_meta,
+    step_key,
+)
+from ps.redis.lua import (
     MARKER,
     MAX_ROWS_PER_CALL,
     PULL_BOUNDED,
@@ -159,102 +102,18 @@ from ps.redis_lua import (
     TOUCH_PULL,
     push_script,
 )
+from ps.redis.sequencing import PushSettle, mark_answered, next_numbers
+from ps.redis.snapshot import table_parts, write_rows
 from ps.routing import shard_of
 from ps.store import PullResult, Store
 from ps.table import TableSpec
 from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
 
-# This client's counters: the in-process store's, and the exactly-once ones.
-_COUNTERS = (*COUNTERS, "push_calls", "push_retries")
-
 __all__ = ["RedisAuthError", "RedisDataLossError", "RedisStore", "RedisUnavailableError"]
-
-META_FORMAT = "hybridrec-redis/2"
-#: Rows per checkpoint part file written by :meth:`RedisStore.save`.
-PART_ROWS = 1 << 20
-_WRITE_ROWS = 1000  # rows per HSET when loading
-_SCAN_COUNT = 1000  # HSCAN COUNT hint when saving
 
 
 class RedisDataLossError(RuntimeError):
     """A table's rows are gone from Redis (restart without persistence, flush, eviction)."""
-
-
-def _check_key_part(what: str, value: object) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"RedisStore: {what} must be a non-empty string, got {value!r}")
-    bad = [c for c in value if c in "{}" or ord(c) < 32]
-    if bad:
-        raise ValueError(
-            f"RedisStore: {what} {value!r} contains {bad[0]!r}; braces and control "
-            "characters are not allowed (braces would break the cluster hash tags)"
-        )
-    return value
-
-
-class _PushSettle:
-    """Completes one push once: reads its replies, sends its second round (rows missing
-    from Redis), evicts, counts. Called by the push's own ``wait()`` and by every later
-    request of the same client on the table (:meth:`RedisStore._settle`)."""
-
-    __slots__ = ("run", "lock", "done", "error", "second")
-
-    def __init__(self, run: Any) -> None:
-        self.run = run  # run(limit) -> True if a second round was sent
-        self.lock = threading.Lock()
-        self.done = False
-        self.error: BaseException | None = None
-        self.second = False
-
-    def __call__(self, limit: float | None) -> bool:
-        """Complete the push (at most once); True if it sent a second round."""
-        with self.lock:
-            if not self.done:
-                try:
-                    self.second = bool(self.run(limit))
-                except BaseException as err:
-                    self.error = err
-                finally:
-                    self.done = True
-                    self.run = None  # drop the closure (it holds the request's buffers)
-            if self.error is not None:
-                raise self.error
-            return self.second
-
-
-@dataclass(slots=True)
-class _Table:
-    """A table as this client sees it: spec, bucket keys, scripts, counters."""
-
-    spec: TableSpec
-    buckets: int
-    w_keys: list[bytes]  # [B]
-    s_keys: list[bytes]  # [B]
-    t_keys: list[bytes]  # [B]
-    q_keys: list[bytes]  # [B] exactly-once records
-    step_key: bytes
-    push_src: str
-    push_sha: str
-    state0: bytes  # float32[S] of a fresh row
-    token: bytes  # the incarnation token every bucket's marker must hold
-    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
-    seq_next: list[int] = field(default_factory=list)  # [B] last number given out
-    unanswered: list[set[int]] = field(default_factory=list)  # [B] numbers without an answer
-    # Pushes of this client whose replies were not processed yet, in issue order (see
-    # RedisStore._settle): each one's completion (replies, second round, eviction).
-    pending: list[_PushSettle] = field(default_factory=list)
-
-    @property
-    def evicts(self) -> bool:
-        return self.spec.max_age_steps is not None or self.spec.capacity is not None
-
-    @property
-    def d4(self) -> int:
-        return 4 * self.spec.dim
-
-    @property
-    def s4(self) -> int:
-        return 4 * self.spec.state_dim
 
 
 class RedisStore(Store):
@@ -268,8 +127,8 @@ class RedisStore(Store):
     a dead Redis raises :class:`RedisUnavailableError` naming its address within
     seconds. ``prefix`` namespaces the keys of this job (several jobs can share one
     Redis); ``buckets`` is the bucket count of the tables this store creates.
-    ``worker_id``, ``exactly_once``, ``max_retries``, ``retry_backoff_s`` and
-    ``drop_reply_every``: see the module docstring (exactly-once pushes).
+    ``worker_id``, ``max_retries`` and ``retry_backoff_s``: see the module docstring
+    (exactly-once pushes).
     """
 
     def __init__(
@@ -292,32 +151,26 @@ class RedisStore(Store):
         connect_timeout: float = 2.0,
         buckets: int = 64,
         worker_id: int | None = None,
-        exactly_once: bool = True,
         max_retries: int = 3,
         retry_backoff_s: float = 0.1,
-        drop_reply_every: int = 0,
     ) -> None:
-        self._prefix = _check_key_part("prefix", prefix)
+        self._prefix = check_key_part("prefix", prefix)
         if worker_id is None:
             worker_id = secrets.randbits(63)
         if not isinstance(worker_id, int) or isinstance(worker_id, bool) or worker_id < 0:
             raise ValueError(f"RedisStore: worker_id must be an int >= 0, got {worker_id!r}")
-        if not isinstance(exactly_once, bool):
-            raise TypeError(f"RedisStore: exactly_once must be a bool, got {exactly_once!r}")
-        for name, k in (("max_retries", max_retries), ("drop_reply_every", drop_reply_every)):
-            if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-                raise ValueError(f"RedisStore: {name} must be an int >= 0, got {k!r}")
+        if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
+            raise ValueError(f"RedisStore: max_retries must be an int >= 0, got {max_retries!r}")
         b = retry_backoff_s
         if not isinstance(b, int | float) or isinstance(b, bool) or not 0 <= b < 60:
             raise ValueError(f"RedisStore: retry_backoff_s must be in [0, 60) seconds, got {b!r}")
         self.worker_id = worker_id
-        self.exactly_once = exactly_once
         self._session = str(secrets.randbits(63)).encode()
-        self._wid = str(worker_id).encode() if exactly_once else b""
+        # The worker id the push scripts record numbers under (b"": no numbers, the scripts
+        # then apply every call; only a test subclass turns numbering off, to show why).
+        self._wid = str(worker_id).encode()
         self._max_retries = max_retries
         self._backoff_s = float(retry_backoff_s)
-        self._drop_every = drop_reply_every
-        self._push_batches = 0  # push batches answered (for drop_reply_every)
         if not isinstance(buckets, int) or isinstance(buckets, bool) or not 1 <= buckets <= 65536:
             raise ValueError(f"RedisStore: buckets must be an int in [1, 65536], got {buckets!r}")
         for name, v in (("socket_timeout", socket_timeout), ("connect_timeout", connect_timeout)):
@@ -341,15 +194,13 @@ class RedisStore(Store):
             connect_timeout=float(connect_timeout),
         )
         self._timeout_s = float(socket_timeout)
-        self._tables: dict[str, _Table] = {}
+        self._tables: dict[str, RedisTable] = {}
         self._lock = threading.Lock()
         self._link.ping("open the Redis store")
         self._sha_bounded = self._link.register_script(PULL_BOUNDED)
         self._sha_touch = self._link.register_script(TOUCH_PULL)
         self._sha_snapshot = self._link.register_script(SNAPSHOT)
-        self._sha_evict_age = self._link.register_script(EVICT_AGE)
-        self._sha_evict_ids = self._link.register_script(EVICT_IDS)
-        self._sha_lru = self._link.register_script(LRU_CANDIDATES)
+        self._sha_evict = EvictionScripts.register(self._link)
         self._sha_reset = self._link.register_script(RESET_BUCKET)
 
     def __repr__(self) -> str:
@@ -392,19 +243,19 @@ class RedisStore(Store):
             raise RuntimeError(f"{what}: the table's token at {key!r} vanished; try again")
         return bytes(token)
 
-    def _make_table(self, spec: TableSpec, buckets: int, token: bytes) -> _Table:
-        tag = [f"{{{self._prefix}:{spec.name}:{b}}}" for b in range(buckets)]
+    def _make_table(self, spec: TableSpec, buckets: int, token: bytes) -> RedisTable:
+        keys = bucket_keys(self._prefix, spec.name, buckets)
         src = push_script(spec.optimizer, spec.dim)
         s = spec.state_dim
         state0 = spec.initial_state().numpy().astype("<f4").tobytes() if s else b""
-        return _Table(
+        return RedisTable(
             spec=spec,
             buckets=buckets,
-            w_keys=[f"{t}:w".encode() for t in tag],
-            s_keys=[f"{t}:s".encode() for t in tag],
-            t_keys=[f"{t}:t".encode() for t in tag],
-            q_keys=[f"{t}:q".encode() for t in tag],
-            step_key=f"{{{self._prefix}:{spec.name}}}:step".encode(),
+            w_keys=keys["w"],
+            s_keys=keys["s"],
+            t_keys=keys["t"],
+            q_keys=keys["q"],
+            step_key=step_key(self._prefix, spec.name),
             push_src=src,
             push_sha=self._link.register_script(src),
             state0=state0,
@@ -413,40 +264,20 @@ class RedisStore(Store):
             unanswered=[set() for _ in range(buckets)],
         )
 
-    def _meta_json(self, spec: TableSpec, buckets: int, token: bytes) -> str:
-        return json.dumps(
-            {
-                "format": META_FORMAT,
-                "spec": spec.to_json(),
-                "buckets": buckets,
-                "incarnation": token.decode(),
-            }
-        )
-
     def _parse_meta(self, name: str, text: bytes) -> tuple[TableSpec, int, bytes]:
-        try:
-            meta = json.loads(text)
-            if meta.get("format") != META_FORMAT:
-                raise ValueError(f"format {meta.get('format')!r}, expected {META_FORMAT!r}")
-            token = meta["incarnation"]
-            if not isinstance(token, str) or not token:
-                raise ValueError(f"incarnation {token!r} is not a token")
-            return TableSpec.from_json(meta["spec"]), int(meta["buckets"]), token.encode()
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(
-                f"table {name!r}: the metadata at {self._meta_key(name).decode()!r} on Redis "
-                f"{self.address} is not a hybridrec table: {err}"
-            ) from None
+        where = f"{self._meta_key(name).decode()!r} on Redis {self.address}"
+        return parse_meta(name, text, where)
 
     def create_table(self, spec: TableSpec, *, exist_ok: bool = False) -> None:
         """Create ``spec.name`` in Redis (no rows are written: they start as initial rows).
 
-        With ``exist_ok``, a table that already exists with an equal spec (e.g. made by
-        another worker) is opened instead; a different spec is always a ValueError.
+        See :meth:`ps.Store.create_table` for ``exist_ok``. Race-free: the meta is
+        written with SET NX, so of several workers creating the table at once one
+        writes it and the others compare their spec with it.
         """
         if not isinstance(spec, TableSpec):
             raise TypeError(f"create_table: expected a ps.TableSpec, got {type(spec).__name__}")
-        _check_key_part("table name", spec.name)
+        check_key_part("table name", spec.name)
         push_script(spec.optimizer, spec.dim)  # NotImplementedError before any write
         key = self._meta_key(spec.name)
         old = self._link.command(key, "GET", key, what="create_table")
@@ -457,7 +288,7 @@ class RedisStore(Store):
             table = self._make_table(spec, self._buckets, token)
             cmds = [raw(k, pack(["HSETNX", k, MARKER, token])) for k in table.w_keys]
             self._link.run(cmds, "create_table")
-            meta = self._meta_json(spec, self._buckets, token)
+            meta = meta_json(spec, self._buckets, token)
             if self._link.command(key, "SET", key, meta, "NX", what="create_table"):
                 lst = self._key("tables")
                 self._link.command(lst, "RPUSH", lst, spec.name, what="create_table")
@@ -468,16 +299,9 @@ class RedisStore(Store):
         if old is None:
             raise RuntimeError(f"create_table {spec.name!r}: the table was dropped meanwhile")
         old_spec, old_buckets, old_token = self._parse_meta(spec.name, old)
-        if not exist_ok or old_spec.to_json() != spec.to_json():
-            raise ValueError(
-                f"create_table: table {spec.name!r} already exists on Redis {self.address} "
-                f"under prefix {self._prefix!r}"
-                + (
-                    " (pass exist_ok=True to open it)"
-                    if old_spec.to_json() == spec.to_json()
-                    else f" with a different spec: {old_spec.to_json()}"
-                )
-            )
+        where = f"on Redis {self.address} (db {self._link.db}, prefix {self._prefix!r})"
+        clear = "or give the job another Redis db or prefix"
+        check_existing(old_spec, spec, exist_ok=exist_ok, where=where, clear=clear)
         with self._lock:
             self._tables[spec.name] = self._make_table(old_spec, old_buckets, old_token)
 
@@ -490,7 +314,7 @@ class RedisStore(Store):
     def spec(self, table: str) -> TableSpec:
         return self._get(table).spec
 
-    def _get(self, table: str) -> _Table:
+    def _get(self, table: str) -> RedisTable:
         t = self._tables.get(table) if isinstance(table, str) else None
         if t is not None:
             return t
@@ -504,7 +328,7 @@ class RedisStore(Store):
                 return t
         raise unknown_table(table, self.tables())
 
-    def _step(self, t: _Table) -> bytes:
+    def _step(self, t: RedisTable) -> bytes:
         got = self._link.command(t.step_key, "GET", t.step_key, what=f"table {t.spec.name!r}")
         return got if got is not None else b"0"
 
@@ -516,13 +340,13 @@ class RedisStore(Store):
         finish: Any,
         what: str,
         *,
-        push: _Table | None = None,
+        push: RedisTable | None = None,
         failed: Any = None,
-        earlier: list[_PushSettle] | None = None,
+        earlier: list[PushSettle] | None = None,
     ) -> Handle:
         """Start ``cmds``; the handle's ``wait()`` reads the replies (resending on a lost
         reply, see :meth:`_replies`) and returns ``finish(replies)``. ``failed()`` runs
-        if no replies come. ``push``: the table of a push (counters, fault injection).
+        if no replies come. ``push``: the table of a push (its retry counter, the lost-reply hook).
         ``earlier``: this client's pushes on the table not settled when ``cmds`` were
         sent (a read): they are settled first, and if one of them had to send a second
         round (rows it created after ``cmds`` ran), ``cmds`` are sent again, so the
@@ -545,13 +369,13 @@ class RedisStore(Store):
 
         return Handle(lambda: False, done, what=what, timeout_s=self._timeout_s, block=block)
 
-    def _unsettled(self, t: _Table) -> list[_PushSettle]:
+    def _unsettled(self, t: RedisTable) -> list[PushSettle]:
         """This client's pushes on ``t`` not settled yet, in issue order."""
         with self._lock:
             t.pending = [p for p in t.pending if not p.done]
             return list(t.pending)
 
-    def _settle(self, pushes: list[_PushSettle] | None) -> bool:
+    def _settle(self, pushes: list[PushSettle] | None) -> bool:
         """Complete ``pushes`` in issue order; True if one of them sent a second round.
 
         Why: a push's rows missing from Redis are created by a second call sent only
@@ -580,7 +404,7 @@ class RedisStore(Store):
         cmds: list[Command],
         what: str,
         limit: float | None,
-        push: _Table | None = None,
+        push: RedisTable | None = None,
     ) -> list[Any]:
         """The replies of ``cmds`` (written as ``batch``; None: not written yet).
 
@@ -598,15 +422,8 @@ class RedisStore(Store):
                     batch = self._link.start(cmds, what)
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 replies = batch.finish(left)
-                if push is not None and self._drop_every and tries == 0:  # resends answered
-                    with self._lock:
-                        self._push_batches += 1
-                        drop = self._push_batches % self._drop_every == 0
-                    if drop:
-                        raise RedisUnavailableError(
-                            f"{what}: reply dropped on purpose after the scripts ran "
-                            f"(RedisStore drop_reply_every={self._drop_every}, a test setting)"
-                        )
+                if push is not None and tries == 0:  # resends are always answered
+                    self._push_replies_arrived(what)
                 return replies
             except RedisUnavailableError:
                 pause = self._backoff_s * 2**tries
@@ -622,7 +439,12 @@ class RedisStore(Store):
                     with self._lock:
                         push.counters["push_retries"] += 1
 
-    def _gone(self, t: _Table, bucket: int | None, marker: object) -> RedisDataLossError:
+    def _push_replies_arrived(self, what: str) -> None:
+        """Called once the replies of a push batch (first send) are read, before they are
+        used. Nothing here; a test subclass raises :class:`RedisUnavailableError` to act
+        as if the replies were lost after the scripts ran, so the resend path runs."""
+
+    def _gone(self, t: RedisTable, bucket: int | None, marker: object) -> RedisDataLossError:
         if bucket is None:
             where, how = self.address, "not in the table list any more"
         else:
@@ -639,14 +461,14 @@ class RedisStore(Store):
         )
 
     def _check_markers(
-        self, t: _Table, calls: list[tuple[int, int, int]], markers: list[Any]
+        self, t: RedisTable, calls: list[tuple[int, int, int]], markers: list[Any]
     ) -> None:
         for (b, _lo, _hi), m in zip(calls, markers, strict=True):
             if m != t.token:
                 raise self._gone(t, b, m)
 
     def _split(
-        self, t: _Table, ids: torch.Tensor
+        self, t: RedisTable, ids: torch.Tensor
     ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         """``order`` (bucket-sorted permutation of ``ids``) and the calls ``(bucket, lo, hi)``
         over ``ids[order]``, each at most :data:`MAX_ROWS_PER_CALL` rows."""
@@ -734,7 +556,7 @@ class RedisStore(Store):
         return self._handle(cmds, finish, what, earlier=earlier)
 
     def _decode_values(
-        self, t: _Table, sorted_ids: np.ndarray, order: np.ndarray, replies: list[Any]
+        self, t: RedisTable, sorted_ids: np.ndarray, order: np.ndarray, replies: list[Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``[N, D]`` and clocks ``[N]`` in request order from HMGET-style replies.
 
@@ -762,7 +584,7 @@ class RedisStore(Store):
 
     def _decode_bounded(
         self,
-        t: _Table,
+        t: RedisTable,
         ids: torch.Tensor,
         order: torch.Tensor,
         calls: list[tuple[int, int, int]],
@@ -884,7 +706,7 @@ class RedisStore(Store):
                 c["rows_evicted"] += evicted
             return second
 
-        settle = _PushSettle(run)
+        settle = PushSettle(run)
         with self._lock:
             t.pending.append(settle)
 
@@ -899,28 +721,19 @@ class RedisStore(Store):
             block=block,
         )
 
-    def _numbers(self, t: _Table, buckets: list[int]) -> list[tuple[int, int]]:
-        """A sequence number per call to ``buckets``, each with its watermark (every call
-        of this store to the bucket numbered up to it has been answered)."""
-        out = []
+    def _numbers(self, t: RedisTable, buckets: list[int]) -> list[tuple[int, int]]:
         with self._lock:
-            for b in buckets:
-                seq = t.seq_next[b] = t.seq_next[b] + 1
-                t.unanswered[b].add(seq)
-                out.append((seq, min(t.unanswered[b]) - 1))
-            t.counters["push_calls"] += len(buckets)
-        return out
+            return next_numbers(t, buckets)
 
     def _answered(
-        self, t: _Table, calls: list[tuple[int, int, int]], seqs: list[tuple[int, int]]
+        self, t: RedisTable, calls: list[tuple[int, int, int]], seqs: list[tuple[int, int]]
     ) -> None:
         with self._lock:
-            for (b, _lo, _hi), (seq, _mark) in zip(calls, seqs, strict=True):
-                t.unanswered[b].discard(seq)
+            mark_answered(t, calls, seqs)
 
     def _second_round(
         self,
-        t: _Table,
+        t: RedisTable,
         calls: list[tuple[int, int, int]],
         seqs: list[tuple[int, int]],
         replies: list[Any],
@@ -957,61 +770,14 @@ class RedisStore(Store):
 
     # ------------------------------------------------------------ eviction
 
-    def _evict(self, t: _Table, step: int) -> int:
-        """Evict by age, then by capacity (LRU, ties: smaller id first); rows evicted."""
+    def _evict(self, t: RedisTable, step: int) -> int:
         what = f"evict rows of table {t.spec.name!r} on Redis {self.address}"
-        gone = 0
-        age = t.spec.max_age_steps
-        if age is not None and step - age >= 0:
-            cmds = [
-                evalsha(
-                    self._sha_evict_age,
-                    EVICT_AGE,
-                    [t.w_keys[b], t.s_keys[b], t.t_keys[b]],
-                    [step - age],
-                )
-                for b in range(t.buckets)
-            ]
-            gone += sum(int(r) for r in self._link.run(cmds, what))
-        if t.spec.capacity is not None:
-            gone += self._evict_lru(t, t.spec.capacity, what)
-        return gone
-
-    def _evict_lru(self, t: _Table, capacity: int, what: str) -> int:
-        sizes = self._link.run([raw(k, pack(["ZCARD", k])) for k in t.t_keys], what)  # [B]
-        excess = sum(int(s) for s in sizes) - capacity
-        if excess <= 0:
-            return 0
-        # Per bucket, the `excess` oldest entries and every entry tied with the last one,
-        # so that the global (step, id) order can be cut exactly on the client.
-        cands = self._link.run(
-            [evalsha(self._sha_lru, LRU_CANDIDATES, [k], [excess]) for k in t.t_keys],
-            what,
-        )
-        cid = np.frombuffer(b"".join(c[0] for c in cands), dtype="<i8").astype(np.int64)
-        sc = np.frombuffer(b"".join(c[1] for c in cands), dtype="<i8").astype(np.int64)
-        bucket_of = np.concatenate(
-            [np.full(len(c[0]) // 8, b, dtype=np.int64) for b, c in enumerate(cands)]
-        )
-        pick = np.lexsort((cid, sc))[:excess]  # by step, then id
-        bk = bucket_of[pick]
-        cmds = []
-        for b in np.unique(bk).tolist():
-            sel = pick[bk == b]
-            cmds.append(
-                evalsha(
-                    self._sha_evict_ids,
-                    EVICT_IDS,
-                    [t.w_keys[b], t.s_keys[b], t.t_keys[b]],
-                    [cid[sel].astype("<i8").tobytes(), sc[sel].astype("<i8").tobytes()],
-                )
-            )
-        return sum(int(r) for r in self._link.run(cmds, what))
+        return evict(self._link, self._sha_evict, t, step, what)
 
     # ------------------------------------------------------------ inspection
 
     def _fetch(
-        self, t: _Table, ids: torch.Tensor, keys: list[bytes], what: str
+        self, t: RedisTable, ids: torch.Tensor, keys: list[bytes], what: str
     ) -> tuple[np.ndarray, list[Any], torch.Tensor]:
         """HMGET ``ids`` from the bucket hashes ``keys`` (the rows hashes: their markers are
         checked too). This client's pushes on ``t`` are settled first (issue order)."""
@@ -1085,51 +851,11 @@ class RedisStore(Store):
 
     # ------------------------------------------------------------ checkpoints
 
-    def _bucket_rows(self, t: _Table, b: int) -> Iterator[TablePart]:
-        """The rows of bucket ``b`` in chunks, each chunk read atomically."""
-        cursor = b"0"
-        s, d4 = t.spec.state_dim, t.d4
-        has_state = b"1" if s else b"0"
+    def _table_parts(self, t: RedisTable) -> Iterator[TablePart]:
         what = f"save table {t.spec.name!r} from Redis {self.address}"
-        seen: set[int] = set()
-        while True:
-            cmd = evalsha(
-                self._sha_snapshot,
-                SNAPSHOT,
-                [t.w_keys[b], t.s_keys[b]],
-                [cursor, _SCAN_COUNT, has_state, t.state0, t.token],
-            )
-            cursor, ids_b, vals_b, st_b, ok = self._link.run([cmd], what)[0]
-            if int(ok) != 1:
-                raise self._gone(t, b, None)
-            ids = np.frombuffer(ids_b, dtype="<i8").astype(np.int64)
-            if ids.size:
-                vals = np.frombuffer(vals_b, dtype=np.uint8).reshape(-1, d4 + 8)
-                state = np.frombuffer(st_b, dtype="<f4").reshape(ids.size, s)
-                keep = np.fromiter((int(i) not in seen for i in ids), dtype=bool, count=ids.size)
-                seen.update(ids.tolist())  # HSCAN may return an entry twice
-                yield TablePart(
-                    ids=torch.from_numpy(ids[keep].copy()),
-                    weights=torch.from_numpy(vals[keep, :d4].copy().view("<f4")),
-                    state=torch.from_numpy(state[keep].astype(np.float32)),
-                    clocks=torch.from_numpy(vals[keep, d4:].copy().view("<i8").reshape(-1)),
-                )
-            if cursor in (b"0", 0, "0"):
-                return
-
-    def _table_parts(self, t: _Table) -> Iterator[TablePart]:
-        """All rows of ``t`` in parts of about :data:`PART_ROWS` rows."""
-        buf: list[TablePart] = []
-        rows = 0
-        for b in range(t.buckets):
-            for part in self._bucket_rows(t, b):
-                buf.append(part)
-                rows += part.num_rows
-                if rows >= PART_ROWS:
-                    yield TablePart.concat(buf, t.spec.dim, t.spec.state_dim)
-                    buf, rows = [], 0
-        if buf or rows == 0:
-            yield TablePart.concat(buf, t.spec.dim, t.spec.state_dim)
+        return table_parts(
+            self._link, self._sha_snapshot, t, what, lambda b: self._gone(t, b, None)
+        )
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write every table under this prefix to the checkpoint folder ``path`` (atomic).
@@ -1158,7 +884,7 @@ class RedisStore(Store):
         ckpt = read_checkpoint(path)
         parts = {spec.name: ckpt.read_table(spec.name) for spec in ckpt.specs}
         for spec in ckpt.specs:
-            _check_key_part("table name", spec.name)
+            check_key_part("table name", spec.name)
             push_script(spec.optimizer, spec.dim)  # unsupported optimizer: fail before writing
         for spec in ckpt.specs:
             self._load_table(spec, parts[spec.name])
@@ -1189,7 +915,7 @@ class RedisStore(Store):
             for b in range(buckets)
         ]
         self._link.run(cmds + [raw(t.step_key, pack(["DEL", t.step_key]))], what)
-        meta = self._meta_json(spec, buckets, token)
+        meta = meta_json(spec, buckets, token)
         self._link.command(key, "SET", key, meta, what=what)
         if old is None:
             lst = self._key("tables")
@@ -1200,48 +926,34 @@ class RedisStore(Store):
         if t.evicts:
             self._link.command(t.step_key, "SET", t.step_key, 0, what=what)
             if spec.capacity is not None:
-                self._evict_lru(t, spec.capacity, what)
+                evict_lru(self._link, self._sha_evict, t, spec.capacity, what)
         with self._lock:
-            t.counters = dict.fromkeys(_COUNTERS, 0)
+            t.counters = dict.fromkeys(CLIENT_COUNTERS, 0)
 
-    def _write_rows(self, t: _Table, part: TablePart, what: str) -> None:
-        n = part.num_rows
-        if n == 0:
-            return
-        order, calls = self._split(t, part.ids)
-        ids = part.ids[order].numpy().astype("<i8").view(np.uint8).reshape(n, 8)
-        w = part.weights[order].numpy().astype("<f4").view(np.uint8).reshape(n, t.d4)
-        c = part.clocks[order].numpy().astype("<i8").view(np.uint8).reshape(n, 8)
-        w_rows = bulk_rows([ids, np.concatenate([w, c], axis=1)])
-        s_rows = None
-        if t.spec.state_dim:
-            st = part.state[order].numpy().astype("<f4").view(np.uint8).reshape(n, t.s4)
-            s_rows = bulk_rows([ids, st])
-        z_rows = bulk_rows([np.broadcast_to(np.frombuffer(b"0", np.uint8), (n, 1)), ids])
-        cmds: list[Command] = []
-        for b, lo, hi in calls:
-            for s in range(lo, hi, _WRITE_ROWS):
-                e = min(hi, s + _WRITE_ROWS)
-                cmds.append(raw(t.w_keys[b], pack_fixed(["HSET", t.w_keys[b]], w_rows[s:e], 2)))
-                if s_rows is not None:
-                    cmds.append(raw(t.s_keys[b], pack_fixed(["HSET", t.s_keys[b]], s_rows[s:e], 2)))
-                if t.evicts:
-                    cmds.append(raw(t.t_keys[b], pack_fixed(["ZADD", t.t_keys[b]], z_rows[s:e], 2)))
-        for start in range(0, len(cmds), 256):
-            self._link.run(cmds[start : start + 256], what)
+    def _write_rows(self, t: RedisTable, part: TablePart, what: str) -> None:
+        if part.num_rows:
+            order, calls = self._split(t, part.ids)
+            write_rows(self._link, t, part, order, calls, what)
 
     # ------------------------------------------------------------ admin
 
     def drop_table(self, table: str) -> None:
-        """Delete ``table``'s rows and metadata from Redis (every client loses it)."""
+        """Delete ``table``'s rows and metadata from Redis (every client loses it).
+
+        The meta goes first (one DEL: of several clients dropping at once, one deletes
+        it and the others are told the table is unknown), then the buckets."""
+        what = f"drop table {table!r}"
         t = self._get(table)
-        keys = t.w_keys + t.s_keys + t.t_keys + t.q_keys + [t.step_key, self._meta_key(table)]
-        keys.append(self._token_key(table))
-        self._link.run([raw(k, pack(["DEL", k])) for k in keys], f"drop table {table!r}")
-        lst = self._key("tables")
-        self._link.command(lst, "LREM", lst, 0, table, what=f"drop table {table!r}")
+        key = self._meta_key(table)
+        deleted = int(self._link.command(key, "DEL", key, what=what))
         with self._lock:
             self._tables.pop(table, None)
+        if not deleted:  # another client dropped it since this one opened it
+            raise unknown_table(table, self.tables())
+        keys = t.w_keys + t.s_keys + t.t_keys + t.q_keys + [t.step_key, self._token_key(table)]
+        self._link.run([raw(k, pack(["DEL", k])) for k in keys], what)
+        lst = self._key("tables")
+        self._link.command(lst, "LREM", lst, 0, table, what=what)
 
     def close(self) -> None:
         self._link.close()

@@ -1,6 +1,6 @@
 """The Lua scripts of the Redis store (Redis >= 6.2 scripting: Lua 5.1 with ``struct``).
 
-Data layout (see :mod:`ps.redis_store`): per bucket of a table, a hash ``...:w``
+Data layout (see :mod:`ps.redis.layout`): per bucket of a table, a hash ``...:w``
 maps the 8-byte little-endian id to ``row float32[D] | clock int64`` (``4D+8``
 bytes), a hash ``...:s`` maps it to the optimizer state ``float32[S]`` (absent
 when ``S == 0``), and on tables with eviction a sorted set ``...:t`` scores it
@@ -13,18 +13,13 @@ it reads anyway (one more field of the same HMGET) and refuses to work on a
 bucket whose marker is missing or different: the bucket was lost (Redis
 restarted without persistence, was flushed) or the table was re-created.
 
-Exactly-once pushes: a hash ``...:q`` per bucket maps a worker id to
-``"<session> <low> <seq> <seq> ..."``: the numbers of the push calls applied for
-that session are every number ``<= low`` and the listed ones. A call whose number
-is among them is acknowledged as a repeat and changes nothing; an applied call
-adds its number and raises ``low`` to the caller's *watermark* (every call of
-the caller up to it has been answered, so none of those will be resent). At most
-:data:`SEQ_WINDOW` numbers are listed (older ones fold into ``low``). An
-applied call that skipped rows missing from Redis (they need initial values from
-the client) also keeps their positions in the field ``<worker>:<number>``, so a
-repeat answers them too; the client's follow-up call (its own number) names the
-first one and removes that field. Fields ``@applied`` / ``@dup`` count applied
-calls and repeats.
+Exactly-once pushes (the protocol: ``docs/ps_protocol.md``): a hash ``...:q`` per
+bucket maps a worker id to ``"<session> <low> <seq> <seq> ..."``: the numbers of the
+push calls applied for that session are every number ``<= low`` and the listed ones
+(at most :data:`SEQ_WINDOW`). An applied call that skipped rows missing from Redis
+also keeps their positions in the field ``<worker>:<number>``, so a repeat answers
+them too; the client's follow-up call names the first one and removes that field.
+Fields ``@applied`` / ``@dup`` count applied calls and repeats.
 
 Scripts here:
 

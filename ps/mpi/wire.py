@@ -1,51 +1,10 @@
-"""The binary message layout of the MPI parameter-server protocol.
+"""The binary message layout of the MPI parameter-server protocol (no pickle).
 
-No pickle: every message is a typed MPI buffer. A request is exactly **two**
-messages from a worker to a server, a reply exactly two messages back::
-
-    request  tag TAG_REQUEST       int64  [HEADER_LEN + K]   header, then int64 payload
-             tag TAG_REQUEST_DATA  float32 [n * dim]          (empty when the op has none)
-    reply    tag reply_tags(id, ub)[0] int64  [HEADER_LEN + K]   header, then int64 payload
-             tag reply_tags(id, ub)[1] float32 [m * dim]      (empty on errors and most ops)
-
-The header is eight int64 words::
-
-    word  request                          reply
-    0     MAGIC_VERSION                    MAGIC_VERSION
-    1     op (Op)                          op echoed, or Op.ERROR
-    2     request id (per worker)          request id echoed
-    3     table index (-1: none)           table index (CREATE / LOOKUP: the new index)
-    4     n: ids in the request            m: rows in the reply
-    5     dim: float columns of the data   dim: float columns of the data
-    6     flags (FLAG_*)                   flags (FLAG_*) or the ErrorKind of an error
-    7     arg: bound, push sequence        arg: payload bytes (strings / JSON)
-          number, or payload bytes
-
-Int64 payloads by op (``n`` ids)::
-
-    PULL    ids [n] (+ caller clocks [n] with FLAG_CLOCKS; the bound is ``arg``)
-            -> clocks [m] (+ positions [m] with FLAG_POSITIONS), rows as data [m, dim]
-    PUSH    ids [n] (+ session [1] with FLAG_SEQ; the     -> nothing (FLAG_DUPLICATE: a
-            sequence number is ``arg``),                     repeat, acknowledged, not
-            grads as data [n, dim]                           applied again)
-    CLOCKS  ids [n]                                      -> clocks [n]
-    STATE   ids [n]                                      -> state as data [n, dim]
-    CREATE  TableSpec JSON bytes                         -> table index in word 3
-    LOOKUP  table name utf-8 bytes                       -> index, TableSpec JSON bytes
-    LIST / STATS                                         -> JSON bytes
-    SAVE / LOAD  JSON bytes {"dir": ..., "prefix": ...}  -> JSON bytes
-    GOODBYE                                              -> nothing
-
-Exactly-once pushes (FLAG_SEQ): the worker numbers its pushes to each server
-and table 1, 2, 3, ... within a *session* (a random 63-bit token per
-``MPIStore``); the server remembers the last number it applied per (table,
-worker rank) and acknowledges a push whose number is not above it (same session)
-without applying it again, so a worker may resend a push whose reply did not come
-(see :mod:`ps.mpi_store`). Protocol 2 added FLAG_SEQ / FLAG_DUPLICATE.
-
-Strings and JSON travel as utf-8 bytes padded to whole int64 words (``arg`` says
-how many bytes are real). Tables are named once (CREATE / LOOKUP) and referred to
-by the server's index afterwards.
+A request is two messages from a worker to a server (an int64 header + payload, then
+float32 data), a reply two messages back; the header words, the payload of each op,
+the flags, error kinds and the exactly-once numbering are described once, in
+``docs/ps_protocol.md``. This module builds and checks those messages; it imports no
+MPI, so it can be tested anywhere.
 """
 
 from __future__ import annotations
@@ -54,8 +13,10 @@ import enum
 
 import numpy as np
 
-PROTOCOL = 2
-MAGIC_VERSION = (0x48525053 << 16) | PROTOCOL  # "HRPS", protocol version 2
+from ps.errors import TableExistsError, TableSpecMismatch
+
+PROTOCOL = 3
+MAGIC_VERSION = (0x48525053 << 16) | PROTOCOL  # "HRPS", protocol version 3
 HEADER_LEN = 8
 #: Most ids one request may carry (a server refuses larger headers before allocating).
 MAX_IDS = 1 << 27
@@ -76,6 +37,7 @@ FLAG_CLOCKS = 1  # PULL request: caller clocks follow the ids; arg is the bound
 FLAG_POSITIONS = 2  # PULL reply: positions follow the clocks
 FLAG_SEQ = 4  # PUSH request: arg is the sequence number, the session follows the ids
 FLAG_DUPLICATE = 8  # PUSH reply: a repeat of an applied push, acknowledged, not applied
+FLAG_EXIST_OK = 16  # CREATE request: an existing table with an equal spec is opened
 
 
 class Op(enum.IntEnum):
@@ -91,6 +53,7 @@ class Op(enum.IntEnum):
     SAVE = 9
     LOAD = 10
     GOODBYE = 11
+    DROP = 12
 
 
 class ErrorKind(enum.IntEnum):
@@ -99,9 +62,15 @@ class ErrorKind(enum.IntEnum):
     VALUE = 1
     TYPE = 2
     RUNTIME = 3
+    TABLE_EXISTS = 4
+    TABLE_MISMATCH = 5
 
     @classmethod
     def of(cls, e: BaseException) -> ErrorKind:
+        if isinstance(e, TableExistsError):
+            return cls.TABLE_EXISTS
+        if isinstance(e, TableSpecMismatch):
+            return cls.TABLE_MISMATCH
         if isinstance(e, TypeError):
             return cls.TYPE
         if isinstance(e, ValueError):
@@ -109,6 +78,10 @@ class ErrorKind(enum.IntEnum):
         return cls.RUNTIME
 
     def exception(self, message: str) -> Exception:
+        if self is ErrorKind.TABLE_EXISTS:
+            return TableExistsError(message)
+        if self is ErrorKind.TABLE_MISMATCH:
+            return TableSpecMismatch(message)
         if self is ErrorKind.TYPE:
             return TypeError(message)
         if self is ErrorKind.VALUE:

@@ -40,97 +40,10 @@ import functools
 
 import numpy as np
 
-from comm.native import load_c_library
+from comm.native import kernel_source, load_c_library
 
-_SOURCE = r"""
-#pragma GCC optimize ("fp-contract=off")
-#include <stdint.h>
-#include <string.h>
-
-enum { CLOCK, OWN, COUNT, FREQ, PF, CHECKED, PUSHED };
-#define META(slab, s, d, w) ((int64_t*)((slab) + (s) * (w) + 2 * (d)))
-#define AHEAD 6 /* records prefetched ahead: their misses overlap */
-
-void hr_cache_clocks(int64_t n, int64_t d, int64_t w, const int64_t* slots,
-                     const float* slab, int64_t fill, int64_t* out) {
-    for (int64_t i = 0; i < n; ++i) {
-        if (i + AHEAD < n && slots[i + AHEAD] >= 0)
-            __builtin_prefetch(META(slab, slots[i + AHEAD], d, w), 0, 0);
-        int64_t s = slots[i];
-        out[i] = s < 0 ? fill : META(slab, s, d, w)[CLOCK];
-    }
-}
-
-/* Rows and clocks of the cached ids (slots[i] >= 0) into out_rows [n, d], out_clock [n].
-   old[i] (NULL: none) marks the hits: their prefetch marks PF are counted in
-   pf_counts[0] (fetched as a miss) / pf_counts[1] (refreshed) when made for batch
-   `tick`, and cleared; lag[i] := OWN. lfu: FREQ += uses[i] (1 if uses NULL), and
-   freq[i] := FREQ. */
-void hr_cache_serve(int64_t n, int64_t d, int64_t w, const int64_t* slots, float* slab,
-                    const uint8_t* old, const int64_t* uses, int lfu, int64_t tick,
-                    float* out_rows, int64_t* out_clock, int64_t* lag, int64_t* freq,
-                    int64_t* pf_counts) {
-    for (int64_t i = 0; i < n; ++i) {
-        if (i + AHEAD < n && slots[i + AHEAD] >= 0) {
-            const char* p = (const char*)(slab + slots[i + AHEAD] * w);
-            for (int64_t c = 0; c < d * 4; c += 64) __builtin_prefetch(p + c, 0, 0);
-            __builtin_prefetch(META(slab, slots[i + AHEAD], d, w), 1, 0);
-        }
-        int64_t s = slots[i];
-        if (s < 0) continue;
-        memcpy(out_rows + i * d, slab + s * w, sizeof(float) * (size_t)d);
-        int64_t* meta = META(slab, s, d, w);
-        out_clock[i] = meta[CLOCK];
-        if (old && old[i]) {
-            int64_t pf = meta[PF];
-            if (pf & 3) {
-                if ((pf >> 2) == tick) pf_counts[(pf & 3) == 1 ? 0 : 1] += 1;
-                meta[PF] = 0;
-            }
-            lag[i] = meta[OWN];
-        }
-        if (lfu) {
-            meta[FREQ] += uses ? uses[i] : 1;
-            freq[i] = meta[FREQ];
-        }
-    }
-}
-
-int64_t hr_cache_update(int64_t n, int64_t d, int64_t w, const int64_t* slots,
-                        const float* grads, float* slab, float lr, int64_t write_bound,
-                        int64_t seq, int64_t* due_idx, float* due_g) {
-    int64_t k = 0;
-    for (int64_t i = 0; i < n; ++i) {
-        int64_t s = slots[i];
-        if (s < 0) continue;
-        float* row = slab + s * w;
-        float* pend = row + d;
-        int64_t* meta = META(slab, s, d, w);
-        const float* g = grads + i * d;
-        if (i + 4 < n && slots[i + 4] >= 0) __builtin_prefetch(slab + slots[i + 4] * w, 1, 0);
-        if (lr != 0.0f) {
-            for (int64_t j = 0; j < d; ++j) {
-                float t = lr * g[j];
-                row[j] = row[j] - t;
-            }
-        }
-        if (write_bound == 0) {
-            memcpy(due_g + k * d, g, sizeof(float) * (size_t)d);
-        } else {
-            for (int64_t j = 0; j < d; ++j) pend[j] += g[j];
-            meta[COUNT] += 1;
-            if (meta[COUNT] <= write_bound) continue;
-            memcpy(due_g + k * d, pend, sizeof(float) * (size_t)d);
-            memset(pend, 0, sizeof(float) * (size_t)d);
-            meta[COUNT] = 0;
-        }
-        meta[OWN] += 1;
-        meta[PUSHED] = seq;
-        due_idx[k++] = i;
-    }
-    return k;
-}
-"""
+# The C source: records.c next to this file (package data).
+_SOURCE = kernel_source(__package__, "records")
 
 
 def _library() -> ctypes.CDLL | None:

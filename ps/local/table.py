@@ -10,7 +10,7 @@ Layout::
       (row i is id i)                      row_ids   [slots]     int64     id held by a slot
                                            live      [slots]     bool
                                            last_touch[slots]     int64     table step of last touch
-                                           index     IdIndex: id -> slot (ps.dynamic_index)
+                                           index     IdIndex: id -> slot (ps.local.dynamic_index)
                                            free      int64 stack of freed slots
 
 Dynamic-table rules (see :class:`ps.table.TableSpec`):
@@ -37,9 +37,9 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from ps import cpu_kernel
 from ps.checkpoint import TablePart
-from ps.dynamic_index import IdIndex
+from ps.kernels import rowwise_adagrad
+from ps.local.dynamic_index import IdIndex
 from ps.optimizers import RowWiseAdagrad
 from ps.store import PullResult
 from ps.table import TableSpec
@@ -302,7 +302,7 @@ class LocalTable:
         opt = self.spec.optimizer
         if not isinstance(opt, RowWiseAdagrad):
             return False
-        return cpu_kernel.rowwise_adagrad_(
+        return rowwise_adagrad.rowwise_adagrad_(
             self.weights,
             self.state,
             self.clocks,

@@ -1,7 +1,7 @@
 """The worker side of the MPI store: a :class:`ps.Store` whose shards live on server ranks.
 
 Run a job as ``mpirun -n N`` with ``topology = comm.Topology(world_size=N,
-num_servers=S)``: the last ``S`` ranks call :func:`ps.mpi_server.serve_mpi`, the
+num_servers=S)``: the last ``S`` ranks call :func:`ps.mpi.server.serve_mpi`, the
 others open an :class:`MPIStore` and use it like any store::
 
     group = comm.init("mpi")
@@ -22,7 +22,7 @@ other collectives on ``group``.
 A request for ``N`` ids is split by :func:`ps.routing.group_by_shard` into one
 sub-request per server (row ``id`` lives on server ``shard_of(id, S)``), all sent
 at once without blocking; the handle's ``wait()`` merges the replies back into
-the caller's order. Messages are the binary layout of :mod:`ps.wire` (no
+the caller's order. Messages are the binary layout of :mod:`ps.mpi.wire` (no
 pickle). Several requests may be in flight; the requests of one worker are
 applied in the order they were issued.
 
@@ -44,19 +44,17 @@ Dead servers: every ``wait()`` gives up after ``request_timeout_s`` and raises
 (With MPICH's default launcher a rank that dies takes the whole job down at
 once; the timeout covers hung servers and ``mpiexec -disable-auto-cleanup``.)
 
-Exactly-once pushes: each push sub-request carries this store's session (a
-random 63-bit token) and a sequence number per (table, server) (1, 2, 3, ...;
-:data:`ps.wire.FLAG_SEQ`). A push whose reply has not come ``push_retry_s``
-after it was sent is sent again, unchanged (same number), up to ``max_retries``
-times while its handle is waited; the server applies a number at most once and
-acknowledges a repeat. A server still silent ``request_timeout_s`` after the
-first send is reported dead as above. A second reply to a resent push (when the
-first was only late) is received and dropped later. ``exactly_once=False``
-sends pushes without numbers: a resent push is then applied again (it exists
-so that tests can show the difference). ``stats()`` adds this worker's
-``worker_push_calls`` (push sub-requests sent), ``worker_push_retries``
-(resends) and ``worker_push_duplicates`` (replies that said "repeat") to the
-servers' counters, which include ``push_duplicates``.
+Exactly-once pushes: a push whose reply has not come ``push_retry_s`` after it
+was sent is resent unchanged, at most ``max_retries`` times while its handle is
+waited; its sequence number makes the server acknowledge a repeat without applying
+it (``docs/ps_protocol.md``). ``stats()`` adds this worker's ``worker_push_calls``
+(push sub-requests sent), ``worker_push_retries`` (resends) and
+``worker_push_duplicates`` (replies that said "repeat") to the servers' counters,
+which include ``push_duplicates``.
+
+Tables: ``create_table(spec, exist_ok=True)`` may be called by every worker at once
+(server 0 decides first; see ``docs/ps_protocol.md``), ``drop_table`` drops a table on
+every server.
 """
 
 from __future__ import annotations
@@ -69,7 +67,7 @@ import secrets
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,13 +77,14 @@ import torch
 from mpi4py import MPI
 
 from comm import CommTimeoutError, Handle, ProcessGroup, Topology
-from ps import checkpoint, wire
-from ps.mpi_server import check_mpi_topology, check_push_grads
+from ps import checkpoint
+from ps.mpi import wire
+from ps.mpi.server import check_mpi_topology, check_push_grads
+from ps.mpi.wire import HEADER_LEN, Op
 from ps.routing import group_by_shard
 from ps.store import PullResult, Store
 from ps.table import TableSpec
 from ps.validate import check_ids, check_pull_bound, unknown_table
-from ps.wire import HEADER_LEN, Op
 
 _EMPTY_F32 = np.empty(0, dtype=np.float32)
 
@@ -150,9 +149,13 @@ class MPIStore(Store):
     ``request_timeout_s`` bounds every wait for a reply (a server that died or
     hangs raises :class:`comm.CommTimeoutError` naming its rank). A push whose
     reply is ``push_retry_s`` late (default ``request_timeout_s / 3``) is resent
-    with the same sequence number, at most ``max_retries`` times; see the module
-    docstring for ``exactly_once``.
+    with the same sequence number, at most ``max_retries`` times (see the module
+    docstring).
     """
+
+    # Pushes carry sequence numbers (exactly-once). Only a test subclass turns them off,
+    # to show what a resend does without them.
+    _sequenced = True
 
     def __init__(
         self,
@@ -162,13 +165,12 @@ class MPIStore(Store):
         request_timeout_s: float = 30.0,
         push_retry_s: float | None = None,
         max_retries: int = 2,
-        exactly_once: bool = True,
     ) -> None:
         mpi_comm = check_mpi_topology(group, topology, "MPIStore")
         if group.rank not in topology.worker_ranks:
             raise ValueError(
                 f"MPIStore: rank {group.rank} is a server in {topology}; workers are ranks "
-                f"{topology.worker_ranks} (servers call ps.mpi_server.serve_mpi)"
+                f"{topology.worker_ranks} (servers call ps.mpi.server.serve_mpi)"
             )
         t = request_timeout_s
         if (
@@ -186,13 +188,10 @@ class MPIStore(Store):
             raise ValueError(f"MPIStore: push_retry_s must be None or a number > 0, got {r!r}")
         if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
             raise ValueError(f"MPIStore: max_retries must be an int >= 0, got {max_retries!r}")
-        if not isinstance(exactly_once, bool):
-            raise TypeError(f"MPIStore: exactly_once must be a bool, got {exactly_once!r}")
         self.rank = group.rank
         self.request_timeout_s = float(request_timeout_s)
         self.push_retry_s = float(r)
         self.max_retries = max_retries
-        self.exactly_once = exactly_once
         self._session = secrets.randbits(63)  # this store's pushes, told apart from earlier ones
         self._seq: dict[tuple[str, int], int] = {}  # (table, server number) -> last number sent
         self._strays: list[_Stray] = []
@@ -367,14 +366,28 @@ class MPIStore(Store):
 
         return Handle(test, done, what=what, timeout_s=self.request_timeout_s, block=block)
 
-    def _all(self, op: int, text: str = "", what: str = "") -> list[_Call]:
-        """Send a text request to every server and wait for all replies."""
+    def _all(
+        self,
+        op: int,
+        text: str = "",
+        what: str = "",
+        *,
+        servers: Iterable[int] | None = None,
+        flags: int = 0,
+    ) -> list[_Call]:
+        """Send a text request to every server (or server numbers ``servers``) and wait
+        for all replies."""
         raw = text.encode("utf-8")
         calls = [
             self._start(
-                s, op, payload=(wire.pack_bytes(raw),), arg=len(raw), reply_words=wire.TEXT_WORDS
+                s,
+                op,
+                payload=(wire.pack_bytes(raw),),
+                arg=len(raw),
+                reply_words=wire.TEXT_WORDS,
+                flags=flags,
             )
-            for s in range(len(self._servers))
+            for s in (range(len(self._servers)) if servers is None else servers)
         ]
         self._handle(calls, lambda: None, what).wait()
         return calls
@@ -388,16 +401,32 @@ class MPIStore(Store):
 
     # ------------------------------------------------------------ tables
 
-    def create_table(self, spec: TableSpec) -> None:
+    def create_table(self, spec: TableSpec, *, exist_ok: bool = False) -> None:
+        """Create ``spec.name`` on every server; see :meth:`ps.Store.create_table`.
+
+        Server 0 decides first (it serves one request at a time, so of several
+        workers creating the table at once exactly one creates it there, and a
+        different spec is refused before any other server has it); the other
+        servers follow only once server 0 accepted.
+        """
         if not isinstance(spec, TableSpec):
             raise TypeError(f"create_table: expected a ps.TableSpec, got {type(spec).__name__}")
-        if spec.name in self._tables:
-            raise ValueError(
-                f"create_table: table {spec.name!r} already exists "
-                f"(known tables: {sorted(self._tables)})"
-            )
-        calls = self._all(Op.CREATE, json.dumps(spec.to_json()), f"create_table {spec.name!r}")
-        self._tables[spec.name] = _Table(spec, [int(c.reply[wire.W_TABLE]) for c in calls])
+        what = f"create_table {spec.name!r}"
+        text = json.dumps(spec.to_json())
+        flags = wire.FLAG_EXIST_OK if exist_ok else 0
+        first = self._all(Op.CREATE, text, what, servers=[0], flags=flags)
+        # The rest with exist_ok: a worker that lost the race at server 0 raised there.
+        rest = self._all(
+            Op.CREATE, text, what, servers=range(1, len(self._servers)), flags=wire.FLAG_EXIST_OK
+        )
+        self._tables[spec.name] = _Table(spec, [int(c.reply[wire.W_TABLE]) for c in first + rest])
+
+    def drop_table(self, table: str) -> None:
+        """Delete ``table`` on every server (other workers' next request on it fails)."""
+        if not isinstance(table, str):
+            raise unknown_table(table, self.tables())
+        self._tables.pop(table, None)
+        self._all(Op.DROP, table, f"drop_table {table!r}")
 
     def tables(self) -> list[str]:
         call = self._start(0, Op.LIST, reply_words=wire.TEXT_WORDS)
@@ -498,7 +527,7 @@ class MPIStore(Store):
             if c or every_server:
                 flags = seq = 0
                 payload: tuple[np.ndarray, ...] = (ids_np[a : a + c],)
-                if self.exactly_once:
+                if self._sequenced:
                     seq = self._seq.get((table, s), 0) + 1
                     self._seq[(table, s)] = seq
                     flags = wire.FLAG_SEQ

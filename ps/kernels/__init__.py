@@ -1,0 +1,11 @@
+"""C kernels of the parameter server's CPU row updates.
+
+One kernel per pair of files: ``<name>.c`` (the C source, shipped as package data)
+and ``<name>.py`` (its loader: ctypes signatures, checks, the Python entry points).
+Built on first use by :func:`comm.native.load_c_library`; callers fall back to torch
+where no C compiler is present.
+
+* ``rowwise_adagrad`` - fused row-wise Adagrad (pull/push engine of
+  :class:`ps.local.LocalTable` and the CPU fused backward of ``embedding``), id sort,
+  segment sums.
+"""

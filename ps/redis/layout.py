@@ -1,0 +1,132 @@
+"""Where a Redis table lives: its keys, its metadata, and this client's view of it.
+
+Key layout (``P`` = the store's ``prefix``, ``T`` = table name, ``b`` = bucket)::
+
+    P:tables            list    table names in creation order
+    P:table:T           string  JSON {"format", "spec": TableSpec.to_json(), "buckets",
+                                "incarnation"}   (written with SET NX: creation is atomic)
+    P:table:T:inc       string  the incarnation token (chosen once, before the meta)
+    {P:T:b}:w           hash    id (int64 LE, 8 bytes) -> row float32[D] LE | clock int64 LE,
+                                and "@inc" -> the incarnation token
+    {P:T:b}:s           hash    id -> optimizer state float32[S] LE     (tables with S > 0)
+    {P:T:b}:t           zset    id -> table step of its last touch      (tables with eviction)
+    {P:T:b}:q           hash    worker id -> applied push numbers; @applied, @dup counters
+    {P:T}:step          string  pushes applied to the table             (tables with eviction)
+
+Buckets: ``b = ps.routing.shard_of(id, buckets)`` (``buckets`` per table, fixed at
+creation and stored in the meta). The ``{...}`` hash tag keeps a bucket's keys on
+one Redis Cluster slot, so one script may touch all of them; different buckets
+spread over the cluster's nodes. Hashing (rather than ``id // rows_per_bucket``)
+bounds the commands per request by ``buckets`` whatever the ids (dynamic tables
+use arbitrary int64 ids), spreads a hot id range over all nodes, and gives a
+known set of keys (save and stats walk ``buckets`` keys, never KEYS/SCAN).
+
+Rows that are not in Redis read as their initial row (``TableSpec.initial_rows``,
+computed by the client), clock 0, initial state, on fixed and dynamic tables alike:
+a fixed table costs Redis memory only for the rows that were ever pushed. The
+incarnation token tells such rows from rows that were lost (``docs/ps_protocol.md``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ps.local.table import COUNTERS
+from ps.table import TableSpec
+
+if TYPE_CHECKING:
+    from ps.redis.sequencing import PushSettle
+
+META_FORMAT = "hybridrec-redis/2"
+
+#: This client's counters per table: the in-process store's, and the exactly-once ones.
+CLIENT_COUNTERS = (*COUNTERS, "push_calls", "push_retries")
+
+
+def check_key_part(what: str, value: object) -> str:
+    """``value`` if it may be part of a key (prefix, table name); else ValueError."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"RedisStore: {what} must be a non-empty string, got {value!r}")
+    bad = [c for c in value if c in "{}" or ord(c) < 32]
+    if bad:
+        raise ValueError(
+            f"RedisStore: {what} {value!r} contains {bad[0]!r}; braces and control "
+            "characters are not allowed (braces would break the cluster hash tags)"
+        )
+    return value
+
+
+@dataclass(slots=True)
+class RedisTable:
+    """A table as this client sees it: spec, bucket keys, scripts, counters."""
+
+    spec: TableSpec
+    buckets: int
+    w_keys: list[bytes]  # [B]
+    s_keys: list[bytes]  # [B]
+    t_keys: list[bytes]  # [B]
+    q_keys: list[bytes]  # [B] exactly-once records
+    step_key: bytes
+    push_src: str
+    push_sha: str
+    state0: bytes  # float32[S] of a fresh row
+    token: bytes  # the incarnation token every bucket's marker must hold
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLIENT_COUNTERS, 0))
+    seq_next: list[int] = field(default_factory=list)  # [B] last number given out
+    unanswered: list[set[int]] = field(default_factory=list)  # [B] numbers without an answer
+    # Pushes of this client whose replies were not processed yet, in issue order (see
+    # RedisStore._settle): each one's completion (replies, second round, eviction).
+    pending: list[PushSettle] = field(default_factory=list)
+
+    @property
+    def evicts(self) -> bool:
+        return self.spec.max_age_steps is not None or self.spec.capacity is not None
+
+    @property
+    def d4(self) -> int:
+        return 4 * self.spec.dim
+
+    @property
+    def s4(self) -> int:
+        return 4 * self.spec.state_dim
+
+
+def bucket_keys(prefix: str, name: str, buckets: int) -> dict[str, list[bytes]]:
+    """The per-bucket keys of table ``name``: ``{"w": [B], "s": [B], "t": [B], "q": [B]}``."""
+    tags = [f"{{{prefix}:{name}:{b}}}" for b in range(buckets)]
+    return {kind: [f"{t}:{kind}".encode() for t in tags] for kind in ("w", "s", "t", "q")}
+
+
+def step_key(prefix: str, name: str) -> bytes:
+    return f"{{{prefix}:{name}}}:step".encode()
+
+
+def meta_json(spec: TableSpec, buckets: int, token: bytes) -> str:
+    """The text of ``P:table:T``."""
+    return json.dumps(
+        {
+            "format": META_FORMAT,
+            "spec": spec.to_json(),
+            "buckets": buckets,
+            "incarnation": token.decode(),
+        }
+    )
+
+
+def parse_meta(name: str, text: bytes, where: str) -> tuple[TableSpec, int, bytes]:
+    """``(spec, buckets, token)`` from the text of ``P:table:T``; ValueError naming ``where``
+    (the key and the Redis address) if it is not a hybridrec table's meta."""
+    try:
+        meta = json.loads(text)
+        if meta.get("format") != META_FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}, expected {META_FORMAT!r}")
+        token = meta["incarnation"]
+        if not isinstance(token, str) or not token:
+            raise ValueError(f"incarnation {token!r} is not a token")
+        return TableSpec.from_json(meta["spec"]), int(meta["buckets"]), token.encode()
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"table {name!r}: the metadata at {where} is not a hybridrec table: {err}"
+        ) from None
