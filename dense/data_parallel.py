@@ -425,16 +425,13 @@ class DataParallel(nn.Module):
                 found = False
                 for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels, strict=True):
                     name = self._names[i]
-                    mine = [s["residuals"][name] for s in saved if name in s["residuals"]]
-                    if same:
-                        mine = [
-                            t
-                            for t in [saved[self.group.rank]["residuals"].get(name)]
-                            if t is not None
-                        ]
+                    # Same count: this rank's own; else the mean over the saved ranks (a
+                    # rank without a residual counts as zero).
+                    sources = [saved[self.group.rank]] if same else list(saved)
+                    mine = [s["residuals"][name] for s in sources if name in s["residuals"]]
                     if not mine:
                         continue
-                    value = torch.stack([t.reshape(-1).float() for t in mine]).mean(0)
+                    value = torch.stack([t.reshape(-1).float() for t in mine]).sum(0) / len(sources)
                     if value.numel() != n:
                         raise ValueError(
                             f"DataParallel.load_codec_state: residual of {name!r} has "

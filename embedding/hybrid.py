@@ -124,10 +124,13 @@ def create_tables(
         for spec in specs:
             create_table_once(store, spec)
         return
+
+    def create_all() -> None:
+        for spec in specs:
+            create_table_once(store, spec)
+
     run_on_rank0(
-        group,
-        lambda: [create_table_once(store, spec) for spec in specs],
-        f"creating the tables {[s.name for s in specs]} in the shared store",
+        group, create_all, f"creating the tables {[s.name for s in specs]} in the shared store"
     )
     if group.rank != 0:
         for spec in specs:  # rank 0 made or found them: only the check is left

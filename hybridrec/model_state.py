@@ -430,13 +430,8 @@ def _load_rank_state(
         return
     ranks = [group.rank] if n == group.size else list(range(n))
     states = {r: read_state(folder / "ranks" / f"{r:05d}" / "codec") for r in ranks}
+    empty: dict[str, Any] = {"residuals": {}, "generators": {}}
     for name, dp in with_codec.items():
-        if n == group.size:
-            mine = states[group.rank].get(name)
-            per_rank = [{"residuals": {}, "generators": {}}] * n
-            if mine is not None:
-                per_rank = list(per_rank)
-                per_rank[group.rank] = mine
-        else:
-            per_rank = [states[r].get(name, {"residuals": {}, "generators": {}}) for r in ranks]
+        # Every saved rank's state; at the same count only this rank's is read (and used).
+        per_rank = [states[r].get(name, empty) if r in states else empty for r in range(n)]
         dp.load_codec_state(per_rank)

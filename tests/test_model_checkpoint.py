@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from hybridrec.model_state import load_model, save_model
 from multiproc import run_ranks
 
 ROWS, DIM, BATCH = 30, 4, 8
+Placement = Literal["local", "hybrid", "sharded"]
 
 
 @pytest.mark.timeout(600)
@@ -56,7 +58,7 @@ class Net(nn.Module):
     """Local, sharded and cached hybrid tables, a dense MLP (DataParallel + top-k, or
     ZeRO-free plain) on one process."""
 
-    def __init__(self, *, read_bound: int = 2, sharded: str = "sharded") -> None:
+    def __init__(self, *, read_bound: int = 2, sharded: Placement = "sharded") -> None:
         super().__init__()
         group = comm.LocalGroup()
         self.cached = cache.CachedStore(
