@@ -38,8 +38,11 @@ class EmbeddingCollection(nn.Module):
     """Embeddings for the sparse features of a :class:`KeyedJaggedIds` batch.
 
     * ``store``: where hybrid tables live (default: a fresh :class:`ps.InProcessStore`).
-      If it already holds a table of the same name, it is reused when its spec is
-      identical (so several modules can share one store) and rejected otherwise.
+      The collection creates the tables the store lacks; one it already holds is
+      reused when its spec is identical (so several modules can share one store) and
+      rejected otherwise, naming both shapes. On a shared store (below) rank 0
+      creates them while the other ranks wait, so workers never race to create one
+      table (a collective: every rank builds the collection).
     * ``group``: the data-parallel group (default :class:`comm.LocalGroup`). Local
       tables and hybrid tables in a replicated store are replicated per rank and
       every rank applies the average of all ranks' row gradients; sharded tables are
