@@ -1,5 +1,9 @@
 """Resumable training checkpoints: no pickle, atomic, any placement, any worker count.
 
+``save_model`` / ``load_model`` (from :mod:`hybridrec.model_state`, re-exported here)
+save and load one whole model; ``save_checkpoint`` / ``load_checkpoint`` add what a
+run needs to resume (step, the job's meta, per-rank RNG and data position, rotation).
+
 A checkpoint is one folder per saved step under ``--checkpoint-dir``::
 
     <dir>/latest                    the name of the newest complete checkpoint ("step-00000120")
@@ -51,6 +55,7 @@ from hybridrec.model_state import (
     DenseOptimizer,
     load_model,
     read_model_doc,
+    save_model,
     shared_tmp,
     swap_in,
     write_model,
@@ -65,8 +70,10 @@ __all__ = [
     "flatten",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_model",
     "read_state",
     "save_checkpoint",
+    "save_model",
     "unflatten",
     "write_state",
 ]
