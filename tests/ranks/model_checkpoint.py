@@ -16,8 +16,8 @@ model holds every placement at once:
 ``save`` (W = 2) trains 3 steps on a global batch of 8 split over the workers, saves
 with ``save_model``, then records what happens next: the outputs on a fixed batch and
 the next 2 global step losses, plus the codec's total pending correction, in
-``<dir>/<variant>.ref.json``. ``load`` builds the model fresh (new servers, new
-stores) at W workers, loads it and compares:
+``<dir>/<variant>.ref.json``; then it loads like ``load`` does. ``load`` builds the
+model fresh (new servers, new stores) at W workers, loads it and compares:
 
 * outputs and the first loss (computed before any update): equal at every W (1e-5);
 * the second loss (after one update): equal at every W for ZeRO; for top-k only at
@@ -153,41 +153,58 @@ def make_opt(variant: str, net: Net, group: comm.ProcessGroup) -> object:
 
 
 def run(mode: str, root: Path, group: comm.ProcessGroup, store: ps.Store) -> None:
+    """``save``: train, save, record what follows, then also load into a fresh model at
+    this count (the saved tables already exist in the live shared store: reused, then
+    overwritten by the load). ``load``: load into a fresh model and compare."""
     for variant in VARIANTS:
         gen = torch.Generator().manual_seed(100 + VARIANTS.index(variant))
         train = [batch(gen) for _ in range(TRAIN_BEFORE + TRAIN_AFTER)]
         probe = batch(gen)
-        net = Net(variant, group, store)
-        opt = make_opt(variant, net, group)
         path = root / variant
         if mode == "save":
-            for b in train[:TRAIN_BEFORE]:
-                step(net, opt, group, b)
-            save_model(path, net, opt, group=group)  # type: ignore[arg-type]
-            if variant == "topk":  # and the trainer's checkpoint, with a per-rank vector
-                save_checkpoint(
-                    root / "run", 3, group=group, dense=net.dense, optimizer=opt,  # type: ignore[arg-type]
-                    embeddings=net.emb, meta={"epoch": 1}, rank_state=torch.tensor([group.rank, 7]),
-                )  # fmt: skip
-            ref = {"pending": pending(net, group) if variant == "topk" else []}
-        else:
-            if variant == "topk":
-                check_run_checkpoint(root / "run" / "step-00000003", net, opt, group)
-            doc = load_model(path, net, opt, group=group)  # type: ignore[arg-type]
-            assert doc["world_size"] == 2, doc
-            ref = json.loads((root / f"{variant}.ref.json").read_text())
-            check_state(variant, net, group, path, ref)
+            save_and_record(variant, root, group, store, train, probe)
+        net = Net(variant, group, store)
+        opt = make_opt(variant, net, group)
+        if variant == "topk":
+            check_run_checkpoint(root / "run" / "step-00000003", net, opt, group)
+        doc = load_model(path, net, opt, group=group)  # type: ignore[arg-type]
+        assert doc["world_size"] == 2, doc
+        ref = json.loads((root / f"{variant}.ref.json").read_text())
+        check_state(variant, net, group, path, ref)
         got = {
-            **ref,
             "outputs": outputs(net, group, probe),
             "losses": [step(net, opt, group, b) for b in train[TRAIN_BEFORE:]],
         }
-        if mode == "save":
-            if group.rank == 0:
-                (root / f"{variant}.ref.json").write_text(json.dumps(got))
-        else:
-            compare(variant, group, got, ref)
+        compare(variant, group, got, ref)
         group.barrier()
+
+
+def save_and_record(
+    variant: str,
+    root: Path,
+    group: comm.ProcessGroup,
+    store: ps.Store,
+    train: list,
+    probe: tuple,  # type: ignore[type-arg]
+) -> None:
+    net = Net(variant, group, store)
+    opt = make_opt(variant, net, group)
+    for b in train[:TRAIN_BEFORE]:
+        step(net, opt, group, b)
+    save_model(root / variant, net, opt, group=group)  # type: ignore[arg-type]
+    if variant == "topk":  # and the trainer's checkpoint, with a per-rank vector
+        save_checkpoint(
+            root / "run", 3, group=group, dense=net.dense, optimizer=opt,  # type: ignore[arg-type]
+            embeddings=net.emb, meta={"epoch": 1}, rank_state=torch.tensor([group.rank, 7]),
+        )  # fmt: skip
+    ref = {
+        "pending": pending(net, group) if variant == "topk" else [],
+        "outputs": outputs(net, group, probe),
+        "losses": [step(net, opt, group, b) for b in train[TRAIN_BEFORE:]],
+    }
+    if group.rank == 0:
+        (root / f"{variant}.ref.json").write_text(json.dumps(ref))
+    group.barrier()
 
 
 def check_run_checkpoint(path: Path, net: Net, opt: object, group: comm.ProcessGroup) -> None:
