@@ -243,6 +243,10 @@ def swap_in(tmp: Path, final: Path) -> None:
     """Rename ``tmp`` to ``final``; an existing ``final`` is moved aside first and
     deleted after (a crash between the renames leaves it beside, whole)."""
     old = None
+    if final.exists() and not any((final / f).is_file() for f in ("model.json", "meta.json")):
+        raise FileExistsError(
+            f"{final} exists and is not a saved model or checkpoint; not replacing it"
+        )
     if final.exists():
         old = final.with_name(f"{final.name}.old-{secrets.token_hex(6)}")
         os.rename(final, old)

@@ -144,6 +144,10 @@ def test_one_process_resume_repeats_the_run_bit_for_bit(tmp_path: Path) -> None:
 
     again = save_model(tmp_path / "m", net, opt)  # a second save replaces the first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"] and again == tmp_path / "m"
+    (tmp_path / "mine").mkdir()  # a folder that is not a save is never replaced
+    with pytest.raises(FileExistsError, match="not a saved model"):
+        save_model(tmp_path / "mine", net, opt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "mine"]
 
 
 def test_local_and_sharded_load_into_each_other(tmp_path: Path) -> None:
