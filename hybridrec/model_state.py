@@ -43,8 +43,9 @@ modules of the same structure, at any number of workers ``M`` (saved by ``N``):
 Everything but the per-rank folders is written by rank 0; every rank writes its own
 ``ranks/`` folder, so all ranks must see ``path`` (one machine or a shared
 filesystem). ``save_model`` writes into ``<path>.tmp-<random>`` and renames it into
-place: a crash leaves the previous folder or the new one, never half of one. No
-pickle anywhere.
+place (a previous save is first renamed to ``<path>.old-<random>`` and deleted after):
+a crash leaves a whole previous or new save, never half of one. A folder at ``path``
+that is not a save is never replaced. No pickle anywhere.
 """
 
 from __future__ import annotations
