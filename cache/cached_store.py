@@ -233,6 +233,29 @@ class CachedStore(Store):
         with self._lock:
             self._caches.clear()
 
+    def cache_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Flush, then every used table's cache contents (cached ids, copies, counters and
+        eviction keys; see :meth:`cache.table_cache.TableCache.export_state`), so a
+        resumed run continues with the same cache instead of a cold one."""
+        self.flush()
+        out = {}
+        for name, tc in list(self._caches.items()):
+            with tc.lock:
+                out[name] = tc.export_state()
+        return out
+
+    def load_cache_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Replace the cache contents by ``state`` (from :meth:`cache_state`; tables the
+        store lacks raise, tables absent from it start empty). Pending updates are
+        dropped, not pushed: call it after loading the store the state belongs to."""
+        fresh = {}
+        for name, tables in state.items():
+            tc = TableCache(self.inner.spec(name), self.config, self.inner)
+            tc.import_state(tables)
+            fresh[name] = tc
+        with self._lock:
+            self._caches = fresh
+
     def close(self) -> None:
         """Flush; close the wrapped store too if this cache owns it. Idempotent."""
         if self._closed:

@@ -195,6 +195,71 @@ class TableCache:
             cached_rows=self.cached_rows, pending_rows=self.pending_rows, capacity=self.capacity
         )
 
+    # ------------------------------------------------------------ state (checkpoints)
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """The cached rows with everything that decides what the cache serves and evicts
+        next, after a flush (nothing pending, nothing in flight; the owner settles):
+
+        * ``ids`` int64 ``[K]``: the cached ids, in eviction-key order (least kept first);
+        * ``rows`` float32 ``[K, D]``: their copies (PS row at CLOCK + local updates);
+        * ``meta`` int64 ``[K, 8]``: CLOCK, OWN, COUNT, FREQ, PF, CHECKED, PUSHED, spare;
+        * ``keys`` int64 ``[K]``: their eviction keys (:mod:`cache.policy`);
+        * ``counters`` int64 ``[2]``: the table's ``tick`` and ``seq`` (PF, CHECKED and
+          PUSHED are counted in them).
+        """
+        if self.inflight is not None or self.evicted or self.pending_rows:
+            raise RuntimeError(
+                f"cache of table {self.name!r}: export_state needs a flushed cache "
+                "(CachedStore.cache_state flushes first)"
+            )
+        slots = np.flatnonzero(self.row_id >= 0)
+        order = np.lexsort((self.row_id[slots], self.policy.key[slots]))
+        slots = slots[order]  # [K] least kept first (the victim order)
+        rec = self._gather(slots)  # [K, W]
+        return {
+            "ids": torch.from_numpy(self.row_id[slots].copy()),
+            "rows": torch.from_numpy(rec[:, : self.dim].copy()),
+            "meta": torch.from_numpy(self._meta(rec).copy()),
+            "keys": torch.from_numpy(self.policy.key[slots].copy()),
+            "counters": torch.tensor([self.tick, self.seq], dtype=torch.int64),
+        }
+
+    def import_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Fill this empty cache from :meth:`export_state` (same dim; at most
+        ``capacity`` rows are kept, the most kept ones by eviction key). The cache then
+        serves and evicts exactly as the exporting one would have."""
+        if self.cached_rows or self.tick or self.seq:
+            raise RuntimeError(f"cache of table {self.name!r}: import_state needs a new cache")
+        ids, rows, meta, keys = (state[k] for k in ("ids", "rows", "meta", "keys"))
+        k = int(ids.numel())
+        if rows.shape != (k, self.dim) or meta.shape != (k, 8) or keys.shape != (k,):
+            raise ValueError(
+                f"cache of table {self.name!r}: saved cache of {k} rows has rows "
+                f"{tuple(rows.shape)}, meta {tuple(meta.shape)}, keys {tuple(keys.shape)}; "
+                f"expected ({k}, {self.dim}), ({k}, 8), ({k},)"
+            )
+        keep = slice(max(0, k - self.capacity), k)  # the last ones are the most kept
+        ids_np = ids[keep].numpy().astype(np.int64)
+        if ids_np.size:
+            check = torch.from_numpy(ids_np)
+            if self.spec.num_rows is not None and (
+                int(check.min()) < 0 or int(check.max()) >= self.spec.num_rows
+            ):
+                raise ValueError(
+                    f"cache of table {self.name!r}: saved ids outside [0, {self.spec.num_rows})"
+                )
+        slots = self._admit(ids_np, None)  # [K'] (the cache is empty: no eviction)
+        rec = np.zeros((slots.size, self.width), dtype=np.float32)
+        rec[:, : self.dim] = rows[keep].numpy()
+        self._meta(rec)[:] = meta[keep].numpy()
+        self._meta(rec)[:, COUNT] = 0  # a saved cache was flushed: nothing pending
+        rec[:, self.dim : 2 * self.dim] = 0.0
+        self._scatter(slots, rec)
+        self.policy.key[slots] = keys[keep].numpy()
+        self.tick, self.seq = (int(v) for v in state["counters"].tolist())
+        self.touched = slots.size  # an upper bound of the slots in use (see _admittable)
+
     # ------------------------------------------------------------ fetch
 
     def plan(self, ids: torch.Tensor, *, prefetch: bool) -> Fetch:

@@ -261,6 +261,8 @@ class DataParallel(nn.Module):
             raise error
         self._codec = codec
         self._params = params
+        names = {id(p): n for n, p in named}
+        self._names = [names[id(p)] for p in params]  # for the codec state (checkpoints)
         self._buckets: list[Bucket] = assign_buckets(params, bucket_bytes, first_bytes)
         # param index -> (bucket index, element offset in the bucket, numel)
         self._where: list[tuple[int, int, int]] = [(0, 0, 0)] * len(params)
@@ -365,6 +367,86 @@ class DataParallel(nn.Module):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+    # ------------------------------------------------------------------ codec state
+
+    def _bucket_key(self, b: int) -> str:
+        return f"dense.DataParallel.bucket{b}"
+
+    def codec_state(self) -> dict[str, Any]:
+        """This rank's gradient-codec state, for a checkpoint (local, no communication):
+        ``{"residuals": {parameter name: tensor shaped like it}, "generators":
+        {device: uint8 generator state}}``. Residuals are a codec's error feedback (what
+        it has not sent yet, e.g. top-k); generators drive random codecs (TernGrad,
+        natural). Empty without a codec. Call it between steps, not inside a backward."""
+        if self._in_round:
+            raise RuntimeError("DataParallel.codec_state: a gradient sync is in flight")
+        out: dict[str, Any] = {"residuals": {}, "generators": {}}
+        codec = self._codec
+        if codec is None:
+            return out
+        residuals = getattr(codec, "residuals", None)
+        if isinstance(residuals, dict):
+            for bucket in self._buckets:
+                flat = residuals.get(self._bucket_key(bucket.index))
+                if flat is None:
+                    continue
+                for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels, strict=True):
+                    p = self._params[i]
+                    out["residuals"][self._names[i]] = flat[off : off + n].view_as(p).clone()
+        codec.bind_rank(self.group.rank)  # the stream compressed_allreduce uses
+        for device in sorted({str(f.device) for f in self._flat}):
+            out["generators"][device] = codec.generator(torch.device(device)).get_state()
+        return out
+
+    def load_codec_state(self, saved: Sequence[dict[str, Any]]) -> None:
+        """Restore the codec state from every saved rank's :meth:`codec_state` (``saved[r]``
+        for rank ``r`` of the run that saved; local, no communication).
+
+        * Same rank count: each rank takes its own state back, exactly.
+        * Another count ``M`` (saved by ``N`` ranks): every rank takes the MEAN of the
+          saved residuals. The averaged gradient the ranks apply carries the pending
+          correction ``sum_r residual_r / N``; with the mean on each of the M ranks it
+          is ``M * mean / M``, the same, so no delayed gradient is lost or doubled.
+          Generators restart from the codec's seed and the new rank (a rank's random
+          stream has no counterpart at another rank count).
+
+        A parameter absent from the state (or a codec without residuals) starts at zero.
+        """
+        codec = self._codec
+        if codec is None or not saved:
+            return
+        same = len(saved) == self.group.size
+        residuals = getattr(codec, "residuals", None)
+        if isinstance(residuals, dict):
+            for bucket in self._buckets:
+                key = self._bucket_key(bucket.index)
+                flat = torch.zeros(bucket.numel, dtype=torch.float32, device=self._flat[0].device)
+                found = False
+                for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels, strict=True):
+                    name = self._names[i]
+                    # Same count: this rank's own; else the mean over the saved ranks (a
+                    # rank without a residual counts as zero).
+                    sources = [saved[self.group.rank]] if same else list(saved)
+                    mine = [s["residuals"][name] for s in sources if name in s["residuals"]]
+                    if not mine:
+                        continue
+                    value = torch.stack([t.reshape(-1).float() for t in mine]).sum(0) / len(sources)
+                    if value.numel() != n:
+                        raise ValueError(
+                            f"DataParallel.load_codec_state: residual of {name!r} has "
+                            f"{value.numel()} values, the parameter has {n}"
+                        )
+                    flat[off : off + n] = value.to(flat.device)
+                    found = True
+                if found:
+                    residuals[key] = flat
+                else:
+                    residuals.pop(key, None)
+        if same:
+            codec.bind_rank(self.group.rank)
+            for device, state in saved[self.group.rank]["generators"].items():
+                codec.generator(torch.device(device)).set_state(state)
 
     # ------------------------------------------------------------------ the round
 

@@ -30,15 +30,19 @@ from embedding.config import TableConfig
 from embedding.hybrid import HybridTables
 from embedding.jagged import KeyedJaggedIds
 from embedding.local_tables import LocalTables
-from ps import InProcessStore, Store
+from ps import InProcessStore, Store, TableSpec
+from ps.checkpoint import TablePart
 
 
 class EmbeddingCollection(nn.Module):
     """Embeddings for the sparse features of a :class:`KeyedJaggedIds` batch.
 
     * ``store``: where hybrid tables live (default: a fresh :class:`ps.InProcessStore`).
-      If it already holds a table of the same name, it is reused when its spec is
-      identical (so several modules can share one store) and rejected otherwise.
+      The collection creates the tables the store lacks; one it already holds is
+      reused when its spec is identical (so several modules can share one store) and
+      rejected otherwise, naming both shapes. On a shared store (below) rank 0
+      creates them while the other ranks wait, so workers never race to create one
+      table (a collective: every rank builds the collection).
     * ``group``: the data-parallel group (default :class:`comm.LocalGroup`). Local
       tables and hybrid tables in a replicated store are replicated per rank and
       every rank applies the average of all ranks' row gradients; sharded tables are
@@ -230,14 +234,20 @@ class EmbeddingCollection(nn.Module):
         every rank returns once the checkpoint is complete. Hybrid tables live in the
         store: save them with ``store.save``.
         """
-        parts = [] if self.local is None else self.local.checkpoint_parts()
-        if self.sharded is not None:
-            parts += self.sharded.checkpoint_parts()  # type: ignore[operator]
-        if not parts:
+        if self.local is None and self.sharded is None:
             raise ValueError(
                 "save: this collection has no local or sharded tables (hybrid: store.save)"
             )
-        write_from_rank0(self.group, path, parts, "embedding.EmbeddingCollection")
+        write_from_rank0(self.group, path, self.checkpoint_parts(), "embedding.EmbeddingCollection")
+
+    def checkpoint_parts(self) -> list[tuple[TableSpec, TablePart]]:
+        """Every local and sharded table whole (rows, optimizer state, clocks) as ``(spec,
+        part)`` for :func:`ps.checkpoint.write_checkpoint`; empty without such tables.
+        Collective in data parallel when there are sharded tables (they are gathered)."""
+        parts = [] if self.local is None else self.local.checkpoint_parts()
+        if self.sharded is not None:
+            parts += self.sharded.checkpoint_parts()  # type: ignore[operator]
+        return parts
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Load the local and sharded tables from a ps checkpoint (from :meth:`save`, or

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from comm import ProcessGroup
+from embedding.checkpoint_io import run_on_rank0
 from embedding.checks import check_ids, check_weights, whole_batch_in_range
 from embedding.config import TableConfig
 from embedding.fused_ops import (
@@ -56,7 +57,7 @@ from embedding.fused_ops import (
     sorted_segment_sum,
 )
 from embedding.jagged import KeyedJaggedIds
-from ps import InProcessStore, Store
+from ps import InProcessStore, Store, TableSpec
 from ps.kernels import rowwise_adagrad as cpu_kernel
 
 
@@ -73,6 +74,57 @@ def store_is_replicated(store: Store) -> bool:
             return False
         store, seen = inner, seen + 1
     return False
+
+
+def backing_store(store: Store) -> Store:
+    """The store that really holds the rows: ``store`` itself, or the one a cache (or
+    another wrapper with a ``store`` or ``inner`` attribute) wraps."""
+    for _ in range(8):
+        inner = getattr(store, "store", None) or getattr(store, "inner", None)
+        if not isinstance(inner, Store) or inner is store:
+            return store
+        store = inner
+    return store
+
+
+def create_table_once(store: Store, spec: TableSpec) -> None:
+    """``store.create_table(spec, exist_ok=True)``: create ``spec.name`` unless the store
+    has it with an equal spec; a different spec raises ``ps.TableSpecMismatch`` naming
+    both shapes and how to clear the old table."""
+    store.create_table(spec, exist_ok=True)
+
+
+def create_tables(
+    store: Store, specs: Sequence[TableSpec], group: ProcessGroup, shared: bool
+) -> None:
+    """Create the tables ``specs`` that ``store`` lacks (an existing table with an equal
+    spec is reused; a different spec raises ValueError naming both shapes).
+
+    A store shared by the ranks of ``group`` (MPI servers, Redis) is changed by rank 0
+    only while the others wait (collective): two ranks creating one table at the same
+    moment would race. Every rank raises if rank 0 failed, then checks the specs itself.
+    A per-rank store (or one rank) creates its own tables."""
+    if not shared or group.size == 1:
+        for spec in specs:
+            create_table_once(store, spec)
+        return
+
+    def create_all() -> None:
+        for spec in specs:
+            create_table_once(store, spec)
+
+    run_on_rank0(
+        group, create_all, f"creating the tables {[s.name for s in specs]} in the shared store"
+    )
+    if group.rank != 0:
+        for spec in specs:  # rank 0 made or found them: only the check is left
+            have = store.spec(spec.name)
+            if have != spec:
+                raise ValueError(
+                    f"EmbeddingCollection: the shared store's table {spec.name!r} is "
+                    f"{have.num_rows} x {have.dim} ({have}), this rank wants "
+                    f"{spec.num_rows} x {spec.dim} ({spec})"
+                )
 
 
 @dataclass(slots=True)
@@ -108,16 +160,7 @@ class HybridTables(nn.Module):
         if store_is_shared is None:
             store_is_shared = not store_is_replicated(store)
         self.store_is_shared = bool(store_is_shared)
-        existing = set(store.tables())
-        for cfg in configs:
-            spec = cfg.to_spec()
-            if cfg.name not in existing:
-                store.create_table(spec)
-            elif store.spec(cfg.name) != spec:
-                raise ValueError(
-                    f"EmbeddingCollection: the store already has a table {cfg.name!r} with "
-                    f"spec {store.spec(cfg.name)}, which differs from {spec}"
-                )
+        create_tables(store, [cfg.to_spec() for cfg in configs], group, self.store_is_shared)
         # Autograd needs one input that requires grad to record the lookup node.
         self._anchor = torch.zeros(0, requires_grad=True)
         # A zero tied to the lookup node when it has no named output in this batch

@@ -1,119 +1,82 @@
-"""Resumable training checkpoints for the example jobs: no pickle, atomic, any placement.
+"""Resumable training checkpoints: no pickle, atomic, any placement, any worker count.
+
+``save_model`` / ``load_model`` (from :mod:`hybridrec.model_state`, re-exported here)
+save and load one whole model; ``save_checkpoint`` / ``load_checkpoint`` add what a
+run needs to resume (step, the job's meta, per-rank RNG and data position, rotation).
 
 A checkpoint is one folder per saved step under ``--checkpoint-dir``::
 
     <dir>/latest                    the name of the newest complete checkpoint ("step-00000120")
     <dir>/step-00000120/
-      meta.json                     written last: format, step, the job's own state (JSON)
-      dense/  index.json + *.npy    the dense module's state_dict
-      optimizer/ ...                the torch optimizer's state_dict (same format), or
-      zero/   meta.json + *.npy     dense.save_zero_state (ZeRO: the gathered global state)
+      meta.json                     written last: format, step, world_size, the job's own state
+      model/                        the whole model (hybridrec.model_state.save_model):
+        model.json                  what was found: collections, placements, stores, caches
+        dense/                      the dense modules' state_dict (DataParallel's ``module.``
+                                    dropped), index.json + *.npy
+        optimizer/ or zero/         the torch optimizer's state_dict, or the ZeRO global state
+        embeddings/c000/tables/     local and sharded tables, whole (ps format)
+        stores/s000/                hybrid tables: the store's save, after every cache flushed
+        ranks/<rank>/codec/         per rank: gradient-codec residuals and generator states
+        ranks/<rank>/cache/         per rank: the cache contents (ids, copies, counters)
       ranks/  index.json + *.npy    per rank: torch RNG state and the job's int64 vector
                                     (e.g. a Criteo reader position)
-      tables/local/                 local tables (EmbeddingCollection.save, ps format)
-      tables/store/                 hybrid tables (store.save, after every cache is flushed)
-      tables/sharded/               sharded tables, gathered whole (ps format)
 
-Nested state (dicts with int keys, lists, tuples, tensors, JSON scalars) is
-written as a JSON skeleton plus one ``.npy`` per tensor (``allow_pickle=False``
-both ways). Rank 0 writes everything into ``step-N.tmp-<random>`` and renames it
-into place, then rewrites ``latest`` with ``os.replace``: a crash leaves either
-the old or the new checkpoint, never half of one. Every rank must see the folder
+Nested state is a JSON skeleton plus one ``.npy`` per tensor (:mod:`hybridrec.state_files`,
+``allow_pickle=False`` both ways). Rank 0 makes ``step-N.tmp-<random>`` (every rank
+learns its name), every rank writes its own ``ranks`` folders in it, rank 0 the rest,
+then renames it into place and rewrites ``latest`` with ``os.replace``: a crash leaves
+either the old or the new checkpoint, never half of one. Every rank must see the folder
 (one machine or a shared filesystem).
 
-Not saved: the gradient codec's error-feedback residuals (``--compression``), so
-a resumed compressed run is close to, not bit-equal with, an uninterrupted one.
+Worker count: the model loads at any count (see :mod:`hybridrec.model_state` for the
+rule of each part). The torch RNG and the job's per-rank vector belong to a rank of
+the saving run: at the same count each rank gets its own back; at another count
+(``resize=True``) no rank restores an RNG (each keeps the stream it was seeded with)
+and the per-rank vector is None, so the job restarts its data position from the
+global step in ``meta``. Without ``resize`` another count is an error, since a job
+that keeps a per-rank data position would silently start its data over.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from comm import ProcessGroup
-from dense import ZeroOptimizer, load_zero_state, save_zero_state
 from embedding import EmbeddingCollection
-from embedding.hybrid import store_is_replicated
-from ps.checkpoint import TablePart, write_checkpoint
+from embedding.checkpoint_io import run_on_rank0
+from hybridrec.model_state import (
+    DenseOptimizer,
+    load_model,
+    read_model_doc,
+    save_model,
+    shared_tmp,
+    swap_in,
+    write_model,
+)
+from hybridrec.state_files import flatten, read_state, unflatten, write_state
 
-FORMAT = "hybridrec-run/1"
+FORMAT = "hybridrec-run/2"
 LATEST = "latest"
-DenseOptimizer = torch.optim.Optimizer | ZeroOptimizer
 
-
-# ---------------------------------------------------------------- nested state <-> .npy + JSON
-
-
-def flatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """``obj`` -> a JSON skeleton; its tensors go to ``tensors`` under numbered names."""
-    if isinstance(obj, torch.Tensor):
-        name = f"{len(tensors):06d}"
-        tensors[name] = obj.detach().cpu()
-        return {"__tensor__": name}
-    if isinstance(obj, Mapping):  # keys may be ints (optimizer state): keep their type
-        return {"__dict__": [[k, flatten(v, tensors)] for k, v in obj.items()]}
-    if isinstance(obj, tuple):
-        return {"__tuple__": [flatten(v, tensors) for v in obj]}
-    if isinstance(obj, list):
-        return [flatten(v, tensors) for v in obj]
-    if obj is None or isinstance(obj, bool | int | float | str):
-        return obj
-    raise TypeError(f"checkpoint: cannot store a {type(obj).__name__} ({obj!r}) without pickle")
-
-
-def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """The inverse of :func:`flatten`."""
-    if isinstance(skeleton, dict):
-        if "__tensor__" in skeleton:
-            return tensors[skeleton["__tensor__"]]
-        if "__dict__" in skeleton:
-            return {k: unflatten(v, tensors) for k, v in skeleton["__dict__"]}
-        if "__tuple__" in skeleton:
-            return tuple(unflatten(v, tensors) for v in skeleton["__tuple__"])
-        raise ValueError(f"checkpoint: unknown skeleton entry {sorted(skeleton)}")
-    if isinstance(skeleton, list):
-        return [unflatten(v, tensors) for v in skeleton]
-    return skeleton
-
-
-def write_state(folder: Path, obj: Any) -> None:
-    """Write nested state as ``folder/index.json`` + one ``.npy`` per tensor."""
-    folder.mkdir(parents=True)
-    tensors: dict[str, torch.Tensor] = {}
-    skeleton = flatten(obj, tensors)
-    dtypes = {}
-    for name, t in tensors.items():
-        if t.dtype == torch.bfloat16:  # numpy has no bfloat16: keep the bits
-            arr, dtypes[name] = t.view(torch.int16).numpy(), "bfloat16"
-        else:
-            arr, dtypes[name] = t.contiguous().numpy(), str(t.dtype).removeprefix("torch.")
-        np.save(folder / f"{name}.npy", arr, allow_pickle=False)
-    doc = {"skeleton": skeleton, "dtypes": dtypes}
-    (folder / "index.json").write_text(json.dumps(doc), encoding="utf-8")
-
-
-def read_state(folder: Path) -> Any:
-    """Read what :func:`write_state` wrote (never unpickles: object arrays are refused)."""
-    doc = json.loads((folder / "index.json").read_text(encoding="utf-8"))
-    tensors = {}
-    for name, dtype in doc["dtypes"].items():
-        if not name.isdigit():
-            raise ValueError(f"checkpoint {folder}: bad tensor name {name!r}")
-        t = torch.from_numpy(np.load(folder / f"{name}.npy", allow_pickle=False).copy())
-        tensors[name] = t.view(torch.bfloat16) if dtype == "bfloat16" else t
-    return unflatten(doc["skeleton"], tensors)
-
-
-# ---------------------------------------------------------------- the run checkpoint
+__all__ = [
+    "DenseOptimizer",
+    "flatten",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_model",
+    "read_state",
+    "save_checkpoint",
+    "save_model",
+    "unflatten",
+    "write_state",
+]
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
@@ -127,26 +90,14 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     return path
 
 
-def _agree(group: ProcessGroup, error: BaseException | None, what: str) -> None:
-    """Collective: raise on every rank if ``what`` failed on any (rank 0 writes alone)."""
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-    group.allreduce(flag, op="max")
-    if error is not None:
-        raise error
-    if int(flag) != 0:
-        raise RuntimeError(f"{what} failed on rank 0 (see its error)")
+class RunModel(nn.Module):
+    """What a run checkpoint saves as its model: the dense module (plain, or wrapped in
+    ``DataParallel``: its codec state is saved too) and the embedding collection."""
 
-
-def _flush(embeddings: EmbeddingCollection) -> None:
-    flush = getattr(embeddings.store, "flush", None)  # a cache: push pending row updates
-    if embeddings.hybrid is not None and callable(flush):
-        flush()
-
-
-def _sharded_parts(embeddings: EmbeddingCollection) -> list[tuple[Any, TablePart]]:
-    """Collective: every sharded table gathered whole (``[num_rows, D]`` on every rank)."""
-    sharded: Any = embeddings.sharded
-    return [] if sharded is None else list(sharded.checkpoint_parts())
+    def __init__(self, dense: nn.Module, embeddings: EmbeddingCollection) -> None:
+        super().__init__()
+        self.dense = dense
+        self.embeddings = embeddings
 
 
 def save_checkpoint(
@@ -163,71 +114,53 @@ def save_checkpoint(
 ) -> Path:
     """Collective over ``group`` (the workers): write ``root/step-<step>`` and point
     ``latest`` at it; keep the newest ``keep`` checkpoints. ``meta`` is JSON (rank 0's
-    is written); ``rank_state`` an int64 ``[k]`` vector of this rank (same k everywhere)."""
-    _flush(embeddings)  # every worker pushes its pending updates before rank 0 saves the store
-    zero = optimizer.state_dict() if isinstance(optimizer, ZeroOptimizer) else None  # collective
-    sharded = _sharded_parts(embeddings)  # collective
+    is written); ``rank_state`` an int64 ``[k]`` vector of this rank (same k everywhere).
+    ``dense`` may be the ``DataParallel`` wrapper (then its codec state is saved)."""
     mine = torch.empty(0, dtype=torch.int64) if rank_state is None else rank_state
     states = group.allgather(mine.to(torch.int64).contiguous())  # [size, k]
     rngs = group.allgather(torch.get_rng_state().contiguous())  # [size, n] uint8
-    group.barrier()  # every flush has reached a shared store
     final = Path(root) / f"step-{step:08d}"
-    error: BaseException | None = None
-    if group.rank == 0:
-        try:
-            _write(final, step, dense, optimizer, zero, embeddings, sharded, meta, states, rngs)
-            _prune(Path(root), keep)
-        except Exception as e:  # reported on every rank by _agree
-            error = e
-    _agree(group, error, f"saving checkpoint {final}")
+    tmp = shared_tmp(group, final)
+    try:
+        write_model(tmp / "model", RunModel(dense, embeddings), optimizer, group)
+        run_on_rank0(
+            group,
+            lambda: _finish(tmp, final, step, meta, states, rngs, keep),
+            f"saving checkpoint {final}",
+        )
+    except BaseException:
+        if group.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 
-def _write(
+def _finish(
+    tmp: Path,
     final: Path,
     step: int,
-    dense: nn.Module,
-    optimizer: DenseOptimizer,
-    zero: dict[str, Any] | None,
-    embeddings: EmbeddingCollection,
-    sharded: list[tuple[Any, TablePart]],
     meta: dict[str, Any],
     states: torch.Tensor,
     rngs: torch.Tensor,
+    keep: int,
 ) -> None:
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f"{final.name}.tmp-{secrets.token_hex(6)}")
-    tmp.mkdir()
-    try:
-        write_state(tmp / "dense", dense.state_dict())
-        if zero is not None:
-            save_zero_state(zero, tmp / "zero")
-        else:
-            assert isinstance(optimizer, torch.optim.Optimizer)
-            write_state(tmp / "optimizer", optimizer.state_dict())
-        write_state(tmp / "ranks", {"state": states, "rng": rngs})
-        (tmp / "tables").mkdir()
-        if embeddings.local is not None:  # rank 0 only: the module's own (not collective) save
-            embeddings.local.save(tmp / "tables" / "local")
-        if embeddings.hybrid is not None:
-            embeddings.store.save(tmp / "tables" / "store")
-        if sharded:
-            write_checkpoint(tmp / "tables" / "sharded", [(s, [p]) for s, p in sharded])
-        doc = {"format": FORMAT, "step": step, "world_size": int(states.shape[0]), **meta}
-        (tmp / "meta.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
-        if final.exists():  # saved at this step before (e.g. the final save): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    pointer = final.parent / f"{LATEST}.tmp-{secrets.token_hex(4)}"
+    """Rank 0: the per-rank vectors, ``meta.json`` last, the rename, ``latest``, pruning."""
+    write_state(tmp / "ranks", {"state": states, "rng": rngs})
+    doc = {"format": FORMAT, "step": step, "world_size": int(states.shape[0]), **meta}
+    (tmp / "meta.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    swap_in(tmp, final)  # saved at this step before (e.g. the final save): replaced
+    pointer = final.parent / f"{LATEST}.tmp-{os.urandom(4).hex()}"
     pointer.write_text(final.name + "\n", encoding="utf-8")
     os.replace(pointer, final.parent / LATEST)
+    _prune(final.parent, keep)
 
 
 def _prune(root: Path, keep: int) -> None:
-    steps = sorted(p for p in root.glob("step-*") if p.is_dir() and ".tmp-" not in p.name)
+    steps = sorted(
+        p
+        for p in root.glob("step-*")
+        if p.is_dir() and ".tmp-" not in p.name and ".old-" not in p.name
+    )
     for old in steps[: max(0, len(steps) - keep)]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -239,34 +172,30 @@ def load_checkpoint(
     dense: nn.Module,
     optimizer: DenseOptimizer,
     embeddings: EmbeddingCollection,
+    resize: bool = False,
 ) -> tuple[dict[str, Any], torch.Tensor | None]:
     """Collective: restore everything :func:`save_checkpoint` wrote into freshly built
-    modules; returns ``(meta, this rank's rank_state or None)``. The world size must
-    be the one saved (the data position and the RNG are per rank)."""
+    modules; returns ``(meta, this rank's rank_state or None)``.
+
+    At the saving worker count each rank gets its RNG and ``rank_state`` back. At
+    another count ``resize=True`` is needed: the model reshards (every placement, see
+    :mod:`hybridrec.model_state`), no RNG is restored and ``rank_state`` is None."""
     folder = Path(path)
     meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
     if meta.get("format") != FORMAT:
         raise ValueError(f"checkpoint {folder}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    if meta["world_size"] != group.size:
+    saved = int(meta["world_size"])
+    if saved != group.size and not resize:
         raise ValueError(
-            f"checkpoint {folder} was written by {meta['world_size']} worker ranks; this job "
-            f"has {group.size} (resume with the same number of workers)"
+            f"checkpoint {folder} was written by {saved} worker ranks; this job has "
+            f"{group.size} (resume with the same number of workers, or load with "
+            "resize=True: the model reshards, but per-rank RNG and data positions restart)"
         )
-    dense.load_state_dict(read_state(folder / "dense"))
-    if isinstance(optimizer, ZeroOptimizer):
-        optimizer.load_state_dict(load_zero_state(folder / "zero"))
-    else:
-        optimizer.load_state_dict(read_state(folder / "optimizer"))
+    read_model_doc(folder / "model")  # a clear error for a folder that is not complete
+    load_model(folder / "model", RunModel(dense, embeddings), optimizer, group=group)
+    if saved != group.size:
+        return meta, None
     ranks = read_state(folder / "ranks")
     torch.set_rng_state(ranks["rng"][group.rank].clone())
-    if embeddings.local is not None:
-        embeddings.local.load(folder / "tables" / "local")
-    if embeddings.hybrid is not None:
-        store = embeddings.store
-        if store_is_replicated(store) or group.rank == 0:  # a shared store: loaded once
-            store.load(folder / "tables" / "store")
-        group.barrier()
-    if embeddings.sharded is not None:
-        embeddings.sharded.load(folder / "tables" / "sharded")  # type: ignore[operator]
     state = ranks["state"][group.rank]
     return meta, (state if state.numel() else None)
