@@ -25,7 +25,7 @@ from hybridrec.errors import (
     show_tracebacks,
 )
 from multiproc import RANKS_DIR, ROOT, free_port, mpirun_path
-from ps.redis_conn import RedisAuthError, RedisUnavailableError
+from ps.redis.conn import RedisAuthError, RedisUnavailableError
 
 CONSOLE = Path(sys.executable).parent / "hybridrec"  # installed by pyproject [project.scripts]
 TINY_DLRM = shlex.split(

@@ -47,8 +47,8 @@ from embedding import EmbeddingCollection, KeyedJaggedIds, RowWiseAdagrad, Table
 from hybridrec.checkpoint import load_checkpoint, save_checkpoint
 from hybridrec.model_state import load_model, save_model
 from hybridrec.state_files import read_state
-from ps.mpi_server import serve_mpi
-from ps.mpi_store import MPIStore
+from ps.mpi.server import serve_mpi
+from ps.mpi.store import MPIStore
 
 GLOBAL_BATCH, ROWS, DIM = 8, 20, 4
 VARIANTS = ("topk", "zero1", "zero2")
