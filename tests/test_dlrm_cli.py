@@ -21,7 +21,7 @@ def test_defaults_and_every_option() -> None:
     assert parse_args([]) == TrainConfig()
     argv = (
         "--data synthetic --epochs 2 --batch-size 64 --lr 0.01 --dense-optimizer adagrad "
-        "--emb-lr 0.2 --dim 8 --bottom-mlp 32 16 --top-mlp 8 --seed 3 --synthetic-rows 50 "
+        "--emb-lr 0.2 --dim 8 --bottom-mlp 32 8 --top-mlp 8 1 --seed 3 --synthetic-rows 50 "
         "--synthetic-samples 500 --max-steps 7 --backend local --validate-comm --threads 2 "
         "--metrics-out m.jsonl --ps mpi:2 --placement hybrid --placement-of C1=sharded "
         "--cache-rows 10 --read-bound 2 --write-bound 1 --cache-policy lfu --compression fp16 "
@@ -31,7 +31,7 @@ def test_defaults_and_every_option() -> None:
     cfg = parse_args(argv.split())
     assert cfg == TrainConfig(
         data="synthetic", epochs=2, batch_size=64, lr=0.01, dense_optimizer="adagrad",
-        emb_lr=0.2, dim=8, bottom_mlp=[32, 16], top_mlp=[8], seed=3, synthetic_rows=50,
+        emb_lr=0.2, dim=8, bottom_mlp=[32, 8], top_mlp=[8, 1], seed=3, synthetic_rows=50,
         synthetic_samples=500, max_steps=7, backend="local", validate_comm=True, threads=2,
         metrics_out="m.jsonl", ps="mpi:2", placement="hybrid", placement_of=["C1=sharded"],
         cache_rows=10, read_bound=2, write_bound=1, cache_policy="lfu", compression="fp16",
@@ -52,9 +52,9 @@ def test_help_explains_every_option() -> None:
 
 def test_config_file_then_command_line(tmp_path: Path) -> None:
     toml = tmp_path / "run.toml"
-    toml.write_text('data = "synthetic"\nbatch-size = 64\ntop_mlp = [8]\nps = "mpi:2"\n')
+    toml.write_text('data = "synthetic"\nbatch-size = 64\ntop_mlp = [8, 1]\nps = "mpi:2"\n')
     cfg = parse_args(["--config", str(toml), "--batch-size", "32"])
-    assert (cfg.data, cfg.batch_size, cfg.top_mlp, cfg.ps) == ("synthetic", 32, [8], "mpi:2")
+    assert (cfg.data, cfg.batch_size, cfg.top_mlp, cfg.ps) == ("synthetic", 32, [8, 1], "mpi:2")
     (tmp_path / "run.json").write_text(json.dumps({"zero_stage": 2, "placement": "sharded"}))
     cfg = parse_args(["--config", str(tmp_path / "run.json")])
     assert (cfg.zero_stage, cfg.placement) == (2, "sharded")

@@ -51,7 +51,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def _cfg(files: dict[str, str], **kw: object) -> TrainConfig:
     base: dict[str, object] = dict(
         data="criteo", criteo_path=[files["train"]], criteo_val_path=[files["val"]],
-        batch_size=64, epochs=2, dim=8, bottom_mlp=[16], top_mlp=[16], lr=0.01, emb_lr=0.1,
+        batch_size=64, epochs=2, dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1], lr=0.01, emb_lr=0.1,
         verbose=False, progress=False, log_every=5, eval_batch_size=256,
     )  # fmt: skip
     base.update(kw)
@@ -82,8 +82,8 @@ def test_two_ranks_read_disjoint_lines_of_the_same_global_batches(
     out = tmp_path / "m.jsonl"
     args = [
         "--data", "criteo", "--criteo-path", files["train"], "--criteo-val-path", files["val"],
-        "--batch-size", "64", "--epochs", "1", "--dim", "8", "--bottom-mlp", "16", "--top-mlp",
-        "16", "--lr", "0.01", "--emb-lr", "0.1", "--log-every", "1", "--no-progress",
+        "--batch-size", "64", "--epochs", "1", "--dim", "8", "--bottom-mlp", "16", "8",
+        "--top-mlp", "16", "1", "--lr", "0.01", "--emb-lr", "0.1", "--log-every", "1", "--no-progress",
         "--eval-batch-size", "256", "--metrics-out", str(out),
     ]  # fmt: skip
     run_ranks(SCRIPT, 2, "mpi", args=args, timeout=220)

@@ -37,7 +37,7 @@ from multiproc import ROOT, run_ranks
 
 DLRM = dict(
     data="synthetic", synthetic_samples=2_000, synthetic_rows=200, batch_size=100, epochs=2,
-    dim=8, bottom_mlp=[16], top_mlp=[16], verbose=False, progress=False, log_every=1,
+    dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1], verbose=False, progress=False, log_every=1,
 )  # fmt: skip
 
 
@@ -103,7 +103,7 @@ def test_dlrm_resume_under_mpirun(tmp_path: Path) -> None:
     script = ROOT / "examples" / "train_dlrm.py"
     names = ("data", "synthetic_samples", "synthetic_rows", "batch_size", "epochs", "dim")
     args = [f"--{k.replace('_', '-')}={DLRM[k]}" for k in names]
-    args += ["--bottom-mlp", "16", "--top-mlp", "16", "--log-every", "1", "--no-progress"]
+    args += ["--bottom-mlp", "16", "8", "--top-mlp", "16", "1", "--log-every", "1", "--no-progress"]
     full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
     ck = f"--checkpoint-dir={tmp_path / 'ck'}"
     run_ranks(script, 2, "mpi", [*args, f"--metrics-out={full}"], timeout=200)
