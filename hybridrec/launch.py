@@ -298,7 +298,8 @@ class Launch:
             if job.is_worker:  # server ranks served inside __enter__ and skip the body
                 train(cfg, job.group, job.store, roles=job.topology)
 
-    ``__enter__`` starts the world (``comm.init``), checks the roles against the job on
+    ``__enter__`` sets torch's thread count (``threads``, 0: torch's default), starts
+    the world (``comm.init``), checks the roles against the job on
     every rank before anything starts (``--ps`` needs the right backend and enough
     ranks; the global batch splits over the workers), then opens ``--ps``: a PS server
     rank serves there until every worker closed its store. ``__exit__`` closes the
@@ -313,14 +314,18 @@ class Launch:
         batch_size: int | None = None,
         validate: bool = False,
         timeout_s: float | None = None,
+        threads: int = 0,
     ) -> None:
         parse_ps(ps)  # a bad --ps fails before any process group starts
         self.backend, self.ps, self.batch_size = backend, ps, batch_size
-        self.validate, self.timeout_s = validate, timeout_s
+        self.validate, self.timeout_s, self.threads = validate, timeout_s, threads
+        self._threads_before = torch.get_num_threads()
         self.world: ProcessGroup | None = None
         self.role: PSRole | None = None
 
     def __enter__(self) -> Launch:
+        if self.threads:  # torch threads per rank (restored on exit)
+            torch.set_num_threads(self.threads)
         if self.timeout_s is None:
             self.world = comm.init(self.backend, validate=self.validate)
         else:
@@ -348,6 +353,7 @@ class Launch:
             if self.world is not None:
                 world, self.world = self.world, None
                 world.close()
+            torch.set_num_threads(self._threads_before)
 
     def _opened(self) -> PSRole:
         if self.role is None:

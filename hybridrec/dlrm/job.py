@@ -42,7 +42,7 @@ from hybridrec.metrics_log import cache_metrics, store_metrics
 from hybridrec.trainer import Trainer, TrainerConfig, TrainResult
 from ps import InProcessStore, Store
 
-__all__ = ["TrainConfig", "main", "parse_args", "train", "train_step"]
+__all__ = ["DLRMJob", "TrainConfig", "main", "parse_args", "train", "train_step"]
 
 # Options that change the shapes a checkpoint holds: a resume names those that differ.
 SHAPE_OPTIONS = (
@@ -178,8 +178,8 @@ def train(
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        store = InProcessStore() if store is None else store
-        return _train(cfg, group, store, roles or Topology.of(group))
+        job = DLRMJob(cfg, group, InProcessStore() if store is None else store, roles=roles)
+        return job.close(job.trainer.fit())
     finally:
         torch.set_num_threads(before)
 
@@ -195,61 +195,78 @@ def trainer_config(cfg: TrainConfig, lookahead: bool, lockstep: bool) -> Trainer
     )  # fmt: skip
 
 
-def _train(cfg: TrainConfig, group: ProcessGroup, store: Store, roles: Topology) -> dict[str, Any]:
-    say = print if (cfg.verbose and group.rank == 0) else (lambda *a, **k: None)
-    check_batch_size(cfg.batch_size, Topology.of(group))
-    source = open_source(cfg, group)
-    placements = resolve_placements(cfg, source.features)
-    model, opt, cached = build(cfg, source, group, store, placements)
-    lockstep = model.embeddings.sharded is not None  # every rank in each eval forward
-    say(f"DLRM on {source.describe()}; {describe_roles(roles, group.backend)}")
+class DLRMJob:
+    """A built DLRM run on the workers ``group``: data, model, optimizer, cache and its
+    :class:`Trainer`. ``result = job.close(job.trainer.fit())``."""
 
-    def validate() -> dict[str, Any] | None:
-        if not source.has_split("val"):
+    def __init__(
+        self, cfg: TrainConfig, group: ProcessGroup, store: Store, *, roles: Topology | None = None
+    ) -> None:
+        check_batch_size(cfg.batch_size, Topology.of(group))
+        self.cfg, self.group = cfg, group
+        self.source = open_source(cfg, group)
+        placements = resolve_placements(cfg, self.source.features)
+        self.model, self.optimizer, self.cached = build(cfg, self.source, group, store, placements)
+        self.lockstep = self.model.embeddings.sharded is not None  # every rank in each forward
+        self.say(f"DLRM on {self.source.describe()}; "
+                 f"{describe_roles(roles or Topology.of(group), group.backend)}")  # fmt: skip
+        stream = isinstance(self.source, CriteoSource)  # ranks may hold one batch more or less
+        model, opt = self.model, self.optimizer
+        self.trainer = Trainer(
+            trainer_config(cfg, lookahead=self.cached is not None, lockstep=stream),
+            group=group, optimizer=opt, data=self.source,
+            step=lambda batch, nxt: train_step(model, opt, batch, nxt),
+            dense=dense_module(model), embeddings=model.embeddings, evaluate=self.validate,
+            extras=self.extras, on_row=self.show,
+            run_config={**asdict(cfg), "placements": placements}, shape_options=SHAPE_OPTIONS,
+        )  # fmt: skip
+
+    def say(self, text: str) -> None:
+        if self.cfg.verbose and self.group.rank == 0:
+            print(text, flush=True)
+
+    def validate(self) -> dict[str, Any] | None:
+        """Validation AUC and log loss (collective); None without a validation split."""
+        if not self.source.has_split("val"):
             return None
-        auc, logloss = evaluate(model, source.eval_batches("val"), group, lockstep)
+        val = self.source.eval_batches("val")
+        auc, logloss = evaluate(self.model, val, self.group, self.lockstep)
         row = {"val_auc": auc, "val_logloss": logloss}
-        if cached is not None:
-            row["cache_hit_rate"] = cache_metrics(cached.cache_stats())["cache_hit_rate"]
+        if self.cached is not None:
+            row["cache_hit_rate"] = cache_metrics(self.cached.cache_stats())["cache_hit_rate"]
         return row
 
-    def extras() -> dict[str, float]:
-        if cached is not None:
-            return cache_metrics(cached.cache_stats())
-        if model.embeddings.hybrid is not None:
-            return store_metrics(model.embeddings.store.stats())
+    def extras(self) -> dict[str, float]:
+        """Counters for the metrics file's step lines: cache or store traffic."""
+        if self.cached is not None:
+            return cache_metrics(self.cached.cache_stats())
+        if self.model.embeddings.hybrid is not None:
+            return store_metrics(self.model.embeddings.store.stats())
         return {}
 
-    def show(row: dict[str, Any]) -> None:
+    def show(self, row: dict[str, Any]) -> None:
         if row["kind"] != "epoch":
             return
         loss = "-" if row["train_loss"] is None else f"{row['train_loss']:.4f}"
         val = (f"  val AUC {row['val_auc']:.4f}  val logloss {row['val_logloss']:.4f}"
                if "val_auc" in row else "")  # fmt: skip
-        say(f"epoch {row['epoch']}: train loss {loss}{val}")
+        self.say(f"epoch {row['epoch']}: train loss {loss}{val}")
 
-    stream = isinstance(source, CriteoSource)  # ranks may hold one batch more or less
-    trainer = Trainer(
-        trainer_config(cfg, lookahead=cached is not None, lockstep=stream),
-        group=group, optimizer=opt, data=source,
-        step=lambda batch, nxt: train_step(model, opt, batch, nxt),
-        dense=dense_module(model), embeddings=model.embeddings, evaluate=validate,
-        extras=extras, on_row=show, run_config={**asdict(cfg), "placements": placements},
-        shape_options=SHAPE_OPTIONS,
-    )  # fmt: skip
-    run = trainer.fit()
-    if cached is not None:
-        cached.flush()  # every pending row update reaches the store
-    result = finish(cfg, group, model, source, lockstep, run)
-    if cached is not None:
-        result["cache"] = cached.cache_stats()
-        result.update(cache_metrics(result["cache"]))
-    if isinstance(model.dense, DataParallel) and model.dense.codec is not None:
-        result["codec_stats"] = dict(model.dense.codec.stats)
-    say(summary_line(result))
-    trainer.write(result)
-    trainer.close()
-    return result
+    def close(self, run: TrainResult) -> dict[str, Any]:
+        """Collective: test metrics and the summary, written to the metrics file; returns it."""
+        if self.cached is not None:
+            self.cached.flush()  # every pending row update reaches the store
+        model = self.model
+        result = finish(self.cfg, self.group, model, self.source, self.lockstep, run)
+        if self.cached is not None:
+            result["cache"] = self.cached.cache_stats()
+            result.update(cache_metrics(result["cache"]))
+        if isinstance(model.dense, DataParallel) and model.dense.codec is not None:
+            result["codec_stats"] = dict(model.dense.codec.stats)
+        self.say(summary_line(result))
+        self.trainer.write(result)
+        self.trainer.close()
+        return result
 
 
 def finish(
@@ -319,9 +336,12 @@ def summary_line(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Config -> launch (roles, store) -> train -> close."""
+    """Config -> launch (roles, store) -> build -> train -> close."""
     cfg = parse_args(argv)
-    with Launch(cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size,
-                validate=cfg.validate_comm) as job:  # fmt: skip
-        if job.is_worker:  # a PS server rank has served inside Launch and skips this
-            train(cfg, job.group, job.store, roles=job.topology)
+    with Launch(
+        cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size, validate=cfg.validate_comm,
+        threads=cfg.threads,
+    ) as launch:  # fmt: skip
+        if launch.is_worker:  # a PS server rank has served inside Launch and skips this
+            job = DLRMJob(cfg, launch.group, launch.store, roles=launch.topology)
+            job.close(job.trainer.fit())

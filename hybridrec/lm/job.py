@@ -51,10 +51,10 @@ from hybridrec.lm.model import (
     token_table,
 )
 from hybridrec.metrics_log import cache_metrics
-from hybridrec.trainer import Trainer, TrainerConfig, plain_step
+from hybridrec.trainer import Trainer, TrainerConfig, TrainResult, plain_step
 from ps import InProcessStore, Store
 
-__all__ = ["LMConfig", "build_parser", "embed_tokens", "main", "parse_args", "train"]
+__all__ = ["LMConfig", "LMJob", "build_parser", "embed_tokens", "main", "parse_args", "train"]
 
 DESCRIPTION = __doc__.split("\n")[0]
 # Options that change the shapes a checkpoint holds: a resume names those that differ.
@@ -123,128 +123,142 @@ def train(
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        store = InProcessStore() if store is None else store
-        return _train(cfg, group, store, roles or Topology.of(group))
+        job = LMJob(cfg, group, InProcessStore() if store is None else store, roles=roles)
+        return job.close(job.trainer.fit())
     finally:
         torch.set_num_threads(before)
 
 
-def _train(cfg: LMConfig, group: ProcessGroup, store: Store, roles: Topology) -> dict[str, Any]:
-    say = print if (cfg.verbose and group.rank == 0) else (lambda *a, **k: None)
-    check_batch_size(cfg.batch_size, Topology.of(group))
-    corpus = load_corpus(cfg.text_dir, max_bytes=cfg.max_bytes)
-    tokenizer = make_tokenizer(cfg.tokenizer, cfg.bpe_file)
-    splits = split_tokens(tokenize(corpus.text, tokenizer))
-    vocab = tokenizer.vocab_size
-    say(f"corpus {corpus.description}")
-    say(
-        f"tokenizer {tokenizer.name} (vocab {vocab}): {len(splits.train)} train / "
-        f"{len(splits.val)} validation tokens"
-    )
+class LMJob:
+    """A built language-model run on the workers ``group``: corpus, tokenizer, model,
+    optimizer and its :class:`Trainer`. ``result = job.close(job.trainer.fit())``."""
 
-    # ---- build
-    torch.manual_seed(cfg.seed)  # the same GPT init everywhere (rank 0's is broadcast anyway)
-    gpt = GPT(
-        GPTConfig(
-            vocab_size=vocab,
-            block_size=cfg.block_size,
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            d_model=cfg.d_model,
-            dropout=cfg.dropout,
+    def __init__(
+        self, cfg: LMConfig, group: ProcessGroup, store: Store, *, roles: Topology | None = None
+    ) -> None:
+        check_batch_size(cfg.batch_size, Topology.of(group))
+        self.cfg, self.group = cfg, group
+        self.corpus = load_corpus(cfg.text_dir, max_bytes=cfg.max_bytes)
+        self.tokenizer = make_tokenizer(cfg.tokenizer, cfg.bpe_file)
+        splits = split_tokens(tokenize(self.corpus.text, self.tokenizer))
+        vocab = self.vocab = self.tokenizer.vocab_size
+        self.say(f"corpus {self.corpus.description}")
+        self.say(
+            f"tokenizer {self.tokenizer.name} (vocab {vocab}): {len(splits.train)} train / "
+            f"{len(splits.val)} validation tokens"
         )
-    )
-    trained, opt = make_dense_optimizer(cfg, gpt, group)
-    cached = with_cache(cfg, store, group)
-    table = token_table(cfg, vocab)
-    if table.placement == "hybrid":
-        prepare_tables(store, [table.to_spec()], group, cfg.tables_policy)
-    tokens = EmbeddingCollection(
-        [table], store=cached if cached is not None else store, group=group
-    )
-    model = LanguageModel(tokens, trained)
-    say(
-        f"GPT {cfg.n_layer}x{cfg.d_model} ({gpt.num_parameters()} dense parameters) + token "
-        f"table {vocab}x{cfg.d_model} ({cfg.placement}, {cfg.emb_optimizer}); "
-        f"{describe_roles(roles, group.backend)}, zero stage {cfg.zero_stage}"
-    )
-    val = eval_batches(
-        splits.val,
-        num_batches=cfg.eval_batches,
-        global_batch=cfg.batch_size,
-        block_size=cfg.block_size,
-        rank=group.rank,
-        size=group.size,
-    )
+        torch.manual_seed(cfg.seed)  # the same GPT init everywhere (rank 0's is broadcast)
+        gpt = GPT(
+            GPTConfig(
+                vocab_size=vocab,
+                block_size=cfg.block_size,
+                n_layer=cfg.n_layer,
+                n_head=cfg.n_head,
+                d_model=cfg.d_model,
+                dropout=cfg.dropout,
+            )
+        )
+        trained, self.optimizer = make_dense_optimizer(cfg, gpt, group)
+        self.cached = with_cache(cfg, store, group)
+        table = token_table(cfg, vocab)
+        if table.placement == "hybrid":
+            prepare_tables(store, [table.to_spec()], group, cfg.tables_policy)
+        tokens = EmbeddingCollection(
+            [table], store=self.cached if self.cached is not None else store, group=group
+        )
+        self.model = LanguageModel(tokens, trained)
+        self.say(
+            f"GPT {cfg.n_layer}x{cfg.d_model} ({gpt.num_parameters()} dense parameters) + token "
+            f"table {vocab}x{cfg.d_model} ({cfg.placement}, {cfg.emb_optimizer}); "
+            f"{describe_roles(roles or Topology.of(group), group.backend)}, "
+            f"zero stage {cfg.zero_stage}"
+        )
+        self.val = eval_batches(
+            splits.val,
+            num_batches=cfg.eval_batches,
+            global_batch=cfg.batch_size,
+            block_size=cfg.block_size,
+            rank=group.rank,
+            size=group.size,
+        )
+        cached = self.cached
+        # An evaluation first, every eval_every steps and after the last step.
+        self.trainer = Trainer(
+            TrainerConfig(
+                max_steps=cfg.steps, samples_per_step=cfg.batch_size, log_every=cfg.log_every,
+                eval_every=cfg.eval_every, eval_at_start=True, eval_at_end=True,
+                epoch_rows=False, checkpoint_dir=cfg.checkpoint_dir,
+                checkpoint_every=cfg.checkpoint_every, checkpoint_keep=cfg.checkpoint_keep,
+                resume=cfg.resume, metrics_out=cfg.metrics_out, progress=cfg.progress,
+                verbose=cfg.verbose,
+            ),
+            group=group, optimizer=self.optimizer, data=Windows(splits.train, cfg, group),
+            step=plain_step(self.model, gpt_loss, self.optimizer), dense=gpt, embeddings=tokens,
+            evaluate=self.validate, on_row=self.show,
+            extras=(lambda: cache_metrics(cached.cache_stats())) if cached is not None else None,
+            run_config={**asdict(cfg), "vocab_size": vocab}, shape_options=SHAPE_OPTIONS,
+        )  # fmt: skip
 
-    def validate() -> dict[str, Any]:
-        loss = evaluate(model, val, group)
+    def say(self, text: str) -> None:
+        if self.cfg.verbose and self.group.rank == 0:
+            print(text, flush=True)
+
+    def validate(self) -> dict[str, Any]:
+        """Validation loss (nats per token) and perplexity (collective)."""
+        loss = evaluate(self.model, self.val, self.group)
         return {"val_loss": loss, "val_ppl": math.exp(loss)}
 
-    def show(row: dict[str, Any]) -> None:
+    def show(self, row: dict[str, Any]) -> None:
         loss = row["val_loss"]
-        bits = f"  {loss / math.log(2):.3f} bits/byte" if tokenizer.name == "byte" else ""
+        bits = f"  {loss / math.log(2):.3f} bits/byte" if self.tokenizer.name == "byte" else ""
         train_part = "" if row["train_loss"] is None else f"train loss {row['train_loss']:.4f}  "
         ppl = f"ppl {row['val_ppl']:.2f}"
-        say(f"step {row['step']:5d}: {train_part}val loss {loss:.4f}  {ppl}{bits}")
+        self.say(f"step {row['step']:5d}: {train_part}val loss {loss:.4f}  {ppl}{bits}")
 
-    # ---- train: an evaluation first, every eval_every steps and after the last step
-    trainer = Trainer(
-        TrainerConfig(
-            max_steps=cfg.steps, samples_per_step=cfg.batch_size, log_every=cfg.log_every,
-            eval_every=cfg.eval_every, eval_at_start=True, eval_at_end=True, epoch_rows=False,
-            checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
-            checkpoint_keep=cfg.checkpoint_keep, resume=cfg.resume, metrics_out=cfg.metrics_out,
-            progress=cfg.progress, verbose=cfg.verbose,
-        ),
-        group=group, optimizer=opt, data=Windows(splits.train, cfg, group),
-        step=plain_step(model, gpt_loss, opt), dense=gpt, embeddings=tokens,
-        evaluate=validate, on_row=show,
-        extras=(lambda: cache_metrics(cached.cache_stats())) if cached is not None else None,
-        run_config={**asdict(cfg), "vocab_size": vocab}, shape_options=SHAPE_OPTIONS,
-    )  # fmt: skip
-    run = trainer.fit()
-    if cached is not None:
-        cached.flush()
-
-    # ---- close
-    evals = run.evals
-    tokens_per_s = run.samples_per_s * cfg.block_size  # this run's steps only
-    result: dict[str, Any] = {
-        "kind": "final",
-        "config": asdict(cfg),
-        "corpus": corpus.name,
-        "tokenizer": tokenizer.name,
-        "vocab_size": vocab,
-        "world_size": group.size,
-        "steps": run.step,
-        "steps_run": run.steps_run,
-        "already_finished": run.already_finished,
-        "evals": evals,
-        "val_loss": evals[-1]["val_loss"],
-        "val_ppl": evals[-1]["val_ppl"],
-        "train_seconds": run.train_seconds,
-        "tokens_per_s": tokens_per_s,
-        "dense_optimizer_state_bytes": optimizer_state_bytes(opt),  # this rank's (rank 0)
-    }
-    if cached is not None:
-        result["cache"] = cached.cache_stats()
-        result.update(cache_metrics(result["cache"]))
-    say(
-        f"final val loss {result['val_loss']:.4f} (ppl {result['val_ppl']:.2f}), from "
-        f"{evals[0]['val_loss']:.4f} | {tokens_per_s:.0f} tokens/s ({run.steps_run} steps, "
-        f"{run.train_seconds:.1f} s) | dense optimizer state "
-        f"{result['dense_optimizer_state_bytes'] / 1024:.0f} KiB per rank"
-    )
-    trainer.write(result)
-    trainer.close()
-    return result
+    def close(self, run: TrainResult) -> dict[str, Any]:
+        """The summary (this run's rates), written to the metrics file; returns it."""
+        cfg, evals = self.cfg, run.evals
+        if self.cached is not None:
+            self.cached.flush()
+        tokens_per_s = run.samples_per_s * cfg.block_size  # this run's steps only
+        result: dict[str, Any] = {
+            "kind": "final",
+            "config": asdict(cfg),
+            "corpus": self.corpus.name,
+            "tokenizer": self.tokenizer.name,
+            "vocab_size": self.vocab,
+            "world_size": self.group.size,
+            "steps": run.step,
+            "steps_run": run.steps_run,
+            "already_finished": run.already_finished,
+            "evals": evals,
+            "val_loss": evals[-1]["val_loss"],
+            "val_ppl": evals[-1]["val_ppl"],
+            "train_seconds": run.train_seconds,
+            "tokens_per_s": tokens_per_s,
+            "dense_optimizer_state_bytes": optimizer_state_bytes(self.optimizer),  # rank 0's
+        }
+        if self.cached is not None:
+            result["cache"] = self.cached.cache_stats()
+            result.update(cache_metrics(result["cache"]))
+        self.say(
+            f"final val loss {result['val_loss']:.4f} (ppl {result['val_ppl']:.2f}), from "
+            f"{evals[0]['val_loss']:.4f} | {tokens_per_s:.0f} tokens/s ({run.steps_run} steps, "
+            f"{run.train_seconds:.1f} s) | dense optimizer state "
+            f"{result['dense_optimizer_state_bytes'] / 1024:.0f} KiB per rank"
+        )
+        self.trainer.write(result)
+        self.trainer.close()
+        return result
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Config -> launch (roles, store) -> train -> close."""
+    """Config -> launch (roles, store) -> build -> train -> close."""
     cfg = parse_args(argv)
-    with Launch(cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size,
-                validate=cfg.validate_comm) as job:  # fmt: skip
-        if job.is_worker:  # a PS server rank has served inside Launch and skips this
-            train(cfg, job.group, job.store, roles=job.topology)
+    with Launch(
+        cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size, validate=cfg.validate_comm,
+        threads=cfg.threads,
+    ) as launch:  # fmt: skip
+        if launch.is_worker:  # a PS server rank has served inside Launch and skips this
+            job = LMJob(cfg, launch.group, launch.store, roles=launch.topology)
+            job.close(job.trainer.fit())
