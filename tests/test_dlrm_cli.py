@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,7 +102,8 @@ def test_script_runs_as_a_file(tmp_path: Path) -> None:
         "--batch-size", "100", "--backend", "local", "--metrics-out", str(out),
         "--log-every", "4",
     ]  # fmt: skip
-    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=110)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the hybridrec of this checkout
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "test AUC" in run.stdout and "popularity AUC" in run.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
