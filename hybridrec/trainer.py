@@ -265,7 +265,7 @@ class Trainer:
         meta = json.loads((checkpoint / "meta.json").read_text(encoding="utf-8"))
         saved = meta.get("config") or {}
         changed = [
-            f"--{k.replace('_', '-')} {saved[k]!r} in the checkpoint, {self.run_config[k]!r} now"
+            f"{k}: {saved[k]!r} in the checkpoint, {self.run_config[k]!r} now"
             for k in self.shape_options
             if k in saved and k in self.run_config and saved[k] != self.run_config[k]
         ]
