@@ -150,7 +150,8 @@ def _check_tables(store: Store, specs: list[TableSpec], policy: str) -> list[str
     have = set(store.tables())
     found = [s for s in specs if s.name in have]
     if found and policy == "fail":
-        names = ", ".join(repr(s.name) for s in found)
+        names = ", ".join(repr(s.name) for s in found[:4])
+        names += f" and {len(found) - 4} more" if len(found) > 4 else ""
         raise ExistingTablesError(
             f"the parameter-server store already holds table(s) {names}, probably from an "
             "earlier run; this job would train on from their rows. Pass --resume to continue "
