@@ -127,6 +127,17 @@ def plain_step(
     return step
 
 
+def _change(name: str, saved: Any, now: Any) -> str:
+    """``"dim: 16 in the checkpoint, 8 now"``; for dicts only the keys that differ."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        keys = [k for k in {**saved, **now} if saved.get(k) != now.get(k)]
+        saved = {k: saved.get(k) for k in keys[:4]}
+        now = {k: now.get(k) for k in keys[:4]}
+        more = f" (and {len(keys) - 4} more)" if len(keys) > 4 else ""
+        return f"{name}: {saved!r} in the checkpoint, {now!r} now{more}"
+    return f"{name}: {saved!r} in the checkpoint, {now!r} now"
+
+
 def _sums() -> torch.Tensor:
     return torch.zeros(2, dtype=torch.float64)  # [sum of local mean losses, steps]
 
@@ -265,7 +276,7 @@ class Trainer:
         meta = json.loads((checkpoint / "meta.json").read_text(encoding="utf-8"))
         saved = meta.get("config") or {}
         changed = [
-            f"{k}: {saved[k]!r} in the checkpoint, {self.run_config[k]!r} now"
+            _change(k, saved[k], self.run_config[k])
             for k in self.shape_options
             if k in saved and k in self.run_config and saved[k] != self.run_config[k]
         ]
