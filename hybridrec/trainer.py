@@ -319,12 +319,12 @@ class Trainer:
         self.log = MetricsLog(
             cfg.metrics_out if group.rank == 0 else None, append=resumed_from is not None
         )
-        if resumed_from is not None:
-            self.say(f"resumed from {resumed_from} at step {step} (epoch {epoch + 1})")
         finished = epoch >= cfg.epochs or (total is not None and step >= total)
+        if resumed_from is not None and not finished:
+            self.say(f"resumed from {resumed_from} at step {step} (epoch {epoch + 1})")
         if finished:
             self.say(
-                f"the run in {cfg.checkpoint_dir} already finished at step {step} "
+                f"the run in {resumed_from} already finished at step {step} "
                 f"(epochs {cfg.epochs}, max_steps {cfg.max_steps or 'none'}): nothing to train; "
                 "raise max_steps or epochs to train on"
             )

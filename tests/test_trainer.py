@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +203,34 @@ def test_data_forms_and_bad_arguments() -> None:
         TrainerConfig(epochs=0)
     with pytest.raises(ValueError, match="resume needs checkpoint_dir"):
         TrainerConfig(resume=True)
+
+
+# ---------------------------------------------------------------- the documented example
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "trainer.md"
+MARKER = "<!-- usage-example: tested by tests/test_trainer.py -->"
+
+
+def doc_example() -> str:
+    text = DOC.read_text(encoding="utf-8")
+    assert MARKER in text, f"{DOC} lost its example marker"
+    match = re.search(r"```python\n(.*?)```", text[text.index(MARKER) :], re.S)
+    assert match is not None, "no python code block after the marker"
+    return match.group(1)
+
+
+@pytest.mark.timeout(120)
+def test_documented_example_runs_learns_and_stays_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # it writes ckpt/ and metrics.jsonl where it runs
+    code = compile(doc_example(), str(DOC), "exec")
+    first: dict[str, Any] = {"__name__": "docs_example"}
+    exec(code, first)  # noqa: S102 - our own doc
+    result = first["result"]
+    assert result.steps_run == 80 and len(result.epochs) == 5
+    assert result.epochs[-1]["train_loss"] < result.epochs[0]["train_loss"] / 4
+    assert (tmp_path / "metrics.png").is_file() and (tmp_path / "ckpt" / "latest").is_file()
+    again: dict[str, Any] = {"__name__": "docs_example"}
+    exec(code, again)  # noqa: S102
+    assert again["result"].already_finished and again["result"].steps_run == 0
