@@ -319,7 +319,8 @@ class Trainer:
         self.log = MetricsLog(
             cfg.metrics_out if group.rank == 0 else None, append=resumed_from is not None
         )
-        finished = epoch >= cfg.epochs or (total is not None and step >= total)
+        reached = epoch >= cfg.epochs or (total is not None and step >= total)
+        finished = resumed_from is not None and reached  # a fresh run with no data just ends
         if resumed_from is not None and not finished:
             self.say(f"resumed from {resumed_from} at step {step} (epoch {epoch + 1})")
         if finished:

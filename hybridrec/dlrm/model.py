@@ -51,7 +51,7 @@ def build_dlrm(
     *,
     dim: int,
     emb_lr: float,
-    bottom_mlp: list[int],
+    bottom_mlp: list[int] | None,
     top_mlp: list[int],
     seed: int,
     group: ProcessGroup,
@@ -63,7 +63,8 @@ def build_dlrm(
     ``features`` may be a :class:`CTRData` (its sparse features and dense width).
     ``placements`` maps table names to "local" (default), "hybrid" (rows in ``store``)
     or "sharded". ``bottom_mlp`` and ``top_mlp`` list the output width of every layer,
-    as :class:`dense.DLRMConfig` does: the bottom MLP ends in ``dim``, the top in 1.
+    as :class:`dense.DLRMConfig` does: the bottom MLP ends in ``dim`` (None: ``[64, dim]``),
+    the top in 1.
     """
     if isinstance(features, CTRData):
         num_dense = len(features.dense_names)
@@ -76,7 +77,7 @@ def build_dlrm(
         num_dense=num_dense,
         num_sparse=len(tables),
         embedding_dim=dim,
-        bottom_mlp=list(bottom_mlp),
+        bottom_mlp=[64, dim] if bottom_mlp is None else list(bottom_mlp),
         top_mlp=list(top_mlp),
     )
     with torch.random.fork_rng(devices=[]):

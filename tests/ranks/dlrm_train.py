@@ -144,14 +144,19 @@ def check_train_end_to_end(group: ProcessGroup) -> None:
     assert 0.5 < metrics["test_auc"] <= 1.0, metrics["test_auc"]
 
 
+def run_checks(group: ProcessGroup) -> None:
+    """Every check of this script on ``group`` (a 1-rank run calls it in-process)."""
+    check_allreduce_gradients(group)
+    check_broadcast_parameters(group)
+    check_matches_single_process(group)
+    check_train_end_to_end(group)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     group = comm.init("auto", timeout_s=120.0)
     try:
-        check_allreduce_gradients(group)
-        check_broadcast_parameters(group)
-        check_matches_single_process(group)
-        check_train_end_to_end(group)
+        run_checks(group)
     finally:
         group.close()
     print(f"rank {group.rank}/{group.size}: ok dlrm train", flush=True)
