@@ -15,7 +15,7 @@ import torch
 import comm
 from hybridrec.dlrm.config import TrainConfig
 from hybridrec.dlrm.job import train
-from hybridrec.launch import ExistingTablesError
+from hybridrec.tables import ExistingTablesError
 from ps import InProcessStore, Store
 
 RUN: dict[str, Any] = dict(

@@ -37,8 +37,9 @@ from hybridrec.datasets.ctr import Batch
 from hybridrec.dlrm.config import TrainConfig
 from hybridrec.dlrm.data import CriteoSource, Feature, Source, auc_logloss, open_source
 from hybridrec.dlrm.model import DLRM, build_dlrm, dlrm_tables
-from hybridrec.launch import Launch, check_batch_size, describe_roles, prepare_tables, with_cache
+from hybridrec.launch import Launch, check_batch_size, describe_roles, with_cache
 from hybridrec.metrics_log import cache_metrics, store_metrics
+from hybridrec.tables import prepare_tables
 from hybridrec.trainer import Trainer, TrainerConfig, TrainResult
 from ps import InProcessStore, Store
 
@@ -99,7 +100,6 @@ def build(
     cached = with_cache(cfg, store, group)
     if cached is not None and "hybrid" not in placements.values():
         raise ValueError(f"the cache serves hybrid tables, but the placements are {placements}")
-    assert cfg.bottom_mlp is not None  # resolved in TrainConfig.__post_init__
     tables = dlrm_tables(source.features, dim=cfg.dim, emb_lr=cfg.emb_lr, placements=placements)
     hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
     prepare_tables(store, hybrid, group, cfg.tables_policy)

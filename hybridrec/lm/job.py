@@ -41,7 +41,7 @@ from hybridrec.datasets.text import (
     split_tokens,
     tokenize,
 )
-from hybridrec.launch import Launch, check_batch_size, describe_roles, prepare_tables, with_cache
+from hybridrec.launch import Launch, check_batch_size, describe_roles, with_cache
 from hybridrec.lm.config import LMConfig
 from hybridrec.lm.model import (
     LanguageModel,
@@ -51,6 +51,7 @@ from hybridrec.lm.model import (
     token_table,
 )
 from hybridrec.metrics_log import cache_metrics
+from hybridrec.tables import prepare_tables
 from hybridrec.trainer import Trainer, TrainerConfig, TrainResult, plain_step
 from ps import InProcessStore, Store
 
