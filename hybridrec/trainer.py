@@ -147,8 +147,8 @@ class Trainer:
 
     ``data``: :class:`hybridrec.batches.EpochData`, a list of batches or a function
     ``epoch -> batches``. Either ``step`` or ``model`` and ``loss``. ``dense`` is the
-    module whose weights a checkpoint holds (default ``model``, unwrapped from
-    ``DataParallel``); ``embeddings`` the model's embedding collection, if any.
+    module whose weights a checkpoint holds (default ``model``; a ``DataParallel``
+    wrapper as it is); ``embeddings`` the model's embedding collection, if any.
     ``evaluate() -> {metric: value}`` (collective; None: nothing to report).
     ``extras() -> {counter: value}`` adds to every "step" line (rank 0).
     ``on_row(row)`` sees every "eval" and "epoch" row (to print them).
@@ -186,7 +186,7 @@ class Trainer:
         if dense is None:
             if model is None:
                 raise ValueError("Trainer: give dense= (the module a checkpoint holds) or model=")
-            dense = model.module if isinstance(model, DataParallel) else model
+            dense = model  # a DataParallel wrapper included: the checkpoint keeps its codec state
         self.dense = dense
         self.embeddings = embeddings
         self.evaluate = evaluate

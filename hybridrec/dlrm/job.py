@@ -118,11 +118,6 @@ def build(
     return model, make_optimizer(cfg, model, group), cached
 
 
-def dense_module(model: DLRM) -> torch.nn.Module:
-    """The plain dense part (inside DataParallel, if wrapped): what a checkpoint holds."""
-    return model.dense.module if isinstance(model.dense, DataParallel) else model.dense
-
-
 # ---------------------------------------------------------------- steps
 
 
@@ -216,7 +211,7 @@ class DLRMJob:
             trainer_config(cfg, lookahead=self.cached is not None, lockstep=stream),
             group=group, optimizer=opt, data=self.source,
             step=lambda batch, nxt: train_step(model, opt, batch, nxt),
-            dense=dense_module(model), embeddings=model.embeddings, evaluate=self.validate,
+            dense=model.dense, embeddings=model.embeddings, evaluate=self.validate,
             extras=self.extras, on_row=self.show,
             run_config={**asdict(cfg), "placements": placements}, shape_options=SHAPE_OPTIONS,
         )  # fmt: skip

@@ -194,7 +194,7 @@ class LMJob:
                 verbose=cfg.verbose,
             ),
             group=group, optimizer=self.optimizer, data=Windows(splits.train, cfg, group),
-            step=plain_step(self.model, gpt_loss, self.optimizer), dense=gpt, embeddings=tokens,
+            step=plain_step(self.model, gpt_loss, self.optimizer), dense=trained, embeddings=tokens,
             evaluate=self.validate, on_row=self.show,
             extras=(lambda: cache_metrics(cached.cache_stats())) if cached is not None else None,
             run_config={**asdict(cfg), "vocab_size": vocab}, shape_options=SHAPE_OPTIONS,
