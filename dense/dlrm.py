@@ -38,6 +38,9 @@ class DLRMConfig:
     ``bottom_mlp`` lists the output widths of the bottom MLP's layers; the last must
     equal ``embedding_dim`` so its output can interact with the embeddings.
     ``top_mlp`` lists the top MLP's output widths; the last must be 1 (the logit).
+    Every layer is listed, the last included: ``bottom_mlp=[64, 16]`` is two layers,
+    13 -> 64 -> 16 for 13 dense features (the DLRM job's ``--bottom-mlp`` and
+    ``--top-mlp`` mean the same).
     """
 
     num_dense: int

@@ -3,11 +3,39 @@
     python examples/train_lm.py                         # Shakespeare (or stdlib source), bytes
     mpirun -n 2 python examples/train_lm.py             # the same job on two ranks
     torchrun --standalone --nproc_per_node 2 examples/train_lm.py --zero-stage 1
+    python examples/train_lm.py --tokenizer gpt2 --d-model 128 --steps 1000
+    python examples/train_lm.py --checkpoint-dir ckpt --checkpoint-every 100 --resume
 
 The same job as the installed ``hybridrec train-lm``; ``--help`` lists every option.
+Each step below is a library call (``hybridrec.lm.job``, ``hybridrec.launch``,
+``hybridrec.trainer``); this script only shows their order.
 """
 
-from hybridrec.lm.job import main
+from __future__ import annotations
+
+from hybridrec.launch import Launch
+from hybridrec.lm.job import LMJob, parse_args
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Config: defaults < --config run.toml < command line, checked on every rank.
+    cfg = parse_args(argv)
+    # Launch: the world, the worker / PS-server roles and the --ps store; the roles are
+    # checked before anything starts, and leaving the block closes store and world.
+    with Launch(
+        cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size, validate=cfg.validate_comm,
+        threads=cfg.threads,
+    ) as launch:  # fmt: skip
+        if not launch.is_worker:
+            return  # a PS server rank served the rows until every worker closed its store
+        # Build: corpus and tokenizer, the token table (hybrid, sharded or local), the GPT
+        # under DataParallel or ZeRO, and the Trainer with its evaluation and checkpoints.
+        job = LMJob(cfg, launch.group, launch.store, roles=launch.topology)
+        # Train: --steps steps, evaluating every --eval-every; --resume continues a run.
+        run = job.trainer.fit()
+        # Close: the final validation loss, tokens/s of this run, metrics file + plot.
+        job.close(run)
+
 
 if __name__ == "__main__":
     main()

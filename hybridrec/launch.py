@@ -1,4 +1,11 @@
-"""``--ps`` for the example jobs: which parameter server holds the embedding rows.
+"""Launch roles of a job: the world, its workers and PS servers, the store of the rows.
+
+:class:`Launch` is what a job's ``main()`` opens: it starts the world, checks the
+roles, opens ``--ps`` (server ranks serve there) and always closes store and world.
+:func:`hybridrec.tables.prepare_tables` (re-exported here) readies the hybrid tables
+in a store that may outlive the job.
+
+``--ps`` says which parameter server holds the embedding rows:
 
 * ``local``: an in-process store in every worker (each holds a full replica and
   the collection keeps replicas equal). The default, no servers.
@@ -21,10 +28,17 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import torch
 
+import comm
 from cache import CacheConfig, CachedStore
 from comm import ProcessGroup, Role, Topology
 from embedding.hybrid import store_is_replicated
-from ps import InProcessStore, Store, TableSpec
+from hybridrec.tables import (  # noqa: F401 - re-exported: the jobs' launch helpers
+    EXISTING_TABLES,
+    ExistingTablesError,
+    create_shared_tables,
+    prepare_tables,
+)
+from ps import InProcessStore, Store
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,33 +127,6 @@ def open_ps(value: str, group: ProcessGroup) -> PSRole:
     return PSRole(topo, role, workers, MPIStore(group, topo))
 
 
-def create_shared_tables(store: Store, specs: list[TableSpec], group: ProcessGroup) -> None:
-    """Collective: create the tables of a store shared by the workers (MPI servers, Redis)
-    from rank 0 only, before the workers build their embedding collections.
-
-    Each collection creates the tables it misses; on a shared store two workers doing
-    that at the same moment would race ("table already exists"). Rank 0 creates them
-    first, the others wait; each collection then finds them and checks their specs.
-    A per-rank (replicated) store needs nothing.
-    """
-    if group.size == 1 or store_is_replicated(store) or not specs:
-        return
-    error: Exception | None = None
-    if group.rank == 0:
-        try:
-            have = set(store.tables())
-            for spec in specs:
-                if spec.name not in have:
-                    store.create_table(spec)
-        except Exception as e:  # raised on every rank below
-            error = e
-    flag = group.allreduce(torch.tensor([0 if error is None else 1]), op="max")
-    if error is not None:
-        raise error
-    if int(flag):
-        raise RuntimeError("creating the embedding tables in the shared store failed on rank 0")
-
-
 def with_cache(cfg: Any, store: Store, group: ProcessGroup) -> CachedStore | None:
     """The hot-row cache in front of ``store`` when ``cfg`` (a job config with fields
     ``cache_rows``, ``cache_fraction``, ``cache_policy``, ``read_bound``, ``write_bound``)
@@ -164,12 +151,131 @@ def with_cache(cfg: Any, store: Store, group: ProcessGroup) -> CachedStore | Non
     )
 
 
+def describe_roles(topology: Topology, backend: str) -> str:
+    """``"3 ranks: 2 workers + 1 PS server (mpi)"``: the job's header."""
+    n, w, s = topology.world_size, topology.num_workers, topology.num_servers
+    text = f"{n} rank{'s' if n != 1 else ''}: {w} worker{'s' if w != 1 else ''}"
+    if s:
+        text += f" + {s} PS server{'s' if s != 1 else ''}"
+    return f"{text} ({backend})"
+
+
+def check_batch_size(batch_size: int, topology: Topology) -> None:
+    """ValueError unless the global batch splits evenly over the worker ranks."""
+    if batch_size % topology.num_workers:
+        raise ValueError(
+            f"batch_size {batch_size} must be a multiple of the {topology.num_workers} worker "
+            f"rank(s) ({topology.world_size} ranks, {topology.num_servers} of them parameter "
+            "servers)"
+        )
+
+
+class Launch:
+    """The process roles of one job, opened and always closed::
+
+        with Launch(cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size) as job:
+            if job.is_worker:  # server ranks served inside __enter__ and skip the body
+                train(cfg, job.group, job.store, roles=job.topology)
+
+    ``__enter__`` sets torch's thread count (``threads``, 0: torch's default), starts
+    the world (``comm.init``), checks the roles against the job on
+    every rank before anything starts (``--ps`` needs the right backend and enough
+    ranks; the global batch splits over the workers), then opens ``--ps``: a PS server
+    rank serves there until every worker closed its store. ``__exit__`` closes the
+    store and the world, also after an error.
+    """
+
+    def __init__(
+        self,
+        backend: str = "auto",
+        *,
+        ps: str = "local",
+        batch_size: int | None = None,
+        validate: bool = False,
+        timeout_s: float | None = None,
+        threads: int = 0,
+    ) -> None:
+        parse_ps(ps)  # a bad --ps fails before any process group starts
+        self.backend, self.ps, self.batch_size = backend, ps, batch_size
+        self.validate, self.timeout_s, self.threads = validate, timeout_s, threads
+        self._threads_before = torch.get_num_threads()
+        self.world: ProcessGroup | None = None
+        self.role: PSRole | None = None
+
+    def __enter__(self) -> Launch:
+        if self.threads:  # torch threads per rank (restored on exit)
+            torch.set_num_threads(self.threads)
+        if self.timeout_s is None:
+            self.world = comm.init(self.backend, validate=self.validate)
+        else:
+            self.world = comm.init(self.backend, validate=self.validate, timeout_s=self.timeout_s)
+        try:
+            topology = topology_for(self.ps, self.world)
+            if self.batch_size is not None:
+                check_batch_size(self.batch_size, topology)
+            self.role = open_ps(self.ps, self.world)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the store, then the world (idempotent)."""
+        try:
+            if self.role is not None and self.role.store is not None:
+                self.role.store.close()
+        finally:
+            self.role = None
+            if self.world is not None:
+                world, self.world = self.world, None
+                world.close()
+            torch.set_num_threads(self._threads_before)
+
+    def _opened(self) -> PSRole:
+        if self.role is None:
+            raise RuntimeError("Launch: use it as a context manager (with Launch(...) as job)")
+        return self.role
+
+    @property
+    def is_worker(self) -> bool:
+        return self._opened().role is Role.WORKER
+
+    @property
+    def group(self) -> ProcessGroup:
+        """The workers' group (every rank of the job without PS servers)."""
+        return self._opened().group
+
+    @property
+    def store(self) -> Store:
+        store = self._opened().store
+        if store is None:
+            raise RuntimeError("Launch.store: a PS server rank has no store (check is_worker)")
+        return store
+
+    @property
+    def topology(self) -> Topology:
+        return self._opened().topology
+
+    def describe(self) -> str:
+        assert self.world is not None
+        return describe_roles(self.topology, self.world.backend)
+
+
 __all__ = [
+    "EXISTING_TABLES",
+    "ExistingTablesError",
+    "Launch",
     "PSChoice",
     "PSRole",
     "open_ps",
     "parse_ps",
     "topology_for",
     "with_cache",
+    "check_batch_size",
     "create_shared_tables",
+    "describe_roles",
+    "prepare_tables",
 ]

@@ -37,6 +37,13 @@ class RunOptions:
     checkpoint_every: int = option(0, help="steps between checkpoints (0: only at the end)")
     checkpoint_keep: int = option(2, help="how many of the newest checkpoints to keep")
     resume: bool = option(False, help="continue from the newest checkpoint in --checkpoint-dir")
+    existing_tables: Literal["fail", "reuse", "replace"] = option(
+        "fail",
+        help="when the --ps store already holds this job's tables (a shared store such as "
+        "Redis outlives a run): fail (stop and say so), reuse (train on from their rows; a "
+        "different shape is an error naming the table) or replace (drop and recreate them); "
+        "--resume implies reuse",
+    )
     metrics_out: str | None = option(
         None, help="JSON lines file of metrics (rank 0); a PNG plot is written next to it"
     )
@@ -45,6 +52,11 @@ class RunOptions:
     backend: str = option("auto", help="auto (mpirun -> mpi, torchrun -> gloo), local, mpi, gloo")
     validate_comm: bool = option(False, help="cross-rank checks on every collective (slower)")
     threads: int = option(1, help="torch threads per rank; 0 = torch's default")
+
+    @property
+    def tables_policy(self) -> str:
+        """What to do with tables already in the store: ``--resume`` turns fail into reuse."""
+        return "reuse" if self.resume and self.existing_tables == "fail" else self.existing_tables
 
     @property
     def cache_on(self) -> bool:
@@ -76,6 +88,11 @@ class RunOptions:
             raise ValueError(
                 f"compression {self.compression!r} applies to the DataParallel allreduce; "
                 f"ZeRO stage {self.zero_stage} reduces gradients itself (use zero_stage 0)"
+            )
+        if self.existing_tables not in ("fail", "reuse", "replace"):
+            raise ValueError(
+                "existing_tables must be 'fail', 'reuse' or 'replace', got "
+                f"{self.existing_tables!r}"
             )
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir (where to find the checkpoints)")

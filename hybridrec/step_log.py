@@ -1,7 +1,7 @@
-"""The per-step bookkeeping both example jobs share: progress bar, loss lines, checkpoint cadence.
+"""The per-step bookkeeping of the trainer's loop: progress bar, loss lines, cadences.
 
-A job's loop is its own (what a step is differs), but around every step it calls
-:meth:`StepLog.step`; every ``log_every`` steps that writes one ``"step"`` line to
+:class:`hybridrec.trainer.Trainer` calls :meth:`StepLog.step` after every step
+(a hand-written loop may too); every ``log_every`` steps that writes one ``"step"`` line to
 the metrics file with the global-batch loss (the mean of every rank's local mean
 loss, one allreduce per line, none per step), samples/s and the job's extra
 counters (cache hit rate, PS rows moved, ...), read on rank 0 only.

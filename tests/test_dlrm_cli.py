@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ def test_defaults_and_every_option() -> None:
     assert parse_args([]) == TrainConfig()
     argv = (
         "--data synthetic --epochs 2 --batch-size 64 --lr 0.01 --dense-optimizer adagrad "
-        "--emb-lr 0.2 --dim 8 --bottom-mlp 32 16 --top-mlp 8 --seed 3 --synthetic-rows 50 "
+        "--emb-lr 0.2 --dim 8 --bottom-mlp 32 8 --top-mlp 8 1 --seed 3 --synthetic-rows 50 "
         "--synthetic-samples 500 --max-steps 7 --backend local --validate-comm --threads 2 "
         "--metrics-out m.jsonl --ps mpi:2 --placement hybrid --placement-of C1=sharded "
         "--cache-rows 10 --read-bound 2 --write-bound 1 --cache-policy lfu --compression fp16 "
@@ -31,7 +32,7 @@ def test_defaults_and_every_option() -> None:
     cfg = parse_args(argv.split())
     assert cfg == TrainConfig(
         data="synthetic", epochs=2, batch_size=64, lr=0.01, dense_optimizer="adagrad",
-        emb_lr=0.2, dim=8, bottom_mlp=[32, 16], top_mlp=[8], seed=3, synthetic_rows=50,
+        emb_lr=0.2, dim=8, bottom_mlp=[32, 8], top_mlp=[8, 1], seed=3, synthetic_rows=50,
         synthetic_samples=500, max_steps=7, backend="local", validate_comm=True, threads=2,
         metrics_out="m.jsonl", ps="mpi:2", placement="hybrid", placement_of=["C1=sharded"],
         cache_rows=10, read_bound=2, write_bound=1, cache_policy="lfu", compression="fp16",
@@ -52,9 +53,9 @@ def test_help_explains_every_option() -> None:
 
 def test_config_file_then_command_line(tmp_path: Path) -> None:
     toml = tmp_path / "run.toml"
-    toml.write_text('data = "synthetic"\nbatch-size = 64\ntop_mlp = [8]\nps = "mpi:2"\n')
+    toml.write_text('data = "synthetic"\nbatch-size = 64\ntop_mlp = [8, 1]\nps = "mpi:2"\n')
     cfg = parse_args(["--config", str(toml), "--batch-size", "32"])
-    assert (cfg.data, cfg.batch_size, cfg.top_mlp, cfg.ps) == ("synthetic", 32, [8], "mpi:2")
+    assert (cfg.data, cfg.batch_size, cfg.top_mlp, cfg.ps) == ("synthetic", 32, [8, 1], "mpi:2")
     (tmp_path / "run.json").write_text(json.dumps({"zero_stage": 2, "placement": "sharded"}))
     cfg = parse_args(["--config", str(tmp_path / "run.json")])
     assert (cfg.zero_stage, cfg.placement) == (2, "sharded")
@@ -101,7 +102,8 @@ def test_script_runs_as_a_file(tmp_path: Path) -> None:
         "--batch-size", "100", "--backend", "local", "--metrics-out", str(out),
         "--log-every", "4",
     ]  # fmt: skip
-    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=110)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the hybridrec of this checkout
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "test AUC" in run.stdout and "popularity AUC" in run.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -51,7 +51,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def _cfg(files: dict[str, str], **kw: object) -> TrainConfig:
     base: dict[str, object] = dict(
         data="criteo", criteo_path=[files["train"]], criteo_val_path=[files["val"]],
-        batch_size=64, epochs=2, dim=8, bottom_mlp=[16], top_mlp=[16], lr=0.01, emb_lr=0.1,
+        batch_size=64, epochs=2, dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1], lr=0.01, emb_lr=0.1,
         verbose=False, progress=False, log_every=5, eval_batch_size=256,
     )  # fmt: skip
     base.update(kw)
@@ -82,9 +82,9 @@ def test_two_ranks_read_disjoint_lines_of_the_same_global_batches(
     out = tmp_path / "m.jsonl"
     args = [
         "--data", "criteo", "--criteo-path", files["train"], "--criteo-val-path", files["val"],
-        "--batch-size", "64", "--epochs", "1", "--dim", "8", "--bottom-mlp", "16", "--top-mlp",
-        "16", "--lr", "0.01", "--emb-lr", "0.1", "--log-every", "1", "--no-progress",
-        "--eval-batch-size", "256", "--metrics-out", str(out),
+        "--batch-size", "64", "--epochs", "1", "--dim", "8", "--bottom-mlp", "16", "8",
+        "--top-mlp", "16", "1", "--lr", "0.01", "--emb-lr", "0.1", "--log-every", "1",
+        "--no-progress", "--eval-batch-size", "256", "--metrics-out", str(out),
     ]  # fmt: skip
     run_ranks(SCRIPT, 2, "mpi", args=args, timeout=220)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -94,17 +94,26 @@ def test_two_ranks_read_disjoint_lines_of_the_same_global_batches(
     assert two["epochs"][0]["train_loss"] == pytest.approx(one["epochs"][0]["train_loss"], abs=1e-5)
 
 
-def test_bad_line_names_file_and_line_or_is_skipped(tmp_path: Path) -> None:
+def test_bad_line_names_file_and_line_or_is_skipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rows = _rows(100, seed=3)
     rows[41] = rows[41][:20]  # a short line: line 42 of the file
+    rows[70] = rows[70][:5]
     path = tmp_path / "bad.tsv"
     write_criteo_fixture(path, rows)
     cfg = dict(criteo_path=[str(path)], criteo_val_path=[], batch_size=32, epochs=1)
     with pytest.raises(ValueError, match=f"{path}:42: expected 40 tab-separated fields"):
         train(_cfg({"train": "", "val": ""}, **cfg), comm.LocalGroup())
-    result = train(_cfg({"train": "", "val": ""}, **cfg, skip_bad_lines=True), comm.LocalGroup())
-    assert result["steps"] == 99 // 32
+    out = tmp_path / "m.jsonl"
+    skip = dict(cfg, skip_bad_lines=True, verbose=True, metrics_out=str(out))
+    result = train(_cfg({"train": "", "val": ""}, **skip), comm.LocalGroup())
+    assert result["steps"] == 98 // 32
     assert "val_auc" not in result  # no validation files: training loss only
+    # The count is reported on screen and in the metrics file's final line.
+    assert "skipped malformed lines: 2 train, 0 validation" in capsys.readouterr().out
+    final = json.loads(out.read_text().splitlines()[-1])
+    assert (final["skipped_lines_train"], final["skipped_lines_val"]) == (2, 0)
 
 
 def test_missing_file_is_named(tmp_path: Path) -> None:

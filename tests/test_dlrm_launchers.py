@@ -28,17 +28,26 @@ ARGS = ["--max-steps", "24", "--log-every", "4", "--no-progress", "--eval-batch-
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this checkout
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     return env
 
 
+def _launch(cmd: list[str], args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    cmd = [*cmd, str(SCRIPT), *args]
+    return subprocess.run(
+        cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
 def _run(
-    cmd: list[str], out: Path, args: list[str] = ARGS, timeout: float = 200
+    cmd: list[str], out: Path, args: list[str] = ARGS, timeout: float = 200, header: str = ""
 ) -> list[dict[str, Any]]:
-    cmd = [*cmd, str(SCRIPT), *args, "--metrics-out", str(out)]
-    run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    """Run the script; its metrics lines. ``header``: text its output must hold."""
+    run = _launch(cmd, [*args, "--metrics-out", str(out)], timeout)
     assert run.returncode == 0, f"{cmd}\n{run.stdout}\n{run.stderr}"
+    assert header in run.stdout, run.stdout
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
@@ -56,8 +65,12 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, float]:
 def test_python_mpirun_and_torchrun_agree(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).parent / "torchrun"
     runs = {
-        "python": _run([sys.executable], tmp_path / "py.jsonl"),
-        "mpirun": _run([mpirun_path(), "-n", "2", sys.executable], tmp_path / "mpi.jsonl"),
+        "python": _run([sys.executable], tmp_path / "py.jsonl", header="1 rank: 1 worker (local)"),
+        "mpirun": _run(
+            [mpirun_path(), "-n", "2", sys.executable],
+            tmp_path / "mpi.jsonl",
+            header="2 ranks: 2 workers (mpi)",
+        ),  # fmt: skip
         "torchrun": _run(
             [str(torchrun), "--nproc_per_node", "2", "--master-port", str(free_port())],
             tmp_path / "tr.jsonl",
@@ -77,7 +90,7 @@ def test_python_mpirun_and_torchrun_agree(tmp_path: Path) -> None:
 def test_mpi_parameter_server_ranks_train(tmp_path: Path) -> None:
     cmd = [mpirun_path(), "-n", "3", sys.executable]
     args = [*ARGS, "--ps", "mpi", "--max-steps", "150"]  # the later --max-steps wins
-    rows = _run(cmd, tmp_path / "ps.jsonl", args, timeout=380)
+    rows = _run(cmd, tmp_path / "ps.jsonl", args, 380, header="3 ranks: 2 workers + 1 PS server")
     final = rows[-1]
     assert final["world_size"] == 2 and final["steps"] == 150  # 2 workers + 1 server
     assert final["config"]["ps"] == "mpi"
@@ -104,6 +117,12 @@ def test_two_workers_share_a_redis_store_and_resume_from_it(tmp_path: Path) -> N
     with redis_server() as srv:
         first = _run(cmd, out, [*args, "--ps", srv.url, "--epochs", "1"], timeout=140)
         keys = srv.client().dbsize()
+        # A fresh job on the same Redis finds the first one's tables: both workers stop
+        # with the same message instead of training on from those rows.
+        again = _launch(cmd, [*args, "--ps", srv.url, "--checkpoint-dir", str(tmp_path / "x")], 140)
+        assert again.returncode != 0 and srv.client().dbsize() == keys
+        refused = again.stdout + again.stderr
+        assert refused.count("already holds table(s) 'cat0'") >= 2, refused
         srv.client().flushdb()  # the resumed run must get its rows from the checkpoint
         rows = _run(cmd, out, [*args, "--ps", srv.url, "--epochs", "2", "--resume"], 140)
     assert first[-1]["world_size"] == 2 and first[-1]["steps"] == 24 and keys > 0

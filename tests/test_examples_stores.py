@@ -1,11 +1,19 @@
-"""``--ps`` parsing and role assignment for the example jobs."""
+"""``--ps`` parsing, role assignment and the launch context of the jobs."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from comm import LocalGroup, Role
-from hybridrec.launch import PSChoice, open_ps, parse_ps
+from comm import LocalGroup, Role, Topology
+from hybridrec.launch import (
+    Launch,
+    PSChoice,
+    check_batch_size,
+    describe_roles,
+    open_ps,
+    parse_ps,
+)
 from ps import InProcessStore
 
 
@@ -40,3 +48,29 @@ def test_local_is_a_worker_with_an_in_process_store() -> None:
     assert r.role is Role.WORKER and isinstance(r.store, InProcessStore)
     with pytest.raises(ValueError, match="needs the MPI backend"):
         open_ps("mpi", LocalGroup())
+
+
+def test_roles_are_described_and_checked() -> None:
+    assert describe_roles(Topology(world_size=3, num_servers=1), "mpi") == (
+        "3 ranks: 2 workers + 1 PS server (mpi)"
+    )
+    assert describe_roles(Topology(world_size=5, num_servers=2), "mpi") == (
+        "5 ranks: 3 workers + 2 PS servers (mpi)"
+    )
+    assert describe_roles(Topology(world_size=1), "local") == "1 rank: 1 worker (local)"
+    with pytest.raises(ValueError, match="batch_size 10 must be a multiple of the 3 worker"):
+        check_batch_size(10, Topology(world_size=4, num_servers=1))
+
+
+def test_launch_opens_roles_and_always_closes() -> None:
+    with Launch("local", ps="local", batch_size=4, threads=1) as job:
+        assert job.is_worker and job.group.size == 1 and isinstance(job.store, InProcessStore)
+        assert job.describe() == "1 rank: 1 worker (local)"
+        assert torch.get_num_threads() == 1
+    assert job.world is None and job.role is None  # store and world closed
+    failed = Launch("local", ps="mpi")
+    with pytest.raises(ValueError, match="--ps mpi needs the MPI backend"), failed:
+        pass
+    assert failed.world is None  # closed although __enter__ failed
+    with pytest.raises(ValueError, match="expected 'local', 'mpi'"):
+        Launch("local", ps="etcd://h")  # before any process group starts

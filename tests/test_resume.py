@@ -37,25 +37,54 @@ from multiproc import ROOT, run_ranks
 
 DLRM = dict(
     data="synthetic", synthetic_samples=2_000, synthetic_rows=200, batch_size=100, epochs=2,
-    dim=8, bottom_mlp=[16], top_mlp=[16], verbose=False, progress=False, log_every=1,
+    dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1], verbose=False, progress=False, log_every=1,
 )  # fmt: skip
 
 
-def losses(path: Path) -> dict[int, float]:
+# A resume with these model options changed is refused, naming them.
+SMALLER = dict(dim=4, bottom_mlp=[16, 4])
+
+
+def losses(path: Path, kind: str = "step", key: str = "loss") -> dict[int, float]:
+    """``{step: loss}`` of the step lines; with ``kind="epoch"``, ``{epoch: train loss}``
+    (the last line of each epoch: a resumed run writes its epoch's line again)."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r["kind"] == "step"}
+    at = "step" if kind == "step" else "epoch"
+    return {r[at]: r[key] for r in rows if r["kind"] == kind}
 
 
-def interrupted_equals_uninterrupted(run: Any, cfg: type, base: dict[str, Any], tmp: Path,
-                                     stop: dict[str, Any]) -> None:  # fmt: skip
-    full, part = tmp / "full.jsonl", tmp / "part.jsonl"
+def interrupted_equals_uninterrupted(
+    run: Any, cfg: type, base: dict[str, Any], tmp: Path, stop: dict[str, Any],
+    changed: dict[str, Any],
+) -> None:  # fmt: skip
+    """Also: the epoch losses span the resume, rates count the resumed run's steps, a
+    finished run stays finished, and a resume with ``changed`` shapes names them."""
+    full, part, ck = tmp / "full.jsonl", tmp / "part.jsonl", tmp / "b"
     run(cfg(**base, metrics_out=str(full), checkpoint_dir=str(tmp / "a"), checkpoint_every=10))
-    run(cfg(**{**base, **stop}, metrics_out=str(part), checkpoint_dir=str(tmp / "b")))
-    run(cfg(**base, metrics_out=str(part), checkpoint_dir=str(tmp / "b"), resume=True))
+    first = run(cfg(**{**base, **stop}, metrics_out=str(part), checkpoint_dir=str(ck)))
+    resumed = run(cfg(**base, metrics_out=str(part), checkpoint_dir=str(ck), resume=True))
     want, got = losses(full), losses(part)
     assert sorted(got) == sorted(want) and len(want) > 20
     for step in want:
         assert got[step] == pytest.approx(want[step], abs=1e-6), step
+    epochs = losses(full, "epoch", "train_loss")
+    assert losses(part, "epoch", "train_loss") == pytest.approx(epochs, abs=1e-6)
+
+    assert resumed["steps_run"] == resumed["steps"] - first["steps"] > 0
+    rate, per_step = (("samples_per_s", base["batch_size"]) if "samples_per_s" in resumed else
+                      ("tokens_per_s", base["batch_size"] * base["block_size"]))  # fmt: skip
+    want_rate = resumed["steps_run"] * per_step / resumed["train_seconds"]
+    assert resumed[rate] == pytest.approx(want_rate, rel=1e-6)
+
+    listing = sorted((p.name, p.stat().st_mtime_ns) for p in ck.iterdir())
+    again = run(cfg(**base, checkpoint_dir=str(ck), resume=True))
+    assert again["already_finished"] and again["steps_run"] == 0
+    assert again["steps"] == resumed["steps"]
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in ck.iterdir()) == listing
+
+    named = "; ".join(f"{k}: .* in the checkpoint, .* now" for k in changed)
+    with pytest.raises(ValueError, match=f"the model options differ: {named}"):
+        run(cfg(**{**base, **changed}, checkpoint_dir=str(ck), resume=True))
 
 
 @pytest.mark.timeout(240)
@@ -68,11 +97,11 @@ def interrupted_equals_uninterrupted(run: Any, cfg: type, base: dict[str, Any], 
     ],
 )
 def test_dlrm_resume_one_rank(extra: dict[str, Any], tmp_path: Path) -> None:
-    def run(cfg: TrainConfig) -> None:
-        train(cfg, comm.LocalGroup())
+    def run(cfg: TrainConfig) -> dict[str, Any]:
+        return train(cfg, comm.LocalGroup())
 
     interrupted_equals_uninterrupted(run, TrainConfig, {**DLRM, **extra}, tmp_path,
-                                     dict(max_steps=11))  # fmt: skip
+                                     dict(max_steps=11), SMALLER)  # fmt: skip
 
 
 def _criteo_rows(n: int) -> list[list[str]]:
@@ -92,10 +121,10 @@ def test_criteo_resumes_mid_file(tmp_path: Path) -> None:
     base = {**DLRM, "data": "criteo", "criteo_path": [str(path)], "criteo_rows": 0,
             "batch_size": 40}  # fmt: skip
 
-    def run(cfg: TrainConfig) -> None:
-        train(cfg, comm.LocalGroup())
+    def run(cfg: TrainConfig) -> dict[str, Any]:
+        return train(cfg, comm.LocalGroup())
 
-    interrupted_equals_uninterrupted(run, TrainConfig, base, tmp_path, dict(max_steps=9))
+    interrupted_equals_uninterrupted(run, TrainConfig, base, tmp_path, dict(max_steps=9), SMALLER)
 
 
 @pytest.mark.timeout(300)
@@ -103,7 +132,7 @@ def test_dlrm_resume_under_mpirun(tmp_path: Path) -> None:
     script = ROOT / "examples" / "train_dlrm.py"
     names = ("data", "synthetic_samples", "synthetic_rows", "batch_size", "epochs", "dim")
     args = [f"--{k.replace('_', '-')}={DLRM[k]}" for k in names]
-    args += ["--bottom-mlp", "16", "--top-mlp", "16", "--log-every", "1", "--no-progress"]
+    args += ["--bottom-mlp", "16", "8", "--top-mlp", "16", "1", "--log-every", "1", "--no-progress"]
     full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
     ck = f"--checkpoint-dir={tmp_path / 'ck'}"
     run_ranks(script, 2, "mpi", [*args, f"--metrics-out={full}"], timeout=200)
@@ -125,10 +154,11 @@ def test_lm_resume_one_rank(tmp_path: Path) -> None:
         verbose=False, progress=False, log_every=1,
     )  # fmt: skip
 
-    def run(cfg: LMConfig) -> None:
-        train_lm(cfg, comm.LocalGroup())
+    def run(cfg: LMConfig) -> dict[str, Any]:
+        return train_lm(cfg, comm.LocalGroup())
 
-    interrupted_equals_uninterrupted(run, LMConfig, base, tmp_path, dict(steps=9))
+    interrupted_equals_uninterrupted(run, LMConfig, base, tmp_path, dict(steps=9),
+                                     dict(d_model=16, n_layer=2))  # fmt: skip
 
 
 # ---------------------------------------------------------------- the checkpoint format

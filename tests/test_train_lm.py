@@ -158,7 +158,7 @@ def test_ranks_match_one_process(
         f"--metrics-out={out}",
     ]
     text = "\n".join(run_ranks(SCRIPT, nprocs, backend, args=args, timeout=220))
-    assert f"{nprocs} rank(s) ({backend}), zero stage {zero_stage}" in text, text
+    assert f"{nprocs} ranks: {nprocs} workers ({backend}), zero stage {zero_stage}" in text, text
     assert "final val loss" in text, text
     final = json.loads(out.read_text().splitlines()[-1])
     assert final["kind"] == "final" and final["world_size"] == nprocs

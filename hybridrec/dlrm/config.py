@@ -16,6 +16,19 @@ from hybridrec.run_options import RunOptions
 PLACEMENTS = ("auto", "local", "hybrid", "sharded")
 
 
+def check_mlp(name: str, widths: list[int], last: int, what: str) -> None:
+    """ValueError unless ``widths`` are ints >= 1 ending in ``last``."""
+    flag = "--" + name.replace("_", "-")
+    if not widths or any(not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in widths):
+        raise ValueError(f"{name} must be a non-empty list of ints >= 1, got {widths!r}")
+    if widths[-1] != last:
+        example = " ".join(str(w) for w in [*widths, last])
+        raise ValueError(
+            f"{name} {widths} must end in {what}: it lists the output width of every layer, "
+            f"the last included (as dense.DLRMConfig does); e.g. {flag} {example}"
+        )
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainConfig(RunOptions):
     # ---- data
@@ -50,8 +63,16 @@ class TrainConfig(RunOptions):
     eval_every: int = option(0, help="steps between validation passes; 0 = after each epoch")
     # ---- model and optimizers
     dim: int = option(16, help="embedding dimension (and the bottom MLP's output width)")
-    bottom_mlp: list[int] = option([64], help="hidden widths of the bottom MLP (+ a layer of dim)")
-    top_mlp: list[int] = option([64, 32], help="hidden widths of the top MLP (+ a layer of 1)")
+    bottom_mlp: list[int] | None = option(
+        None,
+        help="output width of every bottom-MLP layer, the last one equal to --dim (as in "
+        "dense.DLRMConfig.bottom_mlp), e.g. --bottom-mlp 64 16; default: 64 then --dim",
+    )
+    top_mlp: list[int] = option(
+        [64, 32, 1],
+        help="output width of every top-MLP layer, the last one 1 (the logit; as in "
+        "dense.DLRMConfig.top_mlp)",
+    )
     lr: float = option(1e-3, help="dense learning rate")
     dense_optimizer: Literal["adam", "adagrad"] = option("adam", help="dense optimizer")
     emb_lr: float = option(0.05, help="learning rate of the row-wise Adagrad on embedding rows")
@@ -105,6 +126,10 @@ class TrainConfig(RunOptions):
         for name in ("lr", "emb_lr", "bucket_mb"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.bottom_mlp is None:
+            self.bottom_mlp = [64, self.dim]
+        check_mlp("bottom_mlp", self.bottom_mlp, self.dim, f"--dim {self.dim}")
+        check_mlp("top_mlp", self.top_mlp, 1, "1 (the logit)")
         if self.synthetic_samples < 10:
             raise ValueError(f"synthetic_samples must be >= 10, got {self.synthetic_samples}")
         if self.placement not in PLACEMENTS:

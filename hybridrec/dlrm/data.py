@@ -130,6 +130,11 @@ class CriteoSource:
         self.features = [Feature(name, rows) for name in CAT_NAMES]
         self.num_dense = NUM_INT
         self.steps_per_epoch: int | None = None  # a stream: unknown
+        # Malformed lines skipped by this rank (--skip-bad-lines): per training epoch
+        # (a resumed reader's count includes the lines skipped before the checkpoint)
+        # and in the last validation pass.
+        self.skipped_train: dict[int, int] = {}
+        self.skipped_val = 0
 
     def describe(self) -> str:
         rows = self.cfg.criteo_rows or "dynamic"
@@ -155,11 +160,13 @@ class CriteoSource:
     ) -> Iterator[tuple[Batch, torch.Tensor]]:
         """``(batch, this rank's reader position after it)``; ``start`` resumes a position
         (``skip``, the steps already done in the epoch, is implied by it)."""
-        del epoch, skip  # every epoch reads the files from the start (no shuffle of a stream)
+        del skip  # every epoch reads the files from the start (no shuffle of a stream)
         pos = None if start is None else ReaderPosition(*[int(v) for v in start.tolist()])
         reader = self._reader(list(self.cfg.criteo_path), self.per_rank, pos)
         for batch in reader:
+            self.skipped_train[epoch] = reader.skipped
             yield batch, _position(dataclasses.replace(reader.position))
+        self.skipped_train[epoch] = reader.skipped
 
     def has_split(self, split: str) -> bool:
         return split == "val" and bool(self.cfg.criteo_val_path)
@@ -169,7 +176,15 @@ class CriteoSource:
             return iter(())
         reader = self._reader(list(self.cfg.criteo_val_path), self.cfg.eval_batch_size, None)
         reader.config.drop_last = False
-        return iter(reader)
+        return self._counted(reader)
+
+    def _counted(self, reader: CriteoReader) -> Iterator[Batch]:
+        yield from reader
+        self.skipped_val = reader.skipped
+
+    def skipped_lines(self) -> tuple[int, int]:
+        """This rank's malformed lines skipped: (training, last validation pass)."""
+        return sum(self.skipped_train.values()), self.skipped_val
 
     def baseline(self) -> tuple[float, float] | None:
         return None

@@ -7,7 +7,8 @@
     python examples/train_dlrm.py --data criteo --criteo-path day_0.gz --criteo-rows 0
     python examples/train_dlrm.py --config run.toml --checkpoint-dir ckpt --resume
 
-Config -> build -> train -> close. Every worker trains on its slice of each global
+Config -> build -> train -> close, on :class:`hybridrec.trainer.Trainer` and
+:class:`hybridrec.launch.Launch`. Every worker trains on its slice of each global
 batch: dense weights start equal (broadcast from rank 0) and their gradients are
 averaged every step (``dense.DataParallel``, optionally compressed, or
 ``dense.ZeroOptimizer``); the embedding collection keeps its tables consistent
@@ -19,38 +20,36 @@ and its plot. ``--help`` lists every option.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-import comm
 from cache import CachedStore
 from comm import ProcessGroup, Topology
 from dense import DataParallel, ZeroOptimizer
-from hybridrec.checkpoint import DenseOptimizer, latest_checkpoint, load_checkpoint, save_checkpoint
+from hybridrec.batches import agreed
+from hybridrec.checkpoint import DenseOptimizer
 from hybridrec.config import parse_config
 from hybridrec.datasets.ctr import Batch
 from hybridrec.dlrm.config import TrainConfig
 from hybridrec.dlrm.data import CriteoSource, Feature, Source, auc_logloss, open_source
 from hybridrec.dlrm.model import DLRM, build_dlrm, dlrm_tables
-from hybridrec.launch import (
-    PSRole,
-    create_shared_tables,
-    open_ps,
-    topology_for,
-    with_cache,
-)
-from hybridrec.metrics_log import MetricsLog, cache_metrics, store_metrics
-from hybridrec.step_log import StepLog, due
+from hybridrec.launch import Launch, check_batch_size, describe_roles, with_cache
+from hybridrec.metrics_log import cache_metrics, store_metrics
+from hybridrec.tables import prepare_tables
+from hybridrec.trainer import Trainer, TrainerConfig, TrainResult
 from ps import InProcessStore, Store
 
-T = TypeVar("T")
+__all__ = ["DLRMJob", "TrainConfig", "main", "parse_args", "train", "train_step"]
 
-__all__ = ["TrainConfig", "main", "parse_args", "train", "train_step"]
+# Options that change the shapes a checkpoint holds: a resume names those that differ.
+SHAPE_OPTIONS = (
+    "data", "dim", "bottom_mlp", "top_mlp", "placements", "criteo_rows", "synthetic_rows",
+    "dense_optimizer", "zero_stage",
+)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -89,14 +88,21 @@ def make_optimizer(cfg: TrainConfig, model: DLRM, group: ProcessGroup) -> DenseO
 
 
 def build(
-    cfg: TrainConfig, source: Source, group: ProcessGroup, store: Store
+    cfg: TrainConfig,
+    source: Source,
+    group: ProcessGroup,
+    store: Store,
+    placements: dict[str, str] | None = None,
 ) -> tuple[DLRM, DenseOptimizer, CachedStore | None]:
-    placements = resolve_placements(cfg, source.features)
+    """The model, its dense optimizer and the cache (if any). Hybrid tables the store
+    already holds are handled by ``--existing-tables`` (:func:`prepare_tables`)."""
+    placements = placements or resolve_placements(cfg, source.features)
     cached = with_cache(cfg, store, group)
     if cached is not None and "hybrid" not in placements.values():
         raise ValueError(f"the cache serves hybrid tables, but the placements are {placements}")
     tables = dlrm_tables(source.features, dim=cfg.dim, emb_lr=cfg.emb_lr, placements=placements)
-    create_shared_tables(store, [t.to_spec() for t in tables if t.placement == "hybrid"], group)
+    hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
+    prepare_tables(store, hybrid, group, cfg.tables_policy)
     model = build_dlrm(
         source.features,
         source.num_dense,
@@ -110,11 +116,6 @@ def build(
         store=cached if cached is not None else store,
     )
     return model, make_optimizer(cfg, model, group), cached
-
-
-def dense_module(model: DLRM) -> torch.nn.Module:
-    """The plain dense part (inside DataParallel, if wrapped): what a checkpoint holds."""
-    return model.dense.module if isinstance(model.dense, DataParallel) else model.dense
 
 
 # ---------------------------------------------------------------- steps
@@ -139,30 +140,6 @@ def train_step(
     return float(loss.detach())
 
 
-def agreed(items: Iterable[T], group: ProcessGroup, check: bool) -> Iterator[T]:
-    """``items`` while every rank still has one (``check``: one tiny allreduce per item;
-    for streams, whose ranks may hold one batch more or less)."""
-    it = iter(items)
-    while True:
-        item = next(it, None)
-        if check:
-            missing = torch.tensor([1 if item is None else 0], dtype=torch.int64)
-            if int(group.allreduce(missing, op="max")):  # some rank ran out
-                return
-        if item is None:
-            return
-        yield item
-
-
-def with_next(items: Iterator[T], lookahead: bool) -> Iterator[tuple[T, T | None]]:
-    """``(item, next item or None)``; without ``lookahead`` next is always None."""
-    cur = next(items, None)
-    while cur is not None:
-        nxt = next(items, None)
-        yield cur, (nxt if lookahead else None)
-        cur = nxt
-
-
 @torch.no_grad()
 def evaluate(
     model: DLRM, batches: Iterable[Batch], group: ProcessGroup, lockstep: bool
@@ -182,129 +159,151 @@ def evaluate(
 # ---------------------------------------------------------------- train
 
 
-def train(cfg: TrainConfig, group: ProcessGroup, store: Store | None = None) -> dict[str, Any]:
+def train(
+    cfg: TrainConfig,
+    group: ProcessGroup,
+    store: Store | None = None,
+    *,
+    roles: Topology | None = None,
+) -> dict[str, Any]:
     """Train and evaluate on the workers ``group``; ``store`` holds the hybrid tables
-    (default: a fresh in-process store). Returns the metrics (equal on every rank
-    but for timings)."""
+    (default: a fresh in-process store); ``roles``, the whole job's (for the header;
+    default: ``group`` alone). Returns the metrics (equal on every rank but for timings)."""
     before = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        return _train(cfg, group, InProcessStore() if store is None else store)
+        job = DLRMJob(cfg, group, InProcessStore() if store is None else store, roles=roles)
+        return job.close(job.trainer.fit())
     finally:
         torch.set_num_threads(before)
 
 
-def _train(cfg: TrainConfig, group: ProcessGroup, store: Store) -> dict[str, Any]:
-    say = print if (cfg.verbose and group.rank == 0) else (lambda *a, **k: None)
-    source = open_source(cfg, group)
-    model, opt, cached = build(cfg, source, group, store)
-    stream = isinstance(source, CriteoSource)
-    lockstep = model.embeddings.sharded is not None
-    say(f"DLRM on {source.describe()}; {group.size} worker rank(s) ({group.backend})")
-
-    epoch, skip, step, start_pos = 0, 0, 0, None
-    resume_from = (
-        latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir and cfg.resume else None
-    )
-    if resume_from is not None:
-        meta, start_pos = load_checkpoint(
-            resume_from, group=group, dense=dense_module(model), optimizer=opt,
-            embeddings=model.embeddings,
-        )  # fmt: skip
-        epoch, skip, step = meta["epoch"], meta["step_in_epoch"], meta["step"]
-        say(f"resumed from {resume_from} at step {step} (epoch {epoch + 1})")
-    elif cfg.resume:
-        say(f"no checkpoint in {cfg.checkpoint_dir}: starting from scratch")
-
+def trainer_config(cfg: TrainConfig, lookahead: bool, lockstep: bool) -> TrainerConfig:
     assert cfg.epochs is not None  # resolved in TrainConfig.__post_init__
-    spe = source.steps_per_epoch
-    total = spe * cfg.epochs if spe is not None else None
-    if cfg.max_steps:
-        total = min(total, cfg.max_steps) if total is not None else cfg.max_steps
-    log = MetricsLog(cfg.metrics_out if group.rank == 0 else None, append=resume_from is not None)
-
-    def extras() -> dict[str, float]:
-        if cached is not None:
-            return cache_metrics(cached.cache_stats())
-        if model.embeddings.hybrid is not None:
-            return store_metrics(model.embeddings.store.stats())
-        return {}
-
-    steps = StepLog(
-        group=group, log=log, log_every=cfg.log_every, samples_per_step=cfg.batch_size,
-        total_steps=total, start_step=step, progress=cfg.progress, extras=extras,
+    return TrainerConfig(
+        epochs=cfg.epochs, max_steps=cfg.max_steps, samples_per_step=cfg.batch_size,
+        log_every=cfg.log_every, eval_every=cfg.eval_every, checkpoint_dir=cfg.checkpoint_dir,
+        checkpoint_every=cfg.checkpoint_every, checkpoint_keep=cfg.checkpoint_keep,
+        resume=cfg.resume, metrics_out=cfg.metrics_out, progress=cfg.progress,
+        verbose=cfg.verbose, lookahead=lookahead, lockstep=lockstep,
     )  # fmt: skip
 
-    def checkpoint(at_epoch: int, in_epoch: int, pos: torch.Tensor | None) -> None:
-        assert cfg.checkpoint_dir is not None
-        save_checkpoint(
-            cfg.checkpoint_dir, step, group=group, dense=dense_module(model), optimizer=opt,
-            embeddings=model.embeddings, rank_state=pos, keep=cfg.checkpoint_keep,
-            meta={"epoch": at_epoch, "step_in_epoch": in_epoch, "config": asdict(cfg)},
+
+class DLRMJob:
+    """A built DLRM run on the workers ``group``: data, model, optimizer, cache and its
+    :class:`Trainer`. ``result = job.close(job.trainer.fit())``."""
+
+    def __init__(
+        self, cfg: TrainConfig, group: ProcessGroup, store: Store, *, roles: Topology | None = None
+    ) -> None:
+        check_batch_size(cfg.batch_size, Topology.of(group))
+        self.cfg, self.group = cfg, group
+        self.source = open_source(cfg, group)
+        placements = resolve_placements(cfg, self.source.features)
+        self.model, self.optimizer, self.cached = build(cfg, self.source, group, store, placements)
+        self.lockstep = self.model.embeddings.sharded is not None  # every rank in each forward
+        self.say(f"DLRM on {self.source.describe()}; "
+                 f"{describe_roles(roles or Topology.of(group), group.backend)}")  # fmt: skip
+        stream = isinstance(self.source, CriteoSource)  # ranks may hold one batch more or less
+        model, opt = self.model, self.optimizer
+        self.trainer = Trainer(
+            trainer_config(cfg, lookahead=self.cached is not None, lockstep=stream),
+            group=group, optimizer=opt, data=self.source,
+            step=lambda batch, nxt: train_step(model, opt, batch, nxt),
+            dense=model.dense, embeddings=model.embeddings, evaluate=self.validate,
+            extras=self.extras, on_row=self.show,
+            run_config={**asdict(cfg), "placements": placements}, shape_options=SHAPE_OPTIONS,
         )  # fmt: skip
 
-    def validate(kind: str, **fields: Any) -> dict[str, Any] | None:
-        if not source.has_split("val"):
+    def say(self, text: str) -> None:
+        if self.cfg.verbose and self.group.rank == 0:
+            print(text, flush=True)
+
+    def validate(self) -> dict[str, Any] | None:
+        """Validation AUC and log loss (collective); None without a validation split."""
+        if not self.source.has_split("val"):
             return None
-        auc, logloss = evaluate(model, source.eval_batches("val"), group, lockstep)
-        row = {"kind": kind, "step": step, **fields, "val_auc": auc, "val_logloss": logloss}
-        if cached is not None:
-            row["cache_hit_rate"] = cache_metrics(cached.cache_stats())["cache_hit_rate"]
-        log.write(row)
+        val = self.source.eval_batches("val")
+        auc, logloss = evaluate(self.model, val, self.group, self.lockstep)
+        row = {"val_auc": auc, "val_logloss": logloss}
+        if self.cached is not None:
+            row["cache_hit_rate"] = cache_metrics(self.cached.cache_stats())["cache_hit_rate"]
         return row
 
-    epochs: list[dict[str, Any]] = []
-    train_seconds, stopped = 0.0, False
-    for e in range(epoch, cfg.epochs):
-        t0 = time.perf_counter()
-        loss_sum = torch.zeros(2, dtype=torch.float64)  # [sum of local mean losses, steps]
-        in_epoch = skip if e == epoch else 0
-        batches = source.train_batches(e, in_epoch, start_pos if e == epoch else None)
-        pos = None
-        for (batch, pos), nxt in with_next(agreed(batches, group, stream), cached is not None):
-            loss = train_step(model, opt, batch, None if nxt is None else nxt[0])
-            loss_sum += torch.tensor([loss, 1.0], dtype=torch.float64)
-            step += 1
-            in_epoch += 1
-            steps.step(step, loss)
-            if cfg.checkpoint_dir and due(step, cfg.checkpoint_every):
-                checkpoint(e, in_epoch, pos)
-            if due(step, cfg.eval_every):
-                validate("eval")
-            if cfg.max_steps and step >= cfg.max_steps:
-                stopped = True
-                break
-        train_seconds += time.perf_counter() - t0
-        steps.flush(step)
-        group.allreduce(loss_sum, op="sum")
-        train_loss = float(loss_sum[0] / loss_sum[1].clamp_min(1))
-        row = validate("epoch", epoch=e + 1, steps=step, train_loss=train_loss) or {
-            "kind": "epoch", "epoch": e + 1, "steps": step, "train_loss": train_loss,
-        }  # fmt: skip
-        epochs.append(row)
-        say(
-            f"epoch {e + 1}: train loss {train_loss:.4f}"
-            + (f"  val AUC {row['val_auc']:.4f}  val logloss {row['val_logloss']:.4f}"
-               if "val_auc" in row else "")
-        )  # fmt: skip
-        if stopped:
-            end_epoch, end_in_epoch, end_pos = e, in_epoch, pos
-            break
-    else:
-        end_epoch, end_in_epoch, end_pos = cfg.epochs, 0, None
-    steps.close()
+    def extras(self) -> dict[str, float]:
+        """Counters for the metrics file's step lines: cache or store traffic."""
+        if self.cached is not None:
+            return cache_metrics(self.cached.cache_stats())
+        if self.model.embeddings.hybrid is not None:
+            return store_metrics(self.model.embeddings.store.stats())
+        return {}
 
-    if cached is not None:
-        cached.flush()  # every pending row update reaches the store
-    if cfg.checkpoint_dir:
-        checkpoint(end_epoch, end_in_epoch, end_pos if stream and stopped else None)
-    result = finish(cfg, group, model, source, lockstep, epochs, step, train_seconds)
-    if cached is not None:
-        result["cache"] = cached.cache_stats()
-        result.update(cache_metrics(result["cache"]))
-    if isinstance(model.dense, DataParallel) and model.dense.codec is not None:
-        result["codec_stats"] = dict(model.dense.codec.stats)
+    def show(self, row: dict[str, Any]) -> None:
+        if row["kind"] != "epoch":
+            return
+        loss = "-" if row["train_loss"] is None else f"{row['train_loss']:.4f}"
+        val = (f"  val AUC {row['val_auc']:.4f}  val logloss {row['val_logloss']:.4f}"
+               if "val_auc" in row else "")  # fmt: skip
+        self.say(f"epoch {row['epoch']}: train loss {loss}{val}")
+
+    def close(self, run: TrainResult) -> dict[str, Any]:
+        """Collective: test metrics and the summary, written to the metrics file; returns it."""
+        if self.cached is not None:
+            self.cached.flush()  # every pending row update reaches the store
+        model = self.model
+        result = finish(self.cfg, self.group, model, self.source, self.lockstep, run)
+        if self.cached is not None:
+            result["cache"] = self.cached.cache_stats()
+            result.update(cache_metrics(result["cache"]))
+        if isinstance(model.dense, DataParallel) and model.dense.codec is not None:
+            result["codec_stats"] = dict(model.dense.codec.stats)
+        self.say(summary_line(result))
+        self.trainer.write(result)
+        self.trainer.close()
+        return result
+
+
+def finish(
+    cfg: TrainConfig,
+    group: ProcessGroup,
+    model: DLRM,
+    source: Source,
+    lockstep: bool,
+    run: TrainResult,
+) -> dict[str, Any]:
+    """The final summary: test metrics, the popularity baseline, throughput (this run's)."""
+    result: dict[str, Any] = {
+        "kind": "final",
+        "config": asdict(cfg),
+        "epochs": run.epochs,
+        "steps": run.step,
+        "steps_run": run.steps_run,
+        "already_finished": run.already_finished,
+        "world_size": group.size,
+        "train_seconds": run.train_seconds,
+        "samples_per_s": run.samples_per_s,
+        "test_auc": None,
+        "test_logloss": None,
+    }
+    if run.epochs and "val_auc" in run.epochs[-1]:
+        result["val_auc"], result["val_logloss"] = (
+            run.epochs[-1]["val_auc"],
+            run.epochs[-1]["val_logloss"],
+        )
+    if source.has_split("test"):
+        auc, logloss = evaluate(model, source.eval_batches("test"), group, lockstep)
+        result["test_auc"], result["test_logloss"] = auc, logloss
+    baseline = source.baseline()
+    if baseline is not None:
+        result["popularity_auc"], result["popularity_logloss"] = baseline
+    if isinstance(source, CriteoSource) and cfg.skip_bad_lines:
+        counts = group.allreduce(torch.tensor(source.skipped_lines(), dtype=torch.int64))
+        result["skipped_lines_train"], result["skipped_lines_val"] = (int(c) for c in counts)
+    return result
+
+
+def summary_line(result: dict[str, Any]) -> str:
     test = (
         f"test AUC {result['test_auc']:.4f}  logloss {result['test_logloss']:.4f}"
         if result.get("test_auc") is not None
@@ -316,74 +315,28 @@ def _train(cfg: TrainConfig, group: ProcessGroup, store: Store) -> dict[str, Any
         if "popularity_auc" in result
         else ""
     )
-    say(
-        f"{test}{pop} | {result['samples_per_s']:.0f} samples/s ({step} steps, "
-        f"{train_seconds:.1f} s)"
+    line = (
+        f"{test}{pop} | {result['samples_per_s']:.0f} samples/s ({result['steps_run']} steps, "
+        f"{result['train_seconds']:.1f} s)"
     )
-    log.write(result)
-    png = log.close()
-    if png is not None:
-        say(f"metrics: {cfg.metrics_out}, plot: {png}")
-    return result
-
-
-def finish(
-    cfg: TrainConfig,
-    group: ProcessGroup,
-    model: DLRM,
-    source: Source,
-    lockstep: bool,
-    epochs: list[dict[str, Any]],
-    steps: int,
-    train_seconds: float,
-) -> dict[str, Any]:
-    """The final summary: test metrics, the popularity baseline, throughput."""
-    result: dict[str, Any] = {
-        "kind": "final",
-        "config": asdict(cfg),
-        "epochs": epochs,
-        "steps": steps,
-        "world_size": group.size,
-        "train_seconds": train_seconds,
-        "samples_per_s": steps * cfg.batch_size / max(train_seconds, 1e-9),
-        "test_auc": None,
-        "test_logloss": None,
-    }
-    if epochs and "val_auc" in epochs[-1]:
-        result["val_auc"], result["val_logloss"] = epochs[-1]["val_auc"], epochs[-1]["val_logloss"]
-    if source.has_split("test"):
-        auc, logloss = evaluate(model, source.eval_batches("test"), group, lockstep)
-        result["test_auc"], result["test_logloss"] = auc, logloss
-    baseline = source.baseline()
-    if baseline is not None:
-        result["popularity_auc"], result["popularity_logloss"] = baseline
-    return result
+    if "skipped_lines_train" in result:
+        line += (
+            f" | skipped malformed lines: {result['skipped_lines_train']} train, "
+            f"{result['skipped_lines_val']} validation"
+        )
+    return line
 
 
 # ---------------------------------------------------------------- main
 
 
-def check_roles(cfg: TrainConfig, world: ProcessGroup) -> Topology:
-    """The job's roles, checked against the config on every rank before anything starts."""
-    topo = topology_for(cfg.ps, world)
-    if cfg.batch_size % topo.num_workers:
-        raise ValueError(
-            f"batch_size {cfg.batch_size} must be a multiple of the {topo.num_workers} worker "
-            f"rank(s) ({topo.world_size} ranks, {topo.num_servers} of them parameter servers)"
-        )
-    return topo
-
-
 def main(argv: list[str] | None = None) -> None:
+    """Config -> launch (roles, store) -> build -> train -> close."""
     cfg = parse_args(argv)
-    world = comm.init(cfg.backend, validate=cfg.validate_comm)
-    role: PSRole | None = None
-    try:
-        check_roles(cfg, world)
-        role = open_ps(cfg.ps, world)  # a server rank serves here until the workers close
-        if role.store is not None:
-            train(cfg, role.group, role.store)
-    finally:
-        if role is not None and role.store is not None:
-            role.store.close()
-        world.close()
+    with Launch(
+        cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size, validate=cfg.validate_comm,
+        threads=cfg.threads,
+    ) as launch:  # fmt: skip
+        if launch.is_worker:  # a PS server rank has served inside Launch and skips this
+            job = DLRMJob(cfg, launch.group, launch.store, roles=launch.topology)
+            job.close(job.trainer.fit())

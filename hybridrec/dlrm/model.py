@@ -51,7 +51,7 @@ def build_dlrm(
     *,
     dim: int,
     emb_lr: float,
-    bottom_mlp: list[int],
+    bottom_mlp: list[int] | None,
     top_mlp: list[int],
     seed: int,
     group: ProcessGroup,
@@ -62,8 +62,9 @@ def build_dlrm(
 
     ``features`` may be a :class:`CTRData` (its sparse features and dense width).
     ``placements`` maps table names to "local" (default), "hybrid" (rows in ``store``)
-    or "sharded". ``bottom_mlp`` lists the hidden widths; its last layer (width
-    ``dim``) is added. ``top_mlp`` likewise gets its final width-1 layer appended.
+    or "sharded". ``bottom_mlp`` and ``top_mlp`` list the output width of every layer,
+    as :class:`dense.DLRMConfig` does: the bottom MLP ends in ``dim`` (None: ``[64, dim]``),
+    the top in 1.
     """
     if isinstance(features, CTRData):
         num_dense = len(features.dense_names)
@@ -76,8 +77,8 @@ def build_dlrm(
         num_dense=num_dense,
         num_sparse=len(tables),
         embedding_dim=dim,
-        bottom_mlp=[*bottom_mlp, dim],
-        top_mlp=[*top_mlp, 1],
+        bottom_mlp=[64, dim] if bottom_mlp is None else list(bottom_mlp),
+        top_mlp=list(top_mlp),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -36,8 +36,8 @@ CFG = TrainConfig(
     synthetic_rows=300,
     batch_size=48,  # divisible by 1, 2, 3 and 4 ranks
     dim=8,
-    bottom_mlp=[16],
-    top_mlp=[16],
+    bottom_mlp=[16, 8],
+    top_mlp=[16, 1],
     lr=0.01,
     emb_lr=0.1,
     seed=5,
@@ -144,14 +144,19 @@ def check_train_end_to_end(group: ProcessGroup) -> None:
     assert 0.5 < metrics["test_auc"] <= 1.0, metrics["test_auc"]
 
 
+def run_checks(group: ProcessGroup) -> None:
+    """Every check of this script on ``group`` (a 1-rank run calls it in-process)."""
+    check_allreduce_gradients(group)
+    check_broadcast_parameters(group)
+    check_matches_single_process(group)
+    check_train_end_to_end(group)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     group = comm.init("auto", timeout_s=120.0)
     try:
-        check_allreduce_gradients(group)
-        check_broadcast_parameters(group)
-        check_matches_single_process(group)
-        check_train_end_to_end(group)
+        run_checks(group)
     finally:
         group.close()
     print(f"rank {group.rank}/{group.size}: ok dlrm train", flush=True)

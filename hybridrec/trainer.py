@@ -1,0 +1,403 @@
+"""The training loop every job shares: config -> build -> ``Trainer.fit()`` -> ``close()``.
+
+A job builds its model, optimizer and data, then hands them to a :class:`Trainer`,
+which runs the steps on the workers' ``comm.ProcessGroup`` and does the rest:
+
+* epochs and ``max_steps``; the next batch handed to the step early (``lookahead``:
+  its rows are prefetched into the embedding cache while this one trains); the
+  "agreed" iteration for streams (``lockstep``: stop when any rank runs out);
+* evaluation every ``eval_every`` steps, at the start, at the end and per epoch,
+  through the job's ``evaluate()``;
+* checkpoints every ``checkpoint_every`` steps and at the end, and an exact resume
+  (:mod:`hybridrec.checkpoint`): the data position, the RNG, the epoch's running
+  loss; a finished run stays finished; a resume with other model options names them;
+* the progress bar, the metrics file (``"step"``, ``"eval"``, ``"epoch"`` lines,
+  :class:`hybridrec.step_log.StepLog`) and rates over this run's steps only.
+
+The step itself is the job's (``step(batch, next_batch) -> local mean loss``), or
+built from a model and a loss for ``(inputs, targets)`` batches::
+
+    trainer = Trainer(TrainerConfig(epochs=2), group=group, data=batches,
+                      model=model, loss=F.mse_loss, optimizer=opt)
+    result = trainer.fit()
+    trainer.close()
+
+Every method is collective over ``group``: all ranks make the same calls.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from comm import LocalGroup, ProcessGroup
+from dense import DataParallel
+from embedding import EmbeddingCollection
+from hybridrec.batches import EpochData, agreed, epoch_data, with_next
+from hybridrec.checkpoint import DenseOptimizer, latest_checkpoint, load_checkpoint, save_checkpoint
+from hybridrec.metrics_log import MetricsLog
+from hybridrec.step_log import StepLog, due
+
+StepFn = Callable[[Any, Any], float]  # (batch, next batch or None) -> this rank's mean loss
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    """The loop's schedule, cadences and outputs (every count is in steps)."""
+
+    epochs: int = 1
+    max_steps: int = 0  # stop after this many steps in total; 0: no limit
+    samples_per_step: int = 0  # global samples per step (every rank's), for samples/s
+    log_every: int = 50  # a "step" line in the metrics file every this many steps
+    eval_every: int = 0  # 0: evaluate only at the points below
+    eval_at_start: bool = False  # before the first step of a fresh run
+    eval_at_end: bool = False  # after the last step (unless eval_every just did)
+    epoch_rows: bool = True  # an "epoch" line (train loss, evaluation) after each epoch
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # 0: only at the end
+    checkpoint_keep: int = 2
+    resume: bool = False  # continue from the newest checkpoint in checkpoint_dir
+    metrics_out: str | None = None  # JSON lines (rank 0) and a PNG plot next to it
+    progress: bool = True
+    verbose: bool = True  # rank 0 prints resume and finish notes
+    lookahead: bool = False  # step(batch, next_batch): the next batch is read first
+    lockstep: bool = False  # one tiny allreduce per batch: stop when any rank runs out
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "log_every", "checkpoint_keep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "samples_per_step", "eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainerConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("TrainerConfig.resume needs checkpoint_dir (where to find them)")
+
+
+@dataclass(slots=True)
+class TrainResult:
+    """What :meth:`Trainer.fit` did (equal on every rank but for the timings)."""
+
+    step: int  # the global step count reached (resumed steps included)
+    steps_run: int  # steps this run trained
+    train_seconds: float  # this run's time in steps (data included, evaluations not)
+    samples_per_s: float  # this run's steps only
+    epochs: list[dict[str, Any]] = field(default_factory=list)  # the "epoch" rows
+    evals: list[dict[str, Any]] = field(default_factory=list)  # the "eval" rows
+    resumed_from: Path | None = None
+    already_finished: bool = False  # resumed a run that had reached its end: nothing trained
+
+
+class _NoEmbeddings:
+    """Stands for "no embedding collection" in a checkpoint of a plain torch model."""
+
+    local = hybrid = sharded = store = None
+
+
+def plain_step(
+    model: nn.Module,
+    loss: Callable[[Any, Any], torch.Tensor],
+    optimizer: DenseOptimizer,
+    prefetch: Callable[[Any], None] | None = None,
+) -> StepFn:
+    """A step for ``(inputs, targets)`` batches: ``loss(model(inputs), targets)``,
+    backward (waiting for every ``DataParallel`` inside ``model``), optimizer step.
+    ``prefetch(next_batch)`` runs after the forward when a next batch is given."""
+    parallel = [m for m in model.modules() if isinstance(m, DataParallel)]
+
+    def step(batch: Any, next_batch: Any) -> float:
+        inputs, targets = batch
+        value = loss(model(inputs), targets)
+        if prefetch is not None and next_batch is not None:
+            prefetch(next_batch)
+        optimizer.zero_grad(set_to_none=True)
+        value.backward()  # DataParallel buckets are allreduced meanwhile
+        for dp in parallel:
+            dp.finish()
+        optimizer.step()
+        return float(value.detach())
+
+    return step
+
+
+def _change(name: str, saved: Any, now: Any) -> str:
+    """``"dim: 16 in the checkpoint, 8 now"``; for dicts only the keys that differ."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        keys = [k for k in {**saved, **now} if saved.get(k) != now.get(k)]
+        saved = {k: saved.get(k) for k in keys[:4]}
+        now = {k: now.get(k) for k in keys[:4]}
+        more = f" (and {len(keys) - 4} more)" if len(keys) > 4 else ""
+        return f"{name}: {saved!r} in the checkpoint, {now!r} now{more}"
+    return f"{name}: {saved!r} in the checkpoint, {now!r} now"
+
+
+def _sums() -> torch.Tensor:
+    return torch.zeros(2, dtype=torch.float64)  # [sum of local mean losses, steps]
+
+
+class Trainer:
+    """Runs the steps of one job on the workers ``group`` (see the module docstring).
+
+    ``data``: :class:`hybridrec.batches.EpochData`, a list of batches or a function
+    ``epoch -> batches``. Either ``step`` or ``model`` and ``loss``. ``dense`` is the
+    module whose weights a checkpoint holds (default ``model``; a ``DataParallel``
+    wrapper as it is); ``embeddings`` the model's embedding collection, if any.
+    ``evaluate() -> {metric: value}`` (collective; None: nothing to report).
+    ``extras() -> {counter: value}`` adds to every "step" line (rank 0).
+    ``on_row(row)`` sees every "eval" and "epoch" row (to print them).
+    ``run_config`` goes into each checkpoint; a resume whose ``run_config`` differs
+    from the checkpoint's in one of ``shape_options`` stops with their names.
+    """
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        optimizer: DenseOptimizer,
+        data: EpochData | Sequence[Any] | Callable[[int], Any],
+        group: ProcessGroup | None = None,
+        step: StepFn | None = None,
+        model: nn.Module | None = None,
+        loss: Callable[[Any, Any], torch.Tensor] | None = None,
+        dense: nn.Module | None = None,
+        embeddings: EmbeddingCollection | None = None,
+        evaluate: Callable[[], dict[str, Any] | None] | None = None,
+        extras: Callable[[], dict[str, float]] | None = None,
+        on_row: Callable[[dict[str, Any]], None] | None = None,
+        run_config: dict[str, Any] | None = None,
+        shape_options: Sequence[str] = (),
+    ) -> None:
+        self.config = config
+        self.group = group if group is not None else LocalGroup()
+        self.optimizer = optimizer
+        self.data = epoch_data(data)
+        if step is None:
+            if model is None or loss is None:
+                raise ValueError("Trainer: give step=, or model= and loss= (for a default step)")
+            step = plain_step(model, loss, optimizer)
+        self.step_fn = step
+        if dense is None:
+            if model is None:
+                raise ValueError("Trainer: give dense= (the module a checkpoint holds) or model=")
+            dense = model  # a DataParallel wrapper included: the checkpoint keeps its codec state
+        self.dense = dense
+        self.embeddings = embeddings
+        self.evaluate = evaluate
+        self.extras = extras
+        self.on_row = on_row
+        self.run_config = dict(run_config or {})
+        self.shape_options = list(shape_options)
+        self.log: MetricsLog | None = None
+        self.train_seconds = 0.0
+        # Per rank: [sum of local mean losses, steps] over the epoch and since the last
+        # evaluation (rank 0 also carries a resumed run's global sums).
+        self._epoch_loss, self._interval_loss = _sums(), _sums()
+        self.evals: list[dict[str, Any]] = []
+        self.epochs: list[dict[str, Any]] = []
+
+    # ---------------------------------------------------------------- helpers
+
+    def say(self, text: str) -> None:
+        if self.config.verbose and self.group.rank == 0:
+            print(text, flush=True)
+
+    @property
+    def total_steps(self) -> int | None:
+        """The step count at which the run ends (None: a stream without max_steps)."""
+        cfg, spe = self.config, self.data.steps_per_epoch
+        total = spe * cfg.epochs if spe is not None else None
+        if cfg.max_steps:
+            total = min(total, cfg.max_steps) if total is not None else cfg.max_steps
+        return total
+
+    def _global(self, sums: torch.Tensor) -> torch.Tensor:
+        return self.group.allreduce(sums.clone(), op="sum")  # [sum over ranks, steps * size]
+
+    def _mean_loss(self, sums: torch.Tensor) -> float | None:
+        total = self._global(sums)
+        return float(total[0] / total[1]) if float(total[1]) else None
+
+    def _row(self, row: dict[str, Any]) -> None:
+        assert self.log is not None
+        self.log.write(row)
+        if self.on_row is not None:
+            self.on_row(row)
+
+    def _eval(self, step: int) -> None:
+        metrics = self.evaluate() if self.evaluate is not None else None
+        loss = self._mean_loss(self._interval_loss)
+        self._interval_loss = _sums()
+        if metrics is None:
+            return
+        row = {"kind": "eval", "step": step, "train_loss": loss, **metrics}
+        self.evals.append(row)
+        self._row(row)
+
+    def _end_epoch(self, epoch: int, step: int, steps_in_epoch: int, complete: bool) -> None:
+        """The epoch's row; a run stopped inside the epoch keeps its running loss (the
+        final checkpoint carries it to the resumed run, whose row spans the epoch)."""
+        loss = self._mean_loss(self._epoch_loss)
+        if complete:
+            self._epoch_loss = _sums()
+        if not self.config.epoch_rows:
+            return
+        metrics = (self.evaluate() if self.evaluate is not None else None) or {}
+        row = {"kind": "epoch", "step": step, "epoch": epoch + 1, "steps": step,
+               "steps_in_epoch": steps_in_epoch, "train_loss": loss, **metrics}  # fmt: skip
+        self.epochs.append(row)
+        self._row(row)
+
+    def _embeddings(self) -> EmbeddingCollection:
+        return self.embeddings if self.embeddings is not None else cast(Any, _NoEmbeddings())
+
+    def save(self, step: int, epoch: int, in_epoch: int, position: torch.Tensor | None) -> Path:
+        """Collective: a checkpoint at ``step`` that resumes at step ``in_epoch`` of ``epoch``."""
+        cfg = self.config
+        assert cfg.checkpoint_dir is not None
+        sums = {"epoch": self._global(self._epoch_loss).tolist(),
+                "interval": self._global(self._interval_loss).tolist()}  # fmt: skip
+        meta = {"epoch": epoch, "step_in_epoch": in_epoch, "loss_sums": sums,
+                "config": self.run_config}  # fmt: skip
+        return save_checkpoint(
+            cfg.checkpoint_dir, step, group=self.group, dense=self.dense,
+            optimizer=self.optimizer, embeddings=self._embeddings(), meta=meta,
+            rank_state=position, keep=cfg.checkpoint_keep,
+        )  # fmt: skip
+
+    def check_resume_options(self, checkpoint: Path) -> None:
+        """ValueError naming every shape option that differs from ``checkpoint``'s."""
+        meta = json.loads((checkpoint / "meta.json").read_text(encoding="utf-8"))
+        saved = meta.get("config") or {}
+        changed = [
+            _change(k, saved[k], self.run_config[k])
+            for k in self.shape_options
+            if k in saved and k in self.run_config and saved[k] != self.run_config[k]
+        ]
+        if changed:
+            raise ValueError(
+                f"cannot resume from {checkpoint}: the model options differ: "
+                + "; ".join(changed)
+                + ". Resume with the checkpoint's options, or use a new --checkpoint-dir"
+            )
+
+    def _resume(self) -> tuple[Path | None, int, int, int, torch.Tensor | None]:
+        """Collective: load the newest checkpoint if asked; ``(path, epoch, step in epoch,
+        step, this rank's data position)``."""
+        cfg = self.config
+        path = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir and cfg.resume else None
+        if path is None:
+            if cfg.resume:
+                self.say(f"no checkpoint in {cfg.checkpoint_dir}: starting from scratch")
+            return None, 0, 0, 0, None
+        self.check_resume_options(path)
+        meta, position = load_checkpoint(
+            path, group=self.group, dense=self.dense, optimizer=self.optimizer,
+            embeddings=self._embeddings(),
+        )  # fmt: skip
+        step = int(meta["step"])
+        sums = meta.get("loss_sums")
+        if sums is not None and self.group.rank == 0:  # the global sums, counted once
+            self._epoch_loss = torch.tensor(sums["epoch"], dtype=torch.float64)
+            self._interval_loss = torch.tensor(sums["interval"], dtype=torch.float64)
+        epoch, in_epoch = int(meta.get("epoch", 0)), int(meta.get("step_in_epoch", step))
+        return path, epoch, in_epoch, step, position
+
+    # ---------------------------------------------------------------- the loop
+
+    def fit(self) -> TrainResult:
+        """Collective: train to the end of the schedule (or resume and finish it)."""
+        cfg, group = self.config, self.group
+        resumed_from, epoch, skip, step, position = self._resume()
+        total = self.total_steps
+        self.log = MetricsLog(
+            cfg.metrics_out if group.rank == 0 else None, append=resumed_from is not None
+        )
+        reached = epoch >= cfg.epochs or (total is not None and step >= total)
+        finished = resumed_from is not None and reached  # a fresh run with no data just ends
+        if resumed_from is not None and not finished:
+            self.say(f"resumed from {resumed_from} at step {step} (epoch {epoch + 1})")
+        if finished:
+            self.say(
+                f"the run in {resumed_from} already finished at step {step} "
+                f"(epochs {cfg.epochs}, max_steps {cfg.max_steps or 'none'}): nothing to train; "
+                "raise max_steps or epochs to train on"
+            )
+            if cfg.eval_at_end:
+                self._eval(step)
+            return self._result(step, 0, resumed_from, already_finished=True)
+
+        steps = StepLog(
+            group=group, log=self.log, log_every=cfg.log_every,
+            samples_per_step=cfg.samples_per_step, total_steps=total, start_step=step,
+            progress=cfg.progress, extras=self.extras,
+        )  # fmt: skip
+        if cfg.eval_at_start and step == 0:
+            self._eval(0)
+        start_step, stopped = step, False
+        end: tuple[int, int, torch.Tensor | None] = (cfg.epochs, 0, None)
+        for e in range(epoch, cfg.epochs):
+            in_epoch = skip if e == epoch else 0
+            batches = self.data.train_batches(e, in_epoch, position if e == epoch else None)
+            pos: torch.Tensor | None = None
+            mark = time.perf_counter()
+            for (batch, pos), nxt in with_next(agreed(batches, group, cfg.lockstep), cfg.lookahead):
+                loss = self.step_fn(batch, None if nxt is None else nxt[0])
+                self.train_seconds += time.perf_counter() - mark
+                step, in_epoch = step + 1, in_epoch + 1
+                add = torch.tensor([loss, 1.0], dtype=torch.float64)
+                self._epoch_loss += add
+                self._interval_loss += add
+                steps.step(step, loss)
+                if due(step, cfg.eval_every) or (cfg.eval_at_end and step == total):
+                    self._eval(step)
+                if cfg.checkpoint_dir and due(step, cfg.checkpoint_every):
+                    self.save(step, e, in_epoch, pos)
+                if cfg.max_steps and step >= cfg.max_steps:
+                    stopped = True
+                    break
+                mark = time.perf_counter()
+            steps.flush(step)
+            spe = self.data.steps_per_epoch
+            complete = not stopped or (spe is not None and in_epoch >= spe)
+            self._end_epoch(e, step, in_epoch, complete)
+            if stopped:
+                end = (e + 1, 0, None) if complete else (e, in_epoch, pos)
+                break
+        steps.close()
+        if cfg.eval_at_end and (not self.evals or self.evals[-1]["step"] != step):
+            self._eval(step)  # stopped by max_steps before the schedule's last step
+        if cfg.checkpoint_dir and step > start_step:
+            self.save(step, *end)
+        return self._result(step, step - start_step, resumed_from)
+
+    def _result(
+        self, step: int, run: int, resumed_from: Path | None, already_finished: bool = False
+    ) -> TrainResult:
+        rate = run * self.config.samples_per_step / max(self.train_seconds, 1e-9) if run else 0.0
+        return TrainResult(
+            step=step, steps_run=run, train_seconds=self.train_seconds, samples_per_s=rate,
+            epochs=self.epochs, evals=self.evals, resumed_from=resumed_from,
+            already_finished=already_finished,
+        )  # fmt: skip
+
+    def write(self, row: dict[str, Any]) -> None:
+        """One more line in the metrics file (e.g. the job's final summary)."""
+        if self.log is None:
+            self.log = MetricsLog(self.config.metrics_out if self.group.rank == 0 else None)
+        self.log.write(row)
+
+    def close(self) -> Path | None:
+        """Close the metrics file and plot it; returns the PNG (None without one)."""
+        if self.log is None:
+            return None
+        png, self.log = self.log.close(), None
+        if png is not None:
+            self.say(f"metrics: {self.config.metrics_out}, plot: {png}")
+        return png
