@@ -15,9 +15,11 @@ Each step below is a library call (``hybridrec.dlrm.job``, ``hybridrec.launch``,
 from __future__ import annotations
 
 from hybridrec.dlrm.job import DLRMJob, parse_args
+from hybridrec.errors import reported_errors
 from hybridrec.launch import Launch
 
 
+@reported_errors()  # a user error is one line on stderr (--debug: the traceback)
 def main(argv: list[str] | None = None) -> None:
     # Config: defaults < --config run.toml < command line, checked on every rank.
     cfg = parse_args(argv)

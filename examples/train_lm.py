@@ -13,10 +13,12 @@ Each step below is a library call (``hybridrec.lm.job``, ``hybridrec.launch``,
 
 from __future__ import annotations
 
+from hybridrec.errors import reported_errors
 from hybridrec.launch import Launch
 from hybridrec.lm.job import LMJob, parse_args
 
 
+@reported_errors()  # a user error is one line on stderr (--debug: the traceback)
 def main(argv: list[str] | None = None) -> None:
     # Config: defaults < --config run.toml < command line, checked on every rank.
     cfg = parse_args(argv)

@@ -164,7 +164,7 @@ def check_batch_size(batch_size: int, topology: Topology) -> None:
     """ValueError unless the global batch splits evenly over the worker ranks."""
     if batch_size % topology.num_workers:
         raise ValueError(
-            f"batch_size {batch_size} must be a multiple of the {topology.num_workers} worker "
+            f"--batch-size {batch_size} must be a multiple of the {topology.num_workers} worker "
             f"rank(s) ({topology.world_size} ranks, {topology.num_servers} of them parameter "
             "servers)"
         )

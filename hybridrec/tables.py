@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from comm import ProcessGroup
+from embedding.checkpoint_io import agree
 from embedding.hybrid import store_is_replicated
 from ps import Store, TableSpec
 
@@ -59,13 +60,7 @@ def _check_tables(store: Store, specs: list[TableSpec], policy: str) -> list[str
     for spec in found:
         old = store.spec(spec.name)
         if policy == "replace":
-            drop = getattr(store, "drop_table", None)
-            if drop is None:
-                raise ValueError(
-                    f"--existing-tables replace: {type(store).__name__} cannot drop table "
-                    f"{spec.name!r}; clear the store by hand"
-                )
-            drop(spec.name)
+            store.drop_table(spec.name)
         elif old != spec:
             raise ValueError(
                 f"table {spec.name!r} is already in the parameter-server store with another "
@@ -128,13 +123,7 @@ def _on_every_rank(work: Callable[[], list[str]], group: ProcessGroup) -> list[s
         out = work()
     except Exception as e:
         error = e
-    failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-    if group.size > 1:
-        group.allreduce(failed, op="max")
-    if error is not None:
-        raise error
-    if int(failed):
-        raise RuntimeError("preparing the embedding tables failed on another rank (see its error)")
+    agree(group, error, "preparing the embedding tables")
     return out
 
 

@@ -58,7 +58,7 @@ def test_roles_are_described_and_checked() -> None:
         "5 ranks: 3 workers + 2 PS servers (mpi)"
     )
     assert describe_roles(Topology(world_size=1), "local") == "1 rank: 1 worker (local)"
-    with pytest.raises(ValueError, match="batch_size 10 must be a multiple of the 3 worker"):
+    with pytest.raises(ValueError, match="--batch-size 10 must be a multiple of the 3 worker"):
         check_batch_size(10, Topology(world_size=4, num_servers=1))
 
 

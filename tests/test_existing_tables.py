@@ -58,6 +58,14 @@ def test_in_process_store() -> None:
     run(fresh)
     run(fresh, existing_tables="reuse")
     assert torch.equal(rows(store), rows(fresh))  # the refused runs in between changed nothing
+    replaced = InProcessStore()
+    run(replaced)
+    run(replaced, existing_tables="replace")  # dropped and made again: a first run's rows
+    first = InProcessStore()
+    run(first)
+    assert torch.equal(rows(replaced), rows(first)) and not torch.equal(rows(first), rows(store))
+    run(replaced, existing_tables="replace", dim=4, bottom_mlp=[16, 4])  # another shape
+    assert rows(replaced).shape == (50, 4)
 
 
 @pytest.mark.timeout(180)

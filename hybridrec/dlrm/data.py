@@ -49,7 +49,7 @@ class Feature:
 def per_rank_batch(cfg: TrainConfig, group: ProcessGroup) -> int:
     if cfg.batch_size % group.size != 0:
         raise ValueError(
-            f"batch_size {cfg.batch_size} must be a multiple of the number of worker ranks "
+            f"--batch-size {cfg.batch_size} must be a multiple of the number of worker ranks "
             f"{group.size} (each rank takes an equal slice of a global batch)"
         )
     return cfg.batch_size // group.size

@@ -37,6 +37,7 @@ from hybridrec.datasets.ctr import Batch
 from hybridrec.dlrm.config import TrainConfig
 from hybridrec.dlrm.data import CriteoSource, Feature, Source, auc_logloss, open_source
 from hybridrec.dlrm.model import DLRM, build_dlrm, dlrm_tables
+from hybridrec.errors import reported_errors
 from hybridrec.launch import Launch, check_batch_size, describe_roles, with_cache
 from hybridrec.metrics_log import cache_metrics, store_metrics
 from hybridrec.tables import prepare_tables
@@ -330,8 +331,10 @@ def summary_line(result: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- main
 
 
+@reported_errors()
 def main(argv: list[str] | None = None) -> None:
-    """Config -> launch (roles, store) -> build -> train -> close."""
+    """Config -> launch (roles, store) -> build -> train -> close; a user error (bad
+    option, missing file, unreachable store) is one line on stderr, exit status 2."""
     cfg = parse_args(argv)
     with Launch(
         cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size, validate=cfg.validate_comm,

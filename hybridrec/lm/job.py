@@ -41,6 +41,7 @@ from hybridrec.datasets.text import (
     split_tokens,
     tokenize,
 )
+from hybridrec.errors import reported_errors
 from hybridrec.launch import Launch, check_batch_size, describe_roles, with_cache
 from hybridrec.lm.config import LMConfig
 from hybridrec.lm.model import (
@@ -253,8 +254,10 @@ class LMJob:
         return result
 
 
+@reported_errors()
 def main(argv: list[str] | None = None) -> None:
-    """Config -> launch (roles, store) -> build -> train -> close."""
+    """Config -> launch (roles, store) -> build -> train -> close; a user error (bad
+    option, missing file, unreachable store) is one line on stderr, exit status 2."""
     cfg = parse_args(argv)
     with Launch(
         cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size, validate=cfg.validate_comm,
