@@ -49,6 +49,14 @@ def check_lifecycle(
     barrier()
     got = store.pull(name, torch.arange(size))
     assert got.clocks.tolist() == [1] * size, f"rank {rank}: not one shared table: {got.clocks}"
+    barrier()
+    # Creating it again with exist_ok (a second collection on this client) keeps the
+    # table as it is: this worker's next push still applies (clock 2, not a "repeat").
+    store.create_table(spec, exist_ok=True)
+    store.push(name, torch.tensor([rank]), torch.ones(1, spec.dim))
+    barrier()
+    got = store.pull(name, torch.arange(size))
+    assert got.clocks.tolist() == [2] * size, f"rank {rank}: a push after exist_ok lost: {got}"
     assert store.spec(name).to_json() == spec.to_json()
     _expect(
         "create again",

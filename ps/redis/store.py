@@ -303,7 +303,12 @@ class RedisStore(Store):
         clear = "or give the job another Redis db or prefix"
         check_existing(old_spec, spec, exist_ok=exist_ok, where=where, clear=clear)
         with self._lock:
-            self._tables[spec.name] = self._make_table(old_spec, old_buckets, old_token)
+            known = self._tables.get(spec.name)
+            # The same incarnation this client already uses keeps its state: a fresh
+            # object would restart the push sequence numbers, and Redis would take this
+            # client's next pushes for repeats of ones it already applied.
+            if known is None or known.token != old_token:
+                self._tables[spec.name] = self._make_table(old_spec, old_buckets, old_token)
 
     def tables(self) -> list[str]:
         """Names of the tables under this prefix (also those other clients created)."""
