@@ -6,26 +6,22 @@ collective until the group's timeout (300 s by default) runs out. So when
 ``sys.excepthook`` (as ``python -m mpi4py`` does) that
 
 1. prints the traceback with every line prefixed ``[rank R]`` (under ``mpirun``
-   every rank's output lands in one stream), then flushes stdout and stderr;
+   every rank's output lands in one stream), then flushes stdout and stderr; a
+   hook the program installed before ``comm.init`` prints instead, after one
+   ``[rank R]`` line;
 2. calls :func:`abort`, which ends every rank of the job at once.
 
-How :func:`abort` ends the job depends on the launcher:
+How :func:`abort` ends the job depends on what this process runs:
 
-==================================  ==============================================
-this process                        what ``abort(code)`` does
-==================================  ==============================================
-MPI is running, world size > 1      ``MPI.COMM_WORLD.Abort(code)``: mpiexec kills
-(``mpirun``, backend mpi, or gloo     every rank of the job
-with MPI started)
-torch.distributed is initialized    ``os._exit(code)`` right away (no atexit, no
-(``torchrun``, or gloo/nccl under     process-group teardown that could wait on a
-``mpirun`` without MPI)               dead peer): torchrun stops the other workers,
-                                    mpiexec kills the rest on a non-zero exit, and
-                                    peers blocked in a gloo collective see the
-                                    connection close and fail on their own
-a single process, or before         ``raise SystemExit(code)``: an ordinary exit
-``comm.init``                         (``finally`` blocks and atexit handlers run)
-==================================  ==============================================
+* MPI, world size > 1 (``mpirun``, backend mpi, or gloo whose address MPI agreed
+  on): ``MPI.COMM_WORLD.Abort(code)``; mpiexec kills every rank of the job.
+* torch.distributed (``torchrun``; gloo or nccl under ``mpirun`` without MPI):
+  ``os._exit(code)`` at once, with no atexit handler and no process-group teardown
+  that could wait on a dead peer. torchrun then stops the other workers, mpiexec
+  kills the rest on a non-zero exit, and peers blocked in a gloo collective see the
+  connection close and fail (and abort) on their own.
+* a single process, or before ``comm.init``: ``raise SystemExit(code)``, an
+  ordinary exit (``finally`` blocks and atexit handlers run).
 
 A ``finally: group.close()`` runs before the hook: while an exception is on its
 way out, ``close()`` neither waits for peers nor takes the hook away (see
@@ -111,11 +107,17 @@ def _abort_on_uncaught(
     exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
 ) -> None:
     try:
-        lines = "".join(traceback.format_exception(exc_type, exc, tb)).splitlines()
         head = f"{_label} uncaught {exc_type.__name__}: ending the whole job\n"
-        # One write per rank, so lines from different ranks do not interleave mid-block.
-        sys.stderr.write(head + "".join(f"{_label} {line}\n" for line in lines))
-    except Exception:  # a broken stderr must not stop the abort
+        if _previous is not None and _previous is not sys.__excepthook__:
+            # The program has its own hook (one-line user errors, say): it prints.
+            sys.stderr.write(head)
+            sys.stderr.flush()
+            _previous(exc_type, exc, tb)
+        else:
+            lines = "".join(traceback.format_exception(exc_type, exc, tb)).splitlines()
+            # One write per rank, so lines from different ranks do not interleave.
+            sys.stderr.write(head + "".join(f"{_label} {line}\n" for line in lines))
+    except Exception:  # a broken stderr or hook must not stop the abort
         pass
     finally:
         _flush()
