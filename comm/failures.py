@@ -37,6 +37,7 @@ through a collective is covered anyway: the main thread times out or fails.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import traceback
@@ -108,11 +109,12 @@ def _abort_on_uncaught(
 ) -> None:
     try:
         head = f"{_label} uncaught {exc_type.__name__}: ending the whole job\n"
-        if _previous is not None and _previous is not sys.__excepthook__:
+        own = _programs_hook(_previous)
+        if own is not None:
             # The program has its own hook (one-line user errors, say): it prints.
             sys.stderr.write(head)
             sys.stderr.flush()
-            _previous(exc_type, exc, tb)
+            own(exc_type, exc, tb)
         else:
             lines = "".join(traceback.format_exception(exc_type, exc, tb)).splitlines()
             # One write per rank, so lines from different ranks do not interleave.
@@ -132,6 +134,22 @@ def _end_distributed_job(exit_code: int) -> None:
         world.Abort(exit_code)
     if _torch_distributed_running():
         os._exit(exit_code)
+
+
+def _programs_hook(hook: _ExceptHook | None) -> _ExceptHook | None:
+    """The excepthook the program installed, or None when it is Python's default.
+
+    ``torch.distributed.init_process_group`` wraps whatever hook was there in one that
+    prefixes ``[rankN]:`` to each line; that wrapper is looked through (its
+    ``old_hook``), so a torch job prints the same labelled traceback as an MPI one.
+    """
+    while hook is not None and hook is not sys.__excepthook__:
+        if getattr(hook, "__name__", "") != "_distributed_excepthook" or not getattr(
+            hook, "__module__", ""
+        ).startswith("torch.distributed"):
+            return hook
+        hook = inspect.getclosurevars(hook).nonlocals.get("old_hook")
+    return None
 
 
 def _flush() -> None:

@@ -177,6 +177,15 @@ def test_abort_hook_installed_and_released_by_its_owner() -> None:
         assert not failures.exception_in_flight()
         failures.release_abort_hook(owner)
         assert sys.excepthook is before
+        # The abort hook prints the traceback itself over Python's default hook, and lets a
+        # program's own hook print (torch's rank-prefixing wrapper is looked through in
+        # the gloo launches of tests/test_comm_failures.py).
+        assert failures._programs_hook(sys.__excepthook__) is None
+
+        def own(*args: object) -> None:
+            pass
+
+        assert failures._programs_hook(own) is own
     finally:
         sys.excepthook = before
 
