@@ -8,9 +8,14 @@ Quick use::
     group.allreduce(t, op="avg")     # in place, returns t
     h = group.alltoallv_async(rows, send_splits=[2, 3])
     received = h.wait()              # [sum(recv_splits), *rows.shape[1:]]
+
+An uncaught exception on any rank of a multi-rank group prints that rank's
+traceback and ends the whole job (see comm/failures.py); ``comm.abort(code)``
+does the same on purpose.
 """
 
 from comm.device import default_device
+from comm.failures import abort
 from comm.group import ProcessGroup, ReduceOp
 from comm.handle import CommTimeoutError, Handle
 from comm.init import LaunchEnv, detect_launch, init
@@ -26,6 +31,7 @@ __all__ = [
     "ReduceOp",
     "Role",
     "Topology",
+    "abort",
     "default_device",
     "detect_launch",
     "init",

@@ -17,6 +17,15 @@ plain ``python``       none of the above                           ``local``
 the MPI launcher's variables, and the rendezvous address from MASTER_ADDR /
 MASTER_PORT when set, else rank 0 picks a free port and tells the others over
 MPI (typed buffers, no pickle).
+
+A job whose rendezvous address is loopback (every rank on this host: mpirun
+found them all on one node, or MASTER_ADDR is 127.0.0.1) listens on loopback
+only: rank 0's rendezvous store binds 127.0.0.1 (torch's own ``tcp://`` store
+binds every interface), and gloo's sockets use the loopback interface
+(``GLOO_SOCKET_IFNAME``, unless already set).
+
+Every world group of more than one rank gets the abort hook of
+``comm/failures.py``: an uncaught exception on one rank ends the whole job.
 """
 
 from __future__ import annotations
@@ -26,9 +35,12 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from comm.failures import install_abort_hook
 from comm.group import ProcessGroup
 from comm.local import LocalGroup
 
@@ -125,8 +137,12 @@ def init(
             from comm.mpi import MPIGroup
         except ImportError as e:  # pragma: no cover - mpi4py is a dependency
             raise RuntimeError(f"backend 'mpi' needs mpi4py and an MPI library: {e}") from e
-        return MPIGroup(timeout_s=timeout_s, validate=validate)
-    return _init_torch(backend, launch, timeout_s=timeout_s, validate=validate)
+        group: ProcessGroup = MPIGroup(timeout_s=timeout_s, validate=validate)
+    else:
+        group = _init_torch(backend, launch, timeout_s=timeout_s, validate=validate)
+    if group.size > 1:
+        install_abort_hook(group, group.rank)
+    return group
 
 
 def _init_torch(
@@ -146,14 +162,74 @@ def _init_torch(
         addr, port = launch.master_addr, launch.master_port
         if port is None or addr is None:
             addr, port = _agree_on_address(launch, addr)
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{addr}:{port}",
-            rank=launch.rank,
-            world_size=launch.size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        if _is_loopback(addr) and backend == "gloo":
+            _gloo_on_loopback()
+        if _is_loopback(addr) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            # torch's tcp:// store would listen on every interface; every rank
+            # reaches it through loopback, so bind it there (under torchrun the
+            # agent hosts the store, not rank 0).
+            store = _loopback_store(port, launch, timeout)
+            dist.init_process_group(
+                backend, store=store, rank=launch.rank, world_size=launch.size, timeout=timeout
+            )
+        else:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{addr}:{port}",
+                rank=launch.rank,
+                world_size=launch.size,
+                timeout=timeout,
+            )
     return TorchGroup(None, device=device, timeout_s=timeout_s, validate=validate)
+
+
+def _is_loopback(addr: str) -> bool:
+    return addr == "localhost" or addr.startswith("127.")
+
+
+def _loopback_store(port: int, launch: LaunchEnv, timeout: timedelta) -> Any:
+    """The rendezvous store at 127.0.0.1:``port``; rank 0 hosts it, listening on loopback only."""
+    import torch.distributed as dist
+
+    if launch.rank != 0:
+        return dist.TCPStore("127.0.0.1", port, launch.size, False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))  # the store's server calls listen() on it
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"rendezvous: rank 0 cannot listen on 127.0.0.1:{port}: {e}") from e
+    fd = sock.detach()  # the store's server owns the socket from here on
+    return dist.TCPStore("127.0.0.1", port, launch.size, True, timeout=timeout, master_listen_fd=fd)
+
+
+def _gloo_on_loopback() -> None:
+    """Point gloo's sockets at the loopback interface (by default gloo uses the address
+    the host name resolves to, which may face the network)."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return  # the user chose an interface
+    name = _loopback_interface()
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name  # read by gloo when the group is created
+
+
+def _loopback_interface() -> str | None:
+    """The loopback interface's name (Linux: the one flagged IFF_LOOPBACK), else None."""
+    iff_loopback = 0x8
+    try:
+        names = sorted(name for _, name in socket.if_nameindex())
+    except OSError:
+        return None
+    for name in names:
+        try:
+            flags = int(Path(f"/sys/class/net/{name}/flags").read_text(), 16)
+        except (OSError, ValueError):
+            continue
+        if flags & iff_loopback:
+            return name
+    return None
 
 
 def _free_port(host: str) -> int:

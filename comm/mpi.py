@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from comm.failures import exception_in_flight, release_abort_hook
 from comm.group import ProcessGroup, ReduceOp
 from comm.handle import Handle
 
@@ -166,6 +167,8 @@ class MPIGroup(ProcessGroup):
         )
 
     def close(self) -> None:
+        if not exception_in_flight():  # on the way out of a failure the hook must stay
+            release_abort_hook(self)
         if self._comm not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
             self._comm.Free()
         self._comm = MPI.COMM_NULL

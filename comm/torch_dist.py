@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from comm.failures import exception_in_flight, release_abort_hook
 from comm.group import ProcessGroup, ReduceOp
 from comm.handle import Handle, timeout_error
 
@@ -204,6 +205,12 @@ class TorchGroup(ProcessGroup):
         return result
 
     def close(self) -> None:
+        if exception_in_flight():
+            # On the way out of a failure: peers may be blocked in a collective that
+            # waits for this rank, so a barrier would hold this rank (up to 30 s)
+            # before the abort hook could end the job. Leave the group to the exit.
+            return
+        release_abort_hook(self)
         if not dist.is_initialized():
             return
         # Let every rank's outstanding work finish before the backend's threads go

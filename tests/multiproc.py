@@ -41,6 +41,12 @@ def mpirun_path() -> str:
     return found
 
 
+def launch_env() -> dict[str, str]:
+    """The environment a launched rank gets: this checkout first on PYTHONPATH, one
+    thread per rank, and none of torchrun's variables left over from this process."""
+    return _env()
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

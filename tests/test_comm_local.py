@@ -7,6 +7,7 @@ Fast (no launch): the same numpy-checked battery as the multi-rank tests, run on
 from __future__ import annotations
 
 import importlib
+import sys
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -140,3 +141,56 @@ def test_handle_finishes_once() -> None:
     state["done"] = True
     first = h.wait()
     assert h.wait() is first and h.is_completed() and calls == [1]
+
+
+def test_abort_in_a_lone_process_is_an_ordinary_exit(plain_env: None) -> None:
+    # No MPI job and no torch.distributed group: abort is SystemExit with the code, so
+    # finally blocks and atexit handlers still run.
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # else abort would end this pytest process
+    with pytest.raises(SystemExit) as exit_info:
+        comm.abort(7)
+    assert exit_info.value.code == 7
+    with comm.init("local"), pytest.raises(SystemExit) as exit_info:
+        comm.abort(0)
+    assert exit_info.value.code == 0
+    for bad in (-1, 256, 1.0, True, "2"):
+        with pytest.raises(ValueError, match=rf"exit_code must be an int in 0..255, got {bad!r}"):
+            comm.abort(bad)  # type: ignore[arg-type]
+
+
+def test_abort_hook_installed_and_released_by_its_owner() -> None:
+    failures = importlib.import_module("comm.failures")
+    before = sys.excepthook
+    owner, other = comm.LocalGroup(), comm.LocalGroup()
+    failures.install_abort_hook(owner, 3)
+    try:
+        assert sys.excepthook is failures._abort_on_uncaught
+        failures.release_abort_hook(other)  # not the owner: nothing changes
+        assert sys.excepthook is failures._abort_on_uncaught
+        try:
+            raise RuntimeError("on the way out")
+        except RuntimeError:
+            # What a group's close() asks inside a finally that a failure passes through.
+            assert failures.exception_in_flight()
+        assert not failures.exception_in_flight()
+        failures.release_abort_hook(owner)
+        assert sys.excepthook is before
+        # The abort hook prints the traceback itself over Python's default hook, and lets a
+        # program's own hook print (torch's rank-prefixing wrapper is looked through in
+        # the gloo launches of tests/test_comm_failures.py).
+        assert failures._programs_hook(sys.__excepthook__) is None
+
+        def own(*args: object) -> None:
+            pass
+
+        assert failures._programs_hook(own) is own
+    finally:
+        sys.excepthook = before
+
+
+def test_a_single_rank_group_installs_no_abort_hook(plain_env: None) -> None:
+    before = sys.excepthook
+    with comm.init("auto") as group:
+        assert group.size == 1 and sys.excepthook is before
