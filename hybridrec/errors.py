@@ -147,25 +147,6 @@ def _communication_started() -> bool:
     return _mpi_world() is not None or _torch_distributed_running()
 
 
-def _end_job(code: int) -> NoReturn:
-    """End every rank of the job: ``comm.abort`` where the comm package has it; else the
-    same steps here (MPI_Abort under MPI, an immediate exit under torch.distributed)."""
-    import comm
-
-    abort = getattr(comm, "abort", None)
-    if abort is not None:
-        abort(code)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    world = _mpi_world()
-    if world is not None:
-        world.Abort(code)
-    if _torch_distributed_running():
-        os._exit(code)  # no teardown that could wait for a peer that is waiting for us
-    raise SystemExit(code)
-
-
 def _quiet_stderr() -> None:
     """Point this process's stderr (file descriptor 2) at the null device."""
     with contextlib.suppress(OSError):
@@ -187,7 +168,9 @@ def report_user_error(err: BaseException) -> NoReturn:
         print(line, file=sys.stderr, flush=True)
         if _mpi_world() is not None:
             _quiet_stderr()  # MPI_Abort's own notice would repeat the line with less in it
-        _end_job(EXIT_USER_ERROR)
+        import comm  # here, not at the top: --help and --version load no torch
+
+        comm.abort(EXIT_USER_ERROR)  # every rank ends: MPI_Abort, or exit under torchrun
     if rank == 0:
         print(line, file=sys.stderr, flush=True)
     raise SystemExit(EXIT_USER_ERROR)
