@@ -297,9 +297,16 @@ class Trainer:
                 self.say(f"no checkpoint in {cfg.checkpoint_dir}: starting from scratch")
             return None, 0, 0, 0, None
         self.check_resume_options(path)
+        saved = int(json.loads((path / "meta.json").read_text(encoding="utf-8"))["world_size"])
+        if saved != self.group.size:
+            self.say(
+                f"resuming a checkpoint of {saved} worker(s) on {self.group.size}: the model "
+                "and optimizer reshard; per-rank random streams and data positions restart "
+                "from the global step"
+            )
         meta, position = load_checkpoint(
             path, group=self.group, dense=self.dense, optimizer=self.optimizer,
-            embeddings=self._embeddings(),
+            embeddings=self._embeddings(), resize=saved != self.group.size,
         )  # fmt: skip
         step = int(meta["step"])
         sums = meta.get("loss_sums")

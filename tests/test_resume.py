@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,7 @@ def test_dlrm_resume_under_mpirun(tmp_path: Path) -> None:
     ck = f"--checkpoint-dir={tmp_path / 'ck'}"
     run_ranks(script, 2, "mpi", [*args, f"--metrics-out={full}"], timeout=200)
     run_ranks(script, 2, "mpi", [*args, f"--metrics-out={part}", ck, "--max-steps=13"], 200)
+    shutil.copytree(tmp_path / "ck", tmp_path / "ck1")
     run_ranks(script, 2, "mpi", [*args, f"--metrics-out={part}", ck, "--resume"], timeout=200)
     want, got = losses(full), losses(part)
     assert sorted(got) == sorted(want) == list(range(1, 33))
@@ -144,6 +146,17 @@ def test_dlrm_resume_under_mpirun(tmp_path: Path) -> None:
         assert got[step] == pytest.approx(want[step], abs=1e-6), step
     final = json.loads(part.read_text().splitlines()[-1])
     assert final["world_size"] == 2 and final["steps"] == 32
+    # The 2-worker checkpoint resumed by one worker: the model reshards, the global batches
+    # are the same, so the losses follow the 2-worker run (up to the reduction order).
+    one = tmp_path / "one.jsonl"
+    ck1 = f"--checkpoint-dir={tmp_path / 'ck1'}"
+    run_ranks(script, 1, "mpi", [*args, f"--metrics-out={one}", ck1, "--resume"], timeout=200)
+    got1 = losses(one)
+    assert sorted(got1) == list(range(14, 33)), sorted(got1)
+    for step in got1:
+        assert got1[step] == pytest.approx(want[step], abs=1e-4), step
+    final = json.loads(one.read_text().splitlines()[-1])
+    assert final["world_size"] == 1 and final["steps"] == 32
 
 
 @pytest.mark.timeout(240)
