@@ -8,9 +8,20 @@ The default per-test timeout (300 s) is set there too; mark slower tests with
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from rank_battery import RankBattery
+# One torch thread in the pytest process and in every process a test starts (they inherit
+# the environment), unless the caller chose otherwise: the tests' tensors are tiny, and
+# with two threads per process on 2 shared cores an op of a few microseconds waits for the
+# other thread (measured: a collection step 7x slower on a loaded machine).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from rank_battery import RankBattery  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
