@@ -25,7 +25,6 @@ package folder, else PATH.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import signal
 import socket
@@ -40,6 +39,8 @@ from pathlib import Path
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from multiproc import rank_env
 
 _START_TIMEOUT_S = 15.0
 
@@ -335,8 +336,4 @@ def redis_cluster(masters: int = 3) -> Iterator[RedisCluster]:
 
 def env_for_subprocess() -> dict[str, str]:
     """The environment for a worker process that imports this repository's packages."""
-    root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
+    return rank_env()

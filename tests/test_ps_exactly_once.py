@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import ps
-from multiproc import ROOT, run_ranks
+from multiproc import ROOT, rank_env, run_ranks
 from ps.redis_store import RedisDataLossError, RedisStore
 from redis_server import RedisCluster, RedisServer, redis_cluster, redis_server
 
@@ -104,7 +104,7 @@ def _run_workers(url: str, prefix: str, workers: int, *extra: str) -> list[str]:
             [sys.executable, str(script), "--redis", url, "--prefix", prefix]
             + ["--worker", str(r), *extra],
             cwd=ROOT,
-            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+            env=rank_env(inherit=False),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

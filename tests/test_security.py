@@ -37,7 +37,7 @@ import torch
 
 import ps
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
-from multiproc import ROOT, mpirun_path
+from multiproc import ROOT, mpirun_path, rank_env
 from ps.redis_store import RedisAuthError, RedisStore, RedisUnavailableError
 from redis_server import RedisServer, redis_server
 
@@ -305,11 +305,7 @@ def test_gloo_rendezvous_defaults_to_loopback() -> None:
 
 def _listeners(backend: str) -> str:
     cmd = [mpirun_path(), "-n", "2", sys.executable, str(ROOT / "tests/ranks/fault_loopback.py")]
-    env = {
-        "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin",
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-    }
+    env = rank_env(inherit=False)
     res = subprocess.run(
         [*cmd, backend], env=env, cwd=ROOT, capture_output=True, text=True, timeout=90
     )

@@ -23,6 +23,7 @@ import torch
 
 import triton_cases
 from embedding.kernels import interpreter_enabled, triton_available, use_triton
+from multiproc import rank_env
 
 SCRIPT = Path(__file__).with_name("triton_cases.py")
 ROOT = SCRIPT.parent.parent
@@ -38,7 +39,7 @@ def _require_triton() -> None:
 
 def _run_cases(*args: str, interpret: bool) -> dict[str, dict]:
     """Run triton_cases.py in a fresh process; its JSON lines by case name."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(SCRIPT.parent)]))
+    env = rank_env(pythonpath=(SCRIPT.parent,))
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     else:
@@ -98,5 +99,5 @@ def test_use_triton_needs_cuda_or_explicit_interpreter() -> None:
 def test_kernels_package_does_not_import_triton() -> None:
     # The torch fallback must work where triton is absent: only the kernel modules import it.
     code = "import sys, embedding.kernels; assert 'triton' not in sys.modules, 'eager import'"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = rank_env()
     subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True, timeout=120)
