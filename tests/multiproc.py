@@ -61,7 +61,8 @@ def run_ranks(
     """Run ``script`` on ``nprocs`` ranks; return each rank's combined output (gloo) or
     one combined output (mpi). Raises AssertionError with the output on any failure."""
     args = [str(a) for a in (args or [])]
-    env = rank_env(**(extra_env or {}))
+    env = rank_env()
+    env.update(extra_env or {})
     path = _script(script)
     if backend == "mpi":
         cmd = [mpirun_path(), "-n", str(nprocs), sys.executable, path, *args]
