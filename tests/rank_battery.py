@@ -9,7 +9,7 @@ for its own "ok" lines in that launch's output; when a launch fails, the output 
 with the failure report, so the tests whose checks ran first still pass and the others
 fail with the whole report.
 
-``PLAN`` lists the checks of every launch: the same (backend, ranks) cases and the same
+:func:`plan` lists the checks of every launch: the same (backend, ranks) cases and the same
 arguments as when each script had its own launches.
 """
 
