@@ -1,7 +1,38 @@
 """Shared pytest setup.
 
-The repository root is on ``sys.path`` through ``pythonpath = ["."]`` in pyproject.toml, so
-tests can import ``benchmarks`` modules as well as the installed packages.
-The default per-test timeout (300 s) is set there too; mark slower tests with
-``@pytest.mark.timeout(N)``.
+Imports: the repository root is on ``sys.path`` through ``pythonpath = ["."]`` in
+pyproject.toml, so tests import the packages (and ``benchmarks`` modules) of this checkout;
+pytest puts this folder on ``sys.path`` too (it holds this conftest.py and no
+``__init__.py``), and the test helpers here are imported by their bare module name,
+always: ``from multiproc import run_ranks``, ``from redis_server import redis_server``,
+``from rank_battery import RankBattery`` (never ``from tests.multiproc import ...``: two
+names for one file would load it twice). Rank scripts run from ``tests/ranks``, which
+is their own first ``sys.path`` entry.
+
+The default per-test timeout (300 s) is set in pyproject.toml; mark slower tests with
+``@pytest.mark.timeout(N)``. ``--durations=15`` there prints the 15 slowest tests of
+every run.
 """
+
+from __future__ import annotations
+
+import os
+
+# One torch thread in the pytest process and in every process a test starts (they inherit
+# the environment), unless the caller chose otherwise: the tests' tensors are tiny, and
+# with two threads per process on 2 shared cores an op of a few microseconds waits for the
+# other thread (measured: a collection step 7x slower on a loaded machine).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from rank_battery import RankBattery  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.fixture(scope="session")
+def rank_battery(tmp_path_factory: pytest.TempPathFactory) -> RankBattery:
+    """The embedding and dense multi-rank checks, one launch per (backend, ranks)."""
+    return RankBattery(tmp_path_factory.mktemp("rank_battery"))

@@ -41,22 +41,6 @@ def mpirun_path() -> str:
     return found
 
 
-def launch_env() -> dict[str, str]:
-    """The environment a launched rank gets: this checkout first on PYTHONPATH, one
-    thread per rank, and none of torchrun's variables left over from this process."""
-    return _env()
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    # One thread per rank: several ranks share 2 cores.
-    env.setdefault("OMP_NUM_THREADS", "1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    return env
-
-
 def _script(script: str | Path) -> str:
     p = Path(script)
     if not p.is_absolute():
@@ -77,7 +61,7 @@ def run_ranks(
     """Run ``script`` on ``nprocs`` ranks; return each rank's combined output (gloo) or
     one combined output (mpi). Raises AssertionError with the output on any failure."""
     args = [str(a) for a in (args or [])]
-    env = _env()
+    env = rank_env()
     env.update(extra_env or {})
     path = _script(script)
     if backend == "mpi":
@@ -196,3 +180,31 @@ def _collect(procs: list[subprocess.Popen[str]], timeout: float, what: str) -> l
         )
         raise AssertionError(f"{what}: exit codes {codes}\n{body}")
     return outs
+
+
+# ---------------------------------------------------------------- environment of launched processes
+
+
+def rank_env(
+    *, inherit: bool = True, pythonpath: tuple[Path, ...] = (), **extra: str
+) -> dict[str, str]:
+    """The environment of a process a test starts (a rank, a worker, a job, a child to kill).
+
+    The repository root (then ``pythonpath``) first on PYTHONPATH, so the process imports
+    this checkout's packages; one torch thread (several processes share 2 cores) unless
+    OMP_NUM_THREADS is set; no torch.distributed variables (RANK, MASTER_PORT, ...) leaking
+    in from the caller; then ``extra``. ``inherit=False`` starts from an empty environment
+    with only PATH (this interpreter's folder, /usr/bin, /bin), for tests of what a launcher
+    does without anything inherited from pytest.
+    """
+    if inherit:
+        env = dict(os.environ)
+    else:
+        env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"])}
+    parts = [str(ROOT), *(str(p) for p in pythonpath), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(parts).rstrip(os.pathsep)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    env.update(extra)
+    return env

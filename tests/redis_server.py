@@ -25,7 +25,6 @@ package folder, else PATH.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import signal
 import socket
@@ -335,8 +334,6 @@ def redis_cluster(masters: int = 3) -> Iterator[RedisCluster]:
 
 def env_for_subprocess() -> dict[str, str]:
     """The environment for a worker process that imports this repository's packages."""
-    root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
+    from multiproc import rank_env  # here: benchmarks import this module as tests.redis_server
+
+    return rank_env()

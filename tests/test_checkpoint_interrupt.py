@@ -33,6 +33,7 @@ import pytest
 import torch
 
 import ps
+from multiproc import rank_env
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_ROWS = 100_000
@@ -97,7 +98,7 @@ def _load(path: Path) -> ps.InProcessStore:
 def test_random_kills_during_saves_always_leave_a_whole_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "ck"
     source = _GRAD.format(rows=NUM_ROWS, dim=DIM) + _CHILD
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = rank_env()
     rng = random.Random(8)
     ids = torch.arange(NUM_ROWS)
     saved = 0  # the last version a child reported saved

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from multiproc import RANKS_DIR, ROOT, free_port, launch_env, mpirun_path
+from multiproc import RANKS_DIR, ROOT, free_port, mpirun_path, rank_env
 
 LIMIT_S = 10.0  # from the failure to the launcher's exit; without the hook: the 300 s timeout
 LAUNCHES = (("mpirun", "mpi"), ("mpirun", "gloo"), ("torchrun", "gloo"))
@@ -39,7 +39,7 @@ def _launch(launcher: str, backend: str, nprocs: int, args: list[str]) -> tuple[
         torchrun = str(Path(sys.executable).parent / "torchrun")
         port = str(free_port())
         cmd = [torchrun, "--nproc_per_node", str(nprocs), "--master-port", port, script, *args]
-    env = launch_env()
+    env = rank_env()
     env["HYBRIDREC_TEST_BACKEND"] = backend
     proc = subprocess.Popen(
         cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -1,6 +1,7 @@
 """dense.DataParallel and the plain helpers.
 
-Multi-rank (tests/ranks/dense_dp.py on real processes, mpirun and gloo, 1/2/4 ranks):
+Multi-rank (tests/ranks/dense_dp.py on real processes, mpirun and gloo, 1/2/4 ranks,
+launched with the other embedding and dense rank checks by tests/rank_battery.py):
 same gradients and weights as one process on the global batch (1e-5), replicas
 identical, unused parameters give zeros without a hang, early buckets' allreduces are
 issued before backward ends, bad input raises ValueError on every rank. Compression
@@ -18,31 +19,27 @@ from torch import nn
 
 import comm
 from dense import DataParallel, allreduce_gradients, assign_buckets, broadcast_parameters
-from tests.multiproc import run_ranks
-
-CASES = [("mpi", 1), ("mpi", 2), ("gloo", 2), ("mpi", 4), ("gloo", 4)]
+from rank_battery import BATTERY_TIMEOUT_S, CODECS, DENSE_CASES, RankBattery
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(("backend", "nprocs"), CASES)
-def test_data_parallel_matches_global_batch(backend: str, nprocs: int) -> None:
-    outs = run_ranks("dense_dp.py", nprocs, backend, args=["main"], timeout=200)
-    assert sum(o.count(" main: ok") for o in outs) == nprocs
+@pytest.mark.timeout(BATTERY_TIMEOUT_S)
+@pytest.mark.parametrize(("backend", "nprocs"), DENSE_CASES)
+def test_data_parallel_matches_global_batch(
+    backend: str, nprocs: int, rank_battery: RankBattery
+) -> None:
+    lines = [f"rank {rank}/{nprocs} {backend} main: ok" for rank in range(nprocs)]
+    rank_battery.expect(backend, nprocs, lines)
 
 
 HAS_COMPRESSION = importlib.util.find_spec("comm.compression") is not None
 
 
-CODECS = ["none", "fp16", "bf16", "terngrad", "natural", "topk"]
-
-
 @pytest.mark.skipif(not HAS_COMPRESSION, reason="comm.compression not present")
-@pytest.mark.timeout(240)
-def test_data_parallel_with_every_codec() -> None:
-    outs = run_ranks("dense_dp.py", 2, "mpi", args=["codec", *CODECS], timeout=200)
-    assert outs[0].count(" codec: ok") == 2
-    for name in CODECS:
-        assert outs[0].count(f"codec {name} ok") == 2
+@pytest.mark.timeout(BATTERY_TIMEOUT_S)
+def test_data_parallel_with_every_codec(rank_battery: RankBattery) -> None:
+    lines = [f"rank {rank}/2 mpi codec: ok" for rank in range(2)]
+    lines += [f"rank {rank}: codec {name} ok" for rank in range(2) for name in CODECS]
+    rank_battery.expect("mpi", 2, lines)
 
 
 def test_buckets_reverse_order_cap_and_one_dtype_each() -> None:

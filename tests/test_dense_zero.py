@@ -1,4 +1,5 @@
-"""dense.ZeroOptimizer on real processes: equals unsharded torch Adam/AdamW, state ~1/N,
+"""dense.ZeroOptimizer on real processes (launched with the other embedding and dense rank
+checks by tests/rank_battery.py): equals unsharded torch Adam/AdamW, state ~1/N,
 checkpoints that load on a different rank count (tests/ranks/dense_zero.py), plus
 single-process checks of the argument errors and the no-pickle file format."""
 
@@ -14,27 +15,27 @@ from torch import nn
 
 import comm
 from dense import ZeroOptimizer, load_zero_state, save_zero_state
-from tests.multiproc import run_ranks
-
-CASES = [("mpi", 1), ("mpi", 2), ("gloo", 2), ("mpi", 4), ("gloo", 4)]
+from rank_battery import BATTERY_TIMEOUT_S, DENSE_CASES, ZERO_LOADS, ZERO_SAVE, RankBattery
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(("backend", "nprocs"), CASES)
-def test_zero_matches_unsharded_adam_and_adamw(backend: str, nprocs: int) -> None:
-    outs = run_ranks("dense_zero.py", nprocs, backend, args=["train"], timeout=200)
-    assert sum(o.count(" train: ok") for o in outs) == nprocs
+@pytest.mark.timeout(BATTERY_TIMEOUT_S)
+@pytest.mark.parametrize(("backend", "nprocs"), DENSE_CASES)
+def test_zero_matches_unsharded_adam_and_adamw(
+    backend: str, nprocs: int, rank_battery: RankBattery
+) -> None:
+    lines = [f"rank {rank}/{nprocs} {backend} train: ok" for rank in range(nprocs)]
+    rank_battery.expect(backend, nprocs, lines)
 
 
-@pytest.mark.timeout(300)
-def test_zero_state_saved_at_2_ranks_loads_at_1_and_4(tmp_path: Path) -> None:
+@pytest.mark.timeout(BATTERY_TIMEOUT_S)
+def test_zero_state_saved_at_2_ranks_loads_at_1_and_4(rank_battery: RankBattery) -> None:
     # Saved under gloo, loaded under mpirun (1 rank) and gloo (4 ranks): the files are
     # independent of the rank count and the backend.
-    run_ranks("dense_zero.py", 2, "gloo", args=["save", str(tmp_path)], timeout=200)
-    assert (tmp_path / "optimizer" / "meta.json").exists()
-    for backend, n in (("mpi", 1), ("gloo", 4)):
-        outs = run_ranks("dense_zero.py", n, backend, args=["load", str(tmp_path)], timeout=200)
-        assert sum(o.count(" load: ok") for o in outs) == n
+    backend, n = ZERO_SAVE
+    rank_battery.expect(backend, n, [f"rank {r}/{n} {backend} save: ok" for r in range(n)])
+    assert (rank_battery.workdir / "zero" / "optimizer" / "meta.json").exists()
+    for backend, n in ZERO_LOADS:
+        rank_battery.expect(backend, n, [f"rank {r}/{n} {backend} load: ok" for r in range(n)])
 
 
 def _net() -> nn.Module:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 from hybridrec.config import build_parser
 from hybridrec.dlrm.config import TrainConfig
 from hybridrec.dlrm.job import main, parse_args
+from multiproc import rank_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,8 +102,9 @@ def test_script_runs_as_a_file(tmp_path: Path) -> None:
         "--batch-size", "100", "--backend", "local", "--metrics-out", str(out),
         "--log-every", "4",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the hybridrec of this checkout
-    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110)
+    run = subprocess.run(
+        cmd, cwd=tmp_path, env=rank_env(), capture_output=True, text=True, timeout=110
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "test AUC" in run.stdout and "popularity AUC" in run.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]

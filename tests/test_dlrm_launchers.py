@@ -10,7 +10,6 @@ batch's loss, averaged over the ranks) and the final validation/test metrics.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,26 +17,17 @@ from typing import Any
 
 import pytest
 
-from multiproc import ROOT, free_port, mpirun_path
+from multiproc import ROOT, free_port, mpirun_path, rank_env
 
 SCRIPT = ROOT / "examples" / "train_dlrm.py"
 # 24 MovieLens steps of 256 (the dense part under DataParallel), eval of val and test.
 ARGS = ["--max-steps", "24", "--log-every", "4", "--no-progress", "--eval-batch-size", "2048"]
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this checkout
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    return env
-
-
 def _launch(cmd: list[str], args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     cmd = [*cmd, str(SCRIPT), *args]
     return subprocess.run(
-        cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+        cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=timeout
     )
 
 

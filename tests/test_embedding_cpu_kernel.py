@@ -9,7 +9,6 @@ collection with the kernel vs with it disabled (the torch path), in subprocesses
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from multiproc import rank_env
 from ps import RowWiseAdagrad
 from ps.kernels import rowwise_adagrad
 
@@ -167,7 +167,7 @@ print(json.dumps([ec.local.state(t, ids).tolist() for t in "ab"]))
 def test_collection_same_with_and_without_kernel() -> None:
     outs = []
     for flag in ("1", "0"):
-        env = {**os.environ, "HYBRIDREC_CPU_KERNEL": flag, "PYTHONPATH": str(ROOT)}
+        env = rank_env(HYBRIDREC_CPU_KERNEL=flag)
         done = subprocess.run(
             [sys.executable, "-c", _TRAIN], capture_output=True, text=True, env=env, timeout=100
         )

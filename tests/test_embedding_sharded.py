@@ -1,10 +1,11 @@
 """Model-parallel sharded tables (embedding.sharded.ShardedTables).
 
-* Real processes (tests/ranks/embedding_sharded.py) at 1, 2 and 4 ranks, under
-  mpirun and gloo: training on local batches equals one process trained on the
-  global batch (plain EmbeddingBag + optimizers in plain torch, 1e-6); bad input
-  raises ValueError on every rank without a hang; the same through
-  EmbeddingCollection with sharded and local tables side by side.
+* Real processes (tests/ranks/embedding_sharded.py, launched with the other embedding
+  and dense rank checks by tests/rank_battery.py) at 1, 2 and 4 ranks, under mpirun
+  and gloo: training on local batches equals one process trained on the global batch
+  (plain EmbeddingBag + optimizers in plain torch, 1e-6); bad input raises ValueError
+  on every rank without a hang; the same through EmbeddingCollection with sharded and
+  local tables side by side.
 * In one process (a LocalGroup): random jagged batches against
   ``torch.nn.EmbeddingBag`` + ``torch.optim.SGD``, and the argument checks.
 """
@@ -23,20 +24,21 @@ from embedding.config import TableConfig
 from embedding.jagged import KeyedJaggedIds
 from embedding.sharded import ShardedTables
 from embedding.sharding_plan import ShardingPlan
-from multiproc import run_ranks
+from rank_battery import BATTERY_TIMEOUT_S, EMBEDDING_CASES, RankBattery
 
 
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize("backend", ["mpi", "gloo"])
-@pytest.mark.parametrize("nprocs", [1, 2, 4])
-def test_sharded_matches_single_process(backend: str, nprocs: int) -> None:
-    outs = run_ranks("embedding_sharded.py", nprocs, backend, args=["all"], timeout=400)
-    text = "\n".join(outs)
+@pytest.mark.timeout(BATTERY_TIMEOUT_S)
+@pytest.mark.parametrize(("backend", "nprocs"), EMBEDDING_CASES)
+def test_sharded_matches_single_process(
+    backend: str, nprocs: int, rank_battery: RankBattery
+) -> None:
+    lines = []
     for rank in range(nprocs):
         for what in ("plain: ok sharded training", "weighted: ok sharded training"):
-            assert f"rank {rank}/{nprocs} {what}" in text, text
-        assert f"rank {rank}/{nprocs}: ok sharded bad input" in text, text
-        assert f"rank {rank}/{nprocs}: ok sharded collection" in text, text
+            lines.append(f"rank {rank}/{nprocs} {what}")
+        lines.append(f"rank {rank}/{nprocs}: ok sharded bad input")
+        lines.append(f"rank {rank}/{nprocs}: ok sharded collection")
+    rank_battery.expect(backend, nprocs, lines)
 
 
 # ------------------------------------------------------------------ one process

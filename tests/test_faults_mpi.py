@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from multiproc import ROOT, mpirun_path
+from multiproc import ROOT, mpirun_path, rank_env
 
 SCRIPT = ROOT / "tests" / "ranks" / "fault_train.py"
 SERVER, WORKERS = 2, (0, 1)
@@ -50,11 +50,7 @@ class Job:
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
         self.log = folder / f"mpirun-{time.monotonic_ns()}.log"
-        env = {
-            "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin",
-            "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": "1",
-        }
+        env = rank_env(inherit=False)
         cmd = [mpirun_path(), *flags, "-n", "3", sys.executable, str(SCRIPT)]
         cmd += ["--dir", str(folder), *args]
         with open(self.log, "wb") as out:

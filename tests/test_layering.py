@@ -3,8 +3,9 @@
 Lowest first: ``comm`` <- ``ps`` <- ``cache`` <- ``embedding``, and ``comm`` <- ``dense``;
 the user-facing ``hybridrec`` package may import all five, and none of them imports it.
 Nothing imports upward or sideways, and product code never imports ``tests`` or
-``examples``/``benchmarks`` (test and job code), nor a pickle module (no pickle on any wire or
-in checkpoints). The checker is tested on synthetic sources first, so it provably fires.
+``examples``/``benchmarks`` (test and job code). The checker is tested on synthetic sources
+first, so it provably fires. Pickle imports are not checked here: test_security.py has the one
+scan for pickle (and eval, torch.load, ...) over the product code.
 """
 
 from __future__ import annotations
@@ -31,12 +32,6 @@ FORBIDDEN: dict[str, str] = {
     "tests": "test code",
     "examples": "job code",
     "benchmarks": "benchmark code",
-    "pickle": "pickle (no pickle on any wire or in checkpoints)",
-    "_pickle": "pickle (no pickle on any wire or in checkpoints)",
-    "cPickle": "pickle (no pickle on any wire or in checkpoints)",
-    "cloudpickle": "pickle (no pickle on any wire or in checkpoints)",
-    "dill": "pickle (no pickle on any wire or in checkpoints)",
-    "shelve": "pickle (no pickle on any wire or in checkpoints)",
 }
 
 _DYNAMIC_IMPORTERS = {"import_module", "__import__"}
@@ -126,9 +121,6 @@ def check_tree(root: Path) -> tuple[int, list[str]]:
         ("dense.zero", "from ps import Store\n", 1, "dense imports ps"),
         ("embedding.batch", "import dense\n", 1, "embedding imports dense"),
         ("comm.codec", "def f():\n    import cache\n", 2, "comm imports cache"),
-        ("ps.server", "import pickle\n", 1, "ps imports 'pickle'"),
-        ("ps.server", "from pickle import dumps\n", 1, "ps imports 'pickle'"),
-        ("ps.server", "import cloudpickle\n", 1, "ps imports 'cloudpickle'"),
         ("comm.group", "from tests.multiproc import run\n", 1, "comm imports 'tests.multiproc'"),
         ("dense.gpt", "import hybridrec.dlrm.job\n", 1, "dense imports hybridrec"),
         ("ps.store", "from hybridrec import launch\n", 1, "ps imports hybridrec"),
@@ -138,7 +130,7 @@ def check_tree(root: Path) -> tuple[int, list[str]]:
         ("ps.__init__", "from .. import embedding\n", 1, "relative import climbs above package"),
         ("ps.store", "from ..embedding import x\n", 1, "relative import climbs above package"),
         ("comm.init", "import importlib\nimportlib.import_module('ps.x')\n", 2, "comm imports ps"),
-        ("comm.init", "x = 1\n__import__('pickle')\n", 2, "comm imports 'pickle'"),
+        ("comm.init", "x = 1\n__import__('examples')\n", 2, "comm imports 'examples'"),
     ],
 )
 def test_checker_flags_bad_import(module: str, source: str, line: int, expected: str) -> None:

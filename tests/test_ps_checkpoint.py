@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ps
+from multiproc import rank_env
 from ps import checkpoint as ckpt
 
 pytestmark = pytest.mark.timeout(60)
@@ -275,7 +276,7 @@ store.save(sys.argv[1])
 
 def test_process_killed_mid_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "ck"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = rank_env()
     proc = subprocess.run([sys.executable, "-c", _CRASH, str(path)], env=env, timeout=50)
     assert proc.returncode == 17
     leftovers = [p for p in os.listdir(tmp_path) if p != "ck"]

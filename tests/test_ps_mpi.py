@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from multiproc import ROOT, mpirun_path, run_ranks
+from multiproc import ROOT, mpirun_path, rank_env, run_ranks
 from ps.mpi import wire
 
 SCRIPT = "ps_mpi_store.py"
@@ -90,11 +90,7 @@ def _mpirun(
 ) -> tuple[int, str, str, float]:
     """``mpirun FLAGS -n N python SCRIPT ARGS`` with launcher flags that ``run_ranks`` does
     not take; returns (exit code, stdout, stderr, seconds). Any exit code is allowed here."""
-    env = {
-        "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin",
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-    }
+    env = rank_env(inherit=False)
     cmd = [mpirun_path(), *flags, "-n", str(nprocs), sys.executable, str(script), *args]
     t0 = time.monotonic()
     p = subprocess.Popen(

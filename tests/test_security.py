@@ -2,7 +2,8 @@
 
 (a) Source scan (``ast``, so comments and docstrings do not count) of the product
     packages and examples: no ``pickle``/``dill``/``cloudpickle``/``shelve``/
-    ``marshal``/``joblib`` import, no ``eval``/``exec`` call, no ``torch.load``
+    ``marshal``/``joblib`` import (also through ``__import__`` or ``import_module``;
+    this is the repository's one pickle scan), no ``eval``/``exec`` call, no ``torch.load``
     without ``weights_only=True``, no ``allow_pickle=True``, no ``yaml.load``, and
     no object-pickling (lower-case) mpi4py call on a communicator.
 (b) A crafted pickle in a checkpoint folder (raw pickle bytes under a part's
@@ -38,7 +39,7 @@ import torch
 
 import ps
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
-from multiproc import ROOT, mpirun_path
+from multiproc import ROOT, mpirun_path, rank_env
 from ps.redis.store import RedisAuthError, RedisStore, RedisUnavailableError
 from redis_server import RedisServer, redis_server
 
@@ -95,6 +96,11 @@ def _problems(path: Path) -> list[str]:
         if not isinstance(node, ast.Call):
             continue
         func = _dotted(node.func)
+        first = node.args[0] if node.args else None
+        literal = first.value if isinstance(first, ast.Constant) else None
+        dynamic = func in ("__import__", "importlib.import_module", "import_module")
+        if dynamic and isinstance(literal, str) and literal.split(".")[0] in PICKLING_MODULES:
+            found.append(f"{where}: imports {literal}")
         if func in ("eval", "exec", "builtins.eval", "builtins.exec", "compile"):
             found.append(f"{where}: calls {func}")
         if func.endswith("torch.load") and not _is_true(_kw(node, "weights_only")):
@@ -134,10 +140,13 @@ def test_the_scan_catches_what_it_looks_for(tmp_path: Path) -> None:
         "MPI.COMM_WORLD.send(x, dest=1)\n"
         "self._comm.Bcast([x, MPI.INT64_T])\n"
         "model.eval()\n"
+        "__import__('pickle')\n"
+        "importlib.import_module('dill.detect')\n"
+        "importlib.import_module('json')\n"
     )
     found = _problems(bad)
     lines = sorted(int(p.split(":")[1]) for p in found)
-    assert lines == [2, 3, 5, 6, 7, 8, 10, 11, 12], found
+    assert lines == [2, 3, 5, 6, 7, 8, 10, 11, 12, 15, 16], found
 
 
 # ---------------------------------------------------------------- (b) crafted pickles
@@ -306,11 +315,7 @@ def test_gloo_rendezvous_defaults_to_loopback() -> None:
 
 def _listeners(backend: str) -> str:
     cmd = [mpirun_path(), "-n", "2", sys.executable, str(ROOT / "tests/ranks/fault_loopback.py")]
-    env = {
-        "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin",
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-    }
+    env = rank_env(inherit=False)
     res = subprocess.run(
         [*cmd, backend], env=env, cwd=ROOT, capture_output=True, text=True, timeout=90
     )

@@ -5,7 +5,6 @@ a real ``mpirun`` (2 and 4 ranks) for "once per job" and "peers do not hang"."""
 
 from __future__ import annotations
 
-import os
 import shlex
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from hybridrec.errors import (
     reported_errors,
     show_tracebacks,
 )
-from multiproc import RANKS_DIR, ROOT, free_port, mpirun_path
+from multiproc import RANKS_DIR, free_port, mpirun_path, rank_env
 from ps.redis.conn import RedisAuthError, RedisUnavailableError
 
 CONSOLE = Path(sys.executable).parent / "hybridrec"  # installed by pyproject [project.scripts]
@@ -43,12 +42,11 @@ def _no_debug(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    """The environment of a launched job: this checkout first on the path (the console
-    script would otherwise import the installed copy), one thread per rank."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", DEBUG_ENV)}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(extra)
+    """The environment of a launched job (this checkout first on the path: the console
+    script would otherwise import the installed copy), without a debug setting."""
+    env = rank_env(**extra)
+    if DEBUG_ENV not in extra:
+        env.pop(DEBUG_ENV, None)
     return env
 
 

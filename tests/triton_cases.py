@@ -4,7 +4,8 @@
 interpreter (it sets ``TRITON_INTERPRET=1`` before triton is imported, because
 Triton reads it when a kernel is defined) and prints one JSON line per case:
 ``{"case": name, "ok": bool, "error": str}``. ``--device cuda`` runs the same
-cases compiled on a GPU. Exit status 1 if any case failed.
+cases compiled on a GPU. Before the cases, one more line (``IMPORT_CHECK``) says whether
+importing ``embedding.kernels`` imported triton. Exit status 1 if any case failed.
 ``tests/test_triton_kernels.py`` runs this in a subprocess, one pytest test per case.
 
 Reference: ``F.embedding_bag`` (autograd for the row gradients) and row-wise
@@ -529,13 +530,29 @@ def main(argv: list[str] | None = None) -> int:
             for n in COMPILE_VARIANTS
         }
         return run_all(variants, args.device)
+    import_check = kernels_import_without_triton()
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules define their kernels
     elif not torch.cuda.is_available():
         print(json.dumps({"case": "*", "ok": False, "error": "--device cuda: no CUDA device"}))
         return 1
     selected = {n: CASES[n] for n in args.cases} if args.cases else CASES
-    return run_all(selected, args.device)
+    print(json.dumps(import_check), flush=True)
+    return max(run_all(selected, args.device), int(not import_check["ok"]))
+
+
+IMPORT_CHECK = "kernels_package_does_not_import_triton"
+
+
+def kernels_import_without_triton() -> dict[str, object]:
+    """The ``IMPORT_CHECK`` line: importing ``embedding.kernels`` (first thing in this
+    process, before any case) must not import triton, so the torch fallback works where
+    triton is absent; only the kernel modules import it."""
+    import embedding.kernels  # noqa: F401
+
+    eager = "triton" in sys.modules
+    error = "importing embedding.kernels imported triton (eagerly)" if eager else ""
+    return {"case": IMPORT_CHECK, "ok": not eager, "error": error}
 
 
 def run_all(cases: Mapping[str, Callable[[str], None]], device: str) -> int:

@@ -194,21 +194,26 @@ def check_bad_input(group: comm.ProcessGroup) -> None:
         fail(group, f"group broken after the errors: {t.tolist()}")
 
 
+def run(group: comm.ProcessGroup, args: list[str]) -> None:
+    """Case ``args[0]`` ("main" or "codec" NAME...) on ``group`` (also called by battery.py)."""
+    case = args[0] if args else "main"
+    if case == "main":
+        train_and_compare(group, None, 1e-5)
+        check_overlap(group)
+        check_bad_input(group)
+    elif case == "codec":
+        for name in args[1:]:
+            train_and_compare(group, name, CODEC_TOL.get(name))
+            print(f"rank {group.rank}: codec {name} ok", flush=True)
+    else:
+        raise ValueError(f"unknown case {case!r}")
+    print(f"rank {group.rank}/{group.size} {group.backend} {case}: ok", flush=True)
+
+
 def main() -> None:
     group = comm.init(os.environ["HYBRIDREC_TEST_BACKEND"], timeout_s=60.0)
     try:
-        case = sys.argv[1] if len(sys.argv) > 1 else "main"
-        if case == "main":
-            train_and_compare(group, None, 1e-5)
-            check_overlap(group)
-            check_bad_input(group)
-        elif case == "codec":
-            for name in sys.argv[2:]:
-                train_and_compare(group, name, CODEC_TOL.get(name))
-                print(f"rank {group.rank}: codec {name} ok", flush=True)
-        else:
-            raise ValueError(f"unknown case {case!r}")
-        print(f"rank {group.rank}/{group.size} {group.backend} {case}: ok", flush=True)
+        run(group, sys.argv[1:])
     finally:
         group.close()
 

@@ -158,19 +158,24 @@ def case_load(group: comm.ProcessGroup, src: Path) -> None:
                 fail(group, f"state {i}/{key} differs from the unsharded optimizer by {err:.3g}")
 
 
+def run(group: comm.ProcessGroup, args: list[str]) -> None:
+    """Case ``args[0]`` (train, save DIR, load DIR) on ``group`` (also called by battery.py)."""
+    case = args[0]
+    if case == "train":
+        case_train(group)
+    elif case == "save":
+        case_save(group, Path(args[1]))
+    elif case == "load":
+        case_load(group, Path(args[1]))
+    else:
+        raise ValueError(f"unknown case {case!r}")
+    print(f"rank {group.rank}/{group.size} {group.backend} {case}: ok", flush=True)
+
+
 def main() -> None:
     group = comm.init(os.environ["HYBRIDREC_TEST_BACKEND"], timeout_s=60.0)
     try:
-        case = sys.argv[1]
-        if case == "train":
-            case_train(group)
-        elif case == "save":
-            case_save(group, Path(sys.argv[2]))
-        elif case == "load":
-            case_load(group, Path(sys.argv[2]))
-        else:
-            raise ValueError(f"unknown case {case!r}")
-        print(f"rank {group.rank}/{group.size} {group.backend} {case}: ok", flush=True)
+        run(group, sys.argv[1:])
     finally:
         group.close()
 

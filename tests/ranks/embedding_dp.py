@@ -14,6 +14,7 @@ Backend from ``HYBRIDREC_TEST_BACKEND`` (set by tests/multiproc.py).
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -73,62 +74,67 @@ def mean_loss(pooled: dict[str, torch.Tensor], targets: dict[str, torch.Tensor])
     return total / batch
 
 
+def run(group: comm.ProcessGroup, args: list[str]) -> None:
+    """Train and compare on ``group`` (also called by battery.py); takes no arguments."""
+    rank, size = group.rank, group.size
+    if GLOBAL_BATCH % size != 0:
+        raise ValueError(f"global batch {GLOBAL_BATCH} does not split over {size} ranks")
+    local = GLOBAL_BATCH // size
+    dp = EmbeddingCollection(TABLES, group=group)
+    ref = EmbeddingCollection(TABLES)  # LocalGroup, its own InProcessStore
+    gen = torch.Generator().manual_seed(1234)
+    targets = {
+        f: torch.randn(
+            GLOBAL_BATCH, *([SEQ_LEN] if t.pooling == "none" else []), t.dim, generator=gen
+        )  # fmt: skip
+        for t in TABLES
+        for f in t.feature_names
+    }
+    for step in range(STEPS):
+        kjt = global_batch(gen, step)
+        mine = kjt.sample_slice(rank * local, (rank + 1) * local)
+        my_targets = {f: t[rank * local : (rank + 1) * local] for f, t in targets.items()}
+        mean_loss(dp(mine), my_targets).backward()
+        mean_loss(ref(kjt), targets).backward()
+        for t in TABLES:
+            ids = torch.arange(t.num_rows or 0)
+            got_rows, want_rows = dp.rows(t.name, ids), ref.rows(t.name, ids)
+            got_clocks, want_clocks = dp.clocks(t.name, ids), ref.clocks(t.name, ids)
+            err = float((got_rows - want_rows).abs().max())
+            if err > 1e-5:
+                raise AssertionError(
+                    f"rank {rank}/{size} step {step} table {t.name}: rows differ from the "
+                    f"single-process reference by {err:.3g}"
+                )
+            if not torch.equal(got_clocks, want_clocks):
+                raise AssertionError(
+                    f"rank {rank}/{size} step {step} table {t.name}: clocks "
+                    f"{got_clocks.tolist()} != reference {want_clocks.tolist()}"
+                )
+            state_err = (dp.state(t.name, ids) - ref.state(t.name, ids)).abs()
+            if state_err.numel() and float(state_err.max()) > 1e-5:
+                raise AssertionError(
+                    f"rank {rank}/{size} step {step} table {t.name}: optimizer state "
+                    f"differs by {float(state_err.max()):.3g}"
+                )
+            # Every replica applied the identical update: bitwise equal everywhere.
+            everyone = group.allgather(got_rows.contiguous())  # [size, R, D]
+            if not bool((everyone == everyone[0]).all()):
+                raise AssertionError(
+                    f"rank {rank}/{size} step {step} table {t.name}: replicas diverged"
+                )
+    for t in TABLES:
+        moved = int(ref.clocks(t.name, torch.arange(t.num_rows or 0)).sum())
+        assert moved > 0, f"the test never updated a row of {t.name}"
+    print(f"rank {rank}/{size}: ok embedding data parallel ({group.backend})", flush=True)
+
+
 def main() -> None:
     group = comm.init(os.environ["HYBRIDREC_TEST_BACKEND"], timeout_s=60.0)
     try:
-        rank, size = group.rank, group.size
-        if GLOBAL_BATCH % size != 0:
-            raise ValueError(f"global batch {GLOBAL_BATCH} does not split over {size} ranks")
-        local = GLOBAL_BATCH // size
-        dp = EmbeddingCollection(TABLES, group=group)
-        ref = EmbeddingCollection(TABLES)  # LocalGroup, its own InProcessStore
-        gen = torch.Generator().manual_seed(1234)
-        targets = {
-            f: torch.randn(
-                GLOBAL_BATCH, *([SEQ_LEN] if t.pooling == "none" else []), t.dim, generator=gen
-            )  # fmt: skip
-            for t in TABLES
-            for f in t.feature_names
-        }
-        for step in range(STEPS):
-            kjt = global_batch(gen, step)
-            mine = kjt.sample_slice(rank * local, (rank + 1) * local)
-            my_targets = {f: t[rank * local : (rank + 1) * local] for f, t in targets.items()}
-            mean_loss(dp(mine), my_targets).backward()
-            mean_loss(ref(kjt), targets).backward()
-            for t in TABLES:
-                ids = torch.arange(t.num_rows or 0)
-                got_rows, want_rows = dp.rows(t.name, ids), ref.rows(t.name, ids)
-                got_clocks, want_clocks = dp.clocks(t.name, ids), ref.clocks(t.name, ids)
-                err = float((got_rows - want_rows).abs().max())
-                if err > 1e-5:
-                    raise AssertionError(
-                        f"rank {rank}/{size} step {step} table {t.name}: rows differ from the "
-                        f"single-process reference by {err:.3g}"
-                    )
-                if not torch.equal(got_clocks, want_clocks):
-                    raise AssertionError(
-                        f"rank {rank}/{size} step {step} table {t.name}: clocks "
-                        f"{got_clocks.tolist()} != reference {want_clocks.tolist()}"
-                    )
-                state_err = (dp.state(t.name, ids) - ref.state(t.name, ids)).abs()
-                if state_err.numel() and float(state_err.max()) > 1e-5:
-                    raise AssertionError(
-                        f"rank {rank}/{size} step {step} table {t.name}: optimizer state "
-                        f"differs by {float(state_err.max()):.3g}"
-                    )
-                # Every replica applied the identical update: bitwise equal everywhere.
-                everyone = group.allgather(got_rows.contiguous())  # [size, R, D]
-                if not bool((everyone == everyone[0]).all()):
-                    raise AssertionError(
-                        f"rank {rank}/{size} step {step} table {t.name}: replicas diverged"
-                    )
-        for t in TABLES:
-            moved = int(ref.clocks(t.name, torch.arange(t.num_rows or 0)).sum())
-            assert moved > 0, f"the test never updated a row of {t.name}"
+        run(group, sys.argv[1:])
     finally:
         group.close()
-    print(f"rank {rank}/{size}: ok embedding data parallel ({group.backend})", flush=True)
 
 
 if __name__ == "__main__":

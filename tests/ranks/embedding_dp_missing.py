@@ -105,44 +105,49 @@ def check_checkpoint(dp: EmbeddingCollection, group: comm.ProcessGroup, path: Pa
         raise AssertionError(f"rank {group.rank}: a save to /proc did not raise")
 
 
+def run(group: comm.ProcessGroup, args: list[str]) -> None:
+    """Train and compare on ``group`` (also called by battery.py); ``args``: [checkpoint folder]."""
+    rank, size = group.rank, group.size
+    local = GLOBAL_BATCH // size
+    mine_range = range(rank * local, (rank + 1) * local)
+    last = range((size - 1) * local, size * local)
+    dp = EmbeddingCollection(TABLES, group=group)
+    ref = EmbeddingCollection(TABLES)  # one process, the global batch
+    gen = torch.Generator().manual_seed(7)
+    feats = [f for t in TABLES for f in t.feature_names]
+    targets = {f: torch.randn(GLOBAL_BATCH, 4, generator=gen) for f in feats}
+    for step in range(STEPS):
+        kjt = global_batch(gen, step, last)
+        mine = kjt.sample_slice(mine_range.start, mine_range.stop)
+        if rank == size - 1 and step in MISSING and size > 1:
+            keep = [f for t in TABLES if t.placement != MISSING[step] for f in t.feature_names]
+            mine = mine.select(keep)  # the keys are absent, not just empty
+        my_targets = {f: t[mine_range.start : mine_range.stop] for f, t in targets.items()}
+        loss(dp(mine), my_targets, local).backward()
+        loss(ref(kjt), targets, GLOBAL_BATCH).backward()
+        for t in TABLES:
+            ids = torch.arange(t.num_rows or 0)
+            if t.placement == "sharded":
+                assert dp.sharded is not None and ref.sharded is not None
+                got = dp.sharded.full_table(t.name)  # type: ignore[operator]
+                want = ref.sharded.full_table(t.name)  # type: ignore[operator]
+            else:
+                got, want = dp.rows(t.name, ids), ref.rows(t.name, ids)
+            err = float((got - want).abs().max())
+            if err > 1e-5:
+                raise AssertionError(
+                    f"rank {rank}/{size} step {step} table {t.name}: rows differ from "
+                    f"the single-process reference by {err:.3g}"
+                )
+    if args:
+        check_checkpoint(dp, group, Path(args[0]) / "emb")
+    print(f"rank {rank}/{size}: ok missing placements", flush=True)
+
+
 def main() -> None:
     group = comm.init(os.environ["HYBRIDREC_TEST_BACKEND"], timeout_s=60.0)
     try:
-        rank, size = group.rank, group.size
-        local = GLOBAL_BATCH // size
-        mine_range = range(rank * local, (rank + 1) * local)
-        last = range((size - 1) * local, size * local)
-        dp = EmbeddingCollection(TABLES, group=group)
-        ref = EmbeddingCollection(TABLES)  # one process, the global batch
-        gen = torch.Generator().manual_seed(7)
-        feats = [f for t in TABLES for f in t.feature_names]
-        targets = {f: torch.randn(GLOBAL_BATCH, 4, generator=gen) for f in feats}
-        for step in range(STEPS):
-            kjt = global_batch(gen, step, last)
-            mine = kjt.sample_slice(mine_range.start, mine_range.stop)
-            if rank == size - 1 and step in MISSING and size > 1:
-                keep = [f for t in TABLES if t.placement != MISSING[step] for f in t.feature_names]
-                mine = mine.select(keep)  # the keys are absent, not just empty
-            my_targets = {f: t[mine_range.start : mine_range.stop] for f, t in targets.items()}
-            loss(dp(mine), my_targets, local).backward()
-            loss(ref(kjt), targets, GLOBAL_BATCH).backward()
-            for t in TABLES:
-                ids = torch.arange(t.num_rows or 0)
-                if t.placement == "sharded":
-                    assert dp.sharded is not None and ref.sharded is not None
-                    got = dp.sharded.full_table(t.name)  # type: ignore[operator]
-                    want = ref.sharded.full_table(t.name)  # type: ignore[operator]
-                else:
-                    got, want = dp.rows(t.name, ids), ref.rows(t.name, ids)
-                err = float((got - want).abs().max())
-                if err > 1e-5:
-                    raise AssertionError(
-                        f"rank {rank}/{size} step {step} table {t.name}: rows differ from "
-                        f"the single-process reference by {err:.3g}"
-                    )
-        if len(sys.argv) > 1:
-            check_checkpoint(dp, group, Path(sys.argv[1]) / "emb")
-        print(f"rank {rank}/{size}: ok missing placements", flush=True)
+        run(group, sys.argv[1:])
     finally:
         group.close()
 

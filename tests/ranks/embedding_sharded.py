@@ -349,26 +349,26 @@ def collection(group: comm.ProcessGroup) -> None:
     print(f"rank {rank}/{size}: ok sharded collection ({group.backend})", flush=True)
 
 
+def run(group: comm.ProcessGroup, args: list[str]) -> None:
+    """Run mode ``args[0]`` (default "train") on ``group`` (also called by battery.py)."""
+    mode = args[0] if args else "train"
+    if mode not in ("train", "bad", "collection", "all"):
+        raise ValueError(f"unknown mode {mode!r}")
+    if GLOBAL_BATCH % group.size != 0:
+        raise ValueError(f"global batch {GLOBAL_BATCH} does not split over {group.size}")
+    if mode in ("train", "all"):
+        train(group, weighted=False)
+        train(group, weighted=True)
+    if mode in ("bad", "all"):
+        bad(group)
+    if mode in ("collection", "all"):
+        collection(group)
+
+
 def main() -> None:
-    mode = sys.argv[1] if len(sys.argv) > 1 else "train"
     group = comm.init(os.environ["HYBRIDREC_TEST_BACKEND"], timeout_s=60.0)
     try:
-        if GLOBAL_BATCH % group.size != 0:
-            raise ValueError(f"global batch {GLOBAL_BATCH} does not split over {group.size}")
-        if mode == "train":
-            train(group, weighted=False)
-            train(group, weighted=True)
-        elif mode == "bad":
-            bad(group)
-        elif mode == "collection":
-            collection(group)
-        elif mode == "all":
-            train(group, weighted=False)
-            train(group, weighted=True)
-            bad(group)
-            collection(group)
-        else:
-            raise ValueError(f"unknown mode {mode!r}")
+        run(group, sys.argv[1:])
     finally:
         group.close()
 

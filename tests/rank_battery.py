@@ -1,0 +1,89 @@
+"""One launch per (backend, ranks) for the embedding and dense multi-rank checks.
+
+Starting ranks costs more than most checks (every rank imports torch; 4 ranks share 2
+cores here), so the rank scripts of test_embedding_sharded, test_embedding_data_parallel,
+test_dense_data_parallel and test_dense_zero run together through
+``tests/ranks/battery.py``: one launch per (backend, ranks) for the whole session,
+started by whichever test needs it first (``RankBattery.output``). Each test then looks
+for its own "ok" lines in that launch's output; when a launch fails, the output ends
+with the failure report, so the tests whose checks ran first still pass and the others
+fail with the whole report.
+
+:func:`plan` lists the checks of every launch: the same (backend, ranks) cases and the same
+arguments as when each script had its own launches.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from multiproc import run_ranks
+
+EMBEDDING_CASES = [(b, n) for b in ("mpi", "gloo") for n in (1, 2, 4)]
+DENSE_CASES = [("mpi", 1), ("mpi", 2), ("gloo", 2), ("mpi", 4), ("gloo", 4)]
+CODECS = ["none", "fp16", "bf16", "terngrad", "natural", "topk"]
+# dense_zero's files saved at 2 ranks (gloo) are loaded at 1 (mpirun) and 4 (gloo).
+ZERO_SAVE = ("gloo", 2)
+ZERO_LOADS = [("mpi", 1), ("gloo", 4)]
+# Seconds a launch may take: ranks start, then each check (several steps, 4 ranks on 2 cores).
+START_S, PER_CHECK_S = 60.0, 60.0
+# pytest timeout of a test that reads a launch: the dense_zero loads wait for the save's launch.
+BATTERY_TIMEOUT_S = int(2 * (START_S + 6 * PER_CHECK_S)) + 60
+
+
+def plan(backend: str, nprocs: int, workdir: Path) -> list[list[str]]:
+    """The checks of the (backend, nprocs) launch, each ``[script, arg, ...]``; creates
+    the folders under ``workdir`` that they write to."""
+    case = (backend, nprocs)
+    missing_dir, zero_dir = workdir / f"missing-{backend}-{nprocs}", workdir / "zero"
+    missing_dir.mkdir(parents=True, exist_ok=True)
+    zero_dir.mkdir(parents=True, exist_ok=True)
+    checks: list[list[str]] = []
+    if case in EMBEDDING_CASES:
+        checks.append(["embedding_sharded", "all"])
+        checks.append(["embedding_dp"])
+        checks.append(["embedding_dp_missing", str(missing_dir)])
+    if case in DENSE_CASES:
+        checks.append(["dense_dp", "main"])
+        checks.append(["dense_zero", "train"])
+    if case == ("mpi", 2):
+        checks.append(["dense_dp", "codec", *CODECS])
+    if case == ZERO_SAVE:
+        checks.append(["dense_zero", "save", str(zero_dir)])
+    if case in ZERO_LOADS:
+        checks.append(["dense_zero", "load", str(zero_dir)])
+    return checks
+
+
+class RankBattery:
+    """Runs each (backend, ranks) launch of :func:`plan` at most once; files under ``workdir``."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self._outputs: dict[tuple[str, int], str] = {}
+
+    def output(self, backend: str, nprocs: int) -> str:
+        """Every rank's output of the (backend, nprocs) launch (run now if not run yet),
+        followed by the failure report if it failed."""
+        key = (backend, nprocs)
+        if key in ZERO_LOADS:
+            self.output(*ZERO_SAVE)  # the files the loads read
+        if key not in self._outputs:
+            checks = plan(backend, nprocs, self.workdir)
+            if not checks:
+                raise ValueError(f"no multi-rank checks planned for {backend} x{nprocs}")
+            args = [json.dumps(c) for c in checks]
+            timeout = START_S + PER_CHECK_S * len(checks)
+            try:
+                text = "\n".join(run_ranks("battery.py", nprocs, backend, args, timeout))
+            except AssertionError as err:
+                text = f"{err}\n==== the launch failed (report above)"
+            self._outputs[key] = text
+        return self._outputs[key]
+
+    def expect(self, backend: str, nprocs: int, lines: list[str]) -> None:
+        """Fail with the launch's whole output unless every one of ``lines`` is in it."""
+        text = self.output(backend, nprocs)
+        missing = [line for line in lines if line not in text]
+        assert not missing, f"missing from {backend} x{nprocs}: {missing}\n{text}"
