@@ -234,3 +234,11 @@ def test_documented_example_runs_learns_and_stays_finished(
     again: dict[str, Any] = {"__name__": "docs_example"}
     exec(code, again)  # noqa: S102
     assert again["result"].already_finished and again["result"].steps_run == 0
+
+
+def test_readme_shows_the_same_trainer_example() -> None:
+    readme = (DOC.parent.parent / "README.md").read_text(encoding="utf-8")
+    marker = "<!-- trainer-example:"
+    assert marker in readme, "README.md lost its trainer example marker"
+    match = re.search(r"```python\n(.*?)```", readme[readme.index(marker) :], re.S)
+    assert match is not None and match.group(1) == doc_example()
