@@ -22,6 +22,8 @@ every rank with the numbers in the message.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
@@ -168,6 +170,19 @@ def check_batch_size(batch_size: int, topology: Topology) -> None:
             f"rank(s) ({topology.world_size} ranks, {topology.num_servers} of them parameter "
             "servers)"
         )
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``count`` (0: leave torch's default) for the
+    block, and restored after it."""
+    before = torch.get_num_threads()
+    if count:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class Launch:

@@ -38,7 +38,7 @@ from hybridrec.dlrm.config import TrainConfig
 from hybridrec.dlrm.data import CriteoSource, Feature, Source, auc_logloss, open_source
 from hybridrec.dlrm.model import DLRM, build_dlrm, dlrm_tables
 from hybridrec.errors import reported_errors
-from hybridrec.launch import Launch, check_batch_size, describe_roles, with_cache
+from hybridrec.launch import Launch, check_batch_size, describe_roles, torch_threads, with_cache
 from hybridrec.metrics_log import cache_metrics, store_metrics
 from hybridrec.tables import prepare_tables
 from hybridrec.trainer import Trainer, TrainerConfig, TrainResult
@@ -170,14 +170,9 @@ def train(
     """Train and evaluate on the workers ``group``; ``store`` holds the hybrid tables
     (default: a fresh in-process store); ``roles``, the whole job's (for the header;
     default: ``group`` alone). Returns the metrics (equal on every rank but for timings)."""
-    before = torch.get_num_threads()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    try:
+    with torch_threads(cfg.threads):
         job = DLRMJob(cfg, group, InProcessStore() if store is None else store, roles=roles)
         return job.close(job.trainer.fit())
-    finally:
-        torch.set_num_threads(before)
 
 
 def trainer_config(cfg: TrainConfig, lookahead: bool, lockstep: bool) -> TrainerConfig:

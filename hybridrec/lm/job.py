@@ -42,7 +42,7 @@ from hybridrec.datasets.text import (
     tokenize,
 )
 from hybridrec.errors import reported_errors
-from hybridrec.launch import Launch, check_batch_size, describe_roles, with_cache
+from hybridrec.launch import Launch, check_batch_size, describe_roles, torch_threads, with_cache
 from hybridrec.lm.config import LMConfig
 from hybridrec.lm.model import (
     LanguageModel,
@@ -121,14 +121,9 @@ def train(
     """Train and evaluate on the workers ``group``; ``store`` holds a hybrid token table
     (default: a fresh in-process store); ``roles``, the whole job's (for the header;
     default: ``group`` alone). Returns the metrics (equal on every rank but for timings)."""
-    before = torch.get_num_threads()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    try:
+    with torch_threads(cfg.threads):
         job = LMJob(cfg, group, InProcessStore() if store is None else store, roles=roles)
         return job.close(job.trainer.fit())
-    finally:
-        torch.set_num_threads(before)
 
 
 class LMJob:
