@@ -248,7 +248,7 @@ def test_config_validation() -> None:
         ps.UniformInit(low=1.0, high=1.0)
 
 
-# ---------------------------------------------------------------- issue 3 additions
+# ---------------------------------------------------------------- bad input, stats, threads, lifecycle
 
 
 def _dyn_store(**kw: object) -> ps.InProcessStore:
