@@ -82,15 +82,20 @@ def test_config_validation(kw: dict[str, object], pattern: str) -> None:
         TrainConfig(**kw)  # type: ignore[arg-type]
 
 
-def test_bad_placement_table_and_rank_count_are_named() -> None:
+def test_bad_placement_table_and_rank_count_are_named(capsys: pytest.CaptureFixture[str]) -> None:
     from comm import LocalGroup
     from hybridrec.dlrm.job import train
 
     cfg = TrainConfig(data="synthetic", synthetic_samples=100, placement_of=["nope=sharded"])
     with pytest.raises(ValueError, match="placement_of: no table 'nope'; the tables are"):
         train(cfg, LocalGroup())
-    with pytest.raises(ValueError, match="--ps mpi needs the MPI backend"):
+    with pytest.raises(SystemExit) as exit_info:  # a user error: one line, exit status 2
         main(["--ps", "mpi", "--backend", "local", "--data", "synthetic"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("hybridrec: error: --ps mpi needs the MPI backend") and err.count("\n") == 1
+    )
 
 
 @pytest.mark.timeout(120)

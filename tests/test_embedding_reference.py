@@ -362,7 +362,7 @@ def test_shared_store_reuses_identical_tables() -> None:
     train(kjt)["x"].sum().backward()
     torch.testing.assert_close(serve(kjt)["x"], train(kjt)["x"].detach())
     other = dataclasses.replace(cfg, num_rows=6)
-    with pytest.raises(ValueError, match="already has a table 't'"):
+    with pytest.raises(ps.TableSpecMismatch, match="table 't' already exists .* 5 x 2 .* 6 x 2"):
         EmbeddingCollection([other], store=store)
 
 

@@ -329,8 +329,8 @@ def test_config_files(cls: type, tmp_path: Path) -> None:
             return
         for key, v in doc.items():
             name = key.replace("-", "_")
-            if name == "epochs" and v is None:
-                continue  # resolved from --data
+            if name in ("epochs", "bottom_mlp") and v is None:
+                continue  # resolved from --data / from --dim
             got = getattr(cfg, name)
             assert got == v and (hints[name] is not float or type(got) is float), (name, got)
         count[3] += 1
