@@ -248,7 +248,7 @@ def test_config_validation() -> None:
         ps.UniformInit(low=1.0, high=1.0)
 
 
-# ---------------------------------------------------------------- bad input, stats, threads, lifecycle
+# ------------------------------------------------------------ bad input, stats, threads, lifecycle
 
 
 def _dyn_store(**kw: object) -> ps.InProcessStore:
