@@ -31,6 +31,7 @@ from hybridrec.checkpoint import (
 )
 from hybridrec.datasets.criteo import NUM_CAT, NUM_INT, write_criteo_fixture
 from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.job import main as dlrm_main
 from hybridrec.dlrm.job import train
 from hybridrec.lm.config import LMConfig
 from hybridrec.lm.job import train as train_lm
@@ -150,7 +151,7 @@ def test_dlrm_resume_under_mpirun(tmp_path: Path) -> None:
     # are the same, so the losses follow the 2-worker run (up to the reduction order).
     one = tmp_path / "one.jsonl"
     ck1 = f"--checkpoint-dir={tmp_path / 'ck1'}"
-    run_ranks(script, 1, "mpi", [*args, f"--metrics-out={one}", ck1, "--resume"], timeout=200)
+    dlrm_main([*args, f"--metrics-out={one}", ck1, "--resume", "--backend=local"])
     got1 = losses(one)
     assert sorted(got1) == list(range(14, 33)), sorted(got1)
     for step in got1:

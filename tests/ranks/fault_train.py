@@ -57,8 +57,8 @@ BATCH = 32
 NUM_DENSE = 4
 FEATURES = ["f0", "f1"]
 HEAD_LR = 0.1
-REQUEST_TIMEOUT_S = 5.0
-COMM_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = 3.0
+COMM_TIMEOUT_S = 5.0
 
 
 def batch(step: int, rank: int) -> tuple[KeyedJaggedIds, torch.Tensor, torch.Tensor]:
