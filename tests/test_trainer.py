@@ -242,3 +242,20 @@ def test_readme_shows_the_same_trainer_example() -> None:
     assert marker in readme, "README.md lost its trainer example marker"
     match = re.search(r"```python\n(.*?)```", readme[readme.index(marker) :], re.S)
     assert match is not None and match.group(1) == doc_example()
+
+
+def test_package_names_load_their_modules_on_first_use() -> None:
+    import subprocess
+    import sys
+
+    import hybridrec
+    from hybridrec import model_state, trainer
+
+    assert hybridrec.save_model is model_state.save_model
+    assert hybridrec.Trainer is trainer.Trainer
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = hybridrec.nope  # type: ignore[attr-defined]
+    code = (
+        "import sys, hybridrec; sys.exit('torch' in sys.modules)"  # `hybridrec --help` stays light
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
