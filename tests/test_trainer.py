@@ -250,6 +250,7 @@ def test_package_names_load_their_modules_on_first_use() -> None:
 
     import hybridrec
     from hybridrec import model_state, trainer
+    from multiproc import rank_env
 
     assert hybridrec.save_model is model_state.save_model
     assert hybridrec.Trainer is trainer.Trainer
@@ -258,4 +259,4 @@ def test_package_names_load_their_modules_on_first_use() -> None:
     code = (
         "import sys, hybridrec; sys.exit('torch' in sys.modules)"  # `hybridrec --help` stays light
     )
-    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], env=rank_env(), timeout=60).returncode == 0
