@@ -22,17 +22,17 @@ A missing categorical is an empty bag (no id): pooled, it contributes zeros.
 
 Files are read line by line (plain or ``.gz``), never whole, and lines are dealt
 to ranks round robin (rank ``r`` of ``n`` reads lines ``r, r + n, ...``) so every
-rank sees a disjoint ``1/n`` of each file without any coordination. A malformed
-line raises ``ValueError`` naming the file and line number, or is counted and
-skipped with ``skip_bad_lines=True``.
+rank sees a disjoint ``1/n`` of each file without any coordination (the loop is
+:mod:`hybridrec.datasets.stream`'s). A malformed line raises ``ValueError``
+naming the file and line number, or is counted and skipped with ``skip_bad_lines=True``.
 """
 
 from __future__ import annotations
 
 import gzip
-import io
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +40,7 @@ import torch
 
 from embedding import KeyedJaggedIds
 from hybridrec.datasets.ctr import Batch
+from hybridrec.datasets.stream import ReaderPosition, RecordStream, decode_line, open_lines
 from ps.routing import splitmix64
 
 NUM_INT = 13
@@ -78,35 +79,15 @@ class CriteoConfig:
             )
 
 
-@dataclass(slots=True)
-class ReaderPosition:
-    """How far a reader got: enough to resume exactly where it stopped."""
-
-    file_index: int = 0
-    line: int = 0  # lines of that file consumed (all ranks' lines, not just ours)
-    skipped: int = 0  # malformed lines skipped so far (by this rank)
-    samples: int = 0  # samples yielded so far (by this rank)
-
-
-def _open_lines(path: str) -> io.BufferedIOBase:
-    """The file as bytes (lines are decoded one by one, so a bad byte names its line)."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"Criteo data: {path} does not exist or is not a file")
-    if path.endswith(".gz"):
-        return gzip.open(p, "rb")  # type: ignore[return-value]
-    return open(p, "rb")  # noqa: SIM115 - closed by the caller
+@contextmanager
+def _criteo_lines(path: str) -> Iterator[Iterator[tuple[int, bytes]]]:
+    with open_lines(path, "Criteo data") as f:
+        yield ((i + 1, raw) for i, raw in enumerate(f))
 
 
 def _parse_line(raw: bytes, where: str) -> tuple[int, list[int], list[int | None]]:
     """One line -> (label, 13 ints (missing = 0), 26 categorical values or None)."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(
-            f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})"
-        ) from None
-    fields = text.rstrip("\r\n").split("\t")
+    fields = decode_line(raw, where).split("\t")
     if len(fields) != NUM_FIELDS:
         raise ValueError(
             f"{where}: expected {NUM_FIELDS} tab-separated fields (label, {NUM_INT} integer, "
@@ -143,16 +124,6 @@ def hash_categorical(values: torch.Tensor, feature: int, num_rows: int | None) -
     return torch.remainder(mixed, num_rows)
 
 
-@dataclass(slots=True)
-class _Pending:
-    labels: list[int] = field(default_factory=list)
-    ints: list[list[int]] = field(default_factory=list)
-    cats: list[list[int | None]] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-
 class CriteoReader:
     """Iterates :class:`~hybridrec.datasets.ctr.Batch` es over the files of ``config``.
 
@@ -174,47 +145,30 @@ class CriteoReader:
         return self.position.skipped
 
     def __iter__(self) -> Iterator[Batch]:
-        cfg, pos = self.config, self.position
-        pending = _Pending()
-        while pos.file_index < len(cfg.paths):
-            path = cfg.paths[pos.file_index]
-            with _open_lines(path) as f:
-                lines_in_file = 0
-                for lineno, text in enumerate(f):
-                    lines_in_file += 1
-                    if lineno < pos.line:
-                        continue  # resuming: already consumed
-                    pos.line = lineno + 1
-                    if lineno % cfg.world_size != cfg.rank:
-                        continue
-                    try:
-                        label, ints, cats = _parse_line(text, f"{path}:{lineno + 1}")
-                    except ValueError:
-                        if not cfg.skip_bad_lines:
-                            raise
-                        pos.skipped += 1
-                        continue
-                    pending.labels.append(label)
-                    pending.ints.append(ints)
-                    pending.cats.append(cats)
-                    if len(pending) == cfg.batch_size:
-                        pos.samples += len(pending)
-                        yield self._to_batch(pending)
-                        pending = _Pending()
-                if lines_in_file == 0:
-                    raise ValueError(f"Criteo data: {path} is empty (expected TSV lines)")
-            pos.file_index += 1
-            pos.line = 0
-        if len(pending) and not cfg.drop_last:
-            pos.samples += len(pending)
-            yield self._to_batch(pending)
+        cfg = self.config
+        stream = RecordStream(
+            cfg.paths,
+            _criteo_lines,
+            _parse_line,
+            batch_size=cfg.batch_size,
+            rank=cfg.rank,
+            world_size=cfg.world_size,
+            skip_bad_lines=cfg.skip_bad_lines,
+            drop_last=cfg.drop_last,
+            what="Criteo data",
+            start=self.position,
+        )
+        for rows in stream.batches():
+            yield self._to_batch(rows)
 
-    def _to_batch(self, p: _Pending) -> Batch:
-        b = len(p)
-        counts = np.maximum(np.asarray(p.ints, dtype=np.float64), 0.0)  # [B, 13]
+    def _to_batch(self, rows: list[tuple[int, list[int], list[int | None]]]) -> Batch:
+        b = len(rows)
+        labels = [r[0] for r in rows]
+        cats = [r[2] for r in rows]
+        counts = np.maximum(np.asarray([r[1] for r in rows], dtype=np.float64), 0.0)  # [B, 13]
         dense = torch.from_numpy(np.log1p(counts).astype(np.float32))
-        present = np.array([[v is not None for v in row] for row in p.cats], dtype=bool)  # [B, 26]
-        raw = np.array([[0 if v is None else v for v in row] for row in p.cats], dtype=np.int64)
+        present = np.array([[v is not None for v in row] for row in cats], dtype=bool)  # [B, 26]
+        raw = np.array([[0 if v is None else v for v in row] for row in cats], dtype=np.int64)
         ids: list[torch.Tensor] = []
         for j in range(NUM_CAT):
             col = torch.from_numpy(raw[present[:, j], j])  # ids of samples that have C{j+1}
@@ -223,7 +177,7 @@ class CriteoReader:
         return Batch(
             dense=dense.reshape(b, NUM_INT),
             sparse=KeyedJaggedIds(CAT_NAMES, torch.cat(ids), lengths),
-            labels=torch.tensor(p.labels, dtype=torch.float32),
+            labels=torch.tensor(labels, dtype=torch.float32),
         )
 
 
