@@ -7,6 +7,8 @@ tab-separated, with typed headers such as ``user_id:token``:
 * ``ml-100k.user``:  user_id, age, gender, occupation, zip_code (943 users)
 * ``ml-100k.item``:  item_id, movie_title, release_year, class (genres; 1,682 items)
 
+The files are read by the RecBole atomic-file reader
+(:mod:`hybridrec.datasets.recbole`); this module adds MovieLens's own features.
 A sample is one rating; its label is ``rating >= 4`` (a "click").
 
 Sparse features (id 0 = unknown, other ids contiguous from 1):
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 from hybridrec.datasets.ctr import CTRData, SparseFeature, split_indices, standardize_
+from hybridrec.datasets.recbole import read_atomic, token_vocab
 
 INSTALL_HINT = "pip install --no-deps recbole==1.2.1"
 AGE_BUCKETS = (18, 25, 35, 45, 50, 56)  # the MovieLens-1M age groups: <18, 18-24, ..., 56+
@@ -53,22 +56,12 @@ def movielens_dir() -> Path:
 
 
 def _read_table(path: Path) -> tuple[list[str], list[list[str]]]:
-    """Header field names (types stripped) and the rows as lists of strings."""
-    with path.open(encoding="utf-8") as f:
-        header = [h.split(":")[0] for h in f.readline().rstrip("\n").split("\t")]
-        rows = [line.rstrip("\n").split("\t") for line in f if line.strip()]
-    for i, row in enumerate(rows):
-        if len(row) != len(header):
-            raise ValueError(
-                f"{path}: line {i + 2} has {len(row)} fields, the header has {len(header)}"
-            )
-    return header, rows
+    """Header field names and the rows as lists of strings (the RecBole atomic reader)."""
+    table, _ = read_atomic(path)
+    return table.names, [list(r) for r in zip(*table.columns.values(), strict=True)]
 
 
-def _vocab(tokens: list[str]) -> dict[str, int]:
-    """Contiguous ids from 1 in sorted token order (numbers numerically); 0 is unknown."""
-    order = sorted(set(tokens), key=lambda t: (not t.isdigit(), int(t) if t.isdigit() else 0, t))
-    return {t: i + 1 for i, t in enumerate(order)}
+_vocab = token_vocab
 
 
 def _lookup(vocab: dict[str, int], tokens: list[str]) -> np.ndarray:
@@ -85,10 +78,11 @@ def load_movielens(
     root = movielens_dir() if path is None else Path(path)
 
     # Interactions: [N] arrays.
-    inter = np.loadtxt(root / "ml-100k.inter", delimiter="\t", skiprows=1, dtype=np.float64)
-    raw_user = inter[:, 0].astype(np.int64).astype(str).tolist()
-    raw_item = inter[:, 1].astype(np.int64).astype(str).tolist()
-    labels = torch.from_numpy((inter[:, 2] >= 4).astype(np.float32))  # [N]
+    inter, _ = read_atomic(root / "ml-100k.inter")
+    raw_user = inter.columns["user_id"]
+    raw_item = inter.columns["item_id"]
+    ratings = np.array([float(r) for r in inter.columns["rating"]])  # [N]
+    labels = torch.from_numpy((ratings >= 4).astype(np.float32))  # [N]
     n = len(raw_user)
 
     # Users: one row per user id.

@@ -107,7 +107,8 @@ def open_rows(path: str, schema: Schema) -> Any:
     return _text_rows(path, "\t" if fmt == "tsv" else ",")
 
 
-def _string_id(token: str) -> int:
+def string_id(token: str) -> int:
+    """A text value -> a 63-bit int (the first bytes of its BLAKE2b digest)."""
     return (
         int.from_bytes(hashlib.blake2b(token.encode(), digest_size=8).digest(), "little") & _MASK63
     )
@@ -167,7 +168,7 @@ class RowParser:
                         f"{where}: column {col.column!r} must be hex, got {_text(v)!r}"
                     ) from None
             else:
-                sparse.append([_string_id(t) for t in tokens])
+                sparse.append([string_id(t) for t in tokens])
         return label, dense, sparse
 
 

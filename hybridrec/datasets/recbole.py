@@ -1,0 +1,299 @@
+"""Any data set in RecBole's atomic-file format, as in-memory click data.
+
+A data set is a folder holding ``NAME.inter`` (one interaction a line) and
+optionally ``NAME.user`` and ``NAME.item`` (one user or item a line). Files are
+tab-separated with a typed header, e.g. ``user_id:token	rating:float``; either
+line ending is read. The types map to features:
+
+* ``token``: one sparse feature (a vocabulary of every value in the files, ids
+  from 1 in sorted order, numbers numerically; 0 is unknown);
+* ``token_seq``: a multi-valued sparse feature (values separated by spaces);
+* ``float``: one dense feature (missing: the training mean), standardized with
+  training-split statistics;
+* ``float_seq``: one dense feature per position (missing: 0), standardized.
+
+The ``.user`` (``.item``) file's first field is its key; it is joined onto the
+interactions that have the same field, so every interaction gets its user's and
+its item's features. Ids are arbitrary strings. The label is the schema's
+(:mod:`hybridrec.datasets.schema`), else a ``label`` field (0/1), else
+``rating >= 4``. A schema can also drop fields and give a field other options
+(``[[sparse]]``: hashing, a separator; ``[[dense]]``: ``log``, ``standardize``;
+a ``token`` field named under ``[[dense]]`` is read as a number). The samples are
+split train/validation/test at random (seeded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybridrec.datasets.criteo import hash_categorical
+from hybridrec.datasets.ctr import CTRData, SparseFeature, split_indices
+from hybridrec.datasets.schema import DenseColumn, LabelColumn, Schema
+from hybridrec.datasets.tabular import string_id
+
+TYPES = ("token", "token_seq", "float", "float_seq")
+SEQ_SEPARATOR = " "
+
+
+@dataclass(slots=True)
+class AtomicTable:
+    """One atomic file: field names, their types, and each field's values as text."""
+
+    path: Path
+    names: list[str]
+    types: list[str]
+    columns: dict[str, list[str]]
+
+    def __len__(self) -> int:
+        return len(self.columns[self.names[0]]) if self.names else 0
+
+
+def read_atomic(path: Path, *, skip_bad_lines: bool = False) -> tuple[AtomicTable, int]:
+    """``path`` -> (the table, lines skipped); ``ValueError`` naming file and line."""
+    with path.open("rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lineno = data[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{lineno}: not UTF-8 text") from None
+    lines = text.replace("\r\n", "\n").split("\n")
+    if not lines or not lines[0].strip():
+        raise ValueError(f"{path}:1: expected a header such as 'user_id:token\\titem_id:token'")
+    names: list[str] = []
+    types: list[str] = []
+    for h in lines[0].split("\t"):
+        name, sep, kind = h.rpartition(":")
+        if not sep or kind not in TYPES or not name:
+            raise ValueError(
+                f"{path}:1: header field {h!r} must be NAME:TYPE with TYPE one of {TYPES}"
+            )
+        names.append(name)
+        types.append(kind)
+    rows: list[list[str]] = []
+    skipped = 0
+    for i, line in enumerate(lines[1:]):
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        bad = None
+        if len(fields) != len(names):
+            bad = f"expected {len(names)} tab-separated fields {names}, got {len(fields)}"
+        else:
+            for name, kind, v in zip(names, types, fields, strict=True):
+                if kind.startswith("float") and v.strip():
+                    try:
+                        [float(x) for x in v.split(SEQ_SEPARATOR) if x]
+                    except ValueError:
+                        bad = f"field {name!r} ({kind}) must be numbers, got {v!r}"
+                        break
+        if bad is not None:
+            if not skip_bad_lines:
+                raise ValueError(f"{path}:{i + 2}: {bad}")
+            skipped += 1
+            continue
+        rows.append(fields)
+    columns = {n: [r[j] for r in rows] for j, n in enumerate(names)}
+    return AtomicTable(path, names, types, columns), skipped
+
+
+def token_vocab(tokens: list[str]) -> dict[str, int]:
+    """Contiguous ids from 1 in sorted token order (numbers numerically); 0 is unknown."""
+    order = sorted(set(tokens), key=lambda t: (not t.isdigit(), int(t) if t.isdigit() else 0, t))
+    return {t: i + 1 for i, t in enumerate(order)}
+
+
+def atomic_files(root: Path) -> dict[str, Path]:
+    """The ``inter`` (required), ``user`` and ``item`` files of the data set in ``root``."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"RecBole data: {root} is not a folder")
+    inters = sorted(root.glob("*.inter"))
+    if len(inters) != 1:
+        raise FileNotFoundError(
+            f"RecBole data: {root} must hold exactly one .inter file, found "
+            f"{[p.name for p in inters]}"
+        )
+    out = {"inter": inters[0]}
+    for kind in ("user", "item"):
+        p = inters[0].with_suffix("." + kind)
+        if p.is_file():
+            out[kind] = p
+    return out
+
+
+@dataclass(slots=True)
+class _Field:
+    """One field of the joined data: its values for every interaction."""
+
+    name: str
+    kind: str
+    values: list[str]  # [N]
+
+
+def joined_fields(root: Path, *, skip_bad_lines: bool = False) -> tuple[list[_Field], int]:
+    """Every field of the interactions, with the user and item fields joined on."""
+    files = atomic_files(root)
+    inter, skipped = read_atomic(files["inter"], skip_bad_lines=skip_bad_lines)
+    out = [_Field(n, t, inter.columns[n]) for n, t in zip(inter.names, inter.types, strict=True)]
+    for kind in ("user", "item"):
+        if kind not in files:
+            continue
+        table, s = read_atomic(files[kind], skip_bad_lines=skip_bad_lines)
+        skipped += s
+        key = table.names[0]
+        if key not in inter.columns:
+            raise ValueError(
+                f"{table.path}: its key field {key!r} (the first) is not a field of "
+                f"{inter.path}, which has {inter.names}"
+            )
+        row_of = {v: i for i, v in enumerate(table.columns[key])}
+        rows = [row_of.get(v, -1) for v in inter.columns[key]]  # -1: no such user/item
+        for name, t in zip(table.names[1:], table.types[1:], strict=True):
+            col = table.columns[name]
+            out.append(_Field(name, t, [col[r] if r >= 0 else "" for r in rows]))
+    return out, skipped
+
+
+def _default_label(fields: list[_Field]) -> LabelColumn:
+    names = [f.name for f in fields]
+    if "label" in names:
+        return LabelColumn(column="label")
+    if "rating" in names:
+        return LabelColumn(column="rating", rule=">= 4")
+    raise ValueError(
+        f"RecBole data: no 'label' or 'rating' field to derive clicks from; fields: {names}. "
+        "Name one in the schema: [label] column = ... rule = ..."
+    )
+
+
+def _floats(values: list[str]) -> list[list[float]]:
+    return [[float(x) for x in v.split(SEQ_SEPARATOR) if x] for v in values]
+
+
+def load_recbole(
+    root: str | Path,
+    schema: Schema | None = None,
+    *,
+    seed: int = 0,
+    fractions: tuple[float, float, float] = (0.8, 0.1, 0.1),
+    skip_bad_lines: bool = False,
+) -> CTRData:
+    """The data set in ``root`` as click data (see the module docstring)."""
+    schema = schema or Schema()
+    fields, _ = joined_fields(Path(root), skip_bad_lines=skip_bad_lines)
+    names = [f.name for f in fields]
+    schema.check_columns(names, f"RecBole data {root}")
+    label = schema.label or _default_label(fields)
+    by_name = {f.name: f for f in fields}
+    n = len(fields[0].values)
+    if n == 0:
+        raise ValueError(f"RecBole data {root}: the .inter file has no interactions")
+    where = f"RecBole data {root}: field {label.column!r}"
+    try:
+        labels = torch.tensor([label.clicked(v) for v in by_name[label.column].values])
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    train_idx, val_idx, test_idx = split_indices(n, fractions, seed)
+    for split, idx in (("train", train_idx), ("validation", val_idx), ("test", test_idx)):
+        if len(idx) == 0:
+            raise ValueError(
+                f"RecBole data {root}: the {split} split is empty ({n} interactions, "
+                f"fractions {fractions})"
+            )
+    dense_opts = {c.column: c for c in schema.dense}
+    sparse_opts = {c.column: c for c in schema.sparse}
+    skip = {label.column, *schema.drop}
+    sparse: list[SparseFeature] = []
+    dense_cols: list[np.ndarray] = []  # [N] each
+    dense_names: list[str] = []
+    train_np = train_idx.numpy()
+    for f in fields:
+        if f.name in skip:
+            continue
+        as_dense = f.name in dense_opts or (
+            f.kind.startswith("float") and f.name not in sparse_opts
+        )
+        if as_dense:
+            opt = dense_opts.get(f.name, DenseColumn(column=f.name, standardize=True))
+            try:
+                seqs = _floats(f.values)
+            except ValueError:
+                raise ValueError(f"RecBole data {root}: field {f.name!r} must be numbers") from None
+            width = max(1, max(len(s) for s in seqs))
+            block = np.full((n, width), np.nan)  # [N, W]
+            for i, s in enumerate(seqs):
+                block[i, : len(s)] = s
+            if f.kind == "float_seq":
+                block[np.isnan(block)] = 0.0
+            for j in range(width):
+                col = block[:, j]
+                if opt.log:
+                    col = np.log1p(np.maximum(col, 0.0))
+                fill = np.nanmean(col[train_np]) if np.any(~np.isnan(col[train_np])) else 0.0
+                col = np.where(np.isnan(col), fill, col)
+                if opt.standardize:
+                    mean, std = (
+                        col[train_np].mean(),
+                        col[train_np].std(ddof=1) if len(train_np) > 1 else 1.0,
+                    )
+                    col = (col - mean) / max(float(std), 1e-6)
+                dense_cols.append(col)
+                dense_names.append(f.name if width == 1 else f"{f.name}_{j}")
+            continue
+        opt_s = sparse_opts.get(f.name)
+        sep = SEQ_SEPARATOR if f.kind == "token_seq" else None
+        if opt_s is not None and opt_s.separator is not None:
+            sep = opt_s.separator
+        bags = [
+            ([t for t in v.split(sep) if t] if sep is not None else ([v] if v else []))
+            for v in f.values
+        ]
+        if opt_s is not None and not opt_s.vocab:
+            rows = opt_s.hash_rows
+            k = [c.column for c in schema.sparse].index(f.name)
+            flat = torch.tensor([string_id(t) for b in bags for t in b], dtype=torch.int64)
+            hashed = hash_categorical(flat, k, rows).tolist()
+            ids_flat: list[int] = hashed
+        else:
+            vocab = token_vocab([t for b in bags for t in b])
+            rows = len(vocab) + 1
+            ids_flat = [vocab[t] for b in bags for t in b]
+        width = max(1, max(len(b) for b in bags))
+        ids = np.zeros((n, width), dtype=np.int64)  # [N, L], 0-padded
+        lengths = np.array([len(b) for b in bags], dtype=np.int64)  # [N]
+        pos = 0
+        for i, b in enumerate(bags):
+            ids[i, : len(b)] = ids_flat[pos : pos + len(b)]
+            pos += len(b)
+        if sep is None:
+            lengths = np.ones(n, dtype=np.int64)  # a missing token is id 0 (unknown)
+        sparse.append(
+            SparseFeature(
+                name=f.name,
+                ids=torch.from_numpy(ids),
+                lengths=torch.from_numpy(lengths),
+                num_rows=rows,
+            )
+        )
+    if not sparse:
+        raise ValueError(f"RecBole data {root}: no sparse (token) fields left; fields: {names}")
+    dense = (
+        torch.from_numpy(np.stack(dense_cols, axis=1).astype(np.float32))
+        if dense_cols
+        else torch.zeros((n, 0), dtype=torch.float32)
+    )  # [N, D]
+    item = "item_id" if "item_id" in [s.name for s in sparse] else sparse[0].name
+    return CTRData(
+        dense=dense,
+        dense_names=dense_names,
+        sparse=sparse,
+        labels=labels.float(),
+        train_idx=train_idx,
+        val_idx=val_idx,
+        test_idx=test_idx,
+        item_feature=item,
+    )
