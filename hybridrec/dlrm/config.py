@@ -32,10 +32,11 @@ def check_mlp(name: str, widths: list[int], last: int, what: str) -> None:
 @dataclass(kw_only=True, slots=True)
 class TrainConfig(RunOptions):
     # ---- data
-    data: Literal["movielens", "synthetic", "criteo"] = option(
+    data: Literal["movielens", "synthetic", "criteo", "tabular", "recbole"] = option(
         "movielens",
         help="movielens: MovieLens-100k from the recbole package; synthetic: Criteo-shaped "
-        "Zipf clicks; criteo: Criteo TSV files (--criteo-path)",
+        "Zipf clicks; criteo: Criteo TSV files (--criteo-path); tabular: your CSV/TSV/Parquet "
+        "files (--data-path, --schema); recbole: a RecBole atomic data set (--data-path DIR)",
     )
     criteo_path: list[str] = option(
         [], help="Criteo TSV files (plain or .gz) to train on, streamed, dealt to ranks by line"
@@ -49,7 +50,24 @@ class TrainConfig(RunOptions):
         "0: raw 63-bit ids in dynamic tables on the parameter server (hybrid placement)",
     )
     skip_bad_lines: bool = option(
-        False, help="count and skip malformed Criteo lines instead of stopping with an error"
+        False,
+        help="count and skip malformed Criteo, tabular or RecBole lines instead of stopping "
+        "with an error",
+    )
+    # ---- bring your own data (--data tabular | recbole)
+    data_path: list[str] = option(
+        [],
+        help="tabular: training files (CSV/TSV with a header line, plain or .gz, or Parquet), "
+        "streamed, dealt to ranks by row; recbole: the folder of NAME.inter (.user, .item)",
+    )
+    data_val_path: list[str] = option(
+        [], help="tabular: validation files (AUC, log loss); none: no validation"
+    )
+    data_test_path: list[str] = option([], help="tabular: test files; none: no test AUC")
+    schema: str = option(
+        "",
+        help="schema file (TOML or JSON): the label column and click rule, dense and sparse "
+        "columns and their options (needed by tabular; recbole: overrides the field types)",
     )
     synthetic_rows: int = option(10_000, help="rows per table of the synthetic data")
     synthetic_samples: int = option(200_000, help="samples of the synthetic data")
@@ -99,12 +117,14 @@ class TrainConfig(RunOptions):
 
     def __post_init__(self) -> None:
         self.check_run_options()
-        if self.data not in ("movielens", "synthetic", "criteo"):
+        if self.data not in ("movielens", "synthetic", "criteo", "tabular", "recbole"):
             raise ValueError(
-                f"data must be 'movielens', 'synthetic' or 'criteo', got {self.data!r}"
+                "data must be 'movielens', 'synthetic', 'criteo', 'tabular' or 'recbole', "
+                f"got {self.data!r}"
             )
         if self.epochs is None:
-            self.epochs = 3 if self.data == "movielens" else 1
+            self.epochs = 3 if self.data in ("movielens", "recbole") else 1
+        self.check_own_data()
         if self.data == "criteo" and not self.criteo_path:
             raise ValueError("data 'criteo' needs --criteo-path FILE [FILE ...]")
         if self.dense_optimizer not in ("adam", "adagrad"):
@@ -136,6 +156,17 @@ class TrainConfig(RunOptions):
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         self.placement_overrides()  # checks the TABLE=PLACEMENT syntax
         parse_ps(self.ps)  # checks the --ps syntax
+
+    def check_own_data(self) -> None:
+        if self.data == "tabular" and not (self.data_path and self.schema):
+            raise ValueError("data 'tabular' needs data_path FILE [FILE ...] and schema FILE")
+        if self.data == "recbole" and len(self.data_path) != 1:
+            raise ValueError(
+                f"data 'recbole' needs data_path DIR (one folder), got {self.data_path}"
+            )
+        given = [n for n in ("data_val_path", "data_test_path") if getattr(self, n)]
+        if self.data != "tabular" and given:
+            raise ValueError(f"{given[0]} is read with data 'tabular' only")
 
     def placement_overrides(self) -> dict[str, str]:
         """``placement_of`` as ``{table: placement}``."""

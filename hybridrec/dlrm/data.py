@@ -1,17 +1,18 @@
-"""Where the DLRM job's batches come from: in-memory data sets or streamed Criteo files.
+"""Where the DLRM job's batches come from: in-memory data sets or streamed files.
 
 Both sources give this rank's slice of every *global* batch (``batch_size`` samples
 split evenly over the worker ranks), so 1 rank and N ranks train on the same
 global batches, and both can restart at a saved position:
 
-* :class:`InMemorySource` (MovieLens-100k, synthetic): every rank holds the whole
-  data set; epoch ``e`` is one seeded shuffle, identical on every rank; rank ``r``
-  takes rows ``[r*b, (r+1)*b)`` of each global batch. Position: (epoch, step in
-  the epoch); no per-rank state.
-* :class:`CriteoSource`: the TSV files are streamed, line ``i`` going to rank
-  ``i mod n``; a rank's ``k``-th batch of ``b`` lines is its part of the global batch
-  of lines ``[k*B, (k+1)*B)``. A final batch smaller than ``b`` is dropped (ranks
-  would disagree on it). Position: each rank's :class:`ReaderPosition`.
+* :class:`InMemorySource` (MovieLens-100k, a RecBole atomic data set, synthetic):
+  every rank holds the whole data set; epoch ``e`` is one seeded shuffle,
+  identical on every rank; rank ``r`` takes rows ``[r*b, (r+1)*b)`` of each global
+  batch. Position: (epoch, step in the epoch); no per-rank state.
+* :class:`StreamSource` (:class:`CriteoSource`, :class:`TabularSource`): the files
+  are streamed, line ``i`` going to rank ``i mod n``; a rank's ``k``-th batch of
+  ``b`` lines is its part of the global batch of lines ``[k*B, (k+1)*B)``. A final
+  batch smaller than ``b`` is dropped (ranks would disagree on it). Position: each
+  rank's :class:`ReaderPosition`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from hybridrec.datasets.criteo import (
     ReaderPosition,
 )
 from hybridrec.datasets.ctr import Batch
+from hybridrec.datasets.recbole import load_recbole
+from hybridrec.datasets.schema import load_schema
+from hybridrec.datasets.tabular import TabularConfig, TabularReader, fit_tabular
 from hybridrec.dlrm.config import TrainConfig
 from hybridrec.metrics import log_loss, popularity_scores, roc_auc
 
@@ -120,15 +124,13 @@ def _position(pos: ReaderPosition) -> torch.Tensor:
     return torch.tensor([pos.file_index, pos.line, pos.skipped, pos.samples], dtype=torch.int64)
 
 
-class CriteoSource:
-    """Criteo TSV files, streamed (see the module docstring)."""
+class StreamSource:
+    """Files streamed and dealt to ranks by line (see the module docstring); a subclass
+    says how to open a reader over some files."""
 
     def __init__(self, cfg: TrainConfig, group: ProcessGroup) -> None:
         self.cfg, self.group = cfg, group
         self.per_rank = per_rank_batch(cfg, group)
-        rows = cfg.criteo_rows or None
-        self.features = [Feature(name, rows) for name in CAT_NAMES]
-        self.num_dense = NUM_INT
         self.steps_per_epoch: int | None = None  # a stream: unknown
         # Malformed lines skipped by this rank (--skip-bad-lines): per training epoch
         # (a resumed reader's count includes the lines skipped before the checkpoint)
@@ -136,24 +138,13 @@ class CriteoSource:
         self.skipped_train: dict[int, int] = {}
         self.skipped_val = 0
 
-    def describe(self) -> str:
-        rows = self.cfg.criteo_rows or "dynamic"
-        return (
-            f"criteo: {len(self.cfg.criteo_path)} file(s), 26 tables of {rows} rows, "
-            f"13 dense features"
-        )
+    def _reader(
+        self, paths: list[str], batch: int, start: ReaderPosition | None, drop_last: bool
+    ) -> CriteoReader | TabularReader:
+        raise NotImplementedError
 
-    def _reader(self, paths: list[str], batch: int, start: ReaderPosition | None) -> CriteoReader:
-        cfg = CriteoConfig(
-            paths=paths,
-            batch_size=batch,
-            num_rows=self.cfg.criteo_rows or None,
-            rank=self.group.rank,
-            world_size=self.group.size,
-            skip_bad_lines=self.cfg.skip_bad_lines,
-            drop_last=True,
-        )
-        return CriteoReader(cfg, start)
+    def _split_paths(self, split: str) -> list[str]:
+        raise NotImplementedError
 
     def train_batches(
         self, epoch: int, skip: int = 0, start: torch.Tensor | None = None
@@ -162,25 +153,25 @@ class CriteoSource:
         (``skip``, the steps already done in the epoch, is implied by it)."""
         del skip  # every epoch reads the files from the start (no shuffle of a stream)
         pos = None if start is None else ReaderPosition(*[int(v) for v in start.tolist()])
-        reader = self._reader(list(self.cfg.criteo_path), self.per_rank, pos)
+        reader = self._reader(self._split_paths("train"), self.per_rank, pos, True)
         for batch in reader:
             self.skipped_train[epoch] = reader.skipped
             yield batch, _position(dataclasses.replace(reader.position))
         self.skipped_train[epoch] = reader.skipped
 
     def has_split(self, split: str) -> bool:
-        return split == "val" and bool(self.cfg.criteo_val_path)
+        return bool(self._split_paths(split))
 
     def eval_batches(self, split: str) -> Iterator[Batch]:
         if not self.has_split(split):
             return iter(())
-        reader = self._reader(list(self.cfg.criteo_val_path), self.cfg.eval_batch_size, None)
-        reader.config.drop_last = False
-        return self._counted(reader)
+        reader = self._reader(self._split_paths(split), self.cfg.eval_batch_size, None, False)
+        return self._counted(reader, split)
 
-    def _counted(self, reader: CriteoReader) -> Iterator[Batch]:
+    def _counted(self, reader: CriteoReader | TabularReader, split: str) -> Iterator[Batch]:
         yield from reader
-        self.skipped_val = reader.skipped
+        if split == "val":
+            self.skipped_val = reader.skipped
 
     def skipped_lines(self) -> tuple[int, int]:
         """This rank's malformed lines skipped: (training, last validation pass)."""
@@ -190,13 +181,105 @@ class CriteoSource:
         return None
 
 
-Source = InMemorySource | CriteoSource
+class CriteoSource(StreamSource):
+    """Criteo TSV files, streamed."""
+
+    def __init__(self, cfg: TrainConfig, group: ProcessGroup) -> None:
+        super().__init__(cfg, group)
+        rows = cfg.criteo_rows or None
+        self.features = [Feature(name, rows) for name in CAT_NAMES]
+        self.num_dense = NUM_INT
+
+    def describe(self) -> str:
+        rows = self.cfg.criteo_rows or "dynamic"
+        return (
+            f"criteo: {len(self.cfg.criteo_path)} file(s), 26 tables of {rows} rows, "
+            f"13 dense features"
+        )
+
+    def _split_paths(self, split: str) -> list[str]:
+        if split == "train":
+            return list(self.cfg.criteo_path)
+        return list(self.cfg.criteo_val_path) if split == "val" else []
+
+    def _reader(
+        self, paths: list[str], batch: int, start: ReaderPosition | None, drop_last: bool
+    ) -> CriteoReader:
+        cfg = CriteoConfig(
+            paths=paths,
+            batch_size=batch,
+            num_rows=self.cfg.criteo_rows or None,
+            rank=self.group.rank,
+            world_size=self.group.size,
+            skip_bad_lines=self.cfg.skip_bad_lines,
+            drop_last=drop_last,
+        )
+        return CriteoReader(cfg, start)
+
+
+class TabularSource(StreamSource):
+    """The user's CSV/TSV/Parquet files read through a schema (``--data tabular``),
+    streamed. Vocabularies and standardization come from one pass over the training
+    files (every rank makes the same; a resumed run makes them again)."""
+
+    def __init__(self, cfg: TrainConfig, group: ProcessGroup) -> None:
+        super().__init__(cfg, group)
+        self.schema = load_schema(cfg.schema)
+        if self.schema.label is None:
+            raise ValueError(f"schema {cfg.schema}: --data tabular needs a [label] table")
+        self.fitted = fit_tabular(
+            list(cfg.data_path), self.schema, skip_bad_lines=cfg.skip_bad_lines
+        )
+        rows = self.fitted.num_rows(self.schema)
+        self.features = [
+            Feature(c.column, n, multi=c.multi)
+            for c, n in zip(self.schema.sparse, rows, strict=True)
+        ]
+        self.num_dense = len(self.schema.dense)
+
+    def describe(self) -> str:
+        return (
+            f"tabular: {len(self.cfg.data_path)} file(s), {self.fitted.rows} training rows, "
+            f"{len(self.features)} sparse + {self.num_dense} dense features"
+        )
+
+    def _split_paths(self, split: str) -> list[str]:
+        return list(
+            {"train": self.cfg.data_path, "val": self.cfg.data_val_path}.get(
+                split, self.cfg.data_test_path
+            )
+        )
+
+    def _reader(
+        self, paths: list[str], batch: int, start: ReaderPosition | None, drop_last: bool
+    ) -> TabularReader:
+        cfg = TabularConfig(
+            paths=paths,
+            schema=self.schema,
+            fitted=self.fitted,
+            batch_size=batch,
+            rank=self.group.rank,
+            world_size=self.group.size,
+            skip_bad_lines=self.cfg.skip_bad_lines,
+            drop_last=drop_last,
+        )
+        return TabularReader(cfg, start)
+
+
+Source = InMemorySource | CriteoSource | TabularSource
 
 
 def open_source(cfg: TrainConfig, group: ProcessGroup) -> Source:
     if cfg.data == "criteo":
         return CriteoSource(cfg, group)
-    if cfg.data == "movielens":
+    if cfg.data == "tabular":
+        return TabularSource(cfg, group)
+    if cfg.data == "recbole":
+        schema = load_schema(cfg.schema) if cfg.schema else None
+        data = load_recbole(
+            cfg.data_path[0], schema, seed=cfg.seed, skip_bad_lines=cfg.skip_bad_lines
+        )
+    elif cfg.data == "movielens":
         data = load_movielens(seed=cfg.seed)
     else:
         data = make_synthetic(

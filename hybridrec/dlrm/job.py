@@ -35,7 +35,7 @@ from hybridrec.checkpoint import DenseOptimizer
 from hybridrec.config import parse_config
 from hybridrec.datasets.ctr import Batch
 from hybridrec.dlrm.config import TrainConfig
-from hybridrec.dlrm.data import CriteoSource, Feature, Source, auc_logloss, open_source
+from hybridrec.dlrm.data import Feature, Source, StreamSource, auc_logloss, open_source
 from hybridrec.dlrm.model import DLRM, build_dlrm, dlrm_tables
 from hybridrec.errors import reported_errors
 from hybridrec.launch import Launch, check_batch_size, describe_roles, torch_threads, with_cache
@@ -201,7 +201,7 @@ class DLRMJob:
         self.lockstep = self.model.embeddings.sharded is not None  # every rank in each forward
         self.say(f"DLRM on {self.source.describe()}; "
                  f"{describe_roles(roles or Topology.of(group), group.backend)}")  # fmt: skip
-        stream = isinstance(self.source, CriteoSource)  # ranks may hold one batch more or less
+        stream = isinstance(self.source, StreamSource)  # ranks may hold one batch more or less
         model, opt = self.model, self.optimizer
         self.trainer = Trainer(
             trainer_config(cfg, lookahead=self.cached is not None, lockstep=stream),
@@ -293,7 +293,7 @@ def finish(
     baseline = source.baseline()
     if baseline is not None:
         result["popularity_auc"], result["popularity_logloss"] = baseline
-    if isinstance(source, CriteoSource) and cfg.skip_bad_lines:
+    if isinstance(source, StreamSource) and cfg.skip_bad_lines:
         counts = group.allreduce(torch.tensor(source.skipped_lines(), dtype=torch.int64))
         result["skipped_lines_train"], result["skipped_lines_val"] = (int(c) for c in counts)
     return result
