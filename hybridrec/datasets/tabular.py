@@ -13,7 +13,8 @@ Each data row is one sample:
   in sorted order, 0 for a value never seen in training) or hashed like a Criteo
   categorical, ``splitmix64(value * 32 + k) mod hash_rows`` with ``k`` the
   column's place among the sparse columns and ``value`` the hex integer
-  (``encoding = "hex"``) or the first 63 bits of the text's BLAKE2b digest.
+  (``encoding = "hex"``) or the text's 8-byte BLAKE2b digest, either cut to 58
+  bits.
 
 :func:`fit_tabular` reads the training files once for the vocabularies and the
 standardization statistics (every rank the same, so every rank gets the same
@@ -41,7 +42,8 @@ from hybridrec.datasets.schema import Schema
 from hybridrec.datasets.stream import ReaderPosition, RecordStream, decode_line, open_lines
 
 PARQUET_HINT = "pip install 'hybridrec[parquet]' (or pip install pyarrow)"
-_MASK63 = 0x7FFF_FFFF_FFFF_FFFF
+# Raw values keep 58 bits, so that ``value * 32 + k`` fits in an int64.
+_MASK58 = (1 << 58) - 1
 
 # A raw row: the file's column names and the row's values (text, None or a list).
 RawRow = tuple[list[str], list[Any]]
@@ -108,9 +110,9 @@ def open_rows(path: str, schema: Schema) -> Any:
 
 
 def string_id(token: str) -> int:
-    """A text value -> a 63-bit int (the first bytes of its BLAKE2b digest)."""
+    """A text value -> a 58-bit int (the low bits of its 8-byte BLAKE2b digest)."""
     return (
-        int.from_bytes(hashlib.blake2b(token.encode(), digest_size=8).digest(), "little") & _MASK63
+        int.from_bytes(hashlib.blake2b(token.encode(), digest_size=8).digest(), "little") & _MASK58
     )
 
 
@@ -138,7 +140,10 @@ class RowParser:
             )
         s = self.schema
         picked = [values[i] for i in cols]
-        label = 0.0 if s.label is None else s.label.clicked(_text(picked[0]))
+        try:
+            label = 0.0 if s.label is None else s.label.clicked(_text(picked[0]))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
         picked = picked[0 if s.label is None else 1 :]
         dense: list[float] = []
         for dcol, v in zip(s.dense, picked, strict=False):
@@ -162,7 +167,7 @@ class RowParser:
                 sparse.append(tokens)
             elif col.encoding == "hex":
                 try:
-                    sparse.append([int(t, 16) & _MASK63 for t in tokens])
+                    sparse.append([int(t, 16) & _MASK58 for t in tokens])
                 except ValueError:
                     raise ValueError(
                         f"{where}: column {col.column!r} must be hex, got {_text(v)!r}"
@@ -234,6 +239,11 @@ def _records(paths: list[str], schema: Schema, **kw: Any) -> RecordStream[RawRow
 
 def fit_tabular(paths: list[str], schema: Schema, *, skip_bad_lines: bool = False) -> Fitted:
     """One pass over the training files: vocabularies and dense statistics."""
+    if not schema.sparse:
+        raise ValueError(
+            "schema: needs at least one [[sparse]] column (the model has one embedding table "
+            "per sparse column)"
+        )
     tokens: dict[str, set[str]] = {c.column: set() for c in schema.sparse if c.vocab}
     nd = len(schema.dense)
     total = np.zeros(nd)

@@ -1,0 +1,410 @@
+"""The schema-driven tabular reader: field types, line endings, ranks, resume, bad data.
+
+Expected values come from an independent per-row decoding in plain Python
+(``_expected``), never from the reader's own helpers (except the shared Criteo
+hash, whose own tests pin it).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import comm
+from hybridrec.datasets.criteo import (
+    CAT_NAMES,
+    INT_NAMES,
+    NUM_CAT,
+    NUM_INT,
+    CriteoConfig,
+    CriteoReader,
+    write_criteo_fixture,
+)
+from hybridrec.datasets.schema import (
+    DenseColumn,
+    LabelColumn,
+    Schema,
+    SparseColumn,
+    load_schema,
+)
+from hybridrec.datasets.tabular import (
+    PARQUET_HINT,
+    TabularConfig,
+    TabularReader,
+    fit_tabular,
+)
+from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.job import train
+from ps.routing import splitmix64
+from test_resume import DLRM, SMALLER, interrupted_equals_uninterrupted, losses
+
+HEADER = ["click", "rating", "price", "age", "user", "tags", "ad"]
+SCHEMA_TOML = """
+[label]
+column = "rating"
+rule = ">= 4"
+
+[[dense]]
+column = "price"
+log = true
+
+[[dense]]
+column = "age"
+standardize = true
+
+[[sparse]]
+column = "user"
+vocab = true
+
+[[sparse]]
+column = "tags"
+separator = "|"
+hash_rows = 50
+
+[[sparse]]
+column = "ad"
+encoding = "hex"
+hash_rows = 1000
+"""
+ROWS = [
+    ["1", "5", "10", "30", "alice", "a|b", "ff"],
+    ["0", "2", "", "40", "bob", "", "10"],
+    ["1", "4", "-3", "", "carol", "c", ""],
+    ["0", "1", "7.5", "20", "alice", "a|a|d", "abc"],
+    ["1", "3", "0", "50", "dave", "b", "1"],
+]
+
+
+def _write(path: Path, header: list[str], rows: list[list[str]], sep: str, eol: str) -> None:
+    text = eol.join(sep.join(r) for r in [header, *rows]) + eol
+    if path.suffix == ".gz":
+        with gzip.open(path, "wb") as f:
+            f.write(text.encode())
+    else:
+        path.write_bytes(text.encode())
+
+
+def _hash(value: int, k: int, rows: int) -> int:
+    return int(splitmix64(torch.tensor([value * 32 + k]))[0]) % rows
+
+
+def _text_id(token: str) -> int:
+    digest = hashlib.blake2b(token.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**58
+
+
+def _expected(rows: list[list[str]], train: list[list[str]]) -> list[tuple[Any, ...]]:
+    """Each row decoded by hand: (label, [price, age], user id, tag ids, ad ids)."""
+    ages = [float(r[3]) if r[3] else 0.0 for r in train]
+    mean = sum(ages) / len(ages)
+    std = math.sqrt(sum((a - mean) ** 2 for a in ages) / (len(ages) - 1))
+    users = {u: i + 1 for i, u in enumerate(sorted({r[4] for r in train}))}
+    out = []
+    for r in rows:
+        price = math.log1p(max(float(r[2]), 0.0)) if r[2] else 0.0
+        age = ((float(r[3]) if r[3] else 0.0) - mean) / std
+        tags = [_hash(_text_id(t), 1, 50) for t in r[5].split("|") if t]
+        ad = [_hash(int(r[6], 16), 2, 1000)] if r[6] else []
+        out.append((float(float(r[1]) >= 4), [price, age], [users.get(r[4], 0)], tags, ad))
+    return out
+
+
+def _decoded(reader: TabularReader) -> list[tuple[Any, ...]]:
+    out = []
+    for b in reader:
+        cols = {k: b.sparse[k].to_lists() for k in ("user", "tags", "ad")}
+        for i in range(b.size):
+            out.append(
+                (
+                    float(b.labels[i]),
+                    b.dense[i].tolist(),
+                    cols["user"][i],
+                    cols["tags"][i],
+                    cols["ad"][i],
+                )
+            )
+    return out
+
+
+@pytest.fixture
+def schema(tmp_path: Path) -> Schema:
+    p = tmp_path / "schema.toml"
+    p.write_text(SCHEMA_TOML)
+    return load_schema(p)
+
+
+def _reader(paths: list[str], schema: Schema, train: list[str] | None = None, **kw: Any):
+    fitted = fit_tabular(train or paths, schema, skip_bad_lines=kw.get("skip_bad_lines", False))
+    return TabularReader(TabularConfig(paths=paths, schema=schema, fitted=fitted, **kw))
+
+
+@pytest.mark.parametrize(
+    "name,sep,eol",
+    [("d.csv", ",", "\n"), ("d.tsv", "\t", "\r\n"), ("d.csv.gz", ",", "\r\n")],
+)
+def test_every_field_type_and_line_ending(
+    schema: Schema, tmp_path: Path, name: str, sep: str, eol: str
+) -> None:
+    path = tmp_path / name
+    _write(path, HEADER, ROWS, sep, eol)
+    got = _decoded(_reader([str(path)], schema, batch_size=2))
+    want = _expected(ROWS, ROWS)
+    assert len(got) == len(want) == 5
+    for g, w in zip(got, want, strict=True):
+        assert g[0] == w[0] and g[2:] == w[2:]
+        assert g[1] == pytest.approx(w[1], abs=1e-6)
+
+
+def test_vocabulary_from_the_training_split_only(schema: Schema, tmp_path: Path) -> None:
+    """A user only in the test file gets row 0 (out of vocabulary)."""
+    train_p, test_p = tmp_path / "train.csv", tmp_path / "test.csv"
+    _write(train_p, HEADER, ROWS[:3], ",", "\n")
+    _write(test_p, HEADER, ROWS[3:], ",", "\n")
+    got = _decoded(_reader([str(test_p)], schema, train=[str(train_p)], batch_size=8))
+    want = _expected(ROWS[3:], ROWS[:3])
+    assert [g[2] for g in got] == [w[2] for w in want] == [[1], [0]]  # alice seen, dave not
+    assert fit_tabular([str(train_p)], schema).num_rows(schema) == [4, 50, 1000]
+
+
+def test_bad_data_is_named(schema: Schema, tmp_path: Path) -> None:
+    path = tmp_path / "bad.csv"
+    rows = [*ROWS[:2], ["1", "x", "1", "1", "u", "", ""], ROWS[2], ["1", "5", "1"]]
+    _write(path, HEADER, rows, ",", "\n")
+    with pytest.raises(ValueError, match=r"bad.csv:4: label 'rating' must be a number, got 'x'"):
+        list(_reader([str(path)], schema))
+    good = tmp_path / "ok.csv"
+    _write(good, HEADER, ROWS, ",", "\n")
+    with pytest.raises(ValueError, match=r"bad.csv:4: label"):
+        list(_reader([str(path)], schema, train=[str(good)], batch_size=2))
+    reader = _reader([str(path)], schema, train=[str(good)], batch_size=2, skip_bad_lines=True)
+    assert len(_decoded(reader)) == 3 and reader.skipped == 2
+    _write(path, HEADER, [["1", "5", "1", "1", "u", "", "zz"]], ",", "\n")
+    with pytest.raises(ValueError, match=r"bad.csv:2: column 'ad' must be hex, got 'zz'"):
+        list(_reader([str(path)], schema, train=[str(good)]))
+    _write(path, ["click", "rating", "cost"], [["1", "5", "1"]], ",", "\n")
+    unknown = r"unknown column\(s\) \['price', 'age', 'user', 'tags', 'ad'\] in the schema"
+    with pytest.raises(
+        ValueError, match=unknown + r"; the columns are \['click', 'rating', 'cost'"
+    ):
+        fit_tabular([str(path)], schema)
+    _write(path, HEADER, [], ",", "\n")  # an empty split is refused
+    with pytest.raises(ValueError, match=r"bad.csv is empty \(expected data rows\)"):
+        fit_tabular([str(path)], schema)
+    _write(path, HEADER, [["1", "x", "1", "1", "u", "", ""]], ",", "\n")
+    with pytest.raises(ValueError, match=r"the training split .* has no data rows \(1 malformed"):
+        fit_tabular([str(path)], schema, skip_bad_lines=True)
+    with pytest.raises(ValueError, match=r"label rule '=> 4': expected '0/1' or a comparison"):
+        LabelColumn(column="r", rule="=> 4")
+
+
+def test_parquet_without_pyarrow_names_the_extra(schema: Schema, tmp_path: Path) -> None:
+    # pyarrow is not a test dependency: the message without it is what is tested.
+    try:
+        import pyarrow  # type: ignore[import-not-found,import-untyped,unused-ignore]  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("pyarrow is installed; this checks the message when it is not")
+    path = tmp_path / "d.parquet"
+    path.write_bytes(b"PAR1")
+    with pytest.raises(ImportError, match="pyarrow, which is not installed") as e:
+        fit_tabular([str(path)], schema)
+    assert PARQUET_HINT in str(e.value) and "hybridrec[parquet]" in PARQUET_HINT
+
+
+def test_two_ranks_deal_rows_of_the_same_global_batches(schema: Schema, tmp_path: Path) -> None:
+    """Row i goes to rank i mod 2: the ranks' halves interleave into the one-rank batches."""
+    rng = random.Random(3)
+    rows = [[str(rng.randint(0, 1)), str(rng.randint(1, 5)), str(rng.randint(0, 99)),
+             str(rng.randint(18, 70)), rng.choice("abcdefg"), "|".join(rng.sample("xyzw", 2)),
+             f"{rng.getrandbits(16):x}"] for _ in range(37)]  # fmt: skip
+    path = tmp_path / "d.csv"
+    _write(path, HEADER, rows, ",", "\n")
+    one = _decoded(_reader([str(path)], schema, batch_size=6, drop_last=True))
+    halves = [
+        _decoded(_reader([str(path)], schema, batch_size=3, rank=r, world_size=2, drop_last=True))
+        for r in range(2)
+    ]
+    merged = [halves[i % 2][i // 2] for i in range(len(one))]
+    assert len(one) == 36 and merged == one
+
+
+def _criteo_rows(n: int, seed: int) -> list[list[str]]:
+    rng = random.Random(seed)
+    return [
+        [str(int(rng.random() < 0.3 + 0.4 * (i % 3 == 0)))]
+        + ["" if rng.random() < 0.2 else str(rng.randint(-2, 300)) for _ in range(NUM_INT)]
+        + ["" if rng.random() < 0.2 else f"{rng.getrandbits(5):08x}" for _ in range(NUM_CAT)]
+        for i in range(n)
+    ]
+
+
+def criteo_schema(rows: int) -> dict[str, Any]:
+    """The Criteo reader's decoding written as a schema (as the README shows it)."""
+    return {
+        "label": {"column": "label"},
+        "dense": [{"column": c, "log": True} for c in INT_NAMES],
+        "sparse": [{"column": c, "encoding": "hex", "hash_rows": rows} for c in CAT_NAMES],
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_criteo_csv_read_by_schema_matches_the_criteo_reader(tmp_path: Path) -> None:
+    """Same rows as a Criteo TSV and as a CSV with a header: same batches, same losses."""
+    rows = _criteo_rows(600, seed=5)
+    write_criteo_fixture(tmp_path / "day.tsv", rows)
+    _write(tmp_path / "day.csv", ["label", *INT_NAMES, *CAT_NAMES], rows, ",", "\r\n")
+    (tmp_path / "criteo.json").write_text(json.dumps(criteo_schema(500)))
+    schema = load_schema(tmp_path / "criteo.json")
+    tab = list(_reader([str(tmp_path / "day.csv")], schema, batch_size=64))
+    cri = list(CriteoReader(CriteoConfig(paths=[str(tmp_path / "day.tsv")], batch_size=64,
+                                         num_rows=500)))  # fmt: skip
+    assert len(tab) == len(cri) == 10
+    for a, b in zip(tab, cri, strict=True):
+        assert torch.equal(a.dense, b.dense) and torch.equal(a.labels, b.labels)
+        assert a.sparse.keys == b.sparse.keys
+        assert torch.equal(a.sparse.ids, b.sparse.ids)
+        assert torch.equal(a.sparse.lengths, b.sparse.lengths)
+    base = dict(DLRM, batch_size=50, epochs=1, metrics_out="")
+    runs = {}
+    for name, extra in {
+        "criteo": dict(data="criteo", criteo_path=[str(tmp_path / "day.tsv")], criteo_rows=500),
+        "tabular": dict(data="tabular", data_path=[str(tmp_path / "day.csv")],
+                        schema=str(tmp_path / "criteo.json")),
+    }.items():  # fmt: skip
+        out = tmp_path / f"{name}.jsonl"
+        train(TrainConfig(**{**base, **extra, "metrics_out": str(out)}), comm.LocalGroup())
+        runs[name] = losses(out)
+    assert len(runs["criteo"]) == 12 and runs["tabular"] == runs["criteo"]
+
+
+@pytest.mark.timeout(240)
+def test_tabular_resumes_mid_file(tmp_path: Path) -> None:
+    path = tmp_path / "day.csv"
+    _write(path, ["label", *INT_NAMES, *CAT_NAMES], _criteo_rows(1_000, seed=7), ",", "\n")
+    spec = criteo_schema(200)
+    spec["dense"][0]["standardize"] = True
+    spec["sparse"][0] = {"column": "C1", "vocab": True}
+    (tmp_path / "s.toml").write_text(_toml(spec))
+    base = {**DLRM, "data": "tabular", "data_path": [str(path)],
+            "schema": str(tmp_path / "s.toml"), "batch_size": 40}  # fmt: skip
+
+    def run(cfg: TrainConfig) -> dict[str, Any]:
+        return train(cfg, comm.LocalGroup())
+
+    interrupted_equals_uninterrupted(run, TrainConfig, base, tmp_path, dict(max_steps=9), SMALLER)
+
+
+def _toml(spec: dict[str, Any]) -> str:
+    """A schema dict as TOML (the tests also read schemas from TOML, not only JSON)."""
+
+    def value(v: Any) -> str:
+        return json.dumps(v) if not isinstance(v, bool) else str(v).lower()
+
+    lines = ["[label]", *(f"{k} = {value(v)}" for k, v in spec["label"].items())]
+    for kind in ("dense", "sparse"):
+        for col in spec.get(kind, []):
+            lines += ["", f"[[{kind}]]", *(f"{k} = {value(v)}" for k, v in col.items())]
+    return "\n".join(lines) + "\n"
+
+
+# ---- hypothesis: random schemas over random data with corrupted lines
+
+_COLUMNS = ["c0", "c1", "c2", "c3", "c4"]
+
+
+@st.composite
+def _case(draw: st.DrawFn) -> tuple[Schema, list[list[str]], set[int]]:
+    kinds = draw(st.lists(st.sampled_from(["dense", "dense_log", "vocab", "hash", "multi"]),
+                          min_size=len(_COLUMNS), max_size=len(_COLUMNS)))  # fmt: skip
+    dense, sparse = [], []
+    for c, k in zip(_COLUMNS, kinds, strict=True):
+        if k.startswith("dense"):
+            dense.append(DenseColumn(column=c, log=k == "dense_log"))
+        else:
+            sparse.append(SparseColumn(column=c, vocab=k == "vocab", hash_rows=97,
+                                       separator=";" if k == "multi" else None))  # fmt: skip
+    n = draw(st.integers(1, 25))
+    rows, bad = [], set()
+    for i in range(n):
+        row = [draw(st.sampled_from(["0", "1"]))]
+        for k in kinds:
+            if k.startswith("dense"):
+                row.append(draw(st.sampled_from(["", "0", "3", "-2", "1.5", "1e3"])))
+            elif k == "multi":
+                row.append(";".join(draw(st.lists(st.sampled_from("abcde"), max_size=3))))
+            else:
+                row.append(draw(st.sampled_from(["", "a", "bb", "7"])))
+        corrupt = draw(st.sampled_from([None, None, None, "fields", "label"]))
+        if corrupt == "fields":
+            row = row[:-1]
+        elif corrupt == "label":
+            row[0] = "2"
+        if corrupt:
+            bad.add(i)
+        rows.append(row)
+    return Schema(label=LabelColumn(column="y"), dense=dense, sparse=sparse), rows, bad
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(case=_case(), batch=st.integers(1, 7))
+def test_random_schemas_and_corrupted_lines(
+    tmp_path: Path, case: tuple[Schema, list[list[str]], set[int]], batch: int
+) -> None:
+    schema, rows, bad = case
+    path = tmp_path / "h.csv"
+    _write(path, ["y", *_COLUMNS], rows, ",", "\n")
+    if not schema.sparse:
+        with pytest.raises(ValueError, match=r"needs at least one \[\[sparse\]\] column"):
+            fit_tabular([str(path)], schema)
+        return
+    good = [r for i, r in enumerate(rows) if i not in bad]
+    if bad:
+        first = min(bad) + 2  # the header is line 1
+        with pytest.raises(ValueError, match=rf"h.csv:{first}: "):
+            fit_tabular([str(path)], schema)
+    if not good:
+        with pytest.raises(ValueError, match="has no data rows"):
+            fit_tabular([str(path)], schema, skip_bad_lines=True)
+        return
+    fitted = fit_tabular([str(path)], schema, skip_bad_lines=True)
+    reader = TabularReader(TabularConfig(paths=[str(path)], schema=schema, fitted=fitted,
+                                         batch_size=batch, skip_bad_lines=True))  # fmt: skip
+    batches = list(reader)
+    assert reader.skipped == len(bad) and sum(b.size for b in batches) == len(good)
+    labels = torch.cat([b.labels for b in batches])
+    assert labels.tolist() == [float(r[0]) for r in good]
+    vocab_of = {c.column: sorted({t for r in good
+                                  for t in _split(r[1 + _COLUMNS.index(c.column)], c)})
+                for c in schema.sparse if c.vocab}  # fmt: skip
+    for c in schema.sparse:
+        got = [x for b in batches for x in b.sparse[c.column].to_lists()]
+        j = 1 + _COLUMNS.index(c.column)
+        if c.vocab:
+            want = [[vocab_of[c.column].index(t) + 1 for t in _split(r[j], c)] for r in good]
+        else:
+            k = schema.sparse.index(c)
+            want = [[_hash(_text_id(t), k, 97) for t in _split(r[j], c)] for r in good]
+        assert got == want, c
+    dense = torch.cat([b.dense for b in batches])
+    for d, c in enumerate(schema.dense):
+        j = 1 + _COLUMNS.index(c.column)
+        xs = [float(r[j]) if r[j] else 0.0 for r in good]
+        want_d = [math.log1p(max(x, 0.0)) if c.log else x for x in xs]
+        assert dense[:, d].tolist() == pytest.approx(want_d, rel=1e-6)
+
+
+def _split(v: str, c: SparseColumn) -> list[str]:
+    return [t for t in v.split(c.separator) if t] if c.separator else ([v] if v else [])
