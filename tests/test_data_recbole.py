@@ -14,11 +14,14 @@ import torch
 
 import comm
 from hybridrec.datasets import load_movielens, movielens_dir
+from hybridrec.datasets.movielens import MOVIELENS_SCHEMA
 from hybridrec.datasets.recbole import load_recbole, read_atomic
-from hybridrec.datasets.schema import schema_from_dict
+from hybridrec.datasets.schema import load_schema, schema_from_dict
 from hybridrec.dlrm.config import TrainConfig
 from hybridrec.dlrm.data import InMemorySource
 from hybridrec.dlrm.job import train
+from multiproc import ROOT
+from test_resume import losses
 
 INTER = [
     "uid:token\tiid:token\tlabel:float\tctx:token_seq\twatch:float",
@@ -89,7 +92,8 @@ def test_schema_overrides_label_types_and_drops(tmp_path: Path) -> None:
     )
     data = load_recbole(_folder(tmp_path), schema, fractions=(0.6, 0.2, 0.2))
     assert data.labels.tolist() == [0, 1, 0, 1, 0, 1, 0, 1, 0, 1]  # label < 1
-    assert data.feature_names == ["uid", "iid", "ctx", "city"] and data.dense_names == []
+    # The schema's columns first, then the other fields by type.
+    assert data.feature_names == ["ctx", "uid", "iid", "city"] and data.dense_names == []
     assert data.feature("ctx").num_rows == 7
 
 
@@ -150,3 +154,26 @@ def test_recbole_job_trains_and_ranks_agree(tmp_path: Path) -> None:
     assert len(whole) == 2
     for step, batch in enumerate(whole):
         assert torch.equal(torch.cat([halves[0][step], halves[1][step]]), batch)
+
+
+def test_movielens_schema_file_is_the_one_movielens_uses() -> None:
+    assert load_schema(ROOT / "docs" / "movielens_schema.toml") == schema_from_dict(
+        MOVIELENS_SCHEMA
+    )
+
+
+@pytest.mark.timeout(120)
+def test_recbole_with_the_movielens_schema_trains_as_movielens(tmp_path: Path) -> None:
+    """--data recbole on the ml-100k folder with docs/movielens_schema.toml: the same
+    losses, step by step, as --data movielens."""
+    base = dict(epochs=1, max_steps=30, log_every=1, verbose=False, progress=False)
+    runs = {}
+    for name, extra in {
+        "movielens": dict(data="movielens"),
+        "recbole": dict(data="recbole", data_path=[str(movielens_dir())],
+                        schema=str(ROOT / "docs" / "movielens_schema.toml")),
+    }.items():  # fmt: skip
+        out = tmp_path / f"{name}.jsonl"
+        train(TrainConfig(**base, **extra, metrics_out=str(out)), comm.LocalGroup())  # type: ignore[arg-type]
+        runs[name] = losses(out)
+    assert len(runs["movielens"]) == 30 and runs["recbole"] == runs["movielens"]

@@ -7,8 +7,8 @@ tab-separated, with typed headers such as ``user_id:token``:
 * ``ml-100k.user``:  user_id, age, gender, occupation, zip_code (943 users)
 * ``ml-100k.item``:  item_id, movie_title, release_year, class (genres; 1,682 items)
 
-The files are read by the RecBole atomic-file reader
-(:mod:`hybridrec.datasets.recbole`); this module adds MovieLens's own features.
+This is one use of the RecBole atomic-file reader (:mod:`hybridrec.datasets.recbole`)
+with the schema :data:`MOVIELENS_SCHEMA`, which derives the features below.
 A sample is one rating; its label is ``rating >= 4`` (a "click").
 
 Sparse features (id 0 = unknown, other ids contiguous from 1):
@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-import torch
-
-from hybridrec.datasets.ctr import CTRData, SparseFeature, split_indices, standardize_
-from hybridrec.datasets.recbole import read_atomic, token_vocab
+from hybridrec.datasets.ctr import CTRData
+from hybridrec.datasets.recbole import load_recbole
+from hybridrec.datasets.schema import schema_from_dict
 
 INSTALL_HINT = "pip install --no-deps recbole==1.2.1"
 AGE_BUCKETS = (18, 25, 35, 45, 50, 56)  # the MovieLens-1M age groups: <18, 18-24, ..., 56+
@@ -55,17 +54,29 @@ def movielens_dir() -> Path:
     return path
 
 
-def _read_table(path: Path) -> tuple[list[str], list[list[str]]]:
-    """Header field names and the rows as lists of strings (the RecBole atomic reader)."""
-    table, _ = read_atomic(path)
-    return table.names, [list(r) for r in zip(*table.columns.values(), strict=True)]
-
-
-_vocab = token_vocab
-
-
-def _lookup(vocab: dict[str, int], tokens: list[str]) -> np.ndarray:
-    return np.fromiter((vocab.get(t, 0) for t in tokens), dtype=np.int64, count=len(tokens))
+# The features above as a RecBole schema (docs/movielens_schema.toml is the same).
+MOVIELENS_SCHEMA: dict[str, Any] = {
+    "drop": ["timestamp", "movie_title"],
+    "label": {"column": "rating", "rule": ">= 4"},
+    "sparse": [
+        {"column": "user_id", "name": "user", "vocab": True},
+        {"column": "item_id", "name": "item", "vocab": True},
+        {"column": "gender", "vocab": True},
+        {"column": "age", "buckets": list(AGE_BUCKETS)},
+        {"column": "occupation", "vocab": True},
+        {"column": "zip_code", "name": "zip3", "prefix": 3, "vocab": True},
+        {"column": "class", "name": "genres", "vocab": True},
+    ],
+    "dense": [
+        {"column": "age", "standardize": True},
+        {"column": "release_year", "fill": "median", "standardize": True},
+        {"column": "class", "name": "num_genres", "of": "length", "standardize": True},
+        {"column": "user_id", "name": "user_log_count", "of": "train_count", "log": True,
+         "standardize": True},
+        {"column": "item_id", "name": "item_log_count", "of": "train_count", "log": True,
+         "standardize": True},
+    ],
+}  # fmt: skip
 
 
 def load_movielens(
@@ -76,91 +87,6 @@ def load_movielens(
 ) -> CTRData:
     """Read MovieLens-100k, split it (seeded) and build features (see the module doc)."""
     root = movielens_dir() if path is None else Path(path)
-
-    # Interactions: [N] arrays.
-    inter, _ = read_atomic(root / "ml-100k.inter")
-    raw_user = inter.columns["user_id"]
-    raw_item = inter.columns["item_id"]
-    ratings = np.array([float(r) for r in inter.columns["rating"]])  # [N]
-    labels = torch.from_numpy((ratings >= 4).astype(np.float32))  # [N]
-    n = len(raw_user)
-
-    # Users: one row per user id.
-    uh, users = _read_table(root / "ml-100k.user")
-    ucol = {name: [r[uh.index(name)] for r in users] for name in uh}
-    user_vocab = _vocab(ucol["user_id"])
-    user_row = {u: i for i, u in enumerate(ucol["user_id"])}
-    ages = np.array([float(a) for a in ucol["age"]])  # [U]
-    age_bucket = np.searchsorted(np.array(AGE_BUCKETS), ages, side="right") + 1  # [U] in 1..7
-    gender_vocab = _vocab(ucol["gender"])
-    occ_vocab = _vocab(ucol["occupation"])
-    zip3 = [z[:3] for z in ucol["zip_code"]]
-    zip_vocab = _vocab(zip3)
-
-    # Items: one row per item id; genres are space-separated.
-    ih, items = _read_table(root / "ml-100k.item")
-    icol = {name: [r[ih.index(name)] for r in items] for name in ih}
-    item_vocab = _vocab(icol["item_id"])
-    item_row = {it: i for i, it in enumerate(icol["item_id"])}
-    years = np.array([float(y) if y.isdigit() else np.nan for y in icol["release_year"]])  # [I]
-    years[np.isnan(years)] = np.nanmedian(years)  # a few items have no year
-    genre_lists = [g.split() for g in icol["class"]]
-    genre_vocab = _vocab([g for gs in genre_lists for g in gs])
-    max_genres = max(len(gs) for gs in genre_lists)
-    item_genres = np.zeros((len(items), max_genres), dtype=np.int64)  # [I, G], 0-padded
-    item_num_genres = np.array([len(gs) for gs in genre_lists], dtype=np.int64)  # [I]
-    for i, gs in enumerate(genre_lists):
-        item_genres[i, : len(gs)] = [genre_vocab[g] for g in gs]
-
-    # Per-sample row into the user and item tables: [N].
-    urow = np.fromiter((user_row[u] for u in raw_user), dtype=np.int64, count=n)
-    irow = np.fromiter((item_row[i] for i in raw_item), dtype=np.int64, count=n)
-
-    train_idx, val_idx, test_idx = split_indices(n, fractions, seed)
-
-    sparse = [
-        SparseFeature.single("user", _lookup(user_vocab, raw_user), len(user_vocab) + 1),
-        SparseFeature.single("item", _lookup(item_vocab, raw_item), len(item_vocab) + 1),
-        SparseFeature.single(
-            "gender", _lookup(gender_vocab, ucol["gender"])[urow], len(gender_vocab) + 1
-        ),
-        SparseFeature.single("age", age_bucket[urow], len(AGE_BUCKETS) + 2),
-        SparseFeature.single(
-            "occupation", _lookup(occ_vocab, ucol["occupation"])[urow], len(occ_vocab) + 1
-        ),
-        SparseFeature.single("zip3", _lookup(zip_vocab, zip3)[urow], len(zip_vocab) + 1),
-        SparseFeature(
-            name="genres",
-            ids=torch.from_numpy(item_genres[irow]),
-            lengths=torch.from_numpy(item_num_genres[irow]),
-            num_rows=len(genre_vocab) + 1,
-        ),
-    ]
-
-    # Count features from the training split only: [N] each.
-    train_np = train_idx.numpy()
-    user_counts = np.bincount(urow[train_np], minlength=len(users))  # [U]
-    item_counts = np.bincount(irow[train_np], minlength=len(items))  # [I]
-    dense_np = np.stack(
-        [
-            ages[urow],
-            years[irow],
-            item_num_genres[irow].astype(np.float64),
-            np.log1p(user_counts[urow]),
-            np.log1p(item_counts[irow]),
-        ],
-        axis=1,
-    )  # [N, 5]
-    dense = torch.from_numpy(dense_np.astype(np.float32))
-    standardize_(dense, train_idx)
-
-    return CTRData(
-        dense=dense,
-        dense_names=list(DENSE_NAMES),
-        sparse=sparse,
-        labels=labels,
-        train_idx=train_idx,
-        val_idx=val_idx,
-        test_idx=test_idx,
-        item_feature="item",
-    )
+    if not (root / "ml-100k.inter").is_file():
+        raise FileNotFoundError(f"MovieLens-100k: {root / 'ml-100k.inter'} does not exist")
+    return load_recbole(root, schema_from_dict(MOVIELENS_SCHEMA), seed=seed, fractions=fractions)

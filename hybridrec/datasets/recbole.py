@@ -18,7 +18,12 @@ its item's features. Ids are arbitrary strings. The label is the schema's
 (:mod:`hybridrec.datasets.schema`), else a ``label`` field (0/1), else
 ``rating >= 4``. A schema can also drop fields and give a field other options
 (``[[sparse]]``: hashing, a separator; ``[[dense]]``: ``log``, ``standardize``;
-a ``token`` field named under ``[[dense]]`` is read as a number). The samples are
+a ``token`` field named under ``[[dense]]`` is read as a number, a value that is
+not one counting as missing). The schema's columns come first, in its order,
+then the fields it does not name, by type; ``name``, ``of`` (``length`` of a
+token list, ``train_count`` of a value's training interactions), ``fill``
+(``median`` of the field's own file), ``prefix`` and ``buckets`` derive features
+(``hybridrec/datasets/movielens.toml`` builds MovieLens's that way). The samples are
 split train/validation/test at random (seeded).
 """
 
@@ -31,8 +36,8 @@ import numpy as np
 import torch
 
 from hybridrec.datasets.criteo import hash_categorical
-from hybridrec.datasets.ctr import CTRData, SparseFeature, split_indices
-from hybridrec.datasets.schema import DenseColumn, LabelColumn, Schema
+from hybridrec.datasets.ctr import CTRData, SparseFeature, split_indices, standardize_
+from hybridrec.datasets.schema import DenseColumn, LabelColumn, Schema, SparseColumn
 from hybridrec.datasets.tabular import string_id
 
 TYPES = ("token", "token_seq", "float", "float_seq")
@@ -132,6 +137,7 @@ class _Field:
     name: str
     kind: str
     values: list[str]  # [N]
+    own: list[str] | None = None  # the values in the field's own file (.user/.item), one per row
 
 
 def joined_fields(root: Path, *, skip_bad_lines: bool = False) -> tuple[list[_Field], int]:
@@ -154,7 +160,7 @@ def joined_fields(root: Path, *, skip_bad_lines: bool = False) -> tuple[list[_Fi
         rows = [row_of.get(v, -1) for v in inter.columns[key]]  # -1: no such user/item
         for name, t in zip(table.names[1:], table.types[1:], strict=True):
             col = table.columns[name]
-            out.append(_Field(name, t, [col[r] if r >= 0 else "" for r in rows]))
+            out.append(_Field(name, t, [col[r] if r >= 0 else "" for r in rows], col))
     return out, skipped
 
 
@@ -204,89 +210,44 @@ def load_recbole(
                 f"RecBole data {root}: the {split} split is empty ({n} interactions, "
                 f"fractions {fractions})"
             )
-    dense_opts = {c.column: c for c in schema.dense}
-    sparse_opts = {c.column: c for c in schema.sparse}
+    named = schema.named_columns()
     skip = {label.column, *schema.drop}
-    sparse: list[SparseFeature] = []
-    dense_cols: list[np.ndarray] = []  # [N] each
-    dense_names: list[str] = []
+    auto = [f for f in fields if f.name not in skip and f.name not in named]
+    dense_plan = list(schema.dense) + [
+        DenseColumn(column=f.name, standardize=True) for f in auto if f.kind.startswith("float")
+    ]
+    sparse_plan = list(schema.sparse) + [
+        SparseColumn(column=f.name, vocab=True) for f in auto if f.kind.startswith("token")
+    ]
     train_np = train_idx.numpy()
-    for f in fields:
-        if f.name in skip:
-            continue
-        as_dense = f.name in dense_opts or (
-            f.kind.startswith("float") and f.name not in sparse_opts
-        )
-        if as_dense:
-            opt = dense_opts.get(f.name, DenseColumn(column=f.name, standardize=True))
-            try:
-                seqs = _floats(f.values)
-            except ValueError:
-                raise ValueError(f"RecBole data {root}: field {f.name!r} must be numbers") from None
-            width = max(1, max(len(s) for s in seqs))
-            block = np.full((n, width), np.nan)  # [N, W]
-            for i, s in enumerate(seqs):
-                block[i, : len(s)] = s
-            if f.kind == "float_seq":
-                block[np.isnan(block)] = 0.0
-            for j in range(width):
-                col = block[:, j]
-                if opt.log:
-                    col = np.log1p(np.maximum(col, 0.0))
-                fill = np.nanmean(col[train_np]) if np.any(~np.isnan(col[train_np])) else 0.0
-                col = np.where(np.isnan(col), fill, col)
-                if opt.standardize:
-                    mean, std = (
-                        col[train_np].mean(),
-                        col[train_np].std(ddof=1) if len(train_np) > 1 else 1.0,
-                    )
-                    col = (col - mean) / max(float(std), 1e-6)
-                dense_cols.append(col)
-                dense_names.append(f.name if width == 1 else f"{f.name}_{j}")
-            continue
-        opt_s = sparse_opts.get(f.name)
-        sep = SEQ_SEPARATOR if f.kind == "token_seq" else None
-        if opt_s is not None and opt_s.separator is not None:
-            sep = opt_s.separator
-        bags = [
-            ([t for t in v.split(sep) if t] if sep is not None else ([v] if v else []))
-            for v in f.values
-        ]
-        if opt_s is not None and not opt_s.vocab:
-            rows = opt_s.hash_rows
-            k = [c.column for c in schema.sparse].index(f.name)
-            flat = torch.tensor([string_id(t) for b in bags for t in b], dtype=torch.int64)
-            hashed = hash_categorical(flat, k, rows).tolist()
-            ids_flat: list[int] = hashed
-        else:
-            vocab = token_vocab([t for b in bags for t in b])
-            rows = len(vocab) + 1
-            ids_flat = [vocab[t] for b in bags for t in b]
-        width = max(1, max(len(b) for b in bags))
-        ids = np.zeros((n, width), dtype=np.int64)  # [N, L], 0-padded
-        lengths = np.array([len(b) for b in bags], dtype=np.int64)  # [N]
-        pos = 0
-        for i, b in enumerate(bags):
-            ids[i, : len(b)] = ids_flat[pos : pos + len(b)]
-            pos += len(b)
-        if sep is None:
-            lengths = np.ones(n, dtype=np.int64)  # a missing token is id 0 (unknown)
-        sparse.append(
-            SparseFeature(
-                name=f.name,
-                ids=torch.from_numpy(ids),
-                lengths=torch.from_numpy(lengths),
-                num_rows=rows,
-            )
-        )
-    if not sparse:
-        raise ValueError(f"RecBole data {root}: no sparse (token) fields left; fields: {names}")
+    dense_cols: list[np.ndarray] = []  # [N] float64 each
+    dense_names: list[str] = []
+    scaled: list[int] = []  # the dense features to standardize
+    for opt in dense_plan:
+        for name, col in _dense(by_name[opt.column], opt, train_np, str(root)):
+            if opt.standardize:
+                scaled.append(len(dense_cols))
+            dense_cols.append(col)
+            dense_names.append(name)
     dense = (
         torch.from_numpy(np.stack(dense_cols, axis=1).astype(np.float32))
         if dense_cols
         else torch.zeros((n, 0), dtype=torch.float32)
     )  # [N, D]
-    item = "item_id" if "item_id" in [s.name for s in sparse] else sparse[0].name
+    if scaled == list(range(len(dense_names))):
+        standardize_(dense, train_idx)
+    elif scaled:
+        part = dense[:, scaled].contiguous()
+        standardize_(part, train_idx)
+        dense[:, scaled] = part
+    sparse = [
+        _sparse(by_name[opt.column], opt, [c.column for c in sparse_plan].index(opt.column))
+        for opt in sparse_plan
+    ]
+    if not sparse:
+        raise ValueError(f"RecBole data {root}: no sparse (token) fields left; fields: {names}")
+    item_key = next((f.name for f in fields if f.name == "item_id"), None)
+    item = next((o.feature for o in sparse_plan if o.column == item_key), sparse[0].name)
     return CTRData(
         dense=dense,
         dense_names=dense_names,
@@ -296,4 +257,114 @@ def load_recbole(
         val_idx=val_idx,
         test_idx=test_idx,
         item_feature=item,
+    )
+
+
+def _number_or_none(t: str) -> list[float]:
+    try:
+        return [float(t)]
+    except ValueError:
+        return []
+
+
+def _numbers(values: list[str], where: str, lenient: bool = False) -> list[list[float]]:
+    """Numbers of each value; ``lenient`` (a token field read as a number): a value
+    that is not a number is missing."""
+    if lenient:
+        return [_number_or_none(v) for v in values]
+    try:
+        return [[float(x) for x in v.split(SEQ_SEPARATOR) if x] for v in values]
+    except ValueError:
+        raise ValueError(f"{where}: must be numbers") from None
+
+
+def _dense(
+    f: _Field, opt: DenseColumn, train: np.ndarray, root: str
+) -> list[tuple[str, np.ndarray]]:
+    """The dense feature(s) ``[N]`` float64 of field ``f`` (standardized later)."""
+    n = len(f.values)
+    where = f"RecBole data {root}: field {f.name!r}"
+    if opt.of == "length":
+        block = np.array(
+            [[len([t for t in v.split(SEQ_SEPARATOR) if t])] for v in f.values], dtype=np.float64
+        )
+    elif opt.of == "train_count":
+        vocab = token_vocab(f.values)
+        ids = np.fromiter((vocab[v] for v in f.values), dtype=np.int64, count=n)
+        counts = np.bincount(ids[train], minlength=len(vocab) + 1)
+        block = counts[ids].astype(np.float64).reshape(n, 1)
+    else:
+        seqs = _numbers(f.values, where, lenient=f.kind == "token")
+        width = max(1, max(len(q) for q in seqs))
+        block = np.full((n, width), np.nan)  # [N, W]
+        for i, q in enumerate(seqs):
+            block[i, : len(q)] = q
+        fill = opt.fill or ("zero" if f.kind == "float_seq" else "mean")
+        for j in range(width):
+            col = block[:, j]
+            if fill == "zero":
+                value = 0.0
+            elif fill == "median":
+                own = _numbers(
+                    f.own if f.own is not None else f.values, where, lenient=f.kind == "token"
+                )
+                have = [q[j] for q in own if len(q) > j]
+                value = float(np.median(have)) if have else 0.0
+            else:
+                seen = col[train][~np.isnan(col[train])]
+                value = float(seen.mean()) if len(seen) else 0.0
+            col[np.isnan(col)] = value
+    out = []
+    for j in range(block.shape[1]):
+        col = block[:, j]
+        if opt.log:
+            col = np.log1p(np.maximum(col, 0.0))
+        out.append((opt.feature if block.shape[1] == 1 else f"{opt.feature}_{j}", col))
+    return out
+
+
+def _sparse(f: _Field, opt: SparseColumn, k: int) -> SparseFeature:
+    """The sparse feature of field ``f``; ``k`` its place among the sparse columns (hashing)."""
+    n = len(f.values)
+    sep = (
+        opt.separator
+        if opt.separator is not None
+        else (SEQ_SEPARATOR if f.kind == "token_seq" else None)
+    )
+    bags = [
+        ([t for t in v.split(sep) if t] if sep is not None else ([v] if v else []))
+        for v in f.values
+    ]
+    if opt.prefix is not None:
+        bags = [[t[: opt.prefix] for t in b] for b in bags]
+    if opt.buckets is not None:
+        edges = np.array(sorted(opt.buckets), dtype=np.float64)
+        try:
+            flat_num = np.array([float(t) for b in bags for t in b], dtype=np.float64)
+        except ValueError:
+            raise ValueError(f"field {f.name!r}: buckets need numbers") from None
+        ids_flat = (np.searchsorted(edges, flat_num, side="right") + 1).tolist()
+        rows = len(edges) + 2
+    elif not opt.vocab:
+        rows = opt.hash_rows
+        flat = torch.tensor([string_id(t) for b in bags for t in b], dtype=torch.int64)
+        ids_flat = hash_categorical(flat, k, rows).tolist()
+    else:
+        vocab = token_vocab([t for b in bags for t in b])
+        rows = len(vocab) + 1
+        ids_flat = [vocab[t] for b in bags for t in b]
+    width = max(1, max(len(b) for b in bags))
+    ids = np.zeros((n, width), dtype=np.int64)  # [N, L], 0-padded
+    lengths = np.array([len(b) for b in bags], dtype=np.int64)  # [N]
+    pos = 0
+    for i, b in enumerate(bags):
+        ids[i, : len(b)] = ids_flat[pos : pos + len(b)]
+        pos += len(b)
+    if sep is None:
+        lengths = np.ones(n, dtype=np.int64)  # a missing token is id 0 (unknown)
+    return SparseFeature(
+        name=opt.feature,
+        ids=torch.from_numpy(ids),
+        lengths=torch.from_numpy(lengths),
+        num_rows=rows,
     )

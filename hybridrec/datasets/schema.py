@@ -94,6 +94,26 @@ class DenseColumn:
     column: str
     log: bool = False  # log1p(max(x, 0))
     standardize: bool = False  # zero mean, unit variance with training-split statistics
+    # In-memory (RecBole) data only:
+    name: str | None = None  # the feature's name; default: the column's
+    of: str = "value"  # value; length (of a token_seq); train_count (training rows with this value)
+    fill: str | None = None  # a missing value: zero, mean or median (of the field's own file)
+
+    def __post_init__(self) -> None:
+        if self.of not in ("value", "length", "train_count"):
+            raise ValueError(
+                f"dense column {self.column!r}: of must be value, length or train_count, "
+                f"got {self.of!r}"
+            )
+        if self.fill not in (None, "zero", "mean", "median"):
+            raise ValueError(
+                f"dense column {self.column!r}: fill must be zero, mean or median, "
+                f"got {self.fill!r}"
+            )
+
+    @property
+    def feature(self) -> str:
+        return self.name or self.column
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,6 +123,10 @@ class SparseColumn:
     vocab: bool = False  # a vocabulary of the training split (row 0: out of vocabulary)
     hash_rows: int = 100_000  # rows when hashed (vocab false)
     encoding: str = "string"  # hashed values: "string" (any text) or "hex" (hex integers)
+    # In-memory (RecBole) data only:
+    name: str | None = None  # the feature's name; default: the column's
+    prefix: int | None = None  # keep the first N characters of a value
+    buckets: list[float] | None = None  # a number -> 1 + how many edges are <= it
 
     def __post_init__(self) -> None:
         if self.separator == "":
@@ -116,6 +140,10 @@ class SparseColumn:
                 f"sparse column {self.column!r}: encoding must be 'string' or 'hex', "
                 f"got {self.encoding!r}"
             )
+
+    @property
+    def feature(self) -> str:
+        return self.name or self.column
 
     @property
     def multi(self) -> bool:
@@ -135,16 +163,36 @@ class Schema:
     def __post_init__(self) -> None:
         if self.format not in (None, "csv", "tsv", "parquet"):
             raise ValueError(f"schema format must be csv, tsv or parquet, got {self.format!r}")
-        names = [c.column for c in self.dense] + [c.column for c in self.sparse]
-        if self.label is not None:
-            names.append(self.label.column)
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ValueError(f"schema: columns used more than once: {twice}")
+        for kind, names in (
+            ("dense", [c.feature for c in self.dense]),
+            ("sparse", [c.feature for c in self.sparse]),
+        ):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"schema: {kind} features named more than once: {twice}")
+
+    def in_memory_options(self) -> list[str]:
+        """The options a streamed reader cannot apply (they need the whole data set)."""
+        out = [
+            f"dense {c.column!r}: {k}"
+            for c in self.dense
+            for k, v in (("name", c.name), ("of", c.of != "value"), ("fill", c.fill))
+            if v
+        ]
+        out += [
+            f"sparse {c.column!r}: {k}"
+            for c in self.sparse
+            for k, v in (("name", c.name), ("prefix", c.prefix), ("buckets", c.buckets))
+            if v
+        ]
+        return out  # fmt: skip
 
     def used_columns(self) -> list[str]:
         cols = [] if self.label is None else [self.label.column]
         return cols + [c.column for c in self.dense] + [c.column for c in self.sparse]
+
+    def named_columns(self) -> set[str]:
+        return set(self.used_columns())
 
     def check_columns(self, have: list[str], where: str) -> None:
         """``ValueError`` naming every schema column missing from ``have``."""

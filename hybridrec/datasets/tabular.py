@@ -239,6 +239,11 @@ def _records(paths: list[str], schema: Schema, **kw: Any) -> RecordStream[RawRow
 
 def fit_tabular(paths: list[str], schema: Schema, *, skip_bad_lines: bool = False) -> Fitted:
     """One pass over the training files: vocabularies and dense statistics."""
+    if schema.in_memory_options():
+        raise ValueError(
+            f"schema: {'; '.join(schema.in_memory_options())}: not for streamed tabular files "
+            "(RecBole data sets only)"
+        )
     if not schema.sparse:
         raise ValueError(
             "schema: needs at least one [[sparse]] column (the model has one embedding table "
