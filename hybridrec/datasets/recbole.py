@@ -80,30 +80,49 @@ def read_atomic(path: Path, *, skip_bad_lines: bool = False) -> tuple[AtomicTabl
         names.append(name)
         types.append(kind)
     rows: list[list[str]] = []
+    linenos: list[int] = []
     skipped = 0
     for i, line in enumerate(lines[1:]):
         if not line.strip():
             continue
         fields = line.split("\t")
-        bad = None
         if len(fields) != len(names):
-            bad = f"expected {len(names)} tab-separated fields {names}, got {len(fields)}"
-        else:
-            for name, kind, v in zip(names, types, fields, strict=True):
-                if kind.startswith("float") and v.strip():
-                    try:
-                        [float(x) for x in v.split(SEQ_SEPARATOR) if x]
-                    except ValueError:
-                        bad = f"field {name!r} ({kind}) must be numbers, got {v!r}"
-                        break
-        if bad is not None:
             if not skip_bad_lines:
-                raise ValueError(f"{path}:{i + 2}: {bad}")
+                raise ValueError(
+                    f"{path}:{i + 2}: expected {len(names)} tab-separated fields {names}, "
+                    f"got {len(fields)}"
+                )
             skipped += 1
             continue
         rows.append(fields)
+        linenos.append(i + 2)
+    # Numbers are checked once per distinct value; a bad one is then found by line.
+    bad_rows: set[int] = set()
+    for j, (name, kind) in enumerate(zip(names, types, strict=True)):
+        if not kind.startswith("float"):
+            continue
+        bad = {v for v in {r[j] for r in rows} if not _is_numbers(v)}
+        for k, r in enumerate(rows):
+            if r[j] in bad:
+                if not skip_bad_lines:
+                    raise ValueError(
+                        f"{path}:{linenos[k]}: field {name!r} ({kind}) must be numbers, "
+                        f"got {r[j]!r}"
+                    )
+                bad_rows.add(k)
+    if bad_rows:
+        skipped += len(bad_rows)
+        rows = [r for k, r in enumerate(rows) if k not in bad_rows]
     columns = {n: [r[j] for r in rows] for j, n in enumerate(names)}
     return AtomicTable(path, names, types, columns), skipped
+
+
+def _is_numbers(value: str) -> bool:
+    try:
+        [float(x) for x in value.split(SEQ_SEPARATOR) if x]
+    except ValueError:
+        return False
+    return True
 
 
 def token_vocab(tokens: list[str]) -> dict[str, int]:
@@ -200,7 +219,8 @@ def load_recbole(
         raise ValueError(f"RecBole data {root}: the .inter file has no interactions")
     where = f"RecBole data {root}: field {label.column!r}"
     try:
-        labels = torch.tensor([label.clicked(v) for v in by_name[label.column].values])
+        uniq, inv = _unique(by_name[label.column].values)
+        labels = torch.tensor([label.clicked(v) for v in uniq])[torch.from_numpy(inv)]  # [N]
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     train_idx, val_idx, test_idx = split_indices(n, fractions, seed)
@@ -234,7 +254,7 @@ def load_recbole(
         if dense_cols
         else torch.zeros((n, 0), dtype=torch.float32)
     )  # [N, D]
-    if scaled == list(range(len(dense_names))):
+    if scaled and scaled == list(range(len(dense_names))):
         standardize_(dense, train_idx)
     elif scaled:
         part = dense[:, scaled].contiguous()
@@ -278,27 +298,32 @@ def _numbers(values: list[str], where: str, lenient: bool = False) -> list[list[
         raise ValueError(f"{where}: must be numbers") from None
 
 
+def _unique(values: list[str]) -> tuple[list[str], np.ndarray]:
+    """The distinct values and, per row, the index ``[N]`` of its value among them
+    (features are worked out once per distinct value, then gathered)."""
+    uniq, inverse = np.unique(np.asarray(values, dtype=str), return_inverse=True)
+    return [str(u) for u in uniq.tolist()], inverse.reshape(-1).astype(np.int64)
+
+
 def _dense(
     f: _Field, opt: DenseColumn, train: np.ndarray, root: str
 ) -> list[tuple[str, np.ndarray]]:
     """The dense feature(s) ``[N]`` float64 of field ``f`` (standardized later)."""
-    n = len(f.values)
     where = f"RecBole data {root}: field {f.name!r}"
+    uniq, inv = _unique(f.values)
     if opt.of == "length":
-        block = np.array(
-            [[len([t for t in v.split(SEQ_SEPARATOR) if t])] for v in f.values], dtype=np.float64
-        )
+        counted = [[float(len([t for t in v.split(SEQ_SEPARATOR) if t]))] for v in uniq]
+        block = np.asarray(counted, dtype=np.float64)[inv]  # [N, 1]
     elif opt.of == "train_count":
-        vocab = token_vocab(f.values)
-        ids = np.fromiter((vocab[v] for v in f.values), dtype=np.int64, count=n)
-        counts = np.bincount(ids[train], minlength=len(vocab) + 1)
-        block = counts[ids].astype(np.float64).reshape(n, 1)
+        counts = np.bincount(inv[train], minlength=len(uniq))  # [U]
+        block = counts[inv].astype(np.float64).reshape(-1, 1)  # [N, 1]
     else:
-        seqs = _numbers(f.values, where, lenient=f.kind == "token")
+        seqs = _numbers(uniq, where, lenient=f.kind == "token")
         width = max(1, max(len(q) for q in seqs))
-        block = np.full((n, width), np.nan)  # [N, W]
+        per_value = np.full((len(uniq), width), np.nan)  # [U, W]
         for i, q in enumerate(seqs):
-            block[i, : len(q)] = q
+            per_value[i, : len(q)] = q
+        block = per_value[inv]  # [N, W]
         fill = opt.fill or ("zero" if f.kind == "float_seq" else "mean")
         for j in range(width):
             col = block[:, j]
@@ -325,16 +350,15 @@ def _dense(
 
 def _sparse(f: _Field, opt: SparseColumn, k: int) -> SparseFeature:
     """The sparse feature of field ``f``; ``k`` its place among the sparse columns (hashing)."""
-    n = len(f.values)
     sep = (
         opt.separator
         if opt.separator is not None
         else (SEQ_SEPARATOR if f.kind == "token_seq" else None)
     )
+    uniq, inv = _unique(f.values)
     bags = [
-        ([t for t in v.split(sep) if t] if sep is not None else ([v] if v else []))
-        for v in f.values
-    ]
+        ([t for t in v.split(sep) if t] if sep is not None else ([v] if v else [])) for v in uniq
+    ]  # per distinct value
     if opt.prefix is not None:
         bags = [[t[: opt.prefix] for t in b] for b in bags]
     if opt.buckets is not None:
@@ -354,17 +378,17 @@ def _sparse(f: _Field, opt: SparseColumn, k: int) -> SparseFeature:
         rows = len(vocab) + 1
         ids_flat = [vocab[t] for b in bags for t in b]
     width = max(1, max(len(b) for b in bags))
-    ids = np.zeros((n, width), dtype=np.int64)  # [N, L], 0-padded
-    lengths = np.array([len(b) for b in bags], dtype=np.int64)  # [N]
+    ids = np.zeros((len(uniq), width), dtype=np.int64)  # [U, L], 0-padded
+    lengths = np.array([len(b) for b in bags], dtype=np.int64)  # [U]
     pos = 0
     for i, b in enumerate(bags):
         ids[i, : len(b)] = ids_flat[pos : pos + len(b)]
         pos += len(b)
     if sep is None:
-        lengths = np.ones(n, dtype=np.int64)  # a missing token is id 0 (unknown)
+        lengths[:] = 1  # a missing token is id 0 (unknown)
     return SparseFeature(
         name=opt.feature,
-        ids=torch.from_numpy(ids),
-        lengths=torch.from_numpy(lengths),
+        ids=torch.from_numpy(ids[inv]),  # [N, L]
+        lengths=torch.from_numpy(lengths[inv]),  # [N]
         num_rows=rows,
     )
