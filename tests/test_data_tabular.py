@@ -408,3 +408,12 @@ def test_random_schemas_and_corrupted_lines(
 
 def _split(v: str, c: SparseColumn) -> list[str]:
     return [t for t in v.split(c.separator) if t] if c.separator else ([v] if v else [])
+
+
+def test_job_options_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"data 'tabular' needs data_path FILE .* and schema FILE"):
+        TrainConfig(data="tabular", data_path=["a.csv"])
+    with pytest.raises(ValueError, match=r"data 'recbole' needs data_path DIR \(one folder\)"):
+        TrainConfig(data="recbole", data_path=["a", "b"])
+    with pytest.raises(ValueError, match=r"data_val_path is read with data 'tabular' only"):
+        TrainConfig(data="movielens", data_val_path=["v.csv"])

@@ -66,7 +66,10 @@ def test_config_file_then_command_line(tmp_path: Path) -> None:
     [
         (dict(epochs=0), "epochs must be >= 1, got 0"),
         (dict(lr=0.0), "lr must be > 0, got 0.0"),
-        (dict(data="avazu"), "data must be 'movielens', 'synthetic' or 'criteo', got 'avazu'"),
+        (
+            dict(data="avazu"),
+            "data must be 'movielens', 'synthetic', 'criteo', 'tabular' or 'recbole', got 'avazu'",
+        ),
         (dict(data="criteo"), "data 'criteo' needs --criteo-path"),
         (dict(max_steps=-1), "max_steps must be >= 0, got -1"),
         (dict(zero_stage=3), "zero_stage must be 0, 1 or 2, got 3"),
