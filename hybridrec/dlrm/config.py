@@ -61,6 +61,15 @@ class TrainConfig(RunOptions):
     batch_size: int = option(256, help="global batch size, split evenly over the worker ranks")
     eval_batch_size: int = option(4096, help="samples per forward pass when evaluating")
     eval_every: int = option(0, help="steps between validation passes; 0 = after each epoch")
+    # ---- best epoch and early stopping (on the validation AUC of each epoch)
+    keep_best: bool = option(
+        True,
+        help="report test metrics of the epoch with the best validation AUC, whose model is "
+        "kept (best/ under --checkpoint-dir, else a temporary folder); --no-keep-best: the last",
+    )
+    patience: int = option(
+        0, help="stop after this many epochs without a better validation AUC; 0 = off"
+    )
     # ---- model and optimizers
     dim: int = option(16, help="embedding dimension (and the bottom MLP's output width)")
     bottom_mlp: list[int] | None = option(
@@ -73,6 +82,15 @@ class TrainConfig(RunOptions):
         help="output width of every top-MLP layer, the last one 1 (the logit; as in "
         "dense.DLRMConfig.top_mlp)",
     )
+    # ---- the interaction (dense.DLRMConfig.interaction)
+    interaction: Literal["dot", "dcn"] = option(
+        "dot",
+        help="dot: DLRM's pairwise dot products; dcn: DCN-v2's low-rank cross network "
+        "(--dcn-layers, --dcn-rank), as in MLPerf's DLRM-DCNv2",
+    )
+    dcn_layers: int = option(3, help="cross layers of --interaction dcn")
+    dcn_rank: int = option(64, help="rank of each cross layer's weight (U V^T) with dcn")
+    # ---- optimizers
     lr: float = option(1e-3, help="dense learning rate")
     dense_optimizer: Literal["adam", "adagrad"] = option("adam", help="dense optimizer")
     emb_lr: float = option(0.05, help="learning rate of the row-wise Adagrad on embedding rows")
@@ -111,11 +129,16 @@ class TrainConfig(RunOptions):
             raise ValueError(
                 f"dense_optimizer must be 'adam' or 'adagrad', got {self.dense_optimizer!r}"
             )
-        for name in ("epochs", "batch_size", "dim", "synthetic_rows", "eval_batch_size"):
+        if self.interaction not in ("dot", "dcn"):
+            raise ValueError(f"interaction must be 'dot' or 'dcn', got {self.interaction!r}")
+        for name in (
+            "epochs", "batch_size", "dim", "synthetic_rows", "eval_batch_size",
+            "dcn_layers", "dcn_rank",
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
-            "max_steps", "threads", "criteo_rows",
+            "max_steps", "threads", "criteo_rows", "patience",
             "eval_every", "checkpoint_every", "seed",
         ):  # fmt: skip
             if getattr(self, name) < 0:
@@ -130,6 +153,10 @@ class TrainConfig(RunOptions):
             self.bottom_mlp = [64, self.dim]
         check_mlp("bottom_mlp", self.bottom_mlp, self.dim, f"--dim {self.dim}")
         check_mlp("top_mlp", self.top_mlp, 1, "1 (the logit)")
+        if self.patience and not self.keep_best:
+            raise ValueError(
+                f"patience {self.patience} needs keep_best (early stopping keeps the best epoch)"
+            )
         if self.synthetic_samples < 10:
             raise ValueError(f"synthetic_samples must be >= 10, got {self.synthetic_samples}")
         if self.placement not in PLACEMENTS:
