@@ -12,7 +12,8 @@ which runs the steps on the workers' ``comm.ProcessGroup`` and does the rest:
   the model of the epoch whose row has the best ``best_metric`` is saved with
   :func:`hybridrec.save_model` (``best/`` under ``checkpoint_dir``, else a temporary
   folder removed by ``close()``) and restored when ``fit()`` ends, so the job reports
-  held-out metrics of that epoch; ``patience`` epochs without improvement end the run;
+  held-out metrics of that epoch; ``patience`` epochs without improvement end the run
+  (complete epochs only: one cut short by ``max_steps`` competes once it is resumed);
 * checkpoints every ``checkpoint_every`` steps and at the end, and an exact resume
   (:mod:`hybridrec.checkpoint`): the data position, the RNG, the epoch's running
   loss; a finished run stays finished; a resume with other model options names them;
@@ -302,10 +303,12 @@ class Trainer:
         return value > best if self.config.mode == "max" else value < best
 
     def _track_best(self, row: dict[str, Any], complete: bool) -> None:
-        """Collective: save the model if ``row`` is the best so far; count an epoch
-        without improvement (complete epochs only: a resumed partial epoch is one)."""
+        """Collective: save the model if ``row`` is the best so far, else count an epoch
+        without improvement. Only complete epochs compete: an epoch cut short by
+        ``max_steps`` is judged by the row of the resumed run that completes it, so an
+        interrupted and resumed run chooses the epoch an uninterrupted one does."""
         name = self.config.best_metric
-        if name is None:
+        if name is None or not complete:
             return
         if name not in row:
             raise ValueError(
@@ -315,7 +318,7 @@ class Trainer:
         if self._improves(float(row[name])):
             self.best, self.stale_epochs = dict(row), 0
             save_model(self.best_dir(), self._run_model(), group=self.group)
-        elif complete:
+        else:
             self.stale_epochs += 1
         if self.config.patience and self.stale_epochs >= self.config.patience:
             self.stopped_early = True
