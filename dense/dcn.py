@@ -15,6 +15,7 @@ The output keeps the width ``W`` and goes to the top MLP.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -61,3 +62,7 @@ class CrossNetwork(nn.Module):
         for layer in self.layers:
             x = layer(x0, x)
         return x  # [B, width]
+
+    @property
+    def cross_layers(self) -> list[CrossLayer]:
+        return [cast(CrossLayer, layer) for layer in self.layers]

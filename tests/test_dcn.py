@@ -5,9 +5,11 @@ job's ``--interaction dcn`` end to end (train, resume naming a changed interacti
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
+from torch import nn
 
 import comm
 from dense import CrossNetwork, DLRMConfig, DLRMDense
@@ -30,7 +32,7 @@ def reference_cross(x0: torch.Tensor, weights: list[tuple[torch.Tensor, ...]]) -
 
 def layer_weights(net: CrossNetwork) -> list[tuple[torch.Tensor, ...]]:
     """``(U, V, b)`` of each layer: ``up.weight`` is ``U``; ``down.weight`` is ``V^T``."""
-    return [(lay.up.weight, lay.down.weight.t(), lay.up.bias) for lay in net.layers]
+    return [(lay.up.weight, lay.down.weight.t(), lay.up.bias) for lay in net.cross_layers]
 
 
 @pytest.mark.parametrize(
@@ -42,7 +44,7 @@ def test_cross_network_equals_reference_forward_and_gradients(
     torch.manual_seed(batch * 100 + width)
     net = CrossNetwork(width, layers, rank).double()
     with torch.no_grad():  # a nonzero bias too (the init's is zero)
-        for lay in net.layers:
+        for lay in net.cross_layers:
             lay.up.bias.normal_()
     x0 = torch.randn(batch, width, dtype=torch.float64, requires_grad=True)
     out = net(x0)
@@ -59,7 +61,7 @@ def test_cross_network_equals_reference_forward_and_gradients(
     want.backward(grad_out)
     assert x0.grad is not None and ref_x0.grad is not None
     torch.testing.assert_close(x0.grad, ref_x0.grad, rtol=1e-12, atol=1e-12)
-    for lay, (u, v, b) in zip(net.layers, ref_w, strict=True):
+    for lay, (u, v, b) in zip(net.cross_layers, ref_w, strict=True):
         assert u.grad is not None and v.grad is not None and b.grad is not None
         torch.testing.assert_close(lay.up.weight.grad, u.grad, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(lay.down.weight.grad, v.grad.t(), rtol=1e-12, atol=1e-12)
@@ -93,9 +95,9 @@ def test_dlrm_with_dcn_equals_its_manual_composition(as_list: bool) -> None:
     x0 = torch.cat([x, *sparse], dim=1)  # [B, (F+1)D]
     assert model.cross is not None
     crossed = reference_cross(x0, layer_weights(model.cross))
-    top = model.top[0]  # AlignedLinear: the same parameters as nn.Linear
+    top, out = cast(nn.Linear, model.top[0]), cast(nn.Linear, model.top[2])  # AlignedLinear
     h = torch.relu(crossed @ top.weight.t() + top.bias)
-    want = (h @ model.top[2].weight.t() + model.top[2].bias).squeeze(1)
+    want = (h @ out.weight.t() + out.bias).squeeze(1)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
     got.sum().backward()  # every part learns, the cross layers included
@@ -126,7 +128,8 @@ def test_job_options_and_their_errors() -> None:
         TrainConfig(interaction="mlp")  # type: ignore[arg-type]
 
 
-SMALL = dict(data="synthetic", synthetic_samples=4_000, synthetic_rows=200, batch_size=64,
+SMALL: dict[str, Any] = dict(
+             data="synthetic", synthetic_samples=4_000, synthetic_rows=200, batch_size=64,
              dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1], lr=0.01, emb_lr=0.1, verbose=False,
              progress=False)  # fmt: skip
 
@@ -135,13 +138,13 @@ SMALL = dict(data="synthetic", synthetic_samples=4_000, synthetic_rows=200, batc
 def test_dcn_job_trains_and_a_resume_names_the_changed_interaction(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ckpt")
     cfg = TrainConfig(**SMALL, interaction="dcn", dcn_layers=2, dcn_rank=4, max_steps=40,
-                      checkpoint_dir=ckpt)  # type: ignore[arg-type]  # fmt: skip
+                      checkpoint_dir=ckpt)  # fmt: skip
     metrics = train(cfg, comm.LocalGroup())
     assert metrics["steps"] == 40
     assert metrics["test_auc"] > 0.55, metrics["test_auc"]  # learned something
     losses = [r["train_loss"] for r in metrics["epochs"]]
     assert all(loss == loss for loss in losses), losses  # finite
     resumed = TrainConfig(**SMALL, interaction="dot", max_steps=60, checkpoint_dir=ckpt,
-                          resume=True)  # type: ignore[arg-type]  # fmt: skip
+                          resume=True)  # fmt: skip
     with pytest.raises(ValueError, match="interaction: 'dcn' in the checkpoint, 'dot' now"):
         train(resumed, comm.LocalGroup())

@@ -108,7 +108,8 @@ def test_bad_settings_are_named() -> None:
 
 # Small synthetic clicks with a learning rate high enough to overfit: the validation
 # AUC peaks after a few epochs (measured: epoch 4 of 8) and then falls.
-OVERFIT = dict(data="synthetic", synthetic_samples=2_000, synthetic_rows=200, batch_size=64,
+OVERFIT: dict[str, Any] = dict(
+               data="synthetic", synthetic_samples=2_000, synthetic_rows=200, batch_size=64,
                dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1], lr=0.03, emb_lr=0.5,
                verbose=False, progress=False)  # fmt: skip
 

@@ -81,11 +81,13 @@ def make_optimizer(cfg: TrainConfig, model: DLRM, group: ProcessGroup) -> DenseO
     cls = torch.optim.Adam if cfg.dense_optimizer == "adam" else torch.optim.Adagrad
     params = list(model.dense.parameters())
     if cfg.zero_stage:  # averages the gradients itself; broadcasts rank 0's weights
-        return ZeroOptimizer(cls, params, group, stage=cfg.zero_stage, lr=cfg.lr)
+        return ZeroOptimizer(
+            cls, params, group, stage=cfg.zero_stage, lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
     model.dense = DataParallel(
         model.dense, group, bucket_mb=cfg.bucket_mb, compression=cfg.compression
     )
-    return cls(params, lr=cfg.lr)
+    return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def build(
@@ -98,6 +100,7 @@ def build(
     """The model, its dense optimizer and the cache (if any). Hybrid tables the store
     already holds are handled by ``--existing-tables`` (:func:`prepare_tables`)."""
     placements = placements or resolve_placements(cfg, source.features)
+    assert cfg.dim is not None and cfg.top_mlp is not None and cfg.interaction is not None
     cached = with_cache(cfg, store, group)
     if cached is not None and "hybrid" not in placements.values():
         raise ValueError(f"the cache serves hybrid tables, but the placements are {placements}")
@@ -182,7 +185,7 @@ def trainer_config(
     cfg: TrainConfig, lookahead: bool, lockstep: bool, select_best: bool = False
 ) -> TrainerConfig:
     """``select_best``: keep the epoch of the best validation AUC (and stop early)."""
-    assert cfg.epochs is not None  # resolved in TrainConfig.__post_init__
+    assert cfg.epochs is not None and cfg.patience is not None  # resolved in __post_init__
     return TrainerConfig(
         epochs=cfg.epochs, max_steps=cfg.max_steps, samples_per_step=cfg.batch_size,
         log_every=cfg.log_every, eval_every=cfg.eval_every, checkpoint_dir=cfg.checkpoint_dir,

@@ -54,6 +54,7 @@ def source(group: ProcessGroup) -> InMemorySource:
 
 
 def build(group: ProcessGroup, seed: int, interaction: str = "dot") -> DLRM:
+    assert CFG.dim is not None and CFG.top_mlp is not None
     return build_dlrm(
         source(group).data, dim=CFG.dim, emb_lr=CFG.emb_lr, bottom_mlp=CFG.bottom_mlp,
         top_mlp=CFG.top_mlp, seed=seed, group=group, interaction=interaction,
