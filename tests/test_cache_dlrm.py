@@ -32,6 +32,9 @@ def test_bounded_staleness_matches_synchronous_auc() -> None:
         cfg = TrainConfig(
             data="movielens",
             epochs=1,
+            interaction="dot",  # the smaller dot model (dim 16), not MovieLens's default
+            dim=16,
+            top_mlp=[64, 32, 1],
             verbose=False,
             cache_fraction=0.1,
             read_bound=bounds[0],
@@ -42,7 +45,7 @@ def test_bounded_staleness_matches_synchronous_auc() -> None:
         except FileNotFoundError as e:  # `make test` installs recbole: missing data is a failure
             pytest.fail(f"MovieLens-100k is missing: {e}")
         aucs[bounds], stats[bounds] = metrics["test_auc"], metrics["cache"]
-    # Measured with the MovieLens defaults (DCN-v2, dim 32): 0.7782 at (0, 0), 0.7770 at (4, 4).
+    # Measured: 0.7732 at (0, 0), 0.7729 at (4, 4).
     assert abs(aucs[(4, 4)] - aucs[(0, 0)]) <= 0.005, aucs
     assert aucs[(0, 0)] > 0.75, aucs
     for bounds, per_table in stats.items():
