@@ -121,7 +121,17 @@ def test_dlrm_config_validates_the_interaction(kw: dict[str, object], pattern: s
 def test_job_options_and_their_errors() -> None:
     cfg = parse_args(["--interaction", "dcn", "--dcn-layers", "2", "--dcn-rank", "8"])
     assert (cfg.interaction, cfg.dcn_layers, cfg.dcn_rank) == ("dcn", 2, 8)
-    assert parse_args([]).interaction == "dot"
+    # MovieLens's defaults (chosen by validation AUC) use DCN-v2; other data the dot.
+    movielens, synthetic = parse_args([]), parse_args(["--data", "synthetic"])
+    assert (movielens.interaction, movielens.dim, movielens.top_mlp) == ("dcn", 32, [128, 64, 1])
+    assert (synthetic.interaction, synthetic.dim, synthetic.top_mlp) == ("dot", 16, [64, 32, 1])
+    assert (movielens.epochs, movielens.patience, synthetic.epochs, synthetic.patience) == (
+        8,
+        2,
+        1,
+        0,
+    )
+    assert parse_args(["--no-keep-best"]).patience == 0
     with pytest.raises(ValueError, match="dcn_rank must be >= 1, got 0"):
         TrainConfig(interaction="dcn", dcn_rank=0)
     with pytest.raises(ValueError, match="interaction must be 'dot' or 'dcn', got 'mlp'"):
