@@ -1,6 +1,7 @@
 """dense: dense layers and their synchronous training.
 
-* :class:`DLRMDense` / :class:`DLRMConfig`: bottom MLP, pairwise interaction, top MLP.
+* :class:`DLRMDense` / :class:`DLRMConfig`: bottom MLP, pairwise dot interaction or a
+  DCN-v2 cross network (:class:`CrossNetwork`), top MLP.
 * :class:`DataParallel`: bucketed gradient averaging overlapped with backward
   (``dense.buckets`` assigns the buckets), optional ``comm.compression`` codecs.
 * :class:`ZeroOptimizer`: ZeRO stage 1/2 (sharded optimizer state / gradients);
@@ -13,6 +14,7 @@
 
 from dense.buckets import Bucket, assign_buckets
 from dense.data_parallel import DataParallel, allreduce_gradients, broadcast_parameters
+from dense.dcn import CrossLayer, CrossNetwork
 from dense.dlrm import DLRMConfig, DLRMDense, mlp, pairwise_interaction
 from dense.gpt import GPT, GPTConfig, gpt_loss
 from dense.zero import ZeroOptimizer
@@ -21,6 +23,8 @@ from dense.zero import save_to_dir as save_zero_state
 
 __all__ = [
     "Bucket",
+    "CrossLayer",
+    "CrossNetwork",
     "DLRMConfig",
     "DLRMDense",
     "DataParallel",

@@ -11,6 +11,13 @@ of width ``D = embedding_dim``::
     cat(x, P)                                  -> [B, D + (F+1)F/2]
     top MLP                                    -> logits [B]
 
+With ``interaction="dcn"`` the dot products are replaced by DCN-v2's low-rank cross
+network (:mod:`dense.dcn`)::
+
+    cat(x, sparse...)                          -> x0 [B, (F+1)D]
+    dcn_layers cross layers of rank dcn_rank   -> [B, (F+1)D]
+    top MLP                                    -> logits [B]
+
 The embeddings themselves live elsewhere (``embedding/``); this module only sees
 their pooled ``[B, D]`` outputs, so it imports nothing but torch. Distribution
 (data parallelism, ZeRO) wraps it from outside (``dense.data_parallel``).
@@ -28,7 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dense.dcn import CrossNetwork
 from dense.kernels import interaction as interaction_kernel
+
+INTERACTIONS = ("dot", "dcn")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,6 +51,10 @@ class DLRMConfig:
     Every layer is listed, the last included: ``bottom_mlp=[64, 16]`` is two layers,
     13 -> 64 -> 16 for 13 dense features (the DLRM job's ``--bottom-mlp`` and
     ``--top-mlp`` mean the same).
+
+    ``interaction``: ``"dot"`` (pairwise dot products, DLRM's) or ``"dcn"`` (DCN-v2's
+    low-rank cross network of ``dcn_layers`` layers of rank ``dcn_rank``; both are
+    ignored by ``"dot"``).
     """
 
     num_dense: int
@@ -48,11 +62,18 @@ class DLRMConfig:
     embedding_dim: int
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
     top_mlp: list[int] = field(default_factory=lambda: [64, 1])
+    interaction: str = "dot"
+    dcn_layers: int = 3
+    dcn_rank: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("num_dense", "num_sparse", "embedding_dim"):
+        if self.interaction not in INTERACTIONS:
+            raise ValueError(
+                f"DLRMConfig.interaction must be one of {INTERACTIONS}, got {self.interaction!r}"
+            )
+        for name in ("num_dense", "num_sparse", "embedding_dim", "dcn_layers", "dcn_rank"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"DLRMConfig.{name} must be an int >= 1, got {value!r}")
         for name in ("bottom_mlp", "top_mlp"):
             widths = list(getattr(self, name))
@@ -80,7 +101,15 @@ class DLRMConfig:
         return n * (n - 1) // 2
 
     @property
+    def num_features(self) -> int:
+        """The bottom MLP's output and the F embeddings: ``F+1`` vectors of width D."""
+        return self.num_sparse + 1
+
+    @property
     def top_input_dim(self) -> int:
+        """dot: ``D + (F+1)F/2`` (x and the pairs); dcn: ``(F+1)D`` (the cross output)."""
+        if self.interaction == "dcn":
+            return self.num_features * self.embedding_dim
         return self.embedding_dim + self.num_interactions
 
 
@@ -268,7 +297,8 @@ def naive_pairwise_interaction(features: torch.Tensor) -> torch.Tensor:
 
 
 class DLRMDense(nn.Module):
-    """Bottom MLP, pairwise dot interaction and top MLP of DLRM.
+    """Bottom MLP, interaction (pairwise dot products or a DCN-v2 cross network) and
+    top MLP of DLRM.
 
     ``forward(dense, sparse)`` takes dense features ``[B, num_dense]`` and the
     pooled embeddings, either a list of ``num_sparse`` tensors ``[B, D]`` or one
@@ -289,6 +319,9 @@ class DLRMDense(nn.Module):
         self.top = mlp(
             config.top_input_dim, config.top_mlp, last_activation=False, align_input=True
         )
+        self.cross: CrossNetwork | None = None
+        if config.interaction == "dcn":
+            self.cross = CrossNetwork(config.top_input_dim, config.dcn_layers, config.dcn_rank)
 
     def forward(
         self, dense: torch.Tensor, sparse: Sequence[torch.Tensor] | torch.Tensor
@@ -302,6 +335,12 @@ class DLRMDense(nn.Module):
         batch = dense.shape[0]
         parts = self._check_sparse(sparse, batch)
         x = self.bottom(dense)  # [B, D]
+        if self.cross is not None:
+            if isinstance(parts, torch.Tensor):
+                x0 = torch.cat([x, parts.reshape(batch, -1)], dim=1)  # [B, (F+1)D]
+            else:
+                x0 = torch.cat([x, *parts], dim=1)  # [B, (F+1)D]
+            return self.top(self.cross(x0)).squeeze(1)  # [B]
         top0 = self.top[0]
         width = top0.padded_in if isinstance(top0, AlignedLinear) else cfg.top_input_dim
         if not isinstance(parts, torch.Tensor) and all(

@@ -8,6 +8,12 @@ which runs the steps on the workers' ``comm.ProcessGroup`` and does the rest:
   "agreed" iteration for streams (``lockstep``: stop when any rank runs out);
 * evaluation every ``eval_every`` steps, at the start, at the end and per epoch,
   through the job's ``evaluate()``;
+* best-epoch selection and early stopping (``best_metric``, ``mode``, ``patience``):
+  the model of the epoch whose row has the best ``best_metric`` is saved with
+  :func:`hybridrec.save_model` (``best/`` under ``checkpoint_dir``, else a temporary
+  folder removed by ``close()``) and restored when ``fit()`` ends, so the job reports
+  held-out metrics of that epoch; ``patience`` epochs without improvement end the run
+  (complete epochs only: one cut short by ``max_steps`` competes once it is resumed);
 * checkpoints every ``checkpoint_every`` steps and at the end, and an exact resume
   (:mod:`hybridrec.checkpoint`): the data position, the RNG, the epoch's running
   loss; a finished run stays finished; a resume with other model options names them;
@@ -28,6 +34,9 @@ Every method is collective over ``group``: all ranks make the same calls.
 from __future__ import annotations
 
 import json
+import secrets
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +50,15 @@ from comm import LocalGroup, ProcessGroup
 from dense import DataParallel
 from embedding import EmbeddingCollection
 from hybridrec.batches import EpochData, agreed, epoch_data, with_next
-from hybridrec.checkpoint import DenseOptimizer, latest_checkpoint, load_checkpoint, save_checkpoint
+from hybridrec.checkpoint import (
+    DenseOptimizer,
+    RunModel,
+    latest_checkpoint,
+    load_checkpoint,
+    load_model,
+    save_checkpoint,
+    save_model,
+)
 from hybridrec.metrics_log import MetricsLog
 from hybridrec.step_log import StepLog, due
 
@@ -69,6 +86,9 @@ class TrainerConfig:
     verbose: bool = True  # rank 0 prints resume and finish notes
     lookahead: bool = False  # step(batch, next_batch): the next batch is read first
     lockstep: bool = False  # one tiny allreduce per batch: stop when any rank runs out
+    best_metric: str | None = None  # an "epoch" row's metric: keep (and restore) its best epoch
+    mode: str = "max"  # "max": higher best_metric is better; "min": lower
+    patience: int = 0  # stop after this many epochs without improvement; 0: never early
 
     def __post_init__(self) -> None:
         for name in ("epochs", "log_every", "checkpoint_keep"):
@@ -79,6 +99,16 @@ class TrainerConfig:
                 raise ValueError(f"TrainerConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("TrainerConfig.resume needs checkpoint_dir (where to find them)")
+        if self.mode not in ("max", "min"):
+            raise ValueError(f"TrainerConfig.mode must be 'max' or 'min', got {self.mode!r}")
+        if self.patience < 0:
+            raise ValueError(f"TrainerConfig.patience must be >= 0, got {self.patience}")
+        if self.patience and not self.best_metric:
+            raise ValueError(
+                f"TrainerConfig.patience {self.patience} needs best_metric (what must improve)"
+            )
+        if self.best_metric is not None and not self.epoch_rows:
+            raise ValueError("TrainerConfig.best_metric needs epoch_rows (it reads the epoch rows)")
 
 
 @dataclass(slots=True)
@@ -93,6 +123,8 @@ class TrainResult:
     evals: list[dict[str, Any]] = field(default_factory=list)  # the "eval" rows
     resumed_from: Path | None = None
     already_finished: bool = False  # resumed a run that had reached its end: nothing trained
+    best: dict[str, Any] | None = None  # the restored best epoch's row (with best_metric)
+    stopped_early: bool = False  # patience ran out before the schedule's end
 
 
 class _NoEmbeddings:
@@ -201,6 +233,13 @@ class Trainer:
         self._epoch_loss, self._interval_loss = _sums(), _sums()
         self.evals: list[dict[str, Any]] = []
         self.epochs: list[dict[str, Any]] = []
+        # Best-epoch tracking: the best row so far, epochs since it, whether patience ran
+        # out; carried by checkpoints (meta "best") so a resume keeps them.
+        self.best: dict[str, Any] | None = None
+        self.stale_epochs = 0
+        self.stopped_early = False
+        self._best_dir: Path | None = None  # where the best model is saved
+        self._best_tmp: Path | None = None  # a temporary folder of ours (no checkpoint_dir)
 
     # ---------------------------------------------------------------- helpers
 
@@ -253,6 +292,63 @@ class Trainer:
                "steps_in_epoch": steps_in_epoch, "train_loss": loss, **metrics}  # fmt: skip
         self.epochs.append(row)
         self._row(row)
+        self._track_best(row, complete)
+
+    # ---------------------------------------------------------------- best epoch
+
+    def _improves(self, value: float) -> bool:
+        if self.best is None:
+            return True
+        best = float(self.best[cast(str, self.config.best_metric)])
+        return value > best if self.config.mode == "max" else value < best
+
+    def _track_best(self, row: dict[str, Any], complete: bool) -> None:
+        """Collective: save the model if ``row`` is the best so far, else count an epoch
+        without improvement. Only complete epochs compete: an epoch cut short by
+        ``max_steps`` is judged by the row of the resumed run that completes it, so an
+        interrupted and resumed run chooses the epoch an uninterrupted one does."""
+        name = self.config.best_metric
+        if name is None or not complete:
+            return
+        if name not in row:
+            raise ValueError(
+                f"Trainer: best_metric {name!r} is not in the epoch row (it has "
+                f"{sorted(row)}); evaluate() must report it"
+            )
+        if self._improves(float(row[name])):
+            self.best, self.stale_epochs = dict(row), 0
+            save_model(self.best_dir(), self._run_model(), group=self.group)
+        else:
+            self.stale_epochs += 1
+        if self.config.patience and self.stale_epochs >= self.config.patience:
+            self.stopped_early = True
+
+    def best_dir(self) -> Path:
+        """Collective (on first use without a checkpoint_dir): the best model's folder."""
+        if self._best_dir is None:
+            if self.config.checkpoint_dir:
+                self._best_dir = Path(self.config.checkpoint_dir) / "best"
+            else:  # rank 0's random name, broadcast: every rank sees the folder (one machine)
+                token = torch.tensor([secrets.randbits(48) if self.group.rank == 0 else 0])
+                if self.group.size > 1:
+                    self.group.broadcast(token, root=0)
+                self._best_tmp = Path(tempfile.gettempdir()) / f"hybridrec-best-{int(token):012x}"
+                self._best_dir = self._best_tmp / "model"
+        return self._best_dir
+
+    def _run_model(self) -> nn.Module:
+        return RunModel(self.dense, self._embeddings())
+
+    def _restore_best(self, step: int) -> None:
+        """Collective: load the best epoch's model unless it is the one trained last."""
+        if self.best is None or int(self.best["step"]) == step:
+            return
+        load_model(self.best_dir(), self._run_model(), group=self.group)
+        name = cast(str, self.config.best_metric)
+        self.say(
+            f"restored the model of epoch {self.best['epoch']} (step {self.best['step']}): "
+            f"the best {name}, {float(self.best[name]):.4f}"
+        )
 
     def _embeddings(self) -> EmbeddingCollection:
         return self.embeddings if self.embeddings is not None else cast(Any, _NoEmbeddings())
@@ -264,12 +360,18 @@ class Trainer:
         sums = {"epoch": self._global(self._epoch_loss).tolist(),
                 "interval": self._global(self._interval_loss).tolist()}  # fmt: skip
         meta = {"epoch": epoch, "step_in_epoch": in_epoch, "loss_sums": sums,
-                "config": self.run_config}  # fmt: skip
+                "config": self.run_config, "best": self._best_meta()}  # fmt: skip
         return save_checkpoint(
             cfg.checkpoint_dir, step, group=self.group, dense=self.dense,
             optimizer=self.optimizer, embeddings=self._embeddings(), meta=meta,
             rank_state=position, keep=cfg.checkpoint_keep,
         )  # fmt: skip
+
+    def _best_meta(self) -> dict[str, Any] | None:
+        if self.config.best_metric is None:
+            return None
+        return {"row": self.best, "stale_epochs": self.stale_epochs,
+                "stopped_early": self.stopped_early}  # fmt: skip
 
     def check_resume_options(self, checkpoint: Path) -> None:
         """ValueError naming every shape option that differs from ``checkpoint``'s."""
@@ -314,6 +416,10 @@ class Trainer:
             self._epoch_loss = torch.tensor(sums["epoch"], dtype=torch.float64)
             self._interval_loss = torch.tensor(sums["interval"], dtype=torch.float64)
         epoch, in_epoch = int(meta.get("epoch", 0)), int(meta.get("step_in_epoch", step))
+        best = meta.get("best")
+        if best and self.config.best_metric is not None:
+            self.best, self.stale_epochs = best["row"], int(best["stale_epochs"])
+            self.stopped_early = bool(best["stopped_early"])
         return path, epoch, in_epoch, step, position
 
     # ---------------------------------------------------------------- the loop
@@ -326,7 +432,7 @@ class Trainer:
         self.log = MetricsLog(
             cfg.metrics_out if group.rank == 0 else None, append=resumed_from is not None
         )
-        reached = epoch >= cfg.epochs or (total is not None and step >= total)
+        reached = epoch >= cfg.epochs or (total is not None and step >= total) or self.stopped_early
         finished = resumed_from is not None and reached  # a fresh run with no data just ends
         if resumed_from is not None and not finished:
             self.say(f"resumed from {resumed_from} at step {step} (epoch {epoch + 1})")
@@ -336,6 +442,7 @@ class Trainer:
                 f"(epochs {cfg.epochs}, max_steps {cfg.max_steps or 'none'}): nothing to train; "
                 "raise max_steps or epochs to train on"
             )
+            self._restore_best(step)
             if cfg.eval_at_end:
                 self._eval(step)
             return self._result(step, 0, resumed_from, already_finished=True)
@@ -374,6 +481,12 @@ class Trainer:
             spe = self.data.steps_per_epoch
             complete = not stopped or (spe is not None and in_epoch >= spe)
             self._end_epoch(e, step, in_epoch, complete)
+            if self.stopped_early:
+                self.say(
+                    f"early stop after epoch {e + 1}: {cfg.best_metric} has not improved for "
+                    f"{self.stale_epochs} epoch(s) (patience {cfg.patience})"
+                )
+                stopped = True
             if stopped:
                 end = (e + 1, 0, None) if complete else (e, in_epoch, pos)
                 break
@@ -381,7 +494,8 @@ class Trainer:
         if cfg.eval_at_end and (not self.evals or self.evals[-1]["step"] != step):
             self._eval(step)  # stopped by max_steps before the schedule's last step
         if cfg.checkpoint_dir and step > start_step:
-            self.save(step, *end)
+            self.save(step, *end)  # the last model: a resume with more epochs goes on from it
+        self._restore_best(step)
         return self._result(step, step - start_step, resumed_from)
 
     def _result(
@@ -391,7 +505,7 @@ class Trainer:
         return TrainResult(
             step=step, steps_run=run, train_seconds=self.train_seconds, samples_per_s=rate,
             epochs=self.epochs, evals=self.evals, resumed_from=resumed_from,
-            already_finished=already_finished,
+            already_finished=already_finished, best=self.best, stopped_early=self.stopped_early,
         )  # fmt: skip
 
     def write(self, row: dict[str, Any]) -> None:
@@ -401,7 +515,11 @@ class Trainer:
         self.log.write(row)
 
     def close(self) -> Path | None:
-        """Close the metrics file and plot it; returns the PNG (None without one)."""
+        """Close the metrics file and plot it; returns the PNG (None without one). Removes
+        the temporary folder of the best model (not ``best/`` under ``checkpoint_dir``)."""
+        if self._best_tmp is not None and self.group.rank == 0:
+            shutil.rmtree(self._best_tmp, ignore_errors=True)
+        self._best_tmp = None
         if self.log is None:
             return None
         png, self.log = self.log.close(), None

@@ -32,6 +32,9 @@ def test_bounded_staleness_matches_synchronous_auc() -> None:
         cfg = TrainConfig(
             data="movielens",
             epochs=1,
+            interaction="dot",  # the smaller dot model (dim 16), not MovieLens's default
+            dim=16,
+            top_mlp=[64, 32, 1],
             verbose=False,
             cache_fraction=0.1,
             read_bound=bounds[0],

@@ -49,7 +49,7 @@ __all__ = ["DLRMJob", "TrainConfig", "main", "parse_args", "train", "train_step"
 # Options that change the shapes a checkpoint holds: a resume names those that differ.
 SHAPE_OPTIONS = (
     "data", "dim", "bottom_mlp", "top_mlp", "placements", "criteo_rows", "synthetic_rows",
-    "dense_optimizer", "zero_stage",
+    "dense_optimizer", "zero_stage", "interaction", "dcn_layers", "dcn_rank",
 )  # fmt: skip
 
 
@@ -81,11 +81,13 @@ def make_optimizer(cfg: TrainConfig, model: DLRM, group: ProcessGroup) -> DenseO
     cls = torch.optim.Adam if cfg.dense_optimizer == "adam" else torch.optim.Adagrad
     params = list(model.dense.parameters())
     if cfg.zero_stage:  # averages the gradients itself; broadcasts rank 0's weights
-        return ZeroOptimizer(cls, params, group, stage=cfg.zero_stage, lr=cfg.lr)
+        return ZeroOptimizer(
+            cls, params, group, stage=cfg.zero_stage, lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
     model.dense = DataParallel(
         model.dense, group, bucket_mb=cfg.bucket_mb, compression=cfg.compression
     )
-    return cls(params, lr=cfg.lr)
+    return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def build(
@@ -98,6 +100,7 @@ def build(
     """The model, its dense optimizer and the cache (if any). Hybrid tables the store
     already holds are handled by ``--existing-tables`` (:func:`prepare_tables`)."""
     placements = placements or resolve_placements(cfg, source.features)
+    assert cfg.dim is not None and cfg.top_mlp is not None and cfg.interaction is not None
     cached = with_cache(cfg, store, group)
     if cached is not None and "hybrid" not in placements.values():
         raise ValueError(f"the cache serves hybrid tables, but the placements are {placements}")
@@ -111,6 +114,9 @@ def build(
         emb_lr=cfg.emb_lr,
         bottom_mlp=cfg.bottom_mlp,
         top_mlp=cfg.top_mlp,
+        interaction=cfg.interaction,
+        dcn_layers=cfg.dcn_layers,
+        dcn_rank=cfg.dcn_rank,
         seed=cfg.seed,
         group=group,
         placements=placements,
@@ -175,14 +181,18 @@ def train(
         return job.close(job.trainer.fit())
 
 
-def trainer_config(cfg: TrainConfig, lookahead: bool, lockstep: bool) -> TrainerConfig:
-    assert cfg.epochs is not None  # resolved in TrainConfig.__post_init__
+def trainer_config(
+    cfg: TrainConfig, lookahead: bool, lockstep: bool, select_best: bool = False
+) -> TrainerConfig:
+    """``select_best``: keep the epoch of the best validation AUC (and stop early)."""
+    assert cfg.epochs is not None and cfg.patience is not None  # resolved in __post_init__
     return TrainerConfig(
         epochs=cfg.epochs, max_steps=cfg.max_steps, samples_per_step=cfg.batch_size,
         log_every=cfg.log_every, eval_every=cfg.eval_every, checkpoint_dir=cfg.checkpoint_dir,
         checkpoint_every=cfg.checkpoint_every, checkpoint_keep=cfg.checkpoint_keep,
         resume=cfg.resume, metrics_out=cfg.metrics_out, progress=cfg.progress,
         verbose=cfg.verbose, lookahead=lookahead, lockstep=lockstep,
+        best_metric="val_auc" if select_best else None, patience=cfg.patience,
     )  # fmt: skip
 
 
@@ -203,8 +213,14 @@ class DLRMJob:
                  f"{describe_roles(roles or Topology.of(group), group.backend)}")  # fmt: skip
         stream = isinstance(self.source, StreamSource)  # ranks may hold one batch more or less
         model, opt = self.model, self.optimizer
+        select_best = cfg.keep_best and self.source.has_split("val")
+        if cfg.patience and not select_best:
+            raise ValueError(
+                f"--patience {cfg.patience} needs a validation split (it watches the "
+                f"validation AUC); {self.source.describe()} has none"
+            )
         self.trainer = Trainer(
-            trainer_config(cfg, lookahead=self.cached is not None, lockstep=stream),
+            trainer_config(cfg, self.cached is not None, stream, select_best),
             group=group, optimizer=opt, data=self.source,
             step=lambda batch, nxt: train_step(model, opt, batch, nxt),
             dense=model.dense, embeddings=model.embeddings, evaluate=self.validate,
@@ -282,11 +298,14 @@ def finish(
         "test_auc": None,
         "test_logloss": None,
     }
-    if run.epochs and "val_auc" in run.epochs[-1]:
-        result["val_auc"], result["val_logloss"] = (
-            run.epochs[-1]["val_auc"],
-            run.epochs[-1]["val_logloss"],
-        )
+    # The model evaluated on the test split is the best validation epoch's when the
+    # trainer kept one (it restored it at the end of fit), else the last.
+    chosen = run.best if run.best is not None else (run.epochs[-1] if run.epochs else None)
+    if chosen is not None and "val_auc" in chosen:
+        result["val_auc"], result["val_logloss"] = chosen["val_auc"], chosen["val_logloss"]
+        result["chosen_epoch"] = chosen["epoch"]
+    result["best_epoch"] = None if run.best is None else run.best["epoch"]
+    result["stopped_early"] = run.stopped_early
     if source.has_split("test"):
         auc, logloss = evaluate(model, source.eval_batches("test"), group, lockstep)
         result["test_auc"], result["test_logloss"] = auc, logloss
@@ -311,6 +330,11 @@ def summary_line(result: dict[str, Any]) -> str:
         if "popularity_auc" in result
         else ""
     )
+    if result.get("best_epoch") is not None:
+        early = ", stopped early" if result.get("stopped_early") else ""
+        test += (
+            f" (epoch {result['best_epoch']}, best validation AUC {result['val_auc']:.4f}{early})"
+        )
     line = (
         f"{test}{pop} | {result['samples_per_s']:.0f} samples/s ({result['steps_run']} steps, "
         f"{result['train_seconds']:.1f} s)"

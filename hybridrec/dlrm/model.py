@@ -57,6 +57,9 @@ def build_dlrm(
     group: ProcessGroup,
     placements: Mapping[str, str] | None = None,
     store: Store | None = None,
+    interaction: str = "dot",
+    dcn_layers: int = 3,
+    dcn_rank: int = 64,
 ) -> DLRM:
     """A DLRM for ``features``; the same ``seed`` gives the same model on every rank.
 
@@ -64,7 +67,8 @@ def build_dlrm(
     ``placements`` maps table names to "local" (default), "hybrid" (rows in ``store``)
     or "sharded". ``bottom_mlp`` and ``top_mlp`` list the output width of every layer,
     as :class:`dense.DLRMConfig` does: the bottom MLP ends in ``dim`` (None: ``[64, dim]``),
-    the top in 1.
+    the top in 1. ``interaction``, ``dcn_layers`` and ``dcn_rank``: as in
+    :class:`dense.DLRMConfig` (dot products, or a DCN-v2 cross network).
     """
     if isinstance(features, CTRData):
         num_dense = len(features.dense_names)
@@ -79,6 +83,9 @@ def build_dlrm(
         embedding_dim=dim,
         bottom_mlp=[64, dim] if bottom_mlp is None else list(bottom_mlp),
         top_mlp=list(top_mlp),
+        interaction=interaction,
+        dcn_layers=dcn_layers,
+        dcn_rank=dcn_rank,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

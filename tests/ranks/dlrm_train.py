@@ -6,7 +6,8 @@ its slice of each global batch, and then
 
 * checks that every replica holds the same dense weights and embedding rows;
 * rank 0 trains a second model in-process on a ``LocalGroup`` with the whole global
-  batches and compares dense weights and every embedding row (1e-5);
+  batches and compares dense weights and every embedding row (1e-5); both with the
+  dot interaction and with DCN-v2's cross network;
 * checks ``dense.allreduce_gradients`` with a parameter that has no gradient on
   some ranks and ``dense.broadcast_parameters`` on buffers, and runs the whole
   ``train()`` with identical metrics on every rank.
@@ -52,10 +53,12 @@ def source(group: ProcessGroup) -> InMemorySource:
     return src
 
 
-def build(group: ProcessGroup, seed: int) -> DLRM:
+def build(group: ProcessGroup, seed: int, interaction: str = "dot") -> DLRM:
+    assert CFG.dim is not None and CFG.top_mlp is not None
     return build_dlrm(
         source(group).data, dim=CFG.dim, emb_lr=CFG.emb_lr, bottom_mlp=CFG.bottom_mlp,
-        top_mlp=CFG.top_mlp, seed=seed, group=group,
+        top_mlp=CFG.top_mlp, seed=seed, group=group, interaction=interaction,
+        dcn_layers=2, dcn_rank=4,
     )  # fmt: skip
 
 
@@ -77,8 +80,9 @@ def run_steps(model: DLRM, group: ProcessGroup) -> None:
         train_step(model, opt, gather_batch(src.data, idx))
 
 
-def check_matches_single_process(group: ProcessGroup) -> None:
-    model = build(group, seed=CFG.seed + group.rank)  # differs per rank before the broadcast
+def check_matches_single_process(group: ProcessGroup, interaction: str = "dot") -> None:
+    # differs per rank before the broadcast
+    model = build(group, seed=CFG.seed + group.rank, interaction=interaction)
     broadcast_parameters(model.dense, group)
     run_steps(model, group)
     mine = flat_state(model)
@@ -88,10 +92,11 @@ def check_matches_single_process(group: ProcessGroup) -> None:
         torch.testing.assert_close(replicas[r], replicas[0], rtol=0, atol=1e-6)
 
     if group.rank == 0:
-        ref = build(comm.LocalGroup(), seed=CFG.seed)
+        ref = build(comm.LocalGroup(), seed=CFG.seed, interaction=interaction)
         run_steps(ref, comm.LocalGroup())
         want = flat_state(ref)
-        assert not torch.equal(want, flat_state(build(comm.LocalGroup(), CFG.seed))), "no update"
+        fresh = flat_state(build(comm.LocalGroup(), CFG.seed, interaction=interaction))
+        assert not torch.equal(want, fresh), "no update"
         torch.testing.assert_close(mine, want, rtol=0, atol=1e-5)
 
 
@@ -149,6 +154,7 @@ def run_checks(group: ProcessGroup) -> None:
     check_allreduce_gradients(group)
     check_broadcast_parameters(group)
     check_matches_single_process(group)
+    check_matches_single_process(group, interaction="dcn")
     check_train_end_to_end(group)
 
 
