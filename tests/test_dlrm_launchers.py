@@ -20,8 +20,12 @@ import pytest
 from multiproc import ROOT, free_port, mpirun_path, rank_env
 
 SCRIPT = ROOT / "examples" / "train_dlrm.py"
-# 24 MovieLens steps of 256 (the dense part under DataParallel), eval of val and test.
-ARGS = ["--max-steps", "24", "--log-every", "4", "--no-progress", "--eval-batch-size", "2048"]
+# 24 MovieLens steps of 256 (the dense part under DataParallel), eval of val and test; the
+# small dot-interaction model (what these tests prove is the launchers, not the model).
+ARGS = [
+    "--max-steps", "24", "--log-every", "4", "--no-progress", "--eval-batch-size", "2048",
+    "--interaction", "dot", "--dim", "16", "--top-mlp", "64", "32", "1",
+]  # fmt: skip
 
 
 def _launch(cmd: list[str], args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
