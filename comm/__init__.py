@@ -15,7 +15,7 @@ does the same on purpose.
 """
 
 from comm.device import default_device
-from comm.failures import abort
+from comm.failures import abort, running_job
 from comm.group import ProcessGroup, ReduceOp
 from comm.handle import CommTimeoutError, Handle
 from comm.init import LaunchEnv, detect_launch, init
@@ -32,6 +32,7 @@ __all__ = [
     "Role",
     "Topology",
     "abort",
+    "running_job",
     "default_device",
     "detect_launch",
     "init",

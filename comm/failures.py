@@ -129,10 +129,10 @@ def _abort_on_uncaught(
 
 def _end_distributed_job(exit_code: int) -> None:
     """MPI_Abort, or exit at once under torch.distributed; returns only in a lone process."""
-    world = _mpi_world()
-    if world is not None and world.Get_size() > 1:
-        world.Abort(exit_code)
-    if _torch_distributed_running():
+    job = running_job()
+    if job == "mpi":
+        _mpi_world().Abort(exit_code)
+    if job == "torch":
         os._exit(exit_code)
 
 
@@ -159,6 +159,15 @@ def _flush() -> None:
                 stream.flush()
         except Exception:  # a closed stream: nothing left to flush
             pass
+
+
+def running_job() -> str | None:
+    """``"mpi"`` when this process runs MPI with more than one rank, ``"torch"`` when
+    torch.distributed is initialised, else None (a lone process). Starts nothing."""
+    world = _mpi_world()
+    if world is not None and world.Get_size() > 1:
+        return "mpi"
+    return "torch" if _torch_distributed_running() else None
 
 
 def _mpi_world() -> Any:

@@ -24,10 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     # Launch: the world, the worker / PS-server roles and the --ps store; the roles are
     # checked before anything starts, and leaving the block closes store and world.
-    with Launch(
-        cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size, validate=cfg.validate_comm,
-        threads=cfg.threads,
-    ) as launch:  # fmt: skip
+    with Launch.for_run(cfg) as launch:
         if not launch.is_worker:
             return  # a PS server rank served the rows until every worker closed its store
         # Build: corpus and tokenizer, the token table (hybrid, sharded or local), the GPT

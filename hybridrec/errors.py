@@ -128,23 +128,14 @@ def _launch_rank() -> tuple[int, int]:
     return launch.rank, launch.size
 
 
-def _mpi_world() -> Any:
-    """``MPI.COMM_WORLD`` if this process runs MPI with more than one rank, else None
-    (never starts MPI: importing mpi4py would)."""
-    mpi: Any = sys.modules.get("mpi4py.MPI")
-    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
-        return None
-    return mpi.COMM_WORLD if mpi.COMM_WORLD.Get_size() > 1 else None
+def _running_job() -> str | None:
+    """``comm.running_job()``: "mpi", "torch" or None (imported here, not at the top:
+    ``--help`` and ``--version`` load no torch)."""
+    if "comm" not in sys.modules:
+        return None  # no communication can have started without the comm package
+    import comm
 
-
-def _torch_distributed_running() -> bool:
-    dist = sys.modules.get("torch.distributed")
-    return bool(dist is not None and dist.is_available() and dist.is_initialized())
-
-
-def _communication_started() -> bool:
-    """Whether this process has joined a multi-rank job's communication."""
-    return _mpi_world() is not None or _torch_distributed_running()
+    return comm.running_job()
 
 
 def _quiet_stderr() -> None:
@@ -161,12 +152,12 @@ def report_user_error(err: BaseException) -> NoReturn:
         sys.stdout.flush()  # what the job printed so far comes before the error line
     rank, size = _launch_rank()
     line = f"{PROG}: error: {describe(err)}"
-    if size > 1 and _communication_started():
+    if size > 1 and _running_job() is not None:
         if rank != 0:
             time.sleep(PEER_GRACE_S)  # rank 0's abort ends this rank here if it failed too
             line = f"{PROG}: error: [rank {rank}] {describe(err)}"
         print(line, file=sys.stderr, flush=True)
-        if _mpi_world() is not None:
+        if _running_job() == "mpi":
             _quiet_stderr()  # MPI_Abort's own notice would repeat the line with less in it
         import comm  # here, not at the top: --help and --version load no torch
 

@@ -37,7 +37,6 @@ from embedding.hybrid import store_is_replicated
 from hybridrec.tables import (  # noqa: F401 - re-exported: the jobs' launch helpers
     EXISTING_TABLES,
     ExistingTablesError,
-    create_shared_tables,
     prepare_tables,
 )
 from ps import InProcessStore, Store
@@ -188,7 +187,7 @@ def torch_threads(count: int) -> Iterator[None]:
 class Launch:
     """The process roles of one job, opened and always closed::
 
-        with Launch(cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size) as job:
+        with Launch.for_run(cfg) as job:  # or Launch(backend, ps=..., batch_size=...)
             if job.is_worker:  # server ranks served inside __enter__ and skip the body
                 train(cfg, job.group, job.store, roles=job.topology)
 
@@ -216,6 +215,15 @@ class Launch:
         self._threads_before = torch.get_num_threads()
         self.world: ProcessGroup | None = None
         self.role: PSRole | None = None
+
+    @classmethod
+    def for_run(cls, cfg: Any) -> Launch:
+        """The launch a job config asks for: its ``backend``, ``ps``, ``batch_size``,
+        ``validate_comm`` and ``threads`` (every job's config has them)."""
+        return cls(
+            cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size, validate=cfg.validate_comm,
+            threads=cfg.threads,
+        )  # fmt: skip
 
     def __enter__(self) -> Launch:
         if self.threads:  # torch threads per rank (restored on exit)
@@ -290,7 +298,6 @@ __all__ = [
     "topology_for",
     "with_cache",
     "check_batch_size",
-    "create_shared_tables",
     "describe_roles",
     "prepare_tables",
 ]

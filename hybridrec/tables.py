@@ -43,8 +43,10 @@ def _differences(have: TableSpec, want: TableSpec) -> str:
 
 
 def _check_tables(store: Store, specs: list[TableSpec], policy: str) -> list[str]:
-    """Apply ``policy`` to the tables of ``specs`` that ``store`` already holds and create
-    the missing ones; returns the names of the tables kept from an earlier run."""
+    """Apply ``policy`` to the tables of ``specs`` that ``store`` already holds; returns
+    the names of the tables kept from an earlier run. Missing (or dropped) tables are
+    left to the embedding collection, which creates the tables of a shared store from
+    one worker while the others wait."""
     have = set(store.tables())
     found = [s for s in specs if s.name in have]
     if found and policy == "fail":
@@ -69,25 +71,22 @@ def _check_tables(store: Store, specs: list[TableSpec], policy: str) -> list[str
             )
         else:
             kept.append(spec.name)
-    for spec in specs:
-        if spec.name not in kept:
-            store.create_table(spec)
     return kept
 
 
 def prepare_tables(
     store: Store, specs: list[TableSpec], group: ProcessGroup, policy: str = "reuse"
 ) -> list[str]:
-    """Collective over the workers: make the hybrid tables ``specs`` ready in ``store``
-    before the workers build their embedding collections; returns the names of the
-    tables that were already there and are reused.
+    """Collective over the workers: decide what happens to the hybrid tables ``specs``
+    that ``store`` already holds, before the workers build their embedding collections
+    (which create the missing ones); returns the names of the tables reused.
 
     ``policy`` says what to do with a table the store already holds (a shared store
     such as Redis outlives a job): ``fail`` (ValueError naming them and the options),
     ``reuse`` (keep its rows; a different spec is a ValueError naming the table and
-    both shapes) or ``replace`` (drop and create it afresh). A shared store is
-    checked and filled by rank 0 alone while the others wait (two workers creating
-    the same table at once would race); a per-rank (replicated) store by every rank.
+    both shapes) or ``replace`` (drop it; the collection creates it afresh). A shared
+    store is checked by rank 0 alone while the others wait (two workers dropping the
+    same table at once would race); a per-rank (replicated) store by every rank.
     Every rank raises the same error if it fails.
     """
     if policy not in EXISTING_TABLES:
@@ -127,12 +126,4 @@ def _on_every_rank(work: Callable[[], list[str]], group: ProcessGroup) -> list[s
     return out
 
 
-def create_shared_tables(store: Store, specs: list[TableSpec], group: ProcessGroup) -> None:
-    """Collective: create the tables of a store shared by the workers (MPI servers, Redis)
-    from rank 0 only, before the workers build their embedding collections; tables the
-    store already holds with the same spec are kept (:func:`prepare_tables` with
-    ``reuse``)."""
-    prepare_tables(store, specs, group, "reuse")
-
-
-__all__ = ["EXISTING_TABLES", "ExistingTablesError", "create_shared_tables", "prepare_tables"]
+__all__ = ["EXISTING_TABLES", "ExistingTablesError", "prepare_tables"]

@@ -194,3 +194,9 @@ def test_a_single_rank_group_installs_no_abort_hook(plain_env: None) -> None:
     before = sys.excepthook
     with comm.init("auto") as group:
         assert group.size == 1 and sys.excepthook is before
+
+
+def test_running_job_is_none_in_a_lone_process() -> None:
+    # The pytest process starts no MPI and no torch.distributed; the multi-rank answers
+    # ("mpi", "torch") are what the failure tests' aborts rely on.
+    assert comm.running_job() is None

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
+
+from doc_blocks import code_after
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "usage.md"
 MARKER = "<!-- usage-example: tested by tests/test_docs_examples.py -->"
 
 
 def example_code() -> str:
-    text = DOC.read_text(encoding="utf-8")
-    assert MARKER in text, f"{DOC} lost its example marker"
-    match = re.search(r"```python\n(.*?)```", text[text.index(MARKER) :], re.S)
-    assert match is not None, "no python code block after the marker"
-    return match.group(1)
+    return code_after(DOC, MARKER)
 
 
 def test_example_is_short() -> None:
@@ -35,8 +32,5 @@ def test_example_runs_and_learns() -> None:
 
 
 def test_readme_shows_the_same_example() -> None:
-    readme = (DOC.parent.parent / "README.md").read_text(encoding="utf-8")
-    marker = "<!-- readme-example:"
-    assert marker in readme, "README.md lost its example marker"
-    match = re.search(r"```python\n(.*?)```", readme[readme.index(marker) :], re.S)
-    assert match is not None and match.group(1) == example_code()
+    readme = DOC.parent.parent / "README.md"
+    assert code_after(readme, "<!-- readme-example:") == example_code()

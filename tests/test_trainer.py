@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ps
+from doc_blocks import code_after
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
 from hybridrec.batches import epoch_data
 from hybridrec.trainer import Trainer, TrainerConfig, TrainResult
@@ -212,11 +212,7 @@ MARKER = "<!-- usage-example: tested by tests/test_trainer.py -->"
 
 
 def doc_example() -> str:
-    text = DOC.read_text(encoding="utf-8")
-    assert MARKER in text, f"{DOC} lost its example marker"
-    match = re.search(r"```python\n(.*?)```", text[text.index(MARKER) :], re.S)
-    assert match is not None, "no python code block after the marker"
-    return match.group(1)
+    return code_after(DOC, MARKER)
 
 
 @pytest.mark.timeout(120)
@@ -237,11 +233,8 @@ def test_documented_example_runs_learns_and_stays_finished(
 
 
 def test_readme_shows_the_same_trainer_example() -> None:
-    readme = (DOC.parent.parent / "README.md").read_text(encoding="utf-8")
-    marker = "<!-- trainer-example:"
-    assert marker in readme, "README.md lost its trainer example marker"
-    match = re.search(r"```python\n(.*?)```", readme[readme.index(marker) :], re.S)
-    assert match is not None and match.group(1) == doc_example()
+    readme = DOC.parent.parent / "README.md"
+    assert code_after(readme, "<!-- trainer-example:") == doc_example()
 
 
 def test_package_names_load_their_modules_on_first_use() -> None:

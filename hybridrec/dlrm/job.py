@@ -355,10 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     """Config -> launch (roles, store) -> build -> train -> close; a user error (bad
     option, missing file, unreachable store) is one line on stderr, exit status 2."""
     cfg = parse_args(argv)
-    with Launch(
-        cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size, validate=cfg.validate_comm,
-        threads=cfg.threads,
-    ) as launch:  # fmt: skip
+    with Launch.for_run(cfg) as launch:
         if launch.is_worker:  # a PS server rank has served inside Launch and skips this
             job = DLRMJob(cfg, launch.group, launch.store, roles=launch.topology)
             job.close(job.trainer.fit())
