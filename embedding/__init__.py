@@ -24,6 +24,7 @@ See ``docs/embedding.md``.
 from embedding.collection import EmbeddingCollection
 from embedding.config import TableConfig
 from embedding.jagged import JaggedIds, KeyedJaggedIds
+from embedding.ngram import NGramConfig, ngram_ids
 from ps.optimizers import FTRL, SGD, Adagrad, Adam, RowWiseAdagrad
 
 __all__ = [
@@ -34,6 +35,8 @@ __all__ = [
     "EmbeddingCollection",
     "JaggedIds",
     "KeyedJaggedIds",
+    "NGramConfig",
     "RowWiseAdagrad",
     "TableConfig",
+    "ngram_ids",
 ]

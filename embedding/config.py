@@ -28,7 +28,9 @@ class TableConfig:
       "sharded": owned by ranks of the group, ids travel by alltoallv.
     * ``num_rows``: an int > 0, or None for a *dynamic* table keyed by any int64 id
       (rows created on first push). Only the parameter server has dynamic tables,
-      so None needs ``placement="hybrid"``.
+      so None needs ``placement="hybrid"``. ``capacity`` and ``max_age_steps``
+      bound a dynamic table's rows (LRU and age eviction on the store, see
+      :class:`ps.TableSpec`).
     * ``optimizer`` is applied to touched rows inside ``backward()`` (lazily: rows
       without a gradient do not change); ``init`` None is TorchRec's
       ``U(-sqrt(1/num_rows), sqrt(1/num_rows))`` seeded by the table name.
@@ -42,6 +44,8 @@ class TableConfig:
     placement: Placement = "local"
     optimizer: Optimizer = field(default_factory=lambda: RowWiseAdagrad(lr=0.01))
     init: UniformInit | None = None
+    capacity: int | None = None
+    max_age_steps: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -91,6 +95,8 @@ class TableConfig:
                 f"table {self.name!r}: init must be a UniformInit or None, "
                 f"got {type(self.init).__name__}"
             )
+        if self.capacity is not None or self.max_age_steps is not None:
+            self.to_spec()  # the store's rules: positive ints, on a dynamic table only
 
     @property
     def dynamic(self) -> bool:
@@ -109,4 +115,6 @@ class TableConfig:
             dim=self.dim,
             optimizer=self.optimizer,
             init=self.init,
+            capacity=self.capacity,
+            max_age_steps=self.max_age_steps,
         )

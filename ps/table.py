@@ -37,7 +37,11 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class UniformInit:
-    """Rows drawn uniformly from ``[low, high)``, reproducibly from ``seed``."""
+    """Rows drawn uniformly from ``[low, high)``, reproducibly from ``seed``.
+
+    ``low == high`` gives every element that one value (``UniformInit(low=0.0,
+    high=0.0)``: rows that start at zero, as additive n-gram tables do).
+    """
 
     low: float
     high: float
@@ -48,13 +52,15 @@ class UniformInit:
             v = getattr(self, name)
             if not isinstance(v, int | float) or not math.isfinite(v):
                 raise ValueError(f"UniformInit: {name} must be a finite number, got {v!r}")
-        if not self.low < self.high:
-            raise ValueError(f"UniformInit: need low < high, got low={self.low} high={self.high}")
+        if not self.low <= self.high:
+            raise ValueError(f"UniformInit: need low <= high, got low={self.low} high={self.high}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"UniformInit: seed must be an int in [0, 2**63), got {self.seed!r}")
 
     def rows(self, ids: torch.Tensor, dim: int) -> torch.Tensor:
         """Initial values of rows ``ids`` (int64 ``[N]``): float32 ``[N, dim]``."""
+        if self.low == self.high:  # a constant: no hashing (a 1M-row table starts at once)
+            return torch.full((int(ids.numel()), dim), float(self.low), dtype=torch.float32)
         ids_np = ids.detach().cpu().numpy().astype(np.int64).view(np.uint64)  # [N]
         cols = np.arange(dim, dtype=np.uint64)  # [D]
         with np.errstate(over="ignore"):

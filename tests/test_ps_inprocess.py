@@ -229,6 +229,13 @@ def test_initial_rows_deterministic_and_in_bounds() -> None:
     init = ps.UniformInit(low=0.0, high=2.0, seed=7)
     x = ps.TableSpec(name="x", num_rows=10, dim=3, optimizer=ps.SGD(lr=1.0), init=init)
     assert x.init is init and float(x.initial_rows(torch.arange(10)).min()) >= 0.0
+    # low == high: a constant row (zero-started tables), the same through a store's pull.
+    zero = ps.TableSpec(name="z", num_rows=None, dim=3, optimizer=ps.SGD(lr=1.0),
+                        init=ps.UniformInit(low=0.0, high=0.0))  # fmt: skip
+    assert torch.equal(zero.initial_rows(torch.tensor([5, 2**62])), torch.zeros(2, 3))
+    store = ps.InProcessStore()
+    store.create_table(zero)
+    assert torch.equal(store.pull("z", torch.tensor([7])).rows, torch.zeros(1, 3))
 
 
 def test_config_validation() -> None:
@@ -244,8 +251,8 @@ def test_config_validation() -> None:
         ps.TableSpec(name="q", num_rows=3, dim=-2, optimizer=ps.SGD(lr=1.0))
     with pytest.raises(TypeError, match=r"table 'q': optimizer must be a ps optimizer"):
         ps.TableSpec(name="q", num_rows=3, dim=2, optimizer=torch.optim.SGD)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="need low < high, got low=1.0 high=1.0"):
-        ps.UniformInit(low=1.0, high=1.0)
+    with pytest.raises(ValueError, match="need low <= high, got low=1.0 high=0.5"):
+        ps.UniformInit(low=1.0, high=0.5)
 
 
 # ------------------------------------------------------------ bad input, stats, threads, lifecycle
