@@ -49,7 +49,8 @@ def test_defaults_and_every_option() -> None:
         "--bucket-mb 1 --eval-every 3 --eval-batches 2 --seed 4 --backend gloo "
         "--validate-comm --threads 2 --metrics-out m.jsonl --no-verbose --ps redis://h:1/0 "
         "--cache-rows 0 --checkpoint-dir ck --checkpoint-every 3 "
-        "--checkpoint-keep 1 --resume --log-every 2 --no-progress"
+        "--checkpoint-keep 1 --resume --log-every 2 --no-progress --ngram 4 --ngram-rows 0 "
+        "--ngram-splits 2 --ngram-placement hybrid --ngram-capacity 100 --ngram-max-age 5"
     )
     assert parse_args(argv.split()) == LMConfig(
         text_dir="/t", max_bytes=9, tokenizer="auto", bpe_file="/b", block_size=8, batch_size=4,
@@ -58,7 +59,8 @@ def test_defaults_and_every_option() -> None:
         eval_every=3, eval_batches=2, seed=4, backend="gloo", validate_comm=True, threads=2,
         metrics_out="m.jsonl", verbose=False, ps="redis://h:1/0", cache_rows=0,
         checkpoint_dir="ck", checkpoint_every=3, checkpoint_keep=1,
-        resume=True, log_every=2, progress=False,
+        resume=True, log_every=2, progress=False, ngram=4, ngram_rows=0, ngram_splits=2,
+        ngram_placement="hybrid", ngram_capacity=100, ngram_max_age=5,
     )  # fmt: skip
     assert parse_args(["--compression", "topk"]).compression == "topk"
     fields = set(LMConfig.__dataclass_fields__)
@@ -77,6 +79,15 @@ def test_defaults_and_every_option() -> None:
         (dict(seed=-1), "seed must be >= 0, got -1"),
         (dict(cache_rows=5, placement="sharded"), "a cache needs placement 'hybrid'"),
         (dict(zero_stage=1, compression="fp16"), "ZeRO stage 1 reduces gradients itself"),
+        (dict(ngram=0), r"ngram must be >= 1 \(1 = no n-gram tables\), got 0"),
+        (dict(ngram=3, ngram_rows=0, ngram_placement="sharded"), "needs ngram_placement 'hybrid'"),
+        (dict(ngram=3, ngram_capacity=9), "ngram_capacity 9 bounds dynamic n-gram tables"),
+        (dict(ngram=3, ngram_splits=3), "ngram_splits must divide d_model 64"),
+        (dict(ngram=3, ngram_placement="lattice"), "ngram_placement must be 'hybrid', 'sharded'"),
+        (
+            dict(placement="local", ngram=3, ngram_placement="local", cache_rows=5),
+            "a cache needs placement 'hybrid' for the token or n-gram tables, got 'local' and",
+        ),
     ],
 )
 def test_config_validation(kw: dict[str, object], pattern: str) -> None:
@@ -167,3 +178,165 @@ def test_ranks_match_one_process(
     assert losses == pytest.approx(single_process_losses, abs=2e-3)
     if zero_stage:  # AdamW state (two moments) sharded: ~1/N of the unsharded bytes per rank
         assert final["dense_optimizer_state_bytes"] <= single_state_bytes(nprocs)
+
+
+# ------------------------------------------------------------ hashed n-gram input tables
+
+NGRAM: dict[str, Any] = dict(SMALL, ngram=3, ngram_rows=4096, ngram_splits=2)
+
+
+def test_ngram_one_is_the_plain_model_bit_for_bit() -> None:
+    """``--ngram 1``: no n-gram tables, and the model's logits are the GPT's on the token
+    rows, exactly; the n-gram options are then inert (the same losses to the bit)."""
+    import torch
+
+    from hybridrec.lm.job import LMJob
+    from ps import InProcessStore
+
+    cfg = LMConfig(**SMALL, verbose=False)  # type: ignore[arg-type]
+    job = LMJob(cfg, comm.LocalGroup(), InProcessStore())
+    model = job.model
+    assert model.ngrams is None and [t.name for t in model.embeddings.tables] == ["token_embedding"]
+    idx = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(1))
+    rows = model.embeddings.rows("token_embedding", torch.arange(256))  # [V, D]
+    with torch.no_grad():
+        assert torch.equal(model(idx), model.gpt(rows[idx]))
+    plain = train(cfg, comm.LocalGroup())["evals"]
+    inert = LMConfig(**SMALL, verbose=False, ngram=1, ngram_rows=7, ngram_splits=2)  # type: ignore[arg-type]
+    assert [e["val_loss"] for e in train(inert, comm.LocalGroup())["evals"]] == [
+        e["val_loss"] for e in plain
+    ]
+
+
+def test_ngram_input_is_token_row_plus_ngram_rows() -> None:
+    """The input vector of each position = its token row + for n = 2, 3 the sub-table rows
+    of its hashed n-gram id concatenated (looked up here by hand, ``ngram_ids``)."""
+    import torch
+
+    from embedding import EmbeddingCollection, ngram_ids
+    from hybridrec.lm.model import embed_tokens, ngram_config
+    from ps import InProcessStore
+
+    cfg = LMConfig(d_model=8, ngram=3, ngram_rows=50, ngram_splits=2)
+    ngrams = ngram_config(cfg)
+    assert ngrams is not None
+    tables = [token_table(cfg, 20), *ngrams.tables()]
+    ec = EmbeddingCollection(tables, store=InProcessStore())
+    # Give the zero-started n-gram rows values, so a wrong lookup cannot pass.
+    for t in tables[1:]:
+        ec.store.push(t.name, torch.arange(50), torch.randn(50, 4))
+    idx = torch.randint(0, 20, (2, 6), generator=torch.Generator().manual_seed(3))
+    expect = ec.rows("token_embedding", torch.arange(20))[idx]  # [2, 6, 8]
+    for n in (2, 3):
+        parts = [
+            ec.rows(f"ngram{n}_{s}", torch.arange(50))[ngram_ids(idx, n, rows=50, seed=s)]
+            for s in (0, 1)
+        ]  # each [2, 6, 4]
+        expect = expect + torch.cat(parts, dim=-1)
+    with torch.no_grad():
+        torch.testing.assert_close(embed_tokens(ec, idx, ngrams), expect, rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def ngram_losses() -> list[float]:
+    cfg = LMConfig(**NGRAM, verbose=False)  # type: ignore[arg-type]
+    return [e["val_loss"] for e in train(cfg, comm.LocalGroup())["evals"]]
+
+
+@pytest.mark.timeout(120)
+def test_ngram_tables_train_and_log(
+    tmp_path: Path, ngram_losses: list[float], single_process_losses: list[float]
+) -> None:
+    """With n-gram tables the loss falls below the token-only model's at equal steps;
+    step lines log the n-gram rows of a batch and the store's rows moved; the summary
+    gives both per step and the loss per byte."""
+    out = tmp_path / "m.jsonl"
+    cfg = LMConfig(**NGRAM, verbose=False, metrics_out=str(out), log_every=10)  # type: ignore[arg-type]
+    final = train(cfg, comm.LocalGroup())
+    assert [e["val_loss"] for e in final["evals"]] == ngram_losses  # deterministic
+    assert ngram_losses[-1] < single_process_losses[-1] - 0.05
+    steps = [json.loads(x) for x in out.read_text().splitlines() if '"step"' in x[:20]]
+    # 16 windows x 32 positions per step: at most 512 distinct ids per n-gram sub-table.
+    assert steps and all(0 < r["ngram_rows"] <= 4 * 512 for r in steps)
+    assert all(r["ps_rows_moved"] > 0 for r in steps)
+    assert 0 < final["ngram_rows_per_step"] <= 4 * 512
+    # Uncached hybrid tables: every distinct row is pulled once and pushed once per step.
+    assert final["ngram_rows_moved_per_step"] == pytest.approx(2 * final["ngram_rows_per_step"])
+    assert final["val_nats_per_byte"] == final["val_loss"]  # bytes: one token per byte
+
+
+@pytest.mark.timeout(120)
+def test_dynamic_ngram_tables_hold_only_seen_ngrams() -> None:
+    """``--ngram-rows 0``: dynamic tables keyed by 63-bit n-gram ids get rows only for the
+    n-grams of the training batches (counted here from the same windows), and with
+    ``--ngram-capacity`` never more than that many."""
+    import torch
+
+    from embedding import ngram_ids
+    from hybridrec.datasets.text import (
+        get_batch,
+        load_corpus,
+        make_tokenizer,
+        split_tokens,
+        tokenize,
+    )
+    from hybridrec.lm.job import LMJob
+    from ps import InProcessStore
+
+    small = dict(SMALL, steps=6, eval_every=6, ngram=3, ngram_rows=0)
+    store = InProcessStore()
+    job = LMJob(LMConfig(**small, verbose=False), comm.LocalGroup(), store)  # type: ignore[arg-type]
+    job.close(job.trainer.fit())
+    text = load_corpus(None, max_bytes=SMALL["max_bytes"]).text
+    tokens = split_tokens(tokenize(text, make_tokenizer("byte", None))).train
+    seen: dict[int, set[int]] = {2: set(), 3: set()}
+    for step in range(6):
+        x, _ = get_batch(tokens, step=step, seed=0, global_batch=16, block_size=32)
+        for n in (2, 3):
+            seen[n] |= set(ngram_ids(x, n, rows=None, seed=0).reshape(-1).tolist())
+    stats = store.stats()
+    assert stats["ngram2"]["rows"] == len(seen[2]) and stats["ngram3"]["rows"] == len(seen[3])
+    assert store.spec("ngram3").dynamic
+    capped = LMConfig(**small, verbose=False, ngram_capacity=300)  # type: ignore[arg-type]
+    store = InProcessStore()
+    job = LMJob(capped, comm.LocalGroup(), store)
+    job.close(job.trainer.fit())
+    assert all(store.stats()[t]["rows"] == 300 for t in ("ngram2", "ngram3"))
+    assert len(seen[3]) > 300 and torch.isfinite(torch.tensor(job.trainer.evals[-1]["val_loss"]))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("backend", "nprocs", "placement", "ngram_placement"),
+    [
+        ("mpi", 2, "hybrid", "hybrid"),
+        ("mpi", 4, "local", "hybrid"),
+        ("gloo", 2, "hybrid", "sharded"),
+    ],
+)
+def test_ngram_ranks_match_one_process(
+    backend: str,
+    nprocs: int,
+    placement: str,
+    ngram_placement: str,
+    tmp_path: Path,
+    ngram_losses: list[float],
+) -> None:
+    """N ranks with n-gram tables (replicated hybrid, or sharded over the ranks) train on
+    the same global batches as one process, to the same losses."""
+    out = tmp_path / "m.jsonl"
+    args = [
+        *_argv(NGRAM),
+        f"--backend={backend}",
+        f"--placement={placement}",
+        f"--ngram-placement={ngram_placement}",
+        f"--metrics-out={out}",
+    ]
+    text = "\n".join(run_ranks(SCRIPT, nprocs, backend, args=args, timeout=220))
+    assert (
+        f"n-gram tables n = 2..3: 4096 rows x 32 each, 2 sub-tables of 16 per n ({ngram_placement}"
+        in text
+    ), text
+    final = json.loads(out.read_text().splitlines()[-1])
+    assert final["world_size"] == nprocs
+    assert [e["val_loss"] for e in final["evals"]] == pytest.approx(ngram_losses, abs=2e-3)

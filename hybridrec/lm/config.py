@@ -60,6 +60,33 @@ class LMConfig(RunOptions):
         help="parameter server for a hybrid table: local (in-process, one replica per rank), "
         "mpi or mpi:S (the last S ranks serve), redis://[user:pw@]host:port/db",
     )
+    # ---- hashed n-gram input tables (over-encoding): rows added to the token vectors
+    ngram: int = option(
+        1,
+        help="N: add the rows of the 2..N-grams ending at each position (hashed into tables of "
+        "their own) to its token vector; 1 = no n-gram tables",
+    )
+    ngram_rows: int = option(
+        1_048_576,
+        help="rows per n-gram table (ids hashed into them); 0 = dynamic tables keyed by "
+        "63-bit n-gram ids, rows created for the n-grams seen (needs --ngram-placement hybrid)",
+    )
+    ngram_splits: int = option(
+        1,
+        help="sub-tables per n, each d_model / k wide with its own hash, concatenated: "
+        "rows**k n-grams told apart",
+    )
+    ngram_placement: Literal["hybrid", "sharded", "local"] = option(
+        "hybrid", help="n-gram tables: where their rows live (as --placement)"
+    )
+    ngram_capacity: int = option(
+        0,
+        help="dynamic n-gram tables: at most this many rows each, the least recently used "
+        "evicted; 0 = unbounded",
+    )
+    ngram_max_age: int = option(
+        0, help="dynamic n-gram tables: evict rows not touched in this many steps; 0 = never"
+    )
     # ---- metrics (dense parallelism, checkpoints, runtime: hybridrec.run_options)
     log_every: int = option(10, help="steps between training-loss lines in the metrics file")
     verbose: bool = option(True, help="print validation results (rank 0)")
@@ -68,10 +95,11 @@ class LMConfig(RunOptions):
         self.check_run_options()
         if self.tokenizer not in ("byte", "gpt2", "auto"):
             raise ValueError(f"tokenizer must be 'byte', 'gpt2' or 'auto', got {self.tokenizer!r}")
-        if self.placement not in ("hybrid", "sharded", "local"):
-            raise ValueError(
-                f"placement must be 'hybrid', 'sharded' or 'local', got {self.placement!r}"
-            )
+        for name in ("placement", "ngram_placement"):
+            if getattr(self, name) not in ("hybrid", "sharded", "local"):
+                raise ValueError(
+                    f"{name} must be 'hybrid', 'sharded' or 'local', got {getattr(self, name)!r}"
+                )
         if self.emb_optimizer not in ("adam", "adagrad", "sgd"):
             raise ValueError(
                 f"emb_optimizer must be 'adam', 'adagrad' or 'sgd', got {self.emb_optimizer!r}"
@@ -84,7 +112,7 @@ class LMConfig(RunOptions):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
             "max_bytes", "threads", "seed", "cache_rows", "read_bound", "write_bound",
-            "checkpoint_every",
+            "checkpoint_every", "ngram_rows", "ngram_capacity", "ngram_max_age",
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -93,6 +121,35 @@ class LMConfig(RunOptions):
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if (self.cache_rows or self.cache_fraction) and self.placement != "hybrid":
-            raise ValueError(f"a cache needs placement 'hybrid', got {self.placement!r}")
+        self.check_ngram_options()
+        if (self.cache_rows or self.cache_fraction) and "hybrid" not in self.placements():
+            raise ValueError(
+                f"a cache needs placement 'hybrid' for the token or n-gram tables, got "
+                f"{self.placement!r}" + (f" and {self.ngram_placement!r}" if self.ngram > 1 else "")
+            )
         parse_ps(self.ps)
+
+    def placements(self) -> set[str]:
+        """Where the tables live: the token table's and, with n-gram tables, theirs."""
+        return {self.placement} | ({self.ngram_placement} if self.ngram > 1 else set())
+
+    def check_ngram_options(self) -> None:
+        if self.ngram < 1:
+            raise ValueError(f"ngram must be >= 1 (1 = no n-gram tables), got {self.ngram}")
+        if self.ngram_splits < 1 or self.d_model % self.ngram_splits:
+            raise ValueError(
+                f"ngram_splits must divide d_model {self.d_model} (each sub-table is "
+                f"d_model / k wide), got {self.ngram_splits}"
+            )
+        dynamic = self.ngram_rows == 0
+        if dynamic and self.ngram > 1 and self.ngram_placement != "hybrid":
+            raise ValueError(
+                f"ngram_rows 0 (dynamic n-gram tables) needs ngram_placement 'hybrid' (only the "
+                f"parameter server has dynamic tables), got {self.ngram_placement!r}"
+            )
+        for name in ("ngram_capacity", "ngram_max_age"):
+            if getattr(self, name) and not dynamic:
+                raise ValueError(
+                    f"{name} {getattr(self, name)} bounds dynamic n-gram tables: it needs "
+                    f"ngram_rows 0, got {self.ngram_rows}"
+                )

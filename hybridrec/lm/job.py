@@ -48,10 +48,11 @@ from hybridrec.lm.model import (
     LanguageModel,
     embed_tokens,
     make_dense_optimizer,
+    ngram_config,
     optimizer_state_bytes,
     token_table,
 )
-from hybridrec.metrics_log import cache_metrics
+from hybridrec.metrics_log import cache_metrics, store_metrics
 from hybridrec.tables import prepare_tables
 from hybridrec.trainer import Trainer, TrainerConfig, TrainResult, plain_step
 from ps import InProcessStore, Store
@@ -62,7 +63,7 @@ DESCRIPTION = __doc__.split("\n")[0]
 # Options that change the shapes a checkpoint holds: a resume names those that differ.
 SHAPE_OPTIONS = (
     "tokenizer", "vocab_size", "d_model", "n_layer", "n_head", "block_size", "placement",
-    "emb_optimizer", "zero_stage",
+    "emb_optimizer", "zero_stage", "ngram", "ngram_rows", "ngram_splits", "ngram_placement",
 )  # fmt: skip
 
 
@@ -137,7 +138,9 @@ class LMJob:
         self.cfg, self.group = cfg, group
         self.corpus = load_corpus(cfg.text_dir, max_bytes=cfg.max_bytes)
         self.tokenizer = make_tokenizer(cfg.tokenizer, cfg.bpe_file)
-        splits = split_tokens(tokenize(self.corpus.text, self.tokenizer))
+        stream = tokenize(self.corpus.text, self.tokenizer)
+        splits = split_tokens(stream)
+        self.bytes_per_token = len(self.corpus.text.encode()) / max(len(stream), 1)
         vocab = self.vocab = self.tokenizer.vocab_size
         self.say(f"corpus {self.corpus.description}")
         self.say(
@@ -157,16 +160,19 @@ class LMJob:
         )
         trained, self.optimizer = make_dense_optimizer(cfg, gpt, group)
         self.cached = with_cache(cfg, store, group)
-        table = token_table(cfg, vocab)
-        if table.placement == "hybrid":
-            prepare_tables(store, [table.to_spec()], group, cfg.tables_policy)
-        tokens = EmbeddingCollection(
-            [table], store=self.cached if self.cached is not None else store, group=group
-        )
-        self.model = LanguageModel(tokens, trained)
+        self.ngrams = ngram_config(cfg)
+        tables = [token_table(cfg, vocab), *(self.ngrams.tables() if self.ngrams else [])]
+        hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
+        if hybrid:
+            prepare_tables(store, hybrid, group, cfg.tables_policy)
+        self.store = self.cached if self.cached is not None else store
+        self.eval_traffic = 0  # n-gram rows moved by validation passes
+        embeddings = EmbeddingCollection(tables, store=self.store, group=group)
+        self.model = LanguageModel(embeddings, trained, self.ngrams)
         self.say(
             f"GPT {cfg.n_layer}x{cfg.d_model} ({gpt.num_parameters()} dense parameters) + token "
-            f"table {vocab}x{cfg.d_model} ({cfg.placement}, {cfg.emb_optimizer}); "
+            f"table {vocab}x{cfg.d_model} ({cfg.placement}, {cfg.emb_optimizer})"
+            f"{self.describe_ngrams()}; "
             f"{describe_roles(roles or Topology.of(group), group.backend)}, "
             f"zero stage {cfg.zero_stage}"
         )
@@ -178,7 +184,6 @@ class LMJob:
             rank=group.rank,
             size=group.size,
         )
-        cached = self.cached
         # An evaluation first, every eval_every steps and after the last step.
         self.trainer = Trainer(
             TrainerConfig(
@@ -190,9 +195,8 @@ class LMJob:
                 verbose=cfg.verbose,
             ),
             group=group, optimizer=self.optimizer, data=Windows(splits.train, cfg, group),
-            step=plain_step(self.model, gpt_loss, self.optimizer), dense=trained, embeddings=tokens,
-            evaluate=self.validate, on_row=self.show,
-            extras=(lambda: cache_metrics(cached.cache_stats())) if cached is not None else None,
+            step=plain_step(self.model, gpt_loss, self.optimizer), dense=trained,
+            embeddings=embeddings, evaluate=self.validate, on_row=self.show, extras=self.extras,
             run_config={**asdict(cfg), "vocab_size": vocab}, shape_options=SHAPE_OPTIONS,
         )  # fmt: skip
 
@@ -200,9 +204,44 @@ class LMJob:
         if self.cfg.verbose and self.group.rank == 0:
             print(text, flush=True)
 
+    def describe_ngrams(self) -> str:
+        ng = self.ngrams
+        if ng is None:
+            return ""
+        rows = f"{ng.rows} rows" if ng.rows else "dynamic (rows for the n-grams seen)"
+        split = f", {ng.splits} sub-tables of {ng.dim // ng.splits} per n" if ng.splits > 1 else ""
+        return (
+            f" + n-gram tables n = 2..{ng.max_n}: {rows} x {ng.dim} each{split} "
+            f"({ng.placement}, zero-started)"
+        )
+
+    def extras(self) -> dict[str, float]:
+        """Counters for the metrics file's step lines: n-gram rows of the last batch
+        (this rank), and the cache's or the store's traffic."""
+        row: dict[str, float] = {}
+        if self.ngrams is not None:
+            row["ngram_rows"] = float(self.model.ngram_rows)
+        if self.cached is not None:
+            row.update(cache_metrics(self.cached.cache_stats()))
+        elif "hybrid" in self.cfg.placements():
+            row.update(store_metrics(self.store.stats()))
+        return row
+
+    def ngram_traffic(self) -> int | None:
+        """Rows of the n-gram tables pulled + pushed so far (from the cache, or the store
+        without one); None when they have no store (sharded, local)."""
+        if self.ngrams is None or self.ngrams.placement != "hybrid":
+            return None
+        names = {t.name for t in self.ngrams.tables()}
+        stats = self.cached.cache_stats() if self.cached is not None else self.store.stats()
+        return int(sum(s["rows_pulled"] + s["rows_pushed"] for n, s in stats.items() if n in names))
+
     def validate(self) -> dict[str, Any]:
         """Validation loss (nats per token) and perplexity (collective)."""
+        before = self.ngram_traffic()
         loss = evaluate(self.model, self.val, self.group)
+        if before is not None:  # rows read for validation are not a training step's traffic
+            self.eval_traffic += (self.ngram_traffic() or 0) - before
         return {"val_loss": loss, "val_ppl": math.exp(loss)}
 
     def show(self, row: dict[str, Any]) -> None:
@@ -234,7 +273,16 @@ class LMJob:
             "train_seconds": run.train_seconds,
             "tokens_per_s": tokens_per_s,
             "dense_optimizer_state_bytes": optimizer_state_bytes(self.optimizer),  # rank 0's
+            # validation loss per byte of text: nats per token over the corpus's bytes per token
+            "val_nats_per_byte": evals[-1]["val_loss"] / self.bytes_per_token,
+            "step_seconds": run.train_seconds / max(run.steps_run, 1),
         }
+        if self.ngrams is not None:
+            steps = max(run.steps_run, 1)
+            result["ngram_rows_per_step"] = self.model.ngram_rows_total / steps  # this rank's
+            moved = self.ngram_traffic()
+            if moved is not None:  # training steps only
+                result["ngram_rows_moved_per_step"] = (moved - self.eval_traffic) / steps
         if self.cached is not None:
             result["cache"] = self.cached.cache_stats()
             result.update(cache_metrics(result["cache"]))

@@ -1,13 +1,16 @@
-"""The language model of ``examples/train_lm.py``: a sparse token table + ``dense.GPT``.
+"""The language model of ``examples/train_lm.py``: sparse input tables + ``dense.GPT``.
 
 The two parts are composed here (``dense`` never imports ``embedding``):
 
-* the token embedding: an ``embedding.EmbeddingCollection`` with one table of
-  ``vocab_size`` rows, unpooled (``pooling="none"``: ``[B, T, D]``). Hybrid placement:
-  rows live in a parameter-server store; only the rows of the tokens in a batch are
+* the input embedding: an ``embedding.EmbeddingCollection`` with the token table of
+  ``vocab_size`` rows, unpooled (``pooling="none"``: ``[B, T, D]``), and with
+  ``--ngram N > 1`` the hashed n-gram tables of :mod:`embedding.ngram` (n = 2..N,
+  zero-started), whose rows are added to the token rows. Hybrid placement: rows live
+  in a parameter-server store; only the rows of a batch's tokens and n-grams are
   pulled and only their gradients pushed, and the store's optimizer (lazy Adam by
   default) updates them during backward. Sharded: rows split over the ranks, ids and
-  rows travel by alltoallv. Local: a replicated in-process table.
+  rows travel by alltoallv. Local: a replicated in-process table. The token table and
+  the n-gram tables choose their placements separately.
 * ``dense.GPT``: position embedding, decoder blocks, head; under ``dense.DataParallel``
   with AdamW, or with ZeRO stage 1/2 under ``dense.ZeroOptimizer``.
 """
@@ -23,40 +26,76 @@ import ps
 from comm import ProcessGroup
 from dense import DataParallel, ZeroOptimizer
 from dense.gpt import GPT
-from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
+from embedding import EmbeddingCollection, KeyedJaggedIds, NGramConfig, TableConfig
 from hybridrec.lm.config import LMConfig
 
-TOKENS = "tokens"  # the one sparse feature: the token ids of a window
+TOKENS = "tokens"  # the token ids of a window; the n-gram features are named by NGramConfig
 
 
 class LanguageModel(nn.Module):
-    """Token ids ``[B, T]`` -> logits ``[B, T, V]``: sparse token table, then the dense GPT."""
+    """Token ids ``[B, T]`` -> logits ``[B, T, V]``: sparse input tables, then the dense GPT.
 
-    def __init__(self, tokens: EmbeddingCollection, gpt: nn.Module) -> None:
+    ``embeddings`` holds the token table and, when ``ngrams`` is given, its tables.
+    ``ngram_rows`` is the number of distinct n-gram rows the last training batch of
+    this rank touched (0 without n-gram tables), ``ngram_rows_total`` their sum over
+    the training batches so far.
+    """
+
+    def __init__(
+        self, embeddings: EmbeddingCollection, gpt: nn.Module, ngrams: NGramConfig | None = None
+    ) -> None:
         super().__init__()
-        self.tokens = tokens
+        self.embeddings = embeddings
         self.gpt = gpt  # GPT, or DataParallel(GPT)
+        self.ngrams = ngrams
+        self.ngram_rows = self.ngram_rows_total = 0
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.gpt(embed_tokens(self.tokens, idx))  # [B, T, V]
+        features = input_ids(idx, self.ngrams)
+        if self.training and self.ngrams is not None:  # one sort of B*T ids per n-gram table
+            self.ngram_rows = sum(
+                int(torch.unique(ids).numel()) for f, ids in features.items() if f != TOKENS
+            )
+            self.ngram_rows_total += self.ngram_rows
+        return self.gpt(embed_ids(self.embeddings, features, self.ngrams))  # [B, T, V]
 
 
-def embed_tokens(tokens: EmbeddingCollection, idx: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` token ids -> ``[B, T, D]`` rows of the token table: every window is one
-    sample with exactly ``T`` ids, returned unpooled (``pooling="none"``)."""
-    b, t = idx.shape
-    lengths = torch.full((b,), t, dtype=torch.int64)  # [B]: T ids per sample
-    return tokens(KeyedJaggedIds([TOKENS], idx.reshape(-1), lengths))[TOKENS]  # [B, T, D]
+def input_ids(idx: torch.Tensor, ngrams: NGramConfig | None = None) -> dict[str, torch.Tensor]:
+    """``{feature: [B, T] int64}``: the token ids ``idx`` and, with ``ngrams``, the ids of
+    the n-grams ending at each position."""
+    return {TOKENS: idx} | (ngrams.ids(idx) if ngrams is not None else {})
+
+
+def embed_ids(
+    tables: EmbeddingCollection, features: dict[str, torch.Tensor], ngrams: NGramConfig | None
+) -> torch.Tensor:
+    """The input vectors ``[B, T, D]``: token rows plus the n-gram rows. Every window is
+    one sample with exactly ``T`` ids per feature, returned unpooled (``pooling="none"``);
+    all features go through the collection in one batch (one dedup, one pull per store)."""
+    b, t = features[TOKENS].shape
+    lengths = torch.full((b * len(features),), t, dtype=torch.int64)  # [F * B]: T ids each
+    ids = torch.cat([v.reshape(-1) for v in features.values()])  # [F * B * T], feature-major
+    out = tables(KeyedJaggedIds(list(features), ids, lengths))  # {feature: [B, T, width]}
+    return out[TOKENS] if ngrams is None else out[TOKENS] + ngrams.combine(out)
+
+
+def embed_tokens(
+    tables: EmbeddingCollection, idx: torch.Tensor, ngrams: NGramConfig | None = None
+) -> torch.Tensor:
+    """``[B, T]`` token ids -> ``[B, T, D]`` input vectors (see :func:`embed_ids`)."""
+    return embed_ids(tables, input_ids(idx, ngrams), ngrams)
+
+
+def embedding_optimizer(cfg: LMConfig) -> ps.Optimizer:
+    """The token (and n-gram) tables' optimizer: ``--emb-optimizer`` at ``--emb-lr``."""
+    if cfg.emb_optimizer == "adam":
+        return ps.Adam(lr=cfg.emb_lr)
+    if cfg.emb_optimizer == "adagrad":
+        return ps.RowWiseAdagrad(lr=cfg.emb_lr)
+    return ps.SGD(lr=cfg.emb_lr)
 
 
 def token_table(cfg: LMConfig, vocab_size: int) -> TableConfig:
-    opt: ps.Optimizer
-    if cfg.emb_optimizer == "adam":
-        opt = ps.Adam(lr=cfg.emb_lr)
-    elif cfg.emb_optimizer == "adagrad":
-        opt = ps.RowWiseAdagrad(lr=cfg.emb_lr)
-    else:
-        opt = ps.SGD(lr=cfg.emb_lr)
     return TableConfig(
         name="token_embedding",
         num_rows=vocab_size,
@@ -64,8 +103,25 @@ def token_table(cfg: LMConfig, vocab_size: int) -> TableConfig:
         feature_names=[TOKENS],
         pooling="none",  # one vector per token: [B, T, D]
         placement=cfg.placement,
-        optimizer=opt,
+        optimizer=embedding_optimizer(cfg),
         init=ps.UniformInit(low=-0.035, high=0.035, seed=cfg.seed),  # std 0.02, as GPT-2
+    )
+
+
+def ngram_config(cfg: LMConfig) -> NGramConfig | None:
+    """The n-gram tables ``--ngram`` asks for (None for ``--ngram 1``). Their hash seed is
+    fixed, not ``--seed``: a run's n-gram ids must not depend on its initialisation."""
+    if cfg.ngram < 2:
+        return None
+    return NGramConfig(
+        max_n=cfg.ngram,
+        rows=cfg.ngram_rows or None,
+        dim=cfg.d_model,
+        splits=cfg.ngram_splits,
+        placement=cfg.ngram_placement,
+        optimizer=embedding_optimizer(cfg),
+        capacity=cfg.ngram_capacity or None,
+        max_age_steps=cfg.ngram_max_age or None,
     )
 
 

@@ -1,0 +1,219 @@
+"""Hashed n-gram input tables for the GPT job: validation loss gain, its growth with rows, cost.
+
+    python benchmarks/ngram_lm_bench.py [--quick] [--no-mpi] [--seeds K] [--steps S]
+
+The language-model job (``python -m hybridrec train-lm``) on the Shakespeare corpus with
+the byte tokenizer, one process each run. Every run has the same corpus, tokenizer, dense
+GPT (2 blocks x 64), steps (300), global batch (32 windows of 64 bytes), learning rates
+and seed; only the input tables differ:
+
+* ``baseline``: the token table alone (``--ngram 1``);
+* ``rows_64k``, ``rows_256k``, ``rows_1m``: plus hashed 2- and 3-gram tables
+  (``--ngram 3``) of 64 Ki, 256 Ki and 1 Mi rows each, hybrid placement in the
+  in-process store;
+* ``cache_b4``: 1 Mi rows behind the hot-row cache with 10 % of each table's rows,
+  bounds (4, 4); ``cache_b0``: the same cache at bounds (0, 0).
+
+Each configuration runs with ``--seeds`` seeds (the GPT init and the batch windows), in
+the order seed by seed, configuration by configuration (A B C ... A B C ...), and the
+figures are medians over the seeds. The loss is the validation loss in nats per byte
+(the last 10 % of the corpus, 32 global batches); the step time is the job's training
+time over its steps (evaluations excluded).
+
+Under ``mpirun -n 3`` with ``--ps mpi:1`` (2 workers, one server rank; ``--no-mpi``
+skips it) the same configurations run once (first seed), and rows moved per step (the
+n-gram tables' rows pulled + pushed, as the server counts them: both workers) are
+reported.
+
+Targets: ``ngram_val_loss_gain`` = 1 - loss(rows_1m) / loss(baseline) >= 0.05;
+``ngram_loss_monotonic``: loss(64k) > loss(256k) > loss(1m); ``ngram_step_overhead`` =
+step(rows_1m) / step(baseline) <= 1.25; ``cache_bounds_gap`` = |loss(cache_b4) -
+loss(cache_b0)| <= 0.01 nats per byte. The last line is one JSON object
+(benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+KiB = 1024
+
+# The runs compared: name -> options beyond the common ones.
+CONFIGS: dict[str, list[str]] = {
+    "baseline": ["--ngram", "1"],
+    "rows_64k": ["--ngram", "3", "--ngram-rows", str(64 * KiB)],
+    "rows_256k": ["--ngram", "3", "--ngram-rows", str(256 * KiB)],
+    "rows_1m": ["--ngram", "3", "--ngram-rows", str(1024 * KiB)],
+    "cache_b4": ["--ngram", "3", "--ngram-rows", str(1024 * KiB), "--cache-fraction", "0.1",
+                 "--read-bound", "4", "--write-bound", "4"],
+    "cache_b0": ["--ngram", "3", "--ngram-rows", str(1024 * KiB), "--cache-fraction", "0.1",
+                 "--read-bound", "0", "--write-bound", "0"],
+}  # fmt: skip
+SIZES = ("rows_64k", "rows_256k", "rows_1m")
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def common_args(quick: bool, steps: int) -> list[str]:
+    """The options every run shares (the job's defaults for the model and batch)."""
+    return [
+        "--tokenizer", "byte", "--n-layer", "2", "--n-head", "4", "--d-model", "64",
+        "--block-size", "64", "--batch-size", "32", "--steps", str(steps),
+        "--eval-every", str(steps), "--eval-batches", "4" if quick else "32",
+        "--max-bytes", "400000" if quick else "0", "--threads", "1", "--no-progress",
+        "--no-verbose",
+    ]  # fmt: skip
+
+
+def launch(cmd: list[str], what: str) -> dict[str, Any]:
+    """Run the job; return its final metrics row."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "m.jsonl"
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+        done = subprocess.run(
+            [*cmd, "--metrics-out", str(out)],
+            env=env, capture_output=True, text=True, timeout=1800, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"{what} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        final: dict[str, Any] = json.loads(out.read_text().splitlines()[-1])
+        return final
+
+
+def job_cmd(mpi: bool) -> list[str]:
+    job = [sys.executable, "-m", "hybridrec", "train-lm"]
+    if not mpi:
+        return job
+    mpirun = Path(sys.executable).parent / "mpirun"
+    return [str(mpirun if mpirun.exists() else "mpirun"), "-n", "3", *job, "--ps", "mpi:1"]
+
+
+def run_all(names: list[str], seeds: list[int], base: list[str], mpi: bool) -> dict[str, list]:
+    """Every configuration for every seed, interleaved; ``{name: [final row per seed]}``."""
+    rows: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for seed in seeds:
+        for name in names:
+            r = launch([*job_cmd(mpi), *base, *CONFIGS[name], "--seed", str(seed)], name)
+            rows[name].append(r)
+            moved = r.get("ngram_rows_moved_per_step")
+            _say(
+                f"{'mpi ' if mpi else ''}{name:10s} seed {seed}: val {r['val_nats_per_byte']:.4f} "
+                f"nats/byte, step {r['step_seconds'] * 1e3:.1f} ms"
+                + (f", n-gram rows moved/step {moved:.0f}" if moved is not None else "")
+            )
+    return rows
+
+
+def figures_of(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    def med(name: str, key: str) -> float | None:
+        vals = [r[key] for r in rows[name] if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    names = list(rows)
+    loss = {n: med(n, "val_nats_per_byte") for n in names}
+    fig: dict[str, Any] = {
+        "val_nats_per_byte": loss,
+        "val_nats_per_byte_runs": {n: [r["val_nats_per_byte"] for r in rows[n]] for n in names},
+        "step_ms": {n: 1e3 * (med(n, "step_seconds") or 0.0) for n in names},
+        "ngram_rows_per_step": {n: med(n, "ngram_rows_per_step") for n in names[1:]},
+        "ngram_rows_moved_per_step": {n: med(n, "ngram_rows_moved_per_step") for n in names[1:]},
+        "cache_hit_rate": {n: med(n, "cache_hit_rate") for n in names if n.startswith("cache")},
+    }
+    first, last = loss[SIZES[0]], loss[SIZES[-1]]
+    assert first is not None and last is not None
+    fig["loss_slope_per_doubling"] = (last - first) / math.log2(16)  # 64 Ki -> 1 Mi rows
+    per_seed = zip(*(fig["val_nats_per_byte_runs"][n] for n in SIZES), strict=True)
+    fig["monotonic_seeds"] = sum(a > b > c for a, b, c in per_seed)
+    return fig
+
+
+def targets_of(fig: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    loss, step = fig["val_nats_per_byte"], fig["step_ms"]
+    gain = 1 - loss["rows_1m"] / loss["baseline"]
+    mono = bool(loss["rows_64k"] > loss["rows_256k"] > loss["rows_1m"])
+    overhead = step["rows_1m"] / step["baseline"]
+    out = {
+        f"{prefix}ngram_val_loss_gain": {"value": gain, "target": 0.05, "met": gain >= 0.05},
+        f"{prefix}ngram_loss_monotonic": {"value": mono, "target": True, "met": mono},
+        f"{prefix}ngram_step_overhead": {
+            "value": overhead, "target": 1.25, "met": overhead <= 1.25,
+        },
+    }  # fmt: skip
+    if "cache_b4" in loss:
+        gap = abs(loss["cache_b4"] - loss["cache_b0"])
+        out[f"{prefix}cache_bounds_gap"] = {"value": gap, "target": 0.01, "met": gap <= 0.01}
+    return out
+
+
+def show(fig: dict[str, Any], label: str) -> None:
+    base = fig["val_nats_per_byte"]["baseline"]
+    for name, loss in fig["val_nats_per_byte"].items():
+        _say(
+            f"{label} {name:10s}: {loss:.4f} nats/byte ({1 - loss / base:+.1%} vs baseline), "
+            f"step {fig['step_ms'][name]:.1f} ms"
+        )
+    _say(f"{label} loss slope per doubling of rows: {fig['loss_slope_per_doubling']:+.4f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small corpus, 30 steps, one seed")
+    p.add_argument("--no-mpi", action="store_true", help="skip the mpirun part")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per configuration (full mode)")
+    p.add_argument("--steps", type=int, default=300, help="training steps per run (full mode)")
+    args = p.parse_args()
+    steps = 30 if args.quick else args.steps
+    seeds = list(range(1 if args.quick else args.seeds))
+    base = common_args(args.quick, steps)
+    names = list(CONFIGS)
+    fig = figures_of(run_all(names, seeds, base, mpi=False))
+    show(fig, "in-process")
+    figures: dict[str, Any] = {"inprocess": fig}
+    targets = targets_of(fig)
+    if not args.no_mpi:
+        mpi_fig = figures_of(run_all(names, seeds[:1], base, mpi=True))
+        show(mpi_fig, "mpi")
+        figures["mpi"] = mpi_fig
+        targets.update(targets_of(mpi_fig, prefix="mpi_"))
+    print(
+        json.dumps(
+            {
+                "bench": "ngram_lm",
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "torch": torch.__version__,
+                    "python": platform.python_version(),
+                },
+                "config": {
+                    "quick": args.quick,
+                    "steps": steps,
+                    "seeds": len(seeds),
+                    "mpi_seeds": 0 if args.no_mpi else 1,
+                    "common": base,
+                    "runs": CONFIGS,
+                },
+                "figures": figures,
+                "targets": targets,
+            }  # fmt: skip
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
