@@ -81,9 +81,13 @@ def ngram_ids(tokens: torch.Tensor, n: int, *, rows: int | None, seed: int = 0) 
         raise TypeError(f"ngram_ids: tokens must be an int64 tensor [B, T], got {what}")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"ngram_ids: n must be an int >= 1, got {n!r}")
-    if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows <= 0):
-        raise ValueError(f"ngram_ids: rows must be an int > 0 or None (dynamic), got {rows!r}")
-    if not isinstance(seed, int) or not 0 <= seed < 2**63:
+    if rows is not None and (
+        not isinstance(rows, int) or isinstance(rows, bool) or not 0 < rows < 2**63
+    ):  # ids are int64: a remainder by 2**63 or more would wrap to negative ids
+        raise ValueError(
+            f"ngram_ids: rows must be an int in [1, 2**63) or None (dynamic), got {rows!r}"
+        )
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
         raise ValueError(f"ngram_ids: seed must be an int in [0, 2**63), got {seed!r}")
     b, t = tokens.shape
     pad = torch.zeros(b, n - 1, dtype=torch.int64, device=tokens.device)
@@ -122,16 +126,29 @@ class NGramConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.max_n, int) or isinstance(self.max_n, bool) or self.max_n < 2:
             raise ValueError(f"NGramConfig: max_n must be an int >= 2, got {self.max_n!r}")
-        if not isinstance(self.splits, int) or not 1 <= self.splits <= MAX_SPLITS:
+        if (
+            not isinstance(self.splits, int)
+            or isinstance(self.splits, bool)
+            or not 1 <= self.splits <= MAX_SPLITS
+        ):
             raise ValueError(
                 f"NGramConfig: splits must be an int in [1, {MAX_SPLITS}], got {self.splits!r}"
             )
-        if not isinstance(self.dim, int) or self.dim <= 0 or self.dim % self.splits:
+        if (
+            not isinstance(self.dim, int)
+            or isinstance(self.dim, bool)
+            or self.dim <= 0
+            or self.dim % self.splits
+        ):
             raise ValueError(
                 f"NGramConfig: dim {self.dim!r} must be a positive multiple of splits "
                 f"{self.splits} (each sub-table is dim / splits wide)"
             )
-        if not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED:
+        if (
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not 0 <= self.seed < MAX_SEED
+        ):
             raise ValueError(f"NGramConfig: seed must be an int in [0, 2**53), got {self.seed!r}")
         self.tables()  # the table rules (rows, placement, capacity) with the tables' names
 
