@@ -62,7 +62,13 @@ CONFIGS: dict[str, list[str]] = {
     "cache_b0": ["--ngram", "3", "--ngram-rows", str(1024 * KiB), "--cache-fraction", "0.1",
                  "--read-bound", "0", "--write-bound", "0"],
 }  # fmt: skip
+# The same cache pair with Adam on the tables: what the write bound costs a normalising
+# optimizer (the sum of s_w + 1 gradients becomes ONE Adam step; SGD adds them exactly).
+ADAM = ["--emb-optimizer", "adam", "--emb-lr", "0.01"]
+CONFIGS["cache_b4_adam"] = CONFIGS["cache_b4"] + ADAM
+CONFIGS["cache_b0_adam"] = CONFIGS["cache_b0"] + ADAM
 SIZES = ("rows_64k", "rows_256k", "rows_1m")
+QUICK_MPI = ("baseline", "rows_1m")  # --quick: the mpirun part runs only these
 
 
 def _say(text: str) -> None:
@@ -72,11 +78,11 @@ def _say(text: str) -> None:
 def common_args(quick: bool, steps: int) -> list[str]:
     """The options every run shares (the job's defaults for the model and batch)."""
     return [
-        "--tokenizer", "byte", "--n-layer", "2", "--n-head", "4", "--d-model", "64",
-        "--block-size", "64", "--batch-size", "32", "--steps", str(steps),
-        "--eval-every", str(steps), "--eval-batches", "4" if quick else "32",
-        "--max-bytes", "400000" if quick else "0", "--threads", "1", "--no-progress",
-        "--no-verbose",
+        "--tokenizer", "byte", "--n-layer", "2", "--n-head", "4",
+        "--d-model", "32" if quick else "128", "--block-size", "64", "--batch-size", "32",
+        "--steps", str(steps), "--eval-every", str(steps), "--eval-batches", "2" if quick else "32",
+        "--max-bytes", "200000" if quick else "0", "--emb-optimizer", "sgd", "--emb-lr", "64",
+        "--threads", "1", "--no-progress", "--no-verbose",
     ]  # fmt: skip
 
 
@@ -135,29 +141,33 @@ def figures_of(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "ngram_rows_moved_per_step": {n: med(n, "ngram_rows_moved_per_step") for n in names[1:]},
         "cache_hit_rate": {n: med(n, "cache_hit_rate") for n in names if n.startswith("cache")},
     }
-    first, last = loss[SIZES[0]], loss[SIZES[-1]]
-    assert first is not None and last is not None
-    fig["loss_slope_per_doubling"] = (last - first) / math.log2(16)  # 64 Ki -> 1 Mi rows
-    per_seed = zip(*(fig["val_nats_per_byte_runs"][n] for n in SIZES), strict=True)
-    fig["monotonic_seeds"] = sum(a > b > c for a, b, c in per_seed)
+    if all(n in rows for n in SIZES):
+        first, last = loss[SIZES[0]], loss[SIZES[-1]]
+        assert first is not None and last is not None
+        fig["loss_slope_per_doubling"] = (last - first) / math.log2(16)  # 64 Ki -> 1 Mi rows
+        per_seed = zip(*(fig["val_nats_per_byte_runs"][n] for n in SIZES), strict=True)
+        fig["monotonic_seeds"] = sum(a > b > c for a, b, c in per_seed)
     return fig
 
 
 def targets_of(fig: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     loss, step = fig["val_nats_per_byte"], fig["step_ms"]
     gain = 1 - loss["rows_1m"] / loss["baseline"]
-    mono = bool(loss["rows_64k"] > loss["rows_256k"] > loss["rows_1m"])
     overhead = step["rows_1m"] / step["baseline"]
     out = {
         f"{prefix}ngram_val_loss_gain": {"value": gain, "target": 0.05, "met": gain >= 0.05},
-        f"{prefix}ngram_loss_monotonic": {"value": mono, "target": True, "met": mono},
         f"{prefix}ngram_step_overhead": {
             "value": overhead, "target": 1.25, "met": overhead <= 1.25,
         },
     }  # fmt: skip
+    if all(n in loss for n in SIZES):
+        mono = bool(loss["rows_64k"] > loss["rows_256k"] > loss["rows_1m"])
+        out[f"{prefix}ngram_loss_monotonic"] = {"value": mono, "target": True, "met": mono}
     if "cache_b4" in loss:
         gap = abs(loss["cache_b4"] - loss["cache_b0"])
         out[f"{prefix}cache_bounds_gap"] = {"value": gap, "target": 0.01, "met": gap <= 0.01}
+    if "cache_b4_adam" in loss:  # reported beside the target, see CONFIGS
+        fig["cache_bounds_gap_adam"] = abs(loss["cache_b4_adam"] - loss["cache_b0_adam"])
     return out
 
 
@@ -168,17 +178,18 @@ def show(fig: dict[str, Any], label: str) -> None:
             f"{label} {name:10s}: {loss:.4f} nats/byte ({1 - loss / base:+.1%} vs baseline), "
             f"step {fig['step_ms'][name]:.1f} ms"
         )
-    _say(f"{label} loss slope per doubling of rows: {fig['loss_slope_per_doubling']:+.4f}")
+    if "loss_slope_per_doubling" in fig:
+        _say(f"{label} loss slope per doubling of rows: {fig['loss_slope_per_doubling']:+.4f}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small corpus, 30 steps, one seed")
+    p.add_argument("--quick", action="store_true", help="small corpus and model, one seed")
     p.add_argument("--no-mpi", action="store_true", help="skip the mpirun part")
     p.add_argument("--seeds", type=int, default=3, help="seeds per configuration (full mode)")
     p.add_argument("--steps", type=int, default=300, help="training steps per run (full mode)")
     args = p.parse_args()
-    steps = 30 if args.quick else args.steps
+    steps = 10 if args.quick else args.steps
     seeds = list(range(1 if args.quick else args.seeds))
     base = common_args(args.quick, steps)
     names = list(CONFIGS)
@@ -187,7 +198,8 @@ def main() -> None:
     figures: dict[str, Any] = {"inprocess": fig}
     targets = targets_of(fig)
     if not args.no_mpi:
-        mpi_fig = figures_of(run_all(names, seeds[:1], base, mpi=True))
+        mpi_names = list(QUICK_MPI) if args.quick else [n for n in names if "adam" not in n]
+        mpi_fig = figures_of(run_all(mpi_names, seeds[:1], base, mpi=True))
         show(mpi_fig, "mpi")
         figures["mpi"] = mpi_fig
         targets.update(targets_of(mpi_fig, prefix="mpi_"))
