@@ -161,11 +161,14 @@ def test_dlrm_resume_under_mpirun(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_lm_resume_one_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ngram", [{}, dict(ngram=3, ngram_rows=2048, ngram_splits=2)])
+def test_lm_resume_one_rank(tmp_path: Path, ngram: dict[str, int]) -> None:
+    """Also with hashed n-gram tables: their rows and optimizer state are in the
+    checkpoint, and a resume with another n-gram shape is refused like any shape change."""
     base = dict(
         max_bytes=200_000, block_size=32, batch_size=8, n_layer=1, n_head=2, d_model=32,
         steps=24, eval_every=10, eval_batches=2, dropout=0.1,  # dropout: the RNG is restored
-        verbose=False, progress=False, log_every=1,
+        verbose=False, progress=False, log_every=1, **ngram,
     )  # fmt: skip
 
     def run(cfg: LMConfig) -> dict[str, Any]:
