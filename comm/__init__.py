@@ -20,10 +20,12 @@ from comm.group import ProcessGroup, ReduceOp
 from comm.handle import CommTimeoutError, Handle
 from comm.init import LaunchEnv, detect_launch, init
 from comm.local import LocalGroup
+from comm.mesh import DeviceMesh
 from comm.topology import Role, Topology
 
 __all__ = [
     "CommTimeoutError",
+    "DeviceMesh",
     "Handle",
     "LaunchEnv",
     "LocalGroup",
