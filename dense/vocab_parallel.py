@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dense.tensor_parallel import TPStats, allreduce_counted, reduce_from_tp
+from dense.tp_layers import TPStats, allreduce_counted, reduce_from_tp
 
 if TYPE_CHECKING:  # only the type: the group is passed in by the caller
     from comm.group import ProcessGroup

@@ -197,7 +197,12 @@ def case_train(group: comm.ProcessGroup, dp: int) -> None:
         opt.step()
         opt.zero_grad()
         want = expected_bytes(local) if tp > 1 else {}
-        if stats.bytes_by_site != want or stats.bytes_allreduced != sum(want.values()):
+        blocks = 4 * CFG.n_layer * local * T * CFG.d_model * FLOAT if tp > 1 else 0
+        if (
+            stats.bytes_by_site != want
+            or stats.bytes_allreduced != sum(want.values())
+            or stats.bytes_of("attn", "mlp") != blocks
+        ):
             fail(group, f"{what} step {step}: TP bytes {stats.bytes_by_site}, expected {want}")
         ref_loss = gpt_loss(ref(ids), targets)
         ref_loss.backward()
