@@ -8,6 +8,13 @@
   :func:`save_zero_state` / :func:`load_zero_state` store its global state without pickle.
 * :class:`GPT` / :class:`GPTConfig`: a GPT-style decoder that takes token vectors from an
   embedding collection (:func:`gpt_loss` is its cross entropy).
+* Tensor parallelism over a ``tp`` group: :func:`apply_tensor_parallel` converts a
+  :class:`GPT` in place (:class:`ColumnParallelLinear` / :class:`RowParallelLinear`,
+  attention split by heads, :class:`VocabParallelHead`); :func:`tp_gpt_loss` /
+  :func:`vocab_parallel_cross_entropy` never gather the full logits;
+  :class:`VocabParallelEmbedding` is a token table split by vocabulary rows;
+  :class:`TPStats` counts the allreduced bytes; :func:`tp_full_state_dict` gathers the
+  full shapes back.
 * :func:`broadcast_parameters` / :func:`allreduce_gradients`: plain data parallelism
   over a ``comm.ProcessGroup`` (no overlap).
 """
@@ -17,12 +24,23 @@ from dense.data_parallel import DataParallel, allreduce_gradients, broadcast_par
 from dense.dcn import CrossLayer, CrossNetwork
 from dense.dlrm import DLRMConfig, DLRMDense, mlp, pairwise_interaction
 from dense.gpt import GPT, GPTConfig, gpt_loss
+from dense.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPStats,
+    VocabParallelHead,
+    apply_tensor_parallel,
+    tp_full_state_dict,
+    tp_stats,
+)
+from dense.vocab_parallel import VocabParallelEmbedding, tp_gpt_loss, vocab_parallel_cross_entropy
 from dense.zero import ZeroOptimizer
 from dense.zero import load_from_dir as load_zero_state
 from dense.zero import save_to_dir as save_zero_state
 
 __all__ = [
     "Bucket",
+    "ColumnParallelLinear",
     "CrossLayer",
     "CrossNetwork",
     "DLRMConfig",
@@ -30,8 +48,13 @@ __all__ = [
     "DataParallel",
     "GPT",
     "GPTConfig",
+    "RowParallelLinear",
+    "TPStats",
+    "VocabParallelEmbedding",
+    "VocabParallelHead",
     "ZeroOptimizer",
     "allreduce_gradients",
+    "apply_tensor_parallel",
     "assign_buckets",
     "broadcast_parameters",
     "gpt_loss",
@@ -39,4 +62,8 @@ __all__ = [
     "mlp",
     "pairwise_interaction",
     "save_zero_state",
+    "tp_full_state_dict",
+    "tp_gpt_loss",
+    "tp_stats",
+    "vocab_parallel_cross_entropy",
 ]

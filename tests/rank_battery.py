@@ -2,7 +2,7 @@
 
 Starting ranks costs more than most checks (every rank imports torch; 4 ranks share 2
 cores here), so the rank scripts of test_embedding_sharded, test_embedding_data_parallel,
-test_dense_data_parallel and test_dense_zero run together through
+test_dense_data_parallel, test_dense_zero and test_dense_tensor_parallel run together through
 ``tests/ranks/battery.py``: one launch per (backend, ranks) for the whole session,
 started by whichever test needs it first (``RankBattery.output``). Each test then looks
 for its own "ok" lines in that launch's output; when a launch fails, the output ends
@@ -29,7 +29,7 @@ ZERO_LOADS = [("mpi", 1), ("gloo", 4)]
 # Seconds a launch may take: ranks start, then each check (several steps, 4 ranks on 2 cores).
 START_S, PER_CHECK_S = 60.0, 60.0
 # pytest timeout of a test that reads a launch: the dense_zero loads wait for the save's launch.
-BATTERY_TIMEOUT_S = int(2 * (START_S + 6 * PER_CHECK_S)) + 60
+BATTERY_TIMEOUT_S = int(2 * (START_S + 7 * PER_CHECK_S)) + 60
 
 
 def plan(backend: str, nprocs: int, workdir: Path) -> list[list[str]]:
@@ -53,6 +53,8 @@ def plan(backend: str, nprocs: int, workdir: Path) -> list[list[str]]:
         checks.append(["dense_zero", "save", str(zero_dir)])
     if case in ZERO_LOADS:
         checks.append(["dense_zero", "load", str(zero_dir)])
+    if case in DENSE_CASES:
+        checks.append(["dense_tp", "all"])
     return checks
 
 
