@@ -8,7 +8,7 @@ command-line option and one key of a ``--config`` file (:mod:`hybridrec.config`)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from comm.compression import CODECS
 from hybridrec.config import option
@@ -16,6 +16,7 @@ from hybridrec.config import option
 
 @dataclass(kw_only=True, slots=True)
 class RunOptions:
+    max_zero_stage: ClassVar[int] = 2  # a job that shards parameters (ZeRO-3) raises it
     # ---- the hot-row cache in front of the --ps store (hybrid tables)
     cache_rows: int = option(0, help="hot-row cache in front of the store: rows per table")
     cache_fraction: float = option(0.0, help="cache size as a fraction of each table's rows")
@@ -29,7 +30,8 @@ class RunOptions:
     zero_stage: int = option(
         0,
         help="0: DataParallel (bucketed allreduce overlapped with backward); 1: "
-        "dense.ZeroOptimizer, optimizer state sharded over the ranks; 2: gradients sharded too",
+        "dense.ZeroOptimizer, optimizer state sharded over the ranks; 2: gradients sharded too; "
+        "3 (GPT job): parameters sharded too, gathered per block (dense.Zero3)",
     )
     bucket_mb: float = option(25.0, help="DataParallel bucket size (MiB)")
     # ---- checkpoints and metrics
@@ -78,8 +80,10 @@ class RunOptions:
             raise ValueError(f"checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
-        if self.zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage}")
+        stages = tuple(range(self.max_zero_stage + 1))
+        if self.zero_stage not in stages:
+            listed = ", ".join(map(str, stages[:-1])) + f" or {stages[-1]}"
+            raise ValueError(f"zero_stage must be {listed}, got {self.zero_stage}")
         if self.compression is not None and self.compression not in CODECS:
             raise ValueError(
                 f"compression must be one of {', '.join(CODECS)}, got {self.compression!r}"

@@ -75,7 +75,7 @@ def test_defaults_and_every_option() -> None:
         (dict(steps=0), "steps must be >= 1, got 0"),
         (dict(lr=0.0), "lr must be > 0, got 0.0"),
         (dict(tokenizer="bpe"), "tokenizer must be 'byte', 'gpt2' or 'auto', got 'bpe'"),
-        (dict(zero_stage=3), "zero_stage must be 0, 1 or 2, got 3"),
+        (dict(zero_stage=4), "zero_stage must be 0, 1, 2 or 3, got 4"),
         (dict(seed=-1), "seed must be >= 0, got -1"),
         (dict(cache_rows=5, placement="sharded"), "a cache needs placement 'hybrid'"),
         (dict(zero_stage=1, compression="fp16"), "ZeRO stage 1 reduces gradients itself"),

@@ -7,7 +7,7 @@ a ``--config run.toml`` file; see :mod:`hybridrec.config`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from hybridrec.config import option
 from hybridrec.launch import parse_ps
@@ -16,6 +16,7 @@ from hybridrec.run_options import RunOptions
 
 @dataclass(kw_only=True, slots=True)
 class LMConfig(RunOptions):
+    max_zero_stage: ClassVar[int] = 3
     # ---- data
     text_dir: str | None = option(
         None,
@@ -87,6 +88,27 @@ class LMConfig(RunOptions):
     ngram_max_age: int = option(
         0, help="dynamic n-gram tables: evict rows not touched in this many steps; 0 = never"
     )
+    # ---- model parallelism: the workers form a dp x pp x tp mesh (dp = workers / (pp * tp))
+    tp: int = option(
+        1,
+        help="tensor-parallel ranks: each block's attention heads and MLP and the output head "
+        "split over them (one allreduce per sub-layer per pass; the loss never gathers the "
+        "full logits)",
+    )
+    pp: int = option(
+        1, help="pipeline stages: the blocks split over this many ranks, activations passed "
+        "point to point",
+    )  # fmt: skip
+    microbatches: int = option(
+        0, help="micro-batches per step with --pp > 1; 0 = 2 x pp (must divide the batch of "
+        "each data-parallel replica)",
+    )  # fmt: skip
+    schedule: Literal["gpipe", "1f1b", "bidirectional"] = option(
+        "1f1b",
+        help="pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward "
+        "one backward: at most pp micro-batches in flight), bidirectional (Chimera: two "
+        "pipelines in opposite directions, pp 2 or 4)",
+    )
     # ---- metrics (dense parallelism, checkpoints, runtime: hybridrec.run_options)
     log_every: int = option(10, help="steps between training-loss lines in the metrics file")
     verbose: bool = option(True, help="print validation results (rank 0)")
@@ -122,6 +144,7 @@ class LMConfig(RunOptions):
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         self.check_ngram_options()
+        self.check_model_parallel()
         if (self.cache_rows or self.cache_fraction) and "hybrid" not in self.placements():
             raise ValueError(
                 f"a cache needs placement 'hybrid' for the token or n-gram tables, got "
@@ -132,6 +155,35 @@ class LMConfig(RunOptions):
     def placements(self) -> set[str]:
         """Where the tables live: the token table's and, with n-gram tables, theirs."""
         return {self.placement} | ({self.ngram_placement} if self.ngram > 1 else set())
+
+    def check_model_parallel(self) -> None:
+        """What can be checked before the world size is known (the mesh checks the rest)."""
+        for name in ("tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.microbatches < 0:
+            raise ValueError(f"microbatches must be >= 0 (0 = 2 x pp), got {self.microbatches}")
+        if self.schedule not in ("gpipe", "1f1b", "bidirectional"):
+            raise ValueError(
+                f"schedule must be 'gpipe', '1f1b' or 'bidirectional', got {self.schedule!r}"
+            )
+        if self.n_head % self.tp:
+            raise ValueError(
+                f"n_head {self.n_head} is not divisible by tp {self.tp} (each tp rank computes "
+                "n_head / tp heads)"
+            )
+        if self.pp > self.n_layer:
+            raise ValueError(
+                f"pp {self.pp} stages but only n_layer {self.n_layer} blocks: every stage needs "
+                "at least one block"
+            )
+        if self.schedule == "bidirectional" and self.pp > 1 and self.pp not in (2, 4):
+            raise ValueError(f"the bidirectional schedule needs pp 2 or 4, got {self.pp}")
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per step: ``microbatches``, or 2 x pp (1 without a pipeline)."""
+        return self.microbatches or (2 * self.pp if self.pp > 1 else 1)
 
     def check_ngram_options(self) -> None:
         if self.ngram < 1:

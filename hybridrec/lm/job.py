@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from comm import ProcessGroup, Topology
+from dense import apply_tensor_parallel
 from dense.gpt import GPT, GPTConfig, gpt_loss
 from embedding import EmbeddingCollection
+from embedding.hybrid import store_is_replicated
 from hybridrec.config import build_parser as build_config_parser
 from hybridrec.config import parse_config
 from hybridrec.datasets.text import (
@@ -52,6 +54,7 @@ from hybridrec.lm.model import (
     optimizer_state_bytes,
     token_table,
 )
+from hybridrec.lm.parallel import model_parallel
 from hybridrec.metrics_log import cache_metrics, store_metrics
 from hybridrec.tables import prepare_tables
 from hybridrec.trainer import Trainer, TrainerConfig, TrainResult, plain_step
@@ -77,13 +80,17 @@ def parse_args(argv: list[str] | None = None) -> LMConfig:
 
 @torch.no_grad()
 def evaluate(
-    model: LanguageModel, batches: list[tuple[torch.Tensor, torch.Tensor]], group: ProcessGroup
+    model: LanguageModel,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    group: ProcessGroup,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gpt_loss,
 ) -> float:
-    """Mean next-token loss over the validation windows of every rank (nats per token)."""
+    """Mean next-token loss over the validation windows of every rank (nats per token).
+    Ranks of one model replica see the same windows: the ratio of the sums is unchanged."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)  # [sum of token losses, tokens]
     for x, y in batches:
-        total[0] += float(gpt_loss(model(x), y)) * y.numel()
+        total[0] += float(loss(model(x), y)) * y.numel()
         total[1] += y.numel()
     model.train()
     group.allreduce(total, op="sum")
@@ -93,7 +100,8 @@ def evaluate(
 class Windows:
     """This rank's slice of the global batch of random windows of each step: ``(x, y)``,
     ``[b, T]`` token ids and their next tokens. Step ``s``'s windows depend only on
-    ``(seed, s)``, so a resumed run continues with the same ones."""
+    ``(seed, s)``, so a resumed run continues with the same ones. ``group`` is the
+    data-parallel group: the ranks of one model replica take the same slice."""
 
     def __init__(self, tokens: torch.Tensor, cfg: LMConfig, group: ProcessGroup) -> None:
         self.tokens, self.cfg, self.group = tokens, cfg, group
@@ -127,6 +135,32 @@ def train(
         return job.close(job.trainer.fit())
 
 
+def describe_mesh(shape: dict[str, int]) -> str:
+    """``", mesh dp 2 x pp 1 x tp 2"`` when the model is split; empty for data parallel."""
+    if shape["pp"] == 1 and shape["tp"] == 1:
+        return ""
+    return ", mesh " + " x ".join(f"{name} {size}" for name, size in shape.items())
+
+
+def check_replica_store(cfg: LMConfig, replica_ranks: int, store: Store) -> None:
+    """The ranks of one model replica (``pp * tp`` > 1) apply the same row updates to
+    their own copies of the sparse tables; a store shared by all ranks would get every
+    update ``pp * tp`` times, so it is refused, as are checkpoints of split models."""
+    if replica_ranks == 1:
+        return
+    if "hybrid" in cfg.placements() and not store_is_replicated(store):
+        raise ValueError(
+            f"--tp {cfg.tp} x --pp {cfg.pp}: every rank of a model replica updates its own copy "
+            "of the hybrid tables, so they need --ps local (an in-process store per rank) or "
+            "--placement/--ngram-placement sharded, not a store shared by all ranks"
+        )
+    if cfg.checkpoint_dir:
+        raise ValueError(
+            f"--checkpoint-dir with --tp {cfg.tp} x --pp {cfg.pp}: checkpoints of a model split "
+            "over ranks are not written by this job yet (train with --tp 1 --pp 1 to checkpoint)"
+        )
+
+
 class LMJob:
     """A built language-model run on the workers ``group``: corpus, tokenizer, model,
     optimizer and its :class:`Trainer`. ``result = job.close(job.trainer.fit())``."""
@@ -138,6 +172,8 @@ class LMJob:
         self.cfg, self.group = cfg, group
         self.corpus = load_corpus(cfg.text_dir, max_bytes=cfg.max_bytes)
         self.tokenizer = make_tokenizer(cfg.tokenizer, cfg.bpe_file)
+        par = self.par = model_parallel(cfg, group, self.tokenizer.vocab_size)
+        check_replica_store(cfg, par.mesh.size("pp") * par.mesh.size("tp"), store)
         stream = tokenize(self.corpus.text, self.tokenizer)
         splits = split_tokens(stream)
         self.bytes_per_token = len(self.corpus.text.encode()) / max(len(stream), 1)
@@ -158,8 +194,11 @@ class LMJob:
                 dropout=cfg.dropout,
             )
         )
-        trained, self.optimizer = make_dense_optimizer(cfg, gpt, group)
-        self.cached = with_cache(cfg, store, group)
+        dense_parameters = gpt.num_parameters()
+        if cfg.tp > 1:  # every rank built the full GPT from the same seed: keep its slice
+            apply_tensor_parallel(gpt, par.tp)
+        trained, self.optimizer = make_dense_optimizer(cfg, gpt, par.dp)
+        self.cached = with_cache(cfg, store, par.dp)
         self.ngrams = ngram_config(cfg)
         tables = [token_table(cfg, vocab), *(self.ngrams.tables() if self.ngrams else [])]
         hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
@@ -167,22 +206,22 @@ class LMJob:
             prepare_tables(store, hybrid, group, cfg.tables_policy)
         self.store = self.cached if self.cached is not None else store
         self.eval_traffic = 0  # n-gram rows moved by validation passes
-        embeddings = EmbeddingCollection(tables, store=self.store, group=group)
+        embeddings = EmbeddingCollection(tables, store=self.store, group=par.dp)
         self.model = LanguageModel(embeddings, trained, self.ngrams)
         self.say(
-            f"GPT {cfg.n_layer}x{cfg.d_model} ({gpt.num_parameters()} dense parameters) + token "
+            f"GPT {cfg.n_layer}x{cfg.d_model} ({dense_parameters} dense parameters) + token "
             f"table {vocab}x{cfg.d_model} ({cfg.placement}, {cfg.emb_optimizer})"
             f"{self.describe_ngrams()}; "
             f"{describe_roles(roles or Topology.of(group), group.backend)}, "
-            f"zero stage {cfg.zero_stage}"
+            f"zero stage {cfg.zero_stage}{describe_mesh(par.mesh.shape)}"
         )
         self.val = eval_batches(
             splits.val,
             num_batches=cfg.eval_batches,
             global_batch=cfg.batch_size,
             block_size=cfg.block_size,
-            rank=group.rank,
-            size=group.size,
+            rank=par.dp.rank,
+            size=par.dp.size,
         )
         # An evaluation first, every eval_every steps and after the last step.
         self.trainer = Trainer(
@@ -194,8 +233,8 @@ class LMJob:
                 resume=cfg.resume, metrics_out=cfg.metrics_out, progress=cfg.progress,
                 verbose=cfg.verbose,
             ),
-            group=group, optimizer=self.optimizer, data=Windows(splits.train, cfg, group),
-            step=plain_step(self.model, gpt_loss, self.optimizer), dense=trained,
+            group=group, optimizer=self.optimizer, data=Windows(splits.train, cfg, par.dp),
+            step=plain_step(self.model, par.loss, self.optimizer), dense=trained,
             embeddings=embeddings, evaluate=self.validate, on_row=self.show, extras=self.extras,
             run_config={**asdict(cfg), "vocab_size": vocab}, shape_options=SHAPE_OPTIONS,
         )  # fmt: skip
@@ -239,7 +278,7 @@ class LMJob:
     def validate(self) -> dict[str, Any]:
         """Validation loss (nats per token) and perplexity (collective)."""
         before = self.ngram_traffic()
-        loss = evaluate(self.model, self.val, self.group)
+        loss = evaluate(self.model, self.val, self.group, self.par.loss)
         if before is not None:  # rows read for validation are not a training step's traffic
             self.eval_traffic += (self.ngram_traffic() or 0) - before
         return {"val_loss": loss, "val_ppl": math.exp(loss)}
