@@ -210,21 +210,37 @@ class Pipeline:
         self.p = group.size
         self.loss_fn = loss_fn
         self.recv_ahead = max(1, int(recv_ahead))
-        held = self.schedule.stages_of(group.rank)  # [(pipe, stage)]
+        # Checks that may fail on some ranks only (the modules, the tied names) are
+        # agreed on before any sub-group is made, so every rank raises or none does.
+        error, sync = "", None
+        try:
+            self._bind(stages, width, schedule)
+            sync = _GradSync(self.schedule, self.modules, tied)
+        except (ValueError, TypeError) as e:
+            error = str(e)
+        raise_on_every_rank(group, error, "Pipeline")
+        assert sync is not None
+        sync.connect(group)
+        self._sync = sync
+        self.last_stats = PipelineStats()
+
+    def _bind(self, stages: nn.Module | Sequence[nn.Module], width: int | None, name: str) -> None:
+        """This rank's modules by (pipe, stage), the activation width, dtype and device."""
+        held = self.schedule.stages_of(self.group.rank)  # [(pipe, stage)]
         modules = [stages] if isinstance(stages, nn.Module) else list(stages)
         if len(modules) != len(held):
             raise ValueError(
-                f"Pipeline: schedule {schedule!r} puts {len(held)} stage(s) "
-                f"{[s for _, s in held]} on rank {group.rank}, got {len(modules)} module(s)"
+                f"Pipeline: schedule {name!r} puts {len(held)} stage(s) "
+                f"{[s for _, s in held]} on rank {self.group.rank}, got {len(modules)} module(s)"
             )
         self.modules: dict[tuple[int, int], nn.Module] = {}
         for (pipe, stage), module in zip(held, modules, strict=True):
             got = (getattr(module, "stage", stage), getattr(module, "stages", self.p))
             if got != (stage, self.p):
                 raise ValueError(
-                    f"Pipeline: rank {group.rank} must hold stage {stage} of {self.p} (pipe "
-                    f"{pipe}) under schedule {schedule!r}, got a module of stage {got[0]} of "
-                    f"{got[1]}"
+                    f"Pipeline: rank {self.group.rank} must hold stage {stage} of {self.p} "
+                    f"(pipe {pipe}) under schedule {name!r}, got a module of stage {got[0]} "
+                    f"of {got[1]}"
                 )
             self.modules[(pipe, stage)] = module
         width = width if width is not None else getattr(modules[0], "d_model", None)
@@ -236,9 +252,7 @@ class Pipeline:
         self.width = width
         first_param = next((t for m in modules for t in m.parameters()), None)
         self.dtype = first_param.dtype if first_param is not None else torch.float32
-        self.device = first_param.device if first_param is not None else group.device
-        self._sync = _GradSync(self.schedule, group, self.modules, tied)
-        self.last_stats = PipelineStats()
+        self.device = first_param.device if first_param is not None else self.group.device
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """Every parameter of this rank's stage modules (once each)."""
@@ -340,6 +354,20 @@ class Pipeline:
     def close(self) -> None:
         """Release the sub-groups made for the gradient sums (collective over ``group``)."""
         self._sync.close()
+
+
+def raise_on_every_rank(group: ProcessGroup, error: str, what: str) -> None:
+    """Collective: raise ``ValueError`` on every rank if ``error`` is set on any (one small
+    allgather), so a bad argument on one rank does not leave the others waiting."""
+    flags = [int(bool(error))]
+    if group.size > 1:
+        flags = [
+            int(f)
+            for f in group.allgather(torch.tensor(flags, dtype=torch.int64)).flatten().tolist()
+        ]
+    bad = [r for r, f in enumerate(flags) if f]
+    if bad:
+        raise ValueError(f"{what}: bad arguments on rank(s) {bad}{': ' + error if error else ''}")
 
 
 class _StepRun:
@@ -479,10 +507,10 @@ class _GradSync:
     def __init__(
         self,
         schedule: Schedule,
-        group: ProcessGroup,
         modules: Mapping[tuple[int, int], nn.Module],
         tied: Sequence[Mapping[int, str]],
     ) -> None:
+        """Local checks and bookkeeping only; :meth:`connect` makes the sub-groups."""
         p = schedule.stages
         tie_of: dict[tuple[int, str], int] = {}
         for i, spec in enumerate(tied):
@@ -529,11 +557,22 @@ class _GradSync:
             shapes = {tuple(t.shape) for t in params}
             if len(shapes) != 1:
                 raise ValueError(f"Pipeline: the copies of {key} have different shapes {shapes}")
-        # Every rank must split in the same order: derive the sets of ranks from the
-        # schedule and the tie list alone (known everywhere), pack disjoint sets into
-        # one split each.
+        self.keys_by_group: dict[tuple[int, ...], list[str]] = {}
+        for key in sorted(self.copies):
+            ranks = key_ranks[key]
+            if len(ranks) > 1:
+                self.keys_by_group.setdefault(ranks, []).append(key)
+        self.local_only = [k for k in sorted(self.copies) if len(key_ranks[k]) == 1]
+        # The sets of ranks that sum gradients, from the schedule and the tie list alone
+        # (the same on every rank, so every rank makes the same splits in the same order).
         all_sets = {ranks_of([s]) for s in range(p)} | {ranks_of(list(t)) for t in tied}
-        sets = sorted(r for r in all_sets if len(r) > 1)
+        self.rank_sets = sorted(r for r in all_sets if len(r) > 1)
+        self.groups: dict[tuple[int, ...], ProcessGroup] = {}
+        self.made: list[ProcessGroup] = []  # every split's result, to close together
+
+    def connect(self, group: ProcessGroup) -> None:
+        """Collective over ``group``: one split per batch of disjoint rank sets."""
+        sets = self.rank_sets
         batches: list[list[tuple[int, ...]]] = []
         for ranks in sets:
             for batch in batches:
@@ -542,20 +581,12 @@ class _GradSync:
                     break
             else:
                 batches.append([ranks])
-        self.groups: dict[tuple[int, ...], ProcessGroup] = {}
-        self.made: list[ProcessGroup] = []  # every split's result, to close together
         for batch in batches:
             color = next((i + 1 for i, r in enumerate(batch) if group.rank in r), 0)
             sub = group.split(color)
             self.made.append(sub)
             if color:
                 self.groups[batch[color - 1]] = sub
-        self.keys_by_group: dict[tuple[int, ...], list[str]] = {}
-        for key in sorted(self.copies):
-            ranks = key_ranks[key]
-            if len(ranks) > 1:
-                self.keys_by_group.setdefault(ranks, []).append(key)
-        self.local_only = [k for k in sorted(self.copies) if len(key_ranks[k]) == 1]
 
     def allreduce(self) -> None:
         for key in self.local_only:  # several copies on this rank only (a tie within a rank)

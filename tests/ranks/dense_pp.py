@@ -13,9 +13,9 @@ copies on stage 0 and the last stage (and their replicas under the bidirectional
 schedule) have their gradients summed.
 
 Then the bad inputs, each a ValueError on every rank: more stages than layers, an
-unknown schedule, the bidirectional schedule on 1 stage, a batch that the micro-batches
-do not divide (only the first and last stages hold tensors; the others learn it from
-the step's agreement).
+unknown schedule, the bidirectional schedule on 1 stage, a tied parameter name that
+stage 0 does not have, a batch that the micro-batches do not divide (only the first
+and last stages hold tensors; the others learn it from the step's agreement).
 
 Backend from ``HYBRIDREC_TEST_BACKEND`` (set by tests/multiproc.py).
 """
@@ -128,8 +128,8 @@ def check_schedule(group: comm.ProcessGroup, schedule: str, tied: bool) -> None:
                 fail(group, f"{what}: stage {stage_module.stage} {name} differs by {err:.3g}")
     pipe.close()
     print(
-        f"rank {group.rank}/{p} {group.backend} {what}: ok (weights within {worst:.1g} at {worst_name}; "
-        f"busy {busy:.3f} s, idle {idle:.3f} s over {STEPS} steps)",
+        f"rank {group.rank}/{p} {group.backend} {what}: ok (weights within {worst:.1g} "
+        f"at {worst_name}; busy {busy:.3f} s, idle {idle:.3f} s over {STEPS} steps)",
         flush=True,
     )
 
@@ -187,6 +187,13 @@ def check_errors(group: comm.ProcessGroup) -> None:
         "bidirectional on 1 stage",
         "needs 2 or 4 pipeline stages, got 1",
         lambda: Pipeline(split_gpt(gpt, 1, 0), single, MICRO, "bidirectional"),
+    )
+    # A tied name that only the first stage can check: every rank raises, none splits.
+    expect_error(
+        group,
+        "tied name missing on stage 0",
+        "bad arguments on rank(s) [0]",
+        lambda: Pipeline(stages, group, MICRO, tied=[{0: "nope", group.size - 1: "head.weight"}]),
     )
     # A batch of 6 in 4 micro-batches: only the first and last stages hold tensors.
     pipe = Pipeline(stages, group, MICRO, "1f1b")
