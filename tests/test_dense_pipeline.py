@@ -1,6 +1,6 @@
 """dense.pipeline: the schedules on their own, the GPT split, the pipeline in one process,
-and on real ranks (tests/ranks/dense_pp.py: every schedule equals one process on the
-global batch at 2 and 4 ranks, gloo and mpi, one launch per backend and rank count)."""
+and on real ranks (tests/ranks/dense_pp.py, in the launches of tests/rank_battery.py:
+every schedule equals one process on the global batch at 2 and 4 ranks, gloo and mpi)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dense.pipeline_schedules import (
     max_in_flight,
     simulate,
 )
-from multiproc import run_ranks
+from rank_battery import BATTERY_TIMEOUT_S, PIPELINE_CASES, RankBattery
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32)
 
@@ -244,10 +244,10 @@ def test_pipeline_errors() -> None:
 CHECKS = ["gpipe", "1f1b", "bidirectional", "1f1b tied", "bidirectional tied", "errors"]
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(("backend", "nprocs"), [("gloo", 2), ("mpi", 2), ("gloo", 4), ("mpi", 4)])
-def test_pipeline_equals_one_process_on_real_ranks(backend: str, nprocs: int) -> None:
-    text = "\n".join(run_ranks("dense_pp.py", nprocs, backend, timeout=240))
-    for rank in range(nprocs):
-        for check in CHECKS:
-            assert f"rank {rank}/{nprocs} {backend} {check}: ok" in text, text
+@pytest.mark.timeout(BATTERY_TIMEOUT_S)
+@pytest.mark.parametrize(("backend", "nprocs"), PIPELINE_CASES)
+def test_pipeline_equals_one_process_on_real_ranks(
+    backend: str, nprocs: int, rank_battery: RankBattery
+) -> None:
+    lines = [f"rank {r}/{nprocs} {backend} {check}: ok" for r in range(nprocs) for check in CHECKS]
+    rank_battery.expect(backend, nprocs, lines)
