@@ -175,7 +175,10 @@ class PipelineStats:
 
     @property
     def bubble(self) -> float:
-        """Idle fraction of the step (compare with (p-1)/(m+p-1) for GPipe and 1F1B)."""
+        """Idle fraction of the step, ``idle_s / step_s`` (compare the mean over ranks with
+        (p-1)/(m+p-1) for GPipe and 1F1B, or with :func:`~dense.pipeline_schedules.simulate`).
+        Under the bidirectional schedule it includes ``sync_s``, the replicas' gradient
+        allreduce (and the wait for the partner rank to reach it): Chimera's price."""
         return self.idle_s / self.step_s if self.step_s > 0 else 0.0
 
 
