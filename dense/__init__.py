@@ -15,6 +15,9 @@
   :class:`VocabParallelEmbedding` is a token table split by vocabulary rows;
   :class:`TPStats` counts the allreduced bytes; :func:`tp_full_state_dict` gathers the
   full shapes back.
+* :class:`Pipeline`: pipeline parallelism over ``pp`` ranks (GPipe, 1F1B, bidirectional
+  schedules from ``dense.pipeline_schedules``); :func:`split_gpt` / :func:`stages_for_rank`
+  cut a :class:`GPT` into its stages.
 * :func:`broadcast_parameters` / :func:`allreduce_gradients`: plain data parallelism
   over a ``comm.ProcessGroup`` (no overlap).
 """
@@ -24,6 +27,8 @@ from dense.data_parallel import DataParallel, allreduce_gradients, broadcast_par
 from dense.dcn import CrossLayer, CrossNetwork
 from dense.dlrm import DLRMConfig, DLRMDense, mlp, pairwise_interaction
 from dense.gpt import GPT, GPTConfig, gpt_loss
+from dense.pipeline import Pipeline, PipelineStats, StageModule, split_gpt, stages_for_rank
+from dense.pipeline_schedules import Action, Schedule, make_schedule, simulate
 from dense.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -39,6 +44,7 @@ from dense.zero import load_from_dir as load_zero_state
 from dense.zero import save_to_dir as save_zero_state
 
 __all__ = [
+    "Action",
     "Bucket",
     "ColumnParallelLinear",
     "CrossLayer",
@@ -52,6 +58,10 @@ __all__ = [
     "TPStats",
     "VocabParallelEmbedding",
     "VocabParallelHead",
+    "Pipeline",
+    "PipelineStats",
+    "Schedule",
+    "StageModule",
     "ZeroOptimizer",
     "allreduce_gradients",
     "apply_tensor_parallel",
@@ -59,6 +69,7 @@ __all__ = [
     "broadcast_parameters",
     "gpt_loss",
     "load_zero_state",
+    "make_schedule",
     "mlp",
     "pairwise_interaction",
     "save_zero_state",
@@ -66,4 +77,7 @@ __all__ = [
     "tp_gpt_loss",
     "tp_stats",
     "vocab_parallel_cross_entropy",
+    "simulate",
+    "split_gpt",
+    "stages_for_rank",
 ]

@@ -2,7 +2,8 @@
 
 Starting ranks costs more than most checks (every rank imports torch; 4 ranks share 2
 cores here), so the rank scripts of test_embedding_sharded, test_embedding_data_parallel,
-test_dense_data_parallel, test_dense_zero and test_dense_tensor_parallel run together through
+test_dense_data_parallel, test_dense_zero, test_dense_tensor_parallel and test_dense_pipeline
+run together through
 ``tests/ranks/battery.py``: one launch per (backend, ranks) for the whole session,
 started by whichever test needs it first (``RankBattery.output``). Each test then looks
 for its own "ok" lines in that launch's output; when a launch fails, the output ends
@@ -26,10 +27,12 @@ CODECS = ["none", "fp16", "bf16", "terngrad", "natural", "topk"]
 # dense_zero's files saved at 2 ranks (gloo) are loaded at 1 (mpirun) and 4 (gloo).
 ZERO_SAVE = ("gloo", 2)
 ZERO_LOADS = [("mpi", 1), ("gloo", 4)]
+PIPELINE_CASES = [c for c in DENSE_CASES if c[1] > 1]  # the world is the pipeline
 # Seconds a launch may take: ranks start, then each check (several steps, 4 ranks on 2 cores).
 START_S, PER_CHECK_S = 60.0, 60.0
 # pytest timeout of a test that reads a launch: the dense_zero loads wait for the save's launch.
-BATTERY_TIMEOUT_S = int(2 * (START_S + 7 * PER_CHECK_S)) + 60
+MOST_CHECKS = 9  # the longest launch's checks (embedding, dp, zero, tp, pp, zero3)
+BATTERY_TIMEOUT_S = int(2 * (START_S + MOST_CHECKS * PER_CHECK_S)) + 60
 
 
 def plan(backend: str, nprocs: int, workdir: Path) -> list[list[str]]:
@@ -55,6 +58,8 @@ def plan(backend: str, nprocs: int, workdir: Path) -> list[list[str]]:
         checks.append(["dense_zero", "load", str(zero_dir)])
     if case in DENSE_CASES:
         checks.append(["dense_tp", "all"])
+    if case in PIPELINE_CASES:
+        checks.append(["dense_pp"])
     return checks
 
 
