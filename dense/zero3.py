@@ -278,6 +278,9 @@ class Zero3:
 
     def _pre_forward_hook(self, unit: _Unit) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
+            if _in_backward():  # recomputation inside backward: only make the unit live
+                self._gather(unit)
+                return
             c = len(self._calls)
             self._calls.append(unit)
             self._gather(unit)

@@ -2,7 +2,7 @@
 
 Starting ranks costs more than most checks (every rank imports torch; 4 ranks share 2
 cores here), so the rank scripts of test_embedding_sharded, test_embedding_data_parallel,
-test_dense_data_parallel and test_dense_zero run together through
+test_dense_data_parallel, test_dense_zero and test_dense_zero3 run together through
 ``tests/ranks/battery.py``: one launch per (backend, ranks) for the whole session,
 started by whichever test needs it first (``RankBattery.output``). Each test then looks
 for its own "ok" lines in that launch's output; when a launch fails, the output ends
@@ -28,8 +28,10 @@ ZERO_SAVE = ("gloo", 2)
 ZERO_LOADS = [("mpi", 1), ("gloo", 4)]
 # Seconds a launch may take: ranks start, then each check (several steps, 4 ranks on 2 cores).
 START_S, PER_CHECK_S = 60.0, 60.0
-# pytest timeout of a test that reads a launch: the dense_zero loads wait for the save's launch.
-BATTERY_TIMEOUT_S = int(2 * (START_S + 6 * PER_CHECK_S)) + 60
+# pytest timeout of a test that reads a launch: the dense_zero loads wait for the save's launch
+# (each launch runs at most MOST_CHECKS checks).
+MOST_CHECKS = 7
+BATTERY_TIMEOUT_S = int(2 * (START_S + MOST_CHECKS * PER_CHECK_S)) + 60
 
 
 def plan(backend: str, nprocs: int, workdir: Path) -> list[list[str]]:
@@ -47,6 +49,9 @@ def plan(backend: str, nprocs: int, workdir: Path) -> list[list[str]]:
     if case in DENSE_CASES:
         checks.append(["dense_dp", "main"])
         checks.append(["dense_zero", "train"])
+        zero3_dir = workdir / f"zero3-{backend}-{nprocs}"
+        zero3_dir.mkdir(parents=True, exist_ok=True)
+        checks.append(["dense_zero3", "all", str(zero3_dir)])
     if case == ("mpi", 2):
         checks.append(["dense_dp", "codec", *CODECS])
     if case == ZERO_SAVE:
