@@ -61,10 +61,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from dense.data_parallel import agree_on_layout, broadcast_tensors
-from dense.zero import FORMAT, _to_json
+from dense.zero import check_state, load_param_groups, shard_of_state, state_meta
 
 if TYPE_CHECKING:  # only the types: the group is passed in by the caller
     from comm.group import ProcessGroup
@@ -75,7 +74,7 @@ ROOT_UNIT = "(root)"  # the name of the unit of the parameters registered on the
 
 @dataclass(slots=True, eq=False)
 class _Flat:
-    """One unit's parameters of one dtype: their place in the flat ``[L]``, and this rank's shard."""
+    """One unit's parameters of one dtype: their places in the flat ``[L]``; this rank's shard."""
 
     dtype: torch.dtype
     params: list[int]  # indices into Zero3.params (model.parameters() order)
@@ -260,7 +259,8 @@ class Zero3:
     # ------------------------------------------------------------------ forward hooks
 
     def _model_pre_forward(self, module: nn.Module, args: Any) -> None:
-        self._calls = []
+        if not _in_backward():  # (a recomputation inside backward is not a new forward)
+            self._calls = []
         for unit in self.units:
             if unit.name == ROOT_UNIT:
                 self._gather(unit)
@@ -302,8 +302,8 @@ class Zero3:
         """Gather ``unit`` again when backward reaches any of its outputs."""
         if not torch.is_grad_enabled():
             return
-        for t in tree_flatten(output)[0]:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+        for t in _tensors_in(output):
+            if t.requires_grad:
                 t.register_hook(self._pre_backward_hook(unit, calls, call))
 
     # ------------------------------------------------------------------ backward hooks
@@ -351,9 +351,10 @@ class Zero3:
                         raise TypeError(f"Zero3: parameter {i} has a sparse gradient")
                     buf[off : off + g.numel()].copy_(g.reshape(-1))
                     self.params[i].grad = None
-            # Full gradients (now in buf) on top of the gathered parameters, at most.
-            self._add_live(2 * buf.numel() * buf.element_size())
-            self._add_live(-2 * buf.numel() * buf.element_size())
+            # The peak so far counts autograd's full gradients and buf, briefly both alive.
+            grad_bytes = 2 * buf.numel() * buf.element_size()
+            self._add_live(grad_bytes)
+            self._add_live(-grad_bytes)
             self._reducing.append((flat, self.group.reduce_scatter_async(buf, op="avg")))
         unit.done = True
         self._release(unit)
@@ -449,19 +450,8 @@ class Zero3:
     # ------------------------------------------------------------------ checkpoints
 
     def _meta(self) -> dict[str, Any]:
-        groups = [
-            {k: _to_json(v, k) for k, v in g.items() if k != "params"}
-            for g in self.optimizer.param_groups
-        ]
-        return {
-            "format": FORMAT,
-            "optimizer": self.optimizer_cls.__name__,
-            "param_groups": groups,
-            "params": [
-                {"shape": list(self._shape(i)), "dtype": str(p.dtype)}
-                for i, p in enumerate(self.params)
-            ],
-        }
+        shapes = [(tuple(self._shape(i)), p.dtype) for i, p in enumerate(self.params)]
+        return state_meta(self.optimizer_cls, self.optimizer.param_groups, shapes)
 
     def _full_of(self, flat: _Flat, shard: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """Allgather a ``[S]`` tensor of ``flat`` (collective); yield each parameter's part."""
@@ -500,53 +490,13 @@ class Zero3:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a global optimizer state (stage 1, 2 or 3, saved at any rank count; local)."""
-        meta, tensors = state.get("meta"), state.get("tensors")
-        if not isinstance(meta, dict) or not isinstance(tensors, dict):
-            raise ValueError("Zero3.load_state_dict: expected {'meta': ..., 'tensors': ...}")
-        if meta.get("format") != FORMAT:
-            raise ValueError(
-                f"Zero3.load_state_dict: format {meta.get('format')!r}, expected {FORMAT!r}"
-            )
-        if meta.get("optimizer") != self.optimizer_cls.__name__:
-            raise ValueError(
-                f"Zero3.load_state_dict: state is for {meta.get('optimizer')!r}, this "
-                f"optimizer is {self.optimizer_cls.__name__!r}"
-            )
-        want = self._meta()["params"]
-        got = meta.get("params")
-        if got != want:
-            diff = [i for i, (a, b) in enumerate(zip(got or [], want, strict=False)) if a != b]
-            raise ValueError(
-                f"Zero3.load_state_dict: the state is for {len(got or [])} parameters, "
-                f"this model has {len(want)}; first differing parameters: {diff[:5]}"
-            )
-        size, rank = self.group.size, self.group.rank
+        tensors = check_state(state, self._meta(), "Zero3.load_state_dict")
+        shapes = [tuple(shape) for shape in self._shapes]
         for flat in self._flats():
-            mine = set(flat.params)
-            keys = sorted({n.split("/", 1)[1] for n in tensors if int(n.split("/", 1)[0]) in mine})
-            new_state: dict[str, torch.Tensor] = {}
-            for key in keys:
-                parts = [tensors[f"{i}/{key}"] for i in flat.params]
-                device = flat.shard.device
-                if parts[0].dim() == 0:
-                    new_state[key] = parts[0].detach().clone().to(device)
-                    continue
-                full = torch.zeros(flat.shard_numel * size, dtype=parts[0].dtype)  # [L]
-                for i, off, t in zip(flat.params, flat.offsets, parts, strict=True):
-                    if tuple(t.shape) != tuple(self._shape(i)):
-                        raise ValueError(
-                            f"Zero3.load_state_dict: tensor {i}/{key} has shape "
-                            f"{tuple(t.shape)}, parameter {i} has {tuple(self._shape(i))}"
-                        )
-                    full[off : off + t.numel()].copy_(t.reshape(-1))
-                s = flat.shard_numel
-                new_state[key] = full[rank * s : (rank + 1) * s].clone().to(device)
-            self.optimizer.state[flat.shard] = new_state
-        for group_now, saved in zip(
-            self.optimizer.param_groups, meta["param_groups"], strict=False
-        ):
-            for k, v in saved.items():
-                group_now[k] = tuple(v) if isinstance(group_now.get(k), tuple) else v
+            self.optimizer.state[flat.shard] = shard_of_state(
+                tensors, flat, shapes, self.group.rank, self.group.size, "Zero3.load_state_dict"
+            )
+        load_param_groups(self.optimizer, state["meta"])
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -604,6 +554,18 @@ class Zero3:
         self._hooks = []
 
 
+def _tensors_in(output: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a forward's output (a tensor, or tuples / lists / dicts of them)."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, tuple | list):
+        for item in output:
+            yield from _tensors_in(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors_in(item)
+
+
 def _numel(shape: torch.Size) -> int:
     return math.prod(shape)
 
@@ -628,7 +590,9 @@ def _unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _units_of(model: nn.Module, plist: list[torch.Tensor]) -> list[tuple[str, nn.Module, list[int]]]:
+def _units_of(
+    model: nn.Module, plist: list[torch.Tensor]
+) -> list[tuple[str, nn.Module, list[int]]]:
     """``(name, module, parameter indices)`` per unit; raises on what Zero3 cannot shard."""
     if not plist:
         raise ValueError("Zero3: the model has no parameters (nothing to shard)")

@@ -2,7 +2,7 @@
 
 ``run(group, ["all", DIR])`` runs every check on one group (also called by battery.py):
 
-* ``train``: a GPT of 4 blocks x 32 built with the same seed on every rank, wrapped in
+* ``train``: a GPT of 3 blocks x 32 built with the same seed on every rank, wrapped in
   Zero3 with AdamW, trains 5 steps, each rank on its slice of the global batch; a plain
   ``torch.optim.AdamW`` on the same GPT trains on the whole global batch in this
   process. Losses (averaged over ranks), the input gradients and the final weights
@@ -37,7 +37,7 @@ from torch import nn
 import comm
 from dense import GPT, GPTConfig, Zero3, ZeroOptimizer, gpt_loss, load_zero_state, save_zero_state
 
-CFG = GPTConfig(vocab_size=48, block_size=8, n_layer=4, n_head=4, d_model=32)
+CFG = GPTConfig(vocab_size=48, block_size=8, n_layer=3, n_head=4, d_model=32)
 GLOBAL_BATCH = 8  # sequences; divisible by 1, 2 and 4 ranks
 STEPS = 5
 SAVE_STEPS = 3
@@ -78,9 +78,9 @@ def sharded_step(group: comm.ProcessGroup, opt: Any, model: nn.Module, step: int
     return float(group.allreduce(loss.detach().reshape(1), op="avg")[0])
 
 
-def reference(steps: int, opt_cls: type[torch.optim.Optimizer], **hyper: Any) -> tuple[
-    list[float], list[torch.Tensor], dict[str, torch.Tensor]
-]:
+def reference(
+    steps: int, opt_cls: type[torch.optim.Optimizer], **hyper: Any
+) -> tuple[list[float], list[torch.Tensor], dict[str, torch.Tensor]]:
     """One process on the global batch: losses, input gradients, final weights."""
     model = gpt()
     opt = opt_cls(model.parameters(), **hyper)
@@ -257,7 +257,9 @@ def case_checkpoint(group: comm.ProcessGroup, workdir: Path) -> None:
     model = gpt()
     z = Zero3(model, half, torch.optim.AdamW, **ADAMW)
     for step in range(SAVE_STEPS):
-        compare_loss(group, f"save step {step}", sharded_step(half, z, model, step), want_losses[step])
+        compare_loss(
+            group, f"save step {step}", sharded_step(half, z, model, step), want_losses[step]
+        )
     save(group, stage3_dir, z.state_dict(), z.full_state_dict())
     group.barrier()
 
@@ -296,7 +298,9 @@ def case_checkpoint(group: comm.ProcessGroup, workdir: Path) -> None:
     z.load_state_dict(load_zero_state(stage2_dir / "optimizer"))
     for step in range(SAVE_STEPS, STEPS):
         got = sharded_step(half, z, model, step)
-        compare_loss(group, f"stage 2 -> stage 3 at {half.size} step {step}", got, want_losses[step])
+        compare_loss(
+            group, f"stage 2 -> stage 3 at {half.size} step {step}", got, want_losses[step]
+        )
     compare_weights(group, f"stage 2 -> stage 3 at {half.size}", z.full_state_dict(), want_final)
     half.close()
 
@@ -347,7 +351,7 @@ def case_errors(group: comm.ProcessGroup) -> None:
             )
         )
     for what, make, exc, text in cases:
-        expect_error(group, what, lambda: Zero3(make(), group, torch.optim.AdamW), exc, text)
+        expect_error(group, what, lambda m=make: Zero3(m(), group, torch.optim.AdamW), exc, text)
     expect_error(
         group,
         "bad optimizer class",
