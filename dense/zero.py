@@ -373,18 +373,26 @@ def shard_of_state(
     size: int,
     who: str,
 ) -> dict[str, torch.Tensor]:
-    """This rank's ``[S]`` slice of each state (scalars as they are) of ``flat``'s parameters."""
+    """This rank's ``[S]`` slice of each state (scalars as they are) of ``flat``'s parameters.
+
+    A parameter without state in ``tensors`` (it never had a gradient where the state
+    was saved, e.g. an unused layer under stage 3) starts from zeros, as a fresh
+    optimizer state would.
+    """
     members = set(flat.params)
     keys = sorted({n.split("/", 1)[1] for n in tensors if int(n.split("/", 1)[0]) in members})
     device = flat.shard.device
     out: dict[str, torch.Tensor] = {}
     for key in keys:
-        parts = [tensors[f"{i}/{key}"] for i in flat.params]
-        if parts[0].dim() == 0:
-            out[key] = parts[0].detach().clone().to(device)
+        parts = [tensors.get(f"{i}/{key}") for i in flat.params]
+        present = [t for t in parts if t is not None]
+        if present[0].dim() == 0:
+            out[key] = present[0].detach().clone().to(device)
             continue
-        full = torch.zeros(flat.shard_numel * size, dtype=parts[0].dtype)  # [L]
+        full = torch.zeros(flat.shard_numel * size, dtype=present[0].dtype)  # [L]
         for i, off, t in zip(flat.params, flat.offsets, parts, strict=True):
+            if t is None:
+                continue
             if tuple(t.shape) != shapes[i]:
                 raise ValueError(
                     f"{who}: tensor {i}/{key} has shape {tuple(t.shape)}, parameter {i} has "

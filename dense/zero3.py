@@ -402,6 +402,8 @@ class Zero3:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:  # normally None already (dropped once reduce-scattered)
+            p.grad = None
         for unit in self.units:
             for flat in unit.flats:
                 if set_to_none:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,20 @@ def case_train(group: comm.ProcessGroup) -> None:
 # ---------------------------------------------------------------------------- twice
 
 
+class Mixed(nn.Module):
+    """A unit with float32 and float64 parameters (two flats) and one it never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 5)
+        self.gain = nn.Parameter(torch.rand(5, dtype=torch.float64) + 0.5)  # [5] float64
+        self.out = nn.Linear(5, 6)
+        self.spare = nn.Parameter(torch.ones(4))  # no gradient: counts as zeros
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.fc(x) * self.gain.float()))  # [B, 6]
+
+
 class Twice(nn.Module):
     """Unit ``a`` runs twice per forward, ``unused`` never; ``scale`` is the model's own."""
 
@@ -195,7 +210,7 @@ class Twice(nn.Module):
         super().__init__()
         self.scale = nn.Parameter(torch.rand(6) + 0.5)  # [6]
         self.a = nn.Linear(6, 6)
-        self.b = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 6))
+        self.b = Mixed()
         self.unused = nn.Linear(6, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -223,11 +238,39 @@ def case_twice(group: comm.ProcessGroup) -> None:
         check_released(group, f"twice step {step}", z)
         ref_loss = ((ref(x) - y) ** 2).mean()
         ref_loss.backward()
+        # Zero3 (like ZeroOptimizer) counts a missing gradient in a unit that has others
+        # as zeros; a unit without any gradient is skipped, as torch skips its tensors.
+        ref.b.spare.grad = torch.zeros_like(ref.b.spare)
         ref_opt.step()
         ref_opt.zero_grad()
         got = float(group.allreduce(loss.detach().reshape(1), op="avg")[0])
         compare_loss(group, f"twice step {step}", got, float(ref_loss.detach()))
     compare_weights(group, "twice final weights", z.full_state_dict(), ref.state_dict())
+    if {f.dtype for f in z.units[1].flats} != {torch.float32, torch.float64}:
+        fail(group, f"unit b has flats {[f.dtype for f in z.units[1].flats]}, expected two")
+
+    # The optimizer state equals the one process's; the never-used unit has none, and a
+    # stage 1 ZeroOptimizer (one flat for all) loads it with zeros there.
+    state = z.state_dict()["tensors"]
+    for i, p in enumerate(ref.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            name = f"{i}/{key}"
+            if p in ref_opt.state and name not in state:
+                fail(group, f"state {name} missing")
+            if p not in ref_opt.state and name in state:
+                fail(group, f"state {name} present for a parameter the run never stepped")
+            if name in state:
+                err = float((state[name].double() - ref_opt.state[p][key].double()).abs().max())
+                if err > TOL:
+                    fail(group, f"state {name} differs from one process by {err:.3g}")
+    plain = Twice()
+    opt = ZeroOptimizer(torch.optim.AdamW, plain.parameters(), comm.LocalGroup(), **ADAMW)
+    opt.load_state_dict({"meta": z.state_dict()["meta"], "tensors": state})
+    back = opt.state_dict()["tensors"]
+    for name, t in back.items():
+        want = state.get(name, torch.zeros_like(t) if t.dim() else None)
+        if want is not None and not torch.equal(t, want):
+            fail(group, f"stage 1 reloaded state {name} differs")
 
 
 # ---------------------------------------------------------------------------- checkpoint
@@ -236,6 +279,7 @@ def case_twice(group: comm.ProcessGroup) -> None:
 def save(group: comm.ProcessGroup, out: Path, state: dict[str, Any], model: dict[str, Any]) -> None:
     """Rank 0 of ``group`` writes the optimizer state and the model tensors under ``out``."""
     if group.rank == 0:
+        shutil.rmtree(out, ignore_errors=True)  # nothing left from an earlier run
         save_zero_state(state, out / "optimizer")
         (out / "model").mkdir(parents=True, exist_ok=True)
         for name, t in model.items():
