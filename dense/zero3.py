@@ -155,7 +155,6 @@ class Zero3:
         if broadcast:
             broadcast_tensors([p.data for p in plist], group)
         self.units = [self._build_unit(name, module, idx) for name, module, idx in members]
-        self._unit_of_param = {i: u for u in self.units for f in u.flats for i in f.params}
         # The inner optimizer sees one [S] shard per unit and dtype: ~1/size of the state.
         self.optimizer = optimizer_cls(
             [f.shard for u in self.units for f in u.flats], **optimizer_kwargs
