@@ -6,6 +6,9 @@
   (``dense.buckets`` assigns the buckets), optional ``comm.compression`` codecs.
 * :class:`ZeroOptimizer`: ZeRO stage 1/2 (sharded optimizer state / gradients);
   :func:`save_zero_state` / :func:`load_zero_state` store its global state without pickle.
+* :class:`Zero3`: ZeRO stage 3 (parameters, gradients and optimizer state sharded; each
+  unit's parameters gathered just before its forward and backward, freed after); its
+  optimizer state has the same global form as :class:`ZeroOptimizer`'s.
 * :class:`GPT` / :class:`GPTConfig`: a GPT-style decoder that takes token vectors from an
   embedding collection (:func:`gpt_loss` is its cross entropy).
 * Tensor parallelism over a ``tp`` group: :func:`apply_tensor_parallel` converts a
@@ -42,6 +45,7 @@ from dense.vocab_parallel import VocabParallelEmbedding, tp_gpt_loss, vocab_para
 from dense.zero import ZeroOptimizer
 from dense.zero import load_from_dir as load_zero_state
 from dense.zero import save_to_dir as save_zero_state
+from dense.zero3 import Zero3
 
 __all__ = [
     "Action",
@@ -62,6 +66,7 @@ __all__ = [
     "PipelineStats",
     "Schedule",
     "StageModule",
+    "Zero3",
     "ZeroOptimizer",
     "allreduce_gradients",
     "apply_tensor_parallel",

@@ -39,7 +39,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -269,16 +269,8 @@ class ZeroOptimizer:
     # ------------------------------------------------------------------ checkpoints
 
     def _meta(self) -> dict[str, Any]:
-        groups = [
-            {k: _to_json(v, k) for k, v in g.items() if k != "params"}
-            for g in self.optimizer.param_groups
-        ]
-        return {
-            "format": FORMAT,
-            "optimizer": self.optimizer_cls.__name__,
-            "param_groups": groups,
-            "params": [{"shape": list(p.shape), "dtype": str(p.dtype)} for p in self.params],
-        }
+        shapes = [(tuple(p.shape), p.dtype) for p in self.params]
+        return state_meta(self.optimizer_cls, self.optimizer.param_groups, shapes)
 
     @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
@@ -315,54 +307,108 @@ class ZeroOptimizer:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a state from :meth:`state_dict`, saved at any rank count (local: no comm)."""
-        meta, tensors = state.get("meta"), state.get("tensors")
-        if not isinstance(meta, dict) or not isinstance(tensors, dict):
-            raise ValueError(
-                "ZeroOptimizer.load_state_dict: expected {'meta': ..., 'tensors': ...}"
-            )
-        if meta.get("format") != FORMAT:
-            raise ValueError(
-                f"ZeroOptimizer.load_state_dict: format {meta.get('format')!r}, expected {FORMAT!r}"
-            )
-        if meta.get("optimizer") != self.optimizer_cls.__name__:
-            raise ValueError(
-                f"ZeroOptimizer.load_state_dict: state is for {meta.get('optimizer')!r}, this "
-                f"optimizer is {self.optimizer_cls.__name__!r}"
-            )
-        want = self._meta()["params"]
-        if meta.get("params") != want:
-            got = meta.get("params")
-            diff = [i for i, (a, b) in enumerate(zip(got or [], want, strict=False)) if a != b]
-            raise ValueError(
-                f"ZeroOptimizer.load_state_dict: the state is for {len(got or [])} parameters, "
-                f"this optimizer has {len(want)}; first differing parameters: {diff[:5]}"
-            )
+        tensors = check_state(state, self._meta(), "ZeroOptimizer.load_state_dict")
+        shapes = [tuple(p.shape) for p in self.params]
         for flat in self._flats:
-            keys = sorted({name.split("/", 1)[1] for name in tensors
-                           if int(name.split("/", 1)[0]) in set(flat.params)})  # fmt: skip
-            new_state: dict[str, torch.Tensor] = {}
-            for key in keys:
-                parts = [tensors[f"{i}/{key}"] for i in flat.params]
-                device = flat.shard.device
-                if parts[0].dim() == 0:
-                    new_state[key] = parts[0].detach().clone().to(device)
-                    continue
-                full = torch.zeros(flat.shard_numel * self.group.size, dtype=parts[0].dtype)
-                for i, off, t in zip(flat.params, flat.offsets, parts, strict=True):
-                    if tuple(t.shape) != tuple(self.params[i].shape):
-                        raise ValueError(
-                            f"ZeroOptimizer.load_state_dict: tensor {i}/{key} has shape "
-                            f"{tuple(t.shape)}, parameter {i} has {tuple(self.params[i].shape)}"
-                        )
-                    full[off : off + t.numel()].copy_(t.reshape(-1))
-                s, r = flat.shard_numel, self.group.rank
-                new_state[key] = full[r * s : (r + 1) * s].clone().to(device)
-            self.optimizer.state[flat.shard] = new_state
-        for group_now, saved in zip(
-            self.optimizer.param_groups, meta["param_groups"], strict=False
-        ):
-            for k, v in saved.items():
-                group_now[k] = tuple(v) if isinstance(group_now.get(k), tuple) else v
+            self.optimizer.state[flat.shard] = shard_of_state(
+                tensors, flat, shapes, self.group.rank, self.group.size,
+                "ZeroOptimizer.load_state_dict",
+            )  # fmt: skip
+        load_param_groups(self.optimizer, state["meta"])
+
+
+class FlatLayout(Protocol):
+    """Where parameters sit in a flat vector of ``shard_numel * size`` elements."""
+
+    params: list[int]  # parameter indices (into the checkpoint's parameter list)
+    offsets: list[int]
+    shard_numel: int
+    shard: nn.Parameter
+
+
+def state_meta(
+    optimizer_cls: type[torch.optim.Optimizer],
+    param_groups: list[dict[str, Any]],
+    shapes: list[tuple[tuple[int, ...], torch.dtype]],
+) -> dict[str, Any]:
+    """The ``meta`` of a checkpoint: format, optimizer, hyperparameters, parameter shapes."""
+    groups = [{k: _to_json(v, k) for k, v in g.items() if k != "params"} for g in param_groups]
+    return {
+        "format": FORMAT,
+        "optimizer": optimizer_cls.__name__,
+        "param_groups": groups,
+        "params": [{"shape": list(shape), "dtype": str(dtype)} for shape, dtype in shapes],
+    }
+
+
+def check_state(state: dict[str, Any], want: dict[str, Any], who: str) -> dict[str, torch.Tensor]:
+    """Check a global state against this optimizer's :func:`state_meta`; its tensors."""
+    meta, tensors = state.get("meta"), state.get("tensors")
+    if not isinstance(meta, dict) or not isinstance(tensors, dict):
+        raise ValueError(f"{who}: expected {{'meta': ..., 'tensors': ...}}")
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{who}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("optimizer") != want["optimizer"]:
+        raise ValueError(
+            f"{who}: state is for {meta.get('optimizer')!r}, this optimizer is "
+            f"{want['optimizer']!r}"
+        )
+    got = meta.get("params")
+    if got != want["params"]:
+        diff = [
+            i for i, (a, b) in enumerate(zip(got or [], want["params"], strict=False)) if a != b
+        ]
+        raise ValueError(
+            f"{who}: the state is for {len(got or [])} parameters, this optimizer has "
+            f"{len(want['params'])}; first differing parameters: {diff[:5]}"
+        )
+    return tensors
+
+
+def shard_of_state(
+    tensors: dict[str, torch.Tensor],
+    flat: FlatLayout,
+    shapes: list[tuple[int, ...]],
+    rank: int,
+    size: int,
+    who: str,
+) -> dict[str, torch.Tensor]:
+    """This rank's ``[S]`` slice of each state (scalars as they are) of ``flat``'s parameters.
+
+    A parameter without state in ``tensors`` (it never had a gradient where the state
+    was saved, e.g. an unused layer under stage 3) starts from zeros, as a fresh
+    optimizer state would.
+    """
+    members = set(flat.params)
+    keys = sorted({n.split("/", 1)[1] for n in tensors if int(n.split("/", 1)[0]) in members})
+    device = flat.shard.device
+    out: dict[str, torch.Tensor] = {}
+    for key in keys:
+        parts = [tensors.get(f"{i}/{key}") for i in flat.params]
+        present = [t for t in parts if t is not None]
+        if present[0].dim() == 0:
+            out[key] = present[0].detach().clone().to(device)
+            continue
+        full = torch.zeros(flat.shard_numel * size, dtype=present[0].dtype)  # [L]
+        for i, off, t in zip(flat.params, flat.offsets, parts, strict=True):
+            if t is None:
+                continue
+            if tuple(t.shape) != shapes[i]:
+                raise ValueError(
+                    f"{who}: tensor {i}/{key} has shape {tuple(t.shape)}, parameter {i} has "
+                    f"{shapes[i]}"
+                )
+            full[off : off + t.numel()].copy_(t.reshape(-1))
+        s = flat.shard_numel
+        out[key] = full[rank * s : (rank + 1) * s].clone().to(device)
+    return out
+
+
+def load_param_groups(optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
+    """Set the hyperparameters saved in ``meta`` (``lr``, ``betas``, ...) on ``optimizer``."""
+    for group_now, saved in zip(optimizer.param_groups, meta["param_groups"], strict=False):
+        for k, v in saved.items():
+            group_now[k] = tuple(v) if isinstance(group_now.get(k), tuple) else v
 
 
 def _npy_dtype(t: torch.Tensor) -> tuple[np.ndarray, str]:

@@ -2,8 +2,8 @@
 
 Starting ranks costs more than most checks (every rank imports torch; 4 ranks share 2
 cores here), so the rank scripts of test_embedding_sharded, test_embedding_data_parallel,
-test_dense_data_parallel, test_dense_zero, test_dense_tensor_parallel and test_dense_pipeline
-run together through
+test_dense_data_parallel, test_dense_zero, test_dense_zero3, test_dense_tensor_parallel and
+test_dense_pipeline run together through
 ``tests/ranks/battery.py``: one launch per (backend, ranks) for the whole session,
 started by whichever test needs it first (``RankBattery.output``). Each test then looks
 for its own "ok" lines in that launch's output; when a launch fails, the output ends
@@ -31,7 +31,7 @@ PIPELINE_CASES = [c for c in DENSE_CASES if c[1] > 1]  # the world is the pipeli
 # Seconds a launch may take: ranks start, then each check (several steps, 4 ranks on 2 cores).
 START_S, PER_CHECK_S = 60.0, 60.0
 # pytest timeout of a test that reads a launch: the dense_zero loads wait for the save's launch.
-MOST_CHECKS = 9  # the longest launch's checks (embedding, dp, zero, tp, pp, zero3)
+MOST_CHECKS = 10  # the longest launch: 3 embedding, dp, codecs, zero, zero3, tp, pp, and one more
 BATTERY_TIMEOUT_S = int(2 * (START_S + MOST_CHECKS * PER_CHECK_S)) + 60
 
 
@@ -50,6 +50,9 @@ def plan(backend: str, nprocs: int, workdir: Path) -> list[list[str]]:
     if case in DENSE_CASES:
         checks.append(["dense_dp", "main"])
         checks.append(["dense_zero", "train"])
+        zero3_dir = workdir / f"zero3-{backend}-{nprocs}"
+        zero3_dir.mkdir(parents=True, exist_ok=True)
+        checks.append(["dense_zero3", "all", str(zero3_dir)])
     if case == ("mpi", 2):
         checks.append(["dense_dp", "codec", *CODECS])
     if case == ZERO_SAVE:
