@@ -293,6 +293,31 @@ class Pipeline:
         )
         return loss
 
+    @torch.no_grad()
+    def evaluate(
+        self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Forward only (validation): the whole batch down the pipe of stage ``s`` on rank
+        ``s``, no micro-batches and no gradients; the mean loss (0-d float64) on every
+        rank. ``inputs`` and ``targets`` where :meth:`step` takes them."""
+        batch, seq = self._agree_on_batch(inputs, targets)
+        rank, module = self.group.rank, self.modules[(0, self.group.rank)]
+        tag = 4 * self.m  # above every tag of a step's messages
+        if rank == 0:
+            assert inputs is not None
+            x = module(inputs)
+        else:
+            x = torch.empty(batch, seq, self.width, dtype=self.dtype, device=self.device)
+            self.group.recv(x, rank - 1, tag)
+            x = module(x)
+        loss = torch.zeros((), dtype=torch.float64)
+        if rank < self.p - 1:
+            self.group.send(x.contiguous(), rank + 1, tag)
+        else:
+            assert targets is not None
+            loss = self.loss_fn(x, targets).to(torch.float64)
+        return self.group.allreduce(loss.reshape(1))[0]
+
     def _agree_on_batch(
         self, inputs: torch.Tensor | None, targets: torch.Tensor | None
     ) -> tuple[int, int]:

@@ -63,7 +63,7 @@ from torch import nn
 
 from cache import CachedStore
 from comm import LocalGroup, ProcessGroup
-from dense import DataParallel, ZeroOptimizer, load_zero_state, save_zero_state
+from dense import DataParallel, Zero3, ZeroOptimizer, load_zero_state, save_zero_state
 from embedding import EmbeddingCollection
 from embedding.checkpoint_io import agree, run_on_rank0
 from embedding.hybrid import backing_store
@@ -72,7 +72,7 @@ from ps import Store
 from ps.checkpoint import write_checkpoint
 
 FORMAT = "hybridrec-model/1"
-DenseOptimizer = torch.optim.Optimizer | ZeroOptimizer
+DenseOptimizer = torch.optim.Optimizer | ZeroOptimizer | Zero3
 
 
 # ---------------------------------------------------------------- what a model holds
@@ -142,7 +142,11 @@ def _describe(parts: ModelParts, optimizer: DenseOptimizer | None, group: Proces
             "cache": caches.index(id(c.store)) if hybrid and id(c.store) in caches else None,
         })  # fmt: skip
     kind = (
-        None if optimizer is None else "zero" if isinstance(optimizer, ZeroOptimizer) else "torch"
+        None
+        if optimizer is None
+        else "zero"
+        if isinstance(optimizer, ZeroOptimizer | Zero3)
+        else "torch"
     )
     return {
         "format": FORMAT,
@@ -156,11 +160,30 @@ def _describe(parts: ModelParts, optimizer: DenseOptimizer | None, group: Proces
     }
 
 
-def _dense_state(model: nn.Module, parts: ModelParts) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` under canonical names, without any collection's entries."""
+def zero3_prefix(model: nn.Module, optimizer: DenseOptimizer | None) -> str | None:
+    """Where the module a :class:`dense.Zero3` shards sits in ``model`` (``"dense"``, or
+    ``""`` for the model itself); None without ZeRO-3. Its parameters are freed between
+    uses, so its weights are read and written through the optimizer."""
+    if not isinstance(optimizer, Zero3):
+        return None
+    for name, module in model.named_modules():
+        if module is optimizer.model:
+            return name
+    raise ValueError("the ZeRO-3 optimizer shards a module that is not part of this model")
+
+
+def _with_prefix(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _dense_state(
+    model: nn.Module, parts: ModelParts, full: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` under canonical names, without any collection's entries;
+    ``full`` replaces the entries it has (the gathered weights of a ZeRO-3 module)."""
     skip = tuple(f"{n}." for n in parts.collections if n)
     out = {}
-    for key, value in model.state_dict().items():
+    for key, value in (model.state_dict() | (full or {})).items():
         name = canonical_name(model, key)
         if "" in parts.collections or name.startswith(skip):
             continue
@@ -196,7 +219,12 @@ def write_model(
     parts = ModelParts.of(model)
     caches = parts.caches()
     cache_states = [c.cache_state() for c in caches]  # flushes: pending rows reach the store
-    zero = optimizer.state_dict() if isinstance(optimizer, ZeroOptimizer) else None  # collective
+    # collective: the global optimizer state, and the gathered weights of a ZeRO-3 module
+    zero = optimizer.state_dict() if isinstance(optimizer, ZeroOptimizer | Zero3) else None
+    prefix = zero3_prefix(model, optimizer)
+    full = None
+    if prefix is not None and isinstance(optimizer, Zero3):
+        full = {_with_prefix(prefix, k): v for k, v in optimizer.full_state_dict().items()}
     tables = {n: c.checkpoint_parts() for n, c in parts.collections.items()}  # collective
     codecs = {n: dp.codec_state() for n, dp in parts.data_parallel.items() if dp.codec is not None}
     group.barrier()  # every rank's updates are in the shared stores before rank 0 saves them
@@ -206,7 +234,7 @@ def write_model(
         write_state(mine / "codec", codecs)
         write_state(mine / "cache", {f"k{i:03d}": s for i, s in enumerate(cache_states)})
         if group.rank == 0:
-            _write_shared(folder, model, parts, optimizer, zero, tables, group)
+            _write_shared(folder, model, parts, optimizer, zero, tables, group, full)
     except Exception as e:  # every rank learns it below
         error = e
     agree(group, error, f"saving the model to {folder}")
@@ -220,10 +248,11 @@ def _write_shared(
     zero: dict[str, Any] | None,
     tables: dict[str, list[Any]],
     group: ProcessGroup,
+    full: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Rank 0's part of :func:`write_model`."""
     doc = _describe(parts, optimizer, group)
-    write_state(folder / "dense", _dense_state(model, parts))
+    write_state(folder / "dense", _dense_state(model, parts, full))
     if zero is not None:
         save_zero_state(zero, folder / "zero")
     elif optimizer is not None:
@@ -338,11 +367,11 @@ def load_model(
         saved = _match(doc, parts, folder)
         if optimizer is not None and doc["optimizer"] is None:
             raise ValueError(f"{folder} was saved without an optimizer state")
-        if doc["optimizer"] == "zero" and not isinstance(optimizer, ZeroOptimizer | None):
+        if doc["optimizer"] == "zero" and not isinstance(optimizer, ZeroOptimizer | Zero3 | None):
             raise ValueError(
                 f"{folder} holds a ZeroOptimizer state; got a {type(optimizer).__name__}"
             )
-        if doc["optimizer"] == "torch" and isinstance(optimizer, ZeroOptimizer):
+        if doc["optimizer"] == "torch" and isinstance(optimizer, ZeroOptimizer | Zero3):
             raise ValueError(f"{folder} holds a torch optimizer state, not a ZeroOptimizer's")
     except Exception as e:
         error = e
@@ -375,9 +404,18 @@ def _load_local(
     unknown = sorted(set(state) - set(actual))
     if unknown:
         raise ValueError(f"{folder}: saved dense entries {unknown[:5]} are not in this model")
-    model.load_state_dict({actual[k]: v for k, v in state.items()}, strict=True)
+    prefix = zero3_prefix(model, optimizer)
+    if prefix is None:
+        model.load_state_dict({actual[k]: v for k, v in state.items()}, strict=True)
+    else:  # the ZeRO-3 module's weights go in through its optimizer (each rank keeps a shard)
+        assert isinstance(optimizer, Zero3)
+        head = _with_prefix(prefix, "") if prefix else ""
+        mine = {actual[k]: v for k, v in state.items() if actual[k].startswith(head)}
+        optimizer.load_full_state_dict({k[len(head) :]: v for k, v in mine.items()})
+        rest = {actual[k]: v for k, v in state.items() if not actual[k].startswith(head)}
+        model.load_state_dict(rest, strict=False)
     if optimizer is not None:
-        if isinstance(optimizer, ZeroOptimizer):
+        if isinstance(optimizer, ZeroOptimizer | Zero3):
             optimizer.load_state_dict(load_zero_state(folder / "zero"))
         else:
             optimizer.load_state_dict(read_state(folder / "optimizer"))

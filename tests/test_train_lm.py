@@ -352,3 +352,88 @@ def test_ngram_ranks_match_one_process(
     final = json.loads(out.read_text().splitlines()[-1])
     assert final["world_size"] == nprocs
     assert [e["val_loss"] for e in final["evals"]] == pytest.approx(ngram_losses, abs=2e-3)
+
+
+# ------------------------------------------------------------ tensor, pipeline, ZeRO-3
+
+MODEL_PARALLEL: dict[str, Any] = dict(NGRAM, n_layer=2, steps=20, eval_every=10)
+
+
+@pytest.fixture(scope="module")
+def model_parallel_losses() -> list[float]:
+    cfg = LMConfig(**MODEL_PARALLEL, verbose=False)  # type: ignore[arg-type]
+    return [e["val_loss"] for e in train(cfg, comm.LocalGroup())["evals"]]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("backend", "nprocs", "options", "mesh"),
+    [
+        ("mpi", 2, ["--tp=2"], "dp 1 x pp 1 x tp 2"),
+        ("gloo", 2, ["--pp=2", "--schedule=bidirectional"], "dp 1 x pp 2 x tp 1"),
+        ("mpi", 4, ["--pp=2", "--tp=2", "--schedule=gpipe"], "dp 1 x pp 2 x tp 2"),
+        ("gloo", 4, ["--pp=2", "--zero-stage=1", "--microbatches=4"], "dp 2 x pp 2 x tp 1"),
+        ("mpi", 4, ["--tp=2", "--zero-stage=3", "--ngram-placement=sharded"], "dp 2 x pp 1 x tp 2"),
+    ],
+)
+def test_model_parallel_matches_one_process(
+    backend: str,
+    nprocs: int,
+    options: list[str],
+    mesh: str,
+    tmp_path: Path,
+    model_parallel_losses: list[float],
+) -> None:
+    """Tensor parallel, pipelines (each schedule) and ZeRO-3, alone and composed on a
+    mesh, with the token and n-gram tables looked up on the first stages: the same
+    validation losses as one process on the global batch."""
+    out = tmp_path / "m.jsonl"
+    args = [*_argv(MODEL_PARALLEL), f"--backend={backend}", f"--metrics-out={out}", *options]
+    text = "\n".join(run_ranks(SCRIPT, nprocs, backend, args=args, timeout=220))
+    assert f"mesh {mesh}" in text, text
+    final = json.loads(out.read_text().splitlines()[-1])
+    assert final["world_size"] == nprocs
+    losses = [e["val_loss"] for e in final["evals"]]
+    assert losses == pytest.approx(model_parallel_losses, abs=2e-3)
+    assert losses[-1] < losses[0] - 1.5
+
+
+@pytest.mark.parametrize(
+    ("kw", "pattern"),
+    [
+        (dict(tp=3), "n_head 4 is not divisible by tp 3"),
+        (dict(pp=3, n_layer=2), "pp 3 stages but only n_layer 2 blocks"),
+        (dict(pp=3, n_layer=3, schedule="bidirectional"), "bidirectional schedule needs pp 2 or 4"),
+        (dict(microbatches=-1), "microbatches must be >= 0"),
+        (dict(pp=2, n_layer=2, zero_stage=3), "--zero-stage 3 with --pp 2"),
+    ],
+)
+def test_model_parallel_options_are_checked(kw: dict[str, object], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        LMConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_model_parallel_needs_a_mesh_that_fits() -> None:
+    """Checks that need the world and the vocabulary: clear errors before any training."""
+    from hybridrec.lm.job import LMJob
+    from ps import InProcessStore
+
+    def job(**kw: Any) -> None:
+        LMJob(LMConfig(**{**SMALL, "verbose": False, **kw}), comm.LocalGroup(), InProcessStore())
+
+    with pytest.raises(ValueError, match=r"--tp 2 x --pp 1 = 2 ranks per model replica does not"):
+        job(tp=2)
+    with pytest.raises(ValueError, match=r"16 windows each, which must be a whole multiple of"):
+        job(microbatches=3)
+
+
+@pytest.mark.timeout(120)
+def test_zero3_checkpoint_resumes_at_stage_one(tmp_path: Path) -> None:
+    """A ZeRO-3 run's checkpoint (the global optimizer state and the gathered weights)
+    resumes under ZeRO stage 1 and ends where the uninterrupted run ends."""
+    base = dict(MODEL_PARALLEL, steps=20, verbose=False, checkpoint_dir=str(tmp_path / "ck"))
+    first = train(LMConfig(**{**base, "steps": 10, "zero_stage": 3}), comm.LocalGroup())  # type: ignore[arg-type]
+    assert first["steps"] == 10
+    resumed = train(LMConfig(**{**base, "zero_stage": 1, "resume": True}), comm.LocalGroup())  # type: ignore[arg-type]
+    plain = train(LMConfig(**{**base, "checkpoint_dir": None}), comm.LocalGroup())  # type: ignore[arg-type]
+    assert resumed["val_loss"] == pytest.approx(plain["val_loss"], abs=1e-5)

@@ -177,6 +177,12 @@ class LMConfig(RunOptions):
                 f"pp {self.pp} stages but only n_layer {self.n_layer} blocks: every stage needs "
                 "at least one block"
             )
+        if self.pp > 1 and self.zero_stage == 3:
+            raise ValueError(
+                f"--zero-stage 3 with --pp {self.pp}: ZeRO-3 gathers each block around its forward "
+                "and backward, which a pipeline runs once per micro-batch; use --zero-stage 1 or 2 "
+                "with a pipeline (the optimizer state and gradients of each stage sharded over dp)"
+            )
         if self.schedule == "bidirectional" and self.pp > 1 and self.pp not in (2, 4):
             raise ValueError(f"the bidirectional schedule needs pp 2 or 4, got {self.pp}")
 

@@ -49,12 +49,11 @@ from hybridrec.lm.config import LMConfig
 from hybridrec.lm.model import (
     LanguageModel,
     embed_tokens,
-    make_dense_optimizer,
     ngram_config,
     optimizer_state_bytes,
     token_table,
 )
-from hybridrec.lm.parallel import model_parallel
+from hybridrec.lm.parallel import build_dense, model_parallel, pipeline_loss, pipeline_step
 from hybridrec.metrics_log import cache_metrics, store_metrics
 from hybridrec.tables import prepare_tables
 from hybridrec.trainer import Trainer, TrainerConfig, TrainResult, plain_step
@@ -66,7 +65,7 @@ DESCRIPTION = __doc__.split("\n")[0]
 # Options that change the shapes a checkpoint holds: a resume names those that differ.
 SHAPE_OPTIONS = (
     "tokenizer", "vocab_size", "d_model", "n_layer", "n_head", "block_size", "placement",
-    "emb_optimizer", "zero_stage", "ngram", "ngram_rows", "ngram_splits", "ngram_placement",
+    "emb_optimizer", "ngram", "ngram_rows", "ngram_splits", "ngram_placement", "tp", "pp",
 )  # fmt: skip
 
 
@@ -197,16 +196,20 @@ class LMJob:
         dense_parameters = gpt.num_parameters()
         if cfg.tp > 1:  # every rank built the full GPT from the same seed: keep its slice
             apply_tensor_parallel(gpt, par.tp)
-        trained, self.optimizer = make_dense_optimizer(cfg, gpt, par.dp)
-        self.cached = with_cache(cfg, store, par.dp)
+        self.dense = build_dense(cfg, gpt, par)
+        trained, self.optimizer = self.dense.trained, self.dense.optimizer
+        assert par.tables is not None
+        self.cached = with_cache(cfg, store, par.tables) if par.looks_up else None
         self.ngrams = ngram_config(cfg)
         tables = [token_table(cfg, vocab), *(self.ngrams.tables() if self.ngrams else [])]
         hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
-        if hybrid:
-            prepare_tables(store, hybrid, group, cfg.tables_policy)
         self.store = self.cached if self.cached is not None else store
         self.eval_traffic = 0  # n-gram rows moved by validation passes
-        embeddings = EmbeddingCollection(tables, store=self.store, group=par.dp)
+        embeddings = None
+        if par.looks_up:  # the ranks running a first stage hold the sparse tables
+            if hybrid:
+                prepare_tables(store, hybrid, par.tables, cfg.tables_policy)
+            embeddings = EmbeddingCollection(tables, store=self.store, group=par.tables)
         self.model = LanguageModel(embeddings, trained, self.ngrams)
         self.say(
             f"GPT {cfg.n_layer}x{cfg.d_model} ({dense_parameters} dense parameters) + token "
@@ -234,7 +237,12 @@ class LMJob:
                 verbose=cfg.verbose,
             ),
             group=group, optimizer=self.optimizer, data=Windows(splits.train, cfg, par.dp),
-            step=plain_step(self.model, par.loss, self.optimizer), dense=trained,
+            step=(
+                plain_step(self.model, par.loss, self.optimizer)
+                if self.dense.pipeline is None
+                else pipeline_step(self.model, self.dense, par, cfg.zero_stage)
+            ),
+            dense=trained,
             embeddings=embeddings, evaluate=self.validate, on_row=self.show, extras=self.extras,
             run_config={**asdict(cfg), "vocab_size": vocab}, shape_options=SHAPE_OPTIONS,
         )  # fmt: skip
@@ -278,7 +286,14 @@ class LMJob:
     def validate(self) -> dict[str, Any]:
         """Validation loss (nats per token) and perplexity (collective)."""
         before = self.ngram_traffic()
-        loss = evaluate(self.model, self.val, self.group, self.par.loss)
+        if self.dense.pipeline is None:
+            loss = evaluate(self.model, self.val, self.group, self.par.loss)
+        else:
+            self.model.eval()
+            mean = sum(pipeline_loss(self.model, self.dense, self.par, x, y) for x, y in self.val)
+            total = torch.tensor([mean / len(self.val)], dtype=torch.float64)
+            loss = float(self.par.dp.allreduce(total, op="avg")[0])  # the replicas' windows
+            self.model.train()
         if before is not None:  # rows read for validation are not a training step's traffic
             self.eval_traffic += (self.ngram_traffic() or 0) - before
         return {"val_loss": loss, "val_ppl": math.exp(loss)}

@@ -24,7 +24,7 @@ from torch import nn
 
 import ps
 from comm import ProcessGroup
-from dense import DataParallel, ZeroOptimizer
+from dense import DataParallel, Zero3, ZeroOptimizer
 from dense.gpt import GPT
 from embedding import EmbeddingCollection, KeyedJaggedIds, NGramConfig, TableConfig
 from hybridrec.lm.config import LMConfig
@@ -42,22 +42,31 @@ class LanguageModel(nn.Module):
     """
 
     def __init__(
-        self, embeddings: EmbeddingCollection, gpt: nn.Module, ngrams: NGramConfig | None = None
+        self,
+        embeddings: EmbeddingCollection | None,
+        gpt: nn.Module,
+        ngrams: NGramConfig | None = None,
     ) -> None:
         super().__init__()
-        self.embeddings = embeddings
-        self.gpt = gpt  # GPT, or DataParallel(GPT)
+        self.embeddings = embeddings  # None on pipeline stages that look nothing up
+        self.gpt = gpt  # GPT, or DataParallel(GPT); this rank's stages under a pipeline
         self.ngrams = ngrams
         self.ngram_rows = self.ngram_rows_total = 0
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.gpt(self.embed(idx))  # [B, T, V] (or the tp rank's [B, T, V / tp])
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The input vectors ``[B, T, D]`` of token ids ``[B, T]`` (counting the distinct
+        n-gram rows of a training batch)."""
+        assert self.embeddings is not None, "this pipeline stage holds no input tables"
         features = input_ids(idx, self.ngrams)
         if self.training and self.ngrams is not None:  # one sort of B*T ids per n-gram table
             self.ngram_rows = sum(
                 int(torch.unique(ids).numel()) for f, ids in features.items() if f != TOKENS
             )
             self.ngram_rows_total += self.ngram_rows
-        return self.gpt(embed_ids(self.embeddings, features, self.ngrams))  # [B, T, V]
+        return embed_ids(self.embeddings, features, self.ngrams)
 
 
 def input_ids(idx: torch.Tensor, ngrams: NGramConfig | None = None) -> dict[str, torch.Tensor]:
@@ -125,29 +134,40 @@ def ngram_config(cfg: LMConfig) -> NGramConfig | None:
     )
 
 
+DenseOptimizer = torch.optim.Optimizer | ZeroOptimizer | Zero3
+
+
+def adamw_options(cfg: LMConfig) -> dict[str, Any]:
+    return dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+
+
 def make_dense_optimizer(
     cfg: LMConfig, gpt: GPT, group: ProcessGroup
-) -> tuple[nn.Module, torch.optim.Optimizer | ZeroOptimizer]:
+) -> tuple[nn.Module, DenseOptimizer]:
     """The GPT as trained (wrapped in DataParallel or not) and its optimizer.
 
     Weight decay applies to every dense parameter (one parameter group), as
     ``ZeroOptimizer`` takes a plain parameter list; so every zero stage runs the
     same optimizer and the runs are comparable.
     """
-    kw: dict[str, Any] = dict(lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    kw = adamw_options(cfg)
     if cfg.zero_stage == 0:  # DataParallel broadcasts rank 0's init
         trained = DataParallel(gpt, group, bucket_mb=cfg.bucket_mb, compression=cfg.compression)
         return trained, torch.optim.AdamW(gpt.parameters(), **kw)
+    if cfg.zero_stage == 3:  # parameters sharded too: gathered block by block by hooks
+        return gpt, Zero3(gpt, group, torch.optim.AdamW, **kw)
     # ZeroOptimizer averages the gradients itself in step() (allreduce at stage 1,
     # reduce-scatter into the owner's shard at stage 2): no DataParallel around the GPT.
     opt = ZeroOptimizer(torch.optim.AdamW, gpt.parameters(), group, stage=cfg.zero_stage, **kw)
     return gpt, opt
 
 
-def optimizer_state_bytes(opt: torch.optim.Optimizer | ZeroOptimizer) -> int:
+def optimizer_state_bytes(opt: DenseOptimizer) -> int:
     """Bytes of dense optimizer state on this rank (AdamW: two moments per element)."""
     if isinstance(opt, ZeroOptimizer):
         return opt.state_bytes()
+    if isinstance(opt, Zero3):
+        opt = opt.optimizer  # the inner optimizer of the shards
     return sum(
         t.numel() * t.element_size()
         for state in opt.state.values()
