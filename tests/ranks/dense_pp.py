@@ -17,6 +17,11 @@ unknown schedule, the bidirectional schedule on 1 stage, a tied parameter name t
 stage 0 does not have, a batch that the micro-batches do not divide (only the first
 and last stages hold tensors; the others learn it from the step's agreement).
 
+At 4 ranks also PP x TP = 2 x 2 on a ``comm.DeviceMesh``: the GPT split by
+``apply_tensor_parallel`` over each ``tp`` pair, then into 2 stages over each ``pp`` pair,
+the loss the vocabulary-parallel cross entropy; losses, the input gradient and the final
+weights (gathered to full shapes) equal one process, 1F1B and bidirectional.
+
 Backend from ``HYBRIDREC_TEST_BACKEND`` (set by tests/multiproc.py).
 """
 
@@ -31,7 +36,17 @@ import torch
 from torch import nn
 
 import comm
-from dense import GPT, GPTConfig, Pipeline, gpt_loss, split_gpt, stages_for_rank
+from dense import (
+    GPT,
+    GPTConfig,
+    Pipeline,
+    apply_tensor_parallel,
+    gpt_loss,
+    split_gpt,
+    stages_for_rank,
+    tp_full_state_dict,
+    tp_gpt_loss,
+)
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32)
 BATCH, SEQ, MICRO, STEPS = 8, 16, 4, 5
@@ -134,6 +149,46 @@ def check_schedule(group: comm.ProcessGroup, schedule: str, tied: bool) -> None:
     )
 
 
+def check_pp_tp(world: comm.ProcessGroup, schedule: str) -> None:
+    """PP x TP = 2 x 2 over the 4 ranks against one process on the global batch."""
+    mesh = comm.DeviceMesh(world, {"pp": 2, "tp": 2})
+    pp, tp = mesh.group("pp"), mesh.group("tp")
+    gpt, _ = build(tied=False)
+    ref = copy.deepcopy(gpt)
+    apply_tensor_parallel(gpt, tp)
+    stages = stages_for_rank(gpt, pp, schedule)
+    pipe = Pipeline(stages, pp, MICRO, schedule, loss_fn=lambda out, y: tp_gpt_loss(out, y, tp))
+    opt = torch.optim.AdamW(pipe.parameters(), **HYPER)  # type: ignore[arg-type]
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)  # type: ignore[arg-type]
+    held = {s for _, s in pipe.schedule.stages_of(pp.rank)}
+    what = f"pp 2 x tp 2 {schedule}"
+    for step in range(STEPS):
+        inputs, targets = batch(step, tokens=False)
+        ref_in = inputs.clone().requires_grad_(True)
+        ref_loss_t = gpt_loss(ref(ref_in), targets)
+        ref_loss_t.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mine = inputs.clone().requires_grad_(True)
+        loss = pipe.step(mine if 0 in held else None, targets if 1 in held else None)
+        if abs(float(loss) - float(ref_loss_t.detach())) > TOL:
+            fail(world, f"{what} step {step}: loss {float(loss)} != {float(ref_loss_t)}")
+        if 0 in held:
+            check_input_grad(pp, f"{what} step {step}", pipe, mine, ref_in)
+        opt.step()
+        opt.zero_grad()
+    want = dict(ref.named_parameters())
+    worst = 0.0
+    for stage_module in stages:
+        for name, t in tp_full_state_dict(stage_module).items():  # collective over tp
+            if name in want:
+                worst = max(worst, float((t - want[name].detach()).abs().max()))
+    if worst > TOL:
+        fail(world, f"{what}: final weights differ by {worst:.3g}")
+    pipe.close()
+    print(f"rank {world.rank}/{world.size} {world.backend} {what}: ok ({worst:.1g})", flush=True)
+
+
 def check_input_grad(
     group: comm.ProcessGroup, what: str, pipe: Pipeline, mine: torch.Tensor, ref: torch.Tensor
 ) -> None:
@@ -222,6 +277,9 @@ def run(group: comm.ProcessGroup, args: list[str]) -> None:
         if schedule in schedules:
             check_schedule(group, schedule, tied=True)
     check_errors(group)
+    if group.size == 4:
+        for schedule in ("1f1b", "bidirectional"):
+            check_pp_tp(group, schedule)
     print(f"rank {group.rank}/{group.size} {group.backend} dense_pp: ok", flush=True)
 
 
