@@ -130,7 +130,7 @@ def test_dataclass_checks_name_flags_not_fields(argv: str, message: str) -> None
 
 
 def test_lm_checks_and_file_values_name_flags_too(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="a cache needs --placement 'hybrid', got 'sharded'"):
+    with pytest.raises(ValueError, match="a cache needs --placement 'hybrid' for the token or"):
         parse_config(LMConfig, ["--cache-rows", "5", "--placement", "sharded"], "t")
     with pytest.raises(ValueError, match="^--steps must be >= 1, got 0$"):
         parse_config(LMConfig, _toml(tmp_path, "steps = 0\n"), "t")
