@@ -11,6 +11,8 @@ and seed; only the input tables differ:
 * ``rows_64k``, ``rows_256k``, ``rows_1m``: plus hashed 2- and 3-gram tables
   (``--ngram 3``) of 64 Ki, 256 Ki and 1 Mi rows each, hybrid placement in the
   in-process store;
+* ``n5_rows_64k`` ... ``n5_rows_1m``: the same sizes with 2- to 5-gram tables
+  (``--ngram 5``), in-process only: byte 3-grams are too few for the sizes to differ much;
 * ``cache_b4``: 1 Mi rows behind the hot-row cache with 10 % of each table's rows,
   bounds (4, 4); ``cache_b0``: the same cache at bounds (0, 0).
 
@@ -72,7 +74,12 @@ CONFIGS: dict[str, list[str]] = {
 ADAM = ["--emb-optimizer", "adam", "--emb-lr", "0.01"]
 CONFIGS["cache_b4_adam"] = CONFIGS["cache_b4"] + ADAM
 CONFIGS["cache_b0_adam"] = CONFIGS["cache_b0"] + ADAM
+# N = 5 (2- to 5-gram tables): byte 3-grams are too few (19 k distinct in this corpus) for
+# 64 Ki rows to collide much; 4- and 5-grams (95 k, 301 k) show what more rows buy.
+for _name, _rows in (("64k", 64), ("256k", 256), ("1m", 1024)):
+    CONFIGS[f"n5_rows_{_name}"] = ["--ngram", "5", "--ngram-rows", str(_rows * KiB)]
 SIZES = ("rows_64k", "rows_256k", "rows_1m")
+N5_SIZES = ("n5_rows_64k", "n5_rows_256k", "n5_rows_1m")
 QUICK_MPI = ("baseline", "rows_1m")  # --quick: the mpirun part runs only these
 
 
@@ -152,6 +159,15 @@ def figures_of(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         fig["loss_slope_per_doubling"] = (last - first) / math.log2(16)  # 64 Ki -> 1 Mi rows
         per_seed = zip(*(fig["val_nats_per_byte_runs"][n] for n in SIZES), strict=True)
         fig["monotonic_seeds"] = sum(a > b > c for a, b, c in per_seed)
+    if all(n in rows for n in N5_SIZES):
+        first, last = loss[N5_SIZES[0]], loss[N5_SIZES[-1]]
+        assert first is not None and last is not None
+        fig["n5_loss_slope_per_doubling"] = (last - first) / math.log2(16)
+        per_seed = zip(*(fig["val_nats_per_byte_runs"][n] for n in N5_SIZES), strict=True)
+        fig["n5_monotonic_seeds"] = sum(a > b > c for a, b, c in per_seed)
+        middle = loss[N5_SIZES[1]]
+        assert middle is not None
+        fig["n5_monotonic"] = bool(first > middle > last)
     return fig
 
 
@@ -224,7 +240,11 @@ def main() -> None:
     figures: dict[str, Any] = {"inprocess": fig}
     targets = targets_of(fig)
     if not args.no_mpi:
-        mpi_names = list(QUICK_MPI) if args.quick else [n for n in names if "adam" not in n]
+        mpi_names = (
+            list(QUICK_MPI)
+            if args.quick
+            else [n for n in names if "adam" not in n and not n.startswith("n5")]
+        )
         mpi_fig = figures_of(run_all(mpi_names, seeds[:1], base, mpi=True))
         mpi_fig["overhead_pairs"] = timing_pairs(min(pairs, 1), base, mpi=True)
         show(mpi_fig, "mpi")
