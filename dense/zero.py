@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -279,29 +279,14 @@ class ZeroOptimizer:
         Returns ``{"meta": dict, "tensors": {"<i>/<key>": tensor}}``; see the module
         docstring. Every rank receives the full state; typically rank 0 saves it.
         """
-        tensors: dict[str, torch.Tensor] = {}
-        for flat in self._flats:
-            state = self.optimizer.state.get(flat.shard, {})
-            for key in sorted(state):
-                value = state[key]
-                if not isinstance(value, torch.Tensor):
-                    raise TypeError(
-                        f"ZeroOptimizer.state_dict: state {key!r} is a {type(value).__name__}, "
-                        "only tensor state is supported"
-                    )
-                if value.dim() == 0:
-                    for i in flat.params:
-                        tensors[f"{i}/{key}"] = value.detach().clone()
-                    continue
-                if tuple(value.shape) != (flat.shard_numel,):
-                    raise ValueError(
-                        f"ZeroOptimizer.state_dict: state {key!r} has shape {tuple(value.shape)}, "
-                        f"expected the shard's ({flat.shard_numel},) or a scalar"
-                    )
-                full = self.group.allgather(value.detach().contiguous()).reshape(-1)  # [L]
-                for i, off in zip(flat.params, flat.offsets, strict=True):
-                    p = self.params[i]
-                    tensors[f"{i}/{key}"] = full[off : off + p.numel()].view_as(p).clone()
+        shapes = [p.shape for p in self.params]
+
+        def full_of(flat: _Flat, shard: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+            full = self.group.allgather(shard.detach().contiguous()).reshape(-1)  # [L]
+            for i, off in zip(flat.params, flat.offsets, strict=True):
+                yield i, full[off : off + shapes[i].numel()].view(shapes[i]).clone()
+
+        tensors = global_state_tensors(self.optimizer, self._flats, full_of, "ZeroOptimizer")
         return {"meta": self._meta(), "tensors": tensors}
 
     @torch.no_grad()
@@ -324,6 +309,42 @@ class FlatLayout(Protocol):
     offsets: list[int]
     shard_numel: int
     shard: nn.Parameter
+
+
+Flat = TypeVar("Flat", bound=FlatLayout)
+
+
+def global_state_tensors(
+    optimizer: torch.optim.Optimizer,
+    flats: Iterable[Flat],
+    full_of: Callable[[Flat, torch.Tensor], Iterator[tuple[int, torch.Tensor]]],
+    who: str,
+) -> dict[str, torch.Tensor]:
+    """Collective: ``{"<i>/<key>": tensor}``, the optimizer state of every parameter in
+    its own shape, from the ``[S]`` shard states (``full_of`` allgathers one and cuts it
+    per parameter; scalars such as ``step`` are copied to every parameter of the flat)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for flat in flats:
+        state = optimizer.state.get(flat.shard, {})
+        for key in sorted(state):
+            value = state[key]
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"{who}.state_dict: state {key!r} is a {type(value).__name__}, "
+                    "only tensor state is supported"
+                )
+            if value.dim() == 0:
+                for i in flat.params:
+                    tensors[f"{i}/{key}"] = value.detach().clone()
+                continue
+            if tuple(value.shape) != (flat.shard_numel,):
+                raise ValueError(
+                    f"{who}.state_dict: state {key!r} has shape {tuple(value.shape)}, "
+                    f"expected the shard's ({flat.shard_numel},) or a scalar"
+                )
+            for i, t in full_of(flat, value):
+                tensors[f"{i}/{key}"] = t
+    return tensors
 
 
 def state_meta(

@@ -63,7 +63,13 @@ import torch
 from torch import nn
 
 from dense.data_parallel import agree_on_layout, broadcast_tensors
-from dense.zero import check_state, load_param_groups, shard_of_state, state_meta
+from dense.zero import (
+    check_state,
+    global_state_tensors,
+    load_param_groups,
+    shard_of_state,
+    state_meta,
+)
 
 if TYPE_CHECKING:  # only the types: the group is passed in by the caller
     from comm.group import ProcessGroup
@@ -465,27 +471,7 @@ class Zero3:
     def state_dict(self) -> dict[str, Any]:
         """The GLOBAL optimizer state, the form of :meth:`dense.ZeroOptimizer.state_dict`
         (collective: every rank must call it; every rank receives the whole state)."""
-        tensors: dict[str, torch.Tensor] = {}
-        for flat in self._flats():
-            state = self.optimizer.state.get(flat.shard, {})
-            for key in sorted(state):
-                value = state[key]
-                if not isinstance(value, torch.Tensor):
-                    raise TypeError(
-                        f"Zero3.state_dict: state {key!r} is a {type(value).__name__}, "
-                        "only tensor state is supported"
-                    )
-                if value.dim() == 0:
-                    for i in flat.params:
-                        tensors[f"{i}/{key}"] = value.detach().clone()
-                    continue
-                if tuple(value.shape) != (flat.shard_numel,):
-                    raise ValueError(
-                        f"Zero3.state_dict: state {key!r} has shape {tuple(value.shape)}, "
-                        f"expected the shard's ({flat.shard_numel},) or a scalar"
-                    )
-                for i, t in self._full_of(flat, value):
-                    tensors[f"{i}/{key}"] = t
+        tensors = global_state_tensors(self.optimizer, self._flats(), self._full_of, "Zero3")
         return {"meta": self._meta(), "tensors": tensors}
 
     @torch.no_grad()
