@@ -21,8 +21,6 @@ Backend from ``HYBRIDREC_TEST_BACKEND`` (set by tests/multiproc.py).
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import torch
@@ -30,6 +28,7 @@ from torch import nn
 
 import comm
 from dense import DataParallel
+from rank_main import run_main
 
 GLOBAL_BATCH = 8  # divisible by 1, 2 and 4 ranks
 STEPS = 5
@@ -210,13 +209,5 @@ def run(group: comm.ProcessGroup, args: list[str]) -> None:
     print(f"rank {group.rank}/{group.size} {group.backend} {case}: ok", flush=True)
 
 
-def main() -> None:
-    group = comm.init(os.environ["HYBRIDREC_TEST_BACKEND"], timeout_s=60.0)
-    try:
-        run(group, sys.argv[1:])
-    finally:
-        group.close()
-
-
 if __name__ == "__main__":
-    main()
+    run_main(run)

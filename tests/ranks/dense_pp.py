@@ -28,8 +28,6 @@ Backend from ``HYBRIDREC_TEST_BACKEND`` (set by tests/multiproc.py).
 from __future__ import annotations
 
 import copy
-import os
-import sys
 from collections.abc import Callable
 
 import torch
@@ -47,6 +45,7 @@ from dense import (
     tp_full_state_dict,
     tp_gpt_loss,
 )
+from rank_main import run_main
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32)
 BATCH, SEQ, MICRO, STEPS = 8, 16, 4, 5
@@ -283,13 +282,5 @@ def run(group: comm.ProcessGroup, args: list[str]) -> None:
     print(f"rank {group.rank}/{group.size} {group.backend} dense_pp: ok", flush=True)
 
 
-def main() -> None:
-    group = comm.init(os.environ["HYBRIDREC_TEST_BACKEND"], timeout_s=60.0)
-    try:
-        run(group, sys.argv[1:])
-    finally:
-        group.close()
-
-
 if __name__ == "__main__":
-    main()
+    run_main(run)

@@ -22,8 +22,6 @@ Backend from ``HYBRIDREC_TEST_BACKEND`` (set by tests/multiproc.py).
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import torch
@@ -34,6 +32,7 @@ import comm
 from dense import GPT, DataParallel, GPTConfig, gpt_loss
 from dense.tensor_parallel import TPStats, apply_tensor_parallel, tp_full_state_dict
 from dense.vocab_parallel import VocabParallelEmbedding, tp_gpt_loss, vocab_parallel_cross_entropy
+from rank_main import run_main
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, d_model=32)
 GLOBAL_BATCH, T = 4, 16
@@ -241,13 +240,5 @@ def run(group: comm.ProcessGroup, args: list[str]) -> None:
     print(f"rank {group.rank}/{group.size} {group.backend} tp: ok", flush=True)
 
 
-def main() -> None:
-    group = comm.init(os.environ["HYBRIDREC_TEST_BACKEND"], timeout_s=60.0)
-    try:
-        run(group, sys.argv[1:])
-    finally:
-        group.close()
-
-
 if __name__ == "__main__":
-    main()
+    run_main(run)

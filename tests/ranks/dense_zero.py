@@ -19,8 +19,6 @@ element counts that do not divide by 4 (padding). Backend from
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ from torch import nn
 
 import comm
 from dense import ZeroOptimizer, load_zero_state, save_zero_state
+from rank_main import run_main
 
 GLOBAL_BATCH = 8
 STEPS = 4
@@ -172,13 +171,5 @@ def run(group: comm.ProcessGroup, args: list[str]) -> None:
     print(f"rank {group.rank}/{group.size} {group.backend} {case}: ok", flush=True)
 
 
-def main() -> None:
-    group = comm.init(os.environ["HYBRIDREC_TEST_BACKEND"], timeout_s=60.0)
-    try:
-        run(group, sys.argv[1:])
-    finally:
-        group.close()
-
-
 if __name__ == "__main__":
-    main()
+    run_main(run)

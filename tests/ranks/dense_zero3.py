@@ -25,9 +25,7 @@ Backend from ``HYBRIDREC_TEST_BACKEND`` (set by tests/multiproc.py).
 from __future__ import annotations
 
 import copy
-import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ from torch import nn
 
 import comm
 from dense import GPT, GPTConfig, Zero3, ZeroOptimizer, gpt_loss, load_zero_state, save_zero_state
+from rank_main import run_main
 
 CFG = GPTConfig(vocab_size=48, block_size=8, n_layer=3, n_head=4, d_model=32)
 GLOBAL_BATCH = 8  # sequences; divisible by 1, 2 and 4 ranks
@@ -437,13 +436,5 @@ def run(group: comm.ProcessGroup, args: list[str]) -> None:
         print(f"rank {group.rank}/{group.size} {group.backend} zero3 {name}: ok", flush=True)
 
 
-def main() -> None:
-    group = comm.init(os.environ["HYBRIDREC_TEST_BACKEND"], timeout_s=60.0)
-    try:
-        run(group, sys.argv[1:])
-    finally:
-        group.close()
-
-
 if __name__ == "__main__":
-    main()
+    run_main(run)

@@ -13,8 +13,6 @@ Backend from ``HYBRIDREC_TEST_BACKEND`` (set by tests/multiproc.py).
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ import torch
 import comm
 import ps
 from embedding import EmbeddingCollection, KeyedJaggedIds, RowWiseAdagrad, TableConfig
+from rank_main import run_main
 
 GLOBAL_BATCH = 8  # divisible by 1, 2 and 4 ranks
 STEPS = 4
@@ -144,13 +143,5 @@ def run(group: comm.ProcessGroup, args: list[str]) -> None:
     print(f"rank {rank}/{size}: ok missing placements", flush=True)
 
 
-def main() -> None:
-    group = comm.init(os.environ["HYBRIDREC_TEST_BACKEND"], timeout_s=60.0)
-    try:
-        run(group, sys.argv[1:])
-    finally:
-        group.close()
-
-
 if __name__ == "__main__":
-    main()
+    run_main(run)

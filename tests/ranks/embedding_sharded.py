@@ -24,8 +24,6 @@ Backend from ``HYBRIDREC_TEST_BACKEND`` (set by tests/multiproc.py).
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 from typing import Literal
 
 import torch
@@ -37,6 +35,7 @@ from embedding.config import TableConfig
 from embedding.jagged import KeyedJaggedIds
 from embedding.sharded import ShardedTables
 from embedding.sharding_plan import ShardingPlan
+from rank_main import run_main
 
 GLOBAL_BATCH = 8  # divisible by 1, 2 and 4 ranks
 STEPS = 3
@@ -365,13 +364,5 @@ def run(group: comm.ProcessGroup, args: list[str]) -> None:
         collection(group)
 
 
-def main() -> None:
-    group = comm.init(os.environ["HYBRIDREC_TEST_BACKEND"], timeout_s=60.0)
-    try:
-        run(group, sys.argv[1:])
-    finally:
-        group.close()
-
-
 if __name__ == "__main__":
-    main()
+    run_main(run)

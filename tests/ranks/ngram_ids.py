@@ -14,13 +14,12 @@ Backend from ``HYBRIDREC_TEST_BACKEND`` (set by tests/multiproc.py).
 from __future__ import annotations
 
 import hashlib
-import os
-import sys
 
 import torch
 
 import comm
 from embedding import NGramConfig, ngram_ids
+from rank_main import run_main
 
 VOCABS = (50257, 256)
 NS = (1, 2, 3, 5)
@@ -72,13 +71,5 @@ def run(group: comm.ProcessGroup, args: list[str]) -> None:
     print(f"rank {rank}/{size}: ok ngram ids {digest(mine)}", flush=True)
 
 
-def main() -> None:
-    group = comm.init(os.environ["HYBRIDREC_TEST_BACKEND"], timeout_s=60.0)
-    try:
-        run(group, sys.argv[1:])
-    finally:
-        group.close()
-
-
 if __name__ == "__main__":
-    main()
+    run_main(run)
