@@ -178,12 +178,19 @@ class TorchGroup(ProcessGroup):
         return self._handle(work, finish, f"recv from rank {src}")
 
     def _split(self, color: int, key: int) -> ProcessGroup:
-        # torch.distributed needs every rank to call new_group for every new group,
-        # in the same order: learn all (color, key) pairs, then create them all.
+        # On the whole world, torch.distributed needs every rank to call new_group for
+        # every new group, in the same order: learn all (color, key) pairs, then create
+        # them all. A sub-group's ranks cannot do that (the other ranks are elsewhere,
+        # perhaps splitting their own sub-group at the same moment: groups named by the
+        # world's counter would then collide), so each rank creates only its own group,
+        # named from its ranks, with the members alone (use_local_synchronization).
         mine = torch.tensor([color, key], dtype=torch.int64)
         table = self._allgather_async(mine).wait().tolist()  # [size, 2]
+        whole_world = len(self._global_ranks) == dist.get_world_size()
         result: TorchGroup | None = None
         for c in sorted({row[0] for row in table}):
+            if not whole_world and c != color:
+                continue
             by_key = [
                 r for _, r in sorted((row[1], r) for r, row in enumerate(table) if row[0] == c)
             ]
@@ -195,7 +202,9 @@ class TorchGroup(ProcessGroup):
                     stacklevel=3,
                 )
             ranks = [self._global_ranks[r] for r in sorted(by_key)]
-            pg = dist.new_group(ranks=ranks, backend=self.backend)
+            pg = dist.new_group(
+                ranks=ranks, backend=self.backend, use_local_synchronization=not whole_world
+            )
             if c == color:
                 result = TorchGroup(
                     pg, global_ranks=ranks, device=self.device,
