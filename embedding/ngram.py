@@ -38,31 +38,10 @@ import torch
 
 from embedding.config import Placement, TableConfig
 from ps import Adam, Optimizer, UniformInit
+from ps.routing import splitmix64 as mix  # the stores' row hash, on int64 words
 
-
-def _signed(u: int) -> int:
-    """The int64 whose two's-complement bits are the uint64 ``u``."""
-    return u - (1 << 64) if u >= 1 << 63 else u
-
-
-_GOLDEN = _signed(0x9E3779B97F4A7C15)
-_MUL1 = _signed(0xBF58476D1CE4E5B9)
-_MUL2 = _signed(0x94D049BB133111EB)
 MAX_SPLITS = 1024  # a sub-table's hash seed is (seed << 10) | split
 MAX_SEED = 2**53  # keeps (seed << 10) | split inside 63 bits
-
-
-def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 words (torch's ``>>`` is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def _mix(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64 on int64 words; add and multiply wrap modulo 2**64 as uint64 would."""
-    z = z + _GOLDEN
-    z = (z ^ _shr(z, 30)) * _MUL1
-    z = (z ^ _shr(z, 27)) * _MUL2
-    return z ^ _shr(z, 31)
 
 
 def ngram_ids(tokens: torch.Tensor, n: int, *, rows: int | None, seed: int = 0) -> torch.Tensor:
@@ -92,11 +71,11 @@ def ngram_ids(tokens: torch.Tensor, n: int, *, rows: int | None, seed: int = 0) 
     b, t = tokens.shape
     pad = torch.zeros(b, n - 1, dtype=torch.int64, device=tokens.device)
     codes = torch.cat([pad, tokens + 1], dim=1)  # [B, n-1+T]: 0 = before the window
-    key = _mix(torch.tensor(seed, dtype=torch.int64) ^ _mix(torch.tensor(n, dtype=torch.int64)))
+    key = mix(torch.tensor([seed], dtype=torch.int64) ^ mix(torch.tensor([n], dtype=torch.int64)))
     h = key.to(tokens.device).expand(b, t)  # [B, T]
     for k in range(n):  # the n codes of each position's n-gram, oldest first
-        h = _mix(h ^ codes[:, k : k + t])
-    ids = _shr(h, 1)  # [B, T] in [0, 2**63)
+        h = mix(h ^ codes[:, k : k + t])
+    ids = (h >> 1) & ((1 << 63) - 1)  # [B, T]: the top 63 bits, logical shift, in [0, 2**63)
     return ids if rows is None else torch.remainder(ids, rows)
 
 
