@@ -161,11 +161,24 @@ def describe_roles(topology: Topology, backend: str) -> str:
     return f"{text} ({backend})"
 
 
-def check_batch_size(batch_size: int, topology: Topology) -> None:
-    """ValueError unless the global batch splits evenly over the worker ranks."""
-    if batch_size % topology.num_workers:
+def check_batch_size(batch_size: int, topology: Topology, ranks_per_replica: int = 1) -> None:
+    """ValueError unless the global batch splits evenly over the model replicas: the
+    worker ranks, or groups of ``ranks_per_replica`` of them that hold one model split
+    over them and see the same samples (a mesh that does not divide is the job's error)."""
+    workers = topology.num_workers
+    if ranks_per_replica > 1:
+        if workers % ranks_per_replica:
+            return
+        replicas = workers // ranks_per_replica
+        if batch_size % replicas:
+            raise ValueError(
+                f"--batch-size {batch_size} must be a multiple of the {replicas} model replicas "
+                f"({workers} worker ranks, {ranks_per_replica} per replica)"
+            )
+        return
+    if batch_size % workers:
         raise ValueError(
-            f"--batch-size {batch_size} must be a multiple of the {topology.num_workers} worker "
+            f"--batch-size {batch_size} must be a multiple of the {workers} worker "
             f"rank(s) ({topology.world_size} ranks, {topology.num_servers} of them parameter "
             "servers)"
         )
@@ -194,7 +207,7 @@ class Launch:
     ``__enter__`` sets torch's thread count (``threads``, 0: torch's default), starts
     the world (``comm.init``), checks the roles against the job on
     every rank before anything starts (``--ps`` needs the right backend and enough
-    ranks; the global batch splits over the workers), then opens ``--ps``: a PS server
+    ranks; the global batch splits over the model replicas), then opens ``--ps``: a PS server
     rank serves there until every worker closed its store. ``__exit__`` closes the
     store and the world, also after an error.
     """
@@ -205,12 +218,14 @@ class Launch:
         *,
         ps: str = "local",
         batch_size: int | None = None,
+        ranks_per_replica: int = 1,
         validate: bool = False,
         timeout_s: float | None = None,
         threads: int = 0,
     ) -> None:
         parse_ps(ps)  # a bad --ps fails before any process group starts
         self.backend, self.ps, self.batch_size = backend, ps, batch_size
+        self.ranks_per_replica = ranks_per_replica
         self.validate, self.timeout_s, self.threads = validate, timeout_s, threads
         self._threads_before = torch.get_num_threads()
         self.world: ProcessGroup | None = None
@@ -219,9 +234,11 @@ class Launch:
     @classmethod
     def for_run(cls, cfg: Any) -> Launch:
         """The launch a job config asks for: its ``backend``, ``ps``, ``batch_size``,
-        ``validate_comm`` and ``threads`` (every job's config has them)."""
+        ``validate_comm`` and ``threads`` (every job's config has them), and
+        ``ranks_per_replica`` (:class:`hybridrec.run_options.RunOptions`; 1 without it)."""
         return cls(
-            cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size, validate=cfg.validate_comm,
+            cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size,
+            ranks_per_replica=getattr(cfg, "ranks_per_replica", 1), validate=cfg.validate_comm,
             threads=cfg.threads,
         )  # fmt: skip
 
@@ -235,7 +252,7 @@ class Launch:
         try:
             topology = topology_for(self.ps, self.world)
             if self.batch_size is not None:
-                check_batch_size(self.batch_size, topology)
+                check_batch_size(self.batch_size, topology, self.ranks_per_replica)
             self.role = open_ps(self.ps, self.world)
         except BaseException:
             self.close()

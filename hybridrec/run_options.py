@@ -61,6 +61,12 @@ class RunOptions:
         return "reuse" if self.resume and self.existing_tables == "fail" else self.existing_tables
 
     @property
+    def ranks_per_replica(self) -> int:
+        """Worker ranks holding one copy of the model between them (they see the same
+        samples); 1 unless a job splits its model (the GPT job's tp x pp)."""
+        return 1
+
+    @property
     def cache_on(self) -> bool:
         return bool(self.cache_rows or self.cache_fraction)
 

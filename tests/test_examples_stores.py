@@ -62,6 +62,16 @@ def test_roles_are_described_and_checked() -> None:
         check_batch_size(10, Topology(world_size=4, num_servers=1))
 
 
+def test_batch_splits_over_model_replicas() -> None:
+    """Ranks holding one model between them (tp x pp) see the same samples: the batch
+    needs to split over the replicas only."""
+    check_batch_size(2, Topology(world_size=4), ranks_per_replica=4)  # one replica
+    check_batch_size(6, Topology(world_size=5, num_servers=1), ranks_per_replica=2)
+    with pytest.raises(ValueError, match="--batch-size 3 must be a multiple of the 2 model"):
+        check_batch_size(3, Topology(world_size=4), ranks_per_replica=2)
+    check_batch_size(3, Topology(world_size=4), ranks_per_replica=3)  # the mesh names that
+
+
 def test_launch_opens_roles_and_always_closes() -> None:
     with Launch("local", ps="local", batch_size=4, threads=1) as job:
         assert job.is_worker and job.group.size == 1 and isinstance(job.store, InProcessStore)

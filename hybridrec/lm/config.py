@@ -187,6 +187,10 @@ class LMConfig(RunOptions):
             raise ValueError(f"the bidirectional schedule needs pp 2 or 4, got {self.pp}")
 
     @property
+    def ranks_per_replica(self) -> int:
+        return self.tp * self.pp
+
+    @property
     def num_microbatches(self) -> int:
         """Micro-batches per step: ``microbatches``, or 2 x pp (1 without a pipeline)."""
         return self.microbatches or (2 * self.pp if self.pp > 1 else 1)

@@ -167,7 +167,7 @@ class LMJob:
     def __init__(
         self, cfg: LMConfig, group: ProcessGroup, store: Store, *, roles: Topology | None = None
     ) -> None:
-        check_batch_size(cfg.batch_size, Topology.of(group))
+        check_batch_size(cfg.batch_size, Topology.of(group), cfg.ranks_per_replica)
         self.cfg, self.group = cfg, group
         self.corpus = load_corpus(cfg.text_dir, max_bytes=cfg.max_bytes)
         self.tokenizer = make_tokenizer(cfg.tokenizer, cfg.bpe_file)
