@@ -82,14 +82,17 @@ def evaluate(
     model: LanguageModel,
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     group: ProcessGroup,
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gpt_loss,
+    batch_loss: Callable[[torch.Tensor, torch.Tensor], float] | None = None,
 ) -> float:
     """Mean next-token loss over the validation windows of every rank (nats per token).
+    ``batch_loss(x, y)``: one batch's mean loss (default ``gpt_loss(model(x), y)``).
     Ranks of one model replica see the same windows: the ratio of the sums is unchanged."""
+    if batch_loss is None:
+        batch_loss = lambda x, y: float(gpt_loss(model(x), y))  # noqa: E731
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)  # [sum of token losses, tokens]
     for x, y in batches:
-        total[0] += float(loss(model(x), y)) * y.numel()
+        total[0] += batch_loss(x, y) * y.numel()
         total[1] += y.numel()
     model.train()
     group.allreduce(total, op="sum")
@@ -202,6 +205,7 @@ class LMJob:
         self.cached = with_cache(cfg, store, par.tables) if par.looks_up else None
         self.ngrams = ngram_config(cfg)
         tables = [token_table(cfg, vocab), *(self.ngrams.tables() if self.ngrams else [])]
+        self.ngram_tables = {t.name for t in tables[1:]}
         hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
         self.store = self.cached if self.cached is not None else store
         self.eval_traffic = 0  # n-gram rows moved by validation passes
@@ -279,21 +283,23 @@ class LMJob:
         without one); None when they have no store (sharded, local)."""
         if self.ngrams is None or self.ngrams.placement != "hybrid":
             return None
-        names = {t.name for t in self.ngrams.tables()}
         stats = self.cached.cache_stats() if self.cached is not None else self.store.stats()
+        names = self.ngram_tables
         return int(sum(s["rows_pulled"] + s["rows_pushed"] for n, s in stats.items() if n in names))
 
     def validate(self) -> dict[str, Any]:
         """Validation loss (nats per token) and perplexity (collective)."""
         before = self.ngram_traffic()
+        model, par = self.model, self.par
         if self.dense.pipeline is None:
-            loss = evaluate(self.model, self.val, self.group, self.par.loss)
+            loss = evaluate(model, self.val, self.group, lambda x, y: float(par.loss(model(x), y)))
         else:
-            self.model.eval()
-            mean = sum(pipeline_loss(self.model, self.dense, self.par, x, y) for x, y in self.val)
-            total = torch.tensor([mean / len(self.val)], dtype=torch.float64)
-            loss = float(self.par.dp.allreduce(total, op="avg")[0])  # the replicas' windows
-            self.model.train()
+            loss = evaluate(
+                model,
+                self.val,
+                self.group,
+                lambda x, y: pipeline_loss(model, self.dense, par, x, y),
+            )
         if before is not None:  # rows read for validation are not a training step's traffic
             self.eval_traffic += (self.ngram_traffic() or 0) - before
         return {"val_loss": loss, "val_ppl": math.exp(loss)}
