@@ -27,6 +27,7 @@ from comm import ProcessGroup
 from dense import DataParallel, Zero3, ZeroOptimizer
 from dense.gpt import GPT
 from embedding import EmbeddingCollection, KeyedJaggedIds, NGramConfig, TableConfig
+from hybridrec.checkpoint import DenseOptimizer
 from hybridrec.lm.config import LMConfig
 
 TOKENS = "tokens"  # the token ids of a window; the n-gram features are named by NGramConfig
@@ -132,9 +133,6 @@ def ngram_config(cfg: LMConfig) -> NGramConfig | None:
         capacity=cfg.ngram_capacity or None,
         max_age_steps=cfg.ngram_max_age or None,
     )
-
-
-DenseOptimizer = torch.optim.Optimizer | ZeroOptimizer | Zero3
 
 
 def adamw_options(cfg: LMConfig) -> dict[str, Any]:
