@@ -12,7 +12,8 @@ The two parts are composed here (``dense`` never imports ``embedding``):
   rows travel by alltoallv. Local: a replicated in-process table. The token table and
   the n-gram tables choose their placements separately.
 * ``dense.GPT``: position embedding, decoder blocks, head; under ``dense.DataParallel``
-  with AdamW, or with ZeRO stage 1/2 under ``dense.ZeroOptimizer``.
+  with AdamW, with ZeRO stage 1/2 under ``dense.ZeroOptimizer``, or stage 3 under
+  ``dense.Zero3`` (split by tp and pp in :mod:`hybridrec.lm.parallel`).
 """
 
 from __future__ import annotations
