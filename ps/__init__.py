@@ -53,7 +53,7 @@ from ps.optimizers import (
     optimizer_from_json,
 )
 from ps.routing import shard_of, splitmix64
-from ps.store import STAT_KEYS, PullResult, Store
+from ps.store import REQUEST_KEYS, STAT_KEYS, PullRequest, PullResult, PushRequest, Store
 from ps.table import TableSpec, UniformInit, default_init
 
 _LAZY = {
@@ -91,7 +91,10 @@ __all__ = [
     "Adam",
     "InProcessStore",
     "Optimizer",
+    "PullRequest",
     "PullResult",
+    "PushRequest",
+    "REQUEST_KEYS",
     "RowWiseAdagrad",
     "Store",
     "TableExistsError",

@@ -45,6 +45,14 @@ Checkpoints: :meth:`Store.save` / :meth:`Store.load` use the directory format of
 :mod:`ps.checkpoint` (JSON manifest + ``.npy`` parts carrying row ids, no
 pickle), so any store with any number of shards loads what any other saved.
 
+Batched requests: :meth:`Store.pull_many_async` / :meth:`Store.push_many_async`
+carry one step's work for several tables. Every table's request is checked before
+any is sent (a bad one raises and nothing is sent); they are applied in the order
+given, each with the per-table semantics above. The base class issues them one
+table at a time; remote stores send all of a step's work for one server in one
+message (MPI) or one pipelined round trip (Redis), which :meth:`Store.request_counts`
+counts.
+
 Every request has an ``*_async`` form returning a :class:`comm.Handle`; the
 synchronous form is ``*_async(...).wait()``. Requests are validated when they
 are issued, so a bad one raises from the ``*_async`` call itself. The in-process
@@ -54,9 +62,13 @@ in flight.
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -88,6 +100,34 @@ class PullResult:
     rows: torch.Tensor
     clocks: torch.Tensor
     positions: torch.Tensor | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class PullRequest:
+    """One table's part of a batched pull: ``ids`` int64 ``[N]``; with ``clocks``
+    int64 ``[N]`` and ``bound`` a conditional pull (see :meth:`Store.pull_async`)."""
+
+    table: str
+    ids: torch.Tensor
+    clocks: torch.Tensor | None = None
+    bound: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class PushRequest:
+    """One table's part of a batched push: ``grads`` float32 ``[N, D]`` for ``ids`` ``[N]``."""
+
+    table: str
+    ids: torch.Tensor
+    grads: torch.Tensor
+
+
+#: Keys of :meth:`Store.request_counts`.
+REQUEST_KEYS: tuple[str, ...] = (
+    "pull_messages",  # pull messages (or round trips) the servers received, all tables
+    "push_messages",  # push messages (or round trips) the servers received, all tables
+    "servers",  # servers (shards, nodes) the counts are summed over
+)
 
 
 class Store(ABC):
@@ -165,7 +205,44 @@ class Store(ABC):
     def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> None:
         self.push_async(table, ids, grads).wait()
 
+    def pull_many_async(self, requests: Sequence[PullRequest]) -> Handle:
+        """Start the pulls of several tables at once; ``wait()`` gives one
+        :class:`PullResult` per request, in order.
+
+        Every request is checked before any is sent. The base class issues one
+        request per table; remote stores send each server its share of all of them
+        in one message (see the module docstring).
+        """
+        handles = [
+            self.pull_async(r.table, r.ids, clocks=r.clocks, bound=r.bound)
+            for r in _requests(requests, PullRequest, "pull_many")
+        ]
+        return _all_of(handles, "pull_many")
+
+    def pull_many(self, requests: Sequence[PullRequest]) -> list[PullResult]:
+        """``pull_many_async(...).wait()``."""
+        result: list[PullResult] = self.pull_many_async(requests).wait()
+        return result
+
+    def push_many_async(self, requests: Sequence[PushRequest]) -> Handle:
+        """Start the pushes of several tables at once; ``wait()`` returns None once
+        every one is applied. Checked before any is sent, applied in order."""
+        handles = [
+            self.push_async(r.table, r.ids, r.grads)
+            for r in _requests(requests, PushRequest, "push_many")
+        ]
+        return _all_of(handles, "push_many", result=False)
+
+    def push_many(self, requests: Sequence[PushRequest]) -> None:
+        self.push_many_async(requests).wait()
+
     # ------------------------------------------------------------ inspection
+
+    def request_counts(self) -> dict[str, int]:
+        """Messages the store's servers received so far, summed over the servers:
+        the keys of :data:`REQUEST_KEYS`. A batched request counts once per server
+        it reaches; the in-process store (one "server") counts calls."""
+        raise NotImplementedError(f"{type(self).__name__} does not count its requests")
 
     @abstractmethod
     def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
@@ -211,3 +288,40 @@ class Store(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _requests(requests: Sequence[object], kind: type, what: str) -> list[Any]:
+    """``requests`` as a list, each checked to be a ``kind``."""
+    if isinstance(requests, str | bytes) or not isinstance(requests, Sequence):
+        raise TypeError(
+            f"{what}: expected a sequence of ps.{kind.__name__}, got {type(requests).__name__}"
+        )
+    out = list(requests)
+    for i, r in enumerate(out):
+        if not isinstance(r, kind):
+            raise TypeError(
+                f"{what}: request {i} is a {type(r).__name__}, expected a ps.{kind.__name__}"
+            )
+    return out
+
+
+def _all_of(handles: list[Handle], what: str, *, result: bool = True) -> Handle:
+    """One handle over ``handles``: done when all are; ``wait()`` gives their results
+    in order (None with ``result=False``)."""
+    if all(h.is_completed() for h in handles):
+        done = [h.wait() for h in handles]  # raises what a request raised
+        return Handle.completed(done if result else None, what=what)
+
+    def test() -> bool:
+        return all(h.is_completed() for h in handles)
+
+    def block(limit: float) -> None:
+        deadline = time.monotonic() + limit
+        for h in handles:
+            h.wait(max(0.0, deadline - time.monotonic()) if math.isfinite(limit) else None)
+
+    def finish() -> Any:
+        out = [h.wait() for h in handles]
+        return out if result else None
+
+    return Handle(test, finish, what=what, timeout_s=math.inf, block=block)

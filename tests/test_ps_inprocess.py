@@ -399,3 +399,9 @@ def test_table_lifecycle_with_racing_workers(workers: int) -> None:
     cached = [CachedStore(shared, CacheConfig(capacity_rows=16)) for _ in range(workers)]
     _run_workers(workers, lambda r, b: check_lifecycle(cached[r], r, workers, b, "cached"))
     assert shared.tables() == []
+
+
+def test_batched_requests_equal_per_table_requests_and_count_one_message() -> None:
+    from ps_batched import check_batched
+
+    check_batched(ps.InProcessStore(), "batch_", servers=1)

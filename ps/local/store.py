@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -19,7 +19,7 @@ from comm import Handle
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
 from ps.errors import check_existing
 from ps.local.table import LocalTable
-from ps.store import PullResult, Store
+from ps.store import PullRequest, PullResult, PushRequest, Store, _requests
 from ps.table import TableSpec
 from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
 
@@ -32,12 +32,13 @@ class InProcessStore(Store):
 
     Thread-safe: every request holds its table's lock, so concurrent pushes to
     one table are applied one after the other and a pull sees rows and clocks
-    of one moment.
+    of one moment. :meth:`request_counts` counts calls: a batched request is one.
     """
 
     def __init__(self) -> None:
         self._tables: dict[str, LocalTable] = {}
         self._create_lock = threading.Lock()
+        self._messages = {"pull_messages": 0, "push_messages": 0}
 
     def __repr__(self) -> str:
         return f"InProcessStore(tables={list(self._tables)})"
@@ -82,21 +83,58 @@ class InProcessStore(Store):
         clocks: torch.Tensor | None = None,
         bound: int | None = None,
     ) -> Handle:
-        t = self._get(table)
-        ids = check_ids(t.spec, ids, "pull").cpu()
-        caller_clocks = check_pull_bound(t.spec, ids, clocks, bound)
-        with t.lock:  # rows and clocks of one consistent moment
-            result: PullResult = t.pull(ids, caller_clocks, bound)
-        return Handle.completed(result, what=f"pull {table!r}")
+        pull = self._checked_pull(PullRequest(table, ids, clocks, bound))
+        self._messages["pull_messages"] += 1
+        return Handle.completed(self._apply_pull(*pull), what=f"pull {table!r}")
 
     def push_async(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> Handle:
-        t = self._get(table)
-        ids = check_ids(t.spec, ids, "push").cpu()
-        finite = t.spec.nan_policy == "raise"
-        grads = check_grads(t.spec, ids, grads, finite=finite).detach().cpu()
-        with t.lock:
-            t.push(ids, grads, checked=finite)
+        push = self._checked_push(PushRequest(table, ids, grads))
+        self._messages["push_messages"] += 1
+        self._apply_push(*push)
         return Handle.completed(None, what=f"push {table!r}")
+
+    def pull_many_async(self, requests: Sequence[PullRequest]) -> Handle:
+        """Every table's pull is checked first, then applied in order (one message)."""
+        pulls = [self._checked_pull(r) for r in _requests(requests, PullRequest, "pull_many")]
+        self._messages["pull_messages"] += 1
+        return Handle.completed([self._apply_pull(*p) for p in pulls], what="pull_many")
+
+    def push_many_async(self, requests: Sequence[PushRequest]) -> Handle:
+        """Every table's push is checked first (nothing changes if one is bad), then
+        applied in order (one message)."""
+        pushes = [self._checked_push(r) for r in _requests(requests, PushRequest, "push_many")]
+        self._messages["push_messages"] += 1
+        for p in pushes:
+            self._apply_push(*p)
+        return Handle.completed(None, what="push_many")
+
+    def _checked_pull(
+        self, r: PullRequest
+    ) -> tuple[LocalTable, torch.Tensor, torch.Tensor | None, int | None]:
+        t = self._get(r.table)
+        ids = check_ids(t.spec, r.ids, "pull").cpu()
+        return t, ids, check_pull_bound(t.spec, ids, r.clocks, r.bound), r.bound
+
+    @staticmethod
+    def _apply_pull(
+        t: LocalTable, ids: torch.Tensor, clocks: torch.Tensor | None, bound: int | None
+    ) -> PullResult:
+        with t.lock:  # rows and clocks of one consistent moment
+            return t.pull(ids, clocks, bound)
+
+    def _checked_push(self, r: PushRequest) -> tuple[LocalTable, torch.Tensor, torch.Tensor]:
+        t = self._get(r.table)
+        ids = check_ids(t.spec, r.ids, "push").cpu()
+        finite = t.spec.nan_policy == "raise"
+        return t, ids, check_grads(t.spec, ids, r.grads, finite=finite).detach().cpu()
+
+    @staticmethod
+    def _apply_push(t: LocalTable, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        with t.lock:
+            t.push(ids, grads, checked=t.spec.nan_policy == "raise")
+
+    def request_counts(self) -> dict[str, int]:
+        return {**self._messages, "servers": 1}
 
     # ------------------------------------------------------------ inspection
 

@@ -1,0 +1,112 @@
+"""Checks of batched requests (``pull_many`` / ``push_many``) for any store.
+
+:func:`check_batched` drives a store under test and the in-process store side by side:
+the in-process one gets the same work one table at a time (``pull`` / ``push``), the
+independent reference for the batched path. It returns nothing and raises
+AssertionError on the first difference. Stores run it in their own test files (the
+MPI one inside an ``mpirun`` worker rank), so one set of checks pins every store.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import ps
+from ps import PullRequest, PushRequest
+
+
+def _specs(prefix: str) -> list[ps.TableSpec]:
+    return [
+        ps.TableSpec(name=f"{prefix}a", num_rows=50, dim=4, optimizer=ps.RowWiseAdagrad(lr=0.1)),
+        ps.TableSpec(name=f"{prefix}b", num_rows=80, dim=8, optimizer=ps.Adam(lr=0.01)),
+        ps.TableSpec(name=f"{prefix}c", num_rows=None, dim=4, optimizer=ps.SGD(lr=0.5)),
+    ]
+
+
+def check_batched(store: ps.Store, prefix: str, *, servers: int, steps: int = 4) -> None:
+    """Pulls and pushes of three tables (fixed and dynamic, three optimizers) in batches
+    equal the same work one table at a time on an in-process store; a batch with one
+    bad request changes nothing; every batch is one message per server it reaches."""
+    ref = ps.InProcessStore()
+    specs = _specs(prefix)
+    for spec in specs:
+        store.create_table(spec)
+        ref.create_table(spec)
+    gen = torch.Generator().manual_seed(7)
+
+    def ids_for(spec: ps.TableSpec, n: int) -> torch.Tensor:
+        high = spec.num_rows if spec.num_rows is not None else 1 << 40
+        return torch.randint(0, high, (n,), generator=gen)  # duplicates included
+
+    def same(a: ps.PullResult, b: ps.PullResult, what: str) -> None:
+        torch.testing.assert_close(a.rows, b.rows, rtol=1e-6, atol=1e-6, msg=what)
+        assert torch.equal(a.clocks, b.clocks), what
+        assert (a.positions is None) == (b.positions is None), what
+        if a.positions is not None and b.positions is not None:
+            assert torch.equal(a.positions, b.positions), what
+
+    before = store.request_counts()
+    assert before["servers"] == servers, before
+    batches = 0
+    for step in range(steps):
+        ids = [ids_for(s, 30 + 7 * i) for i, s in enumerate(specs)]
+        pulls = [PullRequest(s.name, i) for s, i in zip(specs, ids, strict=True)]
+        got = store.pull_many(pulls)
+        assert len(got) == len(specs)
+        for spec, i, g in zip(specs, ids, got, strict=True):
+            same(g, ref.pull(spec.name, i), f"step {step} pull {spec.name}")
+        # Conditional pulls: callers' clocks one behind for half the ids.
+        conds = []
+        for spec, i in zip(specs, ids, strict=True):
+            c = ref.clocks(spec.name, i) - (torch.arange(i.numel()) % 2)
+            conds.append(PullRequest(spec.name, i, c, 0))
+        got = store.pull_many(conds)
+        for r, g in zip(conds, got, strict=True):
+            want = ref.pull(r.table, r.ids, clocks=r.clocks, bound=r.bound)
+            same(g, want, f"step {step} conditional pull {r.table}")
+        grads = [
+            torch.randn(i.numel(), s.dim, generator=gen) for s, i in zip(specs, ids, strict=True)
+        ]
+        store.push_many(
+            [PushRequest(s.name, i, g) for s, i, g in zip(specs, ids, grads, strict=True)]
+        )
+        for s, i, g in zip(specs, ids, grads, strict=True):
+            ref.push(s.name, i, g)
+        batches += 1
+
+    after = store.request_counts()
+    pulls_sent = after["pull_messages"] - before["pull_messages"]
+    pushes_sent = after["push_messages"] - before["push_messages"]
+    # Each batch reaches every server (30+ random ids per table), once.
+    assert pulls_sent == 2 * batches * servers, (pulls_sent, batches, servers)
+    assert pushes_sent == batches * servers, (pushes_sent, batches, servers)
+
+    # A batch with one bad request (an id out of range in the last table's place) is
+    # refused whole: the good tables' pushes are not applied either.
+    probe = [ids_for(s, 10) for s in specs]
+    rows_before = [store.pull(s.name, i).rows for s, i in zip(specs, probe, strict=True)]
+    bad = [
+        PushRequest(specs[0].name, probe[0], torch.ones(10, specs[0].dim)),
+        PushRequest(specs[1].name, torch.tensor([3, 80]), torch.ones(2, specs[1].dim)),
+    ]
+    try:
+        store.push_many(bad)
+    except ValueError as e:
+        assert specs[1].name in str(e) and "80" in str(e), e
+    else:
+        raise AssertionError("push_many with an out-of-range id did not raise")
+    for s, i, r in zip(specs, probe, rows_before, strict=True):
+        assert torch.equal(store.pull(s.name, i).rows, r), f"{s.name} changed by a refused batch"
+    try:
+        store.pull_many([PullRequest(specs[0].name, probe[0]), PullRequest("nope", probe[0])])
+    except ValueError as e:
+        assert "nope" in str(e), e
+    else:
+        raise AssertionError("pull_many of an unknown table did not raise")
+
+    # Final state equal, row for row.
+    for s in specs:
+        i = torch.arange(s.num_rows) if s.num_rows is not None else torch.cat(probe)
+        same(store.pull(s.name, i), ref.pull(s.name, i), f"final {s.name}")
+    for s in specs:
+        store.drop_table(s.name)
