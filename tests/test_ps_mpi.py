@@ -24,6 +24,7 @@ import pytest
 
 from multiproc import ROOT, mpirun_path, rank_env, run_ranks
 from ps.mpi import wire
+from ps.mpi.server import round_robin
 
 SCRIPT = "ps_mpi_store.py"
 
@@ -54,12 +55,35 @@ def test_wire_messages_round_trip() -> None:
             wire.raise_if_error(err, "server rank 2")
     with pytest.raises(ValueError, match="magic"):
         wire.check_header(np.zeros(wire.HEADER_LEN, dtype=np.int64), "test")
+    older = np.zeros(wire.HEADER_LEN, dtype=np.int64)
+    older[wire.W_MAGIC] = (wire.MAGIC << 16) | (wire.PROTOCOL - 1)
+    with pytest.raises(ValueError, match=f"protocol {wire.PROTOCOL - 1}, this side protocol"):
+        wire.check_header(older, "test")
     with pytest.raises(ValueError, match="shorter than a header"):
         wire.check_header(np.zeros(3, dtype=np.int64), "test")
     with pytest.raises(ValueError, match="bytes"):
         wire.unpack_bytes(np.zeros(1, dtype=np.int64), 9)
     tags = {wire.reply_tags(i, 32767) for i in range(1000)}
     assert len(tags) == 1000 and all(16 <= t[0] < t[1] <= 32767 for t in tags)
+
+
+@pytest.mark.timeout(10)
+def test_servers_take_workers_round_robin() -> None:
+    """After serving worker w a server looks at the workers after w first, so a worker
+    with many requests in flight cannot starve the others."""
+    workers = [0, 1, 2, 3]
+    assert round_robin(workers, -1) == [0, 1, 2, 3]
+    assert round_robin(workers, 1) == [2, 3, 0, 1]
+    assert round_robin(workers, 3) == [0, 1, 2, 3]
+    # Four workers all with requests waiting: one turn each, whoever MPI probes first.
+    waiting = {0: 5, 1: 5, 2: 5, 3: 5}
+    served, last = [], -1
+    while any(waiting.values()):
+        w = next(w for w in round_robin(workers, last) if waiting[w])
+        waiting[w] -= 1
+        served.append(w)
+        last = w
+    assert served == [0, 1, 2, 3] * 5
 
 
 @pytest.mark.timeout(120)

@@ -65,6 +65,8 @@ from ps.table import TableSpec
 from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
 
 _EMPTY_F32 = np.empty(0, dtype=np.float32)
+# The exactly-once key of a worker's batched pushes (a table name is never empty).
+_BATCH_KEY = ""
 # Idle policy: poll without pause for SPIN_S after the last request (lowest latency
 # while a worker is busy talking to us), then poll with short sleeps so that idle
 # servers leave the CPU to workers on oversubscribed machines.
@@ -210,6 +212,9 @@ class ShardServer:
         # Exactly-once: (table, worker rank) -> (session, last applied sequence number).
         self.last_seq: dict[tuple[str, int], tuple[int, int]] = {}
         self.duplicates: dict[str, int] = {}  # table -> repeats acknowledged, not applied
+        # Messages received, for request_counts(): a batched request counts once.
+        self.messages = {"pull_messages": 0, "push_messages": 0}
+        self.last_source = -1  # the worker served last (round robin, see next_source)
 
     def serve(self) -> dict[str, dict[str, int | float]]:
         """Run until every worker said goodbye, then free the communicator; the stats."""
@@ -239,7 +244,8 @@ class ShardServer:
         polls = 0
         while self.waiting:
             if self.comm.Iprobe(MPI.ANY_SOURCE, wire.TAG_REQUEST, status):
-                self.heard[status.Get_source()] = time.monotonic()
+                src = self.next_source(status.Get_source(), status)
+                self.heard[src] = time.monotonic()
                 self.serve_one(status)
                 last = time.monotonic()
                 polls = 0
@@ -258,6 +264,25 @@ class ShardServer:
                     time.sleep(self.config.idle_sleep_s)
                 else:
                     os.sched_yield()
+
+    def next_source(self, probed: int, status: Any) -> int:
+        """The worker to serve next, round robin: the first worker after the one served
+        last that has a request waiting (``status`` is left describing its request).
+
+        ``Iprobe(ANY_SOURCE)`` may keep finding the same busy worker while others wait
+        (MPI does not promise fairness across sources); a worker with many requests in
+        flight is served one request per turn, so each of W workers waits at most
+        W - 1 requests of the others."""
+        order = round_robin(self.topology.worker_ranks, self.last_source)
+        for w in order:
+            if w == probed:
+                break
+            if self.comm.Iprobe(w, wire.TAG_REQUEST, status):
+                self.last_source = w
+                return w
+        self.comm.Iprobe(probed, wire.TAG_REQUEST, status)  # status: the probed request
+        self.last_source = probed
+        return probed
 
     def check_workers(self, now: float) -> None:
         """Raise if a worker that has talked stayed silent past ``worker_timeout_s``."""
@@ -334,9 +359,15 @@ class ShardServer:
     ) -> tuple[np.ndarray, Any] | None:
         op, rid = int(meta[wire.W_OP]), int(meta[wire.W_ID])
         payload = meta[HEADER_LEN:]
-        if op == Op.PULL:
+        if op in (Op.PULL, Op.PULL_MANY):
+            self.messages["pull_messages"] += 1
+            if op == Op.PULL_MANY:
+                return self.pull_many(meta, payload, data)
             return self.pull(meta, payload, data)
-        if op == Op.PUSH:
+        if op in (Op.PUSH, Op.PUSH_MANY):
+            self.messages["push_messages"] += 1
+            if op == Op.PUSH_MANY:
+                return self.push_many(src, meta, payload, data)
             return self.push(src, meta, payload, data)
         if op in (Op.CLOCKS, Op.STATE):
             return self.inspect(op, meta, payload, data)
@@ -356,7 +387,8 @@ class ShardServer:
         if op == Op.LIST:
             return _text_reply(Op.LIST, rid, json.dumps(self.current_names()))
         if op == Op.STATS:
-            return _text_reply(Op.STATS, rid, json.dumps(self.stats()))
+            reply = {"tables": self.stats(), "requests": self.messages}
+            return _text_reply(Op.STATS, rid, json.dumps(reply))
         if op == Op.SAVE:
             return _text_reply(Op.SAVE, rid, json.dumps(self.save(json.loads(text))))
         if op == Op.LOAD:
@@ -364,7 +396,10 @@ class ShardServer:
         raise ValueError(f"unknown request op {op} (protocol {wire.MAGIC_VERSION:#x})")
 
     def table(self, meta: np.ndarray, op: str) -> tuple[TableSpec, LocalTable]:
-        index = int(meta[wire.W_TABLE])
+        return self.table_at(int(meta[wire.W_TABLE]), int(meta[wire.W_DIM]), op)
+
+    def table_at(self, index: int, dim: int, op: str) -> tuple[TableSpec, LocalTable]:
+        """The table at ``index``; for a pull or push ``dim`` must be its width."""
         if (
             not 0 <= index < len(self.names)
             or self.names[index] not in self.tables
@@ -376,7 +411,6 @@ class ShardServer:
             )
         name = self.names[index]
         spec = self.specs[name]
-        dim = int(meta[wire.W_DIM])
         if op in ("pull", "push") and dim != spec.dim:
             raise ValueError(
                 f"{op} table {name!r}: the request is for rows of width {dim} but the table "
@@ -482,6 +516,74 @@ class ShardServer:
             return None
         return wire.message(wire.header(Op.PUSH, rid)), _EMPTY_F32
 
+    def pull_many(self, meta: np.ndarray, payload: np.ndarray, data: np.ndarray) -> Any:
+        """Several tables' pulls in one request: every part is checked, then served in
+        order; the reply carries each part's rows, clocks and positions back to back."""
+        k = wire.check_parts(int(meta[wire.W_TABLE]), "pull_many")
+        toc = _toc(payload, k, wire.PULL_PART_WORDS, "pull_many")
+        widths = np.where(toc[:, 3] >= 0, 2, 1)  # id words per id: conditional parts send clocks
+        _expect_batch(meta, payload, data, int((toc[:, 1] * widths).sum()), k, 0, "pull_many")
+        at = k * wire.PULL_PART_WORDS
+        parts = []
+        for index, n, dim, bound in toc.tolist():
+            spec, table = self.table_at(index, dim, "pull")
+            ids = self.check_ids(spec, payload[at : at + n], "pull")
+            at += n
+            caller = None
+            if bound >= 0:
+                caller = check_pull_bound(spec, ids, torch.from_numpy(payload[at : at + n]), bound)
+                at += n
+            parts.append((table, ids, caller, bound if bound >= 0 else None))
+        got = [table.pull(ids, caller, bound) for table, ids, caller, bound in parts]
+        reply_toc = np.empty((k, wire.REPLY_PART_WORDS), dtype=np.int64)
+        words: list[np.ndarray] = [reply_toc]
+        for i, g in enumerate(got):
+            reply_toc[i] = (int(g.rows.shape[0]), 0 if g.positions is None else wire.FLAG_POSITIONS)
+            words.append(g.clocks.numpy())
+            if g.positions is not None:
+                words.append(g.positions.numpy())
+        rows = [g.rows.reshape(-1) for g in got]
+        flat = torch.cat(rows) if len(rows) > 1 else rows[0]
+        head = wire.header(Op.PULL_MANY, int(meta[wire.W_ID]), n=k)
+        return wire.message(head, *words), flat.contiguous().numpy()
+
+    def push_many(
+        self, src: int, meta: np.ndarray, payload: np.ndarray, data: np.ndarray
+    ) -> tuple[Any, Any] | None:
+        """Several tables' pushes in one request, exactly once as one unit: every part
+        is checked (ids, shapes, finite gradients) before any table changes."""
+        k = wire.check_parts(int(meta[wire.W_TABLE]), "push_many")
+        rid = int(meta[wire.W_ID])
+        toc = _toc(payload, k, wire.PUSH_PART_WORDS, "push_many")
+        sequenced = bool(int(meta[wire.W_FLAGS]) & wire.FLAG_SEQ)
+        n_ids = int(toc[:, 1].sum())
+        floats = int((toc[:, 1] * toc[:, 2]).sum())
+        _expect_batch(meta, payload, data, n_ids + int(sequenced), k, floats, "push_many")
+        at, fat = k * wire.PUSH_PART_WORDS, 0
+        parts = []
+        for index, n, dim in toc.tolist():
+            spec, table = self.table_at(index, dim, "push")
+            ids = self.check_ids(spec, payload[at : at + n], "push")
+            grads = torch.from_numpy(data[fat : fat + n * dim]).view(n, dim)
+            check_push_grads(spec, ids, grads)
+            parts.append((spec, table, ids, grads))
+            at, fat = at + n, fat + n * dim
+        if sequenced:
+            session, seq = int(payload[at]), int(meta[wire.W_ARG])
+            key = (_BATCH_KEY, src)
+            last = self.last_seq.get(key)
+            if last is not None and last[0] == session and seq <= last[1]:
+                for spec, *_ in parts:
+                    self.duplicates[spec.name] = self.duplicates.get(spec.name, 0) + 1
+                head = wire.header(Op.PUSH_MANY, rid, flags=wire.FLAG_DUPLICATE)
+                return wire.message(head), _EMPTY_F32
+            self.last_seq[key] = (session, seq)
+        for spec, table, ids, grads in parts:  # back to back, each in its C kernel
+            table.push(ids, grads, checked=spec.nan_policy == "raise")
+        if self.reply_lost(src, rid):
+            return None
+        return wire.message(wire.header(Op.PUSH_MANY, rid)), _EMPTY_F32
+
     def inspect(self, op: int, meta: np.ndarray, payload: np.ndarray, data: np.ndarray) -> Any:
         what = "clocks" if op == Op.CLOCKS else "state"
         spec, table = self.table(meta, what)
@@ -570,6 +672,15 @@ class ShardServer:
         return part.select(shard_of(part.ids, self.num_shards) == self.shard)
 
 
+def round_robin(workers: list[int], last: int) -> list[int]:
+    """``workers`` in the order a server looks at them after serving ``last``: the
+    ones after it first, then from the start (``last`` itself comes last)."""
+    if last not in workers:
+        return list(workers)
+    i = workers.index(last) + 1
+    return workers[i:] + workers[:i]
+
+
 def _text_reply(op: int, request_id: int, text: str, *, table: int = -1) -> Any:
     raw = text.encode("utf-8")
     if len(raw) > wire.MAX_TEXT_BYTES:
@@ -591,6 +702,44 @@ def _as_words(raw: np.ndarray, dtype: type[np.generic], what: str) -> np.ndarray
             f"({np.dtype(dtype).name})"
         )
     return raw.view(dtype)
+
+
+def _toc(payload: np.ndarray, k: int, width: int, what: str) -> np.ndarray:
+    """The ``[k, width]`` table of contents that starts a batched request's payload,
+    with each part's ``n`` and ``dim`` checked."""
+    if payload.size < k * width:
+        raise ValueError(
+            f"{what}: {payload.size} payload words cannot hold the table of contents of "
+            f"{k} tables ({k * width} words)"
+        )
+    toc = payload[: k * width].reshape(k, width)
+    n, dim = toc[:, 1], toc[:, 2]
+    if (n < 0).any() or int(n.sum()) > wire.MAX_IDS or (dim <= 0).any():
+        raise ValueError(
+            f"{what}: the table of contents says ids {n.tolist()} and dims {dim.tolist()}; "
+            f"expected ids >= 0 (at most {wire.MAX_IDS} in all) and dims > 0"
+        )
+    return toc
+
+
+def _expect_batch(
+    meta: np.ndarray,
+    payload: np.ndarray,
+    data: np.ndarray,
+    words: int,
+    k: int,
+    floats: int,
+    what: str,
+) -> None:
+    """A batched request must carry its table of contents plus exactly ``words`` more
+    int64 words and ``floats`` floats."""
+    width = wire.PULL_PART_WORDS if int(meta[wire.W_OP]) == Op.PULL_MANY else wire.PUSH_PART_WORDS
+    want = k * width + words
+    if payload.size != want or data.size != floats:
+        raise ValueError(
+            f"{what}: message sizes do not match its table of contents: {payload.size} int64 "
+            f"payload words and {data.size} floats, expected {want} and {floats}"
+        )
 
 
 def _expect_sizes(meta: np.ndarray, data: np.ndarray, words: int, floats: int) -> None:

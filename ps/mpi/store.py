@@ -67,7 +67,7 @@ import secrets
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,7 +82,7 @@ from ps.mpi import wire
 from ps.mpi.server import check_mpi_topology, check_push_grads
 from ps.mpi.wire import HEADER_LEN, Op
 from ps.routing import group_by_shard
-from ps.store import PullResult, Store
+from ps.store import PullRequest, PullResult, PushRequest, Store, _requests
 from ps.table import TableSpec
 from ps.validate import check_ids, check_pull_bound, unknown_table
 
@@ -104,6 +104,7 @@ class _Call:
     sent: tuple[np.ndarray, np.ndarray] | None = None
     last_sent: float = 0.0
     retries: int = 0
+    names: list[str] = field(default_factory=list)  # tables of a batched push
 
     def done(self) -> bool:
         return bool(MPI.Request.Testall(self.requests))
@@ -558,6 +559,125 @@ class MPIStore(Store):
 
         return self._handle(calls, finish, f"push {table!r}")
 
+    # ------------------------------------------------------------ batched rows
+
+    def pull_many_async(self, requests: Sequence[PullRequest]) -> Handle:
+        """Every table's pull checked, then ONE ``PULL_MANY`` message per server that
+        holds any of the ids (its share of every table, back to back); ``wait()``
+        gives one :class:`ps.PullResult` per request, in order."""
+        plans = []
+        for r in _requests(requests, PullRequest, "pull_many"):
+            t = self._table(r.table)
+            ids = check_ids(t.spec, r.ids, "pull")
+            caller = check_pull_bound(t.spec, ids, r.clocks, r.bound)
+            order, counts = self._split(ids)
+            clk = None if caller is None else _sorted_np(caller, order)
+            bound = -1 if caller is None else int(r.bound or 0)
+            plans.append(_PullPlan(r.table, t, _sorted_np(ids, order), clk, bound, order, counts))
+        calls: list[_Call] = []
+        layout: list[list[tuple[int, int, int]]] = []  # per call: (plan, start, count)
+        for s in range(len(self._servers)):
+            parts = [(i, sum(p.counts[:s]), p.counts[s]) for i, p in enumerate(plans)]
+            parts = [x for x in parts if x[2] > 0]
+            if not parts:
+                continue
+            toc = np.empty((len(parts), wire.PULL_PART_WORDS), dtype=np.int64)
+            words: list[np.ndarray] = [toc]
+            reply_words, floats = len(parts) * wire.REPLY_PART_WORDS, 0
+            for j, (i, a, c) in enumerate(parts):
+                p = plans[i]
+                toc[j] = (p.table.index[s], c, p.table.spec.dim, p.bound)
+                words.append(p.ids[a : a + c])
+                if p.clocks is not None:
+                    words.append(p.clocks[a : a + c])
+                reply_words += c * (2 if p.clocks is not None else 1)
+                floats += c * p.table.spec.dim
+            calls.append(
+                self._start(
+                    s,
+                    Op.PULL_MANY,
+                    payload=tuple(words),
+                    reply_words=reply_words,
+                    reply_data=np.empty(floats, dtype=np.float32),
+                    table=len(parts),
+                    n=sum(c for _, _, c in parts),
+                )
+            )
+            layout.append(parts)
+
+        def finish() -> list[PullResult]:
+            got: list[list[tuple[int, int, np.ndarray, np.ndarray | None, np.ndarray]]] = [
+                [] for _ in plans
+            ]  # per plan: (start, asked, clocks [m], positions [m] | None, rows [m, D])
+            for call, parts in zip(calls, layout, strict=True):
+                _split_pull_reply(call, parts, plans, got)
+            return [p.merge(g) for p, g in zip(plans, got, strict=True)]
+
+        return self._handle(calls, finish, "pull_many " + _names(plans))
+
+    def push_many_async(self, requests: Sequence[PushRequest]) -> Handle:
+        """Every table's push checked (all rows, before any server changes anything),
+        then ONE ``PUSH_MANY`` message per server with rows to apply, sent with one
+        exactly-once sequence number per server."""
+        plans = []
+        for r in _requests(requests, PushRequest, "push_many"):
+            t = self._table(r.table)
+            ids = check_ids(t.spec, r.ids, "push")
+            grads = check_push_grads(t.spec, ids, r.grads)
+            order, counts = self._split(ids)
+            g = grads.detach().cpu()
+            g = g.clone() if order is None else g.index_select(0, order)  # [N, D], a copy
+            plans.append((r.table, t, _sorted_np(ids, order), g.numpy().reshape(-1), counts))
+        calls: list[_Call] = []
+        for s in range(len(self._servers)):
+            parts = [
+                (i, sum(counts[:s]), counts[s])
+                for i, (_, t, _, _, counts) in enumerate(plans)
+                if counts[s] > 0 or t.spec.max_age_steps is not None  # every shard counts
+            ]
+            if not parts:
+                continue
+            toc = np.empty((len(parts), wire.PUSH_PART_WORDS), dtype=np.int64)
+            words: list[np.ndarray] = [toc]
+            data = []
+            for j, (i, a, c) in enumerate(parts):
+                name, t, ids_np, g_np, _ = plans[i]
+                dim = t.spec.dim
+                toc[j] = (t.index[s], c, dim)
+                words.append(ids_np[a : a + c])
+                data.append(g_np[a * dim : (a + c) * dim])
+                self._count(name, "worker_push_calls")
+            flags = seq = 0
+            if self._sequenced:
+                seq = self._seq.get(("", s), 0) + 1  # "": the batch key (no table is named so)
+                self._seq[("", s)] = seq
+                flags = wire.FLAG_SEQ
+                words.append(np.array([self._session], dtype=np.int64))
+            call = self._start(
+                s,
+                Op.PUSH_MANY,
+                payload=tuple(words),
+                data=np.concatenate(data) if len(data) > 1 else data[0],
+                table=len(parts),
+                n=sum(c for _, _, c in parts),
+                flags=flags,
+                arg=seq,
+                resendable=True,
+            )
+            call.names = [plans[i][0] for i, _, _ in parts]
+            calls.append(call)
+
+        def finish() -> None:
+            for c in calls:
+                repeat = int(c.reply[wire.W_FLAGS]) & wire.FLAG_DUPLICATE
+                for name in c.names:
+                    if c.retries:
+                        self._count(name, "worker_push_retries", c.retries)
+                    if repeat:
+                        self._count(name, "worker_push_duplicates")
+
+        return self._handle(calls, finish, "push_many " + ", ".join(repr(p[0]) for p in plans))
+
     # ------------------------------------------------------------ inspection
 
     def _gather(self, table: str, ids: torch.Tensor, op: int, what: str) -> torch.Tensor:
@@ -605,11 +725,19 @@ class MPIStore(Store):
     def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         return self._gather(table, ids, Op.STATE, "state")
 
+    def request_counts(self) -> dict[str, int]:
+        """Pull and push messages the servers received (from every worker), summed."""
+        total = {"pull_messages": 0, "push_messages": 0}
+        for call in self._all(Op.STATS, what="request_counts"):
+            for key, value in json.loads(call.text())["requests"].items():
+                total[key] += int(value)
+        return {**total, "servers": len(self._servers)}
+
     def stats(self) -> dict[str, dict[str, int | float]]:
         """Per table, the servers' counters summed (``rows`` of a fixed table: ``num_rows``)."""
         total: dict[str, dict[str, int | float]] = {}
         for call in self._all(Op.STATS, what="stats"):
-            for table, counters in json.loads(call.text()).items():
+            for table, counters in json.loads(call.text())["tables"].items():
                 acc = total.setdefault(table, {})
                 for key, value in counters.items():
                     acc[key] = acc.get(key, 0) + value
@@ -712,6 +840,94 @@ def _close_at_exit(ref: weakref.ReferenceType[MPIStore]) -> Callable[[], None]:
                 print(f"MPIStore.close at exit on rank {store.rank}: {e}", file=sys.stderr)
 
     return close
+
+
+@dataclass(slots=True)
+class _PullPlan:
+    """One table's part of a batched pull: its ids (and clocks) in shard order."""
+
+    name: str
+    table: _Table
+    ids: np.ndarray  # [N] int64, shard order
+    clocks: np.ndarray | None  # [N] int64, shard order (conditional pulls)
+    bound: int  # -1: a plain pull
+    order: torch.Tensor | None  # shard order -> caller order (None: one server)
+    counts: list[int]  # ids per server
+
+    def merge(
+        self, got: list[tuple[int, int, np.ndarray, np.ndarray | None, np.ndarray]]
+    ) -> PullResult:
+        """The table's result from each server's ``(start, asked, clocks, positions,
+        rows)`` (servers in order), in the caller's order."""
+        dim = self.table.spec.dim
+        if self.clocks is None:
+            n = int(self.ids.size)
+            rows = torch.empty(n, dim, dtype=torch.float32)  # [N, D] shard order
+            clocks = torch.empty(n, dtype=torch.int64)
+            for a, k, clk, _, r in got:
+                rows[a : a + k] = torch.from_numpy(r)
+                clocks[a : a + k] = torch.from_numpy(clk)
+            if self.order is None:
+                return PullResult(rows=rows, clocks=clocks)
+            return PullResult(
+                rows=torch.empty_like(rows).index_copy_(0, self.order, rows),
+                clocks=torch.empty_like(clocks).index_copy_(0, self.order, clocks),
+            )
+        empty_i64 = torch.empty(0, dtype=torch.int64)
+        parts_rows = [torch.from_numpy(r) for _, _, _, _, r in got]
+        parts_clk = [torch.from_numpy(c) for _, _, c, _, _ in got]
+        parts_pos = [torch.from_numpy(p) + a for a, _, _, p, _ in got if p is not None]
+        out_rows = torch.cat(parts_rows) if parts_rows else torch.empty(0, dim)
+        out_clocks = torch.cat(parts_clk) if parts_clk else empty_i64
+        pos = torch.cat(parts_pos) if parts_pos else empty_i64  # positions in shard order
+        if self.order is not None:
+            pos = self.order[pos]
+            perm = torch.argsort(pos)
+            pos, out_rows, out_clocks = pos[perm], out_rows[perm], out_clocks[perm]
+        return PullResult(rows=out_rows, clocks=out_clocks, positions=pos)
+
+
+def _names(plans: list[_PullPlan]) -> str:
+    return ", ".join(repr(p.name) for p in plans)
+
+
+def _split_pull_reply(
+    call: _Call,
+    parts: list[tuple[int, int, int]],
+    plans: list[_PullPlan],
+    got: list[list[tuple[int, int, np.ndarray, np.ndarray | None, np.ndarray]]],
+) -> None:
+    """Cut one server's ``PULL_MANY`` reply into its tables' parts (checked against
+    what was asked) and append them to ``got``."""
+    k = len(parts)
+    if int(call.reply[wire.W_N]) != k:
+        raise RuntimeError(
+            f"pull_many reply from server rank {call.server} has {int(call.reply[wire.W_N])} "
+            f"parts for a request of {k}; the protocol is out of step"
+        )
+    body = call.reply[HEADER_LEN:]
+    toc = body[: k * wire.REPLY_PART_WORDS].reshape(k, wire.REPLY_PART_WORDS)
+    at, fat = k * wire.REPLY_PART_WORDS, 0
+    for (i, a, c), (m, flags) in zip(parts, toc.tolist(), strict=True):
+        p = plans[i]
+        dim = p.table.spec.dim
+        conditional = p.clocks is not None
+        positions = bool(flags & wire.FLAG_POSITIONS)
+        ok = (0 <= m <= c) if conditional else m == c
+        if not ok or positions != conditional:
+            raise RuntimeError(
+                f"pull_many reply from server rank {call.server} has {m} rows (positions: "
+                f"{positions}) for table {p.name!r} where {c} were asked; the table may "
+                "have been reloaded with another spec by another worker"
+            )
+        clk = body[at : at + m]
+        at += m
+        pos = None
+        if conditional:
+            pos = body[at : at + m]
+            at += m
+        got[i].append((a, c, clk, pos, call.data[fat : fat + m * dim].reshape(m, dim)))
+        fat += m * dim
 
 
 def _sorted_np(t: torch.Tensor, order: torch.Tensor | None) -> np.ndarray:

@@ -15,11 +15,18 @@ import numpy as np
 
 from ps.errors import TableExistsError, TableSpecMismatch
 
-PROTOCOL = 3
-MAGIC_VERSION = (0x48525053 << 16) | PROTOCOL  # "HRPS", protocol version 3
+PROTOCOL = 4
+MAGIC = 0x48525053  # "HRPS"
+MAGIC_VERSION = (MAGIC << 16) | PROTOCOL
 HEADER_LEN = 8
 #: Most ids one request may carry (a server refuses larger headers before allocating).
 MAX_IDS = 1 << 27
+#: Most tables one batched request may carry.
+MAX_PARTS = 1 << 16
+#: Table-of-contents words per table of a batched request: PULL_MANY (table index, n,
+#: dim, bound; bound -1 is a plain pull), PUSH_MANY (table index, n, dim), and of a
+#: PULL_MANY reply (m rows, flags).
+PULL_PART_WORDS, PUSH_PART_WORDS, REPLY_PART_WORDS = 4, 3, 2
 MAX_ERROR_BYTES = 4000  # longer error messages are cut; bounds the reply buffers
 ERROR_WORDS = (MAX_ERROR_BYTES + 7) // 8
 #: Largest text / JSON reply (table list, stats, save parts); a worker's reply buffer.
@@ -54,6 +61,8 @@ class Op(enum.IntEnum):
     LOAD = 10
     GOODBYE = 11
     DROP = 12
+    PULL_MANY = 13
+    PUSH_MANY = 14
 
 
 class ErrorKind(enum.IntEnum):
@@ -125,6 +134,13 @@ def message(head: list[int], *payload: np.ndarray) -> np.ndarray:
     return out
 
 
+def check_parts(k: int, what: str) -> int:
+    """``k``, the number of tables a batched request says it carries, once checked."""
+    if not 0 < k <= MAX_PARTS:
+        raise ValueError(f"{what}: the request says {k} tables; expected 1 to {MAX_PARTS}")
+    return k
+
+
 def pack_bytes(data: bytes) -> np.ndarray:
     """``data`` as int64 words (zero padded); the byte count travels in the header."""
     padded = data + b"\0" * (-len(data) % 8)
@@ -150,7 +166,13 @@ def check_header(meta: np.ndarray, what: str) -> np.ndarray:
     """``meta``'s header (a view); ValueError if it is too short or from another protocol."""
     if meta.size < HEADER_LEN:
         raise ValueError(f"{what}: message of {meta.size} int64 words is shorter than a header")
-    if int(meta[W_MAGIC]) != MAGIC_VERSION:
+    word = int(meta[W_MAGIC])
+    if word >> 16 == MAGIC and word != MAGIC_VERSION:
+        raise ValueError(
+            f"{what}: the peer speaks hybridrec-ps protocol {word & 0xFFFF}, this side "
+            f"protocol {PROTOCOL}; run the same hybridrec version on every rank"
+        )
+    if word != MAGIC_VERSION:
         raise ValueError(
             f"{what}: bad magic/version word {int(meta[W_MAGIC]):#x}, "
             f"expected {MAGIC_VERSION:#x} (hybridrec-ps protocol {PROTOCOL})"

@@ -38,6 +38,7 @@ import ps
 from ps.mpi import wire
 from ps.mpi.server import serve_mpi
 from ps.mpi.store import MPIStore
+from tests.ps_batched import check_batched
 from tests.ps_lifecycle import check_lifecycle
 
 TOL = 1e-6
@@ -372,6 +373,38 @@ def bad_input_checks(store: MPIStore, ref: ps.InProcessStore) -> int:
             ("'guarded'", "width 9"),
         ),
         ("unknown op", 99, dict(), (), None, ("unknown request op 99",)),
+        (
+            "batch with a bad second part",  # the first part's rows must not change
+            wire.Op.PUSH_MANY,
+            dict(table=2, n=2),
+            (np.array([[index[0], 1, DIM], [index[0], 1, DIM + 1]]), np.array([home, home])),
+            np.ones(2 * DIM + 1, np.float32),
+            ("'guarded'", "width 9"),
+        ),
+        (
+            "batch of no tables",
+            wire.Op.PULL_MANY,
+            dict(table=0, n=0),
+            (),
+            None,
+            ("0 tables",),
+        ),
+        (
+            "batch toc larger than the message",
+            wire.Op.PULL_MANY,
+            dict(table=3, n=1),
+            (np.array([index[0], 1, DIM, -1]),),
+            None,
+            ("table of contents",),
+        ),
+        (
+            "batch sizes disagree",
+            wire.Op.PULL_MANY,
+            dict(table=1, n=2),
+            (np.array([index[0], 2, DIM, -1]), np.array([home])),
+            None,
+            ("sizes",),
+        ),
     ]
     if len(index) > 1:  # an id of shard 1 sent to server 0
         other = int(torch.nonzero(ps.shard_of(every, len(index)) == 1)[0, 0])
@@ -445,6 +478,11 @@ def phase_main(store: MPIStore, workers: comm.ProcessGroup, folder: Path, num_se
         nan_skip_checks(store, ref)
     if workers.rank == 1 % workers.size:
         n += bad_input_checks(store, ref)
+    workers.barrier()  # the others are idle: request counts are this worker's alone
+    if workers.rank == 0:
+        check_batched(store, "batch_", servers=num_servers)
+        n += 1
+    workers.barrier()
     ref.save(folder / f"ref-{workers.rank}")
     workers.barrier()  # nobody pushes from here on
     if workers.rank == 0:
@@ -488,7 +526,16 @@ def phase_single(store: MPIStore) -> str:
     eviction_checks(store, ref, 1)
     nan_skip_checks(store, ref)
     n += bad_input_checks(store, ref)
-    return f"{n} checks"
+    check_batched(store, "batch_", servers=1)
+    # A worker of an older protocol (3) asking this server (4): a clear error naming both.
+    new = wire.PROTOCOL, wire.MAGIC_VERSION
+    wire.PROTOCOL, wire.MAGIC_VERSION = 3, (wire.MAGIC << 16) | 3
+    try:
+        expect_error("old protocol", ValueError, store.tables, "protocol 4", "protocol 3")
+    finally:
+        wire.PROTOCOL, wire.MAGIC_VERSION = new
+    assert store.tables(), "the server serves on after a request of another version"
+    return f"{n + 2} checks"
 
 
 def main() -> None:
