@@ -77,14 +77,25 @@ def own_spec(rank: int) -> ps.TableSpec:
 
 
 def push_all(store: ps.Store, rank: int, *, own_in_order: bool = False) -> None:
-    """Both sequences interleaved, at most 3 handles in flight.
+    """Both sequences interleaved, at most 3 handles in flight; every other step
+    pushes both tables in one batched request (``push_many_async``).
 
     ``own_in_order``: each push of the Adam table is waited before the next request
     (the Redis store creates a new row in a second round trip when the push is
     waited, so with several in flight a later push may reach a new row first; Adam
     is order-sensitive)."""
     inflight: deque[comm.Handle] = deque()
-    for (si, sg), (oi, og) in zip(shared_pushes(rank), own_pushes(rank), strict=True):
+    steps = zip(shared_pushes(rank), own_pushes(rank), strict=True)
+    for k, ((si, sg), (oi, og)) in enumerate(steps):
+        if k % 2:
+            if len(inflight) == 3:
+                inflight.popleft().wait()
+            batch = [ps.PushRequest("shared", si, sg), ps.PushRequest(f"own{rank}", oi, og)]
+            inflight.append(store.push_many_async(batch))
+            if own_in_order:
+                while inflight:
+                    inflight.popleft().wait()
+            continue
         for table, ids, grads in (("shared", si, sg), (f"own{rank}", oi, og)):
             if len(inflight) == 3:
                 inflight.popleft().wait()
