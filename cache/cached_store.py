@@ -27,6 +27,23 @@ Semantics (per row, HET-style; the full rules are in ``docs/cache.md``):
   ``state`` and ``stats`` go to the wrapped store: they describe the PS, which
   lacks the pending updates until :meth:`flush`.
 
+Batched requests: :meth:`CachedStore.pull_many_async` plans every table's fetch and
+sends them to the wrapped store as ONE ``pull_many`` (one message per server);
+:meth:`CachedStore.push_many_async` applies every table's gradients to the cache and
+sends what is due (and the sums of evicted rows) as ONE ``push_many``. The per-table
+``pull_async`` / ``push_async`` are the same with one table. A step of a training
+loop is then one pull and one push message per server::
+
+    store.prefetch_many([ps.PullRequest(t, next_ids[t]) for t in tables])  # rides along
+    rows = store.pull_many([ps.PullRequest(t, ids[t]) for t in tables])
+    ...
+    store.push_many([ps.PushRequest(t, ids[t], grads[t]) for t in tables])
+
+:meth:`prefetch_many` sends nothing: the next batch's ids ride on the next pull of
+their table, in the same request as that pull (leaving out the ids that pull asks
+for anyway), and are installed right after it. :meth:`prefetch` sends at once, as
+its own request, for callers that know the next batch only later.
+
 Requests to the wrapped store are made only from the calling thread (the MPI
 store is not thread-safe); a prefetch is an async request that the next
 operation on its table completes. Each table's structures are guarded by a lock,
@@ -42,6 +59,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -49,7 +67,8 @@ import torch
 from cache.config import CacheConfig
 from cache.table_cache import Fetch, TableCache
 from comm import Handle
-from ps import PullResult, Store, TableSpec
+from ps import PullRequest, PullResult, PushRequest, Store, TableSpec
+from ps.store import _requests
 from ps.validate import check_grads, check_ids, finite_rows
 
 
@@ -89,16 +108,31 @@ class CachedStore(Store):
                     self._caches[table] = tc
         return tc
 
-    @staticmethod
-    def _settle(tc: TableCache, *, pushing: bool = False) -> None:
+    def _settle(self, tc: TableCache, *, pushing: bool = False) -> None:
         """Finish the table's fetch in flight, so nothing else changes its slots meanwhile.
 
-        Rows it evicted go to the PS now, before any request can read them, unless
+        Rows evicted so far go to the PS now, before any request can read them, unless
         the caller is about to push (the push carries them)."""
         if tc.inflight is not None:
             tc.finish(tc.inflight)
-        if not pushing:
+        if not pushing and tc.evicted:
             tc.send_evicted()
+            self._send([tc])
+
+    def _send(self, caches: Sequence[TableCache]) -> None:
+        """Send what the outboxes of ``caches`` hold as one batched push (nothing if
+        they are empty); each table keeps the handle for :meth:`flush`."""
+        requests, senders = [], []
+        for tc in caches:
+            box = tc.take_outbox()
+            requests += [PushRequest(tc.name, ids, grads) for ids, grads in box]
+            if box:
+                senders.append(tc)
+        if not requests:
+            return
+        handle = self.inner.push_many_async(requests)
+        for tc in senders:
+            tc.sent(handle)
 
     # ------------------------------------------------------------ tables
 
@@ -135,13 +169,97 @@ class CachedStore(Store):
         """
         if clocks is not None or bound is not None:
             return self.inner.pull_async(table, ids, clocks=clocks, bound=bound)
-        tc = self._cache(table)
-        ids = check_ids(tc.spec, ids, "pull").cpu()
-        with tc.lock:
-            self._settle(tc)
-            f = tc.plan(ids, prefetch=False)
-            tc.inflight = f
-        return _fetch_handle(tc, f, f"cached pull {table!r}")
+        batch = self.pull_many_async([PullRequest(table, ids)])
+        return Handle(
+            batch.is_completed,
+            lambda: batch.wait()[0],
+            what=f"cached pull {table!r}",
+            timeout_s=math.inf,  # the wrapped store's handle applies its timeout
+            block=lambda limit: batch.wait(None if math.isinf(limit) else limit),
+        )
+
+    def pull_many_async(self, requests: Sequence[PullRequest]) -> Handle:
+        """Serve several tables at once: every table's fetch (and a prefetch handed to
+        :meth:`prefetch_many` for it) in ONE ``pull_many`` of the wrapped store;
+        ``wait()`` gives one :class:`ps.PullResult` per request. Conditional requests
+        pass through to the wrapped store in the same batch. A table may appear once."""
+        reqs = _requests(requests, PullRequest, "pull_many")
+        plans: list[tuple[TableCache | None, Any]] = []  # (cache, ids) or (None, request)
+        seen: set[str] = set()
+        for r in reqs:
+            if r.clocks is not None or r.bound is not None:
+                plans.append((None, r))
+                continue
+            cache_of = self._cache(r.table)
+            if r.table in seen:
+                raise ValueError(
+                    f"cached pull_many: table {r.table!r} appears twice; a batch through "
+                    "the cache asks each table once (concatenate its ids)"
+                )
+            seen.add(r.table)
+            plans.append((cache_of, check_ids(cache_of.spec, r.ids, "pull").cpu()))
+        caches = [c for c, _ in plans if c is not None]
+        for c in caches:
+            with c.lock:
+                if c.inflight is not None:
+                    c.finish(c.inflight)
+                c.send_evicted()  # evicted rows reach the PS before this pull reads
+        self._send(caches)
+        inner: list[PullRequest] = []
+        parts: list[tuple[TableCache | None, Any]] = []  # (cache, fetch) or (None, index)
+        asked: list[tuple[Fetch, int]] = []  # fetches with a request: (fetch, its index)
+        for tc, what in plans:
+            if tc is None:
+                parts.append((None, len(inner)))
+                inner.append(what)
+                continue
+            with tc.lock:
+                f = tc.plan(what, prefetch=False)
+                if tc.deferred is not None:
+                    f.follow = tc.plan(tc.deferred, prefetch=True, exclude=f.uniq)
+                    tc.deferred = None
+                tc.inflight = f
+            for g in (f, f.follow):
+                if g is not None and g.request is not None:
+                    asked.append((g, len(inner)))
+                    inner.append(g.request)
+            parts.append((tc, f))
+        batch = self.inner.pull_many_async(inner) if inner else None
+        for g, index in asked:
+            g.handle = _part_handle(batch, index, g.request.table if g.request else "")
+
+        def finish() -> list[PullResult]:
+            out = []
+            for tc, f in parts:
+                if tc is None:
+                    assert batch is not None
+                    out.append(batch.wait()[f])
+                    continue
+                with tc.lock:
+                    result = tc.finish(f)
+                assert result is not None
+                out.append(result)
+            return out
+
+        def test() -> bool:
+            return batch is None or batch.is_completed()
+
+        def block(limit: float) -> None:
+            if batch is not None:
+                batch.wait(None if math.isinf(limit) else limit)
+
+        return Handle(test, finish, what="cached pull_many", timeout_s=math.inf, block=block)
+
+    def prefetch_many(self, requests: Sequence[PullRequest]) -> None:
+        """Hand the next batch's ids of several tables to the cache, without sending
+        anything: they ride on the next pull of each table (:meth:`pull_many_async`),
+        in the same message, and are installed right after it. A later call replaces
+        a table's ids that have not ridden yet."""
+        for r in _requests(requests, PullRequest, "prefetch_many"):
+            tc = self._cache(r.table)
+            ids = check_ids(tc.spec, r.ids, "prefetch").cpu()
+            with tc.lock:
+                tc.deferred = ids if ids.numel() > 0 else None
 
     def prefetch(self, table: str, ids: torch.Tensor) -> None:
         """Start fetching the rows of ``ids`` (the next batch) into the cache, without waiting.
@@ -155,7 +273,11 @@ class CachedStore(Store):
         with tc.lock:
             self._settle(tc)
             if ids.numel() > 0:
-                tc.inflight = tc.plan(ids, prefetch=True)
+                f = tc.plan(ids, prefetch=True)
+                if f.request is not None:
+                    batch = self.inner.pull_many_async([f.request])
+                    f.handle = _part_handle(batch, 0, table)
+                tc.inflight = f
 
     def push_async(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> Handle:
         """Apply row gradients to the cache (pushed to the PS by the write-bound rule).
@@ -164,25 +286,46 @@ class CachedStore(Store):
         are checked like a store checks them; with the table's
         ``nan_policy="skip"`` rows that are not finite are dropped here.
         """
-        tc = self._cache(table)
-        spec = tc.spec
-        ids = check_ids(spec, ids, "push").cpu()
-        grads = check_grads(spec, ids, grads, finite=spec.nan_policy == "raise").detach().cpu()
-        if spec.nan_policy == "skip" and grads.numel() > 0:
-            ok = finite_rows(grads)
-            if not bool(ok.all()):
-                ids, grads = ids[ok], grads[ok]
-        with tc.lock:
-            self._settle(tc, pushing=True)
-            tc.update(ids, grads.contiguous())
+        self.push_many_async([PushRequest(table, ids, grads)])
         return Handle.completed(None, what=f"cached push {table!r}")
 
-    def flush(self) -> None:
-        """Push every pending update of every table and wait until the PS applied them."""
-        for tc in list(self._caches.values()):
+    def push_many_async(self, requests: Sequence[PushRequest]) -> Handle:
+        """Apply several tables' row gradients to the cache (every request is checked
+        first); what is due goes to the PS as ONE ``push_many`` of the wrapped store.
+        The returned handle is complete: the updates are in the cache."""
+        checked = []
+        for r in _requests(requests, PushRequest, "push_many"):
+            tc = self._cache(r.table)
+            spec = tc.spec
+            ids = check_ids(spec, r.ids, "push").cpu()
+            finite = spec.nan_policy == "raise"
+            grads = check_grads(spec, ids, r.grads, finite=finite).detach().cpu()
+            if spec.nan_policy == "skip" and grads.numel() > 0:
+                ok = finite_rows(grads)
+                if not bool(ok.all()):
+                    ids, grads = ids[ok], grads[ok]
+            checked.append((tc, ids, grads.contiguous()))
+        for tc, ids, grads in checked:
             with tc.lock:
-                self._settle(tc)
+                self._settle(tc, pushing=True)
+                tc.update(ids, grads)
+        self._send([tc for tc, _, _ in checked])
+        return Handle.completed(None, what="cached push_many")
+
+    def flush(self) -> None:
+        """Push every pending update of every table (one batched push) and wait until
+        the PS applied them."""
+        caches = list(self._caches.values())
+        for tc in caches:
+            with tc.lock:
+                self._settle(tc, pushing=True)
                 tc.flush()
+        self._send(caches)
+        for tc in caches:
+            with tc.lock:
+                handles, tc.push_handles = tc.push_handles, []
+            for h in handles:
+                h.wait()
 
     # ------------------------------------------------------------ inspection
 
@@ -214,6 +357,10 @@ class CachedStore(Store):
     def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """PS optimizer state; pending updates are not in it until :meth:`flush`."""
         return self.inner.state(table, ids)
+
+    def request_counts(self) -> dict[str, int]:
+        """The wrapped store's message counts (what the cache sent)."""
+        return self.inner.request_counts()
 
     def stats(self) -> dict[str, dict[str, int | float]]:
         """The wrapped store's counters (the PS side); see :meth:`cache_stats` for the cache."""
@@ -269,22 +416,18 @@ class CachedStore(Store):
         return self
 
 
-def _fetch_handle(tc: TableCache, f: Fetch, what: str) -> Handle:
-    """A handle whose ``wait()`` installs the reply of ``f`` and gives the served rows."""
-
-    def test() -> bool:
-        return f.done or f.handle is None or f.handle.is_completed()
+def _part_handle(batch: Handle | None, index: int, table: str) -> Handle:
+    """The handle of request ``index`` of the batched pull ``batch``."""
+    assert batch is not None
 
     def block(limit: float) -> None:
-        if f.handle is not None and not f.done:
-            f.handle.wait(None if math.isinf(limit) else limit)
-
-    def finish() -> PullResult:
-        with tc.lock:
-            result = tc.finish(f)
-            tc.send_evicted()  # before any later request reads an evicted row
-        assert result is not None
-        return result
+        batch.wait(None if math.isinf(limit) else limit)
 
     # Infinite default: the wrapped store's own handle applies its timeout.
-    return Handle(test, finish, what=what, timeout_s=math.inf, block=block)
+    return Handle(
+        batch.is_completed,
+        lambda: batch.wait()[index],
+        what=f"cached pull {table!r}",
+        timeout_s=math.inf,
+        block=block,
+    )

@@ -30,11 +30,19 @@ admitted, marked by a prefetch) are few and written by numpy fancy indexing. Not
 loops over ids in Python, and nothing scans all ``C`` slots except a victim search
 (amortised by evicting in chunks).
 
-A fetch (a serving pull or a prefetch) is planned, sent as ONE conditional pull
+A fetch (a serving pull or a prefetch) is planned into ONE conditional pull request
 carrying the copy clocks of the cached ids (misses carry ``-1 - bound`` so they
-always come back), and installed when its reply arrives. Nothing else may touch
-the table in between: the owner (:class:`cache.CachedStore`) finishes a table's
-in-flight fetch before any other operation on that table.
+always come back), which the owner (:class:`cache.CachedStore`) sends together with
+the other tables' requests of the step, and installed when its reply arrives.
+Nothing else may touch the table in between: the owner finishes a table's in-flight
+fetch before any other operation on that table. A prefetch planned together with a
+serving pull (the next batch's ids riding on this batch's request) leaves out the
+serving pull's ids and *reserves* the slots of its cached ids, so the serving pull's
+admissions cannot evict them before the prefetch is installed right after it.
+
+Pushes are not sent by the table either: the rows due (and the sums of evicted rows)
+go to :attr:`TableCache.outbox`, which the owner sends with the other tables' as one
+batched push.
 
 Not thread-safe by itself: the owner holds :attr:`TableCache.lock`.
 """
@@ -54,7 +62,7 @@ from cache.policy import EvictionPolicy
 from cache.slot_index import make_slot_index
 from cache.stats import CacheStats
 from comm import Handle
-from ps import PullResult, Store, TableSpec
+from ps import PullRequest, PullResult, Store, TableSpec
 from ps.local.table import coalesce
 
 CLOCK, OWN, COUNT, FREQ, PF, CHECKED, PUSHED = range(7)
@@ -74,12 +82,14 @@ class Fetch:
     hit: np.ndarray  # [U] slots >= 0
     misses_only: bool  # a prefetch asking only for misses (a plain pull)
     asked: np.ndarray | None  # [A] indices into uniq sent to the PS (None: all of them)
-    handle: Handle | None  # the PS request, None if nothing was asked
+    request: PullRequest | None  # what to ask the PS (None: nothing)
     seq: int  # request number (orders PS answers against this cache's pushes)
     tick: int  # the batch the rows are for
     prefetch: bool
     done: bool = False
     result: PullResult | None = None  # a serving pull's rows, once installed
+    handle: Handle | None = None  # the reply to ``request``, once the owner sent it
+    follow: Fetch | None = None  # a prefetch sent with this pull, installed right after it
 
 
 @dataclass(slots=True, eq=False)
@@ -139,6 +149,9 @@ class TableCache:
         self.prefetched: _Known | None = None  # the last prefetch's ids and slots
         self.served: _Known | None = None  # the last serving pull's ids and slots
         self.inflight: Fetch | None = None
+        self.deferred: torch.Tensor | None = None  # next batch's ids for the next pull
+        self.reserved: np.ndarray | None = None  # slots a planned prefetch counts as cached
+        self.outbox: list[tuple[np.ndarray, np.ndarray]] = []  # pushes due: ([P], [P, D])
         self.push_handles: list[Handle] = []
         # Pending sums of evicted rows not sent yet: ([K] ids, [K, D] sums) pairs. They
         # ride on the next push (the batch's update follows the eviction at once in a
@@ -262,8 +275,15 @@ class TableCache:
 
     # ------------------------------------------------------------ fetch
 
-    def plan(self, ids: torch.Tensor, *, prefetch: bool) -> Fetch:
-        """Plan and send the PS request for ``ids`` int64 ``[N]`` (a pull or a prefetch).
+    def plan(
+        self, ids: torch.Tensor, *, prefetch: bool, exclude: np.ndarray | None = None
+    ) -> Fetch:
+        """Plan the PS request for ``ids`` int64 ``[N]`` (a pull or a prefetch); the
+        owner sends ``Fetch.request`` and sets ``Fetch.handle``.
+
+        ``exclude`` (a prefetch planned with a serving pull: that pull's distinct ids,
+        sorted) leaves those ids out and reserves the slots of the prefetch's cached
+        ids until it is installed (see the module docstring).
 
         A serving pull asks for every id (cached ones with their copy clocks; see the
         module docstring). A prefetch with ``verify_prefetched`` asks only for the misses
@@ -276,6 +296,10 @@ class TableCache:
         if not _increasing(uniq):
             u, inv, cnt = torch.unique(ids, return_inverse=True, return_counts=True)
             uniq, inverse, counts = u.numpy(), inv.numpy(), cnt.numpy()
+        if exclude is not None and exclude.size and uniq.size:
+            at = np.minimum(np.searchsorted(exclude, uniq), exclude.size - 1)
+            uniq = uniq[exclude[at] != uniq]  # [U'] not in the serving pull
+            counts = inverse = None  # a prefetch returns no rows
         self.seq += 1
         if prefetch:
             tick = self.tick + 1  # for the next batch
@@ -286,14 +310,16 @@ class TableCache:
             tick = self.tick
             slots = self._slots_of(uniq, self.prefetched, None)
         hit = slots >= 0
+        if exclude is not None:
+            self.reserved = slots[hit]
         if prefetch and self.verify_prefetched:
             asked = self._admittable(hit, slots, misses_only=True)
             assert asked is not None
-            handle = None
+            request = None
             if asked.size > 0:
-                handle = self.store.pull_async(self.name, torch.from_numpy(uniq.take(asked)))
+                request = PullRequest(self.name, torch.from_numpy(uniq.take(asked)))
             return Fetch(
-                uniq, counts, inverse, slots, hit, True, asked, handle, self.seq, tick, True
+                uniq, counts, inverse, slots, hit, True, asked, request, self.seq, tick, True
             )
         asked = None
         if not prefetch and not self.verify_prefetched:
@@ -311,16 +337,16 @@ class TableCache:
         ask_ids, ask_clock = uniq, copy_clock
         if asked is not None:
             ask_ids, ask_clock = uniq.take(asked), copy_clock.take(asked)
-        handle = None
+        request = None
         if ask_ids.size > 0:
-            handle = self.store.pull_async(
+            request = PullRequest(
                 self.name,
                 torch.from_numpy(ask_ids),
                 clocks=torch.from_numpy(ask_clock),
                 bound=self.read_bound,
             )
         return Fetch(
-            uniq, counts, inverse, slots, hit, False, asked, handle, self.seq, tick, prefetch
+            uniq, counts, inverse, slots, hit, False, asked, request, self.seq, tick, prefetch
         )
 
     def _admittable(
@@ -367,6 +393,14 @@ class TableCache:
         self.prefetched = _Known(uniq, final, self.gen, f.tick, False)
 
     def finish(self, f: Fetch) -> PullResult | None:
+        """Install the reply of ``f`` (and then of the prefetch that rode on it); a
+        serving pull returns the rows in request order."""
+        result = self._finish_one(f)
+        if f.follow is not None:
+            self._finish_one(f.follow)
+        return result
+
+    def _finish_one(self, f: Fetch) -> PullResult | None:
         """Install the reply of ``f``; a serving pull returns the rows in request order.
 
         Records are read and written in place (nothing else touched the table since
@@ -378,6 +412,8 @@ class TableCache:
         f.done = True
         if self.inflight is f:
             self.inflight = None
+        if f.prefetch:
+            self.reserved = None  # installed now: its slots are protected below
         if f.misses_only:
             self._finish_misses(f)
             return None
@@ -544,6 +580,8 @@ class TableCache:
         if k == 0:
             return _EMPTY_I64
         need = k - self.n_free
+        if self.reserved is not None and self.reserved.size:
+            protect = self.reserved if protect is None else np.concatenate([protect, self.reserved])
         if need > 0 and self.capacity > 0:
             victims = self.policy.victims(max(need, self.chunk), self.tick, protect, self.row_id)
             self._evict(victims)
@@ -579,31 +617,40 @@ class TableCache:
     # ------------------------------------------------------------ updates
 
     def send_evicted(self) -> None:
-        """Push the pending sums of evicted rows now (if any).
+        """Queue the pending sums of evicted rows for the PS now (if any).
 
         An evicted row's sum must reach the PS before any later request reads the row
-        (the store applies this worker's requests in issue order). So whoever
-        finishes a fetch (which may evict) calls this before the next request, except
-        a push, which carries them itself."""
+        (the store applies this worker's requests in issue order). The next push
+        carries them; the owner calls this (and sends the outbox) before any pull
+        when they are still waiting."""
         if self.evicted:
             self._push(_EMPTY_I64, np.empty((0, self.dim), dtype=np.float32))
 
     def _push(self, ids: np.ndarray, grads: np.ndarray) -> None:
-        """Send a push of ``ids`` ``[P]`` and ``grads`` ``[P, D]`` (fresh arrays) to the PS,
-        with the evicted rows' sums not sent yet (distinct from ``ids``: a row evicted
-        since the last push was cached, so it is not in a batch's pass-through ids, and
-        it is not cached now, so it is not due)."""
+        """Queue a push of ``ids`` ``[P]`` and ``grads`` ``[P, D]`` (fresh arrays) in the
+        outbox, with the evicted rows' sums not sent yet (distinct from ``ids``: a row
+        evicted since the last push was cached, so it is not in a batch's pass-through
+        ids, and it is not cached now, so it is not due)."""
         if self.evicted:
             ids = np.concatenate([e[0] for e in self.evicted] + [ids])
             grads = np.concatenate([e[1] for e in self.evicted] + [grads])
             self.evicted = []
         if ids.size == 0:
             return
+        self.outbox.append((ids, grads))
+        self.stats.pushed(ids.size)
+
+    def take_outbox(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The pushes queued since the last call, each ``(ids [P], grads [P, D])``, in
+        order (each one is a separate push for the PS: one optimizer step per row)."""
+        box, self.outbox = self.outbox, []
+        return [(torch.from_numpy(i), torch.from_numpy(g)) for i, g in box]
+
+    def sent(self, handle: Handle) -> None:
+        """The outbox went to the PS in the request of ``handle`` (waited by ``flush``)."""
         if len(self.push_handles) > 8:
             self.push_handles = [h for h in self.push_handles if not h.is_completed()]
-        h = self.store.push_async(self.name, torch.from_numpy(ids), torch.from_numpy(grads))
-        self.push_handles.append(h)
-        self.stats.pushed(ids.size)
+        self.push_handles.append(handle)
 
     def update(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Apply row gradients ``grads`` ``[N, D]`` of ``ids`` ``[N]`` (checked already).
@@ -675,7 +722,8 @@ class TableCache:
         self._push(push_ids, push_g)  # with the evicted rows' sums, if any
 
     def flush(self) -> None:
-        """Push every pending sum, then wait for every push of this table."""
+        """Queue every pending sum (and evicted sum) in the outbox; the owner sends it
+        and waits for :attr:`push_handles`."""
         slots = np.flatnonzero(self.meta[:, COUNT])
         if slots.size > 0:
             self.seq += 1
@@ -689,6 +737,3 @@ class TableCache:
             meta[:, PUSHED] = self.seq
             self._scatter(slots, rec)
         self.send_evicted()
-        handles, self.push_handles = self.push_handles, []
-        for h in handles:
-            h.wait()

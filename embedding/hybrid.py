@@ -6,14 +6,16 @@ fused path, :func:`embedding.fused_ops.group_batch`)::
     ids of every feature of the group, table by table     [N]
     one sort -> unique (table, id) pairs, inverse, runs    [U], [N]   (one dedup for
                                                                        pull AND push)
-    pull each table's unique ids (all issued, then waited) [U_t, D] -> rows [U, D]
+    pull every table's unique ids in ONE batched request   [U_t, D] -> rows [U, D]
+      (``Store.pull_many``: one message per server for all groups and tables)
     ONE embedding_bag over rows, bags as in the local path -> [nbags, D] -> features
 
 Backward is fused with the push (as TorchRec fuses it with the optimizer): one
 autograd node for the whole module; its backward sums the output gradient per
 unique row with ONE ``embedding_bag`` over the dedup's runs (no ``[N, D]``
 temporary, no dense ``[U, D]`` zeros per table) and pushes each table's
-``(unique ids, row gradients)`` to the store, which applies the table's optimizer.
+``(unique ids, row gradients)`` to the store in ONE batched push
+(``Store.push_many``), which applies each table's optimizer.
 There is no separate optimizer step and no embedding ``nn.Parameter``.
 
 Data parallel (``group.size > 1``), two cases:
@@ -57,7 +59,7 @@ from embedding.fused_ops import (
     sorted_segment_sum,
 )
 from embedding.jagged import KeyedJaggedIds
-from ps import InProcessStore, Store, TableSpec
+from ps import InProcessStore, PullRequest, PushRequest, Store, TableSpec
 from ps.kernels import rowwise_adagrad as cpu_kernel
 
 
@@ -168,14 +170,22 @@ class HybridTables(nn.Module):
         self.tie: torch.Tensor | None = None
 
     def prefetch(self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]) -> None:
-        """Hand each table's unique ids to ``store.prefetch`` (a cache), if it has one."""
-        fetch = getattr(self.store, "prefetch", None)
-        if fetch is None:
+        """Hand each table's unique ids to the store's ``prefetch_many`` (a cache: they
+        ride on the next batched pull), or else its ``prefetch``; nothing without one."""
+        many = getattr(self.store, "prefetch_many", None)
+        one = getattr(self.store, "prefetch", None)
+        if many is None and one is None:
             return
+        requests = []
         for cfg, feats in tables:
             ids = torch.cat([kjt.key_slice(f).ids for f in feats])
             check_ids(cfg, feats, [kjt.key_slice(f).ids for f in feats])
-            fetch(cfg.name, torch.unique(ids).cpu())
+            requests.append(PullRequest(cfg.name, torch.unique(ids).cpu()))
+        if many is not None:
+            many(requests)
+        elif one is not None:
+            for r in requests:
+                one(r.table, r.ids)
 
     def forward(
         self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]
@@ -188,15 +198,17 @@ class HybridTables(nn.Module):
             check_weights(cfg, feats, kjt.weights is not None)
             by_dim.setdefault(cfg.dim, []).append((cfg, feats))
         groups = [self._dedup(kjt, tabs) for tabs in by_dim.values()]
-        # Every table's pull is issued before any is waited, so remote stores overlap them.
-        handles = [
-            [self.store.pull_async(cfg.name, u) for cfg, u in zip(g.tables, g.unique, strict=True)]
+        # One batched pull for every table of every group (one message per server).
+        requests = [
+            PullRequest(cfg.name, u)
             for g in groups
+            for cfg, u in zip(g.tables, g.unique, strict=True)
         ]
+        results = iter(self.store.pull_many(requests))
         device = kjt.ids.device
         rows = []
-        for hs in handles:
-            pulled = [h.wait().rows for h in hs]  # [U_t, D] each
+        for g in groups:
+            pulled = [next(results).rows for _ in g.tables]  # [U_t, D] each
             rows.append((pulled[0] if len(pulled) == 1 else torch.cat(pulled)).to(device))
         shapes = [feature_sizes(kjt, g.features) for g in groups]  # (seq, sizes)
         splits = [sizes for _, sizes in shapes]  # every group has features
@@ -359,17 +371,17 @@ def _push(owner: HybridTables, grads: dict[str, tuple[torch.Tensor, torch.Tensor
     group, store = owner.group, owner.store
     if group.size == 1 or owner.store_is_shared:
         scale = 1.0 / group.size
-        handles = []
+        requests = []
         for name in owner.configs:
             if name in grads:
                 ids, g = grads[name]
                 g = g.contiguous()
                 if scale != 1.0:
                     g = g * scale
-                handles.append(store.push_async(name, ids, g))
-        for h in handles:
-            h.wait()
+                requests.append(PushRequest(name, ids, g))
+        store.push_many(requests)  # one batched push: one message per server
         return
+    gathered = []
     for name, cfg in owner.configs.items():
         if name in grads:
             ids, g = grads[name]
@@ -380,4 +392,5 @@ def _push(owner: HybridTables, grads: dict[str, tuple[torch.Tensor, torch.Tensor
         all_ids = group.allgatherv(ids)  # [sum U_r]
         all_grads = group.allgatherv(g)  # [sum U_r, D]
         all_grads.div_(group.size)
-        store.push(name, all_ids, all_grads)
+        gathered.append(PushRequest(name, all_ids, all_grads))
+    store.push_many(gathered)

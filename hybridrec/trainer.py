@@ -4,7 +4,7 @@ A job builds its model, optimizer and data, then hands them to a :class:`Trainer
 which runs the steps on the workers' ``comm.ProcessGroup`` and does the rest:
 
 * epochs and ``max_steps``; the next batch handed to the step early (``lookahead``:
-  its rows are prefetched into the embedding cache while this one trains); the
+  its ids ride on this batch's pull into the embedding cache); the
   "agreed" iteration for streams (``lockstep``: stop when any rank runs out);
 * evaluation every ``eval_every`` steps, at the start, at the end and per epoch,
   through the job's ``evaluate()``;
@@ -141,14 +141,15 @@ def plain_step(
 ) -> StepFn:
     """A step for ``(inputs, targets)`` batches: ``loss(model(inputs), targets)``,
     backward (waiting for every ``DataParallel`` inside ``model``), optimizer step.
-    ``prefetch(next_batch)`` runs after the forward when a next batch is given."""
+    ``prefetch(next_batch)`` runs before the forward when a next batch is given (a
+    cache sends it with this batch's pull)."""
     parallel = [m for m in model.modules() if isinstance(m, DataParallel)]
 
     def step(batch: Any, next_batch: Any) -> float:
         inputs, targets = batch
-        value = loss(model(inputs), targets)
         if prefetch is not None and next_batch is not None:
             prefetch(next_batch)
+        value = loss(model(inputs), targets)
         optimizer.zero_grad(set_to_none=True)
         value.backward()  # DataParallel buckets are allreduced meanwhile
         for dp in parallel:

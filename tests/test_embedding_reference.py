@@ -424,12 +424,18 @@ def test_prefetch_through_a_cache_and_store_kind() -> None:
     ec = EmbeddingCollection([cfg, local], store=cached)
     assert ec.hybrid is not None and not ec.hybrid.store_is_shared  # a cache over a per-rank store
     kjt = KeyedJaggedIds.from_lists({"x": [[1, 2], [3]], "y": [[2, 9], []], "z": [[1], [1]]})
-    ec.prefetch(kjt)  # the unique ids of table t: [1, 2, 3, 9]
+    nxt = KeyedJaggedIds.from_lists({"x": [[4, 2], [6]], "y": [[4, 7], []], "z": [[0], [1]]})
+    ec.prefetch(nxt)  # the next batch's ids of table t, [2, 4, 6, 7], ride on kjt's pull
     ec(kjt)["x"].sum().backward()
-    assert cached.cache_stats()["t"]["prefetched"] == 4
+    assert cached.cache_stats()["t"]["prefetched"] == 0
+    ec(nxt)["x"].sum().backward()
+    # 4, 6 and 7 came with the first pull; 2 was asked by that pull itself.
+    assert cached.cache_stats()["t"]["prefetched"] == 3
+    assert cached.request_counts()["pull_messages"] == 2  # one per batch, prefetch included
     plain = EmbeddingCollection([cfg, local])  # no prefetch method: prefetch does nothing
-    plain.prefetch(kjt)
+    plain.prefetch(nxt)
     plain(kjt)["x"].sum().backward()
+    plain(nxt)["x"].sum().backward()
     cached.flush()
     ids = torch.arange(50)
     torch.testing.assert_close(ec.rows("t", ids), plain.rows("t", ids), rtol=0, atol=1e-6)

@@ -133,11 +133,12 @@ def train_step(
 ) -> float:
     """One synchronous step on this rank's ``batch``; returns its local mean loss.
 
-    With ``next_batch``, its ids go to the embedding cache after the forward, so
-    their rows are fetched while this batch runs backward."""
-    logits = model(batch)  # [b]
+    With ``next_batch``, its ids go to the embedding cache first: they ride on this
+    batch's pull (one request per server for both), so its missing rows are in the
+    cache when the next step starts."""
     if next_batch is not None:
         model.embeddings.prefetch(next_batch.sparse)
+    logits = model(batch)  # [b]
     loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
     opt.zero_grad(set_to_none=True)
     loss.backward()  # rows updated here; DataParallel buckets allreduced meanwhile

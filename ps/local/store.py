@@ -96,14 +96,14 @@ class InProcessStore(Store):
     def pull_many_async(self, requests: Sequence[PullRequest]) -> Handle:
         """Every table's pull is checked first, then applied in order (one message)."""
         pulls = [self._checked_pull(r) for r in _requests(requests, PullRequest, "pull_many")]
-        self._messages["pull_messages"] += 1
+        self._messages["pull_messages"] += bool(pulls)
         return Handle.completed([self._apply_pull(*p) for p in pulls], what="pull_many")
 
     def push_many_async(self, requests: Sequence[PushRequest]) -> Handle:
         """Every table's push is checked first (nothing changes if one is bad), then
         applied in order (one message)."""
         pushes = [self._checked_push(r) for r in _requests(requests, PushRequest, "push_many")]
-        self._messages["push_messages"] += 1
+        self._messages["push_messages"] += bool(pushes)
         for p in pushes:
             self._apply_push(*p)
         return Handle.completed(None, what="push_many")
