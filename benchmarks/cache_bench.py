@@ -8,15 +8,20 @@ to the table (rank ``k`` with probability ~ ``k**-1.05``, ranks scattered over t
 global batch 2048 samples, so a table sees 2048 draws per step (hot ids repeat; the step
 pulls and pushes its ~1100 distinct ids).
 
-A step, for every table: pull the distinct ids (all tables' pulls issued before any is
-waited), hand the next step's ids to ``prefetch`` (cached only), push one gradient row
-per distinct id (RowWiseAdagrad on the PS; all pushes issued, then waited). No model
-compute (``--compute-ms`` adds a sleep), so step time is the embedding traffic plus the
-cache's own work.
+A step, as the hybrid embedding tables make it: hand the next step's ids to
+``prefetch_many`` (cached only: they ride on this step's pull), pull every table's
+distinct ids in ONE ``pull_many``, push one gradient row per distinct id in ONE
+``push_many`` (RowWiseAdagrad on the PS). No model compute (``--compute-ms`` adds a
+sleep), so step time is the embedding traffic plus the cache's own work.
 
-* uncached: the store itself;
+* uncached: the store itself, batched (one pull and one push message per server);
+* per-table: the store itself, one pull and one push request per table (all issued,
+  then waited), on the same tables: what batching saves;
 * cached: ``cache.CachedStore`` with 10 % of each table's rows, bounds (4, 4), LFU
   (``--policy lru`` for LRU; LFU moves fewer rows on a Zipf law).
+
+``requests_per_server_step``: pull and push messages the servers received per step and
+server (``Store.request_counts``), for each variant.
 
 Stores: in-process (this process) and MPI (``mpirun -n 2``: one worker, one server
 rank; this script re-launched with ``--mpi-part``). The two variants run on separate
@@ -35,7 +40,9 @@ refreshed: no policy can do much better, so it says whether the target is reacha
 
 Targets: ``rows_moved_reduction`` = 1 - cached / uncached rows moved (0.90),
 ``cached_vs_uncached_step`` = uncached / cached step time (1.0; the MPI store's, the
-in-process ratio is reported beside it). The last line is one JSON object
+in-process ratio is reported beside it), ``batched_vs_per_table`` = per-table /
+batched uncached step time over the MPI store (1.5), ``requests_per_server_step`` of
+the cached MPI step (1 pull + 1 push = 2). The last line is one JSON object
 (benchmarks/README.md).
 """
 
@@ -63,7 +70,11 @@ from _bench_util import ZipfDraws  # noqa: E402
 import cache  # noqa: E402
 import ps  # noqa: E402
 
-TARGETS = {"rows_moved_reduction": 0.90, "cached_vs_uncached_step": 1.0}
+TARGETS = {
+    "rows_moved_reduction": 0.90,
+    "cached_vs_uncached_step": 1.0,
+    "batched_vs_per_table": 1.5,
+}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -114,18 +125,26 @@ def step(
     grad: torch.Tensor,
     compute_s: float,
     prefetch: bool = True,
+    per_table: bool = False,
 ) -> None:
-    handles = [store.pull_async(n, i) for n, i in zip(names, ids, strict=True)]
-    for h in handles:
-        h.wait()
+    if per_table:  # one request per table (all issued, then waited)
+        handles = [store.pull_async(n, i) for n, i in zip(names, ids, strict=True)]
+        for h in handles:
+            h.wait()
+        if compute_s:
+            time.sleep(compute_s)
+        pairs = zip(names, ids, strict=True)
+        pushes = [store.push_async(n, i, grad[: i.numel()]) for n, i in pairs]
+        for h in pushes:
+            h.wait()
+        return
     if nxt is not None and isinstance(store, cache.CachedStore) and prefetch:
-        for n, i in zip(names, nxt, strict=True):
-            store.prefetch(n, i)
+        store.prefetch_many([ps.PullRequest(n, i) for n, i in zip(names, nxt, strict=True)])
+    store.pull_many([ps.PullRequest(n, i) for n, i in zip(names, ids, strict=True)])
     if compute_s:
         time.sleep(compute_s)
-    pushes = [store.push_async(n, i, grad[: i.numel()]) for n, i in zip(names, ids, strict=True)]
-    for h in pushes:
-        h.wait()
+    pairs = zip(names, ids, strict=True)
+    store.push_many([ps.PushRequest(n, i, grad[: i.numel()]) for n, i in pairs])
 
 
 def floor_figures(z: Sizes, draws: ZipfDraws) -> dict[str, float]:
@@ -162,15 +181,24 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
     grad = torch.full((z.batch, z.dim), 1e-3)
     compute_s = z.compute_ms / 1e3
 
+    messages = {w: {"pull_messages": 0, "push_messages": 0} for w in ("u", "p", "c")}
+    empty = torch.empty(0, dtype=torch.int64)
+
     def run(which: str, first: int, count: int, steps: list[list[torch.Tensor]]) -> float:
-        store, names = (store_u, names_u) if which == "u" else (cached, names_c)
+        store, names = (cached, names_c) if which == "c" else (store_u, names_u)
+        before = store.request_counts()
         t = time.perf_counter()
         for s in range(count):
-            step(store, names, steps[s], steps[s + 1], grad, compute_s, z.prefetch)
+            step(store, names, steps[s], steps[s + 1], grad, compute_s, z.prefetch, which == "p")
+        elapsed = time.perf_counter() - t
+        after = store.request_counts()
+        for key in messages[which]:
+            messages[which][key] += after[key] - before[key]
         if which == "c":  # complete the prefetch of the block's last step inside the block
-            for n in names_c:
-                cached.pull_async(n, steps[count][0][:0]).wait()
-        return (time.perf_counter() - t) / count
+            t = time.perf_counter()
+            cached.pull_many([ps.PullRequest(n, empty) for n in names_c])
+            elapsed += time.perf_counter() - t
+        return elapsed / count
 
     t0 = time.perf_counter()
     s = 0
@@ -187,18 +215,19 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
         cur, nxt = nxt, batch(s + 1)
         step(cached, names_c, cur, nxt, grad, 0.0, z.prefetch)
         s += 1
-    for n in names_c:  # complete the last prefetch before the blocks start
-        cached.pull_async(n, nxt[0][:0]).wait()
+    cached.pull_many([ps.PullRequest(n, empty) for n in names_c])  # the last prefetch
     warm = [batch(i) for i in range(4)]
     run("u", 0, 3, warm)
+    for counts in messages.values():  # count the timed blocks only
+        counts.update(pull_messages=0, push_messages=0)
     say(f"warm-up: caches full after {filled} steps, {s} steps in {time.perf_counter() - t0:.1f} s")
     before = cached.cache_stats()
-    times: dict[str, list[float]] = {"u": [], "c": []}
+    times: dict[str, list[float]] = {"u": [], "p": [], "c": []}
     distinct = 0
     for r in range(z.rounds):
         first = s + r * z.block
         steps = [batch(first + i) for i in range(z.block + 1)]
-        for which in ("u", "c"):
+        for which in ("u", "p", "c"):
             times[which].append(run(which, first, z.block, steps))
         distinct += sum(int(i.numel()) for b in steps[: z.block] for i in b)
     after = cached.cache_stats()
@@ -212,6 +241,12 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
     pulled, pushed = delta("rows_pulled") / n_steps, delta("rows_pushed") / n_steps
     lookups, hits = delta("lookups"), delta("hits")
     step_u, step_c = statistics.median(times["u"]), statistics.median(times["c"])
+    step_p = statistics.median(times["p"])
+    servers = store_u.request_counts()["servers"]
+    per_server_step = {
+        label: {key.split("_")[0]: messages[w][key] / n_steps / servers for key in messages[w]}
+        for w, label in (("u", "uncached"), ("p", "per_table"), ("c", "cached"))
+    }
     per_table = z.tables
     return {
         "rows_moved_per_step": {"uncached": rows_u, "cached": pulled + pushed},
@@ -223,9 +258,11 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
         "evictions_per_step": delta("evictions") / n_steps,
         **floor_figures(z, draws),
         "warmup_steps": s,
-        "step_s": {"uncached": step_u, "cached": step_c},
+        "step_s": {"uncached": step_u, "per_table": step_p, "cached": step_c},
+        "requests_per_server_step": per_server_step,
         "rows_moved_reduction": 1 - (pulled + pushed) / rows_u,
         "cached_vs_uncached_step": step_u / step_c,
+        "batched_vs_per_table": step_p / step_u,
     }
 
 
@@ -284,7 +321,10 @@ def _show(label: str, f: dict[str, Any]) -> None:
         f"({f['rows_moved_reduction']:.1%} fewer; ceiling {f['reduction_ceiling']:.1%}, "
         f"cold fraction {f['cold_fraction']:.1%}), hit rate {f['hit_rate']:.1%}, step "
         f"{f['step_s']['uncached'] * 1e3:.1f} ms -> {f['step_s']['cached'] * 1e3:.1f} ms "
-        f"(uncached/cached {f['cached_vs_uncached_step']:.2f})"
+        f"(uncached/cached {f['cached_vs_uncached_step']:.2f}); per-table uncached "
+        f"{f['step_s']['per_table'] * 1e3:.1f} ms (per-table/batched "
+        f"{f['batched_vs_per_table']:.2f}); messages per server and step "
+        f"{f['requests_per_server_step']}"
     )
 
 
@@ -319,6 +359,10 @@ def main() -> None:
     ceiling = min(f["reduction_ceiling"] for f in figures.values())
     local_ratio = local["cached_vs_uncached_step"]
     speed = figures["mpi"]["cached_vs_uncached_step"] if "mpi" in figures else local_ratio
+    main_store = figures.get("mpi", local)
+    batching = main_store["batched_vs_per_table"]
+    cached_messages = main_store["requests_per_server_step"]["cached"]
+    per_server = cached_messages["pull"] + cached_messages["push"]
     notes = {
         "rows_moved_reduction": (
             f"an ideal static cache of the 10 % most popular ids would reach {ceiling:.3f} "
@@ -330,15 +374,30 @@ def main() -> None:
             if "mpi" in figures
             else f"in-process store only (--no-mpi): {local_ratio:.3f}"
         ),
+        "batched_vs_per_table": (
+            "uncached step, one request per table / one batched request per server; "
+            f"in-process store: {local['batched_vs_per_table']:.3f}"
+        ),
     }
     targets = {}
-    for name, value in (("rows_moved_reduction", reduction), ("cached_vs_uncached_step", speed)):
+    for name, value in (
+        ("rows_moved_reduction", reduction),
+        ("cached_vs_uncached_step", speed),
+        ("batched_vs_per_table", batching),
+    ):
         targets[name] = {
             "value": value,
             "target": TARGETS[name],
             "met": value >= TARGETS[name],
             "note": notes[name],
         }
+    targets["requests_per_server_step"] = {
+        "value": per_server,
+        "target": 2.0,
+        "met": per_server <= 2.0,
+        "note": f"cached step, pull {cached_messages['pull']:.2f} + push "
+        f"{cached_messages['push']:.2f} messages per server",
+    }
     result = {
         "bench": "cache",
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "backend": "mpi"},
