@@ -33,6 +33,8 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ps.local.table import COUNTERS
 from ps.table import TableSpec
 
@@ -79,6 +81,13 @@ class RedisTable:
     # Pushes of this client whose replies were not processed yet, in issue order (see
     # RedisStore._settle): each one's completion (replies, second round, eviction).
     pending: list[PushSettle] = field(default_factory=list)
+    # Ids this client's reads found missing from Redis (sorted, unique, int64 [A]): its
+    # next push of them sends their initial rows in the first round (no second round).
+    # Only a hint: a row created meanwhile ignores it, a row missing without it costs
+    # the second round. ``push_epoch`` counts the pushes built; a read issued before a
+    # push adds no hints after it (see RedisStore._note_absent).
+    absent: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    push_epoch: int = 0
 
     @property
     def evicts(self) -> bool:
