@@ -788,21 +788,10 @@ def _exactly_once_module():  # type: ignore[no-untyped-def]
     return mod
 
 
-@pytest.mark.parametrize("dedup", [True, False], ids=["exactly_once", "control"])
-def test_batched_pushes_with_lost_replies_apply_once(server: RedisServer, dedup: bool) -> None:
+def _push_batches_losing_replies(store: LossyRedisStore) -> tuple[str, dict[str, int]]:
     """The exactly-once sequences of tests/ranks/ps_exactly_once.py, both tables of a step
-    in one push_many; every third batch's replies are lost after the scripts ran (first
-    rounds and second rounds alike), so whole batches are resent. Without numbers
-    (the control) the resends are applied twice and the sums differ."""
+    in one push_many; ``(comparison with the references, summed push counters)``."""
     eo = _exactly_once_module()
-    store = LossyRedisStore(
-        server.url,
-        prefix=_prefix(),
-        buckets=4,
-        retry_backoff_s=0.01,
-        drop_reply_every=3,
-        exactly_once=dedup,
-    )
     with store:
         for spec in (eo.shared_spec(), eo.own_spec(0)):
             store.create_table(spec)
@@ -812,16 +801,33 @@ def test_batched_pushes_with_lost_replies_apply_once(server: RedisServer, dedup:
             store.push_many([ps.PushRequest("shared", si, sg), ps.PushRequest("own0", oi, og)])
         result = eo.compare(store, 1)
         st = store.stats()
-    calls = sum(int(v["push_calls"]) for v in st.values())
-    applied = sum(int(v["push_calls_applied"]) for v in st.values())
-    repeated = sum(int(v["push_calls_repeated"]) for v in st.values())
-    assert min(int(v["push_retries"]) for v in st.values()) > 0, st
+    keys = ("push_calls", "push_calls_applied", "push_calls_repeated")
+    counters = {k: sum(int(v[k]) for v in st.values()) for k in keys}
+    counters["min_retries"] = min(int(v["push_retries"]) for v in st.values())
+    return result, counters
+
+
+@pytest.mark.parametrize("dedup", [True, False], ids=["exactly_once", "control"])
+def test_batched_pushes_with_lost_replies_apply_once(server: RedisServer, dedup: bool) -> None:
+    """Every third batch's replies are lost after the scripts ran (first rounds and second
+    rounds alike), so whole batches are resent: with sequence numbers every resent call
+    is a repeat; without (the control) resends are applied twice and the sums differ."""
+    store = LossyRedisStore(
+        server.url,
+        prefix=_prefix(),
+        buckets=4,
+        retry_backoff_s=0.01,
+        drop_reply_every=3,
+        exactly_once=dedup,
+    )
+    result, c = _push_batches_losing_replies(store)
+    assert c["min_retries"] > 0, c
     if dedup:
         assert result == "match", result
-        assert applied == calls and repeated > 0, (calls, applied, repeated)
+        assert c["push_calls_applied"] == c["push_calls"] and c["push_calls_repeated"] > 0, c
     else:
         assert result.startswith("mismatch") and "shared rows" in result, result
-        assert applied > calls and repeated == 0, (calls, applied, repeated)
+        assert c["push_calls_applied"] > c["push_calls"] and c["push_calls_repeated"] == 0, c
 
 
 # ---------------------------------------------------------------- cluster
@@ -867,13 +873,36 @@ def test_cluster_batched_requests_one_round_trip_per_node(cluster: RedisCluster)
         check_batched(rs, "batch-", servers=3)
 
 
+def test_cluster_batched_pushes_with_lost_replies_apply_once(cluster: RedisCluster) -> None:
+    """A batch spread over three masters, its replies lost on every second batch: resent
+    whole, every call that ran is a repeat."""
+    store = LossyRedisStore(
+        host=cluster.host,
+        port=cluster.port,
+        cluster=True,
+        prefix=_prefix(),
+        buckets=8,
+        retry_backoff_s=0.01,
+        drop_reply_every=2,
+    )
+    result, c = _push_batches_losing_replies(store)
+    assert result == "match", result
+    assert c["min_retries"] > 0 and c["push_calls_repeated"] > 0, c
+    assert c["push_calls_applied"] == c["push_calls"], c
+
+
 def test_benchmark_module_runs_small(server: RedisServer) -> None:
     from benchmarks._ps_bench_redis import bench_redis
 
-    res = bench_redis(rows=2000, dim=8, batch=200, repeats=1, n_batches=1, url=server.url)
+    res = bench_redis(
+        rows=2000, dim=8, batch=200, repeats=1, n_batches=1, url=server.url, step_tables=3
+    )
     assert set(res["ratios"]) == {
         "redis_pull_vs_mget",
         "redis_push_vs_lua",
         "redis_push_vs_lua_copy",
     }
     assert all(v > 0 for v in res["figures"].values())
+    # A step of 3 tables: a pull and a push round trip per table, or one of each.
+    assert res["steps"]["requests_per_server_step"] == {"per_table": 6.0, "batched": 2.0}
+    assert all(v > 0 for v in res["steps"]["steps_per_s"].values())

@@ -23,10 +23,19 @@ Requests (one command per touched bucket, each node's commands written in one go
   bytes moved = the stale rows);
 * push: duplicate ids are summed by the client; a generated Lua script per bucket
   (:func:`ps.redis.lua.push_script`) applies the optimizer to each row and adds 1
-  to its clock atomically. A row that does not exist yet needs its initial value:
-  the script then changes nothing and names the missing ids, and the client
-  resends that bucket with their initial rows (a second round trip only for
-  buckets with new rows).
+  to its clock atomically. A row that does not exist yet needs its initial value,
+  which only the client can compute: rows this client's pulls found missing go
+  with their initial rows in the first call; for any other missing row the script
+  changes nothing and names it, and the client resends that bucket with their
+  initial rows (a second round trip, only for pushes of rows never read).
+
+Batches: ``pull_many_async`` / ``push_many_async`` check every table's request, then
+write all of their commands together: one pipelined round trip per Redis node for
+the whole batch, each table's commands in the order given (a push batch's second
+round, if any, is again one round trip per node). Tables with eviction add round
+trips per batch: their steps are read (pull) or counted up (push) before it, and
+the eviction runs after a push. :meth:`RedisStore.request_counts` counts the round
+trips.
 
 Asynchrony and order: ``pull_async``/``push_async`` write their commands at once
 and return; ``wait()`` reads the replies. A store keeps one connection per Redis
