@@ -25,6 +25,7 @@ import torch
 
 import ps
 from ps.redis.conn import RedisLink
+from ps.redis.layout import ABSENT_READS
 from ps.redis.store import RedisAuthError, RedisStore, RedisUnavailableError
 from ps_batched import check_batched
 from ps_faults import LossyRedisStore
@@ -702,6 +703,16 @@ def test_request_counts_are_round_trips(store: RedisStore) -> None:
     store.push_many([])
     store.pull_many([])
     assert _counts(store) == (3, 5)
+    # Hints are kept for the latest ABSENT_READS reads of a table only (bounded memory).
+    g = ps.TableSpec(name="g", num_rows=None, dim=3, optimizer=ps.SGD(lr=1.0))
+    store.create_table(g)
+    reads = [torch.arange(10) + 100 * k for k in range(ABSENT_READS + 1)]
+    for r in reads:
+        store.pull("g", r)
+    store.push("g", reads[-1], torch.ones(10, 3))  # hinted: one round trip
+    store.push("g", reads[0], torch.ones(10, 3))  # forgotten: a second round
+    assert _counts(store) == (3 + len(reads), 5 + 1 + 2)
+    assert store.stats()["g"]["rows_created"] == 20
 
 
 def test_batches_in_flight_apply_in_issue_order(store: RedisStore) -> None:

@@ -68,6 +68,7 @@ import os
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -560,10 +561,9 @@ class RedisStore(Store):
         with self._lock:
             if t.push_epoch != epoch:
                 return
-            merged = np.union1d(t.absent, missing)
-            if merged.size > MAX_ABSENT_HINTS:  # bounded memory: keep the latest read's
-                merged = np.unique(missing)[:MAX_ABSENT_HINTS]
-            t.absent = merged
+            t.absent.append(missing[:MAX_ABSENT_HINTS])  # the oldest read drops out
+            while sum(a.size for a in t.absent) > MAX_ABSENT_HINTS:
+                t.absent.popleft()
 
     # ------------------------------------------------------------ pulls
 
@@ -845,11 +845,13 @@ class RedisStore(Store):
             seqs = next_numbers(t, [b for b, _lo, _hi in calls])  # [calls] (number, watermark)
             t.push_epoch += 1
             hinted = np.empty(0, dtype=np.int64)  # positions in sorted_ids [H]
-            if t.absent.size and sorted_ids.size:
-                mask = np.isin(sorted_ids, t.absent)
+            if t.absent and sorted_ids.size:
+                mask = np.isin(sorted_ids, np.concatenate(t.absent))
                 if mask.any():
                     hinted = np.flatnonzero(mask)
-                    t.absent = np.setdiff1d(t.absent, sorted_ids[hinted], assume_unique=True)
+                    used = sorted_ids[hinted]
+                    kept = (a[~np.isin(a, used)] for a in t.absent)
+                    t.absent = deque((a for a in kept if a.size), maxlen=t.absent.maxlen)
         init_rows = b""  # float32 [H, D] of the hinted ids
         if hinted.size:
             first_ids = torch.from_numpy(sorted_ids[hinted].astype(np.int64))
