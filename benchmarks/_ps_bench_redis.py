@@ -24,6 +24,14 @@ started on a free loopback port, unless ``url`` is given), side by side:
 * ``redis_pull_bounded``: a conditional pull (``clocks``/``bound``) where every row
   is fresh (the cost of asking: clocks compared inside Redis, no rows move).
 
+Training steps over several tables (``steps`` in the result, :func:`bench_steps`):
+``step_tables`` SGD tables, ``step_ids`` Zipf ids each; one step pulls every table
+and then pushes every table, either one request per table (``per_table``: all
+pulls issued, then waited; then all pushes) or one ``pull_many`` and one
+``push_many`` (``batched``). Figures: steps/s, and ``requests_per_server_step``,
+the Redis round trips (pull + push) per node per step from the store's
+``request_counts``.
+
 Ids: batches of ``batch`` distinct Zipf(``zipf_a``) ids over ``rows`` rows; every
 row of every batch exists in Redis before timing (a warm-up push). Each repeat runs
 every figure once over all batches, in a rotating order; a figure's rows/s is the
@@ -88,6 +96,84 @@ def _server(url: str | None) -> Iterator[str]:
         yield srv.url
 
 
+def bench_steps(
+    url: str,
+    *,
+    tables: int = 8,
+    rows: int = 100_000,
+    ids: int = 1_000,
+    dim: int = 64,
+    n_steps: int = 8,
+    repeats: int = 7,
+    seed: int = 0,
+    buckets: int = 64,
+) -> dict[str, Any]:
+    """Multi-table training steps, per table vs batched (see the module docstring);
+    ``{"config", "steps_per_s": {kind: ...}, "requests_per_server_step": {kind: ...},
+    "batched_vs_per_table"}`` (the median per-repeat speed-up)."""
+    names = [f"step{k}" for k in range(tables)]
+    batches = [zipf_unique_batches(rows, ids, n_steps, 1.05, seed + k) for k in range(tables)]
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(ids, dim, generator=gen) * 1e-3 for _ in range(n_steps)]
+    steps = [
+        [torch.from_numpy(batches[k][s]) for k in range(tables)] for s in range(n_steps)
+    ]  # [step][table] ids
+    store = RedisStore(url, prefix=f"bench-steps{seed}", buckets=buckets)
+    try:
+        for name in names:
+            spec = ps.TableSpec(name=name, num_rows=rows, dim=dim, optimizer=ps.SGD(lr=0.01))
+            store.create_table(spec, exist_ok=True)
+        for table_ids in steps:  # every row exists before timing
+            for name, i in zip(names, table_ids, strict=True):
+                store.push(name, i, grads[0])
+
+        def per_table() -> None:
+            for table_ids, g in zip(steps, grads, strict=True):
+                pulls = [store.pull_async(n, i) for n, i in zip(names, table_ids, strict=True)]
+                for h in pulls:
+                    h.wait()
+                pushes = [store.push_async(n, i, g) for n, i in zip(names, table_ids, strict=True)]
+                for h in pushes:
+                    h.wait()
+
+        def batched() -> None:
+            for table_ids, g in zip(steps, grads, strict=True):
+                store.pull_many(
+                    [ps.PullRequest(n, i) for n, i in zip(names, table_ids, strict=True)]
+                )
+                store.push_many(
+                    [ps.PushRequest(n, i, g) for n, i in zip(names, table_ids, strict=True)]
+                )
+
+        kinds = {"per_table": per_table, "batched": batched}
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        trips: dict[str, float] = {}
+        for kind, fn in kinds.items():  # warm-up, and the round trips of one pass
+            before = store.request_counts()
+            fn()
+            after = store.request_counts()
+            sent = sum(after[k] - before[k] for k in ("pull_messages", "push_messages"))
+            trips[kind] = sent / after["servers"] / n_steps
+        for r in range(repeats):
+            for kind in list(kinds)[r % 2 :] + list(kinds)[: r % 2]:
+                times[kind].append(time_call(kinds[kind]))
+    finally:
+        with contextlib.suppress(Exception):
+            for name in names:
+                store.drop_table(name)
+        store.close()
+    speedup = statistics.median(
+        p / b for p, b in zip(times["per_table"], times["batched"], strict=True)
+    )
+    return {
+        "config": {"tables": tables, "rows": rows, "ids": ids, "dim": dim, "steps": n_steps,
+                   "repeats": repeats, "buckets": buckets},
+        "steps_per_s": {k: n_steps / statistics.median(ts) for k, ts in times.items()},
+        "requests_per_server_step": trips,
+        "batched_vs_per_table": speedup,
+    }  # fmt: skip
+
+
 def bench_redis(
     rows: int = 1_000_000,
     dim: int = 64,
@@ -98,8 +184,12 @@ def bench_redis(
     seed: int = 0,
     url: str | None = None,
     buckets: int = 64,
+    step_tables: int = 8,
+    step_ids: int = 1_000,
 ) -> dict[str, Any]:
-    """Measure; returns ``{"config", "figures": {name: rows_per_s}, "ratios"}``.
+    """Measure; returns ``{"config", "figures": {name: rows_per_s}, "ratios", "steps"}``
+    (``steps``: :func:`bench_steps` on the same server, ``step_tables`` tables of
+    ``step_ids`` ids).
 
     ``ratios``: ``redis_pull_vs_mget`` (pull / best raw MGET) and
     ``redis_push_vs_lua`` (push / best raw Lua SGD update) and the extra
@@ -193,6 +283,17 @@ def bench_redis(
                 rot = names[r % len(names) :] + names[: r % len(names)]
                 for n in rot:
                     times[n].append(time_call(figures[n]))
+            steps = bench_steps(
+                server_url,
+                tables=step_tables,
+                rows=rows,
+                ids=min(step_ids, rows),
+                dim=dim,
+                n_steps=2 * n_batches,
+                repeats=repeats,
+                seed=seed,
+                buckets=buckets,
+            )
         finally:
             with contextlib.suppress(Exception):
                 for name in ("sgd", "adagrad"):
@@ -235,6 +336,7 @@ def bench_redis(
         },
         "figures": out_figures,
         "ratios": ratios,
+        "steps": steps,
     }
 
 
@@ -245,4 +347,8 @@ if __name__ == "__main__":
     res = bench_redis(repeats=3 if quick else 7, n_batches=2 if quick else 4)
     for name, v in sorted(res["figures"].items()):
         print(f"{name:24s} {v:14,.0f} rows/s")
+    st = res["steps"]
+    for kind, v in st["steps_per_s"].items():
+        trips = st["requests_per_server_step"][kind]
+        print(f"step {kind:19s} {v:14,.1f} steps/s  {trips:.2f} round trips per node per step")
     print(json.dumps(res))

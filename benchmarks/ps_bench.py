@@ -6,7 +6,9 @@
 * MPI store, 1 server + 1 worker, vs a raw mpi4py send of the same bytes
   (``_ps_bench_mpi``, launched here under ``mpirun -n 2``);
 * Redis store on its own ``redis-server`` vs a raw pipelined MGET and a raw Lua
-  update script on the same server (``_ps_bench_redis``).
+  update script on the same server (``_ps_bench_redis``), and multi-table training
+  steps one request per table vs batched (``pull_many``/``push_many``), with the
+  round trips per Redis node per step (``requests_per_server_step``).
 
 64-dim float32 rows, batches of 10 k unique Zipf ids. One torch thread per
 process (the machine has 2 cores and the MPI job runs 2 ranks). The last line is
@@ -79,6 +81,11 @@ def main() -> None:
     )
     for name, v in sorted(redis["figures"].items()):
         print(f"redis {name:>25}: {v / 1e6:7.3f} M rows/s", file=sys.stderr)
+    steps = redis["steps"]
+    for kind, v in steps["steps_per_s"].items():
+        trips = steps["requests_per_server_step"][kind]
+        print(f"redis step {kind:>20}: {v:7.1f} steps/s, {trips:.2f} round trips/node/step",
+              file=sys.stderr)  # fmt: skip
 
     mpi_rows = mpi["figures"]["rows_per_s"]
     rows_per_s = {
@@ -97,8 +104,10 @@ def main() -> None:
             "local": local["figures"],
             "mpi": mpi_rows,
             "redis": redis["figures"],
+            "redis_steps": steps,
             "ratios": {**local["ratios"], **redis["ratios"]},
         },
+        "requests_per_server_step": {"redis": steps["requests_per_server_step"]},
         "targets": {
             name: _target(value, name)
             for name, value in (

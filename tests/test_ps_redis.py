@@ -25,7 +25,10 @@ import torch
 
 import ps
 from ps.redis.conn import RedisLink
+from ps.redis.layout import ABSENT_READS
 from ps.redis.store import RedisAuthError, RedisStore, RedisUnavailableError
+from ps_batched import check_batched
+from ps_faults import LossyRedisStore
 from ps_lifecycle import check_lifecycle
 from ps_reference import assert_matches_reference
 from redis_server import (
@@ -39,6 +42,7 @@ from redis_server import (
 pytestmark = pytest.mark.timeout(60)
 
 _WORKER = Path(__file__).resolve().parent / "ranks" / "ps_redis_worker.py"
+_EXACTLY_ONCE = Path(__file__).resolve().parent / "ranks" / "ps_exactly_once.py"
 
 OPTIMIZERS = [
     ps.SGD(lr=0.1),
@@ -659,6 +663,184 @@ def test_stats_counts_rows_and_requests(store: RedisStore) -> None:
     assert set(ps.STAT_KEYS) <= set(st)
 
 
+# ---------------------------------------------------------------- batched requests
+
+
+def test_batched_requests_match_per_table_ones(server: RedisServer) -> None:
+    with RedisStore(server.url, prefix=_prefix(), buckets=8) as s:
+        check_batched(s, "batch-", servers=1)
+
+
+def _counts(store: RedisStore) -> tuple[int, int]:
+    c = store.request_counts()
+    return c["pull_messages"], c["push_messages"]
+
+
+def test_request_counts_are_round_trips(store: RedisStore) -> None:
+    """One round trip per request or batch (one node); the extra ones are where the module
+    docstring says: rows a push must create without having read them first (second round),
+    the step of a table with eviction."""
+    fixed = ps.TableSpec(name="f", num_rows=100, dim=3, optimizer=ps.Adam(lr=0.1))
+    aged = ps.TableSpec(name="e", num_rows=None, dim=3, optimizer=ps.SGD(lr=1.0), max_age_steps=50)
+    for spec in (fixed, aged):
+        store.create_table(spec)
+    assert store.request_counts() == {"pull_messages": 0, "push_messages": 0, "servers": 1}
+    ids = torch.arange(0, 40)
+    store.push("f", ids, torch.ones(40, 3))  # rows never read: created in a second round
+    assert _counts(store) == (0, 2)
+    assert store.stats()["f"]["rows_created"] == 40
+    new = torch.arange(40, 60)
+    store.pull("f", new)  # read as missing: the push brings their initial rows along
+    store.push("f", new, torch.ones(20, 3))
+    assert _counts(store) == (1, 3)
+    assert store.stats()["f"]["rows_created"] == 60
+    store.clocks("f", ids), store.state("f", ids)  # neither a pull nor a push
+    assert _counts(store) == (1, 3)
+    many = [ps.PullRequest("f", ids), ps.PullRequest("e", ids)]
+    store.pull_many(many)  # the step of "e" (one round trip), then the batch
+    store.push_many([ps.PushRequest(r.table, r.ids, torch.ones(40, 3)) for r in many])
+    assert _counts(store) == (3, 5)  # the push: INCR of the step, the batch
+    store.push_many([])
+    store.pull_many([])
+    assert _counts(store) == (3, 5)
+    # Hints are kept for the latest ABSENT_READS reads of a table only (bounded memory).
+    g = ps.TableSpec(name="g", num_rows=None, dim=3, optimizer=ps.SGD(lr=1.0))
+    store.create_table(g)
+    reads = [torch.arange(10) + 100 * k for k in range(ABSENT_READS + 1)]
+    for r in reads:
+        store.pull("g", r)
+    store.push("g", reads[-1], torch.ones(10, 3))  # hinted: one round trip
+    store.push("g", reads[0], torch.ones(10, 3))  # forgotten: a second round
+    assert _counts(store) == (3 + len(reads), 5 + 1 + 2)
+    assert store.stats()["g"]["rows_created"] == 20
+
+
+def test_batches_in_flight_apply_in_issue_order(store: RedisStore) -> None:
+    """Unwaited batches and per-table requests on several tables apply in issue order,
+    whatever the wait order (Adam is order-sensitive): reads see exactly the pushes
+    issued before them (rows exist: no second rounds), and pushes creating new rows
+    (second rounds pending) end equal to the reference."""
+    specs = [
+        ps.TableSpec(name="a", num_rows=30, dim=4, optimizer=ps.Adam(lr=0.1)),
+        ps.TableSpec(name="d", num_rows=None, dim=4, optimizer=ps.Adam(lr=0.1)),
+    ]
+    ref = ps.InProcessStore()
+    ids = torch.arange(30)
+    for spec in specs:
+        for s in (store, ref):
+            s.create_table(spec)
+            s.push(spec.name, ids, torch.ones(30, 4))
+    gen = torch.Generator().manual_seed(11)
+
+    def steps(new: int, read: bool) -> None:
+        """Four steps; table "d" gets ids from ``new`` on (new rows unless 0)."""
+        handles, reads = [], []
+        for k in range(4):
+            batch = [
+                ps.PushRequest(
+                    s.name,
+                    torch.randint(0, 30, (20,), generator=gen) + (new if s.name == "d" else 0),
+                    torch.randn(20, 4, generator=gen),
+                )
+                for s in specs
+            ]
+            handles.append(store.push_many_async(batch))
+            one, g = (
+                torch.randint(0, 30, (8,), generator=gen) + new,
+                torch.randn(8, 4, generator=gen),
+            )
+            handles.append(store.push_async("d", one, g))
+            for r in [*batch, ps.PushRequest("d", one, g)]:
+                ref.push(r.table, r.ids, r.grads)
+            if read and k in (1, 3):
+                pulls = [ps.PullRequest(s.name, ids) for s in specs]
+                reads.append((store.pull_many_async(pulls), ref.pull_many(pulls)))
+        for h, want in reversed(reads):  # the later read first
+            for g, w in zip(h.wait(), want, strict=True):
+                torch.testing.assert_close(g.rows, w.rows, rtol=1e-6, atol=1e-6)
+                assert torch.equal(g.clocks, w.clocks)
+        for h in reversed(handles):
+            h.wait()
+
+    steps(0, read=True)
+    # New rows are created in second rounds when the pushes settle, so a read waited
+    # after later pushes were applied would see them too (see docs/ps_protocol.md): no
+    # reads here, the final state must still be the reference's.
+    steps(100, read=False)
+    _assert_same(store, ref, "a", ids)
+    _assert_same(store, ref, "d", torch.arange(0, 130))
+
+
+def test_hints_from_a_read_older_than_a_push_are_not_used(store: RedisStore) -> None:
+    """A pull issued before a push of the same new rows must not let a later push create
+    them (with its own update) before the first push's second round (Adam: order shows)."""
+    spec = ps.TableSpec(name="d", num_rows=None, dim=4, optimizer=ps.Adam(lr=0.1))
+    ref = ps.InProcessStore()
+    for s in (store, ref):
+        s.create_table(spec)
+    ids = torch.tensor([5, 7, 2**40])
+    g1, g2 = torch.ones(3, 4), -2 * torch.ones(3, 4)
+    read = store.pull_async("d", ids)  # finds the rows missing
+    first = store.push_async("d", ids, g1)  # creates them when settled
+    read.wait()
+    second = store.push_async("d", ids, g2)
+    second.wait()
+    first.wait()
+    for g in (g1, g2):
+        ref.push("d", ids, g)
+    _assert_same(store, ref, "d", ids)
+
+
+def _exactly_once_module():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("ps_exactly_once", _EXACTLY_ONCE)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _push_batches_losing_replies(store: LossyRedisStore) -> tuple[str, dict[str, int]]:
+    """The exactly-once sequences of tests/ranks/ps_exactly_once.py, both tables of a step
+    in one push_many; ``(comparison with the references, summed push counters)``."""
+    eo = _exactly_once_module()
+    with store:
+        for spec in (eo.shared_spec(), eo.own_spec(0)):
+            store.create_table(spec)
+        eo.zero_shared(store)
+        steps = zip(eo.shared_pushes(0), eo.own_pushes(0), strict=True)
+        for (si, sg), (oi, og) in steps:
+            store.push_many([ps.PushRequest("shared", si, sg), ps.PushRequest("own0", oi, og)])
+        result = eo.compare(store, 1)
+        st = store.stats()
+    keys = ("push_calls", "push_calls_applied", "push_calls_repeated")
+    counters = {k: sum(int(v[k]) for v in st.values()) for k in keys}
+    counters["min_retries"] = min(int(v["push_retries"]) for v in st.values())
+    return result, counters
+
+
+@pytest.mark.parametrize("dedup", [True, False], ids=["exactly_once", "control"])
+def test_batched_pushes_with_lost_replies_apply_once(server: RedisServer, dedup: bool) -> None:
+    """Every third batch's replies are lost after the scripts ran (first rounds and second
+    rounds alike), so whole batches are resent: with sequence numbers every resent call
+    is a repeat; without (the control) resends are applied twice and the sums differ."""
+    store = LossyRedisStore(
+        server.url,
+        prefix=_prefix(),
+        buckets=4,
+        retry_backoff_s=0.01,
+        drop_reply_every=3,
+        exactly_once=dedup,
+    )
+    result, c = _push_batches_losing_replies(store)
+    assert c["min_retries"] > 0, c
+    if dedup:
+        assert result == "match", result
+        assert c["push_calls_applied"] == c["push_calls"] and c["push_calls_repeated"] > 0, c
+    else:
+        assert result.startswith("mismatch") and "shared rows" in result, result
+        assert c["push_calls_applied"] > c["push_calls"] and c["push_calls_repeated"] == 0, c
+
+
 # ---------------------------------------------------------------- cluster
 
 
@@ -696,13 +878,42 @@ def test_cluster_matches_inprocess(cluster: RedisCluster, tmp_path: Path) -> Non
         _assert_tables_equal(rs, ref)
 
 
+@pytest.mark.timeout(120)
+def test_cluster_batched_requests_one_round_trip_per_node(cluster: RedisCluster) -> None:
+    with RedisStore(host=cluster.host, port=cluster.port, cluster=True, prefix=_prefix()) as rs:
+        check_batched(rs, "batch-", servers=3)
+
+
+def test_cluster_batched_pushes_with_lost_replies_apply_once(cluster: RedisCluster) -> None:
+    """A batch spread over three masters, its replies lost on every second batch: resent
+    whole, every call that ran is a repeat."""
+    store = LossyRedisStore(
+        host=cluster.host,
+        port=cluster.port,
+        cluster=True,
+        prefix=_prefix(),
+        buckets=8,
+        retry_backoff_s=0.01,
+        drop_reply_every=2,
+    )
+    result, c = _push_batches_losing_replies(store)
+    assert result == "match", result
+    assert c["min_retries"] > 0 and c["push_calls_repeated"] > 0, c
+    assert c["push_calls_applied"] == c["push_calls"], c
+
+
 def test_benchmark_module_runs_small(server: RedisServer) -> None:
     from benchmarks._ps_bench_redis import bench_redis
 
-    res = bench_redis(rows=2000, dim=8, batch=200, repeats=1, n_batches=1, url=server.url)
+    res = bench_redis(
+        rows=2000, dim=8, batch=200, repeats=1, n_batches=1, url=server.url, step_tables=3
+    )
     assert set(res["ratios"]) == {
         "redis_pull_vs_mget",
         "redis_push_vs_lua",
         "redis_push_vs_lua_copy",
     }
     assert all(v > 0 for v in res["figures"].values())
+    # A step of 3 tables: a pull and a push round trip per table, or one of each.
+    assert res["steps"]["requests_per_server_step"] == {"per_table": 6.0, "batched": 2.0}
+    assert all(v > 0 for v in res["steps"]["steps_per_s"].values())

@@ -9,6 +9,9 @@ timeouts, the cluster's slot map.
 
 A request is *started* (all commands written, connections held) and *finished*
 later (replies read), which is what makes the store's handles asynchronous.
+Writing one node its share of a batch is one *round trip*; a batch given a
+``label`` adds its round trips (one per node it reaches, and one per resend) to
+:meth:`RedisLink.round_trips` under that label (the store's request counts).
 Replies that mean "not executed" are retried transparently: ``NOSCRIPT`` (the
 script cache was flushed: load the script, resend), ``MOVED``/``ASK``/``TRYAGAIN``
 (cluster slots moving: refresh the slot map or follow the redirect, resend).
@@ -241,10 +244,13 @@ class Batch:
     replies are read.
     """
 
-    def __init__(self, link: RedisLink, cmds: list[Command], what: str) -> None:
+    def __init__(
+        self, link: RedisLink, cmds: list[Command], what: str, label: str | None = None
+    ) -> None:
         self._link = link
         self._cmds = cmds
         self._what = what
+        self._label = label
         self._replies: list[Any] = [None] * len(cmds)
         self._waiting: list[tuple[_Channel, _Slot]] = []
         self._done = False
@@ -256,6 +262,7 @@ class Batch:
             c = self._cmds[i]
             node = c.asking if c.asking is not None else self._link.node_of(c.key)
             by_node.setdefault(node, []).append(i)
+        self._link.count(self._label, len(by_node))
         for node, idx in by_node.items():
             chunks: list[bytes] = []
             asking = []
@@ -372,6 +379,8 @@ class RedisLink:
         self._clients: dict[str, redis.Redis] = {}
         self._channels: dict[str, _Channel] = {}
         self._channels_lock = threading.Lock()
+        self._trips: dict[str, int] = {}  # label -> round trips (see round_trips)
+        self._trips_lock = threading.Lock()
         self._rc: redis.cluster.RedisCluster | None = None
         if url is not None:
             parsed = redis.connection.parse_url(url)
@@ -437,14 +446,27 @@ class RedisLink:
 
     # ------------------------------------------------------------ commands
 
-    def command(self, key: bytes | None, *args: Any, what: str) -> Any:
+    def count(self, label: str | None, trips: int) -> None:
+        """Add ``trips`` round trips under ``label`` (None: not counted)."""
+        if label is not None and trips:
+            with self._trips_lock:
+                self._trips[label] = self._trips.get(label, 0) + trips
+
+    def round_trips(self) -> dict[str, int]:
+        """Round trips so far per label: each is one node's share of one batch written
+        (and its replies read), or one command through redis-py."""
+        with self._trips_lock:
+            return dict(self._trips)
+
+    def command(self, key: bytes | None, *args: Any, what: str, label: str | None = None) -> Any:
         """One command through redis-py (to the node of ``key``, or the first master)."""
         node = self.masters()[0] if key is None else self.node_of(key)
+        self.count(label, 1)
         try:
             return self.client_of(node).execute_command(*args)
         except MovedError:
             self.refresh()
-            return self.command(key, *args, what=what)
+            return self.command(key, *args, what=what, label=label)
         except BaseException as err:
             raise translate(err, node, what) from err
 
@@ -470,11 +492,11 @@ class RedisLink:
         except BaseException as err:
             raise translate(err, node, "SCRIPT LOAD") from err
 
-    def start(self, cmds: list[Command], what: str) -> Batch:
-        return Batch(self, cmds, what)
+    def start(self, cmds: list[Command], what: str, label: str | None = None) -> Batch:
+        return Batch(self, cmds, what, label)
 
-    def run(self, cmds: list[Command], what: str) -> list[Any]:
-        return self.start(cmds, what).finish()
+    def run(self, cmds: list[Command], what: str, label: str | None = None) -> list[Any]:
+        return self.start(cmds, what, label).finish()
 
     def close(self) -> None:
         for ch in self._channels.values():

@@ -37,8 +37,16 @@ class EvictionScripts:
         )
 
 
-def evict(link: RedisLink, sha: EvictionScripts, t: RedisTable, step: int, what: str) -> int:
-    """Evict by age, then by capacity (LRU, ties: smaller id first); rows evicted."""
+def evict(
+    link: RedisLink,
+    sha: EvictionScripts,
+    t: RedisTable,
+    step: int,
+    what: str,
+    label: str | None = None,
+) -> int:
+    """Evict by age, then by capacity (LRU, ties: smaller id first); rows evicted.
+    ``label``: the round trips are counted under it (:meth:`RedisLink.round_trips`)."""
     gone = 0
     age = t.spec.max_age_steps
     if age is not None and step - age >= 0:
@@ -46,23 +54,29 @@ def evict(link: RedisLink, sha: EvictionScripts, t: RedisTable, step: int, what:
             evalsha(sha.age, EVICT_AGE, [t.w_keys[b], t.s_keys[b], t.t_keys[b]], [step - age])
             for b in range(t.buckets)
         ]
-        gone += sum(int(r) for r in link.run(cmds, what))
+        gone += sum(int(r) for r in link.run(cmds, what, label))
     if t.spec.capacity is not None:
-        gone += evict_lru(link, sha, t, t.spec.capacity, what)
+        gone += evict_lru(link, sha, t, t.spec.capacity, what, label)
     return gone
 
 
 def evict_lru(
-    link: RedisLink, sha: EvictionScripts, t: RedisTable, capacity: int, what: str
+    link: RedisLink,
+    sha: EvictionScripts,
+    t: RedisTable,
+    capacity: int,
+    what: str,
+    label: str | None = None,
 ) -> int:
     """Evict the least recently touched rows over ``capacity``; rows evicted."""
-    sizes = link.run([raw(k, pack(["ZCARD", k])) for k in t.t_keys], what)  # [B]
+    sizes = link.run([raw(k, pack(["ZCARD", k])) for k in t.t_keys], what, label)  # [B]
     excess = sum(int(s) for s in sizes) - capacity
     if excess <= 0:
         return 0
     # Per bucket, the `excess` oldest entries and every entry tied with the last one,
     # so that the global (step, id) order can be cut exactly on the client.
-    cands = link.run([evalsha(sha.lru, LRU_CANDIDATES, [k], [excess]) for k in t.t_keys], what)
+    lru = [evalsha(sha.lru, LRU_CANDIDATES, [k], [excess]) for k in t.t_keys]
+    cands = link.run(lru, what, label)
     cid = np.frombuffer(b"".join(c[0] for c in cands), dtype="<i8").astype(np.int64)
     sc = np.frombuffer(b"".join(c[1] for c in cands), dtype="<i8").astype(np.int64)
     bucket_of = np.concatenate(
@@ -81,4 +95,4 @@ def evict_lru(
                 [cid[sel].astype("<i8").tobytes(), sc[sel].astype("<i8").tobytes()],
             )
         )
-    return sum(int(r) for r in link.run(cmds, what))
+    return sum(int(r) for r in link.run(cmds, what, label))

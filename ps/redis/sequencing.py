@@ -43,14 +43,16 @@ def mark_answered(
 
 
 class PushSettle:
-    """Completes one push once: reads its replies, sends its second round (rows missing
-    from Redis), evicts, counts. Called by the push's own ``wait()`` and by every later
-    request of the same client on the table (:meth:`RedisStore._settle`)."""
+    """Completes one push (one table's, or a batch of several tables') once: reads its
+    replies, sends its second round (rows missing from Redis), evicts, counts. Called by
+    the push's own ``wait()`` and by every later request of the same client on one of
+    its tables (:meth:`RedisStore._settle`)."""
 
-    __slots__ = ("run", "lock", "done", "error", "second")
+    __slots__ = ("run", "order", "lock", "done", "error", "second")
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: Any, order: int) -> None:
         self.run = run  # run(limit) -> True if a second round was sent
+        self.order = order  # the store's issue counter: settle in increasing order
         self.lock = threading.Lock()
         self.done = False
         self.error: BaseException | None = None

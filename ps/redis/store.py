@@ -23,10 +23,19 @@ Requests (one command per touched bucket, each node's commands written in one go
   bytes moved = the stale rows);
 * push: duplicate ids are summed by the client; a generated Lua script per bucket
   (:func:`ps.redis.lua.push_script`) applies the optimizer to each row and adds 1
-  to its clock atomically. A row that does not exist yet needs its initial value:
-  the script then changes nothing and names the missing ids, and the client
-  resends that bucket with their initial rows (a second round trip only for
-  buckets with new rows).
+  to its clock atomically. A row that does not exist yet needs its initial value,
+  which only the client can compute: rows this client's pulls found missing go
+  with their initial rows in the first call; for any other missing row the script
+  changes nothing and names it, and the client resends that bucket with their
+  initial rows (a second round trip, only for pushes of rows never read).
+
+Batches: ``pull_many_async`` / ``push_many_async`` check every table's request, then
+write all of their commands together: one pipelined round trip per Redis node for
+the whole batch, each table's commands in the order given (a push batch's second
+round, if any, is again one round trip per node). Tables with eviction add round
+trips per batch: their steps are read (pull) or counted up (push) before it, and
+the eviction runs after a push. :meth:`RedisStore.request_counts` counts the round
+trips.
 
 Asynchrony and order: ``pull_async``/``push_async`` write their commands at once
 and return; ``wait()`` reads the replies. A store keeps one connection per Redis
@@ -59,7 +68,9 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -96,7 +107,6 @@ from ps.redis.lua import (
     MAX_ROWS_PER_CALL,
     PULL_BOUNDED,
     PUSH_GONE,
-    PUSH_REPEAT,
     RESET_BUCKET,
     SNAPSHOT,
     TOUCH_PULL,
@@ -105,15 +115,50 @@ from ps.redis.lua import (
 from ps.redis.sequencing import PushSettle, mark_answered, next_numbers
 from ps.redis.snapshot import table_parts, write_rows
 from ps.routing import shard_of
-from ps.store import PullResult, Store
+from ps.store import PullRequest, PullResult, PushRequest, Store, _requests
 from ps.table import TableSpec
 from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
 
 __all__ = ["RedisAuthError", "RedisDataLossError", "RedisStore", "RedisUnavailableError"]
 
+#: Labels of the round trips counted for :meth:`RedisStore.request_counts`.
+PULL, PUSH = "pull_messages", "push_messages"
+
+#: Ids remembered per table as missing from Redis (:meth:`RedisStore._note_absent`): 8 MiB.
+MAX_ABSENT_HINTS = 1 << 20
+
 
 class RedisDataLossError(RuntimeError):
     """A table's rows are gone from Redis (restart without persistence, flush, eviction)."""
+
+
+@dataclass(slots=True)
+class _Pull:
+    """One table's pull, checked: ``ids`` int64 ``[N]``; ``caller`` the caller's clocks
+    ``[N]`` of a conditional pull (with ``bound``), else None."""
+
+    t: RedisTable
+    ids: torch.Tensor
+    caller: torch.Tensor | None
+    bound: int | None
+
+
+@dataclass(slots=True, eq=False)
+class _Push:
+    """One table's push, checked: unique ids ``uniq`` int64 ``[U]`` and their summed
+    gradients ``summed`` float32 ``[U, D]`` (``skipped`` rows dropped as not finite);
+    once built (:meth:`RedisStore._build_push`), its calls, their numbers and commands."""
+
+    t: RedisTable
+    uniq: torch.Tensor
+    summed: torch.Tensor
+    skipped: int
+    step: bytes = b""  # the table step of this push (tables with eviction), else b""
+    calls: list[tuple[int, int, int]] = field(default_factory=list)  # (bucket, lo, hi)
+    seqs: list[tuple[int, int]] = field(default_factory=list)  # per call (number, watermark)
+    first: list[Command] = field(default_factory=list)  # the first round, one per call
+    command: Any = None  # command(call, rows, numbers, done) -> Command (second rounds)
+    created: int = 0  # rows created, counted from the replies
 
 
 class RedisStore(Store):
@@ -196,6 +241,7 @@ class RedisStore(Store):
         self._timeout_s = float(socket_timeout)
         self._tables: dict[str, RedisTable] = {}
         self._lock = threading.Lock()
+        self._issued = itertools.count()  # issue order of pushes (PushSettle.order)
         self._link.ping("open the Redis store")
         self._sha_bounded = self._link.register_script(PULL_BOUNDED)
         self._sha_touch = self._link.register_script(TOUCH_PULL)
@@ -333,11 +379,20 @@ class RedisStore(Store):
                 return t
         raise unknown_table(table, self.tables())
 
-    def _step(self, t: RedisTable) -> bytes:
-        got = self._link.command(t.step_key, "GET", t.step_key, what=f"table {t.spec.name!r}")
-        return got if got is not None else b"0"
-
     # ------------------------------------------------------------ requests
+
+    def _steps(self, tables: list[RedisTable], op: str, what: str, label: str) -> list[bytes]:
+        """Per entry of ``tables``: the table step (``op`` "GET": as it is, stamped on the
+        rows a pull touches; "INCR": counted up, for a push), b"" for a table without
+        eviction. One pipelined round trip per node holding such a step key, none if no
+        table evicts."""
+        out = [b""] * len(tables)
+        ev = [k for k, t in enumerate(tables) if t.evicts]
+        if ev:
+            cmds = [raw(tables[k].step_key, pack([op, tables[k].step_key])) for k in ev]
+            for k, v in zip(ev, self._link.run(cmds, what, label), strict=True):
+                out[k] = b"0" if v is None else str(int(v)).encode()
+        return out
 
     def _handle(
         self,
@@ -345,29 +400,22 @@ class RedisStore(Store):
         finish: Any,
         what: str,
         *,
-        push: RedisTable | None = None,
-        failed: Any = None,
+        label: str,
         earlier: list[PushSettle] | None = None,
     ) -> Handle:
-        """Start ``cmds``; the handle's ``wait()`` reads the replies (resending on a lost
-        reply, see :meth:`_replies`) and returns ``finish(replies)``. ``failed()`` runs
-        if no replies come. ``push``: the table of a push (its retry counter, the lost-reply hook).
-        ``earlier``: this client's pushes on the table not settled when ``cmds`` were
-        sent (a read): they are settled first, and if one of them had to send a second
-        round (rows it created after ``cmds`` ran), ``cmds`` are sent again, so the
-        read sees every push issued before it."""
-        box: dict[str, Any] = {"batch": self._start(cmds, what)}
+        """Start ``cmds`` (a read); the handle's ``wait()`` reads the replies (resending on
+        a lost reply, see :meth:`_replies`) and returns ``finish(replies)``. ``earlier``:
+        this client's pushes on the tables read that were not settled when ``cmds`` were
+        sent: they are settled first, and if one of them had to send a second round
+        (rows it created after ``cmds`` ran), ``cmds`` are sent again, so the read sees
+        every push issued before it."""
+        box: dict[str, Any] = {"batch": self._start(cmds, what, label)}
 
         def block(limit: float) -> None:
-            try:
-                again = self._settle(earlier) if earlier else False
-                box["replies"] = self._replies(box.pop("batch"), cmds, what, limit, push)
-                if again:
-                    box["replies"] = self._replies(None, cmds, what, limit, push)
-            except BaseException:
-                if failed is not None:
-                    failed()
-                raise
+            again = self._settle(earlier) if earlier else False
+            box["replies"] = self._replies(box.pop("batch"), cmds, what, limit, label=label)
+            if again:
+                box["replies"] = self._replies(None, cmds, what, limit, label=label)
 
         def done() -> Any:
             return finish(box["replies"])
@@ -376,9 +424,17 @@ class RedisStore(Store):
 
     def _unsettled(self, t: RedisTable) -> list[PushSettle]:
         """This client's pushes on ``t`` not settled yet, in issue order."""
+        return self._unsettled_of([t])
+
+    def _unsettled_of(self, tables: list[RedisTable]) -> list[PushSettle]:
+        """This client's pushes on any of ``tables`` not settled yet, in issue order (a
+        batched push is pending on each of its tables, and listed once)."""
+        found: dict[int, PushSettle] = {}
         with self._lock:
-            t.pending = [p for p in t.pending if not p.done]
-            return list(t.pending)
+            for t in tables:
+                t.pending = [p for p in t.pending if not p.done]
+                found.update((id(p), p) for p in t.pending)
+        return sorted(found.values(), key=lambda p: p.order)
 
     def _settle(self, pushes: list[PushSettle] | None) -> bool:
         """Complete ``pushes`` in issue order; True if one of them sent a second round.
@@ -396,10 +452,10 @@ class RedisStore(Store):
                 continue
         return again
 
-    def _start(self, cmds: list[Command], what: str) -> Batch | None:
+    def _start(self, cmds: list[Command], what: str, label: str | None) -> Batch | None:
         """Write ``cmds`` (None if Redis cannot be reached now: :meth:`_replies` retries)."""
         try:
-            return self._link.start(cmds, what)
+            return self._link.start(cmds, what, label)
         except RedisUnavailableError:
             return None
 
@@ -409,7 +465,8 @@ class RedisStore(Store):
         cmds: list[Command],
         what: str,
         limit: float | None,
-        push: RedisTable | None = None,
+        push: list[RedisTable] | None = None,
+        label: str | None = None,
     ) -> list[Any]:
         """The replies of ``cmds`` (written as ``batch``; None: not written yet).
 
@@ -418,13 +475,15 @@ class RedisStore(Store):
         batch, unchanged, after a pause of ``retry_backoff_s`` (doubling), at most
         ``max_retries`` times and not past ``limit`` seconds from now. Pushes carry
         their sequence numbers, so a call that did run is not applied again.
+        ``push``: the tables of a push batch (their retry counters, the lost-reply
+        hook); ``label``: what the round trips count as (:meth:`request_counts`).
         """
         deadline = None if limit is None else time.monotonic() + limit
         tries = 0
         while True:
             try:
                 if batch is None:
-                    batch = self._link.start(cmds, what)
+                    batch = self._link.start(cmds, what, label)
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 replies = batch.finish(left)
                 if push is not None and tries == 0:  # resends are always answered
@@ -442,7 +501,8 @@ class RedisStore(Store):
                     c.asking = None
                 if push is not None:
                     with self._lock:
-                        push.counters["push_retries"] += 1
+                        for t in push:
+                            t.counters["push_retries"] += 1
 
     def _push_replies_arrived(self, what: str) -> None:
         """Called once the replies of a push batch (first send) are read, before they are
@@ -489,6 +549,24 @@ class RedisStore(Store):
             lo += c
         return order, calls
 
+    def _note_absent(self, t: RedisTable, missing: np.ndarray, epoch: int) -> None:
+        """Remember ``missing`` (int64 ids a read issued at ``t.push_epoch == epoch`` found
+        missing from Redis) for the next push of them (see :class:`RedisTable`).
+
+        Not if a push on ``t`` was built since the read was issued: that push may create
+        these rows in its second round, and a later push that created them first, in its
+        first round, would apply its update before the earlier push's."""
+        if missing.size == 0:
+            return
+        with self._lock:
+            if t.push_epoch != epoch:
+                return
+            t.absent.append(missing[:MAX_ABSENT_HINTS])  # the oldest read drops out
+            while sum(a.size for a in t.absent) > MAX_ABSENT_HINTS:
+                t.absent.popleft()
+
+    # ------------------------------------------------------------ pulls
+
     def pull_async(
         self,
         table: str,
@@ -497,15 +575,54 @@ class RedisStore(Store):
         clocks: torch.Tensor | None = None,
         bound: int | None = None,
     ) -> Handle:
-        t = self._get(table)
-        ids = check_ids(t.spec, ids, "pull").cpu()
-        caller = check_pull_bound(t.spec, ids, clocks, bound)
-        n = int(ids.shape[0])
-        with self._lock:
-            t.counters["pull_requests"] += 1
+        pull = self._checked_pull(PullRequest(table, ids, clocks, bound))
         what = f"pull table {table!r} from Redis {self.address}"
-        earlier = self._unsettled(t)  # before the pull is sent (see _handle)
-        step = self._step(t) if t.evicts else None
+        return self._pull([pull], what, lambda results: results[0])
+
+    def pull_many_async(self, requests: Sequence[PullRequest]) -> Handle:
+        """Every table's pull is checked first, then all of them go out together: one
+        pipelined round trip per Redis node they reach (tables with eviction add one
+        before it, to read their steps)."""
+        pulls = [self._checked_pull(r) for r in _requests(requests, PullRequest, "pull_many")]
+        names = ", ".join(repr(p.t.spec.name) for p in pulls)
+        return self._pull(pulls, f"pull_many of tables {names} from Redis {self.address}", list)
+
+    def _checked_pull(self, r: PullRequest) -> _Pull:
+        t = self._get(r.table)
+        ids = check_ids(t.spec, r.ids, "pull").cpu()
+        return _Pull(t, ids, check_pull_bound(t.spec, ids, r.clocks, r.bound), r.bound)
+
+    def _pull(self, pulls: list[_Pull], what: str, result: Any) -> Handle:
+        """Send ``pulls`` as one batch; ``wait()`` gives ``result([PullResult per pull])``."""
+        tables = [p.t for p in pulls]
+        with self._lock:
+            for t in tables:
+                t.counters["pull_requests"] += 1
+            epochs = [t.push_epoch for t in tables]
+        earlier = self._unsettled_of(tables)  # before the pull is sent (see _handle)
+        steps = self._steps(tables, "GET", what, PULL)
+        plans = [
+            self._pull_commands(p, step, epoch)
+            for p, step, epoch in zip(pulls, steps, epochs, strict=True)
+        ]
+        cmds = [c for part, _finish in plans for c in part]
+
+        def finish(replies: list[Any]) -> Any:
+            out, at = [], 0
+            for part, decode in plans:  # each table's replies, in the order they were sent
+                out.append(decode(replies[at : at + len(part)]))
+                at += len(part)
+            return result(out)
+
+        return self._handle(cmds, finish, what, label=PULL, earlier=earlier)
+
+    def _pull_commands(
+        self, p: _Pull, step: bytes, epoch: int
+    ) -> tuple[list[Command], Callable[[list[Any]], PullResult]]:
+        """One table's pull: its commands (one per bucket call) and the function that
+        decodes their replies into the :class:`PullResult` (checking the markers)."""
+        t, ids, caller, bound = p.t, p.ids, p.caller, p.bound
+        n = int(ids.shape[0])
         order, calls = self._split(t, ids)
         sorted_ids = ids[order].numpy().astype("<i8")  # [N] bucket-sorted
         id_bytes = sorted_ids.tobytes()
@@ -513,19 +630,18 @@ class RedisStore(Store):
         if caller is not None:
             assert bound is not None
             c_bytes = caller[order].numpy().astype("<i8").tobytes()
-            tkeys = t.t_keys if step is not None else None
             for b, lo, hi in calls:
-                keys = [t.w_keys[b], tkeys[b] if tkeys else t.w_keys[b]]
+                keys = [t.w_keys[b], t.t_keys[b] if t.evicts else t.w_keys[b]]
                 args: list[bytes | str | int] = [
                     id_bytes[8 * lo : 8 * hi],
                     c_bytes[8 * lo : 8 * hi],
                     bound,
                     t.d4,
-                    step or b"",
+                    step,
                     t.token,
                 ]
                 cmds.append(evalsha(self._sha_bounded, PULL_BOUNDED, keys, args))
-        elif step is not None:
+        elif t.evicts:
             for b, lo, hi in calls:
                 keys = [t.w_keys[b], t.t_keys[b]]
                 cmds.append(
@@ -539,31 +655,35 @@ class RedisStore(Store):
 
         def finish(replies: list[Any]) -> PullResult:
             if caller is None:
-                if step is None:  # HMGET: the marker first
+                if not t.evicts:  # HMGET: the marker first
                     self._check_markers(t, calls, [r[0] for r in replies])
                     replies = [r[1:] for r in replies]
                 else:  # TOUCH_PULL: the marker last
                     self._check_markers(t, calls, [r[-1] for r in replies])
                     replies = [r[:-1] for r in replies]
-                rows, row_clocks = self._decode_values(t, sorted_ids, order.numpy(), replies)
+                rows, row_clocks, missing = self._decode_values(
+                    t, sorted_ids, order.numpy(), replies
+                )
                 result = PullResult(rows, row_clocks, None)
             else:
                 for (b, _lo, _hi), r in zip(calls, replies, strict=True):
                     if int(r[3]) != 1:
                         raise self._gone(t, b, None)
-                result = self._decode_bounded(t, ids, order, calls, replies, caller, bound)
+                result, missing = self._decode_bounded(t, ids, order, calls, replies, caller, bound)
+            self._note_absent(t, missing, epoch)
             m = int(result.rows.shape[0])
             with self._lock:
                 t.counters["rows_pulled"] += m
                 t.counters["rows_skipped_by_bound"] += n - m
             return result
 
-        return self._handle(cmds, finish, what, earlier=earlier)
+        return cmds, finish
 
     def _decode_values(
         self, t: RedisTable, sorted_ids: np.ndarray, order: np.ndarray, replies: list[Any]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``[N, D]`` and clocks ``[N]`` in request order from HMGET-style replies.
+    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """Rows ``[N, D]`` and clocks ``[N]`` in request order from HMGET-style replies,
+        and the ids missing from Redis (int64 ``[M]``).
 
         ``replies`` hold the values of ``sorted_ids`` (None where Redis has no row);
         ``order`` maps them back: value ``k`` belongs to request position ``order[k]``.
@@ -571,6 +691,7 @@ class RedisStore(Store):
         d4, n = t.d4, int(sorted_ids.shape[0])
         rows = np.empty((n, t.spec.dim), dtype=np.float32)
         clocks = np.zeros(n, dtype=np.int64)
+        missing = np.empty(0, dtype=np.int64)
         try:
             blob = b"".join(itertools.chain.from_iterable(replies))
             dest = order
@@ -579,13 +700,13 @@ class RedisStore(Store):
             present = np.fromiter((v is not None for v in flat), dtype=bool, count=n)
             blob = b"".join(v for v in flat if v is not None)
             miss = order[~present]
-            init_ids = torch.from_numpy(sorted_ids[~present].astype(np.int64))
-            rows[miss] = t.spec.initial_rows(init_ids).numpy()
+            missing = sorted_ids[~present].astype(np.int64)
+            rows[miss] = t.spec.initial_rows(torch.from_numpy(missing)).numpy()
             dest = order[present]
         got = np.frombuffer(blob, dtype=np.uint8).reshape(-1, d4 + 8)  # [P, 4D+8]
         rows[dest] = got[:, :d4].view("<f4")  # one copy, straight into request order
         clocks[dest] = got[:, d4:].view("<i8")[:, 0]
-        return torch.from_numpy(rows), torch.from_numpy(clocks)
+        return torch.from_numpy(rows), torch.from_numpy(clocks), missing
 
     def _decode_bounded(
         self,
@@ -596,7 +717,8 @@ class RedisStore(Store):
         replies: list[Any],
         caller: torch.Tensor,
         bound: int | None,
-    ) -> PullResult:
+    ) -> tuple[PullResult, np.ndarray]:
+        """The conditional pull's result, and the ids missing from Redis (int64 ``[M]``)."""
         assert bound is not None
         d4 = t.d4
         pos_parts, miss_parts, blobs = [], [], []
@@ -611,6 +733,7 @@ class RedisStore(Store):
         got = np.frombuffer(b"".join(blobs), dtype=np.uint8).reshape(-1, d4 + 8)
         # Missing rows have store clock 0: stale iff 0 > caller clock + bound.
         miss_pos = order_np[np.concatenate(miss_parts)] if miss_parts else np.empty(0, np.int64)
+        missing = ids.numpy()[miss_pos]
         if miss_pos.size:
             miss_pos = miss_pos[(caller.numpy()[miss_pos] + bound) < 0]
         positions = np.concatenate([got_pos, miss_pos])
@@ -624,14 +747,30 @@ class RedisStore(Store):
         if miss_pos.size:
             rows[k:] = t.spec.initial_rows(ids[torch.from_numpy(miss_pos)])
         sel = torch.from_numpy(rank)
-        return PullResult(rows[sel], clocks[sel], torch.from_numpy(positions[rank]))
+        result = PullResult(rows[sel], clocks[sel], torch.from_numpy(positions[rank]))
+        return result, missing
+
+    # ------------------------------------------------------------ pushes
 
     def push_async(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> Handle:
-        t = self._get(table)
-        ids = check_ids(t.spec, ids, "push").cpu()
+        push = self._checked_push(PushRequest(table, ids, grads))
+        return self._push([push], f"push table {table!r} to Redis {self.address}")
+
+    def push_many_async(self, requests: Sequence[PushRequest]) -> Handle:
+        """Every table's push is checked first (a bad one raises and nothing is sent),
+        then all of them go out together, applied in order: one pipelined round trip per
+        Redis node they reach (see the module docstring for the rare second rounds)."""
+        pushes = [self._checked_push(r) for r in _requests(requests, PushRequest, "push_many")]
+        names = ", ".join(repr(p.t.spec.name) for p in pushes)
+        return self._push(pushes, f"push_many of tables {names} to Redis {self.address}")
+
+    def _checked_push(self, r: PushRequest) -> _Push:
+        """``r`` validated, its duplicate ids summed, its non-finite rows dropped (with
+        ``nan_policy="skip"``; "raise" refused them in :func:`check_grads`)."""
+        t = self._get(r.table)
+        ids = check_ids(t.spec, r.ids, "push").cpu()
         finite = t.spec.nan_policy == "raise"
-        grads = check_grads(t.spec, ids, grads, finite=finite).detach().cpu()
-        what = f"push table {table!r} to Redis {self.address}"
+        grads = check_grads(t.spec, ids, r.grads, finite=finite).detach().cpu()
         uniq, summed = coalesce(ids, grads) if ids.numel() else (ids, grads)  # [U], [U, D]
         skipped = 0
         if summed.numel():
@@ -639,32 +778,97 @@ class RedisStore(Store):
             if not bool(ok.all()):
                 skipped = int((~ok).sum())
                 uniq, summed = uniq[ok], summed[ok]
-        step = b""
-        earlier = self._unsettled(t)  # their second rounds must run before this push's
-        if t.evicts:
-            got = self._link.command(t.step_key, "INCR", t.step_key, what=what)
-            step = str(int(got)).encode()
-        order, calls = self._split(t, uniq)
-        sorted_ids = uniq[order].numpy().astype("<i8")  # [U]
-        g_bytes = summed[order].numpy().astype("<f4").tobytes()
+        return _Push(t, uniq, summed, skipped)
+
+    def _push(self, pushes: list[_Push], what: str) -> Handle:
+        """Send ``pushes`` as one batch (each table's calls in the order given); the
+        handle's ``wait()`` settles it (see :class:`PushSettle`)."""
+        tables = list({id(p.t): p.t for p in pushes}.values())
+        earlier = self._unsettled_of(tables)  # their second rounds must run before ours
+        steps = self._steps([p.t for p in pushes], "INCR", what, PUSH)
+        for p, step in zip(pushes, steps, strict=True):
+            self._build_push(p, step)
+        first = [c for p in pushes for c in p.first]
+        box: dict[str, Any] = {"batch": self._start(first, what, PUSH)}
+
+        def run(limit: float | None) -> bool:
+            """Replies, second round, eviction, counters; True if a second round was sent."""
+            try:
+                self._settle(earlier)  # their second rounds before ours: issue order
+                earlier.clear()
+                replies = self._replies(box.pop("batch"), first, what, limit, tables, PUSH)
+                second = self._second_round(pushes, replies, what)
+            finally:
+                for p in pushes:
+                    self._answered(p.t, p.calls, p.seqs)
+            evicted = [self._evict(p.t, int(p.step)) if p.t.evicts else 0 for p in pushes]
+            with self._lock:
+                for p, gone in zip(pushes, evicted, strict=True):
+                    c = p.t.counters
+                    c["push_requests"] += 1
+                    c["rows_pushed"] += int(p.uniq.numel())
+                    c["rows_skipped_nan"] += p.skipped
+                    c["rows_created"] += p.created
+                    c["rows_evicted"] += gone
+            return second
+
+        with self._lock:
+            settle = PushSettle(run, next(self._issued))
+            for t in tables:
+                t.pending.append(settle)
+
+        def block(limit: float) -> None:
+            settle(limit)
+
+        return Handle(
+            lambda: settle.done,
+            lambda: settle(None),
+            what=what,
+            timeout_s=self._timeout_s,
+            block=block,
+        )
+
+    def _build_push(self, p: _Push, step: bytes) -> None:
+        """Number ``p``'s calls (one per bucket call) and build their commands.
+
+        Ids this client last read as missing from Redis (:meth:`_note_absent`) get their
+        initial rows in these first calls, so that a pull-then-push of new rows costs no
+        second round."""
+        t = p.t
+        p.step = step
+        order, calls = self._split(t, p.uniq)
+        sorted_ids = p.uniq[order].numpy().astype("<i8")  # [U]
+        g_bytes = p.summed[order].numpy().astype("<f4").tobytes()
         id_bytes = sorted_ids.tobytes()
         d4 = t.d4
-
-        seqs = self._numbers(t, [b for b, _lo, _hi in calls])  # [calls] (number, watermark)
+        with self._lock:
+            seqs = next_numbers(t, [b for b, _lo, _hi in calls])  # [calls] (number, watermark)
+            t.push_epoch += 1
+            hinted = np.empty(0, dtype=np.int64)  # positions in sorted_ids [H]
+            if t.absent and sorted_ids.size:
+                mask = np.isin(sorted_ids, np.concatenate(t.absent))
+                if mask.any():
+                    hinted = np.flatnonzero(mask)
+                    used = sorted_ids[hinted]
+                    kept = (a[~np.isin(a, used)] for a in t.absent)
+                    t.absent = deque((a for a in kept if a.size), maxlen=t.absent.maxlen)
+        init_rows = b""  # float32 [H, D] of the hinted ids
+        if hinted.size:
+            first_ids = torch.from_numpy(sorted_ids[hinted].astype(np.int64))
+            init_rows = t.spec.initial_rows(first_ids).numpy().astype("<f4").tobytes()
 
         def command(
             k: int, rows: np.ndarray | None, numbers: tuple[int, int], done: int
         ) -> Command:
-            """Call ``k`` (bucket, rows lo:hi), or only its ``rows`` (0-based) with their
-            initial values, completing call number ``done``."""
+            """Call ``k`` (bucket, rows lo:hi) with the hinted ids' initial rows, or only its
+            ``rows`` (0-based) all with their initial values, completing call number ``done``."""
             b, lo, hi = calls[k]
-            ids_b, g_b, init, init_pos = (
-                id_bytes[8 * lo : 8 * hi],
-                g_bytes[d4 * lo : d4 * hi],
-                b"",
-                b"",
-            )
-            if rows is not None:
+            if rows is None:
+                ids_b, g_b = id_bytes[8 * lo : 8 * hi], g_bytes[d4 * lo : d4 * hi]
+                a, z = np.searchsorted(hinted, [lo, hi]).tolist()
+                init = init_rows[d4 * a : d4 * z]
+                init_pos = (hinted[a:z] - (lo - 1)).astype("<i4").tobytes()
+            else:
                 at = lo + rows
                 ids_b = sorted_ids[at].tobytes()
                 g_b = b"".join(g_bytes[d4 * j : d4 * (j + 1)] for j in at.tolist())
@@ -687,44 +891,8 @@ class RedisStore(Store):
             ]
             return evalsha(t.push_sha, t.push_src, keys, args)
 
-        first = [command(k, None, seqs[k], 0) for k in range(len(calls))]
-        box: dict[str, Any] = {"batch": self._start(first, what)}
-
-        def run(limit: float | None) -> bool:
-            """Replies, second round, eviction, counters; True if a second round was sent."""
-            try:
-                self._settle(earlier)  # their second rounds before ours: issue order
-                earlier.clear()
-                replies = self._replies(box.pop("batch"), first, what, limit, t)
-                created, _repeated, second = self._second_round(
-                    t, calls, seqs, replies, command, what
-                )
-            finally:
-                self._answered(t, calls, seqs)
-            evicted = self._evict(t, int(step)) if t.evicts else 0
-            with self._lock:
-                c = t.counters
-                c["push_requests"] += 1
-                c["rows_pushed"] += int(uniq.numel())
-                c["rows_skipped_nan"] += skipped
-                c["rows_created"] += created
-                c["rows_evicted"] += evicted
-            return second
-
-        settle = PushSettle(run)
-        with self._lock:
-            t.pending.append(settle)
-
-        def block(limit: float) -> None:
-            settle(limit)
-
-        return Handle(
-            lambda: settle.done,
-            lambda: settle(None),
-            what=what,
-            timeout_s=self._timeout_s,
-            block=block,
-        )
+        p.calls, p.seqs, p.command = calls, seqs, command
+        p.first = [command(k, None, seqs[k], 0) for k in range(len(calls))]
 
     def _numbers(self, t: RedisTable, buckets: list[int]) -> list[tuple[int, int]]:
         with self._lock:
@@ -736,48 +904,66 @@ class RedisStore(Store):
         with self._lock:
             mark_answered(t, calls, seqs)
 
-    def _second_round(
-        self,
-        t: RedisTable,
-        calls: list[tuple[int, int, int]],
-        seqs: list[tuple[int, int]],
-        replies: list[Any],
-        command: Any,
-        what: str,
-    ) -> tuple[int, int, bool]:
-        """Send the rows the first calls skipped (missing from Redis) with their initial
-        values, as new calls (new numbers); ``(rows created, repeats, sent any)``."""
-        created = repeated = 0
-        need: list[tuple[int, np.ndarray]] = []  # (call, 0-based positions within it)
-        for k, r in enumerate(replies):
-            if int(r[0]) == PUSH_GONE:
-                raise self._gone(t, calls[k][0], None)
-            repeated += int(r[0]) == PUSH_REPEAT
-            created += int(r[1])
-            if r[2]:
-                need.append((k, np.frombuffer(r[2], dtype="<i4").astype(np.int64) - 1))
+    def _second_round(self, pushes: list[_Push], replies: list[Any], what: str) -> bool:
+        """Count the rows the first calls created; send the rows they skipped (missing from
+        Redis, no initial row given) with their initial values, as new calls (new numbers),
+        every table's in one batch. True if any were sent."""
+        need: list[tuple[_Push, int, np.ndarray]] = []  # (push, call, 0-based rows in it)
+        at = 0
+        for p in pushes:
+            for k, r in enumerate(replies[at : at + len(p.calls)]):
+                if int(r[0]) == PUSH_GONE:
+                    raise self._gone(p.t, p.calls[k][0], None)
+                p.created += int(r[1])
+                if r[2]:
+                    need.append((p, k, np.frombuffer(r[2], dtype="<i4").astype(np.int64) - 1))
+            at += len(p.calls)
         if not need:
-            return created, repeated, False
-        more = [calls[k] for k, _m in need]
-        numbers = self._numbers(t, [b for b, _lo, _hi in more])
-        cmds = [command(k, m, nums, seqs[k][0]) for (k, m), nums in zip(need, numbers, strict=True)]
+            return False
+        cmds: list[Command] = []
+        owners: list[tuple[_Push, int]] = []  # per command: its push and bucket
+        numbered: list[tuple[_Push, list[tuple[int, int, int]], list[tuple[int, int]]]] = []
+        for p in pushes:
+            mine = [(k, m) for q, k, m in need if q is p]
+            if not mine:
+                continue
+            more = [p.calls[k] for k, _m in mine]
+            numbers = self._numbers(p.t, [b for b, _lo, _hi in more])
+            numbered.append((p, more, numbers))
+            for (k, m), nums in zip(mine, numbers, strict=True):
+                cmds.append(p.command(k, m, nums, p.seqs[k][0]))
+                owners.append((p, p.calls[k][0]))
+        tables = list({id(p.t): p.t for p, _m, _n in numbered}.values())
         try:
-            again = self._replies(None, cmds, what, self._timeout_s, t)
+            again = self._replies(None, cmds, what, self._timeout_s, tables, PUSH)
         finally:
-            self._answered(t, more, numbers)
-        for (k, _m), r in zip(need, again, strict=True):
+            for p, more, numbers in numbered:
+                self._answered(p.t, more, numbers)
+        for (p, b), r in zip(owners, again, strict=True):
             if int(r[0]) == PUSH_GONE:
-                raise self._gone(t, calls[k][0], None)
+                raise self._gone(p.t, b, None)
             assert not r[2], "rows missing despite their initial rows"
-            repeated += int(r[0]) == PUSH_REPEAT
-            created += int(r[1])
-        return created, repeated, True
+            p.created += int(r[1])
+        return True
+
+    def request_counts(self) -> dict[str, int]:
+        """Round trips this client made for pulls and for pushes, summed over the Redis
+        nodes: a request (one table's, or a batch of several) costs one per node it
+        reaches; more only for tables with eviction (their steps, the eviction), rows a
+        push had to create in a second round, resends after lost replies and cluster
+        redirects. ``servers``: the nodes (1, or the cluster's masters)."""
+        trips = self._link.round_trips()
+        return {
+            "pull_messages": trips.get(PULL, 0),
+            "push_messages": trips.get(PUSH, 0),
+            "servers": len(self._link.masters()),
+        }
 
     # ------------------------------------------------------------ eviction
 
     def _evict(self, t: RedisTable, step: int) -> int:
         what = f"evict rows of table {t.spec.name!r} on Redis {self.address}"
-        return evict(self._link, self._sha_evict, t, step, what)
+        return evict(self._link, self._sha_evict, t, step, what, PUSH)
 
     # ------------------------------------------------------------ inspection
 
@@ -810,7 +996,7 @@ class RedisStore(Store):
         if ids.numel() == 0:
             return torch.zeros(0, dtype=torch.int64)
         sorted_ids, replies, order = self._fetch(t, ids, t.w_keys, f"clocks of {table!r}")
-        return self._decode_values(t, sorted_ids, order.numpy(), replies)[1]
+        return self._decode_values(t, sorted_ids, order.numpy(), replies)[1]  # clocks
 
     def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Optimizer state of rows ``ids`` ``[N, S]`` (initial state for rows not in Redis)."""
