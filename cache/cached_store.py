@@ -56,6 +56,7 @@ a push sees it.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
@@ -66,6 +67,7 @@ import torch
 
 from cache.config import CacheConfig
 from cache.table_cache import Fetch, TableCache
+from cache.table_group import GroupClocks, TableGroup
 from comm import Handle
 from ps import PullRequest, PullResult, PushRequest, Store, TableSpec
 from ps.store import _requests
@@ -90,23 +92,83 @@ class CachedStore(Store):
         self.inner = store
         self.config = config
         self._owns = bool(owns_store)
-        self._caches: dict[str, TableCache] = {}
-        self._lock = threading.Lock()  # guards _caches
+        self._caches: dict[str, TableCache] = {}  # cache name (table, or group) -> cache
+        self._groups: dict[str, TableGroup] = {}  # cache name -> its tables (shared caches)
+        self._members: dict[str, str] = {}  # table -> the name of the cache holding it
+        self._specs: dict[str, TableSpec] = {}  # table -> its spec (requests are checked on it)
+        self._lock = threading.Lock()  # guards the four maps
         self._closed = False
 
     def __repr__(self) -> str:
         return f"CachedStore({self.inner!r}, {self.config!r})"
 
     def _cache(self, table: str) -> TableCache:
-        tc = self._caches.get(table)
-        if tc is None:
+        return self._member(table)[0]
+
+    def _member(self, table: str) -> tuple[TableCache, TableGroup | None]:
+        """The cache holding ``table``, and its group if the cache is shared. Made on
+        first use; with ``group_tables`` the new cache takes every table of the store
+        without a cache yet that has the same dim and local step size (fixed tables)."""
+        name = self._members.get(table) if isinstance(table, str) else None
+        if name is None:
             with self._lock:
-                tc = self._caches.get(table)
-                if tc is None:
-                    spec = self.inner.spec(table)  # raises for an unknown table
-                    tc = TableCache(spec, self.config, self.inner)
-                    self._caches[table] = tc
-        return tc
+                name = self._members.get(table)
+                if name is None:
+                    name = self._make_cache(table)
+        return self._caches[name], self._groups.get(name)
+
+    def _make_cache(self, table: str) -> str:
+        spec = self.inner.spec(table)  # raises for an unknown table
+        mates = [spec]
+        if self.config.group_tables and spec.num_rows is not None:
+            key = (spec.dim, self.config.lr_for(spec))
+            mates = []
+            for name in self.inner.tables():
+                s = spec if name == table else self.inner.spec(name)
+                fits = s.num_rows is not None and (s.dim, self.config.lr_for(s)) == key
+                if name == table or (fits and name not in self._members):
+                    mates.append(s)
+        return self._register(mates)
+
+    def _register(
+        self, specs: list[TableSpec], state: dict[str, torch.Tensor] | None = None
+    ) -> str:
+        """Make the cache of ``specs`` (one table, or a group), filled from ``state``."""
+        if len(specs) == 1:
+            tc = TableCache(specs[0], self.config, self.inner)
+            group = None
+        else:
+            group = TableGroup.of(specs)
+            capacity = sum(self.config.capacity(s) for s in specs)
+            tc = TableCache(
+                group.spec, self.config, GroupClocks(group, self.inner), capacity=capacity
+            )
+            self._groups[tc.name] = group
+        if state is not None:
+            tc.import_state(state)
+        self._caches[tc.name] = tc
+        for s in specs:
+            self._members[s.name] = tc.name
+            self._specs[s.name] = s
+        return tc.name
+
+    def _packed(self, table: str, ids: torch.Tensor, what: str) -> torch.Tensor:
+        """``ids`` checked against ``table`` and, for a shared cache, packed (int64 CPU)."""
+        tc, group = self._member(table)
+        ids = check_ids(self._specs[table], ids, what).cpu()
+        return ids if group is None else group.pack(table, ids)
+
+    def _route(
+        self, request: PullRequest, group: TableGroup | None, inner: list[PullRequest]
+    ) -> list[tuple[int, int]]:
+        """Append the store requests of a cache's request to ``inner``: ``(start, index)``
+        of each (a shared cache's request of packed ids becomes one per table)."""
+        parts = [(0, request)] if group is None else group.split_pull(request)
+        out = []
+        for start, r in parts:
+            out.append((start, len(inner)))
+            inner.append(r)
+        return out
 
     def _settle(self, tc: TableCache, *, pushing: bool = False) -> None:
         """Finish the table's fetch in flight, so nothing else changes its slots meanwhile.
@@ -125,7 +187,12 @@ class CachedStore(Store):
         requests, senders = [], []
         for tc in caches:
             box = tc.take_outbox()
-            requests += [PushRequest(tc.name, ids, grads) for ids, grads in box]
+            group = self._groups.get(tc.name)
+            for ids, grads in box:
+                if group is None:
+                    requests.append(PushRequest(tc.name, ids, grads))
+                else:
+                    requests += group.split_push(ids, grads)
             if box:
                 senders.append(tc)
         if not requests:
@@ -141,9 +208,18 @@ class CachedStore(Store):
 
     def drop_table(self, table: str) -> None:
         """Drop ``table`` from the inner store, and this client's cache of it (unflushed
-        pushes included: the table is gone)."""
+        pushes included: the table is gone). A cache shared with other tables is
+        flushed first (their pending updates are kept) and made again on next use."""
+        name = self._members.get(table) if isinstance(table, str) else None
+        if name is not None and name in self._groups:
+            self.flush()
         with self._lock:
-            self._caches.pop(table, None)
+            if name is not None:
+                self._caches.pop(name, None)
+                group = self._groups.pop(name, None)
+                for t in group.names if group is not None else (table,):
+                    self._members.pop(t, None)
+                    self._specs.pop(t, None)
         self.inner.drop_table(table)
 
     def tables(self) -> list[str]:
@@ -184,21 +260,28 @@ class CachedStore(Store):
         ``wait()`` gives one :class:`ps.PullResult` per request. Conditional requests
         pass through to the wrapped store in the same batch. A table may appear once."""
         reqs = _requests(requests, PullRequest, "pull_many")
-        plans: list[tuple[TableCache | None, Any]] = []  # (cache, ids) or (None, request)
+        # Each request's place: (None, request) passed through, or (cache name, offset,
+        # count) into the packed ids the cache is asked for (tables of a shared cache
+        # are asked together, one after the other).
+        places: list[tuple[str | None, Any, int]] = []
+        wanted: dict[str, list[torch.Tensor]] = {}  # cache name -> ids, request order
         seen: set[str] = set()
         for r in reqs:
             if r.clocks is not None or r.bound is not None:
-                plans.append((None, r))
+                places.append((None, r, 0))
                 continue
-            cache_of = self._cache(r.table)
+            ids = self._packed(r.table, r.ids, "pull")
             if r.table in seen:
                 raise ValueError(
                     f"cached pull_many: table {r.table!r} appears twice; a batch through "
                     "the cache asks each table once (concatenate its ids)"
                 )
             seen.add(r.table)
-            plans.append((cache_of, check_ids(cache_of.spec, r.ids, "pull").cpu()))
-        caches = [c for c, _ in plans if c is not None]
+            name = self._members[r.table]
+            parts = wanted.setdefault(name, [])
+            places.append((name, sum(int(p.numel()) for p in parts), int(ids.numel())))
+            parts.append(ids)
+        caches = [self._caches[name] for name in wanted]
         for c in caches:
             with c.lock:
                 if c.inflight is not None:
@@ -206,39 +289,47 @@ class CachedStore(Store):
                 c.send_evicted()  # evicted rows reach the PS before this pull reads
         self._send(caches)
         inner: list[PullRequest] = []
-        parts: list[tuple[TableCache | None, Any]] = []  # (cache, fetch) or (None, index)
-        asked: list[tuple[Fetch, int]] = []  # fetches with a request: (fetch, its index)
-        for tc, what in plans:
-            if tc is None:
-                parts.append((None, len(inner)))
-                inner.append(what)
-                continue
+        passed: dict[int, int] = {}  # position in reqs -> index in inner
+        for k, (where, r, _) in enumerate(places):
+            if where is None:
+                passed[k] = len(inner)
+                inner.append(r)
+        fetches: dict[str, tuple[TableCache, Fetch]] = {}
+        routes: list[tuple[Fetch, TableGroup | None, list[tuple[int, int]]]] = []
+        for name, parts in wanted.items():
+            tc, group = self._caches[name], self._groups.get(name)
             with tc.lock:
-                f = tc.plan(what, prefetch=False)
+                f = tc.plan(parts[0] if len(parts) == 1 else torch.cat(parts), prefetch=False)
                 if tc.deferred is not None:
                     f.follow = tc.plan(tc.deferred, prefetch=True, exclude=f.uniq)
                     tc.deferred = None
                 tc.inflight = f
             for g in (f, f.follow):
                 if g is not None and g.request is not None:
-                    asked.append((g, len(inner)))
-                    inner.append(g.request)
-            parts.append((tc, f))
+                    routes.append((g, group, self._route(g.request, group, inner)))
+            fetches[name] = tc, f
         batch = self.inner.pull_many_async(inner) if inner else None
-        for g, index in asked:
-            g.handle = _part_handle(batch, index, g.request.table if g.request else "")
+        for g, group, route in routes:
+            g.handle = _routed_handle(batch, route, group)
 
         def finish() -> list[PullResult]:
-            out = []
-            for tc, f in parts:
-                if tc is None:
-                    assert batch is not None
-                    out.append(batch.wait()[f])
-                    continue
-                with tc.lock:
-                    result = tc.finish(f)
+            served: dict[str, PullResult] = {}
+            for key, (owner, fetch) in fetches.items():
+                with owner.lock:
+                    result = owner.finish(fetch)
                 assert result is not None
-                out.append(result)
+                served[key] = result
+            out = []
+            for k, (where, at, n) in enumerate(places):
+                if where is None:
+                    assert batch is not None
+                    out.append(batch.wait()[passed[k]])
+                    continue
+                got = served[where]
+                if n == got.rows.shape[0]:
+                    out.append(got)
+                else:
+                    out.append(PullResult(got.rows[at : at + n], got.clocks[at : at + n]))
             return out
 
         def test() -> bool:
@@ -255,9 +346,13 @@ class CachedStore(Store):
         anything: they ride on the next pull of each table (:meth:`pull_many_async`),
         in the same message, and are installed right after it. A later call replaces
         a table's ids that have not ridden yet."""
+        wanted: dict[str, list[torch.Tensor]] = {}
         for r in _requests(requests, PullRequest, "prefetch_many"):
-            tc = self._cache(r.table)
-            ids = check_ids(tc.spec, r.ids, "prefetch").cpu()
+            ids = self._packed(r.table, r.ids, "prefetch")
+            wanted.setdefault(self._members[r.table], []).append(ids)
+        for name, parts in wanted.items():
+            tc = self._caches[name]
+            ids = parts[0] if len(parts) == 1 else torch.cat(parts)
             with tc.lock:
                 tc.deferred = ids if ids.numel() > 0 else None
 
@@ -268,15 +363,16 @@ class CachedStore(Store):
         finds them cached); rows it fetched count as misses or refreshes of that
         pull in :meth:`cache_stats`, not as hits.
         """
-        tc = self._cache(table)
-        ids = check_ids(tc.spec, ids, "prefetch").cpu()
+        tc, group = self._member(table)
+        ids = self._packed(table, ids, "prefetch")
         with tc.lock:
             self._settle(tc)
             if ids.numel() > 0:
                 f = tc.plan(ids, prefetch=True)
                 if f.request is not None:
-                    batch = self.inner.pull_many_async([f.request])
-                    f.handle = _part_handle(batch, 0, table)
+                    inner: list[PullRequest] = []
+                    route = self._route(f.request, group, inner)
+                    f.handle = _routed_handle(self.inner.pull_many_async(inner), route, group)
                 tc.inflight = f
 
     def push_async(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> Handle:
@@ -293,10 +389,10 @@ class CachedStore(Store):
         """Apply several tables' row gradients to the cache (every request is checked
         first); what is due goes to the PS as ONE ``push_many`` of the wrapped store.
         The returned handle is complete: the updates are in the cache."""
-        checked = []
+        checked: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for r in _requests(requests, PushRequest, "push_many"):
-            tc = self._cache(r.table)
-            spec = tc.spec
+            tc, group = self._member(r.table)
+            spec = self._specs[r.table]
             ids = check_ids(spec, r.ids, "push").cpu()
             finite = spec.nan_policy == "raise"
             grads = check_grads(spec, ids, r.grads, finite=finite).detach().cpu()
@@ -304,12 +400,18 @@ class CachedStore(Store):
                 ok = finite_rows(grads)
                 if not bool(ok.all()):
                     ids, grads = ids[ok], grads[ok]
-            checked.append((tc, ids, grads.contiguous()))
-        for tc, ids, grads in checked:
+            packed = ids if group is None else group.pack(r.table, ids)
+            checked.setdefault(tc.name, []).append((packed, grads))
+        caches = []
+        for name, parts in checked.items():
+            tc = self._caches[name]
+            ids = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
+            grads = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
             with tc.lock:
                 self._settle(tc, pushing=True)
-                tc.update(ids, grads)
-        self._send([tc for tc, _, _ in checked])
+                tc.update(ids, grads.contiguous())
+            caches.append(tc)
+        self._send(caches)
         return Handle.completed(None, what="cached push_many")
 
     def flush(self) -> None:
@@ -330,9 +432,11 @@ class CachedStore(Store):
     # ------------------------------------------------------------ inspection
 
     def cache_stats(self) -> dict[str, dict[str, Any]]:
-        """Per table: hit rate, rows/bytes moved, staleness served, evictions, ...
+        """Per cache: hit rate, rows/bytes moved, staleness served, evictions, ...
 
-        See :mod:`cache.stats` for every key. Tables not used yet are absent.
+        See :mod:`cache.stats` for every key. Tables not used yet are absent; tables
+        sharing a cache (``group_tables``) appear once, under the group's name
+        (their names joined by ``+``).
         """
         out = {}
         for name, tc in list(self._caches.items()):
@@ -342,13 +446,15 @@ class CachedStore(Store):
 
     def cached_ids(self, table: str) -> torch.Tensor:
         """Ids of ``table``'s cached rows, sorted (int64; empty if the table was not used)."""
-        tc = self._caches.get(table)
-        if tc is None:
+        name = self._members.get(table) if isinstance(table, str) else None
+        if name is None:
             self.inner.spec(table)  # unknown table: the store's error
             return torch.empty(0, dtype=torch.int64)
+        tc, group = self._caches[name], self._groups.get(name)
         with tc.lock:
             self._settle(tc)
-            return tc.cached_ids()
+            ids = tc.cached_ids()
+        return ids if group is None else group.unpack(table, ids)
 
     def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """PS clocks (of the wrapped store)."""
@@ -378,7 +484,14 @@ class CachedStore(Store):
         self.flush()
         self.inner.load(path)
         with self._lock:
-            self._caches.clear()
+            self._forget()
+
+    def _forget(self) -> None:
+        """Drop every cache (their copies are void)."""
+        self._caches.clear()
+        self._groups.clear()
+        self._members.clear()
+        self._specs.clear()
 
     def cache_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Flush, then every used table's cache contents (cached ids, copies, counters and
@@ -389,19 +502,23 @@ class CachedStore(Store):
         for name, tc in list(self._caches.items()):
             with tc.lock:
                 out[name] = tc.export_state()
+            group = self._groups.get(name)
+            if group is not None:  # the tables sharing it, as JSON bytes
+                text = json.dumps(list(group.names)).encode("utf-8")
+                out[name]["tables"] = torch.tensor(list(text), dtype=torch.uint8)
         return out
 
     def load_cache_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Replace the cache contents by ``state`` (from :meth:`cache_state`; tables the
         store lacks raise, tables absent from it start empty). Pending updates are
         dropped, not pushed: call it after loading the store the state belongs to."""
-        fresh = {}
-        for name, tables in state.items():
-            tc = TableCache(self.inner.spec(name), self.config, self.inner)
-            tc.import_state(tables)
-            fresh[name] = tc
         with self._lock:
-            self._caches = fresh
+            self._forget()
+            for name, saved in state.items():
+                names = [name]
+                if "tables" in saved:  # a shared cache
+                    names = json.loads(bytes(saved["tables"].tolist()).decode("utf-8"))
+                self._register([self.inner.spec(t) for t in names], saved)
 
     def close(self) -> None:
         """Flush; close the wrapped store too if this cache owns it. Idempotent."""
@@ -416,18 +533,22 @@ class CachedStore(Store):
         return self
 
 
-def _part_handle(batch: Handle | None, index: int, table: str) -> Handle:
-    """The handle of request ``index`` of the batched pull ``batch``."""
+def _routed_handle(
+    batch: Handle | None, route: list[tuple[int, int]], group: TableGroup | None
+) -> Handle:
+    """The reply to one cache request within the batched pull ``batch``: the results at
+    ``route``'s indices (``(start, index)``), merged for a shared cache."""
     assert batch is not None
 
     def block(limit: float) -> None:
         batch.wait(None if math.isinf(limit) else limit)
 
+    def finish() -> PullResult:
+        results = batch.wait()
+        if group is None:
+            result: PullResult = results[route[0][1]]
+            return result
+        return group.merge_pull([(a, results[i]) for a, i in route], group.spec.dim)
+
     # Infinite default: the wrapped store's own handle applies its timeout.
-    return Handle(
-        batch.is_completed,
-        lambda: batch.wait()[index],
-        what=f"cached pull {table!r}",
-        timeout_s=math.inf,
-        block=block,
-    )
+    return Handle(batch.is_completed, finish, what="cached pull", timeout_s=math.inf, block=block)

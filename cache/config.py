@@ -56,6 +56,13 @@ class CacheConfig:
     * ``exact_staleness``: also read the PS clocks of served cache hits (one
       extra clocks request per pull; 8 bytes per row) so the staleness histogram
       is exact instead of a lower bound. For tests and diagnosis.
+    * ``group_tables``: tables of one ``dim`` and local step size share ONE cache
+      (fixed tables; all those the store holds without a cache yet when the cache
+      first touches one of them), as FBGEMM's table-batched cache does: a step is
+      then one plan, one install and one update over every table's ids instead of
+      one per table, and the hot rows of all of them compete for the summed
+      capacity. Statistics and ``cache_state`` are then per group (named by its
+      tables joined with ``+``). False: one cache per table.
     * ``evict_chunk``: rows evicted at least at a time when the cache is full
       (None: ``max(1, capacity // 16)``); the victim search is O(capacity), so
       evicting a chunk amortizes it. 1 = exact LRU/LFU order.
@@ -70,6 +77,7 @@ class CacheConfig:
     verify_prefetched: bool = True
     exact_staleness: bool = False
     evict_chunk: int | None = None
+    group_tables: bool = False
 
     def __post_init__(self) -> None:
         if (self.capacity_rows is None) == (self.capacity_fraction is None):
@@ -98,7 +106,7 @@ class CacheConfig:
                 raise TypeError(f"CacheConfig: local_lr must be a number, got {type(lr).__name__}")
             if not (math.isfinite(lr) and lr >= 0):
                 raise ValueError(f"CacheConfig: local_lr must be a finite number >= 0, got {lr}")
-        for name in ("verify_prefetched", "exact_staleness"):
+        for name in ("verify_prefetched", "exact_staleness", "group_tables"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"CacheConfig: {name} must be a bool, got {type(getattr(self, name)).__name__}"

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -69,6 +69,12 @@ CLOCK, OWN, COUNT, FREQ, PF, CHECKED, PUSHED = range(7)
 _META_WORDS = 16  # 8 int64 fields, as float32 words
 _MISS, _REFRESH = 1, 2
 _EMPTY_I64 = np.empty(0, dtype=np.int64)
+
+
+class ClockSource(Protocol):
+    """Where a cache reads PS clocks (``exact_staleness``): the store, or a group's router."""
+
+    def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -117,8 +123,15 @@ def _aligned_records(rows: int, words: int) -> np.ndarray:
 class TableCache:
     """Rows of one table cached under ``config``; see the module docstring."""
 
-    def __init__(self, spec: TableSpec, config: CacheConfig, store: Store) -> None:
-        cap = config.capacity(spec)
+    def __init__(
+        self,
+        spec: TableSpec,
+        config: CacheConfig,
+        store: Store | ClockSource,
+        *,
+        capacity: int | None = None,
+    ) -> None:
+        cap = config.capacity(spec) if capacity is None else capacity
         d = spec.dim
         self.spec, self.name, self.dim = spec, spec.name, d
         self.store = store

@@ -130,7 +130,8 @@ def open_ps(value: str, group: ProcessGroup) -> PSRole:
 
 def with_cache(cfg: Any, store: Store, group: ProcessGroup) -> CachedStore | None:
     """The hot-row cache in front of ``store`` when ``cfg`` (a job config with fields
-    ``cache_rows``, ``cache_fraction``, ``cache_policy``, ``read_bound``, ``write_bound``)
+    ``cache_rows``, ``cache_fraction``, ``cache_policy``, ``read_bound``, ``write_bound``,
+    and optionally ``cache_groups``)
     asks for one; None otherwise."""
     if not (cfg.cache_rows or cfg.cache_fraction):
         return None
@@ -148,6 +149,7 @@ def with_cache(cfg: Any, store: Store, group: ProcessGroup) -> CachedStore | Non
             policy=cfg.cache_policy,
             read_bound=cfg.read_bound,
             write_bound=cfg.write_bound,
+            group_tables=getattr(cfg, "cache_groups", False),
         ),
     )
 

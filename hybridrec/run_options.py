@@ -23,6 +23,9 @@ class RunOptions:
     read_bound: int = option(0, help="cache read staleness bound s_r (PS updates a copy may miss)")
     write_bound: int = option(0, help="cache write bound s_w (updates a row may hold unpushed)")
     cache_policy: Literal["lru", "lfu"] = option("lru", help="cache eviction policy")
+    cache_groups: bool = option(
+        True, help="tables of one dim share one cache: one cache pass per step for all of them"
+    )
     # ---- dense data parallelism
     compression: str | None = option(
         None, help=f"gradient codec for the DataParallel allreduce: one of {', '.join(CODECS)}"

@@ -1,0 +1,127 @@
+"""Tables that share one cache: their ids packed into one id space, table after table.
+
+A step of a DLRM touches 26 tables; a cache per table pays its fixed per-call work
+(plans, installs, updates: a few dozen numpy calls each) 26 times per step, which costs
+more than the rows themselves at ~1 k ids per table. FBGEMM's table-batched embedding
+cache does what this module enables: tables of one width share ONE cache, so a step is
+one plan, one install and one update over all their ids, and hot rows of every table
+compete for the same slots.
+
+Table ``i`` of a group owns the packed ids ``bases[i] .. bases[i + 1] - 1``: packed id
+``bases[i] + id``. The cache (:class:`cache.table_cache.TableCache`) works on packed
+ids as if the group were one fixed table (:attr:`TableGroup.spec`); this module turns
+its requests back into per-table requests for the store and their replies into one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from ps import PullRequest, PullResult, PushRequest, Store, TableSpec
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TableGroup:
+    """Fixed-size tables of one ``dim`` cached together (see the module docstring)."""
+
+    names: tuple[str, ...]
+    bases: np.ndarray  # int64 [k + 1]: where each table's packed ids start; the last: total
+    spec: TableSpec  # the packed table the cache sees (first member's optimizer)
+
+    @classmethod
+    def of(cls, specs: list[TableSpec]) -> TableGroup:
+        """The group of ``specs`` (fixed tables of one ``dim``), in this order."""
+        if len(specs) < 2:
+            raise ValueError(f"a table group needs at least 2 tables, got {len(specs)}")
+        dims = {s.dim for s in specs}
+        if len(dims) != 1 or any(s.num_rows is None for s in specs):
+            raise ValueError(
+                "a table group holds fixed tables of one dim, got "
+                + ", ".join(f"{s.name!r} ({s.num_rows} x {s.dim})" for s in specs)
+            )
+        rows = [int(s.num_rows or 0) for s in specs]
+        bases = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+        names = tuple(s.name for s in specs)
+        spec = replace(specs[0], name="+".join(names), num_rows=int(bases[-1]))
+        return cls(names, bases, spec)
+
+    def index(self, table: str) -> int:
+        return self.names.index(table)
+
+    def pack(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Packed ids of ``table``'s ``ids`` (checked ids, int64 ``[N]``)."""
+        return ids + int(self.bases[self.index(table)])
+
+    def unpack(self, table: str, packed: torch.Tensor) -> torch.Tensor:
+        """``table``'s ids among ``packed`` ids (those outside the table are dropped)."""
+        i = self.index(table)
+        lo, hi = int(self.bases[i]), int(self.bases[i + 1])
+        return packed[(packed >= lo) & (packed < hi)] - lo
+
+    def _segments(self, packed: np.ndarray) -> list[tuple[int, int, int]]:
+        """``(table index, start, end)`` of each table's run in sorted ``packed`` ids."""
+        cuts = np.searchsorted(packed, self.bases)  # [k + 1]
+        return [
+            (i, int(cuts[i]), int(cuts[i + 1]))
+            for i in range(len(self.names))
+            if cuts[i + 1] > cuts[i]
+        ]
+
+    def split_pull(self, request: PullRequest) -> list[tuple[int, PullRequest]]:
+        """The per-table requests of a pull of sorted packed ids: ``(start, request)``
+        with ``start`` the position of the table's first id in ``request.ids``."""
+        packed = request.ids.numpy()
+        if packed.size > 1 and not bool((packed[1:] >= packed[:-1]).all()):
+            raise ValueError(f"table group {self.spec.name!r}: pull ids must be sorted")
+        out = []
+        for i, a, b in self._segments(packed):
+            ids = request.ids[a:b] - int(self.bases[i])
+            clocks = None if request.clocks is None else request.clocks[a:b]
+            out.append((a, PullRequest(self.names[i], ids, clocks, request.bound)))
+        return out
+
+    def merge_pull(self, parts: list[tuple[int, PullResult]], dim: int) -> PullResult:
+        """One result (in the packed request's order) from the per-table results."""
+        if not parts:
+            empty = torch.empty(0, dtype=torch.int64)
+            return PullResult(torch.empty(0, dim), empty, empty)
+        rows = torch.cat([r.rows for _, r in parts])
+        clocks = torch.cat([r.clocks for _, r in parts])
+        if parts[0][1].positions is None:
+            return PullResult(rows, clocks)
+        pos = [r.positions + a for a, r in parts if r.positions is not None]
+        return PullResult(rows, clocks, torch.cat(pos))
+
+    def split_push(self, ids: torch.Tensor, grads: torch.Tensor) -> list[PushRequest]:
+        """Per-table pushes of packed ``ids`` ``[P]`` and ``grads`` ``[P, D]`` (any order;
+        each table's rows keep their order)."""
+        packed = ids.numpy()
+        table = np.searchsorted(self.bases, packed, side="right") - 1  # [P]
+        out = []
+        for i in np.unique(table).tolist():
+            sel = torch.from_numpy(np.flatnonzero(table == i))
+            own = ids.index_select(0, sel) - int(self.bases[i])
+            out.append(PushRequest(self.names[i], own, grads.index_select(0, sel)))
+        return out
+
+
+class GroupClocks:
+    """What a group's cache asks of the store besides requests: PS clocks of packed ids."""
+
+    def __init__(self, group: TableGroup, store: Store) -> None:
+        self.group, self.store = group, store
+
+    def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        packed = ids.numpy()
+        order = np.argsort(packed, kind="stable")
+        sorted_ids = torch.from_numpy(packed[order])
+        out = torch.empty(ids.numel(), dtype=torch.int64)
+        got = []
+        for a, r in self.group.split_pull(PullRequest(table, sorted_ids)):
+            got.append((a, self.store.clocks(r.table, r.ids)))
+        flat = torch.cat([c for _, c in got]) if got else torch.empty(0, dtype=torch.int64)
+        out[torch.from_numpy(order)] = flat
+        return out
