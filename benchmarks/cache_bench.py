@@ -18,7 +18,8 @@ sleep), so step time is the embedding traffic plus the cache's own work.
 * per-table: the store itself, one pull and one push request per table (all issued,
   then waited), on the same tables: what batching saves;
 * cached: ``cache.CachedStore`` with 10 % of each table's rows, bounds (4, 4), LFU
-  (``--policy lru`` for LRU; LFU moves fewer rows on a Zipf law).
+  (``--policy lru`` for LRU; LFU moves fewer rows on a Zipf law), the tables sharing
+  one cache of the summed capacity as the jobs do (``--no-groups``: one per table).
 
 ``requests_per_server_step``: pull and push messages the servers received per step and
 server (``Store.request_counts``), for each variant.
@@ -91,6 +92,7 @@ class Sizes:
     write_bound: int = 4
     policy: Literal["lru", "lfu"] = "lfu"
     prefetch: bool = True
+    groups: bool = True  # the 26 tables share one cache (CacheConfig.group_tables)
     compute_ms: float = 0.0
     max_fill: int = 2000  # warm-up steps at most while the caches fill
 
@@ -176,6 +178,7 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
         read_bound=z.read_bound,
         write_bound=z.write_bound,
         policy=z.policy,
+        group_tables=z.groups,
     )
     cached = cache.CachedStore(store_c, cfg)
     grad = torch.full((z.batch, z.dim), 1e-3)
@@ -234,7 +237,7 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
     n_steps = z.rounds * z.block
 
     def delta(key: str) -> int:
-        return sum(int(after[n][key]) - int(before[n][key]) for n in names_c)
+        return sum(int(after[n][key]) - int(before[n][key]) for n in after)  # every cache
 
     cached.flush()
     rows_u = 2 * distinct / n_steps
@@ -294,16 +297,19 @@ def _config(z: Sizes) -> dict[str, Any]:
         "cache_fraction": z.fraction, "bounds": [z.read_bound, z.write_bound],
         "settle_steps": z.settle, "block_steps": z.block, "rounds": z.rounds,
         "compute_ms": z.compute_ms, "optimizer": "rowwise_adagrad", "policy": z.policy,
-        "prefetch": z.prefetch,
+        "prefetch": z.prefetch, "groups": z.groups,
         "zipf_a": 1.05,
     }  # fmt: skip
 
 
-def run_mpi(quick: bool, compute_ms: float, policy: str, prefetch: bool) -> dict[str, Any]:
+def run_mpi(
+    quick: bool, compute_ms: float, policy: str, prefetch: bool, groups: bool
+) -> dict[str, Any]:
     mpirun = Path(sys.executable).parent / "mpirun"
     cmd = [str(mpirun if mpirun.exists() else "mpirun"), "-n", "2", sys.executable, __file__]
     cmd += ["--mpi-part", "--compute-ms", str(compute_ms), "--policy", policy]
     cmd += (["--quick"] if quick else []) + ([] if prefetch else ["--no-prefetch"])
+    cmd += [] if groups else ["--no-groups"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, check=False)
@@ -335,9 +341,15 @@ def main() -> None:
     p.add_argument("--policy", choices=["lru", "lfu"], default="lfu", help="eviction policy")
     p.add_argument("--no-prefetch", action="store_true", help="cached steps do not prefetch")
     p.add_argument("--no-mpi", action="store_true", help="skip the MPI store")
+    p.add_argument("--no-groups", action="store_true", help="one cache per table")
     p.add_argument("--mpi-part", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    kw = dict(compute_ms=args.compute_ms, policy=args.policy, prefetch=not args.no_prefetch)
+    kw = dict(
+        compute_ms=args.compute_ms,
+        policy=args.policy,
+        prefetch=not args.no_prefetch,
+        groups=not args.no_groups,
+    )
     if args.mpi_part:
         mpi_part(args.quick, **kw)
         return
@@ -348,7 +360,9 @@ def main() -> None:
     figures: dict[str, Any] = {"inprocess": local}
     config: dict[str, Any] = {"quick": args.quick, "inprocess": _config(z)}
     if not args.no_mpi:
-        mpi = run_mpi(args.quick, args.compute_ms, args.policy, not args.no_prefetch)
+        mpi = run_mpi(
+            args.quick, args.compute_ms, args.policy, not args.no_prefetch, not args.no_groups
+        )
         _show("mpi", mpi["figures"])
         figures["mpi"] = mpi["figures"]
         config["mpi"] = mpi["config"]
