@@ -20,6 +20,11 @@ What is measured, on one table of ``rows`` x 64 float32 (SGD), with requests of
   :class:`ps.InProcessStore` in the worker process: what one server's table work
   costs without any messaging (a server does this work plus its side of the
   transfers, on one thread; pipelining lets the worker's side overlap it);
+* ``steps``: training steps over ``step_tables`` tables of ``step_ids`` ids each
+  (the Redis part's shape: 8 x 1 000 ids, dim 64, SGD): every table's pull then every
+  table's push, one request per table (all issued, then waited) vs one batched
+  ``pull_many`` / ``push_many`` (one message per server); steps/s of each and the
+  messages per server and step (``requests_per_server_step``);
 * ``raw_sendrecv``: the ceiling of the transport: the server gathers the rows
   (``index_select``) and sends them with a plain ``Send`` to a ``Recv`` posted by
   the worker (the same bytes as a pull reply, no protocol, no checks); measured
@@ -145,9 +150,10 @@ def run(
         }
         for name, times in _interleaved(ops, iters, repeats, drain).items():
             figures[name] = batch * iters / statistics.median(times)
+        steps = _steps(store, rows, iters, repeats)
     raw.Free()
     return {
-        "figures": {"rows_per_s": figures},
+        "figures": {"rows_per_s": figures, "steps": steps},
         "config": {
             "rows": rows,
             "dim": DIM,
@@ -160,6 +166,50 @@ def run(
             "workers": 1,
             "torch_threads": torch.get_num_threads(),
         },
+    }
+
+
+def _steps(
+    store: MPIStore, rows: int, iters: int, repeats: int, tables: int = 8, ids: int = 1_000
+) -> dict[str, Any]:
+    """Multi-table steps, per table vs batched (see the module docstring)."""
+    names = [f"step{k}" for k in range(tables)]
+    for name in names:
+        store.create_table(
+            ps.TableSpec(name=name, num_rows=rows, dim=DIM, optimizer=ps.SGD(lr=0.01))
+        )
+    per = [zipf_unique_batches(rows, ids, 8, seed=k) for k in range(tables)]
+    steps = [[torch.from_numpy(per[k][s]) for k in range(tables)] for s in range(8)]
+    grads = torch.randn(ids, DIM, generator=torch.Generator().manual_seed(2)) * 1e-3
+
+    def per_table(i: int) -> None:
+        pairs = list(zip(names, steps[i % 8], strict=True))
+        for h in [store.pull_async(n, t) for n, t in pairs]:
+            h.wait()
+        for h in [store.push_async(n, t, grads) for n, t in pairs]:
+            h.wait()
+
+    def batched(i: int) -> None:
+        pairs = list(zip(names, steps[i % 8], strict=True))
+        store.pull_many([ps.PullRequest(n, t) for n, t in pairs])
+        store.push_many([ps.PushRequest(n, t, grads) for n, t in pairs])
+
+    kinds: dict[str, Callable[[int], None]] = {"per_table": per_table, "batched": batched}
+    messages = {}
+    for kind, fn in kinds.items():  # warm-up, and the messages of one pass
+        before = store.request_counts()
+        for i in range(8):
+            fn(i)
+        after = store.request_counts()
+        sent = sum(after[k] - before[k] for k in ("pull_messages", "push_messages"))
+        messages[kind] = sent / after["servers"] / 8
+    times = _interleaved(kinds, iters, repeats, lambda: None)
+    per_s = {kind: iters / statistics.median(t) for kind, t in times.items()}
+    return {
+        "config": {"tables": tables, "ids": ids, "dim": DIM, "optimizer": "sgd"},
+        "steps_per_s": per_s,
+        "requests_per_server_step": messages,
+        "batched_vs_per_table": per_s["batched"] / per_s["per_table"],
     }
 
 

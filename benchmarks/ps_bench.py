@@ -87,6 +87,11 @@ def main() -> None:
         print(f"redis step {kind:>20}: {v:7.1f} steps/s, {trips:.2f} round trips/node/step",
               file=sys.stderr)  # fmt: skip
 
+    mpi_steps = mpi["figures"]["steps"]
+    for kind, v in mpi_steps["steps_per_s"].items():
+        sent = mpi_steps["requests_per_server_step"][kind]
+        print(f"mpi step {kind:>22}: {v:7.1f} steps/s, {sent:.2f} messages/server/step",
+              file=sys.stderr)  # fmt: skip
     mpi_rows = mpi["figures"]["rows_per_s"]
     rows_per_s = {
         "local": {"pull": local["figures"]["local_pull"], "push": local["figures"]["local_push"]},
@@ -105,9 +110,13 @@ def main() -> None:
             "mpi": mpi_rows,
             "redis": redis["figures"],
             "redis_steps": steps,
+            "mpi_steps": mpi_steps,
             "ratios": {**local["ratios"], **redis["ratios"]},
         },
-        "requests_per_server_step": {"redis": steps["requests_per_server_step"]},
+        "requests_per_server_step": {
+            "mpi": mpi_steps["requests_per_server_step"],
+            "redis": steps["requests_per_server_step"],
+        },
         "targets": {
             name: _target(value, name)
             for name, value in (
