@@ -1,9 +1,13 @@
 """Rank script: workers train through a CachedStore over a real MPI store.
 
 Run as ``mpirun -n N python cache_mpi_bound.py --servers S --read-bound R --write-bound W``;
-the last ``S`` ranks serve, the other ``N - S`` are workers. Every step each worker in
-turn pulls its batch (the others wait at a barrier, so no PS clock moves between a pull
-and the checks that follow it) and checks, for every served row,
+the last ``S`` ranks serve, the other ``N - S`` are workers. Two tables share one cache
+(``group_tables``) and each step is what the hybrid embedding tables make: the next
+batch's ids handed to ``prefetch_many``, ONE batched pull (at most one message per
+server: this batch's verifying pull and the next batch's misses), ONE batched push.
+Every step each worker in turn pulls its batch (the others wait at a barrier, so no PS
+clock moves between a pull and the checks that follow it) and checks, for every served
+row,
 
 * by direct comparison: ``store.clocks(ids)`` (the PS clocks right now) minus the clocks
   the served copies were read at is at most the read bound;
@@ -30,6 +34,7 @@ from ps.mpi.server import serve_mpi
 from ps.mpi.store import MPIStore
 
 ROWS, DIM, STEPS = 120, 4, 40
+SGD = ps.SGD(lr=0.5)
 
 
 def main() -> None:
@@ -46,72 +51,95 @@ def main() -> None:
         print(f"rank {group.rank}: ok server", flush=True)
         return
     s_r = args.read_bound
-    spec = ps.TableSpec(name="t", num_rows=ROWS, dim=DIM, optimizer=ps.SGD(lr=0.5))
+    names = ("t", "u")  # two tables of one dim: they share one cache
     every = torch.arange(ROWS)
     with MPIStore(group, topology, request_timeout_s=60.0) as mpi:
         if mates.rank == 0:
-            mpi.create_table(spec)
-            mpi.push("t", every, 2 * mpi.pull("t", every).rows)  # rows := 0 exactly
+            for n in names:
+                mpi.create_table(ps.TableSpec(name=n, num_rows=ROWS, dim=DIM, optimizer=SGD))
+                mpi.push(n, every, 2 * mpi.pull(n, every).rows)  # rows := 0 exactly
         mates.barrier()
         cfg = cache.CacheConfig(
-            capacity_rows=30,
+            capacity_rows=15,  # per table: 30 shared
             read_bound=s_r,
             write_bound=args.write_bound,
             exact_staleness=True,
             evict_chunk=4,
+            group_tables=True,
         )
         store = cache.CachedStore(mpi, cfg)
         plain = None
         if mates.size == 1:
             plain = ps.InProcessStore()
-            plain.create_table(spec)
-            plain.push("t", every, 2 * plain.pull("t", every).rows)
+            for n in names:
+                plain.create_table(ps.TableSpec(name=n, num_rows=ROWS, dim=DIM, optimizer=SGD))
+                plain.push(n, every, 2 * plain.pull(n, every).rows)
         gen = torch.Generator().manual_seed(100 + mates.rank)
         hot = torch.randperm(ROWS, generator=torch.Generator().manual_seed(0))[:20]
-        total = torch.zeros(ROWS, DIM)
+        # Half hot rows shared by all workers, half random: rows go stale and are evicted.
+        batches = [
+            {
+                n: torch.unique(
+                    torch.cat(
+                        [
+                            hot[torch.randint(0, 20, (6,), generator=gen)],
+                            torch.randint(0, ROWS, (6,), generator=gen),
+                        ]
+                    )
+                )
+                for n in names
+            }
+            for _ in range(STEPS + 1)
+        ]
+        total = {n: torch.zeros(ROWS, DIM) for n in names}
         direct: dict[int, int] = {}
         for step in range(STEPS):
-            # Half hot rows shared by all workers, half random: rows go stale and are evicted.
-            ids = torch.unique(
-                torch.cat(
-                    [
-                        hot[torch.randint(0, 20, (6,), generator=gen)],
-                        torch.randint(0, ROWS, (6,), generator=gen),
-                    ]
-                )
-            )
+            ids = batches[step]
+            # The next batch's ids ride on this step's pull (one message per server).
+            store.prefetch_many([ps.PullRequest(n, i) for n, i in batches[step + 1].items()])
             for turn in range(mates.size):
                 if turn == mates.rank:
-                    got = store.pull("t", ids)
-                    lag = mpi.clocks("t", ids) - got.clocks  # [U]
-                    assert int(lag.max()) <= s_r, f"step {step}: lags {lag.tolist()} > {s_r}"
-                    for v in lag.tolist():
-                        direct[v] = direct.get(v, 0) + 1
-                    if plain is not None:
-                        assert torch.equal(got.rows, plain.pull("t", ids).rows), f"step {step}"
+                    before = mpi.request_counts()
+                    got = store.pull_many([ps.PullRequest(n, i) for n, i in ids.items()])
+                    sent = mpi.request_counts()["pull_messages"] - before["pull_messages"]
+                    assert sent <= args.servers, f"step {step}: {sent} pull messages"
+                    for n, g in zip(names, got, strict=True):
+                        lag = mpi.clocks(n, ids[n]) - g.clocks  # [U]
+                        assert int(lag.max()) <= s_r, f"step {step}: lags {lag.tolist()} > {s_r}"
+                        for v in lag.tolist():
+                            direct[v] = direct.get(v, 0) + 1
+                        if plain is not None:
+                            want = plain.pull(n, ids[n]).rows
+                            assert torch.equal(g.rows, want), f"step {step} {n}"
                 mates.barrier()
-            grads = torch.randint(-8, 9, (ids.numel(), DIM), generator=gen).float() / 8
-            store.push("t", ids, grads)
-            if plain is not None:
-                plain.push("t", ids, grads)
-            total[ids] += grads
+            grads = {
+                n: torch.randint(-8, 9, (i.numel(), DIM), generator=gen).float() / 8
+                for n, i in ids.items()
+            }
+            store.push_many([ps.PushRequest(n, ids[n], grads[n]) for n in names])
+            for n in names:
+                if plain is not None:
+                    plain.push(n, ids[n], grads[n])
+                total[n][ids[n]] += grads[n]
             mates.barrier()
-        st = store.cache_stats()["t"]
+        st = store.cache_stats()["t+u"]
         assert st["staleness_exact"] is True
         assert st["staleness_served"] == dict(sorted(direct.items())), (st, direct)
         assert st["max_staleness_served"] <= s_r, st
         if mates.size > 1 and s_r > 0:
             assert st["max_staleness_served"] > 0, st  # other workers' pushes were seen
             assert st["rows_saved_by_bound"] > 0, st
-        assert st["evictions"] > 0, st
+        assert st["evictions"] > 0 and st["prefetched"] > 0, st
         store.flush()
-        mates.allreduce(total, op="sum")
+        for n in names:
+            mates.allreduce(total[n], op="sum")
         mates.barrier()
-        want = -0.5 * total
-        got_rows = mpi.pull("t", every).rows
-        assert torch.equal(got_rows, want), float((got_rows - want).abs().max())
-        if plain is not None:
-            assert torch.equal(got_rows, plain.pull("t", every).rows)
+        for n in names:
+            want = -0.5 * total[n]
+            got_rows = mpi.pull(n, every).rows
+            assert torch.equal(got_rows, want), float((got_rows - want).abs().max())
+            if plain is not None:
+                assert torch.equal(got_rows, plain.pull(n, every).rows)
         summary = (
             f"hit_rate={st['hit_rate']:.2f} staleness={st['staleness_served']} "
             f"evicted_pending={st['evicted_pending']}"
