@@ -279,11 +279,12 @@ class LMJob:
         return row
 
     def ngram_traffic(self) -> int | None:
-        """Rows of the n-gram tables pulled + pushed so far (from the cache, or the store
-        without one); None when they have no store (sharded, local)."""
+        """Rows of the n-gram tables pulled + pushed so far, counted by the store (what
+        reached it through the cache, if any: a cache shared by several tables counts
+        them together); None when they have no store (sharded, local)."""
         if self.ngrams is None or self.ngrams.placement != "hybrid":
             return None
-        stats = self.cached.cache_stats() if self.cached is not None else self.store.stats()
+        stats = (self.cached if self.cached is not None else self.store).stats()
         names = self.ngram_tables
         return int(sum(s["rows_pulled"] + s["rows_pushed"] for n, s in stats.items() if n in names))
 
