@@ -626,7 +626,7 @@ class MPIStore(Store):
             grads = check_push_grads(t.spec, ids, r.grads)
             order, counts = self._split(ids)
             g = grads.detach().cpu()
-            g = g.clone() if order is None else g.index_select(0, order)  # [N, D], a copy
+            g = g if order is None else g.index_select(0, order)  # [N, D] shard order
             plans.append((r.table, t, _sorted_np(ids, order), g.numpy().reshape(-1), counts))
         calls: list[_Call] = []
         for s in range(len(self._servers)):
@@ -657,7 +657,8 @@ class MPIStore(Store):
                 s,
                 Op.PUSH_MANY,
                 payload=tuple(words),
-                data=np.concatenate(data) if len(data) > 1 else data[0],
+                # One copy: the caller may reuse its gradient buffers while in flight.
+                data=np.concatenate(data),
                 table=len(parts),
                 n=sum(c for _, _, c in parts),
                 flags=flags,
@@ -862,6 +863,10 @@ class _PullPlan:
         dim = self.table.spec.dim
         if self.clocks is None:
             n = int(self.ids.size)
+            if self.order is None and len(got) == 1:  # one server: its reply, as it is
+                return PullResult(
+                    rows=torch.from_numpy(got[0][4]), clocks=torch.from_numpy(got[0][2])
+                )
             rows = torch.empty(n, dim, dtype=torch.float32)  # [N, D] shard order
             clocks = torch.empty(n, dtype=torch.int64)
             for a, k, clk, _, r in got:
