@@ -46,12 +46,12 @@ Checkpoints: :meth:`Store.save` / :meth:`Store.load` use the directory format of
 pickle), so any store with any number of shards loads what any other saved.
 
 Batched requests: :meth:`Store.pull_many_async` / :meth:`Store.push_many_async`
-carry one step's work for several tables. Every table's request is checked before
-any is sent (a bad one raises and nothing is sent); they are applied in the order
-given, each with the per-table semantics above. The base class issues them one
-table at a time; remote stores send all of a step's work for one server in one
-message (MPI) or one pipelined round trip (Redis), which :meth:`Store.request_counts`
-counts.
+carry one step's work for several tables, applied in the order given, each with the
+per-table semantics above. The stores here (in-process, MPI, Redis, the cache) check
+every table's request before any is sent (a bad one raises and nothing changes) and
+send all of a step's work for one server in one message (MPI) or one pipelined round
+trip (Redis), which :meth:`Store.request_counts` counts. The base class, for other
+stores, issues them one table at a time.
 
 Every request has an ``*_async`` form returning a :class:`comm.Handle`; the
 synchronous form is ``*_async(...).wait()``. Requests are validated when they
@@ -209,9 +209,9 @@ class Store(ABC):
         """Start the pulls of several tables at once; ``wait()`` gives one
         :class:`PullResult` per request, in order.
 
-        Every request is checked before any is sent. The base class issues one
-        request per table; remote stores send each server its share of all of them
-        in one message (see the module docstring).
+        The base class issues one request per table (a bad one raises after the ones
+        before it were sent); the stores here check them all first and send each
+        server its share of all of them in one message (see the module docstring).
         """
         handles = [
             self.pull_async(r.table, r.ids, clocks=r.clocks, bound=r.bound)
@@ -226,7 +226,8 @@ class Store(ABC):
 
     def push_many_async(self, requests: Sequence[PushRequest]) -> Handle:
         """Start the pushes of several tables at once; ``wait()`` returns None once
-        every one is applied. Checked before any is sent, applied in order."""
+        every one is applied, in order. The stores here check them all before any is
+        sent; the base class pushes one table at a time."""
         handles = [
             self.push_async(r.table, r.ids, r.grads)
             for r in _requests(requests, PushRequest, "push_many")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Callable
@@ -405,3 +406,67 @@ def test_batched_requests_equal_per_table_requests_and_count_one_message() -> No
     from ps_batched import check_batched
 
     check_batched(ps.InProcessStore(), "batch_", servers=1)
+
+
+class _OneTableAtATime(ps.Store):
+    """A store that speaks only the per-table requests (the base class batches for it)."""
+
+    def __init__(self) -> None:
+        self.inner = ps.InProcessStore()
+        self.calls = 0
+
+    def create_table(self, spec: ps.TableSpec, *, exist_ok: bool = False) -> None:
+        self.inner.create_table(spec, exist_ok=exist_ok)
+
+    def drop_table(self, table: str) -> None:
+        self.inner.drop_table(table)
+
+    def tables(self) -> list[str]:
+        return self.inner.tables()
+
+    def spec(self, table: str) -> ps.TableSpec:
+        return self.inner.spec(table)
+
+    def pull_async(self, table, ids, *, clocks=None, bound=None):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return self.inner.pull_async(table, ids, clocks=clocks, bound=bound)
+
+    def push_async(self, table, ids, grads):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return self.inner.push_async(table, ids, grads)
+
+    def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.clocks(table, ids)
+
+    def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.state(table, ids)
+
+    def stats(self) -> dict[str, dict[str, int | float]]:
+        return self.inner.stats()
+
+    def save(self, path) -> None:  # type: ignore[no-untyped-def]
+        self.inner.save(path)
+
+    def load(self, path) -> None:  # type: ignore[no-untyped-def]
+        self.inner.load(path)
+
+
+def test_the_base_class_batches_any_store_one_table_at_a_time() -> None:
+    store = _OneTableAtATime()
+    spec = ps.TableSpec(name="t", num_rows=10, dim=2, optimizer=ps.SGD(lr=1.0))
+    store.create_table(spec)
+    store.create_table(dataclasses.replace(spec, name="u"))
+    ids = torch.tensor([1, 2, 1])
+    got = store.pull_many([ps.PullRequest("t", ids), ps.PullRequest("u", ids[:1])])
+    assert [r.rows.shape[0] for r in got] == [3, 1] and store.calls == 2
+    store.push_many(
+        [ps.PushRequest("t", ids, torch.ones(3, 2)), ps.PushRequest("u", ids, torch.ones(3, 2))]
+    )
+    assert store.calls == 4
+    assert torch.equal(store.clocks("t", torch.tensor([1, 2])), torch.tensor([1, 1]))
+    with pytest.raises(TypeError, match="request 1 is a tuple"):
+        store.pull_many([ps.PullRequest("t", ids), ("u", ids)])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="'nope'"):
+        store.push_many([ps.PushRequest("nope", ids, torch.ones(3, 2))])
+    with pytest.raises(NotImplementedError, match="_OneTableAtATime"):
+        store.request_counts()
