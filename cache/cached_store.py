@@ -141,7 +141,11 @@ class CachedStore(Store):
             group = TableGroup.of(specs)
             capacity = sum(self.config.capacity(s) for s in specs)
             tc = TableCache(
-                group.spec, self.config, GroupClocks(group, self.inner), capacity=capacity
+                group.spec,
+                self.config,
+                GroupClocks(group, self.inner),
+                capacity=capacity,
+                largest_table=max(int(s.num_rows or 0) for s in specs),
             )
             self._groups[tc.name] = group
         if state is not None:

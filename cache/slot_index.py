@@ -62,8 +62,15 @@ class HashSlotIndex:
         self._index.remove(torch.from_numpy(ids))
 
 
-def make_slot_index(num_rows: int | None, capacity: int) -> SlotIndex:
-    """The cheaper index for a table of ``num_rows`` (None: dynamic) and ``capacity`` slots."""
-    if num_rows is not None and num_rows <= DENSE_INDEX_MAX_ROWS:
+def make_slot_index(
+    num_rows: int | None, capacity: int, *, largest_table: int | None = None
+) -> SlotIndex:
+    """The cheaper index for a table of ``num_rows`` (None: dynamic) and ``capacity`` slots.
+
+    ``largest_table``: for tables sharing one cache, the rows of the largest of them;
+    the dense index then costs what their own dense indices would have together, so
+    it is used when each of them would have had one."""
+    rows = num_rows if largest_table is None else largest_table
+    if num_rows is not None and rows is not None and rows <= DENSE_INDEX_MAX_ROWS:
         return DenseSlotIndex(num_rows)
     return HashSlotIndex(capacity)

@@ -130,6 +130,7 @@ class TableCache:
         store: Store | ClockSource,
         *,
         capacity: int | None = None,
+        largest_table: int | None = None,
     ) -> None:
         cap = config.capacity(spec) if capacity is None else capacity
         d = spec.dim
@@ -151,7 +152,7 @@ class TableCache:
         self.row_id = np.full(cap, -1, dtype=np.int64)  # [C]
         self.free = np.arange(cap - 1, -1, -1, dtype=np.int64)  # stack: free[:n_free], top last
         self.n_free = cap
-        self.index = make_slot_index(spec.num_rows, cap)
+        self.index = make_slot_index(spec.num_rows, cap, largest_table=largest_table)
         self.policy = EvictionPolicy(cap, config.policy)
         self.stats = CacheStats(dim=d, exact=self.exact)
         self.lock = threading.RLock()
