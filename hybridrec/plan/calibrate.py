@@ -1,0 +1,455 @@
+"""Measure this machine's costs for the planner (``python -m hybridrec.plan --calibrate``).
+
+Each cost is timed at a few sizes (median of repeats after a warm-up) and fitted by
+least squares to an affine law (:mod:`hybridrec.plan.costs`):
+
+* data: :func:`hybridrec.datasets.gather_batch` of a synthetic Criteo-shaped set
+  (26 sparse + 13 dense features) at two batch sizes;
+* dense: :class:`dense.DLRMDense` forward + backward + Adam step, two model widths at
+  two batch sizes (per step, per parameter, per FLOP);
+* embedding: :class:`embedding.EmbeddingCollection` forward + backward of 8 tables
+  with local, hybrid (in-process store; the store's own share, known from the next
+  item, is subtracted) and sharded (one rank) placement, at two batch sizes and two
+  id laws (per lookup, per distinct id);
+* server: one PS shard's work (:class:`ps.InProcessStore`, the engine each MPI server
+  runs) through ``pull_many`` / ``push_many``: plain pulls, conditional pulls that
+  return nothing, pushes per optimizer; fixed tables (one server) and dynamic-like
+  shards (several servers), per table request and per row;
+* cache: :class:`cache.CachedStore` bookkeeping per distinct id (all hits) and per
+  admitted row (all misses), the store's share subtracted;
+* MPI (unless ``mpi=False``): ``mpirun -n 2`` of :mod:`hybridrec.plan.mpi_probe`: the
+  MPI store's ``pull_many`` / ``push_many`` with one server (its cost beyond the
+  shard's work is the wire cost; messages counted by ``request_counts``), then
+  allreduce, alltoallv and allgatherv at 2 ranks.
+
+``quick`` uses fewer sizes and repeats (a few seconds; for tests and smoke runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridrec.plan.costs import (
+    CacheCosts,
+    Costs,
+    DenseCosts,
+    EmbeddingCosts,
+    Linear,
+    StoreCosts,
+    WireCosts,
+)
+
+DIM = 16  # row width every per-row cost is timed at
+OPTIMIZERS = ("rowwise_adagrad", "sgd", "adagrad", "adam")
+
+
+def timed(fn: Callable[[], object], reps: int, warm: int = 2) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls after ``warm`` calls."""
+    for _ in range(warm):
+        fn()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def fit(rows: list[list[float]], times: list[float]) -> list[float]:
+    """Least-squares coefficients (clipped at 0) of ``times ~ rows @ coef``."""
+    a = np.asarray(rows, dtype=np.float64)
+    y = np.asarray(times, dtype=np.float64)
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    if (coef < 0).any():  # refit without the negative terms (a cost is never negative)
+        keep = coef >= 0
+        coef = np.zeros_like(coef)
+        if keep.any():
+            sub, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
+            coef[keep] = np.maximum(sub, 0.0)
+    return [float(c) for c in coef]
+
+
+def fit_linear(points: list[tuple[float, float, float]]) -> Linear:
+    """``(count, amount, seconds)`` points -> :class:`Linear`."""
+    alpha, beta = fit([[c, a] for c, a, _ in points], [s for _, _, s in points])
+    return Linear(alpha_s=alpha, beta_s=beta)
+
+
+def make_optimizer(kind: str, lr: float = 0.01) -> Any:
+    import ps
+
+    classes = {"sgd": ps.SGD, "rowwise_adagrad": ps.RowWiseAdagrad, "adagrad": ps.Adagrad,
+               "adam": ps.Adam}  # fmt: skip
+    if kind not in classes:
+        raise ValueError(f"optimizer {kind!r}: expected one of {sorted(classes)}")
+    return classes[kind](lr=lr)
+
+
+# ---------------------------------------------------------------- data and dense
+
+
+def calibrate_data(quick: bool) -> Linear:
+    from hybridrec.datasets import gather_batch, make_synthetic
+
+    data = make_synthetic(num_samples=4096, num_rows=1000, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    points = []
+    for b in (64, 1024):
+        idx = torch.randint(0, data.num_samples, (b,), generator=gen)
+        points.append((1.0, float(b), timed(lambda: gather_batch(data, idx), 5 if quick else 20)))
+    return fit_linear(points)
+
+
+def dense_work(config: Any) -> tuple[float, int]:
+    """``(forward + backward FLOPs per sample, parameters)`` of a ``dense.DLRMConfig``:
+    every weight matrix costs 2 FLOPs per entry forward and 4 backward; the dot
+    interaction ``(F+1)^2 D`` multiply-adds forward and twice that backward."""
+    from dense import DLRMDense
+
+    model = DLRMDense(config)
+    params = sum(p.numel() for p in model.parameters())
+    matrix = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    flops = 6.0 * matrix
+    if config.interaction == "dot":
+        n = config.num_sparse + 1
+        flops += 6.0 * n * n * config.embedding_dim
+    return flops, int(params)
+
+
+def calibrate_dense(quick: bool) -> DenseCosts:
+    from dense import DLRMConfig, DLRMDense
+
+    rows, times = [], []
+    for width in (64, 512):
+        cfg = DLRMConfig(num_dense=13, num_sparse=26, embedding_dim=DIM,
+                         bottom_mlp=[width, DIM], top_mlp=[width, width // 2, 1])  # fmt: skip
+        flops, params = dense_work(cfg)
+        torch.manual_seed(0)
+        model = DLRMDense(cfg)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for b in (64, 512):
+            x = torch.randn(b, 13)
+            embs = [torch.randn(b, DIM) for _ in range(26)]
+            y = torch.rand(b)
+
+            def step(model: Any = model, opt: Any = opt, x: Any = x, embs: Any = embs,
+                     y: Any = y) -> None:  # fmt: skip
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x, embs), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+
+            rows.append([1.0, float(params), flops * b])
+            times.append(timed(step, 5 if quick else 15))
+    alpha, per_param, per_flop = fit(rows, times)
+    return DenseCosts(alpha_s=alpha, s_per_param=per_param, s_per_flop=per_flop)
+
+
+# ---------------------------------------------------------------- the PS shard
+
+
+def make_tables(store: Any, prefix: str, k: int, rows: int | None, optimizer: str) -> list[str]:
+    import ps
+
+    names = [f"{prefix}{i}" for i in range(k)]
+    for n in names:
+        store.create_table(ps.TableSpec(name=n, num_rows=rows, dim=DIM,
+                                        optimizer=make_optimizer(optimizer)))  # fmt: skip
+    return names
+
+
+def time_store(
+    store: Any, by_optimizer: dict[str, list[str]], n: int, rows: int, reps: int
+) -> dict[str, float]:
+    """Seconds of one ``pull_many`` / conditional ``pull_many`` / ``push_many`` of ``n``
+    distinct ids in each table of an optimizer (pulls: the first optimizer's tables)."""
+    import ps
+
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randperm(rows, generator=gen)[:n].sort().values
+    grads = torch.full((n, DIM), 1e-3)
+    out: dict[str, float] = {}
+    for opt, tabs in by_optimizer.items():
+        push = [ps.PushRequest(table=t, ids=ids, grads=grads) for t in tabs]
+        out[f"push:{opt}"] = timed(lambda push=push: store.push_many(push), reps)
+    tabs = next(iter(by_optimizer.values()))
+    pull = [ps.PullRequest(table=t, ids=ids) for t in tabs]
+    out["pull"] = timed(lambda: store.pull_many(pull), reps)
+    clocks = [store.clocks(t, ids) for t in tabs]
+    check = [ps.PullRequest(table=t, ids=ids, clocks=c, bound=0)
+             for t, c in zip(tabs, clocks, strict=True)]  # fmt: skip
+    out["pull_check"] = timed(lambda: store.pull_many(check), reps)
+    return out
+
+
+def store_grid(quick: bool) -> list[tuple[int, int]]:
+    """``(tables, rows per table)`` sizes the stores are timed at."""
+    return [(1, 64), (8, 64), (8, 1024)] if quick else [(1, 64), (8, 64), (1, 2048), (8, 2048)]
+
+
+def calibrate_server(quick: bool, optimizers: list[str]) -> dict[str, StoreCosts]:
+    """Per table request and per row, on a fixed table ("dense") and on a shard held
+    like a dynamic table ("sparse", what each of several MPI servers holds)."""
+    import ps
+
+    rows = 20_000
+    out = {}
+    for layout, num_rows in (("dense", rows), ("sparse", None)):
+        points: dict[str, list[tuple[float, float, float]]] = {}
+        for k, n in store_grid(quick):
+            store = ps.InProcessStore()
+            by_opt = {o: make_tables(store, f"{o}_", k, num_rows, o) for o in optimizers}
+            if num_rows is None:  # create the rows first: a shard holds rows it was pushed
+                every = torch.arange(rows)
+                store.push_many([ps.PushRequest(table=t, ids=every, grads=torch.zeros(rows, DIM))
+                                 for names in by_opt.values() for t in names])  # fmt: skip
+            got = time_store(store, by_opt, n, rows, 3 if quick else 9)
+            for kind, s in got.items():
+                points.setdefault(kind, []).append((float(k), float(k * n), s))
+        out[layout] = StoreCosts(
+            pull=fit_linear(points["pull"]),
+            pull_check=fit_linear(points["pull_check"]),
+            push={opt: fit_linear(points[f"push:{opt}"]) for opt in optimizers},
+        )
+    return out
+
+
+def shard_seconds(
+    shard: StoreCosts, optimizer: str, requests: float, pulled: float, pushed: float
+) -> float:
+    """The shard's work for ``requests`` pulls and pushes of ``pulled`` / ``pushed`` rows."""
+    return shard.pull(requests, pulled) + shard.push_of(optimizer)(requests, pushed)
+
+
+# ---------------------------------------------------------------- embedding and cache
+
+
+def _ids(rng: np.random.Generator, law: str, rows: int, n: int) -> np.ndarray:
+    if law == "uniform":
+        return rng.integers(0, rows, n)
+    from hybridrec.plan.idlaw import ZipfSampler
+
+    return ZipfSampler(rows, 1.2).draw(rng, n)
+
+
+def calibrate_embedding(quick: bool, server: dict[str, StoreCosts]) -> dict[str, EmbeddingCosts]:
+    import comm
+    import ps
+    from embedding import EmbeddingCollection, KeyedJaggedIds, RowWiseAdagrad, TableConfig
+
+    tables, rows = 8, 50_000
+    group = comm.init("local")
+    out = {}
+    try:
+        for placement in ("local", "hybrid", "sharded"):
+            design, times = [], []
+            for b in (128, 1024):
+                for law in ("uniform", "zipf"):
+                    store = ps.InProcessStore()
+                    cfgs = [
+                        TableConfig(name=f"t{i}", num_rows=rows, dim=DIM, feature_names=[f"t{i}"],
+                                    placement=placement, optimizer=RowWiseAdagrad(lr=0.01))
+                        for i in range(tables)
+                    ]  # fmt: skip
+                    emb = EmbeddingCollection(cfgs, group=group, store=store)
+                    rng = np.random.default_rng(b)
+                    per = [_ids(rng, law, rows, b) for _ in range(tables)]
+                    unique = float(sum(np.unique(p).size for p in per))
+                    kjt = KeyedJaggedIds(
+                        [f"t{i}" for i in range(tables)],
+                        torch.from_numpy(np.concatenate(per)),
+                        torch.ones(tables * b, dtype=torch.int64),
+                    )
+
+                    def step(emb: Any = emb, kjt: Any = kjt) -> None:
+                        pooled = emb(kjt)
+                        sum(v.sum() for v in pooled.values()).backward()  # type: ignore[union-attr]
+
+                    s = timed(step, 3 if quick else 9)
+                    if placement == "hybrid":  # the store's share is the server's cost
+                        s -= shard_seconds(server["dense"], "rowwise_adagrad", tables,
+                                           unique, unique)  # fmt: skip
+                    design.append([1.0, float(tables * b), unique])
+                    times.append(max(s, 0.0))
+            alpha, per_lookup, per_unique = fit(design, times)
+            out[placement] = EmbeddingCosts(
+                alpha_s=alpha, per_lookup_s=per_lookup, per_unique_s=per_unique
+            )
+    finally:
+        group.close()
+    return out
+
+
+def calibrate_cache(quick: bool, server: dict[str, StoreCosts]) -> CacheCosts:
+    import cache
+    import ps
+
+    rows, n, reps = 200_000, 2048, 3 if quick else 7
+    shard = server["dense"]
+
+    def make(capacity: int) -> tuple[Any, str]:
+        store = ps.InProcessStore()
+        store.create_table(ps.TableSpec(name="t", num_rows=rows, dim=DIM,
+                                        optimizer=ps.RowWiseAdagrad(lr=0.01)))  # fmt: skip
+        cfg = cache.CacheConfig(capacity_rows=capacity, read_bound=1000, write_bound=1000)
+        return cache.CachedStore(store, cfg), "t"
+
+    # all hits: the serving pull asks every id with its clock; nothing comes back
+    hot, name = make(n)
+    ids = torch.arange(n)
+    hot.pull(name, ids)
+    hit_s = timed(lambda: hot.pull(name, ids), reps) - shard.pull_check(1, n)
+    # all misses: every pull admits n new rows into a cache that keeps none of them long
+    cold, name = make(rows)
+    counter = iter(range(10**6))
+
+    def miss() -> None:
+        k = next(counter) % (rows // n)
+        cold.pull(name, torch.arange(k * n, (k + 1) * n))
+
+    miss_s = timed(miss, reps) - shard.pull(1, n)
+    return CacheCosts(per_id_s=max(hit_s, 0.0) / n, per_admit_s=max(miss_s - hit_s, 0.0) / n)
+
+
+# ---------------------------------------------------------------- MPI
+
+
+def mpirun_path() -> str:
+    """The ``mpirun`` beside this interpreter (the mpich wheel), else one on PATH."""
+    here = Path(sys.executable).parent / "mpirun"
+    if here.exists():
+        return str(here)
+    import shutil
+
+    found = shutil.which("mpirun")
+    if found is None:
+        raise RuntimeError(
+            "mpirun not found beside the interpreter or on PATH; install MPI (the test "
+            "extra's mpich wheel) or calibrate with --no-mpi"
+        )
+    return found
+
+
+def run_mpi_probe(quick: bool, timeout_s: float = 600.0) -> dict[str, Any]:
+    """``mpirun -n 2`` of :mod:`hybridrec.plan.mpi_probe`; its JSON result."""
+    root = Path(__file__).resolve().parents[2]
+    cmd = [mpirun_path(), "-n", "2", sys.executable, "-m", "hybridrec.plan.mpi_probe"]
+    cmd += ["--quick"] if quick else []
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(root), env.get("PYTHONPATH", "")] if p)
+    out = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+    if out.returncode != 0:
+        raise RuntimeError(
+            f"MPI calibration failed (exit {out.returncode}): {' '.join(cmd)}\n"
+            f"{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+        )
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def wire_costs(probe: dict[str, Any], shard: StoreCosts) -> WireCosts:
+    """The MPI store's cost beyond the shard's work: per message and per row."""
+    fits = {}
+    for kind in ("pull", "pull_check", "push"):
+        design, times = [], []
+        for p in probe["store"]:
+            k, rows, messages, s = (
+                p["tables"],
+                p["tables"] * p["rows"],
+                p[f"{kind}_messages"],
+                p[kind],
+            )
+            if kind == "push":
+                own = shard.push_of("rowwise_adagrad")(k, rows)
+            else:
+                own = getattr(shard, kind)(k, rows)
+            design.append([float(messages), float(rows)])
+            times.append(max(s - own, 0.0))
+        alpha, beta = fit(design, times)
+        fits[kind] = Linear(alpha_s=alpha, beta_s=beta)
+    return WireCosts(
+        pull=fits["pull"], pull_check=fits["pull_check"], push=fits["push"],
+        messages_per_batch=float(probe["messages_per_batch"]),
+    )  # fmt: skip
+
+
+def collective_costs(probe: dict[str, Any] | None) -> dict[str, Linear]:
+    if probe is None:
+        zero = Linear(alpha_s=0.0, beta_s=0.0)
+        return {"allreduce": zero, "alltoallv": zero, "allgatherv": zero}
+    return {
+        name: fit_linear([(1.0, float(b), s) for b, s in points])
+        for name, points in probe["collectives"].items()
+    }
+
+
+# ---------------------------------------------------------------- all
+
+
+def calibrate(
+    *,
+    quick: bool = False,
+    mpi: bool = True,
+    optimizers: list[str] | None = None,
+    say: Callable[[str], None] = lambda s: None,
+) -> Costs:
+    """Measure every cost of :class:`Costs` on this machine (see the module docstring)."""
+    optimizers = list(optimizers or OPTIMIZERS)
+    for o in optimizers:
+        make_optimizer(o)
+    if "rowwise_adagrad" not in optimizers:
+        optimizers.insert(0, "rowwise_adagrad")  # the embedding and MPI parts use it
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t0 = time.perf_counter()
+        say("calibrating: batch assembly")
+        data = calibrate_data(quick)
+        say("calibrating: dense model")
+        dense = calibrate_dense(quick)
+        say("calibrating: PS shard (pull, conditional pull, push per optimizer)")
+        server = calibrate_server(quick, optimizers)
+        say("calibrating: embedding collections (local, hybrid, sharded)")
+        embedding = calibrate_embedding(quick, server)
+        say("calibrating: cache bookkeeping")
+        cache_costs = calibrate_cache(quick, server)
+        probe = None
+        if mpi:
+            say("calibrating: MPI store and collectives (mpirun -n 2)")
+            probe = run_mpi_probe(quick)
+        say(f"calibration took {time.perf_counter() - t0:.1f} s")
+    finally:
+        torch.set_num_threads(threads)
+    return Costs(
+        device="cpu",
+        machine={
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "quick": quick,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },  # fmt: skip
+        dim=DIM,
+        data=data,
+        dense=dense,
+        embedding=embedding,
+        cache=cache_costs,
+        server=server,
+        mpi_wire=None if probe is None else wire_costs(probe, server["dense"]),
+        collectives=collective_costs(probe),
+    )

@@ -1,0 +1,121 @@
+"""The MPI part of the planner's calibration, run as ``mpirun -n 2 python -m
+hybridrec.plan.mpi_probe [--quick]`` by :func:`hybridrec.plan.calibrate.run_mpi_probe`.
+
+Rank 1 serves a :class:`ps.mpi.store.MPIStore` shard; rank 0 times ``pull_many``,
+conditional ``pull_many`` and ``push_many`` of several tables through it (counting the
+messages the server got with ``request_counts``), then both ranks time allreduce,
+alltoallv and allgatherv of several sizes. Rank 0 prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+
+import comm
+from hybridrec.plan.calibrate import make_tables, store_grid, time_store, timed
+from ps.mpi.server import serve_mpi
+from ps.mpi.store import MPIStore
+
+
+def message_counts(store: MPIStore) -> dict[str, int]:
+    """``request_counts()``; a store that does not count its messages sends one per
+    table request, which its per-table ``stats()`` count."""
+    try:
+        return store.request_counts()
+    except NotImplementedError:
+        stats = store.stats()
+        return {
+            "pull_messages": int(sum(s["pull_requests"] for s in stats.values())),
+            "push_messages": int(sum(s["push_requests"] for s in stats.values())),
+        }
+
+
+def probe_store(group: comm.ProcessGroup, topology: comm.Topology, quick: bool) -> dict[str, Any]:
+    """On the worker: seconds and messages per batched request, per size of the grid."""
+    import ps
+
+    rows = 20_000
+    points = []
+    per_batch = 1.0
+    with MPIStore(group, topology, request_timeout_s=300.0) as store:
+        for i, (k, n) in enumerate(store_grid(quick)):
+            names = make_tables(store, f"g{i}_", k, rows, "rowwise_adagrad")
+            by_opt = {"rowwise_adagrad": names}
+            reps = 3 if quick else 9
+            point: dict[str, Any] = {"tables": k, "rows": n}
+            ids = torch.arange(n)
+            for kind in ("pull", "pull_check", "push"):
+                before = message_counts(store)
+                if kind == "pull":
+                    store.pull_many([ps.PullRequest(table=t, ids=ids) for t in names])
+                elif kind == "pull_check":
+                    clocks = [store.clocks(t, ids) for t in names]
+                    store.pull_many([ps.PullRequest(table=t, ids=ids, clocks=c, bound=0)
+                                     for t, c in zip(names, clocks, strict=True)])  # fmt: skip
+                else:
+                    store.push_many([ps.PushRequest(table=t, ids=ids, grads=torch.zeros(n, 16))
+                                     for t in names])  # fmt: skip
+                after = message_counts(store)
+                key = "push_messages" if kind == "push" else "pull_messages"
+                point[f"{kind}_messages"] = after[key] - before[key]
+            if k > 1:
+                per_batch = float(point["pull_messages"])
+            point.update(time_store(store, by_opt, n, rows, reps))
+            point["push"] = point.pop("push:rowwise_adagrad")
+            points.append(point)
+    return {"store": points, "messages_per_batch": per_batch}
+
+
+def probe_collectives(group: comm.ProcessGroup, quick: bool) -> dict[str, list[list[float]]]:
+    """Seconds per call of each collective at several byte counts (per rank sent)."""
+    sizes = [256, 16_384, 262_144] if quick else [256, 4096, 65_536, 262_144, 1_048_576]
+    reps = 5 if quick else 15
+    out: dict[str, list[list[float]]] = {"allreduce": [], "alltoallv": [], "allgatherv": []}
+    w = group.size
+    for floats in sizes:
+        x = torch.ones(floats)
+        out["allreduce"].append([4.0 * floats, timed(lambda x=x: group.allreduce(x), reps)])
+        part = floats // w
+        y = torch.ones(part * w)
+        out["alltoallv"].append(
+            [
+                4.0 * part * (w - 1),
+                timed(lambda y=y, p=part: group.alltoallv(y, [p] * w, [p] * w), reps),
+            ]
+        )
+        z = torch.ones(part)
+        out["allgatherv"].append([4.0 * part, timed(lambda z=z: group.allgatherv(z), reps)])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    group = comm.init("mpi")
+    if group.size != 2:
+        raise SystemExit(f"mpi_probe runs on 2 ranks (mpirun -n 2), got {group.size}")
+    try:
+        topology = comm.Topology(world_size=2, num_servers=1)
+        result: dict[str, Any] = {}
+        if topology.role(group.rank) is comm.Role.SERVER:
+            serve_mpi(group, topology)
+        else:
+            result = probe_store(group, topology, args.quick)
+        group.barrier()
+        result["collectives"] = probe_collectives(group, args.quick)
+        if group.rank == 0:
+            print(json.dumps(result), flush=True)
+    finally:
+        group.close()
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
