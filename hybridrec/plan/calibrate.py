@@ -241,7 +241,7 @@ def shard_seconds(
 # ---------------------------------------------------------------- embedding and cache
 
 
-def _ids(rng: np.random.Generator, law: str, rows: int, n: int) -> np.ndarray:
+def ids_of(rng: np.random.Generator, law: str, rows: int, n: int) -> np.ndarray:
     if law == "uniform":
         return rng.integers(0, rows, n)
     from hybridrec.plan.idlaw import ZipfSampler
@@ -270,7 +270,7 @@ def calibrate_embedding(quick: bool, server: dict[str, StoreCosts]) -> dict[str,
                     ]  # fmt: skip
                     emb = EmbeddingCollection(cfgs, group=group, store=store)
                     rng = np.random.default_rng(b)
-                    per = [_ids(rng, law, rows, b) for _ in range(tables)]
+                    per = [ids_of(rng, law, rows, b) for _ in range(tables)]
                     unique = float(sum(np.unique(p).size for p in per))
                     kjt = KeyedJaggedIds(
                         [f"t{i}" for i in range(tables)],
@@ -298,34 +298,60 @@ def calibrate_embedding(quick: bool, server: dict[str, StoreCosts]) -> dict[str,
 
 
 def calibrate_cache(quick: bool, server: dict[str, StoreCosts]) -> CacheCosts:
+    """A cached step of 26 tables (every table's serving pull issued, then waited; the
+    prefetch of the next batch; every push issued, then waited: the job's order) on
+    :class:`cache.CachedStore` over an in-process store, at three id laws and batch
+    sizes. The store's share (the simulated traffic on the fitted shard costs) is
+    subtracted and the rest fitted per table step, per distinct id, per row fetched.
+    26 tables because the per-table cost grows with the tables a step touches (their
+    records compete for the CPU caches)."""
     import cache
     import ps
+    from hybridrec.plan.idlaw import ZipfSampler, simulate_table
+    from hybridrec.plan.spec import CachePlan
 
-    rows, n, reps = 200_000, 2048, 3 if quick else 7
+    rows, tables, capacity = 20_000, 26, 2_000
+    plan = CachePlan(rows=capacity, read_bound=4, write_bound=4, policy="lfu")
     shard = server["dense"]
-
-    def make(capacity: int) -> tuple[Any, str]:
+    push = shard.push_of("rowwise_adagrad")
+    extra = max(0.0, shard.pull.beta_s - shard.pull_check.beta_s)
+    warm, n = (20, 8) if quick else (30, 20)
+    design, times = [], []
+    for draws, a in ((256, 1.05), (1024, 1.05), (512, 0.0)):
         store = ps.InProcessStore()
-        store.create_table(ps.TableSpec(name="t", num_rows=rows, dim=DIM,
-                                        optimizer=ps.RowWiseAdagrad(lr=0.01)))  # fmt: skip
-        cfg = cache.CacheConfig(capacity_rows=capacity, read_bound=1000, write_bound=1000)
-        return cache.CachedStore(store, cfg), "t"
+        names = make_tables(store, "c", tables, rows, "rowwise_adagrad")
+        cfg = cache.CacheConfig(capacity_rows=capacity, read_bound=4, write_bound=4,
+                                policy="lfu")  # fmt: skip
+        cached = cache.CachedStore(store, cfg)
+        sampler = ZipfSampler(rows, a)
+        rng = np.random.default_rng(draws)
+        batches = [[torch.from_numpy(np.unique(sampler.draw(rng, draws))) for _ in names]
+                   for _ in range(warm + n + 1)]  # fmt: skip
 
-    # all hits: the serving pull asks every id with its clock; nothing comes back
-    hot, name = make(n)
-    ids = torch.arange(n)
-    hot.pull(name, ids)
-    hit_s = timed(lambda: hot.pull(name, ids), reps) - shard.pull_check(1, n)
-    # all misses: every pull admits n new rows into a cache that keeps none of them long
-    cold, name = make(rows)
-    counter = iter(range(10**6))
+        def step(s: int, cached: Any = cached, names: Any = names, batches: Any = batches) -> None:
+            now, nxt = batches[s], batches[s + 1]
+            for h in [cached.pull_async(t, now[i]) for i, t in enumerate(names)]:
+                h.wait()
+            for i, t in enumerate(names):
+                cached.prefetch(t, nxt[i])
+            grads = [torch.full((ids.numel(), DIM), 1e-3) for ids in now]
+            for h in [cached.push_async(t, now[i], grads[i]) for i, t in enumerate(names)]:
+                h.wait()
 
-    def miss() -> None:
-        k = next(counter) % (rows // n)
-        cold.pull(name, torch.arange(k * n, (k + 1) * n))
-
-    miss_s = timed(miss, reps) - shard.pull(1, n)
-    return CacheCosts(per_id_s=max(hit_s, 0.0) / n, per_admit_s=max(miss_s - hit_s, 0.0) / n)
+        for s in range(warm):
+            step(s)
+        spent = []
+        for s in range(warm, warm + n):
+            t0 = time.perf_counter()
+            step(s)
+            spent.append(time.perf_counter() - t0)
+        tr = simulate_table(sampler, draws, plan, capacity, 1, seed=draws)
+        own = shard.pull(tr.pull_requests, tr.pulled) + extra * tr.refreshed
+        own += shard.pull_check(tr.check_requests, tr.asked) + push(tr.push_requests, tr.pushed)
+        design.append([1.0, tr.unique, tr.returned])
+        times.append(max(float(np.quantile(spent, 0.25)) / tables - own, 0.0))
+    per_table, per_id, per_admit = fit(design, times)
+    return CacheCosts(per_table_s=per_table, per_id_s=per_id, per_admit_s=per_admit)
 
 
 # ---------------------------------------------------------------- MPI
@@ -392,6 +418,19 @@ def wire_costs(probe: dict[str, Any], shard: StoreCosts) -> WireCosts:
     )  # fmt: skip
 
 
+def sharded_costs(probe: dict[str, Any], collectives: dict[str, Linear]) -> EmbeddingCosts:
+    """A sharded collection's own work at 2 ranks, its 4 exchanges' modeled time
+    (half of each rank's distinct ids go to the other rank) subtracted."""
+    a2a = collectives["alltoallv"]
+    design, times = [], []
+    for p in probe["sharded"]:
+        sent = 0.5 * p["unique"] * (8 + 2 * 4 * DIM) + 8 * p["tables"]
+        design.append([1.0, p["lookups"], p["unique"]])
+        times.append(max(p["seconds"] - 4 * a2a.alpha_s - a2a.beta_s * sent, 0.0))
+    alpha, per_lookup, per_unique = fit(design, times)
+    return EmbeddingCosts(alpha_s=alpha, per_lookup_s=per_lookup, per_unique_s=per_unique)
+
+
 def collective_costs(probe: dict[str, Any] | None) -> dict[str, Linear]:
     if probe is None:
         zero = Linear(alpha_s=0.0, beta_s=0.0)
@@ -439,6 +478,9 @@ def calibrate(
         say(f"calibration took {time.perf_counter() - t0:.1f} s")
     finally:
         torch.set_num_threads(threads)
+    collectives = collective_costs(probe)
+    if probe is not None:  # the exchange path only runs with 2 ranks or more
+        embedding["sharded"] = sharded_costs(probe, collectives)
     return Costs(
         device="cpu",
         machine={
@@ -456,5 +498,5 @@ def calibrate(
         cache=cache_costs,
         server=server,
         mpi_wire=None if probe is None else wire_costs(probe, server["dense"]),
-        collectives=collective_costs(probe),
+        collectives=collectives,
     )

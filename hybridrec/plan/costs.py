@@ -8,7 +8,7 @@ per call or message plus seconds per row, sample or byte. Layout of the file::
      "data":      {"alpha_s", "beta_s"},                # batch assembly: per step, per sample
      "dense":     {"alpha_s", "s_per_param", "s_per_flop"},
      "embedding": {"local"|"hybrid"|"sharded": {"alpha_s", "per_lookup_s", "per_unique_s"}},
-     "cache":     {"per_id_s", "per_admit_s"},          # the cache's own bookkeeping
+     "cache":     {"per_table_s", "per_id_s", "per_admit_s"},  # the cache's own work
      "server":    {"dense"|"sparse": {"pull", "pull_check", "push": {optimizer: ...}}},
      "mpi_wire":  {"pull", "pull_check", "push", "messages_per_batch"},
      "collectives": {"allreduce"|"alltoallv"|"allgatherv": {"alpha_s", "beta_s"}}}
@@ -68,8 +68,10 @@ class EmbeddingCosts:
 
 @dataclass(frozen=True, slots=True)
 class CacheCosts:
-    """The cache's own work: per distinct id requested, per row admitted or refreshed."""
+    """The cache's own work per table and step (a serving pull, a prefetch and a push):
+    ``per_table_s`` + ``per_id_s`` per distinct id + ``per_admit_s`` per row fetched."""
 
+    per_table_s: float
     per_id_s: float
     per_admit_s: float
 

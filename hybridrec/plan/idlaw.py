@@ -206,6 +206,7 @@ def simulate_table(
     counted = 0
     full_at: int | None = None
     nxt = np.unique(sampler.draw(rng, draws))
+    fetched_for_cur = 0  # misses the prefetch of the current batch fetched
     step = 0
     while True:
         cur = nxt
@@ -259,10 +260,12 @@ def simulate_table(
         else:
             key[c] = step
         pushed = due.size + evict_pushed + (cur.size - c.size)  # uncached rows go at once
+        pulled = miss.size + cold
+        hits = cur.size - fetched_for_cur - refreshed  # the cache counts fetched rows as misses
+        fetched_for_cur = pulled
         if measuring:
-            pulled = miss.size + cold
             totals += [
-                cur.size, pulled, refreshed, pushed, h.size - refreshed,
+                cur.size, pulled, refreshed, pushed, hits,
                 pulled > 0, cur.size > 0, pushed > 0,
             ]  # fmt: skip
             counted += 1

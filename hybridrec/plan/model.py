@@ -189,8 +189,9 @@ def predict(plan: Plan, costs: Costs, traffic: dict[str, TableTraffic]) -> Predi
         pull, push = _store_phases(plan, costs, hybrid, traffic)
         cached = [traffic[t.name] for t in hybrid if traffic[t.name].check_requests > 0]
         if cached:
+            k = costs.cache
             parts["compute"] += sum(
-                costs.cache.per_id_s * tr.unique + costs.cache.per_admit_s * tr.returned
+                k.per_table_s + k.per_id_s * tr.unique + k.per_admit_s * tr.returned
                 for tr in cached
             )
             lookups = sum(tr.unique for tr in cached)

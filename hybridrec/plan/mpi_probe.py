@@ -93,6 +93,43 @@ def probe_collectives(group: comm.ProcessGroup, quick: bool) -> dict[str, list[l
     return out
 
 
+def probe_sharded(group: comm.ProcessGroup, quick: bool) -> list[dict[str, float]]:
+    """Forward + backward of 8 sharded tables on both ranks, at two batch sizes per rank
+    and two id laws: seconds, lookups and distinct ids of this rank."""
+    import numpy as np
+
+    from embedding import EmbeddingCollection, KeyedJaggedIds, RowWiseAdagrad, TableConfig
+    from hybridrec.plan.calibrate import DIM, ids_of
+
+    tables, rows = 8, 50_000
+    cfgs = [
+        TableConfig(name=f"s{i}", num_rows=rows, dim=DIM, feature_names=[f"s{i}"],
+                    placement="sharded", optimizer=RowWiseAdagrad(lr=0.01))
+        for i in range(tables)
+    ]  # fmt: skip
+    emb = EmbeddingCollection(cfgs, group=group)
+    out = []
+    for b in (128, 1024):
+        for law in ("uniform", "zipf"):
+            rng = np.random.default_rng(b * 10 + group.rank)
+            per = [ids_of(rng, law, rows, b) for _ in range(tables)]
+            kjt = KeyedJaggedIds(
+                [f"s{i}" for i in range(tables)],
+                torch.from_numpy(np.concatenate(per)),
+                torch.ones(tables * b, dtype=torch.int64),
+            )
+
+            def step(kjt: Any = kjt) -> None:
+                pooled = emb(kjt)
+                sum(v.sum() for v in pooled.values()).backward()  # type: ignore[union-attr]
+
+            seconds = timed(step, 5 if quick else 15)
+            unique = float(sum(np.unique(p).size for p in per))
+            out.append({"lookups": float(tables * b), "unique": unique, "seconds": seconds,
+                        "tables": float(tables)})  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
@@ -110,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             result = probe_store(group, topology, args.quick)
         group.barrier()
         result["collectives"] = probe_collectives(group, args.quick)
+        result["sharded"] = probe_sharded(group, args.quick)
         if group.rank == 0:
             print(json.dumps(result), flush=True)
     finally:
