@@ -94,9 +94,9 @@ def measure(case: Case, quick: bool, work: Path) -> tuple[float, list[float]]:
     times = []
     for line in metrics.read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
-        if row.get("kind") == "step" and row.get("samples_per_s") and row["step"] > WARM_STEPS:
-            if row["step"] % LOG_EVERY == 0:  # a full block of steps
-                times.append(batch / row["samples_per_s"])
+        steady = row.get("kind") == "step" and row.get("step", 0) > WARM_STEPS
+        if steady and row.get("samples_per_s") and row["step"] % LOG_EVERY == 0:  # a full block
+            times.append(batch / row["samples_per_s"])
     if not times:
         raise RuntimeError(f"{case.name}: no steady-state step lines in {metrics}")
     return statistics.median(times), times
@@ -144,8 +144,10 @@ def main() -> None:
                 "error": err, "bottleneck": pred.bottleneck, "predicted_parts_ms": parts,
                 "measured_blocks_ms": [round(t * 1e3, 2) for t in times],
             })  # fmt: skip
-            _say(f"{case.name:<28} measured {measured * 1e3:8.2f} ms   predicted "
-                 f"{pred.step_s * 1e3:8.2f} ms   error {err:+7.1%}   ({pred.bottleneck})")  # fmt: skip
+            _say(
+                f"{case.name:<28} measured {measured * 1e3:8.2f} ms   predicted "
+                f"{pred.step_s * 1e3:8.2f} ms   error {err:+7.1%}   ({pred.bottleneck})"
+            )
     errors = [abs(r["error"]) for r in rows]
     median, worst = statistics.median(errors), max(errors)
     figures = {"plan_median_abs_error": median, "plan_worst_abs_error": worst, "cases": rows}

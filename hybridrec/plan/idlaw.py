@@ -236,7 +236,8 @@ def simulate_table(
             cand = np.flatnonzero(~busy)
             need = min(need, cand.size)
             if need:
-                order = np.argpartition(key[slots[cand]], need - 1)[:need]
+                # the lowest keys; ties go to the longest cached (stable order of slots)
+                order = np.argsort(key[slots[cand]], kind="stable")[:need]
                 out = slots[cand[order]]
                 evict_pushed = int((pending[out] > 0).sum())
                 in_cache[out] = False
