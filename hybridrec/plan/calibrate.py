@@ -249,7 +249,11 @@ def ids_of(rng: np.random.Generator, law: str, rows: int, n: int) -> np.ndarray:
     return ZipfSampler(rows, 1.2).draw(rng, n)
 
 
-def calibrate_embedding(quick: bool, server: dict[str, StoreCosts]) -> dict[str, EmbeddingCosts]:
+def calibrate_embedding(
+    quick: bool,
+    server: dict[str, StoreCosts],
+    placements: tuple[str, ...] = ("local", "hybrid", "sharded"),
+) -> dict[str, EmbeddingCosts]:
     import comm
     import ps
     from embedding import EmbeddingCollection, KeyedJaggedIds, RowWiseAdagrad, TableConfig
@@ -258,7 +262,7 @@ def calibrate_embedding(quick: bool, server: dict[str, StoreCosts]) -> dict[str,
     group = comm.init("local")
     out = {}
     try:
-        for placement in ("local", "hybrid", "sharded"):
+        for placement in placements:
             design, times = [], []
             for b in (128, 1024):
                 for law in ("uniform", "zipf"):
@@ -297,61 +301,104 @@ def calibrate_embedding(quick: bool, server: dict[str, StoreCosts]) -> dict[str,
     return out
 
 
-def calibrate_cache(quick: bool, server: dict[str, StoreCosts]) -> CacheCosts:
-    """A cached step of 26 tables (every table's serving pull issued, then waited; the
-    prefetch of the next batch; every push issued, then waited: the job's order) on
-    :class:`cache.CachedStore` over an in-process store, at three id laws and batch
-    sizes. The store's share (the simulated traffic on the fitted shard costs) is
-    subtracted and the rest fitted per table step, per distinct id, per row fetched.
-    26 tables because the per-table cost grows with the tables a step touches (their
-    records compete for the CPU caches)."""
-    import cache
-    import ps
-    from hybridrec.plan.idlaw import ZipfSampler, simulate_table
-    from hybridrec.plan.spec import CachePlan
+# ---------------------------------------------------------------- the job itself
 
-    rows, tables, capacity = 20_000, 26, 2_000
-    plan = CachePlan(rows=capacity, read_bound=4, write_bound=4, policy="lfu")
-    shard = server["dense"]
-    push = shard.push_of("rowwise_adagrad")
+
+JOB_ROWS = 20_000  # rows per table of the synthetic data the job steps are timed on
+
+
+def store_share(shard: StoreCosts, t: Any) -> float:
+    """One shard's work for one table's step of traffic ``t`` (a ``TableTraffic``)."""
     extra = max(0.0, shard.pull.beta_s - shard.pull_check.beta_s)
-    warm, n = (20, 8) if quick else (30, 20)
-    design, times = [], []
-    for draws, a in ((256, 1.05), (1024, 1.05), (512, 0.0)):
-        store = ps.InProcessStore()
-        names = make_tables(store, "c", tables, rows, "rowwise_adagrad")
-        cfg = cache.CacheConfig(capacity_rows=capacity, read_bound=4, write_bound=4,
-                                policy="lfu")  # fmt: skip
-        cached = cache.CachedStore(store, cfg)
-        sampler = ZipfSampler(rows, a)
-        rng = np.random.default_rng(draws)
-        batches = [[torch.from_numpy(np.unique(sampler.draw(rng, draws))) for _ in names]
-                   for _ in range(warm + n + 1)]  # fmt: skip
+    own = shard.pull(t.pull_requests, t.pulled) + shard.pull_check(t.check_requests, t.asked)
+    return own + extra * t.refreshed + shard.push_of("rowwise_adagrad")(t.push_requests, t.pushed)
 
-        def step(s: int, cached: Any = cached, names: Any = names, batches: Any = batches) -> None:
-            now, nxt = batches[s], batches[s + 1]
-            for h in [cached.pull_async(t, now[i]) for i, t in enumerate(names)]:
-                h.wait()
-            for i, t in enumerate(names):
-                cached.prefetch(t, nxt[i])
-            grads = [torch.full((ids.numel(), DIM), 1e-3) for ids in now]
-            for h in [cached.push_async(t, now[i], grads[i]) for i, t in enumerate(names)]:
-                h.wait()
 
-        for s in range(warm):
-            step(s)
-        spent = []
-        for s in range(warm, warm + n):
-            t0 = time.perf_counter()
-            step(s)
-            spent.append(time.perf_counter() - t0)
-        tr = simulate_table(sampler, draws, plan, capacity, 1, seed=draws)
-        own = shard.pull(tr.pull_requests, tr.pulled) + extra * tr.refreshed
-        own += shard.pull_check(tr.check_requests, tr.asked) + push(tr.push_requests, tr.pushed)
-        design.append([1.0, tr.unique, tr.returned])
-        times.append(max(float(np.quantile(spent, 0.25)) / tables - own, 0.0))
-    per_table, per_id, per_admit = fit(design, times)
-    return CacheCosts(per_table_s=per_table, per_id_s=per_id, per_admit_s=per_admit)
+def job_step_seconds(options: list[str], quick: bool) -> float:
+    """Median steady-state step of the DLRM job (:mod:`hybridrec.dlrm.job`) in this
+    process on 26 synthetic tables: the job's own loop, read from its metrics file as
+    the validation reads a real run's."""
+    import tempfile
+
+    import comm
+    import ps
+    from hybridrec.dlrm.job import DLRMJob, parse_args
+
+    steps, every, warm = (20, 4, 8) if quick else (35, 5, 10)
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "m.jsonl"
+        cfg = parse_args([
+            "--data", "synthetic", "--synthetic-rows", str(JOB_ROWS), "--synthetic-samples",
+            "50000", "--max-steps", str(steps), "--log-every", str(every), "--no-progress",
+            "--no-verbose", "--metrics-out", str(metrics), *options,
+        ])  # fmt: skip
+        group = comm.init("local")
+        try:
+            job = DLRMJob(cfg, group, ps.InProcessStore())
+            job.trainer.fit()
+            job.trainer.close()
+        finally:
+            group.close()
+        times = []
+        for line in metrics.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            if row.get("kind") == "step" and row.get("step", 0) > warm and row["step"] % every == 0:
+                times.append(cfg.batch_size / row["samples_per_s"])
+    return float(np.median(times))
+
+
+def calibrate_job(
+    quick: bool, data: Linear, dense: DenseCosts, server: dict[str, StoreCosts]
+) -> tuple[dict[str, EmbeddingCosts], CacheCosts]:
+    """The job's own embedding work (local and hybrid placement) and the cache's, from
+    the DLRM job's steps on one process (an in-process store) at several batch sizes:
+    what is left of a step after the batch assembly, the dense part and the store's
+    share (the sampled traffic on the fitted shard costs) is fitted per step, per id
+    looked up and per distinct id (the cache: per table step, per distinct id, per row
+    fetched, beyond the uncached hybrid step)."""
+    from hybridrec.dlrm.job import parse_args
+    from hybridrec.plan.fromjob import plan_from_dlrm
+    from hybridrec.plan.idlaw import TrafficModel
+
+    cache_opts = ["--cache-fraction", "0.1", "--cache-policy", "lfu", "--read-bound", "4",
+                  "--write-bound", "4"]  # fmt: skip
+    batches = (128, 1024) if quick else (128, 512, 1024)
+    shard = server["dense"]
+    traffic = TrafficModel()
+    emb: dict[str, EmbeddingCosts] = {}
+    fits: dict[str, tuple[list[list[float]], list[float]]] = {}
+    for variant in ("local", "hybrid", "cached"):
+        placement = "local" if variant == "local" else "hybrid"
+        for b in batches:
+            opts = ["--batch-size", str(b), "--placement", placement]
+            opts += cache_opts if variant == "cached" else []
+            step = job_step_seconds(opts, quick)
+            plan = plan_from_dlrm(parse_args(["--data", "synthetic", "--synthetic-rows",
+                                              str(JOB_ROWS), *opts]), workers=1)  # fmt: skip
+            tr = traffic.traffic(plan)
+            model = plan.model
+            rest = step - data(1, b) - dense.alpha_s - dense.s_per_param * model.dense_params
+            rest -= dense.s_per_flop * model.dense_flops_per_sample * b
+            lookups = sum(t.lookups for t in tr.values())
+            unique = sum(t.unique for t in tr.values())
+            if placement == "hybrid":
+                rest -= sum(store_share(shard, t) for t in tr.values())
+            if variant == "cached":
+                h = emb["hybrid"]
+                rest -= h.alpha_s + h.per_lookup_s * lookups + h.per_unique_s * unique
+                row = [float(len(tr)), unique, sum(t.returned for t in tr.values())]
+            else:
+                row = [1.0, lookups, unique]
+            fits.setdefault(variant, ([], []))
+            fits[variant][0].append(row)
+            fits[variant][1].append(max(rest, 0.0))
+        coef = fit(*fits[variant])
+        if variant != "cached":
+            emb[variant] = EmbeddingCosts(
+                alpha_s=coef[0], per_lookup_s=coef[1], per_unique_s=coef[2]
+            )
+    per_table, per_id, per_admit = fit(*fits["cached"])
+    return emb, CacheCosts(per_table_s=per_table, per_id_s=per_id, per_admit_s=per_admit)
 
 
 # ---------------------------------------------------------------- MPI
@@ -467,10 +514,11 @@ def calibrate(
         dense = calibrate_dense(quick)
         say("calibrating: PS shard (pull, conditional pull, push per optimizer)")
         server = calibrate_server(quick, optimizers)
-        say("calibrating: embedding collections (local, hybrid, sharded)")
-        embedding = calibrate_embedding(quick, server)
-        say("calibrating: cache bookkeeping")
-        cache_costs = calibrate_cache(quick, server)
+        say("calibrating: embedding collections (sharded, one rank)")
+        embedding = calibrate_embedding(quick, server, ("sharded",))
+        say("calibrating: the DLRM job's steps (local, hybrid, cached; one process)")
+        job_embedding, cache_costs = calibrate_job(quick, data, dense, server)
+        embedding.update(job_embedding)
         probe = None
         if mpi:
             say("calibrating: MPI store and collectives (mpirun -n 2)")
