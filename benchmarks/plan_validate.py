@@ -12,7 +12,7 @@ Zipf 1.05 ids, global batch 768, ``--max-steps``) under ``mpirun``:
 
 The measured step time is the median over the steady-state steps of the job's metrics
 file (``--log-every 5``: each line's samples/s over 5 steps; the first 10 steps are
-warm-up). The planner gets the same job options (``hybridrec.plan.fromjob``) and is told
+warm-up), pooled over ``--repeats`` runs of each case (2). The planner gets the same job options (``hybridrec.plan.fromjob``) and is told
 that all processes share this machine's cores (``--shared-cores``, default: the CPU
 count). Each prediction is printed beside its measurement; the last line is one JSON
 object (benchmarks/README.md) with ``plan_median_abs_error`` and
@@ -79,9 +79,19 @@ def common(quick: bool) -> list[str]:
     ]  # fmt: skip
 
 
-def measure(case: Case, quick: bool, work: Path) -> tuple[float, list[float]]:
-    """Run the job; (median steady-state step seconds, every logged step time)."""
-    metrics = work / f"{case.name.replace(' ', '_').replace('=', '')}.jsonl"
+def measure(case: Case, quick: bool, work: Path, repeats: int) -> tuple[float, list[float]]:
+    """Run the job ``repeats`` times; (median steady-state step seconds over every run's
+    logged blocks, those block times)."""
+    times: list[float] = []
+    for r in range(repeats):
+        times += run_job(
+            case, quick, work / f"{case.name.replace(' ', '_').replace('=', '')}-{r}.jsonl"
+        )
+    return statistics.median(times), times
+
+
+def run_job(case: Case, quick: bool, metrics: Path) -> list[float]:
+    """One run of the job; the step seconds of its steady-state logged blocks."""
     ranks = case.workers + case.servers
     cmd = [mpirun_path(), "-n", str(ranks), sys.executable, "-m", "hybridrec", "train-dlrm"]
     cmd += [*common(quick), *case.options, "--metrics-out", str(metrics)]
@@ -99,7 +109,7 @@ def measure(case: Case, quick: bool, work: Path) -> tuple[float, list[float]]:
             times.append(batch / row["samples_per_s"])
     if not times:
         raise RuntimeError(f"{case.name}: no steady-state step lines in {metrics}")
-    return statistics.median(times), times
+    return times
 
 
 def predicted(case: Case, costs: Costs, traffic: TrafficModel, cores: int, quick: bool) -> Any:
@@ -120,6 +130,7 @@ def main() -> None:
     p.add_argument("--shared-cores", type=int, default=os.cpu_count() or 1,
                    help="cores all processes of a run share")  # fmt: skip
     p.add_argument("--only", nargs="*", default=None, help="run only cases whose name has these")
+    p.add_argument("--repeats", type=int, default=2, help="runs of the job per case")
     args = p.parse_args()
     t0 = time.perf_counter()
     if args.costs:
@@ -134,7 +145,7 @@ def main() -> None:
         for case in cases():
             if args.only and not any(k in case.name for k in args.only):
                 continue
-            measured, times = measure(case, args.quick, Path(tmp))
+            measured, times = measure(case, args.quick, Path(tmp), args.repeats)
             pred = predicted(case, costs, traffic, args.shared_cores, args.quick)
             err = (pred.step_s - measured) / measured
             parts = {k: round(v * 1e3, 3) for k, v in pred.parts.items()}
@@ -143,6 +154,7 @@ def main() -> None:
                 "measured_ms": measured * 1e3, "predicted_ms": pred.step_s * 1e3,
                 "error": err, "bottleneck": pred.bottleneck, "predicted_parts_ms": parts,
                 "measured_blocks_ms": [round(t * 1e3, 2) for t in times],
+                "load_average_1min": os.getloadavg()[0],
             })  # fmt: skip
             _say(
                 f"{case.name:<28} measured {measured * 1e3:8.2f} ms   predicted "
@@ -163,6 +175,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "shared_cores": args.shared_cores,
                     "load_average": os.getloadavg()},
         "config": {"quick": args.quick, "batch": 768, "tables": 26, "rows": 20000,
+                   "repeats": args.repeats,
                    "costs": args.costs or "calibrated in this run", "warm_steps": WARM_STEPS,
                    "log_every": LOG_EVERY},
         "figures": figures,

@@ -27,6 +27,7 @@ least squares to an affine law (:mod:`hybridrec.plan.costs`):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -55,12 +56,8 @@ OPTIMIZERS = ("rowwise_adagrad", "sgd", "adagrad", "adam")
 
 
 def timed(fn: Callable[[], object], reps: int, warm: int = 2) -> float:
-    """Seconds of ``fn()``: the lower quartile of ``reps`` calls after ``warm`` calls.
-
-    Not the median: on a machine shared with other work, a call that waits for another
-    process to be scheduled (a PS round trip, a collective) takes several times its
-    cost; the lower quartile sees past most of that and is still not the lucky minimum.
-    """
+    """Median seconds of ``fn()`` over ``reps`` calls after ``warm`` calls (the statistic
+    the validation takes of the job's steps, so both see a loaded machine alike)."""
     for _ in range(warm):
         fn()
     out = []
@@ -68,7 +65,7 @@ def timed(fn: Callable[[], object], reps: int, warm: int = 2) -> float:
         t = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t)
-    return float(np.quantile(out, 0.25))
+    return float(np.median(out))
 
 
 def fit(rows: list[list[float]], times: list[float]) -> list[float]:
@@ -112,7 +109,7 @@ def calibrate_data(quick: bool) -> Linear:
     points = []
     for b in (64, 1024):
         idx = torch.randint(0, data.num_samples, (b,), generator=gen)
-        s = timed(lambda idx=idx: gather_batch(data, idx), 5 if quick else 20)
+        s = timed(functools.partial(gather_batch, data, idx), 5 if quick else 20)
         points.append((1.0, float(b), s))
     return fit_linear(points)
 
@@ -188,7 +185,7 @@ def time_store(
     out: dict[str, float] = {}
     for opt, tabs in by_optimizer.items():
         push = [ps.PushRequest(table=t, ids=ids, grads=grads) for t in tabs]
-        out[f"push:{opt}"] = timed(lambda push=push: store.push_many(push), reps)
+        out[f"push:{opt}"] = timed(functools.partial(store.push_many, push), reps)
     tabs = next(iter(by_optimizer.values()))
     pull = [ps.PullRequest(table=t, ids=ids) for t in tabs]
     out["pull"] = timed(lambda: store.pull_many(pull), reps)
@@ -268,8 +265,11 @@ def calibrate_embedding(
                 for law in ("uniform", "zipf"):
                     store = ps.InProcessStore()
                     cfgs = [
-                        TableConfig(name=f"t{i}", num_rows=rows, dim=DIM, feature_names=[f"t{i}"],
-                                    placement=placement, optimizer=RowWiseAdagrad(lr=0.01))
+                        TableConfig(
+                            name=f"t{i}", num_rows=rows, dim=DIM, feature_names=[f"t{i}"],
+                            placement=placement,  # type: ignore[arg-type]
+                            optimizer=RowWiseAdagrad(lr=0.01),
+                        )
                         for i in range(tables)
                     ]  # fmt: skip
                     emb = EmbeddingCollection(cfgs, group=group, store=store)
@@ -360,18 +360,25 @@ def calibrate_job(
     from hybridrec.plan.fromjob import plan_from_dlrm
     from hybridrec.plan.idlaw import TrafficModel
 
-    cache_opts = ["--cache-fraction", "0.1", "--cache-policy", "lfu", "--read-bound", "4",
-                  "--write-bound", "4"]  # fmt: skip
+    def cache_opts(fraction: float) -> list[str]:
+        return ["--cache-fraction", str(fraction), "--cache-policy", "lfu", "--read-bound", "4",
+                "--write-bound", "4"]  # fmt: skip
+
     batches = (128, 1024) if quick else (128, 512, 1024)
+    # the cached runs vary the cache size too, so that rows fetched and distinct ids
+    # do not grow together (the fit tells them apart)
+    cached_runs = [(128, 0.2), (1024, 0.02)] if quick else [(128, 0.2), (512, 0.02),
+                                                             (1024, 0.2), (1024, 0.02)]  # fmt: skip
     shard = server["dense"]
     traffic = TrafficModel()
     emb: dict[str, EmbeddingCosts] = {}
     fits: dict[str, tuple[list[list[float]], list[float]]] = {}
     for variant in ("local", "hybrid", "cached"):
         placement = "local" if variant == "local" else "hybrid"
-        for b in batches:
+        runs = cached_runs if variant == "cached" else [(b, 0.0) for b in batches]
+        for b, fraction in runs:
             opts = ["--batch-size", str(b), "--placement", placement]
-            opts += cache_opts if variant == "cached" else []
+            opts += cache_opts(fraction) if fraction else []
             step = job_step_seconds(opts, quick)
             plan = plan_from_dlrm(parse_args(["--data", "synthetic", "--synthetic-rows",
                                               str(JOB_ROWS), *opts]), workers=1)  # fmt: skip

@@ -275,14 +275,11 @@ def simulate_table(
         if full_at is None and (slots.size >= cap or step >= max_warm_steps):
             full_at = step + 1
         step += 1
-    n = float(counted)
-    unique, pulled, refreshed, pushed_rows, hits, pulls, checks, pushes = (
-        float(x) for x in totals / n
-    )
+    m = [float(x) for x in totals / counted]  # unique, pulled, refreshed, pushed, hits, ...
     return TableTraffic(
-        lookups=float(draws), unique=unique, pulled=pulled, asked=unique, refreshed=refreshed,
-        pushed=pushed_rows, hit_rate=hits / max(unique, 1e-12), pull_requests=pulls,
-        check_requests=checks, push_requests=pushes,
+        lookups=float(draws), unique=m[0], pulled=m[1], asked=m[0], refreshed=m[2],
+        pushed=m[3], hit_rate=m[4] / max(m[0], 1e-12), pull_requests=m[5],
+        check_requests=m[6], push_requests=m[7],
     )  # fmt: skip
 
 
@@ -320,7 +317,7 @@ class TrafficModel:
             draws = t.draws(cluster.batch_per_worker)
             cached = cache.on and t.placement == "hybrid"
             capacity = cache.capacity(t.rows) if cached else 0
-            memo = (key, draws, model.law.seed)
+            memo: tuple[object, ...] = (key, draws, model.law.seed)
             if cached:
                 memo += (capacity, cache.read_bound, cache.write_bound, cache.policy,
                          cluster.workers)  # fmt: skip

@@ -10,6 +10,7 @@ alltoallv and allgatherv of several sizes. Rank 0 prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from typing import Any
@@ -79,17 +80,17 @@ def probe_collectives(group: comm.ProcessGroup, quick: bool) -> dict[str, list[l
     w = group.size
     for floats in sizes:
         x = torch.ones(floats)
-        out["allreduce"].append([4.0 * floats, timed(lambda x=x: group.allreduce(x), reps)])
+        out["allreduce"].append([4.0 * floats, timed(functools.partial(group.allreduce, x), reps)])
         part = floats // w
         y = torch.ones(part * w)
         out["alltoallv"].append(
             [
                 4.0 * part * (w - 1),
-                timed(lambda y=y, p=part: group.alltoallv(y, [p] * w, [p] * w), reps),
+                timed(functools.partial(group.alltoallv, y, [part] * w, [part] * w), reps),
             ]
         )
         z = torch.ones(part)
-        out["allgatherv"].append([4.0 * part, timed(lambda z=z: group.allgatherv(z), reps)])
+        out["allgatherv"].append([4.0 * part, timed(functools.partial(group.allgatherv, z), reps)])
     return out
 
 
