@@ -14,9 +14,10 @@ The measured step time is the median over the steady-state steps of the job's me
 file (``--log-every 5``: each line's samples/s over 5 steps; the first 10 steps are
 warm-up), pooled over ``--repeats`` runs of each case (2). The planner gets the same
 job options (``hybridrec.plan.fromjob``) and is told that all processes share this
-machine's cores (``--shared-cores``, default: the CPU count). Each prediction is printed beside its measurement; the last line is one JSON
-object (benchmarks/README.md) with ``plan_median_abs_error`` and
-``plan_worst_abs_error`` (targets 0.20 and 0.35) and the per-case table.
+machine's cores (``--shared-cores``, default: the CPU count). Each prediction is
+printed beside its measurement; the last line is one JSON object (benchmarks/README.md)
+with ``plan_median_abs_error`` and ``plan_worst_abs_error`` (targets 0.20 and 0.35) and
+the per-case table.
 """
 
 from __future__ import annotations
