@@ -60,6 +60,7 @@ COSTS_JSON: dict[str, object] = {
         "pull": lin(3e-5, 3e-9),
         "pull_check": lin(3e-5, 5e-9),
         "push": lin(3e-5, 3e-8),
+        "per_table_s": {"pull": 2e-6, "pull_check": 2e-6, "push": 3e-6},
         "messages_per_batch": 1.0,
     },  # fmt: skip
     "collectives": {k: lin(2e-5, 3e-10) for k in ("allreduce", "alltoallv", "allgatherv")},
@@ -235,10 +236,11 @@ def test_server_queueing_grows_with_workers_as_the_formula_says(costs_file: Path
     wire = costs.mpi_wire
     assert wire is not None
     rows = sum(t.unique for t in tr.values())
-    assert p2.parts["pull"] == pytest.approx(pull + wire.pull(1, rows))
-    assert p2.parts["push"] == pytest.approx(push + wire.push(1, rows))
+    tau = wire.per_table_s
+    assert p2.parts["pull"] == pytest.approx(pull + wire.pull(1, rows) + 3 * tau["pull"])
+    assert p2.parts["push"] == pytest.approx(push + wire.push(1, rows) + 3 * tau["push"])
     per_table = predict(two.with_(protocol="per-table"), costs, tr)
-    assert per_table.parts["pull"] == pytest.approx(pull + wire.pull(3, rows))
+    assert per_table.parts["pull"] == pytest.approx(pull + wire.pull(3, rows) + 3 * tau["pull"])
     # allreduce: alpha ceil(log2 W) + beta 2 (W - 1) / W bytes
     ar = costs.collectives["allreduce"]
     assert p4.parts["allreduce"] == pytest.approx(ar.alpha_s * 2 + ar.beta_s * 1.5 * 80_000)
@@ -337,8 +339,10 @@ def test_plan_from_the_dlrm_job_options() -> None:
     from hybridrec.dlrm.job import parse_args
     from hybridrec.plan.fromjob import plan_from_dlrm
 
-    cfg = parse_args(["--data", "synthetic", "--synthetic-rows", "5000", "--batch-size", "768",
-                      "--ps", "mpi:2", "--cache-fraction", "0.1", "--write-bound", "4"])  # fmt: skip
+    cfg = parse_args(
+        ["--data", "synthetic", "--synthetic-rows", "5000", "--batch-size", "768", "--ps",
+         "mpi:2", "--cache-fraction", "0.1", "--write-bound", "4"]
+    )  # fmt: skip
     plan = plan_from_dlrm(cfg, workers=3)
     assert len(plan.model.tables) == 26 and {t.rows for t in plan.model.tables} == {5000}
     assert {t.placement for t in plan.model.tables} == {"hybrid"}  # auto: hybrid with mpi
@@ -369,8 +373,10 @@ def test_cli_writes_table_json_and_png(
     assert {p["network"] for p in out["sweep"]} == {"10 Gb/s", "25 Gb/s"}
     assert out["prediction"]["hit_rate"] is not None and "recommendation" not in out
     config = tmp_path / "plan.toml"
-    config.write_text('costs = "%s"\ntables = 2\nworkers = 2\njson = true\nrecommend = false\n'
-                      'sweep-workers = [1, 2]\nsweep-bandwidth = [100.0]\n' % costs_file)  # fmt: skip
+    config.write_text(
+        f'costs = "{costs_file}"\ntables = 2\nworkers = 2\njson = true\nrecommend = false\n'
+        "sweep-workers = [1, 2]\nsweep-bandwidth = [100.0]\n"
+    )
     main(["--config", str(config)])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(out["plan"]["model"]["tables"]) == 2 and len(out["sweep"]) == 4
@@ -387,3 +393,40 @@ def test_cli_errors_are_one_line(costs_file: Path, capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         main(["--costs", str(costs_file), "--global-batch", "10", "--workers", "3"])
     assert "must split evenly over 3 workers" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- calibration fits
+
+
+def test_fits_recover_known_costs_and_never_go_negative() -> None:
+    from hybridrec.plan.calibrate import fit, fit_linear, wire_costs
+
+    line = fit_linear([(1, 10, 1.0 + 0.5 * 10), (2, 100, 2.0 + 0.5 * 100), (3, 7, 3.0 + 3.5)])
+    assert line.alpha_s == pytest.approx(1.0) and line.beta_s == pytest.approx(0.5)
+    coef = fit([[1, 1], [1, 2], [1, 3]], [3.0, 2.0, 1.0])  # a negative slope is refitted as 0
+    assert coef[1] == 0.0 and coef[0] == pytest.approx(2.0)
+    # the MPI store's wire cost: measured time minus the shard's work, per message,
+    # per table request and per row (batched: one message for several tables)
+    costs = load_costs_dict()
+    shard = costs.server["dense"]
+    points: list[dict[str, float]] = []
+    for k, n in ((1, 64), (8, 64), (1, 2048), (8, 2048)):
+        rows = k * n
+        point: dict[str, float] = {"tables": k, "rows": n}
+        for kind in ("pull", "pull_check", "push"):
+            own = (shard.push_of("rowwise_adagrad") if kind == "push" else getattr(shard, kind))(
+                k, rows
+            )
+            point[f"{kind}_messages"] = 1
+            point[kind] = own + 40e-6 + 3e-6 * k + 2e-8 * rows
+        points.append(point)
+    wire = wire_costs({"store": points, "messages_per_batch": 1.0}, shard)
+    for kind in ("pull", "pull_check", "push"):
+        got = getattr(wire, kind)
+        assert got.alpha_s == pytest.approx(40e-6, rel=1e-6)
+        assert got.beta_s == pytest.approx(2e-8, rel=1e-6)
+        assert wire.per_table_s[kind] == pytest.approx(3e-6, rel=1e-6)
+
+
+def load_costs_dict() -> Costs:
+    return Costs.from_json(COSTS_JSON)

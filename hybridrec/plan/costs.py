@@ -10,14 +10,14 @@ per call or message plus seconds per row, sample or byte. Layout of the file::
      "embedding": {"local"|"hybrid"|"sharded": {"alpha_s", "per_lookup_s", "per_unique_s"}},
      "cache":     {"per_table_s", "per_id_s", "per_admit_s"},  # the cache's own work
      "server":    {"dense"|"sparse": {"pull", "pull_check", "push": {optimizer: ...}}},
-     "mpi_wire":  {"pull", "pull_check", "push", "messages_per_batch"},
+     "mpi_wire":  {"pull", "pull_check", "push", "per_table_s", "messages_per_batch"},
      "collectives": {"allreduce"|"alltoallv"|"allgatherv": {"alpha_s", "beta_s"}}}
 
 ``server`` is the work of one PS shard (a :class:`ps.local.table.LocalTable`, what the
 in-process store and each MPI server run): per table request and per row (``dense``: a
 plain fixed table, one server; ``sparse``: a shard held like a dynamic table, several
 servers). ``mpi_wire`` is what the MPI store adds on top (messages, copies), per message
-and per row. ``messages_per_batch`` is the messages one server got for one
+and per row (and per table request). ``messages_per_batch`` is the messages one server got for one
 ``pull_many`` of several tables: 1 when the store batches, else the table count.
 Collectives are at 2 ranks, per call and per byte sent.
 """
@@ -97,11 +97,14 @@ class StoreCosts:
 
 @dataclass(frozen=True, slots=True)
 class WireCosts:
-    """What the MPI store adds to the shard's work: per message and per row."""
+    """What the MPI store adds to the shard's work: per message and per row (``pull``,
+    ``pull_check``, ``push``), and per table request a message carries
+    (``per_table_s``, by the same three kinds: splitting ids by server, packing)."""
 
     pull: Linear
     pull_check: Linear
     push: Linear
+    per_table_s: dict[str, float]
     messages_per_batch: float
 
 
@@ -160,6 +163,9 @@ class Costs:
                     pull=_linear(wire["pull"]),
                     pull_check=_linear(wire["pull_check"]),
                     push=_linear(wire["push"]),
+                    per_table_s={
+                        k: float(wire["per_table_s"][k]) for k in ("pull", "pull_check", "push")
+                    },  # fmt: skip
                     messages_per_batch=float(wire["messages_per_batch"]),
                 ),
                 collectives={k: _linear(v) for k, v in data["collectives"].items()},

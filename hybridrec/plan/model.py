@@ -17,7 +17,8 @@ A step of one worker, in order (``docs/planner.md`` has the full model)::
 
 A server's service is ``alpha * table requests + beta * rows`` of its shard's store
 (a fixed table with one server, a dynamic-like shard with several), and the MPI
-store's wire cost is ``alpha * messages + beta * rows`` on the worker; messages per
+store's wire cost is ``alpha * messages + tau * table requests + beta * rows`` on the
+worker; messages per
 server per phase are 1 with the batched protocol, else one per table. Rows per
 server are the worker's rows / S. With a network, every phase adds a round trip's
 latency and bytes / bandwidth at the worker's link, and a server's service is at
@@ -124,6 +125,12 @@ def _store_phases(
             pushes = sum(tr.push_requests for tr in kinds)
         pull.wire += (wire.pull.alpha_s * plain + wire.pull_check.alpha_s * checks) * servers
         push.wire += wire.push.alpha_s * pushes * servers
+        per_table = wire.per_table_s
+        pull.wire += sum(
+            per_table["pull"] * tr.pull_requests + per_table["pull_check"] * tr.check_requests
+            for tr in kinds
+        )
+        push.wire += per_table["push"] * sum(tr.push_requests for tr in kinds)
     return pull, push
 
 
