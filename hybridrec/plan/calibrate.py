@@ -1,28 +1,29 @@
 """Measure this machine's costs for the planner (``python -m hybridrec.plan --calibrate``).
 
-Each cost is timed at a few sizes (median of repeats after a warm-up) and fitted by
-least squares to an affine law (:mod:`hybridrec.plan.costs`):
+Each cost is timed at a few sizes (median of repeats after a warm-up, the statistic
+the validation takes of the job's steps) and fitted by least squares to an affine
+law (:mod:`hybridrec.plan.costs`), one torch thread per process:
 
 * data: :func:`hybridrec.datasets.gather_batch` of a synthetic Criteo-shaped set
   (26 sparse + 13 dense features) at two batch sizes;
 * dense: :class:`dense.DLRMDense` forward + backward + Adam step, two model widths at
   two batch sizes (per step, per parameter, per FLOP);
-* embedding: :class:`embedding.EmbeddingCollection` forward + backward of 8 tables
-  with local, hybrid (in-process store; the store's own share, known from the next
-  item, is subtracted) and sharded (one rank) placement, at two batch sizes and two
-  id laws (per lookup, per distinct id);
 * server: one PS shard's work (:class:`ps.InProcessStore`, the engine each MPI server
   runs) through ``pull_many`` / ``push_many``: plain pulls, conditional pulls that
   return nothing, pushes per optimizer; fixed tables (one server) and dynamic-like
   shards (several servers), per table request and per row;
-* cache: :class:`cache.CachedStore` bookkeeping per distinct id (all hits) and per
-  admitted row (all misses), the store's share subtracted;
+* the DLRM job itself on one process (:func:`job_step_seconds`): its steady-state step
+  with local, hybrid (in-process store) and cached placement at several batch sizes
+  (and cache sizes); what remains after the parts above is the job's own embedding
+  work (per step, per id looked up, per distinct id) and the cache's (per table step,
+  per distinct id, per row fetched);
 * MPI (unless ``mpi=False``): ``mpirun -n 2`` of :mod:`hybridrec.plan.mpi_probe`: the
   MPI store's ``pull_many`` / ``push_many`` with one server (its cost beyond the
-  shard's work is the wire cost; messages counted by ``request_counts``), then
-  allreduce, alltoallv and allgatherv at 2 ranks.
+  shard's work is the wire cost; messages counted by ``request_counts``), allreduce,
+  alltoallv and allgatherv at 2 ranks, and 26 sharded tables at 2 ranks (without MPI:
+  a sharded collection on one rank, which exchanges nothing).
 
-``quick`` uses fewer sizes and repeats (a few seconds; for tests and smoke runs).
+``quick`` uses fewer sizes and repeats (about 15 s instead of 40).
 """
 
 from __future__ import annotations

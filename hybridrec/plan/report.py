@@ -29,7 +29,7 @@ def table(predictions: list[Prediction]) -> str:
 
 def plot(predictions: list[Prediction], path: str | Path, title: str = "") -> Path:
     """Samples/s against W (one line per network, log-log) and the step's breakdown
-    against W (the first network's), side by side. Needs matplotlib."""
+    against W (each part's share; the first network's), side by side. Needs matplotlib."""
     try:
         import matplotlib
 
@@ -55,13 +55,14 @@ def plot(predictions: list[Prediction], path: str | Path, title: str = "") -> Pa
     rows = sorted((p for p in predictions if p.network == networks[0]), key=lambda p: p.workers)
     xs = list(range(len(rows)))
     bottom = [0.0] * len(rows)
-    for c in COLUMNS:
-        ys = [p.parts[c] * 1e3 for p in rows]
+    for c in COLUMNS:  # each part's share of the step, so small and large W read alike
+        ys = [100 * p.parts[c] / p.step_s for p in rows]
         right.bar(xs, ys, bottom=bottom, label=SHORT[c])
         bottom = [a + b for a, b in zip(bottom, ys, strict=True)]
-    right.set_xticks(xs, [str(p.workers) for p in rows])
-    right.set_xlabel(f"workers W ({networks[0]})")
-    right.set_ylabel("step time (ms)")
+    labels = [f"{p.workers}\n{p.step_s * 1e3:.3g} ms" for p in rows]
+    right.set_xticks(xs, labels, fontsize=7)
+    right.set_xlabel(f"workers W and step time ({networks[0]})")
+    right.set_ylabel("share of the step (%)")
     right.legend(fontsize=8)
     if title:
         fig.suptitle(title)
