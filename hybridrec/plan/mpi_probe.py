@@ -50,12 +50,12 @@ def probe_store(group: comm.ProcessGroup, topology: comm.Topology, quick: bool) 
             reps = 3 if quick else 9
             point: dict[str, Any] = {"tables": k, "rows": n}
             ids = torch.arange(n)
+            clocks = [store.clocks(t, ids) for t in names]  # before counting messages
             for kind in ("pull", "pull_check", "push"):
                 before = message_counts(store)
                 if kind == "pull":
                     store.pull_many([ps.PullRequest(table=t, ids=ids) for t in names])
                 elif kind == "pull_check":
-                    clocks = [store.clocks(t, ids) for t in names]
                     store.pull_many([ps.PullRequest(table=t, ids=ids, clocks=c, bound=0)
                                      for t, c in zip(names, clocks, strict=True)])  # fmt: skip
                 else:
