@@ -103,4 +103,11 @@ def recommend(
             f"; next best: {o.label()} at {o.prediction.samples_per_s:,.0f} samples/s "
             f"(bottleneck {o.prediction.bottleneck})"
         )
+    hybrid = [c for c in candidates if c.placement == "hybrid"]
+    if best.placement != "hybrid" and hybrid:  # what the PS would need, for comparison
+        h = max(hybrid, key=lambda c: c.prediction.samples_per_s)
+        reason += (
+            f"; the best PS setup is {h.label()} at {h.prediction.samples_per_s:,.0f} "
+            f"samples/s (bottleneck {h.prediction.bottleneck})"
+        )
     return Recommendation(best=best, candidates=candidates, reason=reason)
