@@ -20,7 +20,7 @@ import json
 import sys
 from typing import Any
 
-from hybridrec.config import parse_config
+from hybridrec.config import parse_config, program_name
 from hybridrec.errors import reported_errors
 from hybridrec.plan.costs import load_costs, save_costs
 from hybridrec.plan.idlaw import TrafficModel
@@ -102,7 +102,8 @@ def show(result: dict[str, Any]) -> None:
 
 @reported_errors()
 def main(argv: list[str] | None = None) -> None:
-    o = parse_config(PlanOptions, argv, __doc__.split("\n")[0])
+    with program_name("python -m hybridrec.plan"):
+        o = parse_config(PlanOptions, argv, __doc__.split("\n")[0])
     result = run(o)
     if o.json:
         result.pop("text", None)
