@@ -63,6 +63,7 @@ COSTS_JSON: dict[str, object] = {
         "per_table_s": {"pull": 2e-6, "pull_check": 2e-6, "push": 3e-6},
         "messages_per_batch": 1.0,
     },  # fmt: skip
+    "mpi_wire_sharded": None,
     "collectives": {k: lin(2e-5, 3e-10) for k in ("allreduce", "alltoallv", "allgatherv")},
 }
 

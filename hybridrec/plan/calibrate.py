@@ -19,7 +19,9 @@ law (:mod:`hybridrec.plan.costs`), one torch thread per process:
   per distinct id, per row fetched);
 * MPI (unless ``mpi=False``): ``mpirun -n 2`` of :mod:`hybridrec.plan.mpi_probe`: the
   MPI store's ``pull_many`` / ``push_many`` with one server (its cost beyond the
-  shard's work is the wire cost; messages counted by ``request_counts``), allreduce,
+  shard's work is the wire cost; messages counted by ``request_counts``), and with two
+  (``mpirun -n 3``: the wire cost with several servers, their shards held like dynamic
+  tables; on fewer than 3 cores the model's P / C slowdown is taken out), allreduce,
   alltoallv and allgatherv at 2 ranks, and 26 sharded tables at 2 ranks (without MPI:
   a sharded collection on one rank, which exchanges nothing).
 
@@ -428,10 +430,10 @@ def mpirun_path() -> str:
     return found
 
 
-def run_mpi_probe(quick: bool, timeout_s: float = 600.0) -> dict[str, Any]:
-    """``mpirun -n 2`` of :mod:`hybridrec.plan.mpi_probe`; its JSON result."""
+def run_mpi_probe(quick: bool, ranks: int = 2, timeout_s: float = 600.0) -> dict[str, Any]:
+    """``mpirun -n ranks`` of :mod:`hybridrec.plan.mpi_probe`; its JSON result."""
     root = Path(__file__).resolve().parents[2]
-    cmd = [mpirun_path(), "-n", "2", sys.executable, "-m", "hybridrec.plan.mpi_probe"]
+    cmd = [mpirun_path(), "-n", str(ranks), sys.executable, "-m", "hybridrec.plan.mpi_probe"]
     cmd += ["--quick"] if quick else []
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(root), env.get("PYTHONPATH", "")] if p)
@@ -447,21 +449,25 @@ def run_mpi_probe(quick: bool, timeout_s: float = 600.0) -> dict[str, Any]:
     return result
 
 
-def wire_costs(probe: dict[str, Any], shard: StoreCosts) -> WireCosts:
+def wire_costs(probe: dict[str, Any], shard: StoreCosts, slowdown: float = 1.0) -> WireCosts:
     """The MPI store's cost beyond the shard's work: per message, per table request and
     per row. (With one message per table the first two cannot be told apart; the model
-    then uses their sum, as the calibration saw it.)"""
+    then uses their sum, as the calibration saw it.) With S servers each does its share
+    of the rows in parallel and the messages are counted over all of them. ``slowdown``:
+    the factor by which processes sharing too few cores ran slower (the model's P / C),
+    taken out of the times first."""
     fits: dict[str, list[float]] = {}
+    servers = int(probe.get("servers", 1))
     for kind in ("pull", "pull_check", "push"):
         design, times = [], []
         for p in probe["store"]:
             k, rows, messages = p["tables"], p["tables"] * p["rows"], p[f"{kind}_messages"]
             if kind == "push":
-                own = shard.push_of("rowwise_adagrad")(k, rows)
+                own = shard.push_of("rowwise_adagrad")(k, rows / servers)
             else:
-                own = getattr(shard, kind)(k, rows)
+                own = getattr(shard, kind)(k, rows / servers)
             design.append([float(messages), float(k), float(rows)])
-            times.append(max(p[kind] - own, 0.0))
+            times.append(max(p[kind] / slowdown - own, 0.0))
         fits[kind] = fit(design, times)
     return WireCosts(
         pull=Linear(alpha_s=fits["pull"][0], beta_s=fits["pull"][2]),
@@ -526,10 +532,12 @@ def calibrate(
         say("calibrating: the DLRM job's steps (local, hybrid, cached; one process)")
         job_embedding, cache_costs = calibrate_job(quick, data, dense, server)
         embedding.update(job_embedding)
-        probe = None
+        probe = probe3 = None
         if mpi:
             say("calibrating: MPI store and collectives (mpirun -n 2)")
             probe = run_mpi_probe(quick)
+            say("calibrating: MPI store with two servers (mpirun -n 3)")
+            probe3 = run_mpi_probe(quick, ranks=3)
         say(f"calibration took {time.perf_counter() - t0:.1f} s")
     finally:
         torch.set_num_threads(threads)
@@ -553,5 +561,8 @@ def calibrate(
         cache=cache_costs,
         server=server,
         mpi_wire=None if probe is None else wire_costs(probe, server["dense"]),
+        mpi_wire_sharded=None
+        if probe3 is None
+        else wire_costs(probe3, server["sparse"], max(1.0, 3 / (os.cpu_count() or 1))),
         collectives=collectives,
     )

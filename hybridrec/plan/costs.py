@@ -11,14 +11,17 @@ per call or message plus seconds per row, sample or byte. Layout of the file::
      "cache":     {"per_table_s", "per_id_s", "per_admit_s"},  # the cache's own work
      "server":    {"dense"|"sparse": {"pull", "pull_check", "push": {optimizer: ...}}},
      "mpi_wire":  {"pull", "pull_check", "push", "per_table_s", "messages_per_batch"},
+     "mpi_wire_sharded": {...},                       # the same with two servers
      "collectives": {"allreduce"|"alltoallv"|"allgatherv": {"alpha_s", "beta_s"}}}
 
 ``server`` is the work of one PS shard (a :class:`ps.local.table.LocalTable`, what the
 in-process store and each MPI server run): per table request and per row (``dense``: a
 plain fixed table, one server; ``sparse``: a shard held like a dynamic table, several
 servers). ``mpi_wire`` is what the MPI store adds on top (messages, copies), per message
-and per row (and per table request). ``messages_per_batch`` is the messages one server got for one
-``pull_many`` of several tables: 1 when the store batches, else the table count.
+and per row (and per table request); ``mpi_wire_sharded`` the same measured with two
+servers (each shard held like a dynamic table, as with any S >= 2).
+``messages_per_batch`` is the messages one server got for one ``pull_many`` of several
+tables: 1 when the store batches, else the table count.
 Collectives are at 2 ranks, per call and per byte sent.
 """
 
@@ -119,6 +122,7 @@ class Costs:
     cache: CacheCosts
     server: dict[str, StoreCosts]
     mpi_wire: WireCosts | None
+    mpi_wire_sharded: WireCosts | None
     collectives: dict[str, Linear]
 
     def row_scale(self, dim: int) -> float:
@@ -144,7 +148,6 @@ class Costs:
                 f"version {VERSION}; calibrate again"
             )
         try:
-            wire = data["mpi_wire"]
             return Costs(
                 device=str(data["device"]),
                 machine=dict(data["machine"]),
@@ -157,17 +160,8 @@ class Costs:
                 },
                 cache=CacheCosts(**_numbers(data["cache"], CacheCosts)),
                 server={k: _store(v) for k, v in data["server"].items()},
-                mpi_wire=None
-                if wire is None
-                else WireCosts(
-                    pull=_linear(wire["pull"]),
-                    pull_check=_linear(wire["pull_check"]),
-                    push=_linear(wire["push"]),
-                    per_table_s={
-                        k: float(wire["per_table_s"][k]) for k in ("pull", "pull_check", "push")
-                    },  # fmt: skip
-                    messages_per_batch=float(wire["messages_per_batch"]),
-                ),
+                mpi_wire=_wire(data["mpi_wire"]),
+                mpi_wire_sharded=_wire(data["mpi_wire_sharded"]),
                 collectives={k: _linear(v) for k, v in data["collectives"].items()},
             )
         except KeyError as e:
@@ -191,6 +185,18 @@ def _numbers(d: Any, cls: type) -> dict[str, float]:
 
 def _linear(d: Any) -> Linear:
     return Linear(**_numbers(d, Linear))
+
+
+def _wire(wire: Any) -> WireCosts | None:
+    if wire is None:
+        return None
+    return WireCosts(
+        pull=_linear(wire["pull"]),
+        pull_check=_linear(wire["pull_check"]),
+        push=_linear(wire["push"]),
+        per_table_s={k: float(wire["per_table_s"][k]) for k in ("pull", "pull_check", "push")},
+        messages_per_batch=float(wire["messages_per_batch"]),
+    )
 
 
 def _store(d: Any) -> StoreCosts:

@@ -94,6 +94,8 @@ def _store_phases(
     servers = c.servers if mpi else 1
     shard = costs.server["dense" if servers == 1 else "sparse"]
     wire = costs.mpi_wire
+    if servers > 1 and costs.mpi_wire_sharded is not None:
+        wire = costs.mpi_wire_sharded  # measured with two servers
     if mpi and wire is None:
         raise ValueError(
             "costs: this calibration has no MPI store costs (made with --no-mpi); "

@@ -4,7 +4,9 @@ hybridrec.plan.mpi_probe [--quick]`` by :func:`hybridrec.plan.calibrate.run_mpi_
 Rank 1 serves a :class:`ps.mpi.store.MPIStore` shard; rank 0 times ``pull_many``,
 conditional ``pull_many`` and ``push_many`` of several tables through it (counting the
 messages the server got with ``request_counts``), then both ranks time allreduce,
-alltoallv and allgatherv of several sizes. Rank 0 prints one JSON line.
+alltoallv and allgatherv of several sizes and a sharded embedding collection. Rank 0
+prints one JSON line. Under ``mpirun -n 3`` ranks 1 and 2 serve (each shard held like
+a dynamic table, as with any S >= 2) and only the store is timed.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ def probe_store(group: comm.ProcessGroup, topology: comm.Topology, quick: bool) 
                 after = message_counts(store)
                 key = "push_messages" if kind == "push" else "pull_messages"
                 point[f"{kind}_messages"] = after[key] - before[key]
-            if k > 1:
-                per_batch = float(point["pull_messages"])
+            if k > 1:  # messages one server got for one pull_many of k tables
+                per_batch = float(point["pull_messages"]) / topology.num_servers
             point.update(time_store(store, by_opt, n, rows, reps))
             point["push"] = point.pop("push:rowwise_adagrad")
             points.append(point)
@@ -138,18 +140,20 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     group = comm.init("mpi")
-    if group.size != 2:
-        raise SystemExit(f"mpi_probe runs on 2 ranks (mpirun -n 2), got {group.size}")
-    try:
-        topology = comm.Topology(world_size=2, num_servers=1)
+    if group.size not in (2, 3):
+        raise SystemExit(f"mpi_probe runs on 2 or 3 ranks (mpirun -n 2|3), got {group.size}")
+    try:  # 3 ranks: one worker and two servers, the store alone
+        topology = comm.Topology(world_size=group.size, num_servers=group.size - 1)
         result: dict[str, Any] = {}
         if topology.role(group.rank) is comm.Role.SERVER:
             serve_mpi(group, topology)
         else:
             result = probe_store(group, topology, args.quick)
+        result["servers"] = group.size - 1
         group.barrier()
-        result["collectives"] = probe_collectives(group, args.quick)
-        result["sharded"] = probe_sharded(group, args.quick)
+        if group.size == 2:
+            result["collectives"] = probe_collectives(group, args.quick)
+            result["sharded"] = probe_sharded(group, args.quick)
         if group.rank == 0:
             print(json.dumps(result), flush=True)
     finally:
