@@ -95,7 +95,12 @@ def _store_phases(
     shard = costs.server["dense" if servers == 1 else "sparse"]
     wire = costs.mpi_wire
     if servers > 1 and costs.mpi_wire_sharded is not None:
-        wire = costs.mpi_wire_sharded  # measured with two servers
+        # measured with two servers; on a calibration machine of fewer than 3 cores that
+        # includes the scheduling of 3 processes on too few cores, which only a plan whose
+        # processes share cores too should carry
+        own_cores = int(costs.machine.get("cpus") or 1) >= 3
+        if own_cores or plan.device.shared_cores is not None:
+            wire = costs.mpi_wire_sharded
     if mpi and wire is None:
         raise ValueError(
             "costs: this calibration has no MPI store costs (made with --no-mpi); "

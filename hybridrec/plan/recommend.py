@@ -104,8 +104,8 @@ def recommend(
             f"(bottleneck {o.prediction.bottleneck})"
         )
     hybrid = [c for c in candidates if c.placement == "hybrid"]
-    if best.placement != "hybrid" and hybrid:  # what the PS would need, for comparison
-        h = max(hybrid, key=lambda c: c.prediction.samples_per_s)
+    h = max(hybrid, key=lambda c: c.prediction.samples_per_s) if hybrid else None
+    if best.placement != "hybrid" and h is not None and (not others or h is not others[0]):
         reason += (
             f"; the best PS setup is {h.label()} at {h.prediction.samples_per_s:,.0f} "
             f"samples/s (bottleneck {h.prediction.bottleneck})"
