@@ -58,9 +58,14 @@ DIM = 16  # row width every per-row cost is timed at
 OPTIMIZERS = ("rowwise_adagrad", "sgd", "adagrad", "adam")
 
 
-def timed(fn: Callable[[], object], reps: int, warm: int = 2) -> float:
-    """Median seconds of ``fn()`` over ``reps`` calls after ``warm`` calls (the statistic
-    the validation takes of the job's steps, so both see a loaded machine alike)."""
+def timed(fn: Callable[[], object], reps: int, warm: int = 2, quantile: float = 0.5) -> float:
+    """Seconds of ``fn()``: the median (``quantile``) of ``reps`` calls after ``warm``.
+
+    The median is the statistic the validation takes of the job's steps. Operations
+    between processes (a PS round trip, a collective) are timed at the lower quartile
+    instead (:mod:`hybridrec.plan.mpi_probe`): each waits for another process to be
+    scheduled, and on a machine shared with other work their median can be that wait,
+    many times the cost, for a whole calibration."""
     for _ in range(warm):
         fn()
     out = []
@@ -68,7 +73,7 @@ def timed(fn: Callable[[], object], reps: int, warm: int = 2) -> float:
         t = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t)
-    return float(np.median(out))
+    return float(np.quantile(out, quantile))
 
 
 def fit(rows: list[list[float]], times: list[float]) -> list[float]:
@@ -176,7 +181,12 @@ def make_tables(store: Any, prefix: str, k: int, rows: int | None, optimizer: st
 
 
 def time_store(
-    store: Any, by_optimizer: dict[str, list[str]], n: int, rows: int, reps: int
+    store: Any,
+    by_optimizer: dict[str, list[str]],
+    n: int,
+    rows: int,
+    reps: int,
+    quantile: float = 0.5,
 ) -> dict[str, float]:
     """Seconds of one ``pull_many`` / conditional ``pull_many`` / ``push_many`` of ``n``
     distinct ids in each table of an optimizer (pulls: the first optimizer's tables)."""
@@ -188,14 +198,14 @@ def time_store(
     out: dict[str, float] = {}
     for opt, tabs in by_optimizer.items():
         push = [ps.PushRequest(table=t, ids=ids, grads=grads) for t in tabs]
-        out[f"push:{opt}"] = timed(functools.partial(store.push_many, push), reps)
+        out[f"push:{opt}"] = timed(functools.partial(store.push_many, push), reps, 2, quantile)
     tabs = next(iter(by_optimizer.values()))
     pull = [ps.PullRequest(table=t, ids=ids) for t in tabs]
-    out["pull"] = timed(lambda: store.pull_many(pull), reps)
+    out["pull"] = timed(lambda: store.pull_many(pull), reps, 2, quantile)
     clocks = [store.clocks(t, ids) for t in tabs]
     check = [ps.PullRequest(table=t, ids=ids, clocks=c, bound=0)
              for t, c in zip(tabs, clocks, strict=True)]  # fmt: skip
-    out["pull_check"] = timed(lambda: store.pull_many(check), reps)
+    out["pull_check"] = timed(lambda: store.pull_many(check), reps, 2, quantile)
     return out
 
 

@@ -24,6 +24,8 @@ from hybridrec.plan.calibrate import make_tables, store_grid, time_store, timed
 from ps.mpi.server import serve_mpi
 from ps.mpi.store import MPIStore
 
+CROSS = 0.25  # quantile of cross-process timings (see hybridrec.plan.calibrate.timed)
+
 
 def message_counts(store: MPIStore) -> dict[str, int]:
     """``request_counts()``; a store that does not count its messages sends one per
@@ -68,7 +70,7 @@ def probe_store(group: comm.ProcessGroup, topology: comm.Topology, quick: bool) 
                 point[f"{kind}_messages"] = after[key] - before[key]
             if k > 1:  # messages one server got for one pull_many of k tables
                 per_batch = float(point["pull_messages"]) / topology.num_servers
-            point.update(time_store(store, by_opt, n, rows, reps))
+            point.update(time_store(store, by_opt, n, rows, reps, CROSS))
             point["push"] = point.pop("push:rowwise_adagrad")
             points.append(point)
     return {"store": points, "messages_per_batch": per_batch}
@@ -77,22 +79,28 @@ def probe_store(group: comm.ProcessGroup, topology: comm.Topology, quick: bool) 
 def probe_collectives(group: comm.ProcessGroup, quick: bool) -> dict[str, list[list[float]]]:
     """Seconds per call of each collective at several byte counts (per rank sent)."""
     sizes = [256, 16_384, 262_144] if quick else [256, 4096, 65_536, 262_144, 1_048_576]
-    reps = 5 if quick else 15
+    reps = 7 if quick else 21
     out: dict[str, list[list[float]]] = {"allreduce": [], "alltoallv": [], "allgatherv": []}
     w = group.size
     for floats in sizes:
         x = torch.ones(floats)
-        out["allreduce"].append([4.0 * floats, timed(functools.partial(group.allreduce, x), reps)])
+        out["allreduce"].append(
+            [4.0 * floats, timed(functools.partial(group.allreduce, x), reps, 2, CROSS)]
+        )
         part = floats // w
         y = torch.ones(part * w)
         out["alltoallv"].append(
             [
                 4.0 * part * (w - 1),
-                timed(functools.partial(group.alltoallv, y, [part] * w, [part] * w), reps),
+                timed(
+                    functools.partial(group.alltoallv, y, [part] * w, [part] * w), reps, 2, CROSS
+                ),
             ]
         )
         z = torch.ones(part)
-        out["allgatherv"].append([4.0 * part, timed(functools.partial(group.allgatherv, z), reps)])
+        out["allgatherv"].append(
+            [4.0 * part, timed(functools.partial(group.allgatherv, z), reps, 2, CROSS)]
+        )
     return out
 
 
@@ -127,7 +135,7 @@ def probe_sharded(group: comm.ProcessGroup, quick: bool) -> list[dict[str, float
                 pooled = emb(kjt)
                 sum(v.sum() for v in pooled.values()).backward()  # type: ignore[union-attr]
 
-            seconds = timed(step, 5 if quick else 15)
+            seconds = timed(step, 7 if quick else 15, 2, CROSS)
             unique = float(sum(np.unique(p).size for p in per))
             out.append({"lookups": float(tables * b), "unique": unique, "seconds": seconds,
                         "tables": float(tables)})  # fmt: skip
