@@ -327,17 +327,17 @@ def store_share(shard: StoreCosts, t: Any) -> float:
     return own + extra * t.refreshed + shard.push_of("rowwise_adagrad")(t.push_requests, t.pushed)
 
 
-def job_step_seconds(options: list[str], quick: bool) -> float:
-    """Median steady-state step of the DLRM job (:mod:`hybridrec.dlrm.job`) in this
-    process on 26 synthetic tables: the job's own loop, read from its metrics file as
-    the validation reads a real run's."""
+def job_step_seconds(options: list[str], quick: bool) -> list[float]:
+    """Steady-state step seconds (one per logged block) of the DLRM job
+    (:mod:`hybridrec.dlrm.job`) in this process on 26 synthetic tables: the job's own
+    loop, read from its metrics file as the validation reads a real run's."""
     import tempfile
 
     import comm
     import ps
     from hybridrec.dlrm.job import DLRMJob, parse_args
 
-    steps, every, warm = (20, 4, 8) if quick else (35, 5, 10)
+    steps, every, warm = (20, 4, 8) if quick else (30, 5, 10)
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
         cfg = parse_args([
@@ -357,7 +357,7 @@ def job_step_seconds(options: list[str], quick: bool) -> float:
             row = json.loads(line)
             if row.get("kind") == "step" and row.get("step", 0) > warm and row["step"] % every == 0:
                 times.append(cfg.batch_size / row["samples_per_s"])
-    return float(np.median(times))
+    return times
 
 
 def calibrate_job(
@@ -386,13 +386,25 @@ def calibrate_job(
     traffic = TrafficModel()
     emb: dict[str, EmbeddingCosts] = {}
     fits: dict[str, tuple[list[list[float]], list[float]]] = {}
+
+    def options(variant: str, b: int, fraction: float) -> list[str]:
+        opts = ["--batch-size", str(b), "--placement", "local" if variant == "local" else "hybrid"]
+        return opts + (cache_opts(fraction) if fraction else [])
+
+    configs = [("local", b, 0.0) for b in batches] + [("hybrid", b, 0.0) for b in batches]
+    configs += [("cached", b, f) for b, f in cached_runs]
+    # every configuration once per round, the rounds one after the other: a burst of
+    # other work on the machine then slows one run of each, not all runs of one
+    blocks: dict[tuple[str, int, float], list[float]] = {c: [] for c in configs}
+    for _ in range(1 if quick else 2):
+        for c in configs:
+            blocks[c] += job_step_seconds(options(*c), quick)
     for variant in ("local", "hybrid", "cached"):
         placement = "local" if variant == "local" else "hybrid"
         runs = cached_runs if variant == "cached" else [(b, 0.0) for b in batches]
         for b, fraction in runs:
-            opts = ["--batch-size", str(b), "--placement", placement]
-            opts += cache_opts(fraction) if fraction else []
-            step = job_step_seconds(opts, quick)
+            opts = options(variant, b, fraction)
+            step = float(np.median(blocks[(variant, b, fraction)]))
             plan = plan_from_dlrm(parse_args(["--data", "synthetic", "--synthetic-rows",
                                               str(JOB_ROWS), *opts]), workers=1)  # fmt: skip
             tr = traffic.traffic(plan)
