@@ -513,6 +513,23 @@ def sharded_costs(probe: dict[str, Any], collectives: dict[str, Linear]) -> Embe
     return EmbeddingCosts(alpha_s=alpha, per_lookup_s=per_lookup, per_unique_s=per_unique)
 
 
+def sync_delay_of(probe3: dict[str, Any], collectives: dict[str, Linear]) -> float:
+    """Seconds each round of a collective waits for a descheduled rank, from the smallest
+    allreduce and alltoallv at 3 ranks: their time beyond the 2-rank costs scaled to 3
+    ranks (2 rounds each) and slowed by the model's P / C, per round. 0 with 3 cores."""
+    cores = os.cpu_count() or 1
+    if cores >= 3:
+        return 0.0
+    slow = 3 / cores
+    delays = []
+    for name in ("allreduce", "alltoallv"):
+        nbytes, seconds = min(probe3["collectives"][name], key=lambda p: p[0])
+        c = collectives[name]
+        expected = slow * (2 * c.alpha_s + c.beta_s * nbytes)
+        delays.append(max(0.0, (seconds - expected) / 2))
+    return float(np.mean(delays))
+
+
 def collective_costs(probe: dict[str, Any] | None) -> dict[str, Linear]:
     if probe is None:
         zero = Linear(alpha_s=0.0, beta_s=0.0)
@@ -564,6 +581,7 @@ def calibrate(
     finally:
         torch.set_num_threads(threads)
     collectives = collective_costs(probe)
+    sync_delay = 0.0 if probe3 is None else sync_delay_of(probe3, collectives)
     if probe is not None:  # the exchange path only runs with 2 ranks or more
         embedding["sharded"] = sharded_costs(probe, collectives)
     return Costs(
@@ -587,4 +605,5 @@ def calibrate(
         if probe3 is None
         else wire_costs(probe3, server["sparse"], max(1.0, 3 / (os.cpu_count() or 1))),
         collectives=collectives,
+        sync_delay_s=sync_delay,
     )

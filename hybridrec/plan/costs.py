@@ -12,7 +12,8 @@ per call or message plus seconds per row, sample or byte. Layout of the file::
      "server":    {"dense"|"sparse": {"pull", "pull_check", "push": {optimizer: ...}}},
      "mpi_wire":  {"pull", "pull_check", "push", "per_table_s", "messages_per_batch"},
      "mpi_wire_sharded": {...},                       # the same with two servers
-     "collectives": {"allreduce"|"alltoallv"|"allgatherv": {"alpha_s", "beta_s"}}}
+     "collectives": {"allreduce"|"alltoallv"|"allgatherv": {"alpha_s", "beta_s"}},
+     "sync_delay_s": 0.0005}                            # a wait for a descheduled rank
 
 ``server`` is the work of one PS shard (a :class:`ps.local.table.LocalTable`, what the
 in-process store and each MPI server run): per table request and per row (``dense``: a
@@ -22,7 +23,9 @@ and per row (and per table request); ``mpi_wire_sharded`` the same measured with
 servers (each shard held like a dynamic table, as with any S >= 2).
 ``messages_per_batch`` is the messages one server got for one ``pull_many`` of several
 tables: 1 when the store batches, else the table count.
-Collectives are at 2 ranks, per call and per byte sent.
+Collectives are at 2 ranks, per call and per byte sent. ``sync_delay_s`` is what each
+round of a collective added at 3 ranks on fewer than 3 cores (0 on 3 cores or more):
+the wait for a rank the scheduler had put aside.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class Costs:
     mpi_wire: WireCosts | None
     mpi_wire_sharded: WireCosts | None
     collectives: dict[str, Linear]
+    sync_delay_s: float = 0.0
 
     def row_scale(self, dim: int) -> float:
         """Per-row costs were timed at ``self.dim``: half of a row's cost is taken as
@@ -163,6 +167,7 @@ class Costs:
                 mpi_wire=_wire(data["mpi_wire"]),
                 mpi_wire_sharded=_wire(data["mpi_wire_sharded"]),
                 collectives={k: _linear(v) for k, v in data["collectives"].items()},
+                sync_delay_s=float(data["sync_delay_s"]),
             )
         except KeyError as e:
             raise ValueError(f"{where}: missing key {e.args[0]!r}; calibrate again") from None

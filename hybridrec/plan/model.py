@@ -13,7 +13,8 @@ A step of one worker, in order (``docs/planner.md`` has the full model)::
                  alpha * (W - 1) + beta * bytes sent; replicated (local) tables
                  allgather their row gradients instead
     step       = the sum; with P processes on C shared cores (P > C) every process
-                 runs at C / P speed (waiting ranks and idle servers spin)
+                 runs at C / P speed (waiting ranks and idle servers spin), and each
+                 round of a collective waits for a descheduled rank (sync_delay_s)
 
 A server's service is ``alpha * table requests + beta * rows`` of its shard's store
 (a fixed table with one server, a dynamic-like shard with several), and the MPI
@@ -251,7 +252,14 @@ def predict(plan: Plan, costs: Costs, traffic: dict[str, TableTraffic]) -> Predi
     path = sum(parts.values())
     procs = w + (c.servers if c.store == "mpi" and hybrid else 0)
     cores = plan.device.shared_cores
-    shared = path * (procs / cores - 1) if cores is not None and procs > cores else 0.0
+    shared = 0.0
+    if cores is not None and procs > cores:
+        shared = path * (procs / cores - 1)
+        # every round of a collective waits for a rank the scheduler put aside
+        rounds = _log2(w) if w > 1 else 0  # the dense allreduce
+        rounds += 4 * (w - 1) if model.placed("sharded") and w > 1 else 0
+        rounds += 2 * _log2(w) if model.placed("local") and w > 1 else 0
+        shared += costs.sync_delay_s * rounds
     step = path + shared
     named = dict(parts)
     named["shared_cores"] = shared
