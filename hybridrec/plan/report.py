@@ -1,0 +1,74 @@
+"""The planner's output: a text table, a PNG and JSON of predictions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridrec.plan.model import PARTS, Prediction
+
+COLUMNS = (*PARTS, "shared_cores")
+SHORT = {
+    "compute": "compute", "pull": "pull", "push": "push", "server_queueing": "queue",
+    "allreduce": "allred", "alltoallv": "a2av", "shared_cores": "cores",
+}  # fmt: skip
+
+
+def table(predictions: list[Prediction]) -> str:
+    """One line per prediction: W, S, network, step (ms), samples/s, the parts (ms) and
+    the bottleneck."""
+    head = f"{'W':>5} {'S':>4} {'network':>13} {'step ms':>9} {'samples/s':>11}"
+    head += "".join(f" {SHORT[c]:>8}" for c in COLUMNS) + "  bottleneck"
+    lines = [head, "-" * len(head)]
+    for p in predictions:
+        line = f"{p.workers:>5} {p.servers:>4} {p.network:>13} {p.step_s * 1e3:>9.2f} "
+        line += f"{p.samples_per_s:>11.0f}"
+        line += "".join(f" {p.parts[c] * 1e3:>8.2f}" for c in COLUMNS)
+        lines.append(line + f"  {p.bottleneck}")
+    return "\n".join(lines)
+
+
+def plot(predictions: list[Prediction], path: str | Path, title: str = "") -> Path:
+    """Samples/s against W (one line per network, log-log) and the step's breakdown
+    against W (each part's share; the first network's), side by side. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError(
+            "the planner's PNG needs matplotlib (pip install matplotlib); the table and "
+            "JSON need nothing"
+        ) from e
+    networks = list(dict.fromkeys(p.network for p in predictions))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for net in networks:
+        rows = sorted((p for p in predictions if p.network == net), key=lambda p: p.workers)
+        left.plot([p.workers for p in rows], [p.samples_per_s for p in rows], marker="o",
+                  label=net)  # fmt: skip
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("workers W")
+    left.set_ylabel("samples/s (predicted)")
+    left.grid(True, which="both", alpha=0.3)
+    left.legend(title="network")
+    rows = sorted((p for p in predictions if p.network == networks[0]), key=lambda p: p.workers)
+    xs = list(range(len(rows)))
+    bottom = [0.0] * len(rows)
+    for c in COLUMNS:  # each part's share of the step, so small and large W read alike
+        ys = [100 * p.parts[c] / p.step_s for p in rows]
+        right.bar(xs, ys, bottom=bottom, label=SHORT[c])
+        bottom = [a + b for a, b in zip(bottom, ys, strict=True)]
+    labels = [f"{p.workers}\n{p.step_s * 1e3:.3g} ms" for p in rows]
+    right.set_xticks(xs, labels, fontsize=7)
+    right.set_xlabel(f"workers W and step time ({networks[0]})")
+    right.set_ylabel("share of the step (%)")
+    right.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
