@@ -106,29 +106,33 @@ class CachedStore(Store):
         return self._member(table)[0]
 
     def _member(self, table: str) -> tuple[TableCache, TableGroup | None]:
-        """The cache holding ``table``, and its group if the cache is shared. Made on
-        first use; with ``group_tables`` the new cache takes every table of the store
-        without a cache yet that has the same dim and local step size (fixed tables)."""
+        """The cache holding ``table`` (made now if it has none), and its group if the
+        cache is shared."""
         name = self._members.get(table) if isinstance(table, str) else None
         if name is None:
-            with self._lock:
-                name = self._members.get(table)
-                if name is None:
-                    name = self._make_cache(table)
+            self._ensure([table])
+            name = self._members[table]
         return self._caches[name], self._groups.get(name)
 
-    def _make_cache(self, table: str) -> str:
-        spec = self.inner.spec(table)  # raises for an unknown table
-        mates = [spec]
-        if self.config.group_tables and spec.num_rows is not None:
-            key = (spec.dim, self.config.lr_for(spec))
-            mates = []
-            for name in self.inner.tables():
-                s = spec if name == table else self.inner.spec(name)
-                fits = s.num_rows is not None and (s.dim, self.config.lr_for(s)) == key
-                if name == table or (fits and name not in self._members):
-                    mates.append(s)
-        return self._register(mates)
+    def _ensure(self, tables: Sequence[str]) -> None:
+        """Make the caches of ``tables`` (one request's) that have none yet. With
+        ``group_tables`` those of them that are fixed and share a dim and a local step
+        size share one cache: tables first requested together are cached together."""
+        with self._lock:
+            new: list[str] = []
+            for t in tables:
+                if (not isinstance(t, str) or t not in self._members) and t not in new:
+                    new.append(t)
+            specs = [self.inner.spec(t) for t in new]  # raises for an unknown table
+            groups: dict[tuple[int, float], list[TableSpec]] = {}
+            for spec in specs:
+                if self.config.group_tables and spec.num_rows is not None:
+                    key = (spec.dim, self.config.lr_for(spec))
+                    groups.setdefault(key, []).append(spec)
+                else:
+                    self._register([spec])
+            for mates in groups.values():
+                self._register(mates)
 
     def _register(
         self, specs: list[TableSpec], state: dict[str, torch.Tensor] | None = None
@@ -264,6 +268,7 @@ class CachedStore(Store):
         ``wait()`` gives one :class:`ps.PullResult` per request. Conditional requests
         pass through to the wrapped store in the same batch. A table may appear once."""
         reqs = _requests(requests, PullRequest, "pull_many")
+        self._ensure([r.table for r in reqs if r.clocks is None and r.bound is None])
         # Each request's place: (None, request) passed through, or (cache name, offset,
         # count) into the packed ids the cache is asked for (tables of a shared cache
         # are asked together, one after the other).
@@ -351,7 +356,9 @@ class CachedStore(Store):
         in the same message, and are installed right after it. A later call replaces
         a table's ids that have not ridden yet."""
         wanted: dict[str, list[torch.Tensor]] = {}
-        for r in _requests(requests, PullRequest, "prefetch_many"):
+        reqs = _requests(requests, PullRequest, "prefetch_many")
+        self._ensure([r.table for r in reqs])
+        for r in reqs:
             ids = self._packed(r.table, r.ids, "prefetch")
             wanted.setdefault(self._members[r.table], []).append(ids)
         for name, parts in wanted.items():
@@ -394,7 +401,9 @@ class CachedStore(Store):
         first); what is due goes to the PS as ONE ``push_many`` of the wrapped store.
         The returned handle is complete: the updates are in the cache."""
         checked: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for r in _requests(requests, PushRequest, "push_many"):
+        reqs = _requests(requests, PushRequest, "push_many")
+        self._ensure([r.table for r in reqs])
+        for r in reqs:
             tc, group = self._member(r.table)
             spec = self._specs[r.table]
             ids = check_ids(spec, r.ids, "push").cpu()

@@ -57,8 +57,8 @@ class CacheConfig:
       extra clocks request per pull; 8 bytes per row) so the staleness histogram
       is exact instead of a lower bound. For tests and diagnosis.
     * ``group_tables``: tables of one ``dim`` and local step size share ONE cache
-      (fixed tables; all those the store holds without a cache yet when the cache
-      first touches one of them), as FBGEMM's table-batched cache does: a step is
+      (fixed tables first requested together, in one batched request), as FBGEMM's
+      table-batched cache does: a step is
       then one plan, one install and one update over every table's ids instead of
       one per table, and the hot rows of all of them compete for the summed
       capacity. Statistics and ``cache_state`` are then per group (named by its

@@ -189,4 +189,17 @@ def test_bad_requests_name_the_table_not_the_group() -> None:
         )
     with pytest.raises(ValueError, match="'b'"):
         store.push_many([PushRequest("b", torch.tensor([1]), torch.full((1, DIM), float("nan")))])
-    assert store.cache_stats()["a+b"]["updates"] == 0  # nothing reached the cache
+    stats = store.cache_stats()  # a group named in the order of its first request
+    assert list(stats) == ["b+a"] and stats["b+a"]["updates"] == 0  # nothing reached it
+
+
+def test_only_tables_requested_together_share_a_cache() -> None:
+    inner = ps.InProcessStore()
+    for spec in _specs(ps.SGD(lr=1.0)):
+        inner.create_table(spec)
+    inner.create_table(ps.TableSpec(name="d", num_rows=30, dim=DIM, optimizer=ps.SGD(lr=1.0)))
+    store = cache.CachedStore(inner, cache.CacheConfig(capacity_rows=4, group_tables=True))
+    ids = torch.tensor([1, 2])
+    store.pull_many([PullRequest("a", ids), PullRequest("b", ids), PullRequest("c", ids)])
+    store.pull("d", ids)  # d fits the group but was not asked with it
+    assert sorted(store.cache_stats()) == ["a+b", "c", "d"]
