@@ -11,11 +11,10 @@ parts are exactly the in-process store's; the loop only receives requests
 (:mod:`ps.mpi.wire`), checks them (sizes, table index, then :mod:`ps.validate`, the
 in-process store's own checks), calls the table and sends the reply.
 
-With more than one server, a shard of a *fixed* table is held like a dynamic
-table (rows created by their first push; an untouched row reads as its initial
-row with clock 0, exactly what a fixed table holds), so each server only
-allocates the rows it owns and has touched; ids are still checked against
-``num_rows``. With one server the table is a plain fixed table.
+With more than one server, a shard of a *fixed* table holds exactly the rows routed
+to it, densely (:class:`ps.mpi.fixed_shard.FixedShard`: a fixed table of those rows
+and an int32 map from the table's ids, 4 bytes per table row); ids are checked
+against ``num_rows``. With one server the table is a plain fixed table.
 
 The loop is single-threaded, so every request is applied atomically on this
 shard, and the requests of one worker are applied in the order it sent them
@@ -59,12 +58,14 @@ from ps.errors import check_existing
 from ps.local.store import PART_ROWS
 from ps.local.table import LocalTable
 from ps.mpi import wire
+from ps.mpi.fixed_shard import FixedShard
 from ps.mpi.wire import HEADER_LEN, Op
 from ps.routing import shard_of
 from ps.table import TableSpec
 from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
 
 _EMPTY_F32 = np.empty(0, dtype=np.float32)
+Shard = LocalTable | FixedShard  # a server's part of one table
 # The exactly-once key of a worker's batched pushes (a table name is never empty).
 _BATCH_KEY = ""
 # Idle policy: poll without pause for SPIN_S after the last request (lowest latency
@@ -203,12 +204,12 @@ class ShardServer:
         self.config = config
         self.names: list[str] = []  # table index -> name (indices are never reused)
         self.specs: dict[str, TableSpec] = {}  # the specs as the workers gave them
-        self.tables: dict[str, LocalTable] = {}  # this shard's part of each table
+        self.tables: dict[str, Shard] = {}  # this shard's part of each table
         self.waiting = set(topology.worker_ranks)  # workers that have not said goodbye
         self.heard: dict[int, float] = {}  # worker rank -> when its last request came
         self.sends: list[Any] = []  # reply sends in flight (requests keep their buffers)
         # A load waiting for its commit: name -> (spec, this shard's new table).
-        self.staged: dict[str, tuple[TableSpec, LocalTable]] | None = None
+        self.staged: dict[str, tuple[TableSpec, Shard]] | None = None
         # Exactly-once: (table, worker rank) -> (session, last applied sequence number).
         self.last_seq: dict[tuple[str, int], tuple[int, int]] = {}
         self.duplicates: dict[str, int] = {}  # table -> repeats acknowledged, not applied
@@ -395,10 +396,10 @@ class ShardServer:
             return _text_reply(Op.LOAD, rid, json.dumps(self.load(json.loads(text))))
         raise ValueError(f"unknown request op {op} (protocol {wire.MAGIC_VERSION:#x})")
 
-    def table(self, meta: np.ndarray, op: str) -> tuple[TableSpec, LocalTable]:
+    def table(self, meta: np.ndarray, op: str) -> tuple[TableSpec, Shard]:
         return self.table_at(int(meta[wire.W_TABLE]), int(meta[wire.W_DIM]), op)
 
-    def table_at(self, index: int, dim: int, op: str) -> tuple[TableSpec, LocalTable]:
+    def table_at(self, index: int, dim: int, op: str) -> tuple[TableSpec, Shard]:
         """The table at ``index``; for a pull or push ``dim`` must be its width."""
         if (
             not 0 <= index < len(self.names)
@@ -430,7 +431,7 @@ class ShardServer:
             where=where,
             clear="or restart the job",
         ):
-            self.tables[spec.name] = LocalTable(self.shard_spec(spec))
+            self.tables[spec.name] = self.new_table(spec)
             self.specs[spec.name] = spec
             self.names.append(spec.name)  # a new index, also for a table dropped before
         return _text_reply(Op.CREATE, rid, text, table=self.index_of(spec.name))
@@ -461,12 +462,21 @@ class ShardServer:
             self.names.append(name)
         return len(self.names) - 1 - self.names[::-1].index(name)
 
+    def new_table(self, spec: TableSpec, part: TablePart | None = None) -> Shard:
+        """This server's part of table ``spec`` (holding the rows of ``part``, if given):
+        the whole table with one server; with several, the rows routed here, densely
+        for a fixed table (:class:`ps.mpi.fixed_shard.FixedShard`)."""
+        if self.num_shards > 1 and spec.num_rows is not None:
+            return FixedShard(spec, self.shard, self.num_shards, part)
+        if part is None:
+            return LocalTable(self.shard_spec(spec))
+        return LocalTable.from_part(self.shard_spec(spec), part)
+
     def shard_spec(self, spec: TableSpec) -> TableSpec:
-        """The spec of this shard's part (see the module docstring)."""
+        """The spec of this shard's part of a dynamic table (a fixed one is whole with
+        one server, a :class:`FixedShard` with several)."""
         if self.num_shards == 1:
             return spec
-        if spec.num_rows is not None:
-            return replace(spec, num_rows=None)  # init stays the fixed table's
         if spec.capacity is not None:
             return replace(spec, capacity=-(-spec.capacity // self.num_shards))
         return spec
@@ -628,12 +638,12 @@ class ShardServer:
         if phase == "stage":
             self.staged = None
             ckpt = read_checkpoint(request["dir"])
-            new: dict[str, tuple[TableSpec, LocalTable]] = {}
+            new: dict[str, tuple[TableSpec, Shard]] = {}
             for spec in ckpt.specs:
                 mine = [self.mine(part) for part in ckpt.parts(spec.name)]
                 part = TablePart.concat(mine, spec.dim, spec.state_dim)
                 check_row_ids(spec, part.ids, f"checkpoint {request['dir']!r}")
-                new[spec.name] = (spec, LocalTable.from_part(self.shard_spec(spec), part))
+                new[spec.name] = (spec, self.new_table(spec, part))
             self.staged = new
             return list(new)
         if phase == "commit":
