@@ -255,7 +255,7 @@ def test_more_servers_split_rows_and_shared_cores_slow_every_process(costs_file:
     tm = TrafficModel()
     one, two = small_plan(4, 1), small_plan(4, 2)
     tr = tm.traffic(one)
-    srv1, srv2 = costs.server["dense"], costs.server["sparse"]  # several servers: sparse shards
+    srv1 = srv2 = costs.server["dense"]  # several servers split fixed tables densely too
     rows = sum(t.unique for t in tr.values())
     q1 = predict(one, costs, tr).parts["server_queueing"]
     q2 = predict(two, costs, tr).parts["server_queueing"]

@@ -10,8 +10,8 @@ law (:mod:`hybridrec.plan.costs`), one torch thread per process:
   two batch sizes (per step, per parameter, per FLOP);
 * server: one PS shard's work (:class:`ps.InProcessStore`, the engine each MPI server
   runs) through ``pull_many`` / ``push_many``: plain pulls, conditional pulls that
-  return nothing, pushes per optimizer; fixed tables (one server) and dynamic-like
-  shards (several servers), per table request and per row;
+  return nothing, pushes per optimizer; fixed tables (what one server holds, and what
+  each of several holds of its rows) and dynamic tables, per table request and per row;
 * the DLRM job itself on one process (:func:`job_step_seconds`): its steady-state step
   with local, hybrid (in-process store) and cached placement at several batch sizes
   (and cache sizes); what remains after the parts above is the job's own embedding
@@ -20,10 +20,10 @@ law (:mod:`hybridrec.plan.costs`), one torch thread per process:
 * MPI (unless ``mpi=False``): ``mpirun -n 2`` of :mod:`hybridrec.plan.mpi_probe`: the
   MPI store's ``pull_many`` / ``push_many`` with one server (its cost beyond the
   shard's work is the wire cost; messages counted by ``request_counts``), and with two
-  (``mpirun -n 3``: the wire cost with several servers, their shards held like dynamic
-  tables; on fewer than 3 cores the model's P / C slowdown is taken out), allreduce,
-  alltoallv and allgatherv at 2 ranks, and 26 sharded tables at 2 ranks (without MPI:
-  a sharded collection on one rank, which exchanges nothing).
+  (``mpirun -n 3``: the wire cost with several servers; on fewer than 3 cores the
+  model's P / C slowdown is taken out), allreduce, alltoallv and allgatherv at 2
+  ranks, and 26 sharded tables at 2 ranks (without MPI: a sharded collection on one
+  rank, which exchanges nothing).
 
 ``quick`` uses fewer sizes and repeats (about 15 s instead of 40).
 """
@@ -215,8 +215,8 @@ def store_grid(quick: bool) -> list[tuple[int, int]]:
 
 
 def calibrate_server(quick: bool, optimizers: list[str]) -> dict[str, StoreCosts]:
-    """Per table request and per row, on a fixed table ("dense") and on a shard held
-    like a dynamic table ("sparse", what each of several MPI servers holds)."""
+    """Per table request and per row, on a fixed table ("dense": what one MPI server
+    holds, and each of several of its rows) and on a dynamic table ("sparse")."""
     import ps
 
     rows = 20_000
@@ -603,7 +603,7 @@ def calibrate(
         mpi_wire=None if probe is None else wire_costs(probe, server["dense"]),
         mpi_wire_sharded=None
         if probe3 is None
-        else wire_costs(probe3, server["sparse"], max(1.0, 3 / (os.cpu_count() or 1))),
+        else wire_costs(probe3, server["dense"], max(1.0, 3 / (os.cpu_count() or 1))),
         collectives=collectives,
         sync_delay_s=sync_delay,
     )

@@ -17,10 +17,10 @@ per call or message plus seconds per row, sample or byte. Layout of the file::
 
 ``server`` is the work of one PS shard (a :class:`ps.local.table.LocalTable`, what the
 in-process store and each MPI server run): per table request and per row (``dense``: a
-plain fixed table, one server; ``sparse``: a shard held like a dynamic table, several
-servers). ``mpi_wire`` is what the MPI store adds on top (messages, copies), per message
+fixed table, held whole by one server or split densely by several; ``sparse``: a
+dynamic table). ``mpi_wire`` is what the MPI store adds on top (messages, copies), per message
 and per row (and per table request); ``mpi_wire_sharded`` the same measured with two
-servers (each shard held like a dynamic table, as with any S >= 2).
+servers.
 ``messages_per_batch`` is the messages one server got for one ``pull_many`` of several
 tables: 1 when the store batches, else the table count.
 Collectives are at 2 ranks, per call and per byte sent. ``sync_delay_s`` is what each

@@ -17,7 +17,7 @@ A step of one worker, in order (``docs/planner.md`` has the full model)::
                  round of a collective waits for a descheduled rank (sync_delay_s)
 
 A server's service is ``alpha * table requests + beta * rows`` of its shard's store
-(a fixed table with one server, a dynamic-like shard with several), and the MPI
+(a fixed table, whether one server holds it or several split it), and the MPI
 store's wire cost is ``alpha * messages + tau * table requests + beta * rows`` on the
 worker; messages per
 server per phase are 1 with the batched protocol, else one per table. Rows per
@@ -93,7 +93,9 @@ def _store_phases(
     c = plan.cluster
     mpi = c.store == "mpi"
     servers = c.servers if mpi else 1
-    shard = costs.server["dense" if servers == 1 else "sparse"]
+    # Fixed tables: one server holds the table, several hold the rows routed to them,
+    # densely too (ps.mpi.fixed_shard), so both cost what a fixed table does.
+    shard = costs.server["dense"]
     wire = costs.mpi_wire
     if servers > 1 and costs.mpi_wire_sharded is not None:
         # measured with two servers; on a calibration machine of fewer than 3 cores that

@@ -5,8 +5,8 @@ Rank 1 serves a :class:`ps.mpi.store.MPIStore` shard; rank 0 times ``pull_many``
 conditional ``pull_many`` and ``push_many`` of several tables through it (counting the
 messages the server got with ``request_counts``), then both ranks time allreduce,
 alltoallv and allgatherv of several sizes and a sharded embedding collection. Rank 0
-prints one JSON line. Under ``mpirun -n 3`` ranks 1 and 2 serve (each shard held like
-a dynamic table, as with any S >= 2) and the store and the collectives are timed.
+prints one JSON line. Under ``mpirun -n 3`` ranks 1 and 2 serve (each holding the rows
+routed to it densely, as with any S >= 2) and the store and the collectives are timed.
 """
 
 from __future__ import annotations
