@@ -114,8 +114,8 @@ def test_two_workers_share_a_redis_store_and_resume_from_it(tmp_path: Path) -> N
         # A fresh job on the same Redis finds the first one's tables: both workers stop
         # instead of training on from those rows, and the job says so in one line.
         again = _launch(cmd, [*args, "--ps", srv.url, "--checkpoint-dir", str(tmp_path / "x")], 140)
-        assert again.returncode != 0 and srv.client().dbsize() == keys
         refused = again.stdout + again.stderr
+        assert again.returncode != 0 and srv.client().dbsize() == keys, (again.returncode, refused)
         assert refused.count("already holds table(s) 'cat0'") == 1, refused
         assert "Traceback" not in refused, refused
         srv.client().flushdb()  # the resumed run must get its rows from the checkpoint
