@@ -44,6 +44,7 @@ def main() -> None:
         except comm.CommTimeoutError as e:
             took = time.monotonic() - start
             print(f"rank {group.rank}: stopped after {took:.1f} s: {e}", flush=True)
+            time.sleep(0.5)  # let mpirun forward the line before the abort ends the job
             MPI.COMM_WORLD.Abort(4)
             os._exit(4)  # MPICH's Abort may return before the launcher ends this rank
         raise AssertionError("serve_mpi returned although worker 1 never said goodbye")
