@@ -70,7 +70,7 @@ from cache.table_cache import Fetch, TableCache
 from cache.table_group import GroupClocks, TableGroup
 from comm import Handle
 from ps import PullRequest, PullResult, PushRequest, Store, TableSpec
-from ps.store import _requests
+from ps.store import check_requests, first_of
 from ps.validate import check_grads, check_ids, finite_rows
 
 
@@ -253,21 +253,14 @@ class CachedStore(Store):
         """
         if clocks is not None or bound is not None:
             return self.inner.pull_async(table, ids, clocks=clocks, bound=bound)
-        batch = self.pull_many_async([PullRequest(table, ids)])
-        return Handle(
-            batch.is_completed,
-            lambda: batch.wait()[0],
-            what=f"cached pull {table!r}",
-            timeout_s=math.inf,  # the wrapped store's handle applies its timeout
-            block=lambda limit: batch.wait(None if math.isinf(limit) else limit),
-        )
+        return first_of(self.pull_many_async([PullRequest(table, ids)]), f"cached pull {table!r}")
 
     def pull_many_async(self, requests: Sequence[PullRequest]) -> Handle:
         """Serve several tables at once: every table's fetch (and a prefetch handed to
         :meth:`prefetch_many` for it) in ONE ``pull_many`` of the wrapped store;
         ``wait()`` gives one :class:`ps.PullResult` per request. Conditional requests
         pass through to the wrapped store in the same batch. A table may appear once."""
-        reqs = _requests(requests, PullRequest, "pull_many")
+        reqs = check_requests(requests, PullRequest, "pull_many")
         self._ensure([r.table for r in reqs if r.clocks is None and r.bound is None])
         # Each request's place: (None, request) passed through, or (cache name, offset,
         # count) into the packed ids the cache is asked for (tables of a shared cache
@@ -356,7 +349,7 @@ class CachedStore(Store):
         in the same message, and are installed right after it. A later call replaces
         a table's ids that have not ridden yet."""
         wanted: dict[str, list[torch.Tensor]] = {}
-        reqs = _requests(requests, PullRequest, "prefetch_many")
+        reqs = check_requests(requests, PullRequest, "prefetch_many")
         self._ensure([r.table for r in reqs])
         for r in reqs:
             ids = self._packed(r.table, r.ids, "prefetch")
@@ -401,7 +394,7 @@ class CachedStore(Store):
         first); what is due goes to the PS as ONE ``push_many`` of the wrapped store.
         The returned handle is complete: the updates are in the cache."""
         checked: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        reqs = _requests(requests, PushRequest, "push_many")
+        reqs = check_requests(requests, PushRequest, "push_many")
         self._ensure([r.table for r in reqs])
         for r in reqs:
             tc, group = self._member(r.table)

@@ -215,7 +215,7 @@ class Store(ABC):
         """
         handles = [
             self.pull_async(r.table, r.ids, clocks=r.clocks, bound=r.bound)
-            for r in _requests(requests, PullRequest, "pull_many")
+            for r in check_requests(requests, PullRequest, "pull_many")
         ]
         return _all_of(handles, "pull_many")
 
@@ -230,7 +230,7 @@ class Store(ABC):
         sent; the base class pushes one table at a time."""
         handles = [
             self.push_async(r.table, r.ids, r.grads)
-            for r in _requests(requests, PushRequest, "push_many")
+            for r in check_requests(requests, PushRequest, "push_many")
         ]
         return _all_of(handles, "push_many", result=False)
 
@@ -291,7 +291,7 @@ class Store(ABC):
         self.close()
 
 
-def _requests(requests: Sequence[object], kind: type, what: str) -> list[Any]:
+def check_requests(requests: Sequence[object], kind: type, what: str) -> list[Any]:
     """``requests`` as a list, each checked to be a ``kind``."""
     if isinstance(requests, str | bytes) or not isinstance(requests, Sequence):
         raise TypeError(
@@ -304,6 +304,17 @@ def _requests(requests: Sequence[object], kind: type, what: str) -> list[Any]:
                 f"{what}: request {i} is a {type(r).__name__}, expected a ps.{kind.__name__}"
             )
     return out
+
+
+def first_of(batch: Handle, what: str) -> Handle:
+    """The handle of a batch of one request: ``wait()`` gives its one result."""
+    return Handle(
+        batch.is_completed,
+        lambda: batch.wait()[0],
+        what=what,
+        timeout_s=math.inf,  # the batch's own handle applies its timeout
+        block=lambda limit: batch.wait(None if math.isinf(limit) else limit),
+    )
 
 
 def _all_of(handles: list[Handle], what: str, *, result: bool = True) -> Handle:

@@ -19,7 +19,7 @@ from comm import Handle
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
 from ps.errors import check_existing
 from ps.local.table import LocalTable
-from ps.store import PullRequest, PullResult, PushRequest, Store, _requests
+from ps.store import PullRequest, PullResult, PushRequest, Store, check_requests
 from ps.table import TableSpec
 from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
 
@@ -95,14 +95,14 @@ class InProcessStore(Store):
 
     def pull_many_async(self, requests: Sequence[PullRequest]) -> Handle:
         """Every table's pull is checked first, then applied in order (one message)."""
-        pulls = [self._checked_pull(r) for r in _requests(requests, PullRequest, "pull_many")]
+        pulls = [self._checked_pull(r) for r in check_requests(requests, PullRequest, "pull_many")]
         self._messages["pull_messages"] += bool(pulls)
         return Handle.completed([self._apply_pull(*p) for p in pulls], what="pull_many")
 
     def push_many_async(self, requests: Sequence[PushRequest]) -> Handle:
         """Every table's push is checked first (nothing changes if one is bad), then
         applied in order (one message)."""
-        pushes = [self._checked_push(r) for r in _requests(requests, PushRequest, "push_many")]
+        pushes = [self._checked_push(r) for r in check_requests(requests, PushRequest, "push_many")]
         self._messages["push_messages"] += bool(pushes)
         for p in pushes:
             self._apply_push(*p)

@@ -29,8 +29,9 @@ count of the data message, byte counts that are not whole words, a request whose
 data message does not follow within ``ServerConfig.data_timeout_s``, and the
 table index against the tables this server has.
 
-Exactly-once pushes: the server keeps, per (table, worker rank), the session and
-sequence number of the last push it applied and acknowledges a repeat with
+Exactly-once pushes: the server keeps, per worker rank (for ``PUSH_MANY``; per
+(table, worker rank) for a single-table ``PUSH``), the session and sequence number of
+the last push it applied and acknowledges a repeat with
 :data:`ps.mpi.wire.FLAG_DUPLICATE` without applying it again (``docs/ps_protocol.md``).
 ``stats()`` adds ``push_duplicates`` per table.
 

@@ -19,12 +19,13 @@ communicator, so parameter-server traffic never mixes with other messages);
 every rank must make exactly one of the two calls, in the same order relative to
 other collectives on ``group``.
 
-A request for ``N`` ids is split by :func:`ps.routing.group_by_shard` into one
-sub-request per server (row ``id`` lives on server ``shard_of(id, S)``), all sent
-at once without blocking; the handle's ``wait()`` merges the replies back into
-the caller's order. Messages are the binary layout of :mod:`ps.mpi.wire` (no
-pickle). Several requests may be in flight; the requests of one worker are
-applied in the order they were issued.
+Every request is a batch (``pull_async`` / ``push_async`` are batches of one
+table): each table's ids are split by :func:`ps.routing.group_by_shard` (row ``id``
+lives on server ``shard_of(id, S)``) and each server gets ONE ``PULL_MANY`` /
+``PUSH_MANY`` message with its share of every table, all sent at once without
+blocking; the handle's ``wait()`` merges the replies back into the caller's order.
+Messages are the binary layout of :mod:`ps.mpi.wire` (no pickle). Several requests
+may be in flight; the requests of one worker are applied in the order they were issued.
 
 Semantics that differ from the in-process store, because the table is sharded:
 
@@ -82,7 +83,7 @@ from ps.mpi import wire
 from ps.mpi.server import check_mpi_topology, check_push_grads
 from ps.mpi.wire import HEADER_LEN, Op
 from ps.routing import group_by_shard
-from ps.store import PullRequest, PullResult, PushRequest, Store, _requests
+from ps.store import PullRequest, PullResult, PushRequest, Store, check_requests, first_of
 from ps.table import TableSpec
 from ps.validate import check_ids, check_pull_bound, unknown_table
 
@@ -194,7 +195,7 @@ class MPIStore(Store):
         self.push_retry_s = float(r)
         self.max_retries = max_retries
         self._session = secrets.randbits(63)  # this store's pushes, told apart from earlier ones
-        self._seq: dict[tuple[str, int], int] = {}  # (table, server number) -> last number sent
+        self._seq: dict[int, int] = {}  # server number -> the last push number sent to it
         self._strays: list[_Stray] = []
         # This worker's exactly-once counters per table (see stats()).
         self._counters: dict[str, dict[str, int]] = {}
@@ -461,103 +462,13 @@ class MPIStore(Store):
         clocks: torch.Tensor | None = None,
         bound: int | None = None,
     ) -> Handle:
-        t = self._table(table)
-        spec = t.spec
-        ids = check_ids(spec, ids, "pull")
-        caller_clocks = check_pull_bound(spec, ids, clocks, bound)
-        conditional = caller_clocks is not None
-        n, dim = int(ids.numel()), spec.dim
-        order, counts = self._split(ids)
-        ids_np = _sorted_np(ids, order)
-        clk_np = None if caller_clocks is None else _sorted_np(caller_clocks, order)
-        rows = torch.empty(n, dim, dtype=torch.float32)  # [N, D] in shard order
-        rows_np = rows.numpy().reshape(-1)
-        calls: list[_Call] = []
-        starts: list[int] = []  # where each call's rows begin in `rows`
-        sizes: list[int] = []  # rows asked of each call
-        a = 0
-        for s, c in enumerate(counts):
-            if c:
-                payload = (
-                    (ids_np[a : a + c],)
-                    if clk_np is None
-                    else (ids_np[a : a + c], clk_np[a : a + c])
-                )
-                calls.append(
-                    self._start(
-                        s,
-                        Op.PULL,
-                        payload=payload,
-                        reply_words=c * (2 if conditional else 1),
-                        reply_data=rows_np[a * dim : (a + c) * dim],
-                        table=t.index[s],
-                        n=c,
-                        dim=dim,
-                        flags=wire.FLAG_CLOCKS if conditional else 0,
-                        arg=int(bound) if conditional and bound is not None else 0,
-                    )
-                )
-                starts.append(a)
-                sizes.append(c)
-            a += c
-
-        def finish() -> PullResult:
-            merge = _merge_conditional if conditional else _merge_all
-            return merge(calls, starts, sizes, rows, order)
-
-        return self._handle(calls, finish, f"pull {table!r}")
+        """A batch of one table (:meth:`pull_many_async`)."""
+        batch = self.pull_many_async([PullRequest(table, ids, clocks, bound)])
+        return first_of(batch, f"pull {table!r}")
 
     def push_async(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> Handle:
-        t = self._table(table)
-        spec = t.spec
-        ids = check_ids(spec, ids, "push")
-        # Every row is checked here, before any server changes anything: a push that
-        # spans servers must not be applied on some and refused by others.
-        grads = check_push_grads(spec, ids, grads)
-        order, counts = self._split(ids)
-        ids_np = _sorted_np(ids, order)
-        g = grads.detach().cpu()
-        # A copy, so the caller may reuse its gradient buffer while the push is in flight.
-        g = g.clone() if order is None else g.index_select(0, order)  # [N, D]
-        g_np = g.numpy().reshape(-1)
-        dim = spec.dim
-        every_server = spec.max_age_steps is not None  # each shard counts the table's pushes
-        calls: list[_Call] = []
-        a = 0
-        for s, c in enumerate(counts):
-            if c or every_server:
-                flags = seq = 0
-                payload: tuple[np.ndarray, ...] = (ids_np[a : a + c],)
-                if self._sequenced:
-                    seq = self._seq.get((table, s), 0) + 1
-                    self._seq[(table, s)] = seq
-                    flags = wire.FLAG_SEQ
-                    payload = (ids_np[a : a + c], np.array([self._session], dtype=np.int64))
-                calls.append(
-                    self._start(
-                        s,
-                        Op.PUSH,
-                        payload=payload,
-                        data=g_np[a * dim : (a + c) * dim],
-                        table=t.index[s],
-                        n=c,
-                        dim=dim,
-                        flags=flags,
-                        arg=seq,
-                        resendable=True,
-                    )
-                )
-            a += c
-        self._count(table, "worker_push_calls", len(calls))
-
-        def finish() -> None:
-            retried = sum(c.retries for c in calls)
-            repeats = sum(1 for c in calls if int(c.reply[wire.W_FLAGS]) & wire.FLAG_DUPLICATE)
-            if retried or repeats:
-                self._count(table, "worker_push_retries", retried)
-                self._count(table, "worker_push_duplicates", repeats)
-
-        return self._handle(calls, finish, f"push {table!r}")
+        """A batch of one table (:meth:`push_many_async`)."""
+        return self.push_many_async([PushRequest(table, ids, grads)])
 
     # ------------------------------------------------------------ batched rows
 
@@ -566,7 +477,7 @@ class MPIStore(Store):
         holds any of the ids (its share of every table, back to back); ``wait()``
         gives one :class:`ps.PullResult` per request, in order."""
         plans = []
-        for r in _requests(requests, PullRequest, "pull_many"):
+        for r in check_requests(requests, PullRequest, "pull_many"):
             t = self._table(r.table)
             ids = check_ids(t.spec, r.ids, "pull")
             caller = check_pull_bound(t.spec, ids, r.clocks, r.bound)
@@ -620,7 +531,7 @@ class MPIStore(Store):
         then ONE ``PUSH_MANY`` message per server with rows to apply, sent with one
         exactly-once sequence number per server."""
         plans = []
-        for r in _requests(requests, PushRequest, "push_many"):
+        for r in check_requests(requests, PushRequest, "push_many"):
             t = self._table(r.table)
             ids = check_ids(t.spec, r.ids, "push")
             grads = check_push_grads(t.spec, ids, r.grads)
@@ -649,8 +560,8 @@ class MPIStore(Store):
                 self._count(name, "worker_push_calls")
             flags = seq = 0
             if self._sequenced:
-                seq = self._seq.get(("", s), 0) + 1  # "": the batch key (no table is named so)
-                self._seq[("", s)] = seq
+                seq = self._seq.get(s, 0) + 1
+                self._seq[s] = seq
                 flags = wire.FLAG_SEQ
                 words.append(np.array([self._session], dtype=np.int64))
             call = self._start(
@@ -939,66 +850,3 @@ def _sorted_np(t: torch.Tensor, order: torch.Tensor | None) -> np.ndarray:
     """``t`` in shard order as a contiguous numpy array (a copy only when reordering)."""
     t = t.detach().cpu()
     return (t if order is None else t.index_select(0, order)).contiguous().numpy()
-
-
-def _reply_rows(call: _Call, asked: int, dim: int, conditional: bool) -> int:
-    """Rows ``m`` in a pull reply, after checking it against the request."""
-    m, got_dim = int(call.reply[wire.W_N]), int(call.reply[wire.W_DIM])
-    ok = (0 <= m <= asked) if conditional else m == asked
-    positions = bool(int(call.reply[wire.W_FLAGS]) & wire.FLAG_POSITIONS)
-    if not ok or got_dim != dim or positions != conditional:
-        raise RuntimeError(
-            f"pull reply from server rank {call.server} has {m} rows of width {got_dim} "
-            f"(positions: {positions}) for a request of {asked} rows of width {dim}; "
-            "the table may have been reloaded with another spec by another worker"
-        )
-    return m
-
-
-def _merge_all(
-    calls: list[_Call],
-    starts: list[int],
-    sizes: list[int],
-    rows: torch.Tensor,
-    order: torch.Tensor | None,
-) -> PullResult:
-    """A plain pull: every server answered all its rows (already in ``rows``) and their clocks."""
-    n, dim = rows.shape
-    clocks = torch.empty(n, dtype=torch.int64)
-    for c, a, k in zip(calls, starts, sizes, strict=True):
-        _reply_rows(c, k, dim, conditional=False)
-        clocks[a : a + k] = torch.from_numpy(c.reply[HEADER_LEN : HEADER_LEN + k])
-    if order is None:
-        return PullResult(rows=rows, clocks=clocks)
-    return PullResult(
-        rows=torch.empty_like(rows).index_copy_(0, order, rows),
-        clocks=torch.empty_like(clocks).index_copy_(0, order, clocks),
-    )
-
-
-def _merge_conditional(
-    calls: list[_Call],
-    starts: list[int],
-    sizes: list[int],
-    rows: torch.Tensor,
-    order: torch.Tensor | None,
-) -> PullResult:
-    """A conditional pull: each server sent its stale rows first in its slice of ``rows``,
-    with their clocks and positions (increasing, within its sub-request)."""
-    dim = rows.shape[1]
-    rows_parts, clock_parts, pos_parts = [], [], []
-    for c, a, k in zip(calls, starts, sizes, strict=True):
-        m = _reply_rows(c, k, dim, conditional=True)
-        body = torch.from_numpy(c.reply[HEADER_LEN : HEADER_LEN + 2 * m])
-        rows_parts.append(rows[a : a + m])
-        clock_parts.append(body[:m])
-        pos_parts.append(body[m:] + a)
-    empty_i64 = torch.empty(0, dtype=torch.int64)
-    out_rows = torch.cat(rows_parts) if rows_parts else torch.empty(0, dim)
-    out_clocks = torch.cat(clock_parts) if clock_parts else empty_i64
-    pos = torch.cat(pos_parts) if pos_parts else empty_i64  # positions in shard order
-    if order is not None:
-        pos = order[pos]  # positions in the caller's ids
-        perm = torch.argsort(pos)
-        pos, out_rows, out_clocks = pos[perm], out_rows[perm], out_clocks[perm]
-    return PullResult(rows=out_rows, clocks=out_clocks, positions=pos)

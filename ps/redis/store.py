@@ -115,7 +115,7 @@ from ps.redis.lua import (
 from ps.redis.sequencing import PushSettle, mark_answered, next_numbers
 from ps.redis.snapshot import table_parts, write_rows
 from ps.routing import shard_of
-from ps.store import PullRequest, PullResult, PushRequest, Store, _requests
+from ps.store import PullRequest, PullResult, PushRequest, Store, check_requests
 from ps.table import TableSpec
 from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
 
@@ -583,7 +583,7 @@ class RedisStore(Store):
         """Every table's pull is checked first, then all of them go out together: one
         pipelined round trip per Redis node they reach (tables with eviction add one
         before it, to read their steps)."""
-        pulls = [self._checked_pull(r) for r in _requests(requests, PullRequest, "pull_many")]
+        pulls = [self._checked_pull(r) for r in check_requests(requests, PullRequest, "pull_many")]
         names = ", ".join(repr(p.t.spec.name) for p in pulls)
         return self._pull(pulls, f"pull_many of tables {names} from Redis {self.address}", list)
 
@@ -760,7 +760,7 @@ class RedisStore(Store):
         """Every table's push is checked first (a bad one raises and nothing is sent),
         then all of them go out together, applied in order: one pipelined round trip per
         Redis node they reach (see the module docstring for the rare second rounds)."""
-        pushes = [self._checked_push(r) for r in _requests(requests, PushRequest, "push_many")]
+        pushes = [self._checked_push(r) for r in check_requests(requests, PushRequest, "push_many")]
         names = ", ".join(repr(p.t.spec.name) for p in pushes)
         return self._push(pushes, f"push_many of tables {names} to Redis {self.address}")
 
