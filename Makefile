@@ -27,12 +27,13 @@ define check_python
 	  exit 1; }
 endef
 
-.PHONY: help install demo lm test lint fmt bench clean distclean
+.PHONY: help install demo lm test test-gpu lint fmt bench clean distclean
 
 help:
 	@echo "make demo    train DLRM on MovieLens-100k (creates .venv on first use)"
 	@echo "make lm      train a small GPT on Shakespeare (or stdlib source) text"
 	@echo "make test    ruff check, ruff format --check, mypy, pytest"
+	@echo "make test-gpu  the tests marked gpu (needs a CUDA device)"
 	@echo "make lint    ruff check, ruff format --check, mypy"
 	@echo "make fmt     ruff format + ruff check --fix"
 	@echo "make bench   benchmarks/comm_bench.py under mpirun -n $(NP)"
@@ -74,6 +75,12 @@ lint: $(STAMP)
 # The Triton kernel tests run in Triton's CPU interpreter; make their skip an error here.
 test: lint
 	HYBRIDREC_REQUIRE_TRITON=1 $(BIN)/pytest
+
+# The CUDA tests alone; where torch sees no GPU this says so and fails instead of skipping all.
+test-gpu: $(STAMP)
+	@$(PY) -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
+	  f"make test-gpu: torch {torch.__version__} sees no CUDA device")'
+	HYBRIDREC_REQUIRE_TRITON=1 $(BIN)/pytest -m gpu
 
 fmt: $(STAMP)
 	$(BIN)/ruff format .

@@ -14,7 +14,7 @@ traceback and ends the whole job (see comm/failures.py); ``comm.abort(code)``
 does the same on purpose.
 """
 
-from comm.device import default_device
+from comm.device import DEVICE_CHOICES, cuda_available, default_device, resolve_device
 from comm.failures import abort, running_job
 from comm.group import ProcessGroup, ReduceOp
 from comm.handle import CommTimeoutError, Handle
@@ -35,7 +35,10 @@ __all__ = [
     "Topology",
     "abort",
     "running_job",
+    "DEVICE_CHOICES",
+    "cuda_available",
     "default_device",
+    "resolve_device",
     "detect_launch",
     "init",
 ]

@@ -1,4 +1,10 @@
-"""The one place that decides which device tensors live on."""
+"""The one place that decides which device a worker's tensors live on.
+
+A job resolves its ``--device`` once with :func:`resolve_device` and hands the result
+down (``EmbeddingCollection(device=...)``, ``model.to(device)``); a module built
+without a device asks :func:`default_device`. Parameter-server ranks, stores and
+caches stay on the host whatever the workers use.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +12,57 @@ import torch
 
 from comm.group import ProcessGroup
 
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (False on CPU-only builds)."""
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def resolve_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
+    """The device of a worker rank: ``requested`` is ``auto`` (this rank's GPU when CUDA
+    is there, else the CPU), ``cpu``, ``cuda`` (this rank's GPU: ``local_rank`` modulo
+    the GPUs on the host, so several ranks may share one) or ``cuda:N``.
+
+    Asking for CUDA where torch sees none is an error naming the device asked for.
+    """
+    req = requested.strip().lower()
+    if req == "cpu":
+        return torch.device("cpu")
+    if req == "auto":
+        if not cuda_available():
+            return torch.device("cpu")
+        req = "cuda"
+    if req == "cuda" or req.startswith("cuda:"):
+        if not cuda_available():
+            raise RuntimeError(
+                f"device {requested!r} asked for, but torch sees no CUDA device "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); "
+                "use --device cpu or auto"
+            )
+        count = torch.cuda.device_count()
+        if req == "cuda":
+            index = local_rank % count
+        else:
+            try:
+                index = int(req.split(":", 1)[1])
+            except ValueError:
+                raise ValueError(f"device {requested!r}: expected cuda:N with N an int") from None
+            if not 0 <= index < count:
+                raise ValueError(f"device {requested!r}: this host has CUDA devices 0..{count - 1}")
+        return torch.device("cuda", index)
+    raise ValueError(f"device {requested!r}: expected one of {DEVICE_CHOICES} or cuda:N")
+
 
 def default_device(group: ProcessGroup | None = None) -> torch.device:
-    """CUDA (this rank's GPU) when the group moves CUDA tensors (nccl), else CPU.
+    """The device of a module built without one: the group's GPU when the group moves
+    CUDA tensors (nccl), else the CPU.
 
     The CPU is the default everywhere else on purpose: the MPI and gloo backends,
-    the parameter server and the caches all work on host memory.
+    the parameter server and the caches all work on host memory; a job that trains
+    on a GPU over them says so (:func:`resolve_device`), and the groups stage its
+    CUDA tensors through host memory.
     """
     device = getattr(group, "device", None)
     return device if isinstance(device, torch.device) else torch.device("cpu")

@@ -36,3 +36,13 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 def rank_battery(tmp_path_factory: pytest.TempPathFactory) -> RankBattery:
     """The embedding and dense multi-rank checks, one launch per (backend, ranks)."""
     return RankBattery(tmp_path_factory.mktemp("rank_battery"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` skip, saying why, where torch sees no CUDA device."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA device; torch {torch.__version__} sees none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
