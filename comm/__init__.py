@@ -14,7 +14,13 @@ traceback and ends the whole job (see comm/failures.py); ``comm.abort(code)``
 does the same on purpose.
 """
 
-from comm.device import DEVICE_CHOICES, cuda_available, default_device, resolve_device
+from comm.device import (
+    DEVICE_CHOICES,
+    cuda_available,
+    default_device,
+    resolve_device,
+    worker_device,
+)
 from comm.failures import abort, running_job
 from comm.group import ProcessGroup, ReduceOp
 from comm.handle import CommTimeoutError, Handle
@@ -39,6 +45,7 @@ __all__ = [
     "cuda_available",
     "default_device",
     "resolve_device",
+    "worker_device",
     "detect_launch",
     "init",
 ]

@@ -55,6 +55,30 @@ def resolve_device(requested: str = "auto", local_rank: int = 0) -> torch.device
     raise ValueError(f"device {requested!r}: expected one of {DEVICE_CHOICES} or cuda:N")
 
 
+def worker_device(
+    requested: str, group: ProcessGroup, local_rank: int | None = None
+) -> torch.device:
+    """The device a worker rank of ``group`` trains on (see :func:`resolve_device`).
+
+    An nccl group already holds this rank's GPU: ``auto`` and ``cuda`` mean that one,
+    and ``cpu`` is an error (nccl moves CUDA tensors only). ``local_rank`` defaults to
+    the launcher's (``torchrun``'s ``LOCAL_RANK``, ``mpirun``'s local rank variables).
+    """
+    own = getattr(group, "device", None)
+    if isinstance(own, torch.device) and own.type == "cuda":
+        if requested.strip().lower() == "cpu":
+            raise ValueError(
+                "device 'cpu' with the nccl backend: nccl moves CUDA tensors only; "
+                "use --backend gloo (or mpi) to train on the CPU"
+            )
+        return own
+    if local_rank is None:
+        from comm.init import detect_launch
+
+        local_rank = detect_launch().local_rank
+    return resolve_device(requested, local_rank)
+
+
 def default_device(group: ProcessGroup | None = None) -> torch.device:
     """The device of a module built without one: the group's GPU when the group moves
     CUDA tensors (nccl), else the CPU.

@@ -256,14 +256,35 @@ class KeyedJaggedIds:
     def __getitem__(self, key: str) -> JaggedIds:
         return self.key_slice(key)
 
+    def _moved(
+        self, ids: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+    ) -> KeyedJaggedIds:
+        """The same batch over copies of its tensors, without checking them again: the
+        checks read the lengths on the host, which on a device would wait for the copy
+        (a host synchronisation per batch)."""
+        out = object.__new__(KeyedJaggedIds)
+        out._keys, out._index = self._keys, self._index
+        out._ids, out._lengths, out._weights = ids, lengths, weights
+        out._offsets = None
+        return out
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedIds:
+        """The batch on ``device`` (itself when it is there already)."""
+        if self._ids.device == torch.device(device):
+            return self
         w = None if self._weights is None else self._weights.to(device, non_blocking=non_blocking)
-        return KeyedJaggedIds(
-            self._keys,
+        return self._moved(
             self._ids.to(device, non_blocking=non_blocking),
             self._lengths.to(device, non_blocking=non_blocking),
             w,
         )
+
+    @property
+    def device(self) -> torch.device:
+        return self._ids.device
+
+    def is_pinned(self) -> bool:
+        return self._ids.is_pinned()
 
     def pin_memory(self) -> KeyedJaggedIds:
         """A copy in page-locked host memory (for ``to("cuda", non_blocking=True)``).
@@ -271,10 +292,10 @@ class KeyedJaggedIds:
         Without an accelerator there is nothing to pin for (torch refuses): the batch is
         returned as it is, as torch's DataLoader does with ``pin_memory=True`` on CPU.
         """
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available() or self._ids.is_cuda or self.is_pinned():
             return self
         w = None if self._weights is None else self._weights.pin_memory()
-        return KeyedJaggedIds(self._keys, self._ids.pin_memory(), self._lengths.pin_memory(), w)
+        return self._moved(self._ids.pin_memory(), self._lengths.pin_memory(), w)
 
     # ------------------------------------------------------------ by key
 

@@ -163,6 +163,15 @@ def describe_roles(topology: Topology, backend: str) -> str:
     return f"{text} ({backend})"
 
 
+def describe_device(device: torch.device, precision: str) -> str:
+    """``"workers on cuda:0 (NVIDIA H200, 139 GiB), bf16"``: the job's header."""
+    where = str(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        where += f" ({props.name}, {props.total_memory / 2**30:.0f} GiB)"
+    return f"workers on {where}, {precision}"
+
+
 def check_batch_size(batch_size: int, topology: Topology, ranks_per_replica: int = 1) -> None:
     """ValueError unless the global batch splits evenly over the model replicas: the
     worker ranks, or groups of ``ranks_per_replica`` of them that hold one model split

@@ -8,9 +8,13 @@ says so (``--no-progress``).
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
+import torch
 from tqdm import tqdm
+
+_SHOW_EVERY_S = 0.5  # the loss and rate on the bar are refreshed at most this often
 
 
 class Progress:
@@ -39,10 +43,19 @@ class Progress:
             dynamic_ncols=True,
         )
         self._samples = 0
+        self._shown = -_SHOW_EVERY_S  # when the postfix was last written (monotonic s)
 
-    def step(self, samples: int, loss: float, **extra: float) -> None:
-        """One step of ``samples`` samples done with training loss ``loss``."""
+    def step(self, samples: int, loss: float | torch.Tensor, **extra: float) -> None:
+        """One step of ``samples`` samples done with training loss ``loss``.
+
+        The loss is read at most every ``_SHOW_EVERY_S`` seconds, and never when the bar
+        is off: reading a device loss waits for its step (a host synchronisation)."""
         self._samples += samples
+        now = time.monotonic()
+        if self._bar.disable or now - self._shown < _SHOW_EVERY_S:
+            self._bar.update(1)
+            return
+        self._shown = now
         elapsed = self._bar.format_dict.get("elapsed", 0.0) or 1e-9
         fields = {"loss": f"{loss:.4f}", "samples/s": f"{self._samples / elapsed:.0f}"}
         fields.update({k: f"{v:.4g}" for k, v in extra.items()})

@@ -7,9 +7,11 @@ command-line option and one key of a ``--config`` file (:mod:`hybridrec.config`)
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from comm import DEVICE_CHOICES
 from comm.compression import CODECS
 from hybridrec.config import option
 
@@ -54,6 +56,14 @@ class RunOptions:
     )
     progress: bool = option(True, help="progress bar (rank 0, only on a terminal)")
     # ---- runtime
+    device: str = option(
+        "auto",
+        help="where a worker trains: auto (this rank's GPU when CUDA is there, else the CPU), "
+        "cpu, cuda (GPU local_rank mod the host's GPUs) or cuda:N; PS ranks stay on the host",
+    )
+    precision: Literal["fp32", "bf16"] = option(
+        "fp32", help="dense math precision: fp32, or bf16 autocast (tables and updates stay fp32)"
+    )
     backend: str = option("auto", help="auto (mpirun -> mpi, torchrun -> gloo), local, mpi, gloo")
     validate_comm: bool = option(False, help="cross-rank checks on every collective (slower)")
     threads: int = option(1, help="torch threads per rank; 0 = torch's default")
@@ -102,6 +112,11 @@ class RunOptions:
                 f"compression {self.compression!r} applies to the DataParallel allreduce; "
                 f"ZeRO stage {self.zero_stage} reduces gradients itself (use zero_stage 0)"
             )
+        device = self.device.strip().lower()
+        if device not in DEVICE_CHOICES and not re.fullmatch(r"cuda:\d+", device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
         if self.existing_tables not in ("fail", "reuse", "replace"):
             raise ValueError(
                 "existing_tables must be 'fail', 'reuse' or 'replace', got "

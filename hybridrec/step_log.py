@@ -12,9 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import torch
-
 from comm import ProcessGroup
+from hybridrec.loss_sums import Loss, LossSums
 from hybridrec.metrics_log import MetricsLog
 from hybridrec.progress import Progress
 
@@ -45,15 +44,16 @@ class StepLog:
         self.samples_per_step = samples_per_step  # global: every rank's samples together
         self.extras = extras
         self.bar = Progress(total_steps, rank=group.rank, enabled=progress, initial=start_step)
-        self._acc = torch.zeros(2, dtype=torch.float64)  # [sum of local mean losses, steps]
+        self._acc = LossSums()  # [sum of local mean losses, steps]
         self._since = time.perf_counter()
         self._steps_since = 0
         self.last_loss: float | None = None
 
-    def step(self, step: int, loss: float) -> None:
-        """Step ``step`` (1-based, global count) finished with this rank's mean loss ``loss``."""
+    def step(self, step: int, loss: Loss) -> None:
+        """Step ``step`` (1-based, global count) finished with this rank's mean loss ``loss``
+        (a device tensor is read only where the progress bar shows it)."""
         self.bar.step(self.samples_per_step, loss)
-        self._acc += torch.tensor([loss, 1.0], dtype=torch.float64)
+        self._acc.add(loss)
         self._steps_since += 1
         if due(step, self.log_every):
             self.flush(step)
@@ -62,7 +62,7 @@ class StepLog:
         """Write a ``"step"`` line for the steps since the last one (collective)."""
         if self._steps_since == 0:
             return
-        acc = self.group.allreduce(self._acc.clone(), op="sum")  # over ranks: [sum, steps*size]
+        acc = self.group.allreduce(self._acc.value(), op="sum")  # over ranks: [sum, steps*size]
         now = time.perf_counter()
         row: dict[str, float | int | str] = {
             "kind": "step",
@@ -76,7 +76,7 @@ class StepLog:
         if self.extras is not None and self.group.rank == 0:
             row.update(self.extras())
         self.log.write(row)
-        self._acc.zero_()
+        self._acc.reset()
         self._steps_since = 0
         self._since = now
 

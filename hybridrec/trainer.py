@@ -39,6 +39,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -59,10 +60,13 @@ from hybridrec.checkpoint import (
     save_checkpoint,
     save_model,
 )
+from hybridrec.loss_sums import Loss, LossSums
 from hybridrec.metrics_log import MetricsLog
 from hybridrec.step_log import StepLog, due
 
-StepFn = Callable[[Any, Any], float]  # (batch, next batch or None) -> this rank's mean loss
+# (batch, next batch or None) -> this rank's mean loss: a float, or a 0-d tensor that the
+# trainer reads only when it reports (on a GPU, a float per step would wait for the step).
+StepFn = Callable[[Any, Any], Loss]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -138,24 +142,28 @@ def plain_step(
     loss: Callable[[Any, Any], torch.Tensor],
     optimizer: DenseOptimizer,
     prefetch: Callable[[Any], None] | None = None,
+    forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> StepFn:
     """A step for ``(inputs, targets)`` batches: ``loss(model(inputs), targets)``,
     backward (waiting for every ``DataParallel`` inside ``model``), optimizer step.
     ``prefetch(next_batch)`` runs before the forward when a next batch is given (a
-    cache sends it with this batch's pull)."""
+    cache sends it with this batch's pull). The forward and the loss run inside
+    ``forward_context()`` (e.g. bf16 autocast, :func:`hybridrec.precision.autocast`).
+    Returns the loss as a 0-d tensor (the trainer reads it when it reports)."""
     parallel = [m for m in model.modules() if isinstance(m, DataParallel)]
 
-    def step(batch: Any, next_batch: Any) -> float:
+    def step(batch: Any, next_batch: Any) -> Loss:
         inputs, targets = batch
         if prefetch is not None and next_batch is not None:
             prefetch(next_batch)
-        value = loss(model(inputs), targets)
+        with forward_context():
+            value = loss(model(inputs), targets)
         optimizer.zero_grad(set_to_none=True)
         value.backward()  # DataParallel buckets are allreduced meanwhile
         for dp in parallel:
             dp.finish()
         optimizer.step()
-        return float(value.detach())
+        return value.detach()
 
     return step
 
@@ -169,10 +177,6 @@ def _change(name: str, saved: Any, now: Any) -> str:
         more = f" (and {len(keys) - 4} more)" if len(keys) > 4 else ""
         return f"{name}: {saved!r} in the checkpoint, {now!r} now{more}"
     return f"{name}: {saved!r} in the checkpoint, {now!r} now"
-
-
-def _sums() -> torch.Tensor:
-    return torch.zeros(2, dtype=torch.float64)  # [sum of local mean losses, steps]
 
 
 class Trainer:
@@ -231,7 +235,7 @@ class Trainer:
         self.train_seconds = 0.0
         # Per rank: [sum of local mean losses, steps] over the epoch and since the last
         # evaluation (rank 0 also carries a resumed run's global sums).
-        self._epoch_loss, self._interval_loss = _sums(), _sums()
+        self._epoch_loss, self._interval_loss = LossSums(), LossSums()
         self.evals: list[dict[str, Any]] = []
         self.epochs: list[dict[str, Any]] = []
         # Best-epoch tracking: the best row so far, epochs since it, whether patience ran
@@ -257,10 +261,10 @@ class Trainer:
             total = min(total, cfg.max_steps) if total is not None else cfg.max_steps
         return total
 
-    def _global(self, sums: torch.Tensor) -> torch.Tensor:
-        return self.group.allreduce(sums.clone(), op="sum")  # [sum over ranks, steps * size]
+    def _global(self, sums: LossSums) -> torch.Tensor:
+        return self.group.allreduce(sums.value(), op="sum")  # [sum over ranks, steps * size]
 
-    def _mean_loss(self, sums: torch.Tensor) -> float | None:
+    def _mean_loss(self, sums: LossSums) -> float | None:
         total = self._global(sums)
         return float(total[0] / total[1]) if float(total[1]) else None
 
@@ -273,7 +277,7 @@ class Trainer:
     def _eval(self, step: int) -> None:
         metrics = self.evaluate() if self.evaluate is not None else None
         loss = self._mean_loss(self._interval_loss)
-        self._interval_loss = _sums()
+        self._interval_loss.reset()
         if metrics is None:
             return
         row = {"kind": "eval", "step": step, "train_loss": loss, **metrics}
@@ -285,7 +289,7 @@ class Trainer:
         final checkpoint carries it to the resumed run, whose row spans the epoch)."""
         loss = self._mean_loss(self._epoch_loss)
         if complete:
-            self._epoch_loss = _sums()
+            self._epoch_loss.reset()
         if not self.config.epoch_rows:
             return
         metrics = (self.evaluate() if self.evaluate is not None else None) or {}
@@ -414,8 +418,8 @@ class Trainer:
         step = int(meta["step"])
         sums = meta.get("loss_sums")
         if sums is not None and self.group.rank == 0:  # the global sums, counted once
-            self._epoch_loss = torch.tensor(sums["epoch"], dtype=torch.float64)
-            self._interval_loss = torch.tensor(sums["interval"], dtype=torch.float64)
+            self._epoch_loss.set(torch.tensor(sums["epoch"], dtype=torch.float64))
+            self._interval_loss.set(torch.tensor(sums["interval"], dtype=torch.float64))
         epoch, in_epoch = int(meta.get("epoch", 0)), int(meta.get("step_in_epoch", step))
         best = meta.get("best")
         if best and self.config.best_metric is not None:
@@ -466,9 +470,8 @@ class Trainer:
                 loss = self.step_fn(batch, None if nxt is None else nxt[0])
                 self.train_seconds += time.perf_counter() - mark
                 step, in_epoch = step + 1, in_epoch + 1
-                add = torch.tensor([loss, 1.0], dtype=torch.float64)
-                self._epoch_loss += add
-                self._interval_loss += add
+                self._epoch_loss.add(loss)
+                self._interval_loss.add(loss)
                 steps.step(step, loss)
                 if due(step, cfg.eval_every) or (cfg.eval_at_end and step == total):
                     self._eval(step)

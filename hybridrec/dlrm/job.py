@@ -28,18 +28,27 @@ import torch
 import torch.nn.functional as F
 
 from cache import CachedStore
-from comm import ProcessGroup, Topology
+from comm import ProcessGroup, Topology, worker_device
 from dense import DataParallel, ZeroOptimizer
 from hybridrec.batches import agreed
 from hybridrec.checkpoint import DenseOptimizer
 from hybridrec.config import parse_config
 from hybridrec.datasets.ctr import Batch
+from hybridrec.device_data import DeviceBatches, DeviceEpochData
 from hybridrec.dlrm.config import TrainConfig
 from hybridrec.dlrm.data import Feature, Source, StreamSource, auc_logloss, open_source
 from hybridrec.dlrm.model import DLRM, build_dlrm, dlrm_tables
 from hybridrec.errors import reported_errors
-from hybridrec.launch import Launch, check_batch_size, describe_roles, torch_threads, with_cache
+from hybridrec.launch import (
+    Launch,
+    check_batch_size,
+    describe_device,
+    describe_roles,
+    torch_threads,
+    with_cache,
+)
 from hybridrec.metrics_log import cache_metrics, store_metrics
+from hybridrec.precision import autocast
 from hybridrec.tables import prepare_tables
 from hybridrec.trainer import Trainer, TrainerConfig, TrainResult
 from ps import InProcessStore, Store
@@ -96,9 +105,12 @@ def build(
     group: ProcessGroup,
     store: Store,
     placements: dict[str, str] | None = None,
+    device: torch.device | None = None,
 ) -> tuple[DLRM, DenseOptimizer, CachedStore | None]:
-    """The model, its dense optimizer and the cache (if any). Hybrid tables the store
-    already holds are handled by ``--existing-tables`` (:func:`prepare_tables`)."""
+    """The model on ``device`` (default: ``--device``), its dense optimizer and the cache
+    (if any, on the host with the store). Hybrid tables the store already holds are
+    handled by ``--existing-tables`` (:func:`prepare_tables`)."""
+    device = device if device is not None else worker_device(cfg.device, group)
     placements = placements or resolve_placements(cfg, source.features)
     assert cfg.dim is not None and cfg.top_mlp is not None and cfg.interaction is not None
     cached = with_cache(cfg, store, group)
@@ -121,6 +133,7 @@ def build(
         group=group,
         placements=placements,
         store=cached if cached is not None else store,
+        device=device,
     )
     return model, make_optimizer(cfg, model, group), cached
 
@@ -129,38 +142,55 @@ def build(
 
 
 def train_step(
-    model: DLRM, opt: DenseOptimizer, batch: Batch, next_batch: Batch | None = None
-) -> float:
-    """One synchronous step on this rank's ``batch``; returns its local mean loss.
+    model: DLRM,
+    opt: DenseOptimizer,
+    batch: Batch,
+    next_batch: Batch | None = None,
+    precision: str = "fp32",
+) -> torch.Tensor:
+    """One synchronous step on this rank's ``batch``; returns its local mean loss (a 0-d
+    tensor on the model's device, read by the trainer only when it reports).
 
     With ``next_batch``, its ids go to the embedding cache first: they ride on this
     batch's pull (one request per server for both), so its missing rows are in the
-    cache when the next step starts."""
+    cache when the next step starts. ``precision`` "bf16": the forward under autocast."""
     if next_batch is not None:
         model.embeddings.prefetch(next_batch.sparse)
-    logits = model(batch)  # [b]
-    loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+    with autocast(batch.labels.device, precision):
+        logits = model(batch)  # [b]
+    loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
     opt.zero_grad(set_to_none=True)
     loss.backward()  # rows updated here; DataParallel buckets allreduced meanwhile
     if isinstance(model.dense, DataParallel):
         model.dense.finish()
     opt.step()  # ZeroOptimizer: averages the gradients first
-    return float(loss.detach())
+    return loss.detach()
 
 
 @torch.no_grad()
 def evaluate(
-    model: DLRM, batches: Iterable[Batch], group: ProcessGroup, lockstep: bool
+    model: DLRM,
+    batches: Iterable[Batch],
+    group: ProcessGroup,
+    lockstep: bool,
+    feed: DeviceBatches | None = None,
+    precision: str = "fp32",
 ) -> tuple[float, float]:
-    """AUC and log loss over every rank's ``batches`` (collective)."""
+    """AUC and log loss over every rank's ``batches`` (collective); ``feed`` moves
+    them to the model's device. The scores stay on the device until the end."""
     model.eval()
-    probs, labels = [torch.empty(0)], [torch.empty(0)]
-    for b in agreed(batches, group, lockstep):
-        probs.append(torch.sigmoid(model(b)).float())
+    device = feed.device if feed is not None else torch.device("cpu")
+    probs = [torch.empty(0, device=device)]
+    labels = [torch.empty(0, device=device)]
+    rows = agreed(batches, group, lockstep)
+    for b in feed.batches(rows) if feed is not None else rows:
+        with autocast(device, precision):
+            logits = model(b)
+        probs.append(torch.sigmoid(logits.float()))
         labels.append(b.labels.float())
     model.train()
-    p = group.allgatherv(torch.cat(probs).contiguous())  # [n] over all ranks
-    y = group.allgatherv(torch.cat(labels).contiguous())
+    p = group.allgatherv(torch.cat(probs).cpu().contiguous())  # [n] over all ranks
+    y = group.allgatherv(torch.cat(labels).cpu().contiguous())
     return auc_logloss(y, p)
 
 
@@ -208,10 +238,16 @@ class DLRMJob:
         self.cfg, self.group = cfg, group
         self.source = open_source(cfg, group)
         placements = resolve_placements(cfg, self.source.features)
-        self.model, self.optimizer, self.cached = build(cfg, self.source, group, store, placements)
+        self.device = worker_device(cfg.device, group)
+        self.model, self.optimizer, self.cached = build(
+            cfg, self.source, group, store, placements, self.device
+        )
+        # Hybrid tables dedup and pull their ids on the host: those stay there (pinned).
+        self.feed = DeviceBatches(self.device, sparse_on_host="hybrid" in placements.values())
         self.lockstep = self.model.embeddings.sharded is not None  # every rank in each forward
         self.say(f"DLRM on {self.source.describe()}; "
-                 f"{describe_roles(roles or Topology.of(group), group.backend)}")  # fmt: skip
+                 f"{describe_roles(roles or Topology.of(group), group.backend)}; "
+                 f"{describe_device(self.device, cfg.precision)}")  # fmt: skip
         stream = isinstance(self.source, StreamSource)  # ranks may hold one batch more or less
         model, opt = self.model, self.optimizer
         select_best = cfg.keep_best and self.source.has_split("val")
@@ -222,8 +258,8 @@ class DLRMJob:
             )
         self.trainer = Trainer(
             trainer_config(cfg, self.cached is not None, stream, select_best),
-            group=group, optimizer=opt, data=self.source,
-            step=lambda batch, nxt: train_step(model, opt, batch, nxt),
+            group=group, optimizer=opt, data=DeviceEpochData(self.source, self.feed),
+            step=lambda batch, nxt: train_step(model, opt, batch, nxt, cfg.precision),
             dense=model.dense, embeddings=model.embeddings, evaluate=self.validate,
             extras=self.extras, on_row=self.show,
             run_config={**asdict(cfg), "placements": placements}, shape_options=SHAPE_OPTIONS,
@@ -238,7 +274,9 @@ class DLRMJob:
         if not self.source.has_split("val"):
             return None
         val = self.source.eval_batches("val")
-        auc, logloss = evaluate(self.model, val, self.group, self.lockstep)
+        auc, logloss = evaluate(
+            self.model, val, self.group, self.lockstep, self.feed, self.cfg.precision
+        )
         row = {"val_auc": auc, "val_logloss": logloss}
         if self.cached is not None:
             row["cache_hit_rate"] = cache_metrics(self.cached.cache_stats())["cache_hit_rate"]
@@ -265,7 +303,7 @@ class DLRMJob:
         if self.cached is not None:
             self.cached.flush()  # every pending row update reaches the store
         model = self.model
-        result = finish(self.cfg, self.group, model, self.source, self.lockstep, run)
+        result = finish(self.cfg, self.group, model, self.source, self.lockstep, run, self.feed)
         if self.cached is not None:
             result["cache"] = self.cached.cache_stats()
             result.update(cache_metrics(result["cache"]))
@@ -284,6 +322,7 @@ def finish(
     source: Source,
     lockstep: bool,
     run: TrainResult,
+    feed: DeviceBatches | None = None,
 ) -> dict[str, Any]:
     """The final summary: test metrics, the popularity baseline, throughput (this run's)."""
     result: dict[str, Any] = {
@@ -294,6 +333,7 @@ def finish(
         "steps_run": run.steps_run,
         "already_finished": run.already_finished,
         "world_size": group.size,
+        "device": str(feed.device if feed is not None else "cpu"),
         "train_seconds": run.train_seconds,
         "samples_per_s": run.samples_per_s,
         "test_auc": None,
@@ -308,7 +348,8 @@ def finish(
     result["best_epoch"] = None if run.best is None else run.best["epoch"]
     result["stopped_early"] = run.stopped_early
     if source.has_split("test"):
-        auc, logloss = evaluate(model, source.eval_batches("test"), group, lockstep)
+        test = source.eval_batches("test")
+        auc, logloss = evaluate(model, test, group, lockstep, feed, cfg.precision)
         result["test_auc"], result["test_logloss"] = auc, logloss
     baseline = source.baseline()
     if baseline is not None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from comm import ProcessGroup
+from comm import ProcessGroup, default_device
 from dense import DLRMConfig, DLRMDense
 from embedding import EmbeddingCollection, RowWiseAdagrad, TableConfig
 from hybridrec.datasets.ctr import Batch, CTRData
@@ -60,6 +60,7 @@ def build_dlrm(
     interaction: str = "dot",
     dcn_layers: int = 3,
     dcn_rank: int = 64,
+    device: torch.device | None = None,
 ) -> DLRM:
     """A DLRM for ``features``; the same ``seed`` gives the same model on every rank.
 
@@ -68,7 +69,9 @@ def build_dlrm(
     or "sharded". ``bottom_mlp`` and ``top_mlp`` list the output width of every layer,
     as :class:`dense.DLRMConfig` does: the bottom MLP ends in ``dim`` (None: ``[64, dim]``),
     the top in 1. ``interaction``, ``dcn_layers`` and ``dcn_rank``: as in
-    :class:`dense.DLRMConfig` (dot products, or a DCN-v2 cross network).
+    :class:`dense.DLRMConfig` (dot products, or a DCN-v2 cross network). ``device``:
+    where the local and sharded tables and the dense part live (None: the group's
+    default, :func:`comm.default_device`); hybrid tables stay in ``store``.
     """
     if isinstance(features, CTRData):
         num_dense = len(features.dense_names)
@@ -76,7 +79,7 @@ def build_dlrm(
     if num_dense is None:
         raise ValueError("build_dlrm: num_dense is needed with a list of features")
     tables = dlrm_tables(features, dim=dim, emb_lr=emb_lr, placements=placements)
-    embeddings = EmbeddingCollection(tables, group=group, store=store)
+    embeddings = EmbeddingCollection(tables, group=group, store=store, device=device)
     config = DLRMConfig(
         num_dense=num_dense,
         num_sparse=len(tables),
@@ -89,8 +92,8 @@ def build_dlrm(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        dense = DLRMDense(config)
-    return DLRM(embeddings, dense)
+        dense = DLRMDense(config)  # built on the host: the same initial weights on any device
+    return DLRM(embeddings, dense.to(device or default_device(group)))
 
 
 def dlrm_tables(

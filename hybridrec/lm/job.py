@@ -20,6 +20,7 @@ metrics file and its plot. ``--help`` lists every option.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from comm import ProcessGroup, Topology
+from comm import ProcessGroup, Topology, worker_device
 from dense import apply_tensor_parallel
 from dense.gpt import GPT, GPTConfig, gpt_loss
 from embedding import EmbeddingCollection
@@ -43,8 +44,16 @@ from hybridrec.datasets.text import (
     split_tokens,
     tokenize,
 )
+from hybridrec.device_data import DeviceBatches, DeviceEpochData
 from hybridrec.errors import reported_errors
-from hybridrec.launch import Launch, check_batch_size, describe_roles, torch_threads, with_cache
+from hybridrec.launch import (
+    Launch,
+    check_batch_size,
+    describe_device,
+    describe_roles,
+    torch_threads,
+    with_cache,
+)
 from hybridrec.lm.config import LMConfig
 from hybridrec.lm.model import (
     LanguageModel,
@@ -55,6 +64,7 @@ from hybridrec.lm.model import (
 )
 from hybridrec.lm.parallel import build_dense, model_parallel, pipeline_loss, pipeline_step
 from hybridrec.metrics_log import cache_metrics, store_metrics
+from hybridrec.precision import autocast
 from hybridrec.tables import prepare_tables
 from hybridrec.trainer import Trainer, TrainerConfig, TrainResult, plain_step
 from ps import InProcessStore, Store
@@ -83,15 +93,17 @@ def evaluate(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     group: ProcessGroup,
     batch_loss: Callable[[torch.Tensor, torch.Tensor], float] | None = None,
+    feed: DeviceBatches | None = None,
 ) -> float:
     """Mean next-token loss over the validation windows of every rank (nats per token).
-    ``batch_loss(x, y)``: one batch's mean loss (default ``gpt_loss(model(x), y)``).
+    ``batch_loss(x, y)``: one batch's mean loss (default ``gpt_loss(model(x), y)``);
+    ``feed`` moves the windows to the model's device.
     Ranks of one model replica see the same windows: the ratio of the sums is unchanged."""
     if batch_loss is None:
         batch_loss = lambda x, y: float(gpt_loss(model(x), y))  # noqa: E731
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)  # [sum of token losses, tokens]
-    for x, y in batches:
+    for x, y in batches if feed is None else feed.batches(batches):
         total[0] += batch_loss(x, y) * y.numel()
         total[1] += y.numel()
     model.train()
@@ -185,6 +197,7 @@ class LMJob:
             f"tokenizer {self.tokenizer.name} (vocab {vocab}): {len(splits.train)} train / "
             f"{len(splits.val)} validation tokens"
         )
+        self.device = device = worker_device(cfg.device, group)
         torch.manual_seed(cfg.seed)  # the same GPT init everywhere (rank 0's is broadcast)
         gpt = GPT(
             GPTConfig(
@@ -196,6 +209,7 @@ class LMJob:
                 dropout=cfg.dropout,
             )
         )
+        gpt = gpt.to(device)  # built on the host: the same initial weights on any device
         dense_parameters = gpt.num_parameters()
         if cfg.tp > 1:  # every rank built the full GPT from the same seed: keep its slice
             apply_tensor_parallel(gpt, par.tp)
@@ -213,15 +227,20 @@ class LMJob:
         if par.looks_up:  # the ranks running a first stage hold the sparse tables
             if hybrid:
                 prepare_tables(store, hybrid, par.tables, cfg.tables_policy)
-            embeddings = EmbeddingCollection(tables, store=self.store, group=par.tables)
+            embeddings = EmbeddingCollection(
+                tables, store=self.store, group=par.tables, device=device
+            )
         self.model = LanguageModel(embeddings, trained, self.ngrams)
         self.say(
             f"GPT {cfg.n_layer}x{cfg.d_model} ({dense_parameters} dense parameters) + token "
             f"table {vocab}x{cfg.d_model} ({cfg.placement}, {cfg.emb_optimizer})"
             f"{self.describe_ngrams()}; "
             f"{describe_roles(roles or Topology.of(group), group.backend)}, "
-            f"zero stage {cfg.zero_stage}{describe_mesh(par.mesh.shape)}"
+            f"zero stage {cfg.zero_stage}{describe_mesh(par.mesh.shape)}; "
+            f"{describe_device(device, cfg.precision)}"
         )
+        self.feed = DeviceBatches(device)
+        forward = functools.partial(autocast, device, cfg.precision)
         self.val = eval_batches(
             splits.val,
             num_batches=cfg.eval_batches,
@@ -240,9 +259,10 @@ class LMJob:
                 resume=cfg.resume, metrics_out=cfg.metrics_out, progress=cfg.progress,
                 verbose=cfg.verbose,
             ),
-            group=group, optimizer=self.optimizer, data=Windows(splits.train, cfg, par.dp),
+            group=group, optimizer=self.optimizer,
+            data=DeviceEpochData(Windows(splits.train, cfg, par.dp), self.feed),
             step=(
-                plain_step(self.model, par.loss, self.optimizer)
+                plain_step(self.model, par.loss, self.optimizer, forward_context=forward)
                 if self.dense.pipeline is None
                 else pipeline_step(self.model, self.dense, par, cfg.zero_stage)
             ),
@@ -293,13 +313,19 @@ class LMJob:
         before = self.ngram_traffic()
         model, par = self.model, self.par
         if self.dense.pipeline is None:
-            loss = evaluate(model, self.val, self.group, lambda x, y: float(par.loss(model(x), y)))
+
+            def batch_loss(x: torch.Tensor, y: torch.Tensor) -> float:
+                with autocast(self.device, self.cfg.precision):
+                    return float(par.loss(model(x), y))
+
+            loss = evaluate(model, self.val, self.group, batch_loss, self.feed)
         else:
             loss = evaluate(
                 model,
                 self.val,
                 self.group,
                 lambda x, y: pipeline_loss(model, self.dense, par, x, y),
+                self.feed,
             )
         if before is not None:  # rows read for validation are not a training step's traffic
             self.eval_traffic += (self.ngram_traffic() or 0) - before
@@ -325,6 +351,7 @@ class LMJob:
             "tokenizer": self.tokenizer.name,
             "vocab_size": self.vocab,
             "world_size": self.group.size,
+            "device": str(self.device),
             "steps": run.step,
             "steps_run": run.steps_run,
             "already_finished": run.already_finished,
