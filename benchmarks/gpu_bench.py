@@ -468,8 +468,11 @@ def hybridrec_dlrm(shape: DLRMShape, device: torch.device, notes: list[str]) -> 
     tables = [dataclasses.replace(t, init=UniformInit(low=0.0, high=0.0)) for t in tables]
     embeddings = collection_on(tables, device, notes)
     bound = math.sqrt(1.0 / shape.rows)
+    weights = local_weights(embeddings)
+    if not weights:
+        notes.append("the local tables' weights were not found: the DLRM tables start at zero")
     with torch.no_grad():
-        for w in local_weights(embeddings):
+        for w in weights:
             w.uniform_(-bound, bound)
     config = DLRMConfig(
         num_dense=shape.num_dense,
@@ -783,10 +786,10 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "python": sys.version.split()[0],
     }
     if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["gpu_memory_GB"] = round(
-            torch.cuda.get_device_properties(device).total_memory / 1e9, 1
-        )
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = props.name
+        info["gpu_memory_GB"] = round(props.total_memory / 1e9, 1)
+        info["sm"] = f"{props.major}.{props.minor}"
     try:
         import triton
 
@@ -833,6 +836,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     kshape, dshape, gshape = shapes(mode)
     notes: list[str] = []
+    machine = machine_info(device)  # before the parts: a broken CUDA context cannot say it
 
     if args.part == "gpt-compiled":  # the child of gpt_compiled_child
         result = gpt_part(device, gshape, True, notes)
@@ -897,7 +901,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     result = {
         "bench": "gpu",
-        "machine": machine_info(device),
+        "machine": machine,
         "config": config,
         "figures": figures,
         "targets": targets_of(parts),
