@@ -48,6 +48,7 @@ import inspect
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -539,8 +540,14 @@ def dlrm_steps(
     return hybridrec_step, torch_step
 
 
-def dlrm_part(device: torch.device, shape: DLRMShape, notes: list[str]) -> dict[str, Any]:
-    """Samples/s of both DLRMs per precision; a precision that fails says why."""
+def dlrm_part(
+    device: torch.device,
+    shape: DLRMShape,
+    notes: list[str],
+    emit: Callable[[str, dict[str, Any]], None],
+) -> dict[str, Any]:
+    """Samples/s of both DLRMs per precision, each ``emit``-ted as it is measured; a
+    precision that fails says why."""
     t0 = time.perf_counter()
     batches = zipf_batches(shape, device)
     hybridrec_step, torch_step = dlrm_steps(shape, device, batches, notes)
@@ -562,7 +569,7 @@ def dlrm_part(device: torch.device, shape: DLRMShape, notes: list[str]) -> dict[
                 }
             except Exception as e:
                 out[precision] = {"error": error_text(e)}
-            print(f"dlrm {precision}: {json.dumps(out[precision])}", file=sys.stderr, flush=True)
+            emit(f"dlrm.{precision}", out[precision])
     if device.type == "cuda":
         out["max_memory_GB"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 1)
     out["shape"] = dataclasses.asdict(shape)
@@ -683,13 +690,19 @@ def gpt_compiled_child(args: argparse.Namespace, timeout: float) -> dict[str, An
     cannot be interrupted in-process); its last output line is its result."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--part", "gpt-compiled"]
     cmd += ["--device", args.device] + (["--quick"] if args.quick else [])
+    # A session of its own: on time-out the child and its compile workers go together.
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return {"error": f"torch.compile run did not finish within {timeout:.0f} s (budget)"}
-    lines = proc.stdout.strip().splitlines()
+    lines = stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-400:]}"}
+        return {"error": f"exit {proc.returncode}: {stderr.strip()[-400:]}"}
     result: dict[str, Any] = json.loads(lines[-1])
     return result
 
@@ -713,6 +726,8 @@ class Report:
             (out / "gpu_bench_parts.jsonl").write_text("")
 
     def run(self, name: str, fn: Callable[[], dict[str, Any]], device: torch.device) -> None:
+        """``fn()``'s result as part ``name``; an exception becomes its ``error``, and so
+        does an ``error`` one level down (one precision of a part)."""
         t0 = time.perf_counter()
         try:
             result = fn()
@@ -723,7 +738,14 @@ class Report:
         result["wall_s"] = round(time.perf_counter() - t0, 1)
         if "error" in result:
             self.errors[name] = result["error"]
+        for key, sub in result.items():
+            if isinstance(sub, dict) and "error" in sub:
+                self.errors[f"{name}.{key}"] = sub["error"]
         self.parts[name] = result
+        self.emit(name, result)
+
+    def emit(self, name: str, result: dict[str, Any]) -> None:
+        """One line ``{"part": name, ...}`` to stderr and to the parts file, now."""
         line = json.dumps({"part": name, **result}, default=str)
         print(line, file=sys.stderr, flush=True)
         if self.out is not None:
@@ -845,7 +867,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     report = Report(Path(args.out) if args.out else None)
     report.run("kernels", lambda: kernels_part(device, kshape, mode != "full"), device)
-    report.run("dlrm", lambda: dlrm_part(device, dshape, notes), device)
+    report.run("dlrm", lambda: dlrm_part(device, dshape, notes, report.emit), device)
     report.run("gpt", lambda: gpt_part(device, gshape, False, notes), device)
     left = args.budget_s - (time.perf_counter() - start) - 5
     if mode != "full":

@@ -98,7 +98,7 @@ def test_tiny_cpu_run_reports_every_target(tmp_path: Path) -> None:
 
     # Partial results were written as the parts finished, the final object beside them.
     parts = [json.loads(line)["part"] for line in (tmp_path / "gpu_bench_parts.jsonl").open()]
-    assert parts == ["kernels", "dlrm", "gpt"]
+    assert parts == ["kernels", "dlrm.fp32", "dlrm.bf16", "dlrm", "gpt"]
     assert json.loads((tmp_path / "gpu_bench.json").read_text()) == out
 
 
