@@ -504,7 +504,7 @@ def dlrm_steps(
         for b in batches
     ]
     hr = hybridrec_dlrm(shape, device, notes)
-    hr_opt = dense_adam(hr.parameters(), shape.dense_lr, device)  # the tables have none
+    hr_opt = dense_adam(hr.dense.parameters(), shape.dense_lr, device)
     th = TorchDLRM(shape, device)
     th_dense = [p for n, p in th.named_parameters() if not n.startswith("tables.")]
     th_dense_opt = dense_adam(th_dense, shape.dense_lr, device)
@@ -551,7 +551,11 @@ def dlrm_part(
     t0 = time.perf_counter()
     batches = zipf_batches(shape, device)
     hybridrec_step, torch_step = dlrm_steps(shape, device, batches, notes)
-    out: dict[str, Any] = {"build_s": round(time.perf_counter() - t0, 1)}
+    out: dict[str, Any] = {
+        "build_s": round(time.perf_counter() - t0, 1),
+        # rows one step touches (and updates), all tables together
+        "distinct_ids_per_batch": sum(int(torch.unique(t).numel()) for t in batches[0].ids),
+    }
     with tf32(False):
         for precision in ("fp32", "bf16"):
             try:
