@@ -72,6 +72,7 @@ if str(HERE.parent) not in sys.path:
 
 from comm import resolve_device  # noqa: E402
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig  # noqa: E402
+from hybridrec.dlrm.model import DLRM  # noqa: E402
 from ps import UniformInit  # noqa: E402
 
 PEAK_NAME = "H200 SXM bf16 dense 989 TFLOP/s"
@@ -436,8 +437,9 @@ class TorchDLRM(nn.Module):
             for _ in range(shape.tables)
         )
         with torch.no_grad():
-            for t in self.tables:
-                t.weight.uniform_(-bound, bound)
+            for table in self.tables:
+                assert isinstance(table, nn.EmbeddingBag)
+                table.weight.uniform_(-bound, bound)
         n = shape.tables + 1
         self.bottom = reference_mlp(
             shape.num_dense, shape.bottom_mlp, last_relu=True, device=device
@@ -445,6 +447,7 @@ class TorchDLRM(nn.Module):
         top_in = shape.dim + n * (n - 1) // 2
         self.top = reference_mlp(top_in, shape.top_mlp, last_relu=False, device=device)
         rows, cols = torch.tril_indices(n, n, offset=-1, device=device)
+        self.pairs: torch.Tensor
         self.register_buffer("pairs", rows * n + cols, persistent=False)  # [P] into [N*N]
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -455,11 +458,11 @@ class TorchDLRM(nn.Module):
         return self.top(torch.cat([x, z[:, self.pairs]], dim=1)).squeeze(1)  # [B]
 
 
-def hybridrec_dlrm(shape: DLRMShape, device: torch.device, notes: list[str]) -> nn.Module:
+def hybridrec_dlrm(shape: DLRMShape, device: torch.device, notes: list[str]) -> DLRM:
     """``hybridrec.dlrm.model.DLRM``: local tables (row-wise Adagrad) + ``DLRMDense``."""
     from dense import DLRMConfig, DLRMDense
     from hybridrec.dlrm.data import Feature
-    from hybridrec.dlrm.model import DLRM, dlrm_tables
+    from hybridrec.dlrm.model import dlrm_tables
 
     features = [Feature(f"f{t}", shape.rows) for t in range(shape.tables)]
     tables = dlrm_tables(features, dim=shape.dim, emb_lr=shape.emb_lr)
