@@ -322,12 +322,13 @@ def kernels_part(device: torch.device, shape: KernelShape, quick: bool) -> dict[
     run = getattr(triton_bench, "run_kernels", None)
     if run is not None and device.type == "cuda":
         out = dict(run(device, quick))
-        out["source"] = "triton_bench.run_kernels"
+    elif run is not None and "interpret" in inspect.signature(run).parameters:
+        out = dict(run(device, True, interpret=True))
+    else:
+        out = fallback_kernels(triton_bench, device, shape)
+        out["source"] = "gpu_bench on triton_bench's implementations (no run_kernels)"
         return out
-    out = fallback_kernels(triton_bench, device, shape)
-    out["source"] = "gpu_bench on triton_bench's implementations" + (
-        "" if run is None else " (run_kernels is for CUDA; this is the interpreter)"
-    )
+    out["source"] = "triton_bench.run_kernels"
     return out
 
 

@@ -93,8 +93,8 @@ def test_tiny_cpu_run_reports_every_target(tmp_path: Path) -> None:
     # Kernels: measured in Triton's interpreter where triton imports, else skipped with why.
     k = figures["kernels"]
     if "skipped" not in k:
-        assert out["targets"]["triton_step_vs_torch_min"]["value"] is not None
-        assert set(k["per_pooling"]) == {"L1", "L2"}
+        for name in ("triton_fwd_vs_torch_min", "triton_step_vs_torch_min"):
+            assert out["targets"][name]["value"] == pytest.approx(k[name], abs=1e-4)
 
     # Partial results were written as the parts finished, the final object beside them.
     parts = [json.loads(line)["part"] for line in (tmp_path / "gpu_bench_parts.jsonl").open()]
@@ -113,5 +113,7 @@ def test_kernel_entry_points_exist() -> None:
     run = getattr(triton_bench, "run_kernels", None)
     if run is not None:
         inspect.signature(run).bind(torch.device("cpu"), True)
-    for name in ("make_problem", "triton_impl", "torch_impl", "measure"):
-        assert callable(getattr(triton_bench, name, None)), name
+        inspect.signature(run).bind(torch.device("cpu"), True, interpret=True)
+    else:
+        for name in ("make_problem", "triton_impl", "torch_impl", "measure"):
+            assert callable(getattr(triton_bench, name, None)), name
