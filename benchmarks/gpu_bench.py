@@ -239,9 +239,11 @@ def interleaved(
 
 
 def free_memory(device: torch.device) -> None:
+    """Return what the last part held, and start a new peak-memory count for the next."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def autocast(device: torch.device, precision: str) -> AbstractContextManager[Any]:
