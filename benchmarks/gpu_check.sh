@@ -113,8 +113,16 @@ print(f"    gpt tokens/s {f['gpt_tokens_s']}, gpu_cache: {f['gpu_cache']}")
 for part, err in out["errors"].items():
     print(f"    error in {part}: {err}")
 PY
+elif [[ -s "$DEST/gpu_bench_parts.jsonl" ]]; then
+  echo "  bench: no final JSON; the parts that finished ($DEST/gpu_bench_parts.jsonl):"
+  "$PY" - "$DEST/gpu_bench_parts.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    part = json.loads(line)
+    print(f"    {part.pop('part')}: " + json.dumps(part)[:300])
+PY
 else
-  echo "  bench: no final JSON (partial results, if any: $DEST/gpu_bench_parts.jsonl)"
+  echo "  bench: no result"
 fi
 for part in machine cases gpu_tests bench; do
   [[ ${STATUS[$part]:-} == ok || ${STATUS[$part]:-} == none:* ]] || exit 1
