@@ -1,0 +1,952 @@
+"""hybridrec on one GPU, side by side with plain PyTorch: kernels, a DLRM step, a GPT step.
+
+One prepared script for one GPU (an H200 here), needing only torch, triton and numpy
+plus this repository; ``benchmarks/gpu_check.sh`` runs it after the GPU tests. Parts,
+each measured in this run (warm-up first, then medians of timed windows taken with
+CUDA events; batches are built on the device beforehand, so loading is not timed):
+
+* ``kernels``: the Triton fused embedding forward and step vs torch's
+  ``embedding_bag`` (26 x 100 k x 64, batch 2048, pooling 1 and 20, row-wise
+  Adagrad) through ``triton_bench.run_kernels``; where that function is missing, the
+  same comparison built here on ``triton_bench``'s implementations. The forward's
+  bandwidth is the bytes of the rows it reads over the device-to-device copy
+  bandwidth measured in the same run (a copy of S bytes moves 2S: read + write).
+* ``dlrm``: one training step at MLPerf-like shapes (26 tables x 1 M rows x 128,
+  batch 65,536, one Zipf(1.05) id per table and sample, bottom MLP 512-256-128, top
+  MLP 1024-1024-512-256-1, dot interaction): hybridrec (local tables on the device,
+  row-wise Adagrad fused into backward; ``dense.DLRMDense`` with Adam) vs a plain
+  PyTorch DLRM written here (one ``nn.EmbeddingBag(sparse=True)`` per table and
+  ``torch.optim.Adagrad`` on their sparse gradients, the same dense layers and
+  interaction, Adam), in fp32 and under bf16 autocast; the two run in alternate
+  windows. fp32 matmuls stay fp32 (TF32 off) for both.
+* ``gpt``: the language model of ``hybridrec.lm`` (``dense.GPT`` 12 x 768, T 1024,
+  its token table local on the device with lazy Adam, AdamW on the dense part) under
+  bf16 autocast with TF32 on: tokens/s and MFU = (6 N + 12 L d T) FLOPs per token x
+  tokens/s over the bf16 dense peak, N the dense parameters (the token table is a
+  gather, no matmul, so it is not counted). Then the same with the dense GPT under
+  ``torch.compile``, in a child process bounded by what is left of ``--budget-s``.
+* ``gpu_cache``: the GPU embedding cache is not built; its targets say so.
+
+Every part runs in its own ``try``: a failure is recorded with its message and the
+other parts still report. With ``--out DIR`` (default ``$OUT`` when set), each part's
+result is appended to ``DIR/gpu_bench_parts.jsonl`` as it finishes and the final
+object is written to ``DIR/gpu_bench.json``. The last line of output is one JSON
+object (see benchmarks/README.md) with every target, its value and whether it is met.
+
+    python benchmarks/gpu_bench.py                      # the full run, ~2 minutes on an H200
+    python benchmarks/gpu_bench.py --quick              # smaller shapes, no compile
+    python benchmarks/gpu_bench.py --device cpu --tiny  # seconds on a CPU: keeps it runnable
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib.util
+import inspect
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # triton_bench is a sibling script, not a package module
+    sys.path.insert(0, str(HERE))
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))
+
+from comm import resolve_device  # noqa: E402
+from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig  # noqa: E402
+from hybridrec.dlrm.model import DLRM  # noqa: E402
+from ps import UniformInit  # noqa: E402
+
+PEAK_NAME = "H200 SXM bf16 dense 989 TFLOP/s"
+PEAK_FLOPS = 989e12
+
+#: name -> the issue's target (every ratio is "at least").
+TARGETS = {
+    "triton_fwd_vs_torch_min": 1.0,
+    "triton_step_vs_torch_min": 2.0,
+    "fwd_bandwidth_fraction": 0.6,
+    "dlrm_gpu_vs_torch": 2.0,
+    "gpt_mfu": 0.35,
+    "gpu_cache_vs_local": 0.5,
+    "gpu_cache_vs_uncached": 2.0,
+}
+GPU_CACHE = "not built"
+
+
+# ---------------------------------------------------------------- shapes
+
+
+@dataclass(kw_only=True, slots=True)
+class DLRMShape:
+    tables: int = 26
+    rows: int = 1_000_000
+    dim: int = 128
+    batch: int = 65_536
+    num_dense: int = 13
+    bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 128])
+    top_mlp: list[int] = field(default_factory=lambda: [1024, 1024, 512, 256, 1])
+    zipf_a: float = 1.05
+    n_batches: int = 4  # pre-built on the device, cycled
+    warmup: int = 5
+    windows: int = 5  # per variant, alternating hybridrec / torch
+    steps: int = 4  # per window
+    emb_lr: float = 0.01
+    dense_lr: float = 1e-3
+
+
+@dataclass(kw_only=True, slots=True)
+class GPTShape:
+    vocab: int = 50_304  # GPT-2's 50,257 padded to a multiple of 64
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    block: int = 1024
+    batch: int = 16
+    n_batches: int = 2
+    warmup: int = 5
+    windows: int = 3
+    steps: int = 5
+    lr: float = 6e-4
+
+
+@dataclass(kw_only=True, slots=True)
+class KernelShape:
+    """The fallback kernel comparison's shape (triton_bench's full and quick modes)."""
+
+    tables: int = 26
+    rows: int = 100_000
+    dim: int = 64
+    batch: int = 2048
+    poolings: list[int] = field(default_factory=lambda: [1, 20])
+    warmup: int = 10
+    iters: int = 50
+    repeats: int = 5
+    copy_bytes: int = 1 << 30
+
+
+def shapes(mode: str) -> tuple[KernelShape, DLRMShape, GPTShape]:
+    """The shapes of ``mode``: full (the issue's), quick (under a minute) or tiny (CPU)."""
+    if mode == "full":
+        return KernelShape(), DLRMShape(), GPTShape()
+    if mode == "quick":
+        return (
+            KernelShape(tables=8, rows=20_000, batch=1024, warmup=3, iters=10, repeats=3),
+            DLRMShape(rows=100_000, batch=16_384, warmup=3, windows=3, steps=3),
+            GPTShape(batch=4, warmup=3, windows=2, steps=3),
+        )
+    return (
+        KernelShape(
+            tables=2,
+            rows=100,
+            dim=8,
+            batch=8,
+            poolings=[1, 2],
+            warmup=1,
+            iters=1,
+            repeats=1,
+            copy_bytes=1 << 20,
+        ),
+        DLRMShape(
+            tables=4,
+            rows=1000,
+            dim=16,
+            batch=256,
+            bottom_mlp=[32, 16],
+            top_mlp=[64, 32, 1],
+            n_batches=2,
+            warmup=1,
+            windows=2,
+            steps=1,
+        ),
+        GPTShape(
+            vocab=256,
+            n_layer=2,
+            n_head=2,
+            d_model=32,
+            block=32,
+            batch=2,
+            warmup=1,
+            windows=2,
+            steps=1,
+        ),
+    )
+
+
+# ---------------------------------------------------------------- timing
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds_per_call(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    """Seconds per call of ``fn`` over ``calls`` calls: CUDA events on a GPU (the
+    device's time from the first launch to the end of the last), else the host clock."""
+    if device.type == "cuda":
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls
+
+
+def interleaved(
+    variants: dict[str, Callable[[], object]],
+    device: torch.device,
+    *,
+    warmup: int,
+    windows: int,
+    steps: int,
+) -> dict[str, float]:
+    """Median seconds per step of each variant: all warm up, then ``windows`` windows of
+    ``steps`` steps each, the variants taking turns (order reversed every other window)."""
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    sync(device)
+    names = list(variants)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for w in range(windows):
+        for name in names if w % 2 == 0 else names[::-1]:
+            times[name].append(seconds_per_call(variants[name], steps, device))
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def free_memory(device: torch.device) -> None:
+    """Return what the last part held, and start a new peak-memory count for the next."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def autocast(device: torch.device, precision: str) -> AbstractContextManager[Any]:
+    """bf16 autocast for ``precision == "bf16"``, a no-op context for fp32."""
+    return torch.autocast(
+        device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16"
+    )
+
+
+@contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """TF32 matmuls and convolutions on (``enabled``) or off inside the block."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+# ---------------------------------------------------------------- building on a device
+
+
+def collection_on(
+    tables: list[TableConfig], device: torch.device, notes: list[str]
+) -> EmbeddingCollection:
+    """An ``EmbeddingCollection`` with its local tables on ``device``, built as a user
+    would: ``EmbeddingCollection(tables, device=device)``. Where the collection has no
+    ``device`` keyword, it is built on the host and moved with ``.to(device)``; where
+    its tables are not module state (``.to`` leaves them behind), they are moved here
+    and a note says so."""
+    try:
+        coll = EmbeddingCollection(tables, device=device)  # type: ignore[call-arg]
+    except TypeError as e:
+        if "device" not in str(e):
+            raise
+        note = "EmbeddingCollection has no device= keyword: built on the host, then .to(device)"
+        if note not in notes:
+            notes.append(note)
+        coll = EmbeddingCollection(tables)
+        coll.to(device)
+    for g in getattr(coll.local, "groups", None) or []:
+        if g.weight.device != device:
+            note = "local tables are not module state: .to(device) left them, moved by hand"
+            if note not in notes:
+                notes.append(note)
+            g.weight, g.state, g.clocks = (
+                g.weight.to(device),
+                g.state.to(device),
+                g.clocks.to(device),
+            )
+    return coll
+
+
+def local_weights(coll: EmbeddingCollection) -> list[torch.Tensor]:
+    """The ``[R, D]`` fused weights of the collection's local tables."""
+    groups = getattr(coll.local, "groups", None)
+    if groups:
+        return [g.weight for g in groups]
+    return [
+        b
+        for n, b in coll.named_buffers()
+        if n.rsplit(".", 1)[-1].startswith("weight") and b.dim() == 2
+    ]
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def kernels_part(device: torch.device, shape: KernelShape, quick: bool) -> dict[str, Any]:
+    """Triton vs torch embedding kernels; ``triton_bench.run_kernels`` where it exists."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return {
+            "skipped": "the Triton kernels need CUDA (or TRITON_INTERPRET=1 for a functional run)"
+        }
+    import triton_bench
+
+    run = getattr(triton_bench, "run_kernels", None)
+    if run is not None and device.type == "cuda":
+        out = dict(run(device, quick))
+    elif run is not None and "interpret" in inspect.signature(run).parameters:
+        out = dict(run(device, True, interpret=True))
+    else:
+        out = fallback_kernels(triton_bench, device, shape)
+        out["source"] = "gpu_bench on triton_bench's implementations (no run_kernels)"
+        return out
+    out["source"] = "triton_bench.run_kernels"
+    return out
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second of a device-to-device copy, counting read + write (2 x size)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t = min(seconds_per_call(lambda: dst.copy_(src), 10, device) for _ in range(3))
+    return 2 * nbytes / t
+
+
+def fallback_kernels(tb: Any, device: torch.device, shape: KernelShape) -> dict[str, Any]:
+    """The kernel targets from ``triton_bench``'s problem, impls and timer."""
+    per: dict[str, dict[str, Any]] = {}
+    for pooling in shape.poolings:
+        p = tb.make_problem(
+            tables=shape.tables,
+            rows=shape.rows,
+            dim=shape.dim,
+            batch=shape.batch,
+            pooling=pooling,
+            device=device,
+            seed=pooling,
+        )
+        weight = torch.randn(p.tables * p.rows, p.dim, device=device) * 0.01
+        impls = {"triton": tb.triton_impl(p, weight), "torch": tb.torch_impl(p, weight)}
+        ms = tb.measure(
+            impls, device, warmup=shape.warmup, iters=shape.iters, repeats=shape.repeats
+        )
+        rows_read = p.ids.numel() * p.dim * 4  # bytes of rows the forward gathers
+        per[f"L{pooling}"] = {
+            "ids": int(p.ids.numel()),
+            "ms_fwd": {n: round(v["fwd"], 4) for n, v in ms.items()},
+            "ms_step": {n: round(v["step"], 4) for n, v in ms.items()},
+            "fwd_vs_torch": ms["torch"]["fwd"] / ms["triton"]["fwd"],
+            "step_vs_torch": ms["torch"]["step"] / ms["triton"]["step"],
+            "fwd_rows_read_GBps": rows_read / (ms["triton"]["fwd"] / 1e3) / 1e9,
+        }
+        del impls, weight, p
+        free_memory(device)
+    copy = copy_bandwidth(device, shape.copy_bytes)
+    top = per[f"L{max(shape.poolings)}"]
+    return {
+        "triton_fwd_vs_torch_min": min(v["fwd_vs_torch"] for v in per.values()),
+        "triton_step_vs_torch_min": min(v["step_vs_torch"] for v in per.values()),
+        "fwd_bandwidth_fraction": top["fwd_rows_read_GBps"] * 1e9 / copy,
+        "copy_GBps": copy / 1e9,
+        "per_pooling": per,
+        "shape": dataclasses.asdict(shape),
+    }
+
+
+# ---------------------------------------------------------------- DLRM
+
+
+@dataclass(slots=True)
+class CTRBatch:
+    dense: torch.Tensor  # [B, num_dense] float32
+    ids: torch.Tensor  # [T, B] int64, one id per table and sample
+    labels: torch.Tensor  # [B] float32 in {0, 1}
+
+
+def zipf_batches(shape: DLRMShape, device: torch.device, seed: int = 0) -> list[CTRBatch]:
+    """Batches drawn on ``device``: per table, Zipf(a) ranks truncated to ``rows`` ids
+    (rank k has probability k^-a / H) scattered over the rows by a permutation of its own,
+    drawn with repeats; log-normal dense features; 25 % positive labels."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ranks = torch.arange(1, shape.rows + 1, dtype=torch.float64, device=device)
+    cdf = torch.cumsum(ranks.pow_(-shape.zipf_a), 0)
+    cdf /= cdf[-1].clone()  # [rows]
+    scatter = [
+        torch.randperm(shape.rows, generator=gen, device=device) for _ in range(shape.tables)
+    ]
+    out = []
+    for _ in range(shape.n_batches):
+        u = torch.rand(shape.tables, shape.batch, generator=gen, dtype=torch.float64, device=device)
+        rank = torch.searchsorted(cdf, u).clamp_(max=shape.rows - 1)  # [T, B]
+        ids = torch.stack([scatter[t][rank[t]] for t in range(shape.tables)])  # [T, B]
+        dense = torch.randn(shape.batch, shape.num_dense, generator=gen, device=device).exp_()
+        labels = (torch.rand(shape.batch, generator=gen, device=device) < 0.25).float()
+        out.append(CTRBatch(torch.log1p(dense), ids, labels))
+    return out
+
+
+def reference_mlp(
+    in_dim: int, widths: list[int], *, last_relu: bool, device: torch.device
+) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, w in enumerate(widths):
+        layers.append(nn.Linear(in_dim, w, device=device))
+        if i < len(widths) - 1 or last_relu:
+            layers.append(nn.ReLU())
+        in_dim = w
+    return nn.Sequential(*layers)
+
+
+class TorchDLRM(nn.Module):
+    """Plain PyTorch DLRM: one ``nn.EmbeddingBag(sparse=True)`` per table, bottom MLP,
+    pairwise dot products (strict lower triangle of ``T T^T``), top MLP."""
+
+    def __init__(self, shape: DLRMShape, device: torch.device) -> None:
+        super().__init__()
+        bound = math.sqrt(1.0 / shape.rows)  # TorchRec's default init range
+        self.tables = nn.ModuleList(
+            nn.EmbeddingBag(shape.rows, shape.dim, mode="sum", sparse=True, device=device)
+            for _ in range(shape.tables)
+        )
+        with torch.no_grad():
+            for table in self.tables:
+                assert isinstance(table, nn.EmbeddingBag)
+                table.weight.uniform_(-bound, bound)
+        n = shape.tables + 1
+        self.bottom = reference_mlp(
+            shape.num_dense, shape.bottom_mlp, last_relu=True, device=device
+        )
+        top_in = shape.dim + n * (n - 1) // 2
+        self.top = reference_mlp(top_in, shape.top_mlp, last_relu=False, device=device)
+        rows, cols = torch.tril_indices(n, n, offset=-1, device=device)
+        self.pairs: torch.Tensor
+        self.register_buffer("pairs", rows * n + cols, persistent=False)  # [P] into [N*N]
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        x = self.bottom(dense)  # [B, D]
+        pooled = [t(ids[i].unsqueeze(1)) for i, t in enumerate(self.tables)]  # T x [B, D]
+        feats = torch.stack([x, *pooled], dim=1)  # [B, N, D]
+        z = torch.bmm(feats, feats.transpose(1, 2)).flatten(1)  # [B, N*N]
+        return self.top(torch.cat([x, z[:, self.pairs]], dim=1)).squeeze(1)  # [B]
+
+
+def hybridrec_dlrm(shape: DLRMShape, device: torch.device, notes: list[str]) -> DLRM:
+    """``hybridrec.dlrm.model.DLRM``: local tables (row-wise Adagrad) + ``DLRMDense``."""
+    from dense import DLRMConfig, DLRMDense
+    from hybridrec.dlrm.data import Feature
+    from hybridrec.dlrm.model import dlrm_tables
+
+    features = [Feature(f"f{t}", shape.rows) for t in range(shape.tables)]
+    tables = dlrm_tables(features, dim=shape.dim, emb_lr=shape.emb_lr)
+    # The default per-row hashed init runs in numpy on the host (~0.8 s per 65,536 x 128
+    # rows on one core: minutes for 26 M rows); start from zeros and draw the same
+    # U(-b, b) range on the device below.
+    tables = [dataclasses.replace(t, init=UniformInit(low=0.0, high=0.0)) for t in tables]
+    embeddings = collection_on(tables, device, notes)
+    bound = math.sqrt(1.0 / shape.rows)
+    weights = local_weights(embeddings)
+    if not weights:
+        notes.append("the local tables' weights were not found: the DLRM tables start at zero")
+    with torch.no_grad():
+        for w in weights:
+            w.uniform_(-bound, bound)
+    config = DLRMConfig(
+        num_dense=shape.num_dense,
+        num_sparse=shape.tables,
+        embedding_dim=shape.dim,
+        bottom_mlp=list(shape.bottom_mlp),
+        top_mlp=list(shape.top_mlp),
+    )
+    return DLRM(embeddings, DLRMDense(config).to(device))
+
+
+def dense_adam(params: Any, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    return torch.optim.Adam(list(params), lr=lr, fused=device.type == "cuda")
+
+
+def dlrm_steps(
+    shape: DLRMShape, device: torch.device, batches: list[CTRBatch], notes: list[str]
+) -> tuple[Callable[[str], Callable[[], None]], Callable[[str], Callable[[], None]]]:
+    """``(hybridrec, torch)``: each maps a precision to a one-step function."""
+    from hybridrec.datasets.ctr import Batch
+
+    keys = [f"f{t}" for t in range(shape.tables)]
+    lengths = torch.ones(shape.tables * shape.batch, dtype=torch.int64, device=device)
+    hr_batches = [
+        Batch(
+            dense=b.dense, sparse=KeyedJaggedIds(keys, b.ids.reshape(-1), lengths), labels=b.labels
+        )
+        for b in batches
+    ]
+    hr = hybridrec_dlrm(shape, device, notes)
+    hr_opt = dense_adam(hr.dense.parameters(), shape.dense_lr, device)
+    th = TorchDLRM(shape, device)
+    th_dense = [p for n, p in th.named_parameters() if not n.startswith("tables.")]
+    th_dense_opt = dense_adam(th_dense, shape.dense_lr, device)
+    th_table_opt = torch.optim.Adagrad(th.tables.parameters(), lr=shape.emb_lr, eps=1e-8)
+    count = {"hybridrec": 0, "torch": 0}
+
+    def hybridrec_step(precision: str) -> Callable[[], None]:
+        def step() -> None:
+            b = hr_batches[count["hybridrec"] % len(hr_batches)]
+            count["hybridrec"] += 1
+            hr_opt.zero_grad(set_to_none=True)
+            with autocast(device, precision):
+                logits = hr(b)
+            F.binary_cross_entropy_with_logits(logits.float(), b.labels).backward()
+            hr_opt.step()
+
+        return step
+
+    def torch_step(precision: str) -> Callable[[], None]:
+        def step() -> None:
+            b = batches[count["torch"] % len(batches)]
+            count["torch"] += 1
+            th_dense_opt.zero_grad(set_to_none=True)
+            th_table_opt.zero_grad(set_to_none=True)
+            with autocast(device, precision):
+                logits = th(b.dense, b.ids)
+            F.binary_cross_entropy_with_logits(logits.float(), b.labels).backward()
+            th_dense_opt.step()
+            th_table_opt.step()
+
+        return step
+
+    return hybridrec_step, torch_step
+
+
+def dlrm_part(
+    device: torch.device,
+    shape: DLRMShape,
+    notes: list[str],
+    emit: Callable[[str, dict[str, Any]], None],
+) -> dict[str, Any]:
+    """Samples/s of both DLRMs per precision, each ``emit``-ted as it is measured; a
+    precision that fails says why."""
+    t0 = time.perf_counter()
+    batches = zipf_batches(shape, device)
+    hybridrec_step, torch_step = dlrm_steps(shape, device, batches, notes)
+    out: dict[str, Any] = {
+        "build_s": round(time.perf_counter() - t0, 1),
+        # rows one step touches (and updates), all tables together
+        "distinct_ids_per_batch": sum(int(torch.unique(t).numel()) for t in batches[0].ids),
+    }
+    with tf32(False):
+        for precision in ("fp32", "bf16"):
+            try:
+                s = interleaved(
+                    {"hybridrec": hybridrec_step(precision), "torch": torch_step(precision)},
+                    device,
+                    warmup=shape.warmup,
+                    windows=shape.windows,
+                    steps=shape.steps,
+                )
+                out[precision] = {
+                    "samples_s": {n: shape.batch / v for n, v in s.items()},
+                    "ms_step": {n: round(v * 1e3, 3) for n, v in s.items()},
+                    "hybridrec_vs_torch": s["torch"] / s["hybridrec"],
+                }
+            except Exception as e:
+                out[precision] = {"error": error_text(e)}
+            emit(f"dlrm.{precision}", out[precision])
+    if device.type == "cuda":
+        out["max_memory_GB"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 1)
+    out["shape"] = dataclasses.asdict(shape)
+    return out
+
+
+# ---------------------------------------------------------------- GPT
+
+
+def attention_used() -> str:
+    """How ``dense.gpt`` computes attention (read from its source, so this stays true)."""
+    from dense.gpt import CausalSelfAttention
+
+    src = inspect.getsource(CausalSelfAttention.forward)
+    if "scaled_dot_product_attention" in src:
+        return "F.scaled_dot_product_attention (torch picks flash / cuDNN / efficient)"
+    return "hand-written (not F.scaled_dot_product_attention): no flash attention"
+
+
+def gpt_part(
+    device: torch.device, shape: GPTShape, compile_gpt: bool, notes: list[str]
+) -> dict[str, Any]:
+    """Tokens/s and MFU of one bf16 training step of ``hybridrec.lm``'s model."""
+    from dense.gpt import GPT, GPTConfig, gpt_loss
+    from hybridrec.lm.config import LMConfig
+    from hybridrec.lm.model import TOKENS, LanguageModel, token_table
+
+    t0 = time.perf_counter()
+    lm_cfg = LMConfig(
+        placement="local",
+        emb_optimizer="adam",
+        d_model=shape.d_model,
+        n_layer=shape.n_layer,
+        n_head=shape.n_head,
+        block_size=shape.block,
+        batch_size=shape.batch,
+    )
+    torch.manual_seed(0)
+    gpt = GPT(
+        GPTConfig(
+            vocab_size=shape.vocab,
+            block_size=shape.block,
+            n_layer=shape.n_layer,
+            n_head=shape.n_head,
+            d_model=shape.d_model,
+            dropout=0.0,
+        )
+    ).to(device)
+    n_dense = gpt.num_parameters()
+    embeddings = collection_on([token_table(lm_cfg, shape.vocab)], device, notes)
+    dense: nn.Module = torch.compile(gpt) if compile_gpt else gpt  # type: ignore[assignment]
+    model = LanguageModel(embeddings, dense)
+    opt = torch.optim.AdamW(
+        gpt.parameters(),
+        lr=shape.lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.01,
+        fused=device.type == "cuda",
+    )
+    gen = torch.Generator(device=device).manual_seed(0)
+    windows = torch.randint(
+        shape.vocab, (shape.n_batches, shape.batch, shape.block + 1), generator=gen, device=device
+    )
+    data = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]  # [B, T] each
+    forward: Callable[[torch.Tensor], torch.Tensor] = model
+    count = [0]
+
+    def embed_on_device(idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        lengths = torch.full((b,), t, dtype=torch.int64, device=idx.device)  # [B]: T ids each
+        return embeddings(KeyedJaggedIds([TOKENS], idx.reshape(-1), lengths))[TOKENS]
+
+    def step() -> None:
+        x, y = data[count[0] % len(data)]
+        count[0] += 1
+        opt.zero_grad(set_to_none=True)
+        with autocast(device, "bf16"):
+            loss = gpt_loss(forward(x), y)
+        loss.backward()
+        opt.step()
+
+    with tf32(True):
+        try:
+            step()
+        except RuntimeError as e:
+            if device.type != "cuda":
+                raise
+            notes.append(
+                f"LanguageModel on {device}: {error_text(e)[:200]}; timed with the token "
+                "ids' KeyedJaggedIds built on the device instead"
+            )
+            forward = lambda idx: dense(embed_on_device(idx))  # noqa: E731
+            step()
+        sync(device)
+        first_s = time.perf_counter() - t0
+        s = interleaved(
+            {"gpt": step}, device, warmup=shape.warmup, windows=shape.windows, steps=shape.steps
+        )["gpt"]
+    tokens_s = shape.batch * shape.block / s
+    flops_per_token = 6 * n_dense + 12 * shape.n_layer * shape.d_model * shape.block
+    out: dict[str, Any] = {
+        "tokens_s": tokens_s,
+        "ms_step": round(s * 1e3, 3),
+        "mfu": flops_per_token * tokens_s / PEAK_FLOPS,
+        "dense_params": n_dense,
+        "token_table_params": shape.vocab * shape.d_model,
+        "flops_per_token": flops_per_token,
+        "build_and_first_step_s": round(first_s, 1),
+        "compiled": compile_gpt,
+    }
+    if device.type == "cuda":
+        out["max_memory_GB"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 1)
+    return out
+
+
+def gpt_compiled_child(args: argparse.Namespace, timeout: float) -> dict[str, Any]:
+    """The compiled GPT in a child process, killed after ``timeout`` seconds (a compile
+    cannot be interrupted in-process); its last output line is its result."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--part", "gpt-compiled"]
+    cmd += ["--device", args.device] + (["--quick"] if args.quick else [])
+    # A session of its own: on time-out the child and its compile workers go together.
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {"error": f"torch.compile run did not finish within {timeout:.0f} s (budget)"}
+    lines = stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: {stderr.strip()[-400:]}"}
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+# ---------------------------------------------------------------- report
+
+
+def error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:500]
+
+
+class Report:
+    """Results by part; each part's result goes to ``out/gpu_bench_parts.jsonl`` at once."""
+
+    def __init__(self, out: Path | None) -> None:
+        self.out = out
+        self.parts: dict[str, dict[str, Any]] = {}
+        self.errors: dict[str, str] = {}
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "gpu_bench_parts.jsonl").write_text("")
+
+    def run(self, name: str, fn: Callable[[], dict[str, Any]], device: torch.device) -> None:
+        """``fn()``'s result as part ``name``; an exception becomes its ``error``, and so
+        does an ``error`` one level down (one precision of a part)."""
+        t0 = time.perf_counter()
+        try:
+            result = fn()
+        except Exception as e:
+            result = {"error": error_text(e), "where": traceback.format_exc(limit=-3)[-800:]}
+        finally:
+            free_memory(device)
+        result["wall_s"] = round(time.perf_counter() - t0, 1)
+        if "error" in result:
+            self.errors[name] = result["error"]
+        for key, sub in result.items():
+            if isinstance(sub, dict) and "error" in sub:
+                self.errors[f"{name}.{key}"] = sub["error"]
+        self.parts[name] = result
+        self.emit(name, result)
+
+    def emit(self, name: str, result: dict[str, Any]) -> None:
+        """One line ``{"part": name, ...}`` to stderr and to the parts file, now."""
+        line = json.dumps({"part": name, **result}, default=str)
+        print(line, file=sys.stderr, flush=True)
+        if self.out is not None:
+            with open(self.out / "gpu_bench_parts.jsonl", "a") as f:
+                f.write(line + "\n")
+
+
+def target(name: str, value: float | None, note: str = "", **extra: Any) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "value": None if value is None else round(float(value), 4),
+        "target": TARGETS[name],
+        "met": value is not None and float(value) >= TARGETS[name],
+    }
+    if note:
+        entry["note"] = note
+    return entry | extra
+
+
+def targets_of(parts: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One entry per target of the issue: measured value, target, met (null: why not)."""
+    out: dict[str, dict[str, Any]] = {}
+    k = parts.get("kernels", {})
+    why = k.get("error") or k.get("skipped") or "not measured"
+    for name in ("triton_fwd_vs_torch_min", "triton_step_vs_torch_min", "fwd_bandwidth_fraction"):
+        v = k.get(name)
+        out[name] = target(name, v, "" if v is not None else why)
+    d = parts.get("dlrm", {})
+    ratios = {p: d.get(p, {}).get("hybridrec_vs_torch") for p in ("fp32", "bf16")}
+    if all(r is not None for r in ratios.values()):
+        out["dlrm_gpu_vs_torch"] = target(
+            "dlrm_gpu_vs_torch", min(ratios.values()), "the worse of fp32 and bf16", **ratios
+        )
+    else:
+        missing = {
+            p: d.get(p, {}).get("error", d.get("error", "not measured"))
+            for p, r in ratios.items()
+            if r is None
+        }
+        out["dlrm_gpu_vs_torch"] = target("dlrm_gpu_vs_torch", None, json.dumps(missing), **ratios)
+    g, gc_ = parts.get("gpt", {}), parts.get("gpt_compiled", {})
+    compiled = gc_.get("mfu")
+    note = (
+        f"eager (as the LM job runs); peak {PEAK_NAME}; N = dense parameters, "
+        "token table not counted"
+    )
+    if compiled is not None:
+        note += f"; with torch.compile: {compiled:.4f}"
+    out["gpt_mfu"] = target("gpt_mfu", g.get("mfu"), g.get("error", note), compiled=compiled)
+    for name in ("gpu_cache_vs_local", "gpu_cache_vs_uncached"):
+        out[name] = target(name, None, "the GPU embedding cache is not built yet")
+    return out
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = props.name
+        info["gpu_memory_GB"] = round(props.total_memory / 1e9, 1)
+        info["sm"] = f"{props.major}.{props.minor}"
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception as e:
+        info["triton"] = f"does not import: {error_text(e)[:100]}"
+    return info
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--quick", action="store_true", help="smaller shapes, no compile (< 1 min)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run on a CPU")
+    parser.add_argument(
+        "--out", default=os.environ.get("OUT"), help="folder for the JSON files ($OUT)"
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=150.0,
+        help="seconds for the whole run: the compiled GPT gets what the other parts leave",
+    )
+    parser.add_argument(
+        "--part", choices=["all", "gpt-compiled"], default="all", help=argparse.SUPPRESS
+    )
+    args = parser.parse_args(argv)
+    if args.quick and args.tiny:
+        parser.error("--quick and --tiny: choose one")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    device = resolve_device(args.device)
+    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    if args.tiny and device.type == "cpu" and importlib.util.find_spec("triton") is not None:
+        # A functional kernel run in Triton's interpreter, which triton reads when it is
+        # imported and when a kernel is defined: set before either happens.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    kshape, dshape, gshape = shapes(mode)
+    notes: list[str] = []
+    machine = machine_info(device)  # before the parts: a broken CUDA context cannot say it
+
+    if args.part == "gpt-compiled":  # the child of gpt_compiled_child
+        result = gpt_part(device, gshape, True, notes)
+        print(json.dumps(result | {"notes": notes}))
+        return result
+
+    report = Report(Path(args.out) if args.out else None)
+    report.run("kernels", lambda: kernels_part(device, kshape, mode != "full"), device)
+    report.run("dlrm", lambda: dlrm_part(device, dshape, notes, report.emit), device)
+    report.run("gpt", lambda: gpt_part(device, gshape, False, notes), device)
+    left = args.budget_s - (time.perf_counter() - start) - 5
+    if mode != "full":
+        report.parts["gpt_compiled"] = {"skipped": f"--{mode}: no torch.compile"}
+    elif device.type != "cuda":
+        report.parts["gpt_compiled"] = {"skipped": "torch.compile is measured on CUDA only"}
+    elif left < 45:
+        report.parts["gpt_compiled"] = {"skipped": f"{left:.0f} s left of --budget-s, < 45 s"}
+    else:
+        report.run("gpt_compiled", lambda: gpt_compiled_child(args, left), device)
+
+    parts = report.parts
+    figures = {
+        "kernels": parts["kernels"],
+        "dlrm": parts["dlrm"],
+        "dlrm_gpu_samples_s": {
+            p: parts["dlrm"].get(p, {}).get("samples_s", {}).get("hybridrec")
+            for p in ("fp32", "bf16")
+        },
+        "dlrm_torch_samples_s": {
+            p: parts["dlrm"].get(p, {}).get("samples_s", {}).get("torch") for p in ("fp32", "bf16")
+        },
+        "gpt": parts["gpt"],
+        "gpt_compiled": parts["gpt_compiled"],
+        "gpt_tokens_s": parts["gpt"].get("tokens_s"),
+        "gpt_mfu": parts["gpt"].get("mfu"),
+        "gpu_cache": GPU_CACHE,
+    }
+    config = {
+        "mode": mode,
+        "timing": "CUDA events, median of windows after warm-up; variants alternate per window"
+        if device.type == "cuda"
+        else "host clock, median of windows after warm-up",
+        "dlrm": dataclasses.asdict(dshape)
+        | {
+            "tables_optimizer": "hybridrec: row-wise Adagrad fused in backward; "
+            "torch: Adagrad on sparse gradients",
+            "dense_optimizer": "Adam (fused on CUDA)",
+            "fp32_matmul": "fp32 (TF32 off)",
+            "bf16": "torch.autocast(bfloat16); tables stay fp32",
+            "table_init": "U(-sqrt(1/rows), sqrt(1/rows)), drawn on the device",
+        },
+        "gpt": dataclasses.asdict(gshape)
+        | {
+            "precision": "bf16 autocast, TF32 on",
+            "attention": attention_used(),
+            "token_table": "local on the device, lazy Adam",
+            "dense_optimizer": "AdamW (fused on CUDA)",
+            "mfu_flops_per_token": "6 N + 12 L d T, N = dense parameters (token table not counted)",
+            "peak": PEAK_NAME,
+        },
+        "budget_s": args.budget_s,
+    }
+    result = {
+        "bench": "gpu",
+        "machine": machine,
+        "config": config,
+        "figures": figures,
+        "targets": targets_of(parts),
+        "errors": report.errors,
+        "notes": notes,
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
+    line = json.dumps(result, default=str)
+    if report.out is not None:
+        (report.out / "gpu_bench.json").write_text(line + "\n")
+    print(line, flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
