@@ -174,8 +174,9 @@ def mlp(
 
 
 @functools.lru_cache(maxsize=16)
-def _pair_indices(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat indices into a row-major ``[N, N]`` matrix, built once per ``N``.
+def _pair_indices(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat indices into a row-major ``[N, N]`` matrix, built once per ``(N, device)``
+    (a copy per step to a GPU would be a host synchronisation).
 
     ``pairs [P]``: ``i * N + j`` for the strictly lower triangle ``i > j`` in
     row-major order, ``P = N(N-1)/2``. ``sym [N * N]``: for entry ``(i, j)`` the
@@ -187,7 +188,7 @@ def _pair_indices(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     pos = torch.full((n, n), pairs.numel(), dtype=torch.int64)
     pos[rows, cols] = torch.arange(pairs.numel())
     pos[cols, rows] = torch.arange(pairs.numel())
-    return pairs, pos.reshape(-1)
+    return pairs.to(device), pos.reshape(-1).to(device)
 
 
 class _Interaction(torch.autograd.Function):
@@ -265,9 +266,7 @@ class _InteractionRows(torch.autograd.Function):
 
 
 def _interact(t: torch.Tensor, *, with_first: bool, width: int) -> torch.Tensor:
-    pairs, sym = _pair_indices(t.shape[1])
-    if pairs.device != t.device:
-        pairs, sym = pairs.to(t.device), sym.to(t.device)
+    pairs, sym = _pair_indices(t.shape[1], t.device)
     out: torch.Tensor = _Interaction.apply(t, pairs, sym, with_first, width)
     return out
 

@@ -35,6 +35,25 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> _U64(31))
 
 
+def _signed(c: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch has no full uint64 math)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's ``>>`` extends the sign)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64_torch(x: torch.Tensor) -> torch.Tensor:
+    """:func:`_splitmix64` on int64 tensors holding uint64 bits, on any device (int64
+    addition and multiplication wrap like uint64's, bit for bit)."""
+    x = x + _signed(0x9E3779B97F4A7C15)
+    x = (x ^ _shr(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ _shr(x, 27)) * _signed(0x94D049BB133111EB)
+    return x ^ _shr(x, 31)
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class UniformInit:
     """Rows drawn uniformly from ``[low, high)``, reproducibly from ``seed``.
@@ -60,7 +79,11 @@ class UniformInit:
     def rows(self, ids: torch.Tensor, dim: int) -> torch.Tensor:
         """Initial values of rows ``ids`` (int64 ``[N]``): float32 ``[N, dim]``."""
         if self.low == self.high:  # a constant: no hashing (a 1M-row table starts at once)
-            return torch.full((int(ids.numel()), dim), float(self.low), dtype=torch.float32)
+            return torch.full(
+                (int(ids.numel()), dim), float(self.low), dtype=torch.float32, device=ids.device
+            )
+        if ids.device.type != "cpu":
+            return self.rows_torch(ids, dim)
         ids_np = ids.detach().cpu().numpy().astype(np.int64).view(np.uint64)  # [N]
         cols = np.arange(dim, dtype=np.uint64)  # [D]
         with np.errstate(over="ignore"):
@@ -70,6 +93,18 @@ class UniformInit:
         unit = (h >> _U64(40)).astype(np.float64) * (1.0 / (1 << 24))  # [N, D] in [0, 1)
         values = self.low + (self.high - self.low) * unit
         return torch.from_numpy(values.astype(np.float32))
+
+    def rows_torch(self, ids: torch.Tensor, dim: int) -> torch.Tensor:
+        """:meth:`rows` computed with torch ops on ``ids``' device, bit for bit the same
+        values: a GPU initialises a table in HBM without a host pass (the numpy path
+        takes ~0.8 s per 65,536 x 128 rows on one core)."""
+        ids = ids.to(torch.int64)
+        key = _splitmix64_torch(torch.tensor([self.seed], dtype=torch.int64, device=ids.device))
+        row_key = _splitmix64_torch(ids ^ key)  # [N]
+        cols = torch.arange(dim, dtype=torch.int64, device=ids.device)  # [D]
+        h = _splitmix64_torch(row_key[:, None] + cols[None, :] * _signed(0x9E3779B97F4A7C15))
+        unit = _shr(h, 40).to(torch.float64) * (1.0 / (1 << 24))  # [N, D] in [0, 1)
+        return (self.low + (self.high - self.low) * unit).to(torch.float32)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict ``{"type": "uniform", "low", "high", "seed"}``."""

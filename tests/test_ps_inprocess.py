@@ -208,6 +208,19 @@ def test_pull_returns_copies_and_async_handles() -> None:
     assert store.clocks("t", torch.tensor([1])).tolist() == [1]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_initial_rows_on_a_device_are_the_host_rows_bit_for_bit(device: str) -> None:
+    """The torch hash (how a GPU initialises tables in HBM) equals the numpy one."""
+    ids = torch.cat([torch.arange(3000), torch.tensor([2**62, 2**63 - 1, 123456789012345])])
+    for seed in (0, 7, 2**63 - 5):
+        init = ps.UniformInit(low=-0.3, high=0.7, seed=seed)
+        want = init.rows(ids, 9)  # numpy on the host
+        got = init.rows_torch(ids.to(device), 9)
+        assert got.device.type == device
+        assert torch.equal(got.cpu(), want)
+        assert torch.equal(init.rows(ids.to(device), 9).cpu(), want)
+
+
 def test_initial_rows_deterministic_and_in_bounds() -> None:
     spec = ps.TableSpec(name="emb", num_rows=1000, dim=8, optimizer=ps.SGD(lr=1.0))
     bound = math.sqrt(1.0 / 1000)
