@@ -1,9 +1,10 @@
 """The MPI backend: mpi4py's upper-case (buffer) methods straight on torch tensors.
 
-No pickle: every message is a typed buffer. Every operation is the non-blocking
-MPI call (``Iallreduce``, ``Ialltoallv``, ...) so that waits can time out; the
-blocking and non-blocking paths measured the same bandwidth with MPICH
-(see docs/architecture.md).
+No pickle: every message is a typed buffer. CPU tensors are read and written in
+place; CUDA tensors are staged through pinned host blocks (``comm/staging.py``).
+Every operation is the non-blocking MPI call (``Iallreduce``, ``Ialltoallv``, ...)
+so that waits can time out; the blocking and non-blocking paths measured the same
+bandwidth with MPICH (see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from mpi4py import MPI
 from comm.failures import exception_in_flight, release_abort_hook
 from comm.group import ProcessGroup, ReduceOp
 from comm.handle import Handle
+from comm.staging import Alloc
 
 # torch dtype -> (MPI datatype, whether MPI can reduce it). Half types travel as
 # 16-bit integers (MPI has no standard half type) and are reduced in float32.
@@ -43,8 +45,7 @@ def _buf(t: torch.Tensor, count: Any = None) -> list[Any]:
     in ~6 us, a torch tensor (through DLPack) in ~40 us, which dominated small
     messages.
     """
-    if t.is_cuda:
-        raise ValueError("the mpi backend moves CPU tensors; use the nccl backend for CUDA")
+    assert t.device.type == "cpu", "device tensors are staged before they reach MPI"
     raw = t.view(_RAW_VIEW[t.dtype]) if t.dtype in _RAW_VIEW else t
     mtype = _MPI_TYPES.get(raw.dtype)
     if mtype is None:
@@ -92,7 +93,14 @@ class MPIGroup(ProcessGroup):
         self._handle(req, lambda: None, "allgather (argument check)").wait()
         return out.tolist()  # type: ignore[no-any-return]
 
+    # Each primitive runs on host tensors (``_on_host``): a CUDA tensor is staged through
+    # pinned blocks (copied in, outputs allocated there, the result copied back at wait);
+    # a CPU tensor goes to MPI as it is, outputs from torch.empty.
+
     def _allreduce_async(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
+        return self._on_host(tensor, lambda t, _: self._host_allreduce(t, op), in_place=True)
+
+    def _host_allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
         # Half and bool tensors are reduced in a float32/uint8 working copy.
         work = tensor if _reducible(tensor) else tensor.to(_reduce_dtype(tensor))
         req = self._comm.Iallreduce(MPI.IN_PLACE, _buf(work), _MPI_OPS[op])
@@ -108,63 +116,87 @@ class MPIGroup(ProcessGroup):
         return self._handle(req, finish, "allreduce")
 
     def _broadcast_async(self, tensor: torch.Tensor, root: int) -> Handle:
-        req = self._comm.Ibcast(_buf(tensor), root=root)
-        return self._handle(req, lambda: tensor, "broadcast")
+        def host_op(t: torch.Tensor, _: Alloc) -> Handle:
+            return self._handle(self._comm.Ibcast(_buf(t), root=root), lambda: t, "broadcast")
+
+        # Staged, only the root's bytes need to reach the host.
+        return self._on_host(tensor, host_op, read=self.rank == root, in_place=True)
 
     def _allgather_async(self, tensor: torch.Tensor) -> Handle:
-        out = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype)
-        req = self._comm.Iallgather(_buf(tensor), _buf(out))
-        return self._handle(req, lambda: out, "allgather")
+        def host_op(t: torch.Tensor, alloc: Alloc) -> Handle:
+            out = alloc((self.size, *t.shape), t.dtype)
+            req = self._comm.Iallgather(_buf(t), _buf(out))
+            return self._handle(req, lambda: out, "allgather")
+
+        return self._on_host(tensor, host_op)
 
     def _allgatherv_async(self, tensor: torch.Tensor, counts: list[int]) -> Handle:
-        tail = tuple(tensor.shape[1:])
-        row = math.prod(tail)
-        out = torch.empty((sum(counts), *tail), dtype=tensor.dtype)
-        elems = [c * row for c in counts]
-        req = self._comm.Iallgatherv(_buf(tensor), _buf(out, (elems, _displs(elems))))
-        return self._handle(req, lambda: out, "allgatherv")
+        def host_op(t: torch.Tensor, alloc: Alloc) -> Handle:
+            tail = tuple(t.shape[1:])
+            row = math.prod(tail)
+            out = alloc((sum(counts), *tail), t.dtype)
+            elems = [c * row for c in counts]
+            req = self._comm.Iallgatherv(_buf(t), _buf(out, (elems, _displs(elems))))
+            return self._handle(req, lambda: out, "allgatherv")
+
+        return self._on_host(tensor, host_op)
 
     def _reduce_scatter_async(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
-        n = tensor.shape[0] // self.size
-        work = tensor if _reducible(tensor) else tensor.to(_reduce_dtype(tensor))
-        out = torch.empty((n, *tensor.shape[1:]), dtype=work.dtype)
-        req = self._comm.Ireduce_scatter_block(_buf(work), _buf(out), _MPI_OPS[op])
         size = self.size
 
-        def finish() -> torch.Tensor:
-            if op is ReduceOp.AVG:
-                out.div_(size)
-            return out if out.dtype == tensor.dtype else out.to(tensor.dtype)
+        def host_op(t: torch.Tensor, alloc: Alloc) -> Handle:
+            n = t.shape[0] // size
+            work = t if _reducible(t) else t.to(_reduce_dtype(t))
+            out = alloc((n, *t.shape[1:]), work.dtype)
+            req = self._comm.Ireduce_scatter_block(_buf(work), _buf(out), _MPI_OPS[op])
 
-        return self._handle(req, finish, "reduce_scatter")
+            def finish() -> torch.Tensor:
+                if op is ReduceOp.AVG:
+                    out.div_(size)
+                return out if out.dtype == t.dtype else out.to(t.dtype)
+
+            return self._handle(req, finish, "reduce_scatter")
+
+        return self._on_host(tensor, host_op)
 
     def _alltoallv_async(self, tensor: torch.Tensor, send: list[int], recv: list[int]) -> Handle:
-        tail = tuple(tensor.shape[1:])
-        row = math.prod(tail)  # elements per row
-        out = torch.empty((sum(recv), *tail), dtype=tensor.dtype)
-        scounts = [s * row for s in send]
-        rcounts = [r * row for r in recv]
-        req = self._comm.Ialltoallv(
-            _buf(tensor, (scounts, _displs(scounts))),
-            _buf(out, (rcounts, _displs(rcounts))),
-        )
-        return self._handle(req, lambda: out, "alltoallv")
+        def host_op(t: torch.Tensor, alloc: Alloc) -> Handle:
+            tail = tuple(t.shape[1:])
+            row = math.prod(tail)  # elements per row
+            out = alloc((sum(recv), *tail), t.dtype)
+            scounts = [s * row for s in send]
+            rcounts = [r * row for r in recv]
+            req = self._comm.Ialltoallv(
+                _buf(t, (scounts, _displs(scounts))),
+                _buf(out, (rcounts, _displs(rcounts))),
+            )
+            return self._handle(req, lambda: out, "alltoallv")
+
+        return self._on_host(tensor, host_op)
 
     def _barrier_async(self) -> Handle:
         return self._handle(self._comm.Ibarrier(), lambda: None, "barrier")
 
     def _send_async(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
-        req = self._comm.Isend(_buf(tensor), dest=dst, tag=tag)
-        return self._handle(req, lambda: None, f"send to rank {dst}")
+        def host_op(t: torch.Tensor, _: Alloc) -> Handle:
+            req = self._comm.Isend(_buf(t), dest=dst, tag=tag)
+            return self._handle(req, lambda: None, f"send to rank {dst}")
+
+        return self._on_host(tensor, host_op)  # a staged block is kept until it is sent
 
     def _recv_async(self, tensor: torch.Tensor, src: int, tag: int) -> Handle:
-        req = self._comm.Irecv(_buf(tensor), source=src, tag=tag)
-        return self._handle(req, lambda: tensor, f"recv from rank {src}")
+        def host_op(t: torch.Tensor, _: Alloc) -> Handle:
+            req = self._comm.Irecv(_buf(t), source=src, tag=tag)
+            return self._handle(req, lambda: t, f"recv from rank {src}")
+
+        return self._on_host(tensor, host_op, read=False, in_place=True)
 
     def _split(self, color: int, key: int) -> ProcessGroup:
-        return MPIGroup(
+        sub = MPIGroup(
             self._comm.Split(color, key), timeout_s=self.timeout_s, validate=self.validate
         )
+        sub.stage_cpu_tensors = self.stage_cpu_tensors
+        return sub
 
     def close(self) -> None:
         if not exception_in_flight():  # on the way out of a failure the hook must stay

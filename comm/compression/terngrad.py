@@ -64,20 +64,19 @@ class TernGrad(Codec):
         return f"TernGrad(clip={self.clip}, seed={self.seed}, rank={self.rank})"
 
     def _encode(self, t: torch.Tensor, key: str) -> Encoded:
+        # Scale and clipping bound stay 0-d tensors on t's device: no host sync per call.
         g = t
         if self.clip is not None and g.numel() > 1:
-            bound = self.clip * float(g.std(correction=0))
-            if bound > 0:
-                g = g.clamp(-bound, bound)
-        s = float(g.abs().max()) if g.numel() else 0.0
-        if s == 0.0:
-            codes = torch.zeros(g.numel(), dtype=torch.uint8, device=g.device)
-        else:
-            prob = g.abs() / s  # [n] in [0, 1]
-            u = torch.rand(g.numel(), generator=self.generator(g.device), device=g.device)
-            keep = u < prob
-            codes = torch.where(g < 0, 2, 1).to(torch.uint8) * keep
-        scale = torch.tensor([s], dtype=torch.float32, device=g.device)
+            bound = g.std(correction=0) * self.clip  # 0-d
+            # sigma = 0 (all values equal): not clipped.
+            g = torch.where(bound > 0, torch.minimum(torch.maximum(g, -bound), bound), g)
+        s = g.abs().amax() if g.numel() else torch.zeros((), device=g.device)  # 0-d
+        # P(keep) = |g| / s; s = 0 only when every value is 0 (then nothing is kept).
+        prob = g.abs() / torch.where(s > 0, s, 1.0)  # [n] in [0, 1]
+        u = torch.rand(g.numel(), generator=self.generator(g.device), device=g.device)
+        keep = u < prob
+        codes = torch.where(g < 0, 2, 1).to(torch.uint8) * keep
+        scale = s.reshape(1).to(torch.float32)
         return Encoded(payload=pack_2bit(codes), scale=scale)
 
     def _decode(self, e: Encoded, numel: int) -> torch.Tensor:
