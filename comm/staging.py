@@ -70,11 +70,10 @@ class Block:
 
     def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The first bytes of the block as a contiguous ``dtype`` tensor of ``shape``."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
         numel = 1
         for d in shape:
             numel *= d
-        nbytes = numel * itemsize
+        nbytes = numel * dtype.itemsize
         assert nbytes <= self.capacity, (nbytes, self.capacity)
         return self.data[:nbytes].view(dtype).view(shape)
 
@@ -99,8 +98,9 @@ class PinnedPool:
         self._free: dict[int, list[Block]] = {}  # size class -> blocks not in use
         self.stats = {"allocated": 0, "reused": 0, "waited": 0, "bytes": 0}
 
-    def take(self, nbytes: int) -> Block:
-        """A block of at least ``nbytes`` bytes that nothing reads or writes any more."""
+    def take(self, nbytes: int, device: torch.device | None = None) -> Block:
+        """A block of at least ``nbytes`` bytes that nothing reads or writes any more
+        (``device``: the device whose tensors it stages, for pinning)."""
         cls = size_class(nbytes)
         free = self._free.get(cls)
         if free:
@@ -117,7 +117,12 @@ class PinnedPool:
             block.pending = None
             self.stats["reused"] += 1
             return block
-        data = torch.empty(cls, dtype=torch.uint8, pin_memory=self.pin)
+        if self.pin and device is not None and device.type == "cuda":
+            # Pin under the tensor's device, or CUDA would start a context on device 0 too.
+            with torch.cuda.device(device):
+                data = torch.empty(cls, dtype=torch.uint8, pin_memory=True)
+        else:
+            data = torch.empty(cls, dtype=torch.uint8, pin_memory=self.pin)
         self.stats["allocated"] += 1
         self.stats["bytes"] += cls
         return Block(data)
@@ -164,11 +169,10 @@ class StagedOp:
     def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """A host tensor from the pool, held until the operation finishes."""
         shape = tuple(int(d) for d in shape)
-        itemsize = torch.empty((), dtype=dtype).element_size()
         numel = 1
         for d in shape:
             numel *= d
-        block = self._pool.take(numel * itemsize)
+        block = self._pool.take(numel * dtype.itemsize, self.device)
         self._blocks.append(block)
         return block.view(shape, dtype)
 

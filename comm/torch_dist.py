@@ -78,7 +78,14 @@ class TorchGroup(ProcessGroup):
                     raise timeout_error(label, limit) from e
                 raise
 
-        return Handle(work.is_completed, finish, what=label, timeout_s=self.timeout_s, block=block)
+        # nccl: a wait without a timeout only makes the current stream wait (Work.wait()
+        # with a timeout would block the host until the GPU is done); its watchdog, set
+        # to the group's timeout at init, ends a job whose peer is gone.
+        ordered = work.wait if self._device_backend else None
+        return Handle(
+            work.is_completed, finish, what=label, timeout_s=self.timeout_s, block=block,
+            ordered=ordered,
+        )  # fmt: skip
 
     # --------------------------------------------------------------- primitives
     #
