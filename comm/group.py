@@ -336,7 +336,7 @@ class ProcessGroup(ABC):
     def _stage_op(self, tensor: torch.Tensor) -> StagedOp | None:
         """For the host-memory backends: a :class:`StagedOp` for a tensor off the CPU (or
         any tensor with ``stage_cpu_tensors``), else None (the host path, no copy)."""
-        if tensor.device.type == "cpu" and not self.stage_cpu_tensors:
+        if tensor.is_cpu and not self.stage_cpu_tensors:  # (is_cpu: 0.1 us, .device: 0.7)
             return None
         if self._pool is None:
             self._pool = PinnedPool()
@@ -357,9 +357,10 @@ class ProcessGroup(ABC):
         wait the result copied back into ``tensor`` (``in_place``) or to a new tensor on
         its device (a None result stays None).
         """
-        st = self._stage_op(tensor)
-        if st is None:
+        if tensor.is_cpu and not self.stage_cpu_tensors:
             return host_op(tensor, host_empty)
+        st = self._stage_op(tensor)
+        assert st is not None
         host = st.copy_in(tensor) if read else st.empty(tensor.shape, tensor.dtype)
         st.inputs_ready()
         return st.handle(host_op(host, st.empty), into=tensor if in_place else None)
