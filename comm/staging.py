@@ -21,11 +21,12 @@ Blocks come from a :class:`PinnedPool` per process group: byte blocks in power-o
 size classes (at least 4 KiB), viewed as the dtype and shape each operation needs,
 returned after the operation and reused by the next one of the same class. The pool
 grows to the largest set of blocks in flight at once (one per bucket a
-``DataParallel`` has in flight, say) and keeps them: pinning memory costs far more
-than the copies (milliseconds per MB), so it is done once.
+``DataParallel`` has in flight, say) and keeps them: pinning is a slow system call
+that locks every page, so it is done once per block, not per operation.
 
 CPU tensors never come here: the backends call their host path directly, with no copy
-and no pinned allocation.
+and no pinned allocation (unless a test sets the group's ``stage_cpu_tensors``, which
+sends them through this path so it runs without a GPU).
 """
 
 from __future__ import annotations
