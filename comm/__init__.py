@@ -9,6 +9,10 @@ Quick use::
     h = group.alltoallv_async(rows, send_splits=[2, 3])
     received = h.wait()              # [sum(recv_splits), *rows.shape[1:]]
 
+Tensors may live on the CPU or a CUDA device with every backend (mpi and gloo stage
+CUDA tensors through pinned host memory, ``comm/staging.py``); results come back on
+the input's device.
+
 An uncaught exception on any rank of a multi-rank group prints that rank's
 traceback and ends the whole job (see comm/failures.py); ``comm.abort(code)``
 does the same on purpose.

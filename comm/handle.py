@@ -36,9 +36,18 @@ class Handle:
     :class:`CommTimeoutError` past the limit. ``finish`` runs once, after
     completion, and its return value is what ``wait()`` returns (again on every
     later call).
+
+    ``ordered``, when given, is how ``wait()`` without a timeout waits for work that
+    runs on a device: it makes the current stream wait for the operation and returns
+    at once (nccl's ``Work.wait()``), so the host does not stop for the GPU; results
+    are then ready for work queued later on that stream. A dead peer is caught by the
+    backend's own watchdog (nccl's, with the group's timeout), not by this handle. A
+    wait with an explicit ``timeout`` still blocks the host until done.
     """
 
-    __slots__ = ("_test", "_finish", "_block", "_what", "_timeout_s", "_done", "_result")
+    __slots__ = (
+        "_test", "_finish", "_block", "_ordered", "_what", "_timeout_s", "_done", "_result",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -48,10 +57,12 @@ class Handle:
         what: str,
         timeout_s: float,
         block: Callable[[float], None] | None = None,
+        ordered: Callable[[], None] | None = None,
     ) -> None:
         self._test = test
         self._finish = finish
         self._block = block
+        self._ordered = ordered
         self._what = what
         self._timeout_s = timeout_s
         self._done = False
@@ -66,19 +77,32 @@ class Handle:
     def is_completed(self) -> bool:
         return self._done or self._test()
 
+    @property
+    def stream_ordered(self) -> bool:
+        """Whether ``wait()`` without a timeout orders the device stream instead of
+        blocking the host (see the class docstring)."""
+        return self._ordered is not None
+
     def wait(self, timeout: float | None = None) -> Any:
-        """Block until done (at most ``timeout`` s, default the group's); return the result."""
+        """Block until done (at most ``timeout`` s, default the group's); return the result.
+
+        A stream-ordered handle waited without ``timeout`` returns once its result is
+        ordered on the current stream (see the class docstring).
+        """
         if self._done:
             return self._result
-        limit = self._timeout_s if timeout is None else float(timeout)
-        if self._block is not None:
-            self._block(limit)
-        elif not self._test():
-            self._spin(limit)
+        if timeout is None and self._ordered is not None:
+            self._ordered()
+        else:
+            limit = self._timeout_s if timeout is None else float(timeout)
+            if self._block is not None:
+                self._block(limit)
+            elif not self._test():
+                self._spin(limit)
         self._result = self._finish()
         self._done = True
         self._test = self._finish = _never  # drop references to buffers
-        self._block = None
+        self._block = self._ordered = None
         return self._result
 
     def _spin(self, limit: float) -> None:

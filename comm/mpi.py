@@ -1,9 +1,10 @@
 """The MPI backend: mpi4py's upper-case (buffer) methods straight on torch tensors.
 
-No pickle: every message is a typed buffer. Every operation is the non-blocking
-MPI call (``Iallreduce``, ``Ialltoallv``, ...) so that waits can time out; the
-blocking and non-blocking paths measured the same bandwidth with MPICH
-(see docs/architecture.md).
+No pickle: every message is a typed buffer. CPU tensors are read and written in
+place; CUDA tensors are staged through pinned host blocks (``comm/staging.py``).
+Every operation is the non-blocking MPI call (``Iallreduce``, ``Ialltoallv``, ...)
+so that waits can time out; the blocking and non-blocking paths measured the same
+bandwidth with MPICH (see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from mpi4py import MPI
 from comm.failures import exception_in_flight, release_abort_hook
 from comm.group import ProcessGroup, ReduceOp
 from comm.handle import Handle
+from comm.staging import Alloc, host_empty
 
 # torch dtype -> (MPI datatype, whether MPI can reduce it). Half types travel as
 # 16-bit integers (MPI has no standard half type) and are reduced in float32.
@@ -43,8 +45,7 @@ def _buf(t: torch.Tensor, count: Any = None) -> list[Any]:
     in ~6 us, a torch tensor (through DLPack) in ~40 us, which dominated small
     messages.
     """
-    if t.is_cuda:
-        raise ValueError("the mpi backend moves CPU tensors; use the nccl backend for CUDA")
+    assert t.is_cpu, "device tensors are staged before they reach MPI"
     raw = t.view(_RAW_VIEW[t.dtype]) if t.dtype in _RAW_VIEW else t
     mtype = _MPI_TYPES.get(raw.dtype)
     if mtype is None:
@@ -92,7 +93,17 @@ class MPIGroup(ProcessGroup):
         self._handle(req, lambda: None, "allgather (argument check)").wait()
         return out.tolist()  # type: ignore[no-any-return]
 
+    # Each primitive is a host path ``_host_*(tensor, alloc, ...)``. A CPU tensor takes
+    # it at once (outputs from torch.empty); any other goes through ``_on_host``, which
+    # stages it through pinned blocks (copied in, outputs allocated there, the result
+    # copied back at wait).
+
     def _allreduce_async(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
+        if tensor.is_cpu and not self.stage_cpu_tensors:
+            return self._host_allreduce(tensor, host_empty, op)
+        return self._on_host(tensor, lambda t, a: self._host_allreduce(t, a, op), in_place=True)
+
+    def _host_allreduce(self, tensor: torch.Tensor, alloc: Alloc, op: ReduceOp) -> Handle:
         # Half and bool tensors are reduced in a float32/uint8 working copy.
         work = tensor if _reducible(tensor) else tensor.to(_reduce_dtype(tensor))
         req = self._comm.Iallreduce(MPI.IN_PLACE, _buf(work), _MPI_OPS[op])
@@ -108,26 +119,52 @@ class MPIGroup(ProcessGroup):
         return self._handle(req, finish, "allreduce")
 
     def _broadcast_async(self, tensor: torch.Tensor, root: int) -> Handle:
+        if tensor.is_cpu and not self.stage_cpu_tensors:
+            return self._host_broadcast(tensor, host_empty, root)
+        # Staged, only the root's bytes need to reach the host.
+        return self._on_host(
+            tensor,
+            lambda t, a: self._host_broadcast(t, a, root),
+            read=self.rank == root,
+            in_place=True,
+        )
+
+    def _host_broadcast(self, tensor: torch.Tensor, alloc: Alloc, root: int) -> Handle:
         req = self._comm.Ibcast(_buf(tensor), root=root)
         return self._handle(req, lambda: tensor, "broadcast")
 
     def _allgather_async(self, tensor: torch.Tensor) -> Handle:
-        out = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype)
+        if tensor.is_cpu and not self.stage_cpu_tensors:
+            return self._host_allgather(tensor, host_empty)
+        return self._on_host(tensor, self._host_allgather)
+
+    def _host_allgather(self, tensor: torch.Tensor, alloc: Alloc) -> Handle:
+        out = alloc((self.size, *tensor.shape), tensor.dtype)
         req = self._comm.Iallgather(_buf(tensor), _buf(out))
         return self._handle(req, lambda: out, "allgather")
 
     def _allgatherv_async(self, tensor: torch.Tensor, counts: list[int]) -> Handle:
+        if tensor.is_cpu and not self.stage_cpu_tensors:
+            return self._host_allgatherv(tensor, host_empty, counts)
+        return self._on_host(tensor, lambda t, a: self._host_allgatherv(t, a, counts))
+
+    def _host_allgatherv(self, tensor: torch.Tensor, alloc: Alloc, counts: list[int]) -> Handle:
         tail = tuple(tensor.shape[1:])
         row = math.prod(tail)
-        out = torch.empty((sum(counts), *tail), dtype=tensor.dtype)
+        out = alloc((sum(counts), *tail), tensor.dtype)
         elems = [c * row for c in counts]
         req = self._comm.Iallgatherv(_buf(tensor), _buf(out, (elems, _displs(elems))))
         return self._handle(req, lambda: out, "allgatherv")
 
     def _reduce_scatter_async(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
+        if tensor.is_cpu and not self.stage_cpu_tensors:
+            return self._host_reduce_scatter(tensor, host_empty, op)
+        return self._on_host(tensor, lambda t, a: self._host_reduce_scatter(t, a, op))
+
+    def _host_reduce_scatter(self, tensor: torch.Tensor, alloc: Alloc, op: ReduceOp) -> Handle:
         n = tensor.shape[0] // self.size
         work = tensor if _reducible(tensor) else tensor.to(_reduce_dtype(tensor))
-        out = torch.empty((n, *tensor.shape[1:]), dtype=work.dtype)
+        out = alloc((n, *tensor.shape[1:]), work.dtype)
         req = self._comm.Ireduce_scatter_block(_buf(work), _buf(out), _MPI_OPS[op])
         size = self.size
 
@@ -139,9 +176,16 @@ class MPIGroup(ProcessGroup):
         return self._handle(req, finish, "reduce_scatter")
 
     def _alltoallv_async(self, tensor: torch.Tensor, send: list[int], recv: list[int]) -> Handle:
+        if tensor.is_cpu and not self.stage_cpu_tensors:
+            return self._host_alltoallv(tensor, host_empty, send, recv)
+        return self._on_host(tensor, lambda t, a: self._host_alltoallv(t, a, send, recv))
+
+    def _host_alltoallv(
+        self, tensor: torch.Tensor, alloc: Alloc, send: list[int], recv: list[int]
+    ) -> Handle:
         tail = tuple(tensor.shape[1:])
         row = math.prod(tail)  # elements per row
-        out = torch.empty((sum(recv), *tail), dtype=tensor.dtype)
+        out = alloc((sum(recv), *tail), tensor.dtype)
         scounts = [s * row for s in send]
         rcounts = [r * row for r in recv]
         req = self._comm.Ialltoallv(
@@ -154,17 +198,32 @@ class MPIGroup(ProcessGroup):
         return self._handle(self._comm.Ibarrier(), lambda: None, "barrier")
 
     def _send_async(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
+        if tensor.is_cpu and not self.stage_cpu_tensors:
+            return self._host_send(tensor, host_empty, dst, tag)
+        # A staged block is kept until the send completes.
+        return self._on_host(tensor, lambda t, a: self._host_send(t, a, dst, tag))
+
+    def _host_send(self, tensor: torch.Tensor, alloc: Alloc, dst: int, tag: int) -> Handle:
         req = self._comm.Isend(_buf(tensor), dest=dst, tag=tag)
         return self._handle(req, lambda: None, f"send to rank {dst}")
 
     def _recv_async(self, tensor: torch.Tensor, src: int, tag: int) -> Handle:
+        if tensor.is_cpu and not self.stage_cpu_tensors:
+            return self._host_recv(tensor, host_empty, src, tag)
+        return self._on_host(
+            tensor, lambda t, a: self._host_recv(t, a, src, tag), read=False, in_place=True
+        )
+
+    def _host_recv(self, tensor: torch.Tensor, alloc: Alloc, src: int, tag: int) -> Handle:
         req = self._comm.Irecv(_buf(tensor), source=src, tag=tag)
         return self._handle(req, lambda: tensor, f"recv from rank {src}")
 
     def _split(self, color: int, key: int) -> ProcessGroup:
-        return MPIGroup(
+        sub = MPIGroup(
             self._comm.Split(color, key), timeout_s=self.timeout_s, validate=self.validate
         )
+        sub.stage_cpu_tensors = self.stage_cpu_tensors
+        return sub
 
     def close(self) -> None:
         if not exception_in_flight():  # on the way out of a failure the hook must stay

@@ -1,5 +1,8 @@
 """The torch.distributed backend (gloo on CPU, nccl on CUDA).
 
+gloo moves host memory: CUDA tensors given to a gloo group are staged through
+pinned host blocks (``comm/staging.py``), as in the MPI backend.
+
 Each operation is issued with ``async_op=True`` and wrapped in a :class:`Handle`
 that polls ``Work.is_completed()`` so waits can time out. Gloo lacks an average
 reduction, so "avg" is a sum followed by a division, as in the MPI backend.
@@ -18,6 +21,7 @@ import torch.distributed as dist
 from comm.failures import exception_in_flight, release_abort_hook
 from comm.group import ProcessGroup, ReduceOp
 from comm.handle import Handle, timeout_error
+from comm.staging import Alloc
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -44,8 +48,10 @@ class TorchGroup(ProcessGroup):
         self.backend = str(dist.get_backend(pg))
         rank, size = dist.get_rank(pg), dist.get_world_size(pg)
         self._global_ranks = global_ranks if global_ranks is not None else list(range(size))
-        # nccl moves CUDA tensors only; small CPU tensors (signatures, counts) are staged.
+        # nccl moves CUDA tensors only; small CPU tensors (signatures, counts) are staged
+        # to the device. Other backends (gloo) move host memory.
         self.device = device if device is not None else torch.device("cpu")
+        self._device_backend = self.backend == "nccl"
         super().__init__(rank, size, timeout_s=timeout_s, validate=validate)
 
     @property
@@ -56,7 +62,8 @@ class TorchGroup(ProcessGroup):
     # ------------------------------------------------------------------ helpers
 
     def _stage(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device) if t.device != self.device else t
+        """nccl: ``t`` on the group's device (gloo: host tensors arrive here already)."""
+        return t.to(self.device) if self._device_backend and t.device != self.device else t
 
     def _handle(self, work: Any, finish: Callable[[], Any], what: str) -> Handle:
         label = f"{self.backend} {what} on rank {self.rank}"
@@ -71,111 +78,172 @@ class TorchGroup(ProcessGroup):
                     raise timeout_error(label, limit) from e
                 raise
 
-        return Handle(work.is_completed, finish, what=label, timeout_s=self.timeout_s, block=block)
+        # nccl: a wait without a timeout only makes the current stream wait (Work.wait()
+        # with a timeout would block the host until the GPU is done); its watchdog, set
+        # to the group's timeout at init, ends a job whose peer is gone.
+        ordered = work.wait if self._device_backend else None
+        return Handle(
+            work.is_completed, finish, what=label, timeout_s=self.timeout_s, block=block,
+            ordered=ordered,
+        )  # fmt: skip
 
     # --------------------------------------------------------------- primitives
+    #
+    # nccl moves CUDA tensors: a CPU tensor is staged to the group's device (``_stage``)
+    # and results go back to the input's device. gloo moves host memory: each primitive
+    # runs through ``_on_host``, which hands CPU tensors over as they are and stages a
+    # CUDA tensor through pinned blocks (copied in, outputs allocated there with
+    # ``alloc``, the result copied back at wait).
+
+    def _run(
+        self,
+        tensor: torch.Tensor,
+        op: Callable[[torch.Tensor, Alloc], Handle],
+        *,
+        read: bool = True,
+        in_place: bool = False,
+    ) -> Handle:
+        if self._device_backend:
+            return op(tensor, self._device_empty)
+        return self._on_host(tensor, op, read=read, in_place=in_place)
+
+    def _device_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _allreduce_async(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
-        work_t = self._stage(tensor)
-        work = dist.all_reduce(work_t, op=_TORCH_OPS[op], group=self._pg, async_op=True)
         size = self.size
 
-        def finish() -> torch.Tensor:
-            if op is ReduceOp.AVG:
-                work_t.div_(size)
-            if work_t is not tensor:
-                tensor.copy_(work_t)
-            return tensor
+        def run(t: torch.Tensor, _: Alloc) -> Handle:
+            work_t = self._stage(t)
+            work = dist.all_reduce(work_t, op=_TORCH_OPS[op], group=self._pg, async_op=True)
 
-        return self._handle(work, finish, "allreduce")
+            def finish() -> torch.Tensor:
+                if op is ReduceOp.AVG:
+                    work_t.div_(size)
+                if work_t is not t:
+                    t.copy_(work_t)
+                return t
+
+            return self._handle(work, finish, "allreduce")
+
+        return self._run(tensor, run, in_place=True)
 
     def _broadcast_async(self, tensor: torch.Tensor, root: int) -> Handle:
-        work_t = self._stage(tensor)
-        work = dist.broadcast(work_t, group=self._pg, group_src=root, async_op=True)
+        def run(t: torch.Tensor, _: Alloc) -> Handle:
+            work_t = self._stage(t)
+            work = dist.broadcast(work_t, group=self._pg, group_src=root, async_op=True)
 
-        def finish() -> torch.Tensor:
-            if work_t is not tensor:
-                tensor.copy_(work_t)
-            return tensor
+            def finish() -> torch.Tensor:
+                if work_t is not t:
+                    t.copy_(work_t)
+                return t
 
-        return self._handle(work, finish, "broadcast")
+            return self._handle(work, finish, "broadcast")
+
+        # Staged, only the root's bytes need to reach the host.
+        return self._run(tensor, run, read=self.rank == root, in_place=True)
 
     def _allgather_async(self, tensor: torch.Tensor) -> Handle:
-        src = self._stage(tensor)
-        out = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype, device=src.device)
-        # all_gather into views of one buffer: supported by gloo and nccl alike.
-        work = dist.all_gather(list(out.unbind(0)), src, group=self._pg, async_op=True)
-        return self._handle(work, lambda: out.to(tensor.device), "allgather")
+        def run(t: torch.Tensor, alloc: Alloc) -> Handle:
+            src = self._stage(t)
+            out = alloc((self.size, *t.shape), t.dtype)
+            # all_gather into views of one buffer: supported by gloo and nccl alike.
+            work = dist.all_gather(list(out.unbind(0)), src, group=self._pg, async_op=True)
+            return self._handle(work, lambda: out.to(t.device), "allgather")
+
+        return self._run(tensor, run)
 
     def _allgatherv_async(self, tensor: torch.Tensor, counts: list[int]) -> Handle:
         # No variable-size allgather in torch.distributed: pad every rank to the
         # largest row count, gather, then keep each rank's real rows.
-        src = self._stage(tensor)
-        tail = tuple(tensor.shape[1:])
-        most = max(counts)
-        padded = torch.zeros((most, *tail), dtype=tensor.dtype, device=src.device)
-        padded[: src.shape[0]] = src
-        out = torch.empty((self.size, most, *tail), dtype=tensor.dtype, device=src.device)
-        work = dist.all_gather(list(out.unbind(0)), padded, group=self._pg, async_op=True)
+        def run(t: torch.Tensor, alloc: Alloc) -> Handle:
+            src = self._stage(t)
+            tail = tuple(t.shape[1:])
+            most = max(counts)
+            padded = src
+            if src.shape[0] != most:
+                padded = alloc((most, *tail), t.dtype)  # the padding rows are never read
+                padded[: src.shape[0]] = src
+            out = alloc((self.size, most, *tail), t.dtype)
+            work = dist.all_gather(list(out.unbind(0)), padded, group=self._pg, async_op=True)
 
-        def finish() -> torch.Tensor:
-            parts = [out[r, : counts[r]] for r in range(self.size)]
-            return torch.cat(parts).to(tensor.device)
+            def finish() -> torch.Tensor:
+                rows = alloc((sum(counts), *tail), t.dtype)  # [sum(counts), *tail]
+                lo = 0
+                for r in range(self.size):
+                    rows[lo : lo + counts[r]] = out[r, : counts[r]]
+                    lo += counts[r]
+                return rows.to(t.device)
 
-        return self._handle(work, finish, "allgatherv")
+            return self._handle(work, finish, "allgatherv")
+
+        return self._run(tensor, run)
 
     def _reduce_scatter_async(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
         n = tensor.shape[0] // self.size
         lo = self.rank * n
         size = self.size
-        if self.backend == "nccl":
-            src = self._stage(tensor)
-            out = torch.empty((n, *tensor.shape[1:]), dtype=tensor.dtype, device=src.device)
-            work = dist.reduce_scatter_tensor(
-                out, src, op=_TORCH_OPS[op], group=self._pg, async_op=True
-            )
-        else:
-            # gloo has no reduce_scatter: allreduce a copy and keep this rank's rows.
-            full = tensor.clone()
-            work = dist.all_reduce(full, op=_TORCH_OPS[op], group=self._pg, async_op=True)
-            out = full
 
-        def finish() -> torch.Tensor:
-            res = out if out.shape[0] == n else out[lo : lo + n].clone()
-            if op is ReduceOp.AVG:
-                res.div_(size)
-            return res.to(tensor.device)
+        def run(t: torch.Tensor, alloc: Alloc) -> Handle:
+            if self._device_backend:
+                src = self._stage(t)
+                out = alloc((n, *t.shape[1:]), t.dtype)
+                work = dist.reduce_scatter_tensor(
+                    out, src, op=_TORCH_OPS[op], group=self._pg, async_op=True
+                )
+            else:
+                # gloo has no reduce_scatter: allreduce a copy and keep this rank's rows
+                # (a staged tensor is a private copy already).
+                full = t.clone() if t is tensor else t
+                work = dist.all_reduce(full, op=_TORCH_OPS[op], group=self._pg, async_op=True)
+                out = full
 
-        return self._handle(work, finish, "reduce_scatter")
+            def finish() -> torch.Tensor:
+                res = out if out.shape[0] == n else out[lo : lo + n].clone()
+                if op is ReduceOp.AVG:
+                    res.div_(size)
+                return res.to(t.device)
+
+            return self._handle(work, finish, "reduce_scatter")
+
+        return self._run(tensor, run)
 
     def _alltoallv_async(self, tensor: torch.Tensor, send: list[int], recv: list[int]) -> Handle:
-        src = self._stage(tensor)
-        out = torch.empty((sum(recv), *tensor.shape[1:]), dtype=tensor.dtype, device=src.device)
-        work = dist.all_to_all_single(
-            out, src, output_split_sizes=recv, input_split_sizes=send,
-            group=self._pg, async_op=True,
-        )  # fmt: skip
-        return self._handle(work, lambda: out.to(tensor.device), "alltoallv")
+        def run(t: torch.Tensor, alloc: Alloc) -> Handle:
+            src = self._stage(t)
+            out = alloc((sum(recv), *t.shape[1:]), t.dtype)
+            work = dist.all_to_all_single(
+                out, src, output_split_sizes=recv, input_split_sizes=send,
+                group=self._pg, async_op=True,
+            )  # fmt: skip
+            return self._handle(work, lambda: out.to(t.device), "alltoallv")
+
+        return self._run(tensor, run)
 
     def _barrier_async(self) -> Handle:
         work = dist.barrier(group=self._pg, async_op=True)
         return self._handle(work, lambda: None, "barrier")
 
     def _send_async(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
-        src = self._stage(tensor)
-        work = dist.isend(src, group=self._pg, group_dst=dst, tag=tag)
-        return self._handle(work, lambda: None, f"send to rank {dst}")
+        def run(t: torch.Tensor, _: Alloc) -> Handle:
+            work = dist.isend(self._stage(t), group=self._pg, group_dst=dst, tag=tag)
+            return self._handle(work, lambda: None, f"send to rank {dst}")
+
+        return self._run(tensor, run)  # a staged block is kept until it is sent
 
     def _recv_async(self, tensor: torch.Tensor, src: int, tag: int) -> Handle:
-        buf = self._stage(tensor)
-        work = dist.irecv(buf, group=self._pg, group_src=src, tag=tag)
+        def run(t: torch.Tensor, _: Alloc) -> Handle:
+            buf = self._stage(t)
+            work = dist.irecv(buf, group=self._pg, group_src=src, tag=tag)
 
-        def finish() -> torch.Tensor:
-            if buf is not tensor:
-                tensor.copy_(buf)
-            return tensor
+            def finish() -> torch.Tensor:
+                if buf is not t:
+                    t.copy_(buf)
+                return t
 
-        return self._handle(work, finish, f"recv from rank {src}")
+            return self._handle(work, finish, f"recv from rank {src}")
+
+        return self._run(tensor, run, read=False, in_place=True)
 
     def _split(self, color: int, key: int) -> ProcessGroup:
         # On the whole world, torch.distributed needs every rank to call new_group for
@@ -210,6 +278,7 @@ class TorchGroup(ProcessGroup):
                     pg, global_ranks=ranks, device=self.device,
                     timeout_s=self.timeout_s, validate=self.validate,
                 )  # fmt: skip
+                result.stage_cpu_tensors = self.stage_cpu_tensors
         assert result is not None
         return result
 

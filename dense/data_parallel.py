@@ -16,6 +16,12 @@ Two ways to do the averaging:
 * :func:`allreduce_gradients` does the same after backward, in one collective per
   dtype (no overlap; handy for loops that do not own their module).
 
+The module may live on a GPU: the bucket buffers are made on the parameters' device.
+Over nccl they travel as they are and nothing waits on the host (a handle's wait only
+orders the stream). Over mpi or gloo the group stages each bucket through pinned host
+memory (``comm/staging.py``): issuing a bucket waits on the host for its device-to-host
+copy, and ``finish`` queues the copy back. Codecs encode and decode on the device.
+
 Timeline of one step with three buckets (``A`` = allreduce in flight)::
 
     backward:  [top layers ][middle layers][bottom layers]| finish

@@ -18,6 +18,9 @@ A step, per dtype:
   e.g. Adam's two moments, is ``S`` elements instead of ``N``) and the updated
   shards are allgathered back into every rank's full parameters.
 
+Flat buffers, shards and optimizer state live on the parameters' device (a GPU
+included; over mpi or gloo the group stages device tensors through pinned host memory).
+
 This equals the unsharded optimizer for optimizers that act elementwise (SGD,
 Adam, AdamW, Adagrad, RMSprop, ...); optimizers that look at whole tensors
 (LAMB, LARS, Adafactor) would see shards and must not be used. A gradient that

@@ -38,6 +38,9 @@ One training step, per unit (one collective per unit and dtype each time):
 * ``step()``: the inner torch optimizer steps the shards only (no allgather: the
   next forward gathers what it needs).
 
+Shards, flat buffers and optimizer state live on the parameters' device (a GPU
+included; over mpi or gloo the group stages device tensors through pinned host memory).
+
 This equals one process on the global batch for elementwise optimizers (SGD,
 Adam, AdamW, ...), like :class:`dense.ZeroOptimizer`. Every rank must run the
 same units in the same order (the gathers are collectives), the parameters of a

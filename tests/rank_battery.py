@@ -2,8 +2,8 @@
 
 Starting ranks costs more than most checks (every rank imports torch; 4 ranks share 2
 cores here), so the rank scripts of test_embedding_sharded, test_embedding_data_parallel,
-test_dense_data_parallel, test_dense_zero, test_dense_zero3, test_dense_tensor_parallel and
-test_dense_pipeline run together through
+test_dense_data_parallel, test_dense_zero, test_dense_zero3, test_dense_tensor_parallel,
+test_dense_pipeline and test_comm_device (its CPU checks) run together through
 ``tests/ranks/battery.py``: one launch per (backend, ranks) for the whole session,
 started by whichever test needs it first (``RankBattery.output``). Each test then looks
 for its own "ok" lines in that launch's output; when a launch fails, the output ends
@@ -28,10 +28,12 @@ CODECS = ["none", "fp16", "bf16", "terngrad", "natural", "topk"]
 ZERO_SAVE = ("gloo", 2)
 ZERO_LOADS = [("mpi", 1), ("gloo", 4)]
 PIPELINE_CASES = [c for c in DENSE_CASES if c[1] > 1]  # the world is the pipeline
+# Device checks on CPU tensors through the staging of device tensors (test_comm_device).
+DEVICE_CASES = [("mpi", 2), ("gloo", 2)]
 # Seconds a launch may take: ranks start, then each check (several steps, 4 ranks on 2 cores).
 START_S, PER_CHECK_S = 60.0, 60.0
 # pytest timeout of a test that reads a launch: the dense_zero loads wait for the save's launch.
-MOST_CHECKS = 9  # the longest launch: 3 embedding checks, dp, codecs, zero, zero3, tp, pp
+MOST_CHECKS = 11  # the longest: 3 embedding, dp, codecs, zero, zero3, tp, pp, 2 device
 BATTERY_TIMEOUT_S = int(2 * (START_S + MOST_CHECKS * PER_CHECK_S)) + 60
 
 
@@ -63,6 +65,9 @@ def plan(backend: str, nprocs: int, workdir: Path) -> list[list[str]]:
         checks.append(["dense_tp", "all"])
     if case in PIPELINE_CASES:
         checks.append(["dense_pp"])
+    if case in DEVICE_CASES:
+        checks.append(["comm_device", "cpu"])
+        checks.append(["dense_device", "cpu"])
     return checks
 
 

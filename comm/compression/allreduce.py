@@ -81,12 +81,18 @@ def compose(
         for h in handles:
             h.wait(max(deadline - time.monotonic(), 1e-3))
 
+    def ordered() -> None:
+        for h in handles:
+            h.wait()
+
     return Handle(
         test,
         lambda: finish([h.wait() for h in handles]),
         what=what,
         timeout_s=timeout_s,
         block=block,
+        # Parts that wait on the device stream (nccl): so does the whole.
+        ordered=ordered if handles and all(h.stream_ordered for h in handles) else None,
     )
 
 

@@ -36,10 +36,14 @@ class NaturalCompression(Codec):
     unbiased = True
 
     def _encode(self, t: torch.Tensor, key: str) -> Encoded:
+        # The reference exponent stays a 0-d tensor on t's device: no host sync per call.
         a = t.abs().double()  # [n]; float64 so the probabilities below are exact
         mant, exp = torch.frexp(a)  # a = mant * 2^exp, mant in [0.5, 1) (0 for a == 0)
         nonzero = a > 0
-        top = int(exp[nonzero].max()) if bool(nonzero.any()) else 0  # 2^top > max|x|
+        # 2^top > max|x| (exp of a zero is 0 and never the largest unless all are zero).
+        lowest = torch.iinfo(exp.dtype).min
+        top = torch.where(nonzero, exp, lowest).amax() if a.numel() else exp.new_zeros(())
+        top = torch.where(top == lowest, 0, top)  # 0-d; 0 when every value is zero
         low_exp = exp - 1  # 2^low_exp <= a < 2^(low_exp + 1)
         floor_exp = top - (_LEVELS - 1)  # the smallest level, code 1
         u = torch.rand(
@@ -49,16 +53,16 @@ class NaturalCompression(Codec):
         code = low_exp + (u < 2.0 * mant - 1.0).to(exp.dtype) - floor_exp + 1
         # Below the smallest level: 0 or 2^floor_exp, with probability a / 2^floor_exp.
         tiny = low_exp < floor_exp
-        tiny_up = u < a * 2.0**-floor_exp  # exact: a power-of-two scaling in float64
+        tiny_up = u < a * torch.exp2(-floor_exp.double())  # exact: a power-of-two scaling
         code = torch.where(tiny, tiny_up.to(code.dtype), code)
         code = torch.where(nonzero, code, 0).to(torch.uint8)  # [n] in 0..127
         payload = code | (t < 0).to(torch.uint8) * _SIGN
-        scale = torch.tensor([float(top)], dtype=torch.float32, device=t.device)
+        scale = top.reshape(1).to(torch.float32)  # [1], the integer E
         return Encoded(payload=payload, scale=scale)
 
     def _decode(self, e: Encoded, numel: int) -> torch.Tensor:
         assert e.scale is not None
-        top = int(e.scale.item())
+        top = e.scale.to(torch.int64)  # [1], the integer E
         code = (e.payload & (_SIGN - 1)).long()  # [n]
         mag = torch.exp2((code + (top - _LEVELS)).double())  # exact powers of two
         mag = torch.where(code > 0, mag, 0.0)

@@ -23,9 +23,11 @@ import torch
 
 from comm.compression.base import Codec, Encoded
 
-# 2-bit code -> ternary value; code 3 is never produced.
-_CODE_VALUES = torch.tensor([0.0, 1.0, -1.0, 0.0])
-_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    """uint8 ``[4]``: the bit offsets 0, 2, 4, 6 of the four codes in a byte, made on
+    ``device`` (copying a host table to a GPU would stop the host for the copy)."""
+    return torch.arange(0, 8, 2, dtype=torch.uint8, device=device)
 
 
 def pack_2bit(codes: torch.Tensor) -> torch.Tensor:
@@ -33,15 +35,13 @@ def pack_2bit(codes: torch.Tensor) -> torch.Tensor:
     n = codes.numel()
     padded = torch.zeros(4 * ((n + 3) // 4), dtype=torch.uint8, device=codes.device)
     padded[:n] = codes
-    quads = padded.view(-1, 4) << _SHIFTS.to(
-        codes.device
-    )  # [ceil(n/4), 4], each code in its bit pair
+    quads = padded.view(-1, 4) << _shifts(codes.device)  # [ceil(n/4), 4], each in its bit pair
     return quads.sum(dim=1, dtype=torch.uint8)  # bit pairs do not overlap: sum == or
 
 
 def unpack_2bit(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_2bit`: uint8 ``[n]`` codes."""
-    quads = (packed.view(-1, 1) >> _SHIFTS.to(packed.device)) & 3  # [ceil(n/4), 4]
+    quads = (packed.view(-1, 1) >> _shifts(packed.device)) & 3  # [ceil(n/4), 4]
     return quads.reshape(-1)[:n]
 
 
@@ -64,26 +64,27 @@ class TernGrad(Codec):
         return f"TernGrad(clip={self.clip}, seed={self.seed}, rank={self.rank})"
 
     def _encode(self, t: torch.Tensor, key: str) -> Encoded:
+        # Scale and clipping bound stay 0-d tensors on t's device: no host sync per call.
         g = t
         if self.clip is not None and g.numel() > 1:
-            bound = self.clip * float(g.std(correction=0))
-            if bound > 0:
-                g = g.clamp(-bound, bound)
-        s = float(g.abs().max()) if g.numel() else 0.0
-        if s == 0.0:
-            codes = torch.zeros(g.numel(), dtype=torch.uint8, device=g.device)
-        else:
-            prob = g.abs() / s  # [n] in [0, 1]
-            u = torch.rand(g.numel(), generator=self.generator(g.device), device=g.device)
-            keep = u < prob
-            codes = torch.where(g < 0, 2, 1).to(torch.uint8) * keep
-        scale = torch.tensor([s], dtype=torch.float32, device=g.device)
+            bound = g.std(correction=0) * self.clip  # 0-d
+            # sigma = 0 (all values equal): not clipped.
+            g = torch.where(bound > 0, torch.minimum(torch.maximum(g, -bound), bound), g)
+        s = g.abs().amax() if g.numel() else torch.zeros((), device=g.device)  # 0-d
+        # P(keep) = |g| / s; s = 0 only when every value is 0 (then nothing is kept).
+        prob = g.abs() / torch.where(s > 0, s, 1.0)  # [n] in [0, 1]
+        u = torch.rand(g.numel(), generator=self.generator(g.device), device=g.device)
+        keep = u < prob
+        codes = torch.where(g < 0, 2, 1).to(torch.uint8) * keep
+        scale = s.reshape(1).to(torch.float32)
         return Encoded(payload=pack_2bit(codes), scale=scale)
 
     def _decode(self, e: Encoded, numel: int) -> torch.Tensor:
         assert e.scale is not None
         codes = unpack_2bit(e.payload, numel)
-        return _CODE_VALUES.to(codes.device)[codes.long()] * e.scale.float()
+        # code 0 -> 0, 1 -> +1, 2 -> -1 (3 is never produced)
+        values = (codes == 1).float() - (codes == 2).float()  # [n]
+        return values * e.scale.float()
 
     def _wire_bytes(self, numel: int) -> int:
         return (numel + 3) // 4 + 4

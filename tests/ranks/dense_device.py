@@ -1,0 +1,240 @@
+"""Rank script: DataParallel, ZeRO stages 1 and 2 and Zero3 with the model on a device
+equal one process on the global batch.
+
+``run(group, [device])``: ``device`` is ``cuda`` (this rank's GPU by local rank: two
+ranks may share one; over mpi and gloo the buckets and shards are staged through
+pinned host blocks) or ``cpu``, where the group's ``stage_cpu_tensors`` sends the CPU
+tensors through that same staging path, so it runs without a GPU.
+
+Every rank starts from a different init (the wrappers broadcast rank 0's), trains
+STEPS steps on its slice of the global batch; a plain torch copy of rank 0's init,
+on the same device, trains on the whole batch in this process. Weights (and for
+DataParallel the averaged gradients) agree to 1e-5 after every step, and every
+gradient, shard and flat buffer lives on the device. DataParallel also runs with the
+fp16 codec (2e-3 of the reference) and TernGrad (finite, replicas identical): the
+codecs run on the device. Staged runs check that the pool stops allocating after the
+first step (its blocks are reused).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import comm
+from dense import DataParallel, Zero3, ZeroOptimizer
+
+GLOBAL_BATCH = 8  # divisible by 1, 2 and 4 ranks
+STEPS = 3
+IN = 6
+ADAM: dict[str, Any] = {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6}
+
+
+class Net(nn.Module):
+    """Blocks in a ModuleList (one Zero3 unit each), a head, and a parameter of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(IN, 16), nn.Linear(16, 16), nn.Linear(16, 8)])
+        self.head = nn.Linear(8, 1)
+        self.gain = nn.Parameter(torch.tensor([1.5, 0.5]))  # [2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x).squeeze(1) * self.gain.sum()  # [B]
+
+
+def fail(group: comm.ProcessGroup, what: str, msg: str) -> None:
+    raise AssertionError(f"rank {group.rank}/{group.size} ({group.backend}) {what}: {msg}")
+
+
+def batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(500 + step)
+    x, y = torch.randn(GLOBAL_BATCH, IN, generator=gen), torch.randn(GLOBAL_BATCH, generator=gen)
+    return x.to(device), y.to(device)
+
+
+def local_loss(
+    group: comm.ProcessGroup, model: Callable[[torch.Tensor], torch.Tensor], step: int, dev: Any
+) -> torch.Tensor:
+    x, y = batch(step, dev)
+    n = GLOBAL_BATCH // group.size
+    sl = slice(group.rank * n, (group.rank + 1) * n)
+    return ((model(x[sl]) - y[sl]) ** 2).mean()
+
+
+def ref_loss(group: comm.ProcessGroup, model: nn.Module, step: int, dev: Any) -> torch.Tensor:
+    """The mean over ranks of each rank's mean loss on its slice (= the global mean)."""
+    x, y = batch(step, dev)
+    n = GLOBAL_BATCH // group.size
+    total = torch.zeros((), device=dev)
+    for r in range(group.size):
+        sl = slice(r * n, (r + 1) * n)
+        total = total + ((model(x[sl]) - y[sl]) ** 2).mean() / group.size
+    return total
+
+
+def models(group: comm.ProcessGroup, device: torch.device) -> tuple[nn.Module, nn.Module]:
+    """(this rank's model with its own init, the reference with rank 0's init), on device."""
+    torch.manual_seed(100)
+    ref = Net().to(device)
+    torch.manual_seed(100 + group.rank)
+    return Net().to(device), ref
+
+
+def compare(
+    group: comm.ProcessGroup,
+    what: str,
+    mine: dict[str, torch.Tensor],
+    want: dict[str, torch.Tensor],
+    device: torch.device,
+    tol: float,
+) -> None:
+    """Every tensor of ``mine`` is on ``device``, within ``tol`` of ``want``, and the same
+    on every rank."""
+    for name, b in want.items():
+        a = mine[name]
+        if a.device != device:
+            fail(group, what, f"{name} is on {a.device}, expected {device}")
+        err = float((a.detach() - b.detach()).abs().max())
+        if err > tol:
+            fail(group, what, f"{name} differs from one process on the global batch by {err:.3g}")
+    flat = torch.cat([mine[n].detach().reshape(-1) for n in want])
+    every = group.allgather(flat)  # [size, n]
+    if not all(torch.equal(every[0], every[r]) for r in range(group.size)):
+        fail(group, what, "replicas differ")
+
+
+def params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters())
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} has no gradient"
+        out[name] = p.grad
+    return out
+
+
+def pool_blocks(group: comm.ProcessGroup) -> int:
+    pool = group.staging_pool
+    return 0 if pool is None else pool.stats["allocated"]
+
+
+def check_pool_steady(group: comm.ProcessGroup, what: str, allocated: list[int]) -> None:
+    """``allocated``: the pool's block count after each step; constant after the first."""
+    if len(set(allocated[1:])) > 1:
+        fail(group, what, f"the staging pool kept allocating: blocks after each step {allocated}")
+
+
+def check_data_parallel(group: comm.ProcessGroup, device: torch.device, codec: str | None) -> None:
+    what = f"DataParallel codec={codec}"
+    tol = {None: 1e-5, "fp16": 2e-3}.get(codec, float("inf"))  # inf: only finite, same
+    mine, ref = models(group, device)
+    dp = DataParallel(mine, group, bucket_mb=600 / 2**20, compression=codec)  # several buckets
+    if len(dp.buckets) < 3:
+        fail(group, what, f"expected several buckets, got {len(dp.buckets)}")
+    opt = torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    blocks = []
+    for step in range(STEPS):
+        local_loss(group, dp, step, device).backward()
+        dp.finish()  # no-op: the autograd callback finished the round
+        ref_loss(group, ref, step, device).backward()
+        if any(flat.device != device for flat in dp._flat):
+            fail(group, what, "a bucket buffer is off the device")
+        compare(group, f"{what} gradients, step {step}", grads(mine), grads(ref), device, tol)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        compare(group, f"{what} weights, step {step}", params(mine), params(ref), device, tol)
+        if not all(bool(torch.isfinite(p).all()) for p in mine.parameters()):
+            fail(group, what, f"step {step}: weights not finite")
+        blocks.append(pool_blocks(group))
+    check_pool_steady(group, what, blocks)
+    dp.remove_hooks()
+
+
+def check_zero(group: comm.ProcessGroup, device: torch.device, stage: int) -> None:
+    what = f"ZeroOptimizer stage {stage}"
+    mine, ref = models(group, device)
+    opt = ZeroOptimizer(torch.optim.Adam, mine.parameters(), group, stage=stage, **ADAM)
+    ref_opt = torch.optim.Adam(ref.parameters(), **ADAM)
+    blocks = []
+    for step in range(STEPS):
+        local_loss(group, mine, step, device).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss(group, ref, step, device).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        compare(group, f"{what} step {step}", params(mine), params(ref), device, 1e-5)
+        for flat in opt._flats:
+            if flat.shard.device != device:
+                fail(group, what, f"a shard is on {flat.shard.device}")
+        for st in opt.optimizer.state.values():
+            for key, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() and v.device != device:
+                    fail(group, what, f"optimizer state {key} is on {v.device}")
+        blocks.append(pool_blocks(group))
+    check_pool_steady(group, what, blocks)
+    # The global state gathers on the device and saves from there.
+    state = opt.state_dict()
+    if not state["tensors"] or any(
+        t.dim() and t.device != device for t in state["tensors"].values()
+    ):
+        fail(group, what, "state_dict: no state, or state off the device")
+
+
+def check_zero3(group: comm.ProcessGroup, device: torch.device) -> None:
+    what = "Zero3"
+    mine, ref = models(group, device)
+    z = Zero3(mine, group, torch.optim.AdamW, **ADAM)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
+    blocks = []
+    for step in range(STEPS):
+        local_loss(group, z, step, device).backward()
+        z.step()
+        z.zero_grad()
+        ref_loss(group, ref, step, device).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        full = z.full_state_dict()
+        compare(group, f"{what} step {step}", full, params(ref), device, 1e-5)
+        for unit in z.units:
+            for flat in unit.flats:
+                if flat.shard.device != device or flat.full.device != device:
+                    fail(group, what, f"unit {unit.name}: shard or flat buffer off {device}")
+        blocks.append(pool_blocks(group))
+    check_pool_steady(group, what, blocks)
+    z.close()
+
+
+def run(group: comm.ProcessGroup, args: list[str]) -> None:
+    """``args[0]``: ``cpu`` or ``cuda`` (also called by battery.py)."""
+    name = args[0] if args else "cpu"
+    if name == "cpu":
+        device = torch.device("cpu")
+        group.stage_cpu_tensors = group.backend in ("mpi", "gloo")  # the staged path
+    else:
+        device = comm.resolve_device(name, comm.detect_launch().local_rank)
+    try:
+        for codec in (None, "fp16", "terngrad"):
+            check_data_parallel(group, device, codec)
+        for stage in (1, 2):
+            check_zero(group, device, stage)
+        check_zero3(group, device)
+    finally:
+        group.stage_cpu_tensors = False
+    print(f"rank {group.rank}/{group.size} {group.backend} dense_device {name}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    from rank_main import run_main
+
+    run_main(run)
