@@ -87,3 +87,12 @@ def block_d(dim: int, cap: int) -> int:
     while b < dim and b < cap:
         b *= 2
     return b
+
+
+def pool_bucket(num_ids: int, num_bags: int) -> int:
+    """Average ids per bag rounded up to a power of two, capped at 64 (a tuning key).
+
+    From sizes the host already knows (``len(ids)``, ``len(offsets) - 1``): no sync.
+    """
+    avg = -(-num_ids // max(num_bags, 1))  # ceil
+    return min(block_d(max(avg, 1), 64), 64)
