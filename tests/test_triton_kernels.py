@@ -112,6 +112,34 @@ def test_kernels_package_does_not_import_triton(case_results: dict[str, dict]) -
     assert r["ok"], r["error"]
 
 
+@pytest.mark.timeout(120)
+def test_triton_bench_smoke_in_interpreter() -> None:
+    # benchmarks/triton_bench.py end to end on CPU in the interpreter (tiny shapes): every
+    # optimizer's step checked against torch's inside the run, the figures the GPU
+    # benchmark reads are there and finite, and no target is claimed from interpreter times.
+    _require_triton()
+    env = rank_env(pythonpath=(ROOT,))
+    env.pop("TRITON_INTERPRET", None)  # the script sets it itself, before importing triton
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "triton_bench.py"), "--quick", "--interpret"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "triton" and out["config"]["interpret"] is True
+    assert out["targets"] == {}
+    fig = out["figures"]
+    for key in ("triton_fwd_vs_torch_min", "triton_step_vs_torch_min", "fwd_bandwidth_fraction"):
+        assert isinstance(fig[key], float) and fig[key] >= 0, (key, fig[key])
+    assert set(fig["step_vs_torch"]) == {"rowwise_adagrad", "sgd", "sgd_momentum", "adagrad",
+                                         "adam", "ftrl"}  # fmt: skip
+    for name, ratios in fig["step_vs_torch"].items():
+        assert set(ratios) == {"L1", "L4"}, (name, ratios)
+        for tag in ratios:
+            diff = fig["cases"][tag]["step"][name]["max_abs_diff_first_step"]
+            assert diff <= 1e-4, (name, tag, diff)
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(280)
 def test_triton_cases_on_cuda() -> None:

@@ -179,10 +179,30 @@ def pooled_lookup(
     args = (weight, weight.stride(0), ids_c, offsets.contiguous(), psw, out, num_bags, dim, pooling)
     flags = {"HAS_WEIGHTS": per_sample_weights is not None, "MEAN": mean, "WIDE_INDEX": wide}
     if autotune_enabled(weight):
-        grid = lambda meta: (triton.cdiv(num_bags, meta["BAGS"]), triton.cdiv(dim, bd))  # noqa: E731
-        _pool_kernel_tuned[grid](*args, **flags, BLOCK_D=bd)
+        key = (dim, pooling, wide, mean, weight.dtype, ids.dtype, offsets.dtype, psw.dtype,
+               per_sample_weights is not None, weight.device)  # fmt: skip
+        cfg = _TUNED.get(key)
+        if cfg is None:  # first call for this key: tune (trial runs only write `out`)
+            grid = lambda meta: (triton.cdiv(num_bags, meta["BAGS"]), triton.cdiv(dim, bd))  # noqa: E731
+            _pool_kernel_tuned[grid](*args, **flags, BLOCK_D=bd)
+            best = getattr(_pool_kernel_tuned, "best_config", None)
+            if best is not None:
+                cfg = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+                _TUNED[key] = cfg
+            return out
     else:
         cfg = default_config(dim, pooling)
-        grid_fixed = (triton.cdiv(num_bags, cfg["BAGS"]), triton.cdiv(dim, bd))
-        _pool_kernel[grid_fixed](*args, **flags, BLOCK_D=bd, **cfg)
+    _pool_kernel[(triton.cdiv(num_bags, cfg["BAGS"]), triton.cdiv(dim, bd))](
+        *args, **flags, BLOCK_D=bd, **cfg
+    )
     return out
+
+
+#: The autotuner's pick per launch key, so that later calls launch the kernel directly
+#: (the autotuner's own per-call bookkeeping is host time a pooling-1 lookup cannot spare).
+_TUNED: dict[tuple[object, ...], dict[str, int]] = {}
+
+
+def tuned_configs() -> dict[str, dict[str, int]]:
+    """The configs picked so far, by key (for benchmarks to report)."""
+    return {repr(k): dict(v) for k, v in _TUNED.items()}
