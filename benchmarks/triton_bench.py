@@ -385,7 +385,7 @@ def run_kernels(
             w_t, w_ref = weight.clone(), weight.clone()
             s_t = initial_state(opt, w_t.shape[0], p.dim, device)
             s_ref = s_t.clone()
-            steps = {
+            steps: dict[str, Callable[[], object]] = {
                 "triton": triton_step(p, w_t, s_t, opt),
                 "torch": torch_step(p, w_ref, s_ref, opt),
             }
