@@ -131,8 +131,7 @@ def test_triton_bench_smoke_in_interpreter() -> None:
     fig = out["figures"]
     for key in ("triton_fwd_vs_torch_min", "triton_step_vs_torch_min", "fwd_bandwidth_fraction"):
         assert isinstance(fig[key], float) and fig[key] >= 0, (key, fig[key])
-    assert set(fig["step_vs_torch"]) == {"rowwise_adagrad", "sgd", "sgd_momentum", "adagrad",
-                                         "adam", "ftrl"}  # fmt: skip
+    assert set(fig["step_vs_torch"]) == {"rowwise_adagrad", "adam"}  # the interpreter's two
     for name, ratios in fig["step_vs_torch"].items():
         assert set(ratios) == {"L1", "L4"}, (name, ratios)
         for tag in ratios:

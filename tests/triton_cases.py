@@ -259,7 +259,7 @@ def case_bwd_multi_table_odd_dim(device: str) -> None:
 
 def case_bwd_wide_dim(device: str) -> None:
     # D = 1100 > MAX_BLOCK_D (1024): the two-pass path of the backward kernel.
-    b = _b(device, seed=16, table_rows=[6], dim=1100, batch=3, max_len=20, hot=3)
+    b = _b(device, seed=16, table_rows=[6], dim=1100, batch=3, max_len=8, hot=3)
     check_backward(b, "mean", device, steps=2)
 
 
@@ -334,7 +334,7 @@ def case_bwd_deterministic(device: str) -> None:
 
 
 def case_random_batches(device: str) -> None:
-    for seed in range(20, 26):
+    for seed in range(20, 24):
         g = torch.Generator().manual_seed(seed)
         n_tables = int(torch.randint(1, 4, (1,), generator=g))
         b = make_batch(
@@ -674,6 +674,7 @@ UPDATE_SIG = {
     "clocks_ptr": "*i64",
     "hyper_ptr": "*fp64",
     "sorted_ptr": "*i32",
+    "run_end_ptr": "*i32",
     "order_ptr": "*i64",
     "bag_ptr": "*i32",
     "scale_ptr": "*fp32",

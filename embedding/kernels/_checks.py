@@ -81,6 +81,11 @@ def check_lookup_args(
             )
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids (plain Python: ``triton.cdiv`` costs microseconds)."""
+    return -(-a // b)
+
+
 def block_d(dim: int, cap: int) -> int:
     """Power-of-two tile width for ``dim`` columns, at most ``cap`` (masks cover the rest)."""
     b = 1

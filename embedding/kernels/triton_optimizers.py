@@ -17,7 +17,8 @@ Per call, with no host synchronisation (every size is known on the host)::
 
     1. _occurrence_kernel   bag [N] int32 (bag of each id) and, for weights or
                             mean, scale [N] float32 = psw_i / len(bag_i)^[mean]
-    2. torch.sort(stable)   sorted ids [N] and order [N] (int32 keys when R < 2**31)
+    2. torch.sort(stable)   sorted ids [N] and order [N] (int32 keys when R < 2**31);
+       torch.searchsorted   run_end [N]: where the run of equal ids at each position ends
     3. _update_kernel       program p owns sorted positions [p*ROWS, (p+1)*ROWS);
                             each position that starts a run of equal ids (a "lead")
                             walks its run BLOCK_N occurrences at a time, summing
@@ -40,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from embedding.kernels._checks import block_d, check_lookup_args, check_mode, pool_bucket
+from embedding.kernels._checks import block_d, cdiv, check_lookup_args, check_mode, pool_bucket
 from ps.optimizers import FTRL, SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad
 
 # Optimizer switch (the OPT constexpr). Hyperparameters arrive as one float64 tensor
@@ -54,7 +55,7 @@ OPT_ADAM: tl.constexpr = tl.constexpr(4)  # hyper: lr, eps, b1, 1-b1, b2, 1-b2, 
 OPT_FTRL: tl.constexpr = tl.constexpr(5)  # hyper: alpha, beta, l1, l2
 
 #: Elements of one [ROWS, BLOCK_N, BLOCK_D] gather tile (registers per program).
-TILE_ELEMENTS = 4096
+TILE_ELEMENTS = 2048
 #: Widest column block; a wider row is handled in several blocks by the same program.
 MAX_BLOCK_D = 1024
 
@@ -137,14 +138,12 @@ def _occurrence_kernel(
 def _grad_block(
     grad_ptr,
     stride_g,
-    sorted_ptr,
     order_ptr,
     bag_ptr,
     scale_ptr,
     pos,
-    row,
+    end,
     lead,
-    n,
     cols,
     col_mask,
     FROM_RUNS: tl.constexpr,
@@ -155,19 +154,16 @@ def _grad_block(
 ):
     """Columns ``cols`` of the gradient of each lead lane's row: ``[ROWS, BLOCK_D]`` float32.
 
-    FROM_RUNS: lane r (sorted position pos[r], a run start when lead[r]) sums its
-    run, BLOCK_N occurrences per step, until the sorted id changes. Otherwise the
-    gradients are already coalesced: row pos[r] of ``grad_ptr``.
+    FROM_RUNS: lane r sums the occurrences at sorted positions [pos[r], end[r]) (its
+    run; empty unless lead[r]), BLOCK_N per step, in sorted (= batch) order; a for
+    loop with a known trip count, so the compiler can prefetch the next step's
+    indices. Otherwise the gradients are already coalesced: row pos[r] of ``grad_ptr``.
     """
     if FROM_RUNS:
         g = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-        active = lead
-        j = 0
-        while tl.max(active.to(tl.int32), axis=0) > 0:
+        for j in range(0, tl.max(end - pos, axis=0), BLOCK_N):
             q = pos[:, None] + j + tl.arange(0, BLOCK_N)[None, :]  # [ROWS, BLOCK_N]
-            m = active[:, None] & (q < n)
-            same = tl.load(sorted_ptr + q, mask=m, other=-1) == row[:, None]
-            m = m & same
+            m = q < end[:, None]
             src = tl.load(order_ptr + q, mask=m, other=0)  # position in the batch
             bag = tl.load(bag_ptr + src, mask=m, other=0)
             tile = tl.load(
@@ -179,9 +175,6 @@ def _grad_block(
                 s = tl.load(scale_ptr + src, mask=m, other=0.0)
                 tile = tile * s[:, :, None]
             g += tl.sum(tile, axis=1)
-            # A run goes on only while a whole step matched (ids are sorted).
-            active = active & (tl.sum(m.to(tl.int32), axis=1) == BLOCK_N)
-            j += BLOCK_N
     else:
         g = tl.load(
             grad_ptr + pos[:, None] * stride_g + cols[None, :],
@@ -200,6 +193,7 @@ def _update_kernel(
     clocks_ptr,
     hyper_ptr,
     sorted_ptr,
+    run_end_ptr,
     order_ptr,
     bag_ptr,
     scale_ptr,
@@ -223,8 +217,11 @@ def _update_kernel(
     if FROM_RUNS:
         prev = tl.load(sorted_ptr + pos - 1, mask=in_range & (pos > 0), other=-1).to(tl.int64)
         lead = in_range & (row != prev)
+        end = tl.load(run_end_ptr + pos, mask=lead, other=0).to(tl.int64)
+        end = tl.where(lead, end, pos)  # non-leads sum nothing
     else:
         lead = in_range
+        end = pos
     lane = tl.arange(0, BLOCK_D)
     srow = state_ptr + row * stride_s  # [ROWS] start of each row's state
     lr = tl.load(hyper_ptr).to(tl.float32)
@@ -237,7 +234,7 @@ def _update_kernel(
         for blk in range(NUM_D_BLOCKS):
             cols = blk * BLOCK_D + lane
             g = _grad_block(
-                grad_ptr, stride_g, sorted_ptr, order_ptr, bag_ptr, scale_ptr, pos, row, lead, n,
+                grad_ptr, stride_g, order_ptr, bag_ptr, scale_ptr, pos, end, lead,
                 cols, cols < D, FROM_RUNS, HAS_SCALE, ROWS, BLOCK_N, BLOCK_D,
             )  # fmt: skip
             sq += tl.sum(g * g, axis=1)
@@ -255,7 +252,7 @@ def _update_kernel(
         cols = blk * BLOCK_D + lane
         col_mask = cols < D
         g = _grad_block(
-            grad_ptr, stride_g, sorted_ptr, order_ptr, bag_ptr, scale_ptr, pos, row, lead, n,
+            grad_ptr, stride_g, order_ptr, bag_ptr, scale_ptr, pos, end, lead,
             cols, col_mask, FROM_RUNS, HAS_SCALE, ROWS, BLOCK_N, BLOCK_D,
         )  # fmt: skip
         m2 = lead[:, None] & col_mask[None, :]
@@ -317,18 +314,25 @@ def update_config(dim: int, pooling: int, *, from_runs: bool) -> dict[str, int]:
     A fixed heuristic, not autotuned: the kernel updates weights in place, so an
     autotuner's repeated trial runs would have to copy the whole table first.
     ``pooling`` (average ids per bag, a power-of-two bucket) picks how many
-    occurrences a lane sums per step: few for pooling ~1 (runs are short, so
-    more rows per program instead), more for long bags (longer runs of hot rows).
+    occurrences a lane sums per step: 2 at pooling <= 2 (runs are short, so more
+    rows per program instead), 16 for long bags (long runs of hot rows). The gather
+    tile ``ROWS x BLOCK_N x BLOCK_D`` stays at :data:`TILE_ELEMENTS`, which keeps
+    Adam and FTRL (4 live ``[ROWS, BLOCK_D]`` arrays) near 128 registers per thread
+    (ptxas, sm_90) so that several programs share an SM.
     """
     bd = block_d(dim, MAX_BLOCK_D)
-    block_n = 1 if not from_runs else (2 if pooling <= 2 else 8)
-    rows = max(1, TILE_ELEMENTS // (bd * block_n))
+    if from_runs:
+        block_n = min(2 if pooling <= 2 else 16, max(1, TILE_ELEMENTS // bd))
+        rows = max(1, TILE_ELEMENTS // (bd * block_n))
+    else:  # coalesced rows: one [ROWS, BLOCK_D] load, no occurrence axis
+        block_n = 1
+        rows = max(1, TILE_ELEMENTS // (2 * bd))
     return {
         "ROWS": rows,
         "BLOCK_N": block_n,
         "BLOCK_D": bd,
-        "NUM_D_BLOCKS": triton.cdiv(dim, bd),
-        "num_warps": 4,
+        "NUM_D_BLOCKS": cdiv(dim, bd),
+        "num_warps": 8 if bd >= 512 else 4,
     }
 
 
@@ -421,7 +425,7 @@ def fused_backward_(
     scale = torch.empty(n, dtype=torch.float32, device=device) if has_scale else bag  # [N]
     offs = offsets.contiguous()
     psw = per_sample_weights.contiguous() if per_sample_weights is not None else offs
-    _occurrence_kernel[(triton.cdiv(num_bags, 64),)](
+    _occurrence_kernel[(cdiv(num_bags, 64),)](
         offs, psw, bag, scale, num_bags,
         HAS_WEIGHTS=per_sample_weights is not None, MEAN=mean, BAGS=64, BLOCK_N=8,
     )  # fmt: skip
@@ -430,13 +434,15 @@ def fused_backward_(
     # keys takes half the radix passes of 64-bit ones.
     keys = ids.to(torch.int32) if rows < 2**31 else ids
     sorted_ids, order = torch.sort(keys, stable=True)  # [N], [N]
+    # End of each position's run (used at run starts): a binary search, no unique (a sync).
+    run_end = torch.searchsorted(sorted_ids, sorted_ids, right=True, out_int32=n < 2**31)  # [N]
 
     # 3. One lane per run of equal ids: sum, update, clock.
     cfg = update_config(dim, pool_bucket(n, num_bags), from_runs=True)
-    _update_kernel[(triton.cdiv(n, cfg["ROWS"]),)](
+    _update_kernel[(cdiv(n, cfg["ROWS"]),)](
         weight, weight.stride(0), state if stride_s else weight, stride_s,
         clocks if clocks is not None else weight, hyper_tensor(optimizer, device),
-        sorted_ids, order, bag, scale, grad_output, grad_output.stride(0), n, dim,
+        sorted_ids, run_end, order, bag, scale, grad_output, grad_output.stride(0), n, dim,
         OPT=optimizer_code(optimizer), FROM_RUNS=True, HAS_SCALE=has_scale,
         HAS_CLOCKS=clocks is not None, **cfg,
     )  # fmt: skip
@@ -478,10 +484,10 @@ def apply_rows_(
         return
     rows_c = rows.contiguous()
     cfg = update_config(dim, 1, from_runs=False)
-    _update_kernel[(triton.cdiv(u, cfg["ROWS"]),)](
+    _update_kernel[(cdiv(u, cfg["ROWS"]),)](
         weight, weight.stride(0), state if stride_s else weight, stride_s,
         clocks if clocks is not None else weight, hyper_tensor(optimizer, weight.device),
-        rows_c, rows_c, rows_c, grads, grads, grads.stride(0), u, dim,
+        rows_c, rows_c, rows_c, rows_c, grads, grads, grads.stride(0), u, dim,
         OPT=optimizer_code(optimizer), FROM_RUNS=False, HAS_SCALE=False,
         HAS_CLOCKS=clocks is not None, **cfg,
     )  # fmt: skip

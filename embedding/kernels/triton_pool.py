@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from embedding.kernels import autotune_enabled
-from embedding.kernels._checks import block_d, check_lookup_args, check_mode, pool_bucket
+from embedding.kernels._checks import block_d, cdiv, check_lookup_args, check_mode, pool_bucket
 
 #: Widest column tile; wider rows take several programs along the grid's 2nd axis.
 MAX_BLOCK_D = 256
@@ -183,7 +183,7 @@ def pooled_lookup(
                per_sample_weights is not None, weight.device)  # fmt: skip
         cfg = _TUNED.get(key)
         if cfg is None:  # first call for this key: tune (trial runs only write `out`)
-            grid = lambda meta: (triton.cdiv(num_bags, meta["BAGS"]), triton.cdiv(dim, bd))  # noqa: E731
+            grid = lambda meta: (cdiv(num_bags, meta["BAGS"]), cdiv(dim, bd))  # noqa: E731
             _pool_kernel_tuned[grid](*args, **flags, BLOCK_D=bd)
             best = getattr(_pool_kernel_tuned, "best_config", None)
             if best is not None:
@@ -192,9 +192,7 @@ def pooled_lookup(
             return out
     else:
         cfg = default_config(dim, pooling)
-    _pool_kernel[(triton.cdiv(num_bags, cfg["BAGS"]), triton.cdiv(dim, bd))](
-        *args, **flags, BLOCK_D=bd, **cfg
-    )
+    _pool_kernel[(cdiv(num_bags, cfg["BAGS"]), cdiv(dim, bd))](*args, **flags, BLOCK_D=bd, **cfg)
     return out
 
 
