@@ -25,6 +25,11 @@ whose bags are the runs of equal ids (so the ``[N, D]`` per-id gradient is never
 materialised either). The ps optimizer's own ``apply`` then updates the gathered
 touched rows and state, which are scattered back in place: the same math as the
 parameter server, so local and hybrid tables train identically.
+
+On CUDA with triton installed, the same two steps are Triton kernels
+(:mod:`embedding.kernels`, ``docs/kernels.md``): an autotuned gather+pool, and a
+backward fused with the update of every ps optimizer (the rows variant after the
+data-parallel exchange). The CPU paths above are unchanged.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import torch
 import triton_cases
 from comm.local import LocalGroup
 from embedding.fused_ops import FusedGroup, FusedLookupFunction, GroupBatch
-from embedding.kernels import interpreter_enabled, triton_available, use_triton
+from embedding.kernels import autotune_enabled, interpreter_enabled, triton_available, use_triton
 from multiproc import rank_env
 
 SCRIPT = Path(__file__).with_name("triton_cases.py")
@@ -101,6 +101,8 @@ def test_use_triton_needs_cuda_or_explicit_interpreter() -> None:
     assert use_triton(t) is False
     expected = triton_available() and interpreter_enabled()
     assert use_triton(t, allow_interpreter=True) is expected
+    # The forward autotunes only on a GPU (the interpreter uses the fixed default config).
+    assert autotune_enabled(t) is False
 
 
 @pytest.mark.timeout(280)

@@ -417,6 +417,8 @@ def fused_backward_(
     n = ids.numel()
     if n == 0 or dim == 0:
         return
+    if num_bags >= 2**31 or n >= 2**31:
+        raise ValueError(f"{fn}: at most 2**31 - 1 bags and ids, got {num_bags} and {n}")
     device = weight.device
 
     # 1. The bag (and factor) of every occurrence, in batch order.
