@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from embedding.kernels._checks import block_d, cdiv, check_lookup_args, check_mode, pool_bucket
+from embedding.kernels._checks import block_d, cdiv, check_lookup_args, check_mode
 from ps.optimizers import FTRL, SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad
 
 # Optimizer switch (the OPT constexpr). Hyperparameters arrive as one float64 tensor
@@ -308,21 +308,20 @@ def _update_kernel(
         tl.store(c_ptrs, tl.load(c_ptrs, mask=lead, other=0) + 1, mask=lead)
 
 
-def update_config(dim: int, pooling: int, *, from_runs: bool) -> dict[str, int]:
+def update_config(dim: int, *, from_runs: bool) -> dict[str, int]:
     """Tile shape and warps of :func:`_update_kernel` for rows of ``dim`` columns.
 
     A fixed heuristic, not autotuned: the kernel updates weights in place, so an
-    autotuner's repeated trial runs would have to copy the whole table first.
-    ``pooling`` (average ids per bag, a power-of-two bucket) picks how many
-    occurrences a lane sums per step: 2 at pooling <= 2 (runs are short, so more
-    rows per program instead), 16 for long bags (long runs of hot rows). The gather
-    tile ``ROWS x BLOCK_N x BLOCK_D`` stays at :data:`TILE_ELEMENTS`, which keeps
-    Adam and FTRL (4 live ``[ROWS, BLOCK_D]`` arrays) near 128 registers per thread
-    (ptxas, sm_90) so that several programs share an SM.
+    autotuner's repeated trial runs would have to copy the whole table first. A lane
+    sums up to 16 occurrences of its run per step, so a hot row's run (a few hundred
+    occurrences at pooling 1, thousands at pooling 20 under Zipf ids) takes few steps;
+    the gather tile ``ROWS x BLOCK_N x BLOCK_D`` stays at :data:`TILE_ELEMENTS`, which
+    keeps every optimizer at or under ~128 registers per thread (ptxas, sm_90, D = 64)
+    so that several programs share an SM.
     """
     bd = block_d(dim, MAX_BLOCK_D)
     if from_runs:
-        block_n = min(2 if pooling <= 2 else 16, max(1, TILE_ELEMENTS // bd))
+        block_n = min(16, max(1, TILE_ELEMENTS // bd))
         rows = max(1, TILE_ELEMENTS // (bd * block_n))
     else:  # coalesced rows: one [ROWS, BLOCK_D] load, no occurrence axis
         block_n = 1
@@ -440,7 +439,7 @@ def fused_backward_(
     run_end = torch.searchsorted(sorted_ids, sorted_ids, right=True, out_int32=n < 2**31)  # [N]
 
     # 3. One lane per run of equal ids: sum, update, clock.
-    cfg = update_config(dim, pool_bucket(n, num_bags), from_runs=True)
+    cfg = update_config(dim, from_runs=True)
     _update_kernel[(cdiv(n, cfg["ROWS"]),)](
         weight, weight.stride(0), state if stride_s else weight, stride_s,
         clocks if clocks is not None else weight, hyper_tensor(optimizer, device),
@@ -485,7 +484,7 @@ def apply_rows_(
     if u == 0 or dim == 0:
         return
     rows_c = rows.contiguous()
-    cfg = update_config(dim, 1, from_runs=False)
+    cfg = update_config(dim, from_runs=False)
     _update_kernel[(cdiv(u, cfg["ROWS"]),)](
         weight, weight.stride(0), state if stride_s else weight, stride_s,
         clocks if clocks is not None else weight, hyper_tensor(optimizer, weight.device),
