@@ -258,7 +258,7 @@ def case_bwd_multi_table_odd_dim(device: str) -> None:
 
 
 def case_bwd_wide_dim(device: str) -> None:
-    # D = 1100 > MAX_BLOCK_D (1024): the two-pass path of the backward kernel.
+    # D = 1100 > MAX_BLOCK_D (128): nine column blocks; row-wise Adagrad's two passes.
     b = _b(device, seed=16, table_rows=[6], dim=1100, batch=3, max_len=8, hot=3)
     check_backward(b, "mean", device, steps=2)
 
@@ -482,11 +482,11 @@ def case_opt_ftrl(device: str) -> None:
 
 def case_opt_rows_every_optimizer(device: str) -> None:
     # apply_rows_ (coalesced gradients, data parallel) equals ps's apply, for every optimizer,
-    # at a dim wider than one column block (two blocks: the row-wise two-pass path too).
+    # at a dim wider than one column block for row-wise Adagrad (its two-pass path).
     from embedding.kernels.triton_optimizers import apply_rows_
 
     for i, (name, opt) in enumerate(optimizers().items()):
-        dim = 1030 if name == "rowwise_adagrad" else 19
+        dim = 150 if name == "rowwise_adagrad" else 19
         g = torch.Generator().manual_seed(50 + i)
         weight = torch.randn(30, dim, generator=g)
         rows = torch.randperm(30, generator=g)[:7]
@@ -688,7 +688,7 @@ UPDATE_SIG = {
 def _update_variant(opt: int, **kw: object) -> tuple[str, dict[str, str], dict[str, object]]:
     cx: dict[str, object] = {
         "OPT": opt, "FROM_RUNS": True, "HAS_SCALE": True, "HAS_CLOCKS": True,
-        "NUM_D_BLOCKS": 1, "ROWS": 16, "BLOCK_N": 4, "BLOCK_D": 64,
+        "NUM_D_BLOCKS": 1, "ROWS": 16, "BLOCK_N": 32, "BLOCK_D": 64,
     }  # fmt: skip
     return ("update", {}, cx | kw)
 
@@ -736,15 +736,16 @@ COMPILE_VARIANTS: dict[str, tuple[str, dict[str, str], dict[str, object]]] = {
     "update_adagrad": _update_variant(3),
     "update_adam": _update_variant(4),
     "update_ftrl": _update_variant(5),
+    "update_adam_wide_two_blocks": _update_variant(4, NUM_D_BLOCKS=2, BLOCK_N=16, BLOCK_D=128),
     "update_rowwise_rows_two_blocks": _update_variant(
         2,
         FROM_RUNS=False,
         HAS_SCALE=False,
         HAS_CLOCKS=False,
         NUM_D_BLOCKS=2,
-        ROWS=4,
+        ROWS=16,
         BLOCK_N=1,
-        BLOCK_D=1024,
+        BLOCK_D=256,
     ),  # fmt: skip
 }
 

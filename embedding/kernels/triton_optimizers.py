@@ -21,9 +21,12 @@ Per call, with no host synchronisation (every size is known on the host)::
        torch.searchsorted   run_end [N]: where the run of equal ids at each position ends
     3. _update_kernel       program p owns sorted positions [p*ROWS, (p+1)*ROWS);
                             each position that starts a run of equal ids (a "lead")
-                            walks its run BLOCK_N occurrences at a time, summing
-                            scale * grad_output[bag] into g [ROWS, BLOCK_D], then
-                            applies the optimizer to its row and +1 to its clock
+                            owns its run; the program sums its leads' runs (one
+                            contiguous stretch of sorted positions) BLOCK_N
+                            occurrences per step into g [ROWS, BLOCK_D] (scale *
+                            grad_output[bag], routed to lanes by a one-hot dot),
+                            then each lead applies the optimizer to its row and
+                            +1 to its clock
 
 Each touched row is updated by exactly one lane of one program, and a run is
 summed in a fixed order (the stable sort keeps the occurrences in batch order),
@@ -54,10 +57,9 @@ OPT_ADAGRAD: tl.constexpr = tl.constexpr(3)  # hyper: lr, eps
 OPT_ADAM: tl.constexpr = tl.constexpr(4)  # hyper: lr, eps, b1, 1-b1, b2, 1-b2, wd, log b1, log b2
 OPT_FTRL: tl.constexpr = tl.constexpr(5)  # hyper: alpha, beta, l1, l2
 
-#: Elements of one [ROWS, BLOCK_N, BLOCK_D] gather tile (registers per program).
-TILE_ELEMENTS = 2048
-#: Widest column block; a wider row is handled in several blocks by the same program.
-MAX_BLOCK_D = 1024
+#: Widest column block; a wider row is handled in several blocks by the same program
+#: (256 would need up to 254 registers per thread for FTRL).
+MAX_BLOCK_D = 128
 
 
 def optimizer_code(opt: Optimizer) -> int:
@@ -154,27 +156,33 @@ def _grad_block(
 ):
     """Columns ``cols`` of the gradient of each lead lane's row: ``[ROWS, BLOCK_D]`` float32.
 
-    FROM_RUNS: lane r sums the occurrences at sorted positions [pos[r], end[r]) (its
-    run; empty unless lead[r]), BLOCK_N per step, in sorted (= batch) order; a for
-    loop with a known trip count, so the compiler can prefetch the next step's
-    indices. Otherwise the gradients are already coalesced: row pos[r] of ``grad_ptr``.
+    FROM_RUNS: lane r owns the occurrences at sorted positions [pos[r], end[r]) (its
+    run; empty unless lead[r]). The runs of a program's leads are contiguous in sorted
+    order, so the program walks [first lead, last end) densely, BLOCK_N occurrences per
+    step whatever the run lengths: a ``[BLOCK_N, BLOCK_D]`` gather of ``grad_output``
+    rows (times their scale), summed into each owning lane by a one-hot
+    ``[ROWS, BLOCK_N]`` product (``tl.dot`` in IEEE float32: exact products by 1 and 0,
+    a fixed summation order). Otherwise the gradients are already coalesced: row
+    pos[r] of ``grad_ptr``.
     """
     if FROM_RUNS:
         g = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-        for j in range(0, tl.max(end - pos, axis=0), BLOCK_N):
-            q = pos[:, None] + j + tl.arange(0, BLOCK_N)[None, :]  # [ROWS, BLOCK_N]
-            m = q < end[:, None]
+        lo = tl.min(tl.where(lead, pos, tl.max(end, axis=0)), axis=0)
+        hi = tl.max(end, axis=0)
+        for c in range(lo, hi, BLOCK_N):
+            q = c + tl.arange(0, BLOCK_N)  # [BLOCK_N] sorted positions
+            m = q < hi
             src = tl.load(order_ptr + q, mask=m, other=0)  # position in the batch
             bag = tl.load(bag_ptr + src, mask=m, other=0)
             tile = tl.load(
-                grad_ptr + bag[:, :, None] * stride_g + cols[None, None, :],
-                mask=m[:, :, None] & col_mask[None, None, :],
+                grad_ptr + bag[:, None] * stride_g + cols[None, :],
+                mask=m[:, None] & col_mask[None, :],
                 other=0.0,
-            ).to(tl.float32)  # [ROWS, BLOCK_N, BLOCK_D]
+            ).to(tl.float32)  # [BLOCK_N, BLOCK_D]
             if HAS_SCALE:
-                s = tl.load(scale_ptr + src, mask=m, other=0.0)
-                tile = tile * s[:, :, None]
-            g += tl.sum(tile, axis=1)
+                tile = tile * tl.load(scale_ptr + src, mask=m, other=0.0)[:, None]
+            own = (q[None, :] >= pos[:, None]) & (q[None, :] < end[:, None])  # [ROWS, BLOCK_N]
+            g += tl.dot(own.to(tl.float32), tile, input_precision="ieee")
     else:
         g = tl.load(
             grad_ptr + pos[:, None] * stride_g + cols[None, :],
@@ -217,8 +225,9 @@ def _update_kernel(
     if FROM_RUNS:
         prev = tl.load(sorted_ptr + pos - 1, mask=in_range & (pos > 0), other=-1).to(tl.int64)
         lead = in_range & (row != prev)
-        end = tl.load(run_end_ptr + pos, mask=lead, other=0).to(tl.int64)
-        end = tl.where(lead, end, pos)  # non-leads sum nothing
+        end = tl.load(run_end_ptr + pos, mask=lead, other=0).to(
+            tl.int64
+        )  # 0: non-leads own nothing
     else:
         lead = in_range
         end = pos
@@ -312,26 +321,21 @@ def update_config(dim: int, *, from_runs: bool) -> dict[str, int]:
     """Tile shape and warps of :func:`_update_kernel` for rows of ``dim`` columns.
 
     A fixed heuristic, not autotuned: the kernel updates weights in place, so an
-    autotuner's repeated trial runs would have to copy the whole table first. A lane
-    sums up to 16 occurrences of its run per step, so a hot row's run (a few hundred
-    occurrences at pooling 1, thousands at pooling 20 under Zipf ids) takes few steps;
-    the gather tile ``ROWS x BLOCK_N x BLOCK_D`` stays at :data:`TILE_ELEMENTS`, which
-    keeps every optimizer at or under ~128 registers per thread (ptxas, sm_90, D = 64)
-    so that several programs share an SM.
+    autotuner's repeated trial runs would have to copy the whole table first.
+    ``ROWS = 16`` sorted positions per program (``tl.dot`` needs 16); a step gathers
+    ``BLOCK_N`` = 32 occurrences at ``BLOCK_D <= 64``, 16 at 128 (a gather tile of
+    2048 elements); ``BLOCK_D`` is at least 16 (``tl.dot`` again; masks cover the
+    rest) and at most :data:`MAX_BLOCK_D`. With 8 warps ptxas (sm_90) reports 79-128
+    registers per thread for every optimizer at D = 64 and 128, so two or three
+    programs share an SM.
     """
-    bd = block_d(dim, MAX_BLOCK_D)
-    if from_runs:
-        block_n = min(16, max(1, TILE_ELEMENTS // bd))
-        rows = max(1, TILE_ELEMENTS // (bd * block_n))
-    else:  # coalesced rows: one [ROWS, BLOCK_D] load, no occurrence axis
-        block_n = 1
-        rows = max(1, TILE_ELEMENTS // (2 * bd))
+    bd = max(16, block_d(dim, MAX_BLOCK_D))
     return {
-        "ROWS": rows,
-        "BLOCK_N": block_n,
+        "ROWS": 16,
+        "BLOCK_N": (32 if bd <= 64 else 16) if from_runs else 1,
         "BLOCK_D": bd,
         "NUM_D_BLOCKS": cdiv(dim, bd),
-        "num_warps": 8 if bd >= 512 else 4,
+        "num_warps": 8 if from_runs or bd > 64 else 4,
     }
 
 
