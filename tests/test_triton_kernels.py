@@ -27,8 +27,6 @@ import pytest
 import torch
 
 import triton_cases
-from comm.local import LocalGroup
-from embedding.fused_ops import FusedGroup, FusedLookupFunction, GroupBatch
 from embedding.kernels import autotune_enabled, interpreter_enabled, triton_available, use_triton
 from multiproc import rank_env
 
@@ -152,35 +150,6 @@ def test_triton_cases_on_cuda() -> None:
     assert set(triton_cases.CASES) <= set(results), sorted(set(triton_cases.CASES) - set(results))
 
 
-def _fused_steps(device: str, opt_name: str, steps: int) -> tuple[torch.Tensor, ...]:
-    """``steps`` training steps of one fused group (3 tables stacked, weighted bags, hot ids)
-    through :class:`FusedLookupFunction` on ``device``: (weight, state, clocks) on CPU."""
-    opt = triton_cases.optimizers()[opt_name]
-    g = torch.Generator().manual_seed(11)
-    rows, dim, bags = 60, 24, 40
-    weight = torch.randn(rows, dim, generator=g)
-    state = triton_cases.random_state(opt, rows, dim, seed=12)
-    group = FusedGroup(
-        dim=dim,
-        optimizer=opt,  # type: ignore[arg-type]
-        weight=weight.to(device),
-        state=state.to(device),
-        clocks=torch.zeros(rows, dtype=torch.int64, device=device),
-    )
-    anchor = torch.zeros(0, requires_grad=True)
-    for _ in range(steps):
-        lengths = torch.randint(0, 6, (bags,), generator=g)
-        ids = torch.randint(0, 12, (int(lengths.sum()),), generator=g) * 5  # hot, repeated
-        offsets = torch.zeros(bags + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(lengths, 0)
-        w = torch.rand(ids.numel(), generator=g)
-        batch = GroupBatch(ids.to(device), offsets.to(device), w.to(device))
-        (out,) = FusedLookupFunction.apply(anchor, [group], [batch], LocalGroup(), [[bags]])
-        target = torch.randn(bags, dim, generator=g).to(device)
-        (out * target).sum().backward()
-    return group.weight.cpu(), group.state.cpu(), group.clocks.cpu()
-
-
 @pytest.mark.gpu
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("opt_name", sorted(triton_cases.optimizers()))
@@ -189,8 +158,8 @@ def test_fused_lookup_on_cuda_equals_cpu(opt_name: str) -> None:
     # or the ps optimizer's apply on CPU; 3 steps agree to 1e-5.
     _require_triton()
     assert use_triton(torch.zeros(1, device="cuda"))
-    cpu = _fused_steps("cpu", opt_name, 3)
-    cuda = _fused_steps("cuda", opt_name, 3)
+    cpu = triton_cases.fused_lookup_steps("cpu", opt_name, 3)
+    cuda = triton_cases.fused_lookup_steps("cuda", opt_name, 3)
     for what, a, b in zip(("weight", "state", "clocks"), cuda, cpu, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, what
         if what == "clocks":

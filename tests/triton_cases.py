@@ -521,6 +521,56 @@ def case_opt_deterministic(device: str) -> None:
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+def fused_lookup_steps(device: str, opt_name: str, steps: int) -> tuple[torch.Tensor, ...]:
+    """``steps`` training steps of one fused group (weighted bags, hot repeated ids) through
+    ``embedding.fused_ops.FusedLookupFunction`` on ``device``: (weight, state, clocks) on CPU."""
+    from comm.local import LocalGroup
+    from embedding.fused_ops import FusedGroup, FusedLookupFunction, GroupBatch
+
+    opt = optimizers()[opt_name]
+    g = torch.Generator().manual_seed(11)
+    rows, dim, bags = 60, 24, 40
+    group = FusedGroup(
+        dim=dim,
+        optimizer=opt,  # type: ignore[arg-type]
+        weight=torch.randn(rows, dim, generator=g).to(device),
+        state=random_state(opt, rows, dim, seed=12).to(device),
+        clocks=torch.zeros(rows, dtype=torch.int64, device=device),
+    )
+    anchor = torch.zeros(0, requires_grad=True)
+    for _ in range(steps):
+        lengths = torch.randint(0, 6, (bags,), generator=g)
+        ids = torch.randint(0, 12, (int(lengths.sum()),), generator=g) * 5  # hot, repeated
+        offsets = torch.zeros(bags + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(lengths, 0)
+        w = torch.rand(ids.numel(), generator=g)
+        batch = GroupBatch(ids.to(device), offsets.to(device), w.to(device))
+        (out,) = FusedLookupFunction.apply(anchor, [group], [batch], LocalGroup(), [[bags]])
+        target = torch.randn(bags, dim, generator=g).to(device)
+        (out * target).sum().backward()
+    return group.weight.cpu(), group.state.cpu(), group.clocks.cpu()
+
+
+def case_fused_ops_dispatch(device: str) -> None:
+    # embedding.fused_ops hands every optimizer to the Triton backward on CUDA; here the
+    # dispatch is forced on CPU tensors (interpreter) and 2 steps compared with the CPU path
+    # it replaces (the C kernel for row-wise Adagrad, the ps optimizer's apply otherwise).
+    import embedding.fused_ops as fused_ops
+
+    for name in optimizers():
+        expected = fused_lookup_steps(device, name, 2)
+        saved = fused_ops._use_triton_update, fused_ops._cpu_rowwise_adagrad_parts
+        fused_ops._use_triton_update = lambda g: True  # type: ignore[assignment]
+        fused_ops._cpu_rowwise_adagrad_parts = lambda *a: False  # type: ignore[assignment]
+        try:
+            actual = fused_lookup_steps(device, name, 2)
+        finally:
+            fused_ops._use_triton_update, fused_ops._cpu_rowwise_adagrad_parts = saved
+        for what, a, b in zip(("weight", "state", "clocks"), actual, expected, strict=True):
+            diff = float((a - b).abs().max()) if a.numel() else 0.0
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), f"{name} {what}: max diff {diff}"
+
+
 def case_fwd_every_config(device: str) -> None:
     # Every config the GPU autotuner may pick gives the same pooling (sum and weighted mean,
     # empty bags, bags longer than BLOCK_N, a partial last tile of bags, odd D).
