@@ -225,9 +225,8 @@ def _update_kernel(
     if FROM_RUNS:
         prev = tl.load(sorted_ptr + pos - 1, mask=in_range & (pos > 0), other=-1).to(tl.int64)
         lead = in_range & (row != prev)
-        end = tl.load(run_end_ptr + pos, mask=lead, other=0).to(
-            tl.int64
-        )  # 0: non-leads own nothing
+        # Where each lead's run ends; 0 for the others, which own nothing.
+        end = tl.load(run_end_ptr + pos, mask=lead, other=0).to(tl.int64)
     else:
         lead = in_range
         end = pos
@@ -238,15 +237,23 @@ def _update_kernel(
     # Per-row terms that need the whole row (row-wise Adagrad) or come once per row (Adam).
     denom = tl.zeros([ROWS], dtype=tl.float32)
     size = tl.zeros([ROWS], dtype=tl.float32)
+    g_whole = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)  # the row's gradient, one block
     if OPT == OPT_ROWWISE_ADAGRAD:
-        sq = tl.zeros([ROWS], dtype=tl.float32)
-        for blk in range(NUM_D_BLOCKS):
-            cols = blk * BLOCK_D + lane
-            g = _grad_block(
+        if NUM_D_BLOCKS == 1:  # sum the occurrences once, keep g for the update
+            g_whole = _grad_block(
                 grad_ptr, stride_g, order_ptr, bag_ptr, scale_ptr, pos, end, lead,
-                cols, cols < D, FROM_RUNS, HAS_SCALE, ROWS, BLOCK_N, BLOCK_D,
+                lane, lane < D, FROM_RUNS, HAS_SCALE, ROWS, BLOCK_N, BLOCK_D,
             )  # fmt: skip
-            sq += tl.sum(g * g, axis=1)
+            sq = tl.sum(g_whole * g_whole, axis=1)
+        else:  # wide rows: a first pass for sum(g^2); the update pass recomputes g
+            sq = tl.zeros([ROWS], dtype=tl.float32)
+            for blk in range(NUM_D_BLOCKS):
+                cols = blk * BLOCK_D + lane
+                g = _grad_block(
+                    grad_ptr, stride_g, order_ptr, bag_ptr, scale_ptr, pos, end, lead,
+                    cols, cols < D, FROM_RUNS, HAS_SCALE, ROWS, BLOCK_N, BLOCK_D,
+                )  # fmt: skip
+                sq += tl.sum(g * g, axis=1)
         acc = tl.load(srow, mask=lead, other=0.0) + tl.div_rn(sq, tl.zeros_like(sq) + D)
         tl.store(srow, acc, mask=lead)
         denom = tl.sqrt_rn(acc) + tl.load(hyper_ptr + 1).to(tl.float32)
@@ -260,10 +267,13 @@ def _update_kernel(
     for blk in range(NUM_D_BLOCKS):
         cols = blk * BLOCK_D + lane
         col_mask = cols < D
-        g = _grad_block(
-            grad_ptr, stride_g, order_ptr, bag_ptr, scale_ptr, pos, end, lead,
-            cols, col_mask, FROM_RUNS, HAS_SCALE, ROWS, BLOCK_N, BLOCK_D,
-        )  # fmt: skip
+        if OPT == OPT_ROWWISE_ADAGRAD and NUM_D_BLOCKS == 1:
+            g = g_whole
+        else:
+            g = _grad_block(
+                grad_ptr, stride_g, order_ptr, bag_ptr, scale_ptr, pos, end, lead,
+                cols, col_mask, FROM_RUNS, HAS_SCALE, ROWS, BLOCK_N, BLOCK_D,
+            )  # fmt: skip
         m2 = lead[:, None] & col_mask[None, :]
         w_ptrs = weight_ptr + row[:, None] * stride_w + cols[None, :]
         s_ptrs = srow[:, None] + cols[None, :]  # the first D state columns of each row
