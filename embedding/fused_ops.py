@@ -25,6 +25,11 @@ whose bags are the runs of equal ids (so the ``[N, D]`` per-id gradient is never
 materialised either). The ps optimizer's own ``apply`` then updates the gathered
 touched rows and state, which are scattered back in place: the same math as the
 parameter server, so local and hybrid tables train identically.
+
+On CUDA with triton installed, the same two steps are Triton kernels
+(:mod:`embedding.kernels`, ``docs/kernels.md``): an autotuned gather+pool, and a
+backward fused with the update of every ps optimizer (the rows variant after the
+data-parallel exchange). The CPU paths above are unchanged.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from comm import ProcessGroup
 from embedding.checks import sequence_length
 from embedding.config import TableConfig
 from embedding.jagged import KeyedJaggedIds, offsets_from_lengths
-from embedding.kernels import use_triton
+from embedding.kernels import FUSED_OPTIMIZERS, use_triton
 from ps import Optimizer, RowWiseAdagrad
 from ps.kernels import rowwise_adagrad as cpu_kernel
 
@@ -331,38 +336,25 @@ class FusedLookupFunction(torch.autograd.Function):
             if pg.size == 1 and _cpu_rowwise_adagrad_parts(g, b, parts):
                 continue
             grad = (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()  # [nbags, D]
-            triton_adagrad = _triton_rowwise_adagrad(g)
-            if triton_adagrad and pg.size == 1:
-                from embedding.kernels.triton_adagrad import fused_backward_rowwise_adagrad_
+            triton_update = _use_triton_update(g)
+            if triton_update and pg.size == 1:
+                from embedding.kernels.triton_optimizers import fused_backward_
 
-                opt = g.optimizer
-                assert isinstance(opt, RowWiseAdagrad)
-                fused_backward_rowwise_adagrad_(
-                    g.weight,
-                    g.state,
-                    b.ids,
-                    b.offsets,
-                    grad,
-                    mode="sum",
-                    per_sample_weights=b.weights,
-                    lr=opt.lr,
-                    eps=opt.eps,
-                    clocks=g.clocks,
-                    validate=False,
-                )
+                fused_backward_(
+                    g.weight, g.state, b.ids, b.offsets, grad, g.optimizer,
+                    mode="sum", per_sample_weights=b.weights, clocks=g.clocks, validate=False,
+                )  # fmt: skip
                 continue
             rows, grads = row_gradients(b, grad)  # [U], [U, D]
             if pg.size > 1:
                 rows, grads = _combine_ranks(pg, rows, grads)
                 if _cpu_rowwise_adagrad_rows(g, rows, grads):
                     continue
-            if triton_adagrad:
-                from embedding.kernels.triton_adagrad import rowwise_adagrad_rows_
+            if triton_update:
+                from embedding.kernels.triton_optimizers import apply_rows_
 
-                opt = g.optimizer
-                assert isinstance(opt, RowWiseAdagrad)
-                rowwise_adagrad_rows_(
-                    g.weight, g.state, rows, grads.contiguous(), lr=opt.lr, eps=opt.eps,
+                apply_rows_(
+                    g.weight, g.state, rows, grads.to(torch.float32).contiguous(), g.optimizer,
                     clocks=g.clocks,
                 )  # fmt: skip
                 continue
@@ -397,10 +389,10 @@ def _cpu_rowwise_adagrad_rows(g: FusedGroup, rows: torch.Tensor, grads: torch.Te
     )  # fmt: skip
 
 
-def _triton_rowwise_adagrad(g: FusedGroup) -> bool:
-    """The Triton fused backward handles row-wise Adagrad on CUDA tables; other
-    optimizers (and CPU tables) take the torch path, which runs the ps math."""
-    return g.weight.is_cuda and isinstance(g.optimizer, RowWiseAdagrad) and use_triton(g.weight)
+def _use_triton_update(g: FusedGroup) -> bool:
+    """The Triton fused backward (:mod:`embedding.kernels.triton_optimizers`) updates CUDA
+    tables for every ps optimizer; CPU tables keep the C kernel and the torch path."""
+    return g.weight.is_cuda and g.optimizer.kind in FUSED_OPTIMIZERS and use_triton(g.weight)
 
 
 def _combine_ranks(

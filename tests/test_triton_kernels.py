@@ -9,6 +9,10 @@ A second subprocess compiles every kernel variant to an sm_90 cubin (no GPU need
 
 Without triton the cases are skipped, unless ``HYBRIDREC_REQUIRE_TRITON=1`` (CI
 sets it), in which case they fail: a silent skip must not pass CI.
+
+The ``gpu`` tests (``make test-gpu``) run the same cases compiled on CUDA, and check
+that the fused lookup's backward on CUDA (Triton, every ps optimizer) equals the CPU
+path (the C kernel or the ps optimizer's ``apply``) after several steps.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import pytest
 import torch
 
 import triton_cases
-from embedding.kernels import interpreter_enabled, triton_available, use_triton
+from embedding.kernels import autotune_enabled, interpreter_enabled, triton_available, use_triton
 from multiproc import rank_env
 
 SCRIPT = Path(__file__).with_name("triton_cases.py")
@@ -95,6 +99,8 @@ def test_use_triton_needs_cuda_or_explicit_interpreter() -> None:
     assert use_triton(t) is False
     expected = triton_available() and interpreter_enabled()
     assert use_triton(t, allow_interpreter=True) is expected
+    # The forward autotunes only on a GPU (the interpreter uses the fixed default config).
+    assert autotune_enabled(t) is False
 
 
 @pytest.mark.timeout(280)
@@ -104,3 +110,59 @@ def test_kernels_package_does_not_import_triton(case_results: dict[str, dict]) -
     # without triton installed there is nothing it could import.
     r = case_results[triton_cases.IMPORT_CHECK]
     assert r["ok"], r["error"]
+
+
+@pytest.mark.timeout(120)
+def test_triton_bench_smoke_in_interpreter() -> None:
+    # benchmarks/triton_bench.py end to end on CPU in the interpreter (tiny shapes): every
+    # optimizer's step checked against torch's inside the run, the figures the GPU
+    # benchmark reads are there and finite, and no target is claimed from interpreter times.
+    _require_triton()
+    env = rank_env(pythonpath=(ROOT,))
+    env.pop("TRITON_INTERPRET", None)  # the script sets it itself, before importing triton
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "triton_bench.py"), "--quick", "--interpret"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "triton" and out["config"]["interpret"] is True
+    assert out["targets"] == {}
+    fig = out["figures"]
+    for key in ("triton_fwd_vs_torch_min", "triton_step_vs_torch_min", "fwd_bandwidth_fraction"):
+        assert isinstance(fig[key], float) and fig[key] >= 0, (key, fig[key])
+    assert set(fig["step_vs_torch"]) == {"rowwise_adagrad", "adam"}  # the interpreter's two
+    for name, ratios in fig["step_vs_torch"].items():
+        assert set(ratios) == {"L1", "L4"}, (name, ratios)
+        for tag in ratios:
+            diff = fig["cases"][tag]["step"][name]["max_abs_diff_first_step"]
+            assert diff <= 1e-4, (name, tag, diff)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(280)
+def test_triton_cases_on_cuda() -> None:
+    # The same cases compiled for the GPU at hand (no interpreter), references on CPU.
+    _require_triton()
+    results = _run_cases("--device", "cuda", interpret=False)
+    failed = {name: r["error"] for name, r in results.items() if not r["ok"]}
+    assert not failed, "\n".join(f"{n}:\n{e}" for n, e in failed.items())
+    assert set(triton_cases.CASES) <= set(results), sorted(set(triton_cases.CASES) - set(results))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("opt_name", sorted(triton_cases.optimizers()))
+def test_fused_lookup_on_cuda_equals_cpu(opt_name: str) -> None:
+    # The dispatch in embedding.fused_ops: Triton on CUDA for every optimizer, the C kernel
+    # or the ps optimizer's apply on CPU; 3 steps agree to 1e-5.
+    _require_triton()
+    assert use_triton(torch.zeros(1, device="cuda"))
+    cpu = triton_cases.fused_lookup_steps("cpu", opt_name, 3)
+    cuda = triton_cases.fused_lookup_steps("cuda", opt_name, 3)
+    for what, a, b in zip(("weight", "state", "clocks"), cuda, cpu, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, what
+        if what == "clocks":
+            assert torch.equal(a, b), what
+        else:
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (what, float((a - b).abs().max()))

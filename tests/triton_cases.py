@@ -8,8 +8,10 @@ cases compiled on a GPU. Before the cases, one more line (``IMPORT_CHECK``) says
 importing ``embedding.kernels`` imported triton. Exit status 1 if any case failed.
 ``tests/test_triton_kernels.py`` runs this in a subprocess, one pytest test per case.
 
-Reference: ``F.embedding_bag`` (autograd for the row gradients) and row-wise
-Adagrad written out by hand, checked once against ``ps.optimizers.RowWiseAdagrad``.
+Reference: ``F.embedding_bag`` (autograd for the row gradients), then row-wise
+Adagrad written out by hand (checked once against ``ps.optimizers.RowWiseAdagrad``)
+and, for every ps optimizer (``case_opt_*``), the optimizer's own ``apply`` on
+the touched rows, always computed on CPU.
 """
 
 from __future__ import annotations
@@ -256,8 +258,8 @@ def case_bwd_multi_table_odd_dim(device: str) -> None:
 
 
 def case_bwd_wide_dim(device: str) -> None:
-    # D = 1100 > MAX_BLOCK_D (1024): the two-pass path of the backward kernel.
-    b = _b(device, seed=16, table_rows=[6], dim=1100, batch=3, max_len=20, hot=3)
+    # D = 1100 > MAX_BLOCK_D (128): nine column blocks; row-wise Adagrad's two passes.
+    b = _b(device, seed=16, table_rows=[6], dim=1100, batch=3, max_len=8, hot=3)
     check_backward(b, "mean", device, steps=2)
 
 
@@ -332,7 +334,7 @@ def case_bwd_deterministic(device: str) -> None:
 
 
 def case_random_batches(device: str) -> None:
-    for seed in range(20, 26):
+    for seed in range(20, 24):
         g = torch.Generator().manual_seed(seed)
         n_tables = int(torch.randint(1, 4, (1,), generator=g))
         b = make_batch(
@@ -350,7 +352,253 @@ def case_random_batches(device: str) -> None:
         check_backward(b, mode, device)
 
 
+# --- every ps optimizer, against its own apply on CPU ------------------------------------
+
+
+def optimizers() -> dict[str, object]:
+    """One config per kernel branch; large-ish rates and eps so each term is visible."""
+    from ps.optimizers import FTRL, SGD, Adagrad, Adam, RowWiseAdagrad
+
+    return {
+        "sgd": SGD(lr=0.3),
+        "sgd_momentum": SGD(lr=0.3, momentum=0.8),
+        "rowwise_adagrad": RowWiseAdagrad(lr=0.4, eps=0.2),
+        "adagrad": Adagrad(lr=0.4, eps=0.05),
+        "adam": Adam(lr=0.05, betas=(0.8, 0.95), eps=1e-3),
+        "adam_decay_beta1_zero": Adam(lr=0.05, betas=(0.0, 0.9), eps=1e-3, weight_decay=0.1),
+        "ftrl": FTRL(alpha=0.5, beta=0.7, l1=0.05, l2=0.2),
+    }
+
+
+def random_state(opt: object, rows: int, dim: int, seed: int) -> torch.Tensor:
+    """A non-trivial starting state ``[rows, S]`` (accumulators >= 0, Adam steps integral)."""
+    from ps.optimizers import Adam
+
+    s = opt.state_dim(dim)  # type: ignore[attr-defined]
+    state = torch.rand(rows, s, generator=torch.Generator().manual_seed(seed))
+    if isinstance(opt, Adam):
+        state[:, :dim] -= 0.5  # m of either sign
+        state[:, 2 * dim] = torch.randint(0, 4, (rows,), generator=torch.Generator())
+    return state
+
+
+def ps_step(
+    b: Batch, state: torch.Tensor, grad_out: torch.Tensor, mode: str, opt: object
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The independent reference, on CPU: autograd row gradients of ``F.embedding_bag``,
+    then ``opt.apply`` on the touched rows and their state, scattered back."""
+    cpu = Batch(
+        weight=b.weight.cpu(),
+        ids=b.ids.cpu(),
+        offsets=b.offsets.cpu(),
+        psw=None if b.psw is None else b.psw.cpu(),
+    )
+    w = cpu.weight.clone().requires_grad_(True)
+    (ref_pool(cpu, mode, w) * grad_out.cpu()).sum().backward()
+    assert w.grad is not None
+    new_w, new_s = cpu.weight.clone(), state.cpu().clone()
+    touched = torch.unique(cpu.ids)  # [U]
+    rows, st = new_w[touched].clone(), new_s[touched].clone()
+    opt.apply(rows, st, w.grad[touched])  # type: ignore[attr-defined]
+    new_w[touched], new_s[touched] = rows, st
+    return new_w, new_s
+
+
+def close_cpu(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """1e-5 relative, 1e-6 absolute: the row gradients are summed in another order than
+    autograd's, and accumulators of squares carry that difference twice."""
+    torch.testing.assert_close(
+        actual.cpu(), expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}"
+    )
+
+
+def check_optimizer(b: Batch, opt: object, mode: str, device: str, *, steps: int) -> None:
+    """``steps`` fused steps equal ``steps`` ps steps; untouched rows and state bitwise
+    unchanged; clocks +1 per touched row per step."""
+    from embedding.kernels.triton_optimizers import fused_backward_
+
+    rows, dim = b.weight.shape
+    g = torch.Generator().manual_seed(77)
+    s0 = random_state(opt, rows, dim, seed=5)
+    w, s = b.weight.clone(), s0.clone().to(device)
+    w_ref, s_ref = b.weight.cpu(), s0.clone()
+    clocks = torch.zeros(rows, dtype=torch.int64, device=device)
+    for _ in range(steps):
+        grad_out = torch.randn(b.offsets.numel() - 1, dim, generator=g)
+        step_b = Batch(weight=w_ref, ids=b.ids, offsets=b.offsets, psw=b.psw)
+        w_ref, s_ref = ps_step(step_b, s_ref, grad_out, mode, opt)
+        fused_backward_(
+            w, s, b.ids, b.offsets, grad_out.to(device), opt,  # type: ignore[arg-type]
+            mode=mode, per_sample_weights=b.psw, clocks=clocks,
+        )  # fmt: skip
+    close_cpu(w, w_ref, "weight")
+    close_cpu(s, s_ref, "state")
+    untouched = torch.ones(rows, dtype=torch.bool)
+    untouched[b.ids.cpu()] = False
+    assert torch.equal(w.cpu()[untouched], b.weight.cpu()[untouched]), "untouched rows changed"
+    assert torch.equal(s.cpu()[untouched], s0[untouched]), "untouched state changed"
+    expect = torch.zeros(rows, dtype=torch.int64)
+    expect[torch.unique(b.ids.cpu())] = steps
+    assert torch.equal(clocks.cpu(), expect), "clocks must count one update per row per step"
+
+
+def _check_each_optimizer(device: str, name: str) -> None:
+    opt = optimizers()[name]
+    # Weighted sum with hot rows (long runs, bags longer than a step) over two steps, then
+    # a weighted mean with empty bags over two tables of an odd dim.
+    hot = _b(device, seed=40, table_rows=[20], batch=6, max_len=24, hot=5, weighted=True)
+    check_optimizer(hot, opt, "sum", device, steps=2)
+    mixed = _b(device, seed=41, table_rows=[9, 14], dim=13, batch=5, weighted=True)
+    check_optimizer(mixed, opt, "mean", device, steps=2)
+
+
+def case_opt_sgd(device: str) -> None:
+    _check_each_optimizer(device, "sgd")
+
+
+def case_opt_sgd_momentum(device: str) -> None:
+    _check_each_optimizer(device, "sgd_momentum")
+
+
+def case_opt_rowwise_adagrad(device: str) -> None:
+    _check_each_optimizer(device, "rowwise_adagrad")
+
+
+def case_opt_adagrad(device: str) -> None:
+    _check_each_optimizer(device, "adagrad")
+
+
+def case_opt_adam(device: str) -> None:
+    _check_each_optimizer(device, "adam")
+
+
+def case_opt_adam_decay_beta1_zero(device: str) -> None:
+    _check_each_optimizer(device, "adam_decay_beta1_zero")
+
+
+def case_opt_ftrl(device: str) -> None:
+    _check_each_optimizer(device, "ftrl")
+
+
+def case_opt_rows_every_optimizer(device: str) -> None:
+    # apply_rows_ (coalesced gradients, data parallel) equals ps's apply, for every optimizer,
+    # at a dim wider than one column block for row-wise Adagrad (its two-pass path).
+    from embedding.kernels.triton_optimizers import apply_rows_
+
+    for i, (name, opt) in enumerate(optimizers().items()):
+        dim = 150 if name == "rowwise_adagrad" else 19
+        g = torch.Generator().manual_seed(50 + i)
+        weight = torch.randn(30, dim, generator=g)
+        rows = torch.randperm(30, generator=g)[:7]
+        grads = torch.randn(7, dim, generator=g)
+        s0 = random_state(opt, 30, dim, seed=i)
+        w, s = weight.clone().to(device), s0.clone().to(device)
+        clocks = torch.zeros(30, dtype=torch.int64, device=device)
+        apply_rows_(w, s, rows.to(device), grads.to(device), opt, clocks=clocks)  # type: ignore[arg-type]
+        w_ref, s_ref = weight[rows].clone(), s0[rows].clone()
+        opt.apply(w_ref, s_ref, grads)  # type: ignore[attr-defined]
+        close_cpu(w.cpu()[rows], w_ref, f"{name} rows")
+        close_cpu(s.cpu()[rows], s_ref, f"{name} state")
+        others = torch.ones(30, dtype=torch.bool)
+        others[rows] = False
+        assert torch.equal(w.cpu()[others], weight[others]), f"{name}: other rows changed"
+        assert torch.equal(clocks.cpu(), (~others).long()), f"{name}: clocks"
+
+
+def case_opt_deterministic(device: str) -> None:
+    # Two runs of the same Adam step (long runs of hot rows) are bitwise equal.
+    from embedding.kernels.triton_optimizers import fused_backward_
+
+    opt = optimizers()["adam"]
+    b = _b(device, seed=42, table_rows=[8], batch=12, max_len=30, hot=4, weighted=True)
+    grad_out = torch.randn(b.offsets.numel() - 1, 16, generator=torch.Generator().manual_seed(2))
+    results = []
+    for _ in range(2):
+        w, s = b.weight.clone(), random_state(opt, 8, 16, seed=3).to(device)
+        fused_backward_(w, s, b.ids, b.offsets, grad_out.to(device), opt,  # type: ignore[arg-type]
+                        mode="mean", per_sample_weights=b.psw)  # fmt: skip
+        results.append((w, s))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def fused_lookup_steps(device: str, opt_name: str, steps: int) -> tuple[torch.Tensor, ...]:
+    """``steps`` training steps of one fused group (weighted bags, hot repeated ids) through
+    ``embedding.fused_ops.FusedLookupFunction`` on ``device``: (weight, state, clocks) on CPU."""
+    from comm.local import LocalGroup
+    from embedding.fused_ops import FusedGroup, FusedLookupFunction, GroupBatch
+
+    opt = optimizers()[opt_name]
+    g = torch.Generator().manual_seed(11)
+    rows, dim, bags = 60, 24, 40
+    group = FusedGroup(
+        dim=dim,
+        optimizer=opt,  # type: ignore[arg-type]
+        weight=torch.randn(rows, dim, generator=g).to(device),
+        state=random_state(opt, rows, dim, seed=12).to(device),
+        clocks=torch.zeros(rows, dtype=torch.int64, device=device),
+    )
+    anchor = torch.zeros(0, requires_grad=True)
+    for _ in range(steps):
+        lengths = torch.randint(0, 6, (bags,), generator=g)
+        ids = torch.randint(0, 12, (int(lengths.sum()),), generator=g) * 5  # hot, repeated
+        offsets = torch.zeros(bags + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(lengths, 0)
+        w = torch.rand(ids.numel(), generator=g)
+        batch = GroupBatch(ids.to(device), offsets.to(device), w.to(device))
+        (out,) = FusedLookupFunction.apply(anchor, [group], [batch], LocalGroup(), [[bags]])
+        target = torch.randn(bags, dim, generator=g).to(device)
+        (out * target).sum().backward()
+    return group.weight.cpu(), group.state.cpu(), group.clocks.cpu()
+
+
+def case_fused_ops_dispatch(device: str) -> None:
+    # embedding.fused_ops hands every optimizer to the Triton backward on CUDA; here the
+    # dispatch is forced on CPU tensors (interpreter) and 2 steps compared with the CPU path
+    # it replaces (the C kernel for row-wise Adagrad, the ps optimizer's apply otherwise).
+    import embedding.fused_ops as fused_ops
+
+    for name in optimizers():
+        expected = fused_lookup_steps(device, name, 2)
+        saved = fused_ops._use_triton_update, fused_ops._cpu_rowwise_adagrad_parts
+        fused_ops._use_triton_update = lambda g: True  # type: ignore[assignment]
+        fused_ops._cpu_rowwise_adagrad_parts = lambda *a: False  # type: ignore[assignment]
+        try:
+            actual = fused_lookup_steps(device, name, 2)
+        finally:
+            fused_ops._use_triton_update, fused_ops._cpu_rowwise_adagrad_parts = saved
+        for what, a, b in zip(("weight", "state", "clocks"), actual, expected, strict=True):
+            diff = float((a - b).abs().max()) if a.numel() else 0.0
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), f"{name} {what}: max diff {diff}"
+
+
+def case_fwd_every_config(device: str) -> None:
+    # Every config the GPU autotuner may pick gives the same pooling (sum and weighted mean,
+    # empty bags, bags longer than BLOCK_N, a partial last tile of bags, odd D).
+    import triton
+
+    from embedding.kernels._checks import block_d
+    from embedding.kernels.triton_pool import FWD_CONFIGS, MAX_BLOCK_D, _pool_kernel
+
+    b = _b(device, seed=43, table_rows=[30], dim=13, batch=7, max_len=20, weighted=True)
+    bd = block_d(13, MAX_BLOCK_D)
+    nb = b.offsets.numel() - 1
+    for cfg in FWD_CONFIGS:
+        for mode, psw in (("sum", None), ("mean", b.psw)):
+            out = torch.empty(nb, 13, device=device)
+            grid = (triton.cdiv(nb, cfg.kwargs["BAGS"]), 1)
+            _pool_kernel[grid](
+                b.weight, b.weight.stride(0), b.ids, b.offsets, b.ids if psw is None else psw,
+                out, nb, 13, 4, HAS_WEIGHTS=psw is not None, MEAN=mode == "mean",
+                WIDE_INDEX=False, BLOCK_D=bd, num_warps=cfg.num_warps, **cfg.kwargs,
+            )  # fmt: skip
+            ref = ref_pool(Batch(weight=b.weight, ids=b.ids, offsets=b.offsets, psw=psw), mode)
+            close(out, ref)
+
+
 def case_bad_input(device: str) -> None:
+    from embedding.kernels.triton_optimizers import apply_rows_, fused_backward_
+    from ps.optimizers import SGD, Adam
+
     pooled_lookup, fused = kernels(device)
     b = _b(device, seed=30)
     w, ids, off = b.weight, b.ids, b.offsets
@@ -391,7 +639,36 @@ def case_bad_input(device: str) -> None:
                 eps=1e-8,
             ),  # fmt: skip
             ValueError,
-            f"({rows})",
+            f"[{rows}, 1]",
+        ),
+        (
+            "adam state width",
+            lambda: fused_backward_(
+                w.clone(),
+                torch.zeros(rows, w.shape[1], device=device),
+                ids,
+                off,
+                torch.zeros(off.numel() - 1, w.shape[1], device=device),
+                Adam(lr=0.1),
+                mode="sum",
+                per_sample_weights=None,
+            ),  # fmt: skip
+            ValueError,
+            f"[{rows}, {2 * w.shape[1] + 1}] (adam",
+        ),
+        (
+            "not an optimizer",
+            lambda: apply_rows_(w.clone(), torch.zeros(rows, device=device), ids[:1], w[:1], "sgd"),  # type: ignore[arg-type]  # fmt: skip
+            TypeError,
+            "ps Optimizer",
+        ),
+        (
+            "rows dtype",
+            lambda: apply_rows_(
+                w.clone(), torch.zeros(rows, 0, device=device), ids[:1].float(), w[:1], SGD(lr=0.1)
+            ),  # fmt: skip
+            TypeError,
+            "rows",
         ),
         (
             "grad shape",
@@ -423,56 +700,102 @@ def case_bad_input(device: str) -> None:
 
 POOL_SIG = {
     "weight_ptr": "*fp32",
-    "stride_w": "i64",
+    "stride_w": "i32",
     "ids_ptr": "*i64",
     "offsets_ptr": "*i64",
     "psw_ptr": "*fp32",
     "out_ptr": "*fp32",
+    "num_bags": "i32",
     "D": "i32",
+    "pooling": "i32",
 }
-ADAGRAD_SIG = {
+OCCURRENCE_SIG = {
+    "offsets_ptr": "*i64",
+    "psw_ptr": "*fp32",
+    "bag_ptr": "*i32",
+    "scale_ptr": "*fp32",
+    "num_bags": "i32",
+}
+UPDATE_SIG = {
     "weight_ptr": "*fp32",
-    "stride_w": "i64",
+    "stride_w": "i32",
     "state_ptr": "*fp32",
+    "stride_s": "i32",
     "clocks_ptr": "*i64",
-    "uniq_ptr": "*i64",
-    "row_ptr_ptr": "*i64",
-    "occ_bag_ptr": "*i64",
-    "occ_scale_ptr": "*fp32",
+    "hyper_ptr": "*fp64",
+    "sorted_ptr": "*i32",
+    "run_end_ptr": "*i32",
+    "order_ptr": "*i64",
+    "bag_ptr": "*i32",
+    "scale_ptr": "*fp32",
     "grad_ptr": "*fp32",
-    "stride_g": "i64",
+    "stride_g": "i32",
+    "n": "i32",
     "D": "i32",
-    "Df": "fp32",
-    "lr": "fp32",
-    "eps": "fp32",
 }
+
+
+def _update_variant(opt: int, **kw: object) -> tuple[str, dict[str, str], dict[str, object]]:
+    cx: dict[str, object] = {
+        "OPT": opt, "FROM_RUNS": True, "HAS_SCALE": True, "HAS_CLOCKS": True,
+        "NUM_D_BLOCKS": 1, "ROWS": 16, "BLOCK_N": 32, "BLOCK_D": 64,
+    }  # fmt: skip
+    return ("update", {}, cx | kw)
+
+
 #: (kernel, signature overrides, constexprs): together they reach every branch.
 COMPILE_VARIANTS: dict[str, tuple[str, dict[str, str], dict[str, object]]] = {
-    "pool_weighted_mean": (
+    "pool_weighted_mean_tile": (
         "pool",
-        {},
-        {"HAS_WEIGHTS": True, "MEAN": True, "BLOCK_N": 16, "BLOCK_D": 64},
-    ),
-    "pool_sum_bf16_int32": (
-        "pool",
-        {"weight_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i32", "offsets_ptr": "*i32"},
-        {"HAS_WEIGHTS": False, "MEAN": False, "BLOCK_N": 16, "BLOCK_D": 16},
-    ),
-    "adagrad_one_tile": (
-        "adagrad",
-        {},
-        {"HAS_SCALE": True, "HAS_CLOCKS": True, "NUM_D_BLOCKS": 1, "BLOCK_N": 16, "BLOCK_D": 64},
-    ),
-    "adagrad_two_pass": (
-        "adagrad",
         {},
         {
-            "HAS_SCALE": False,
-            "HAS_CLOCKS": False,
-            "NUM_D_BLOCKS": 2,
-            "BLOCK_N": 16,
-            "BLOCK_D": 1024,
+            "HAS_WEIGHTS": True,
+            "MEAN": True,
+            "WIDE_INDEX": False,
+            "BAGS": 4,
+            "BLOCK_N": 8,
+            "BLOCK_D": 64,
         },
+    ),  # fmt: skip
+    "pool_sum_bf16_int32_wide": (
+        "pool",
+        {
+            "weight_ptr": "*bf16",
+            "out_ptr": "*bf16",
+            "ids_ptr": "*i32",
+            "offsets_ptr": "*i32",
+            "stride_w": "i64",
+        },
+        {
+            "HAS_WEIGHTS": False,
+            "MEAN": False,
+            "WIDE_INDEX": True,
+            "BAGS": 32,
+            "BLOCK_N": 1,
+            "BLOCK_D": 16,
+        },
+    ),  # fmt: skip
+    "occurrence_weighted_mean": (
+        "occurrence",
+        {},
+        {"HAS_WEIGHTS": True, "MEAN": True, "BAGS": 64, "BLOCK_N": 8},
+    ),
+    "update_sgd": _update_variant(0),
+    "update_momentum": _update_variant(1),
+    "update_rowwise_adagrad": _update_variant(2),
+    "update_adagrad": _update_variant(3),
+    "update_adam": _update_variant(4),
+    "update_ftrl": _update_variant(5),
+    "update_adam_wide_two_blocks": _update_variant(4, NUM_D_BLOCKS=2, BLOCK_N=16, BLOCK_D=128),
+    "update_rowwise_rows_two_blocks": _update_variant(
+        2,
+        FROM_RUNS=False,
+        HAS_SCALE=False,
+        HAS_CLOCKS=False,
+        NUM_D_BLOCKS=2,
+        ROWS=16,
+        BLOCK_N=1,
+        BLOCK_D=256,
     ),  # fmt: skip
 }
 
@@ -487,13 +810,15 @@ def compile_variant(name: str, arch: int) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
-    from embedding.kernels.triton_adagrad import _rowwise_adagrad_kernel
+    from embedding.kernels.triton_optimizers import _occurrence_kernel, _update_kernel
     from embedding.kernels.triton_pool import _pool_kernel
 
     kernel, overrides, constexprs = COMPILE_VARIANTS[name]
-    fn, sig = (
-        (_pool_kernel, POOL_SIG) if kernel == "pool" else (_rowwise_adagrad_kernel, ADAGRAD_SIG)
-    )
+    fn, sig = {
+        "pool": (_pool_kernel, POOL_SIG),
+        "occurrence": (_occurrence_kernel, OCCURRENCE_SIG),
+        "update": (_update_kernel, UPDATE_SIG),
+    }[kernel]
     signature = {**sig, **overrides, **{k: "constexpr" for k in constexprs}}
     src = ASTSource(fn, signature, constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))

@@ -1,15 +1,18 @@
 """embedding.kernels: Triton GPU kernels for the fused (table-batched) local placement.
 
-Two kernels over ONE flat weight ``[R, D]`` holding every table of a fused group
+Kernels over ONE flat weight ``[R, D]`` holding every table of a fused group
 (table ``t`` owns rows ``[base[t], base[t] + rows[t])``; ids arrive already
 offset by their table's base, as in FBGEMM's TBE):
 
 - :func:`embedding.kernels.triton_pool.pooled_lookup` -- gather + sum/mean pool,
   optional per-id weights, empty bags give zeros;
-- :func:`embedding.kernels.triton_adagrad.fused_backward_rowwise_adagrad_` -- the
-  backward of that pool fused with row-wise Adagrad, in place, deterministic.
+- :func:`embedding.kernels.triton_optimizers.fused_backward_` -- the backward of
+  that pool fused with any ps optimizer (SGD with or without momentum, row-wise
+  Adagrad, Adagrad, Adam, FTRL), in place, deterministic;
+  :func:`~embedding.kernels.triton_optimizers.apply_rows_` the same update from
+  gradients already coalesced per row (data parallel).
 
-``triton`` is optional: this package imports it only inside the two kernel
+``triton`` is optional: this package imports it only inside the kernel
 modules, so ``import embedding.kernels`` works without it. Callers ask
 :func:`use_triton` per tensor and fall back to the torch path otherwise. See
 ``docs/kernels.md``.
@@ -22,7 +25,16 @@ import os
 
 import torch
 
-__all__ = ["interpreter_enabled", "triton_available", "use_triton"]
+__all__ = [
+    "FUSED_OPTIMIZERS",
+    "autotune_enabled",
+    "interpreter_enabled",
+    "triton_available",
+    "use_triton",
+]
+
+#: ``Optimizer.kind`` of every ps optimizer the Triton backward fuses.
+FUSED_OPTIMIZERS = frozenset({"sgd", "rowwise_adagrad", "adagrad", "adam", "ftrl"})
 
 
 @functools.cache
@@ -58,3 +70,15 @@ def use_triton(t: torch.Tensor, *, allow_interpreter: bool = False) -> bool:
     if t.is_cuda:
         return True
     return allow_interpreter and interpreter_enabled() and t.device.type == "cpu"
+
+
+def autotune_enabled(t: torch.Tensor) -> bool:
+    """Whether the forward launcher autotunes its tile shape for tensors like ``t``.
+
+    Only on a GPU (the interpreter has no timer to tune with: it uses a fixed
+    config) and unless ``HYBRIDREC_TRITON_AUTOTUNE=0`` asks for the fixed config
+    there too (e.g. to time one known config).
+    """
+    if not t.is_cuda or interpreter_enabled():
+        return False
+    return os.environ.get("HYBRIDREC_TRITON_AUTOTUNE", "1") != "0"

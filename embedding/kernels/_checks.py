@@ -81,9 +81,23 @@ def check_lookup_args(
             )
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids (plain Python: ``triton.cdiv`` costs microseconds)."""
+    return -(-a // b)
+
+
 def block_d(dim: int, cap: int) -> int:
     """Power-of-two tile width for ``dim`` columns, at most ``cap`` (masks cover the rest)."""
     b = 1
     while b < dim and b < cap:
         b *= 2
     return b
+
+
+def pool_bucket(num_ids: int, num_bags: int) -> int:
+    """Average ids per bag rounded up to a power of two, capped at 64 (a tuning key).
+
+    From sizes the host already knows (``len(ids)``, ``len(offsets) - 1``): no sync.
+    """
+    avg = -(-num_ids // max(num_bags, 1))  # ceil
+    return min(block_d(max(avg, 1), 64), 64)
