@@ -56,7 +56,7 @@ from embedding.jagged import KeyedJaggedIds, exact_device
 from embedding.local_tables import LocalTables
 from embedding.table_state import target_device
 from ps import InProcessStore, Store, TableSpec
-from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
+from ps.checkpoint import Checkpoint, TablePart, read_checkpoint, write_checkpoint
 
 _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -378,7 +378,7 @@ class EmbeddingCollection(nn.Module):
             assert ckpt is not None
             self._load_hybrid(Path(path), ckpt)
 
-    def _load_hybrid(self, path: Path, ckpt: object) -> None:
+    def _load_hybrid(self, path: Path, ckpt: Checkpoint) -> None:
         """Collective: the hybrid tables of the checkpoint ``ckpt`` (read from ``path``)
         into the store; see :meth:`load`."""
         assert self.hybrid is not None
@@ -393,14 +393,11 @@ class EmbeddingCollection(nn.Module):
         store = backing_store(self.store)
 
         def load_store() -> None:
-            if sorted(ckpt.tables) == sorted(names):  # type: ignore[attr-defined]
+            if sorted(ckpt.tables()) == sorted(names):
                 store.load(path)  # the checkpoint holds exactly these tables
                 return
             # Only the hybrid tables go into the store: a filtered copy of the checkpoint.
-            parts = [
-                (hybrid.configs[n].to_spec(), ckpt.read_table(n))  # type: ignore[attr-defined]
-                for n in names
-            ]
+            parts = [(hybrid.configs[n].to_spec(), ckpt.read_table(n)) for n in names]
             with tempfile.TemporaryDirectory(prefix=".hybrid-", dir=_temp_parent(path)) as tmp:
                 where = Path(tmp) / "tables"
                 write_checkpoint(
