@@ -121,7 +121,7 @@ class EmbeddingCollection(nn.Module):
         try:
             dev = default_device(self.group) if device is None else exact_device(device)
         except (RuntimeError, TypeError, ValueError) as e:
-            raise ValueError(f"EmbeddingCollection: device {device!r}: {e}") from None
+            raise ValueError(f"EmbeddingCollection: {e}") from None
         self._device = dev
         by_placement: dict[str, list[TableConfig]] = {"local": [], "hybrid": [], "sharded": []}
         for cfg in tables:

@@ -29,6 +29,8 @@ def exact_device(device: torch.device | str) -> torch.device:
     """``device`` with its index: plain ``"cuda"`` is the current CUDA device, so it
     compares equal to the device of a tensor placed there."""
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {str(device)!r} asked for, but torch sees no CUDA device")
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device

@@ -72,7 +72,10 @@ def bucketize(
         owners.append(o)
         local.append(plan.local_rows(name, u, o))
     sizes = torch.tensor([u.numel() for u in uniques], dtype=torch.int64, device=device)  # [T]
-    table_idx = torch.repeat_interleave(torch.arange(t_count, device=device), sizes)  # [S]
+    total = sum(int(u.numel()) for u in uniques)  # known on the host: no device sync
+    table_idx = torch.repeat_interleave(
+        torch.arange(t_count, device=device), sizes, output_size=total
+    )  # [S]
     owner = torch.cat(owners)  # [S] in (table, unique) order
     key = owner * t_count + table_idx  # [S] destination-major, then table
     order = torch.argsort(key, stable=True)  # [S] buffer slot -> (table, unique) item

@@ -240,3 +240,10 @@ def test_prefetch_takes_host_or_device_batches(device: str) -> None:
     ec(first)["x"].sum().backward()
     ec(nxt)["x"].sum().backward()
     assert cached.cache_stats()["h"]["prefetched"] == 2  # 4 and 6 rode on the first pull
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")
+def test_cuda_without_cuda_is_a_clear_error() -> None:
+    t = TableConfig(name="t", num_rows=3, dim=2, feature_names=["x"])
+    with pytest.raises(ValueError, match="device 'cuda:1' asked for, but torch sees no CUDA"):
+        EmbeddingCollection([t], device="cuda:1")
