@@ -17,15 +17,31 @@ from embedding.jagged import KeyedJaggedIds
 def check_ids(cfg: TableConfig, feats: Sequence[str], ids: Sequence[torch.Tensor]) -> None:
     """Raise ValueError if an id of ``feats`` (``ids[i]`` int64 ``[N_i]``) is outside
     ``[0, cfg.num_rows)``. Dynamic tables (``num_rows`` None) accept any int64 id."""
-    n = cfg.num_rows
-    if n is None:
+    _check_ranges([(cfg, f, t) for f, t in zip(feats, ids, strict=True)])
+
+
+def check_batch_ids(
+    kjt: KeyedJaggedIds, tables: Sequence[tuple[TableConfig, Sequence[str]]]
+) -> None:
+    """:func:`check_ids` for every ``(table, features)`` of ``tables`` in ``kjt``, reading
+    the ids' bounds back once (one host sync on a GPU, not one per table): one range
+    over the whole batch where :func:`whole_batch_in_range` settles it, else one
+    ``(min, max)`` per feature."""
+    if whole_batch_in_range(kjt, tables):
         return
-    given = [(f, t) for f, t in zip(feats, ids, strict=True) if t.numel() > 0]
+    _check_ranges([(cfg, f, kjt.key_slice(f).ids) for cfg, feats in tables for f in feats])
+
+
+def _check_ranges(given: Sequence[tuple[TableConfig, str, torch.Tensor]]) -> None:
+    """Raise naming the first feature with an id outside its table's rows."""
+    given = [g for g in given if g[0].num_rows is not None and g[2].numel() > 0]
     if not given:
         return
     # Every feature's (min, max) read back at once: one host sync on a GPU.
-    bounds = torch.stack([torch.stack(torch.aminmax(t)) for _, t in given]).tolist()
-    for (feat, _), (lo, hi) in zip(given, bounds, strict=True):
+    bounds = torch.stack([torch.stack(torch.aminmax(t)) for *_, t in given]).tolist()
+    for (cfg, feat, _), (lo, hi) in zip(given, bounds, strict=True):
+        n = cfg.num_rows
+        assert n is not None
         if lo < 0 or hi >= n:
             bad = lo if lo < 0 else hi
             raise ValueError(

@@ -50,7 +50,7 @@ from torch import nn
 from comm import ProcessGroup
 from comm.device import default_device
 from embedding.checkpoint_io import run_on_rank0
-from embedding.checks import check_ids, check_weights, whole_batch_in_range
+from embedding.checks import check_batch_ids, check_ids, check_weights
 from embedding.config import TableConfig
 from embedding.fused_ops import (
     GroupBatch,
@@ -338,10 +338,8 @@ class HybridTables(nn.Module):
         self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]
     ) -> dict[str, torch.Tensor]:
         by_dim: dict[int, list[tuple[TableConfig, list[str]]]] = {}
-        checked = whole_batch_in_range(kjt, tables)
+        check_batch_ids(kjt, tables)  # one host sync on a GPU (bad ids raise here)
         for cfg, feats in tables:
-            if not checked:  # per feature (names the culprit)
-                check_ids(cfg, feats, [kjt.key_slice(f).ids for f in feats])
             check_weights(cfg, feats, kjt.weights is not None)
             by_dim.setdefault(cfg.dim, []).append((cfg, feats))
         groups = [self._dedup(kjt, tabs) for tabs in by_dim.values()]

@@ -29,7 +29,7 @@ from torch import nn
 
 from comm import ProcessGroup
 from comm.device import default_device
-from embedding.checks import check_ids, check_weights, whole_batch_in_range
+from embedding.checks import check_batch_ids, check_weights
 from embedding.config import TableConfig
 from embedding.fused_ops import (
     FusedGroup,
@@ -224,10 +224,8 @@ class LocalTables(nn.Module):
     ) -> dict[str, torch.Tensor]:
         train = self.training and torch.is_grad_enabled()
         per_group: list[list[tuple[TableConfig, str]]] = [[] for _ in self.groups]
-        checked = whole_batch_in_range(kjt, tables)
+        check_batch_ids(kjt, tables)  # one host sync on a GPU (bad ids raise here)
         for cfg, feats in tables:
-            if not checked:  # per feature (names the culprit)
-                check_ids(cfg, feats, [kjt.key_slice(f).ids for f in feats])
             check_weights(cfg, feats, kjt.weights is not None)
             gi = self.where[cfg.name][0]
             per_group[gi].extend((cfg, f) for f in feats)

@@ -518,32 +518,48 @@ class ShardedTables(nn.Module):
         batches: list[_TableBatch] = []
         b = kjt.batch_size
         kjt = kjt.to(self.device)  # a no-op behind the collection, which moved it already
-        for t in sorted(per_table):
+        order = sorted(per_table)
+        slices = {t: [kjt.key_slice(f) for f in per_table[t]] for t in order}
+        ids = {t: torch.cat([s.ids for s in slices[t]]) for t in order}  # [N] per table
+        bad_table = self._first_out_of_range(ids)  # one host sync on a GPU
+        if bad_table is not None:
+            t = bad_table
+            n = self._configs[t].num_rows
+            assert n is not None
+            bad = (ids[t] < 0) | (ids[t] >= n)
+            pos = int(torch.nonzero(bad)[0, 0])
+            ends = torch.tensor([s.ids.numel() for s in slices[t]]).cumsum(0)
+            feat = per_table[t][int(torch.searchsorted(ends, pos, right=True))]
+            return [], [_BAD_ID, self._features.index(feat), int(ids[t][pos])]
+        for t in order:
             cfg, feats = self._configs[t], per_table[t]
-            slices = [kjt.key_slice(f) for f in feats]
             check_weights(cfg, feats, kjt.weights is not None)
             seq = [
                 sequence_length(cfg, f, s.lengths) if cfg.pooling == "none" else -1
-                for f, s in zip(feats, slices, strict=True)
+                for f, s in zip(feats, slices[t], strict=True)
             ]
-            ids = torch.cat([s.ids for s in slices])  # [N]
-            n = cfg.num_rows
-            assert n is not None  # checked by the plan
-            if ids.numel() > 0:
-                bad = (ids < 0) | (ids >= n)
-                if bool(bad.any()):  # a host sync on a GPU: bad ids must raise here
-                    pos = int(torch.nonzero(bad)[0, 0])
-                    ends = torch.tensor([s.ids.numel() for s in slices]).cumsum(0)
-                    feat = feats[int(torch.searchsorted(ends, pos, right=True))]
-                    return [], [_BAD_ID, self._features.index(feat), int(ids[pos])]
-            unique, inverse = dedup(ids)  # [U], [N]
-            lengths = torch.cat([s.lengths for s in slices])  # [F * B]
+            unique, inverse = dedup(ids[t])  # [U], [N]
+            lengths = torch.cat([s.lengths for s in slices[t]])  # [F * B]
             weights = None
             if kjt.weights is not None:
-                weights = torch.cat([s.weights for s in slices if s.weights is not None])
+                weights = torch.cat([s.weights for s in slices[t] if s.weights is not None])
             batches.append(_TableBatch(t, feats, inverse, unique, lengths, weights, seq))
             assert lengths.numel() == len(feats) * b
         return batches, [_OK, 0, 0]
+
+    def _first_out_of_range(self, ids: dict[int, torch.Tensor]) -> int | None:
+        """The first table (index) with an id outside its rows, or None: every table's
+        ``(min, max)`` is read back at once (one host sync on a GPU)."""
+        given = [t for t, x in ids.items() if x.numel() > 0]
+        if not given:
+            return None
+        bounds = torch.stack([torch.stack(torch.aminmax(ids[t])) for t in given]).tolist()
+        for t, (lo, hi) in zip(given, bounds, strict=True):
+            n = self._configs[t].num_rows
+            assert n is not None  # checked by the plan
+            if lo < 0 or hi >= n:
+                return t
+        return None
 
     def _raise_if_bad(self, codes: torch.Tensor, mine: Exception | None) -> None:
         """``codes`` ``[W, 3]``: each rank's (kind, feature index, id). Raise on every rank."""

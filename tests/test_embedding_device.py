@@ -37,7 +37,7 @@ OPTIMIZERS = {
     "ftrl": ps.FTRL(alpha=0.2, l1=0.001),
 }
 B = 4
-STEPS = 3
+STEPS = 2
 
 
 def _tables(opt: ps.Optimizer, placement: str) -> list[TableConfig]:
