@@ -182,7 +182,7 @@ class EmbeddingCollection(nn.Module):
             f"{c.name}: {c.num_rows}x{c.dim} {c.pooling} {c.placement} {c.feature_names}"
             for c in self._configs.values()
         ]
-        return f"tables=[{'; '.join(parts)}], group={self.group!r}"
+        return f"tables=[{'; '.join(parts)}], group={self.group!r}, device={self._device}"
 
     def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Current rows ``ids`` ``[N]`` of a local or hybrid ``table``: ``[N, D]`` (a copy)."""

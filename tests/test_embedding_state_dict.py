@@ -23,6 +23,8 @@ pytestmark = pytest.mark.timeout(120)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 OPT = ps.Adam(lr=0.05)
+# Two runs of one step on a GPU may differ by float atomics in a backward kernel.
+STEP_TOL = {"cpu": 0.0, "cuda": 1e-6}
 
 
 def _tables(placements: tuple[str, str, str] = ("local", "local", "local")) -> list[TableConfig]:
@@ -100,8 +102,8 @@ def test_local_round_trip_between_groupings_and_through_torch_save(device: str) 
     result = other.load_state_dict(loaded, strict=True)
     assert not result.missing_keys and not result.unexpected_keys
     _assert_same(_snapshot(other), _snapshot(ec))
-    _assert_same(_step(other, 5), _step(ec, 5))
-    _assert_same(_snapshot(other), _snapshot(ec))
+    _assert_same(_step(other, 5), _step(ec, 5), STEP_TOL[device])
+    _assert_same(_snapshot(other), _snapshot(ec), STEP_TOL[device])
     # Another grouping: "b" with its own optimizer config is a fused group of its own.
     tables = _tables()
     tables[1] = dataclasses.replace(tables[1], optimizer=ps.Adam(lr=0.01))
@@ -144,8 +146,8 @@ def test_to_moves_the_tables_and_training_goes_on(device: str) -> None:
     assert ec.local.group0_weight.device.type == device
     built = EmbeddingCollection(_tables(placements), device=device)
     for s in range(2):
-        _assert_same(_step(ec, s), _step(built, s))
-    _assert_same(_snapshot(ec), _snapshot(built))
+        _assert_same(_step(ec, s), _step(built, s), STEP_TOL[device])
+    _assert_same(_snapshot(ec), _snapshot(built), STEP_TOL[device])
     moved.to(torch.float64)
     assert moved["head"].weight.dtype == torch.float64
     assert ec.local.group0_weight.dtype == torch.float32
@@ -156,8 +158,8 @@ def test_to_moves_the_tables_and_training_goes_on(device: str) -> None:
     ec.to_empty(device=device)
     ec.load_state_dict(sd)
     assert ec.local.groups[0].weight is ec.local.group0_weight
-    _assert_same(_step(ec, 7), _step(built, 7))
-    _assert_same(_snapshot(ec), _snapshot(built))
+    _assert_same(_step(ec, 7), _step(built, 7), STEP_TOL[device])
+    _assert_same(_snapshot(ec), _snapshot(built), STEP_TOL[device])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -198,8 +200,8 @@ def test_sharded_and_hybrid_state_dicts_round_trip(device: str) -> None:
     assert torch.equal(
         other.rows("d", torch.tensor([10**12])), ec.rows("d", torch.tensor([10**12]))
     )
-    _assert_same(step(other, 4), step(ec, 4))
-    _assert_same(_snapshot(other), _snapshot(ec))
+    _assert_same(step(other, 4), step(ec, 4), STEP_TOL[device])
+    _assert_same(_snapshot(other), _snapshot(ec), STEP_TOL[device])
     with pytest.raises(RuntimeError, match=r"hybrid table 'a'"):
         other.load_state_dict(dict(sd) | {"hybrid.a.weight": torch.zeros(9, 2)})
 
