@@ -17,15 +17,33 @@ from embedding.jagged import KeyedJaggedIds
 def check_ids(cfg: TableConfig, feats: Sequence[str], ids: Sequence[torch.Tensor]) -> None:
     """Raise ValueError if an id of ``feats`` (``ids[i]`` int64 ``[N_i]``) is outside
     ``[0, cfg.num_rows)``. Dynamic tables (``num_rows`` None) accept any int64 id."""
-    n = cfg.num_rows
-    if n is None:
+    _check_ranges([(cfg, f, t) for f, t in zip(feats, ids, strict=True)])
+
+
+def check_batch_ids(
+    kjt: KeyedJaggedIds, tables: Sequence[tuple[TableConfig, Sequence[str]]]
+) -> None:
+    """:func:`check_ids` for every ``(table, features)`` of ``tables`` in ``kjt``, reading
+    the ids' bounds back once (one host sync on a GPU, not one per table): one range
+    over the whole batch where :func:`whole_batch_in_range` settles it, else one
+    ``(min, max)`` per feature."""
+    if whole_batch_in_range(kjt, tables):
         return
-    for feat, t in zip(feats, ids, strict=True):
-        if t.numel() == 0:
-            continue
-        lo, hi = torch.aminmax(t)
-        if int(lo) < 0 or int(hi) >= n:
-            bad = int(lo) if int(lo) < 0 else int(hi)
+    _check_ranges([(cfg, f, kjt.key_slice(f).ids) for cfg, feats in tables for f in feats])
+
+
+def _check_ranges(given: Sequence[tuple[TableConfig, str, torch.Tensor]]) -> None:
+    """Raise naming the first feature with an id outside its table's rows."""
+    given = [g for g in given if g[0].num_rows is not None and g[2].numel() > 0]
+    if not given:
+        return
+    # Every feature's (min, max) read back at once: one host sync on a GPU.
+    bounds = torch.stack([torch.stack(torch.aminmax(t)) for *_, t in given]).tolist()
+    for (cfg, feat, _), (lo, hi) in zip(given, bounds, strict=True):
+        n = cfg.num_rows
+        assert n is not None
+        if lo < 0 or hi >= n:
+            bad = lo if lo < 0 else hi
             raise ValueError(
                 f"EmbeddingCollection: feature {feat!r} has id {bad}, out of range for "
                 f"table {cfg.name!r} with {n} rows (valid ids [0, {n}))"
@@ -46,8 +64,8 @@ def whole_batch_in_range(
     feats = [f for _, fs in tables for f in fs]
     if n is None or len(feats) != len(kjt.keys) or set(feats) != set(kjt.keys):
         return False
-    lo, hi = torch.aminmax(kjt.ids)
-    return int(lo) >= 0 and int(hi) < n
+    lo, hi = torch.stack(torch.aminmax(kjt.ids)).tolist()  # one host sync on a GPU
+    return lo >= 0 and hi < n
 
 
 def check_weights(cfg: TableConfig, feats: Sequence[str], weighted: bool) -> None:
@@ -69,13 +87,13 @@ def sequence_length(cfg: TableConfig, feat: str, lengths: torch.Tensor) -> int:
     """
     if lengths.numel() == 0:
         return 0
-    lo, hi = torch.aminmax(lengths)
-    if int(lo) != int(hi):
+    lo, hi = torch.stack(torch.aminmax(lengths)).tolist()  # one host sync on a GPU
+    if lo != hi:
         seen = sorted(set(lengths.tolist()))
         shown = seen if len(seen) <= 8 else [*seen[:8], "..."]
         raise ValueError(
             f"EmbeddingCollection: feature {feat!r} of table {cfg.name!r} has pooling='none', "
             f"which needs the same number of ids in every sample, got lengths {shown} "
-            f"(min {int(lo)}, max {int(hi)}); pad the sequences to one length"
+            f"(min {lo}, max {hi}); pad the sequences to one length"
         )
     return int(lo)

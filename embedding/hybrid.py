@@ -39,15 +39,18 @@ Data parallel (``group.size > 1``), two cases:
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from comm import ProcessGroup
+from comm.device import default_device
 from embedding.checkpoint_io import run_on_rank0
-from embedding.checks import check_ids, check_weights, whole_batch_in_range
+from embedding.checks import check_batch_ids, check_ids, check_weights
 from embedding.config import TableConfig
 from embedding.fused_ops import (
     GroupBatch,
@@ -58,8 +61,10 @@ from embedding.fused_ops import (
     name_parts,
     sorted_segment_sum,
 )
-from embedding.jagged import KeyedJaggedIds
+from embedding.jagged import KeyedJaggedIds, exact_device
+from embedding.table_state import target_device
 from ps import InProcessStore, PullRequest, PushRequest, Store, TableSpec
+from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
 from ps.kernels import rowwise_adagrad as cpu_kernel
 
 
@@ -129,6 +134,35 @@ def create_tables(
                 )
 
 
+_READ_CHUNK_ROWS = 1 << 16  # rows read from a store at once for a whole-table read
+
+
+def _read_fixed(store: Store, spec: TableSpec) -> TablePart:
+    """A fixed-size table whole from ``store``, ``_READ_CHUNK_ROWS`` rows per read."""
+    assert spec.num_rows is not None
+    chunks = []
+    for start in range(0, spec.num_rows, _READ_CHUNK_ROWS):
+        ids = torch.arange(start, min(spec.num_rows, start + _READ_CHUNK_ROWS))
+        pulled = store.pull(spec.name, ids)
+        chunks.append(TablePart(ids, pulled.rows, store.state(spec.name, ids), pulled.clocks))
+    return TablePart.concat(chunks, spec.dim, spec.state_dim)
+
+
+def _saved_tables(store: Store, specs: Sequence[TableSpec]) -> dict[str, TablePart]:
+    """Tables ``specs`` whole, from a ``store.save`` into a temporary folder (the store
+    alone knows which ids a dynamic table holds)."""
+    with tempfile.TemporaryDirectory(prefix="hybrid-tables-") as tmp:
+        store.save(Path(tmp) / "store")
+        ckpt = read_checkpoint(Path(tmp) / "store")
+        return {s.name: ckpt.read_table(s.name) for s in specs}
+
+
+def _host(value: object, dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"expected a tensor, got {type(value).__name__}")
+    return value.detach().to("cpu", dtype)
+
+
 @dataclass(slots=True)
 class _Group:
     """One dim group's share of a batch, between dedup and the push."""
@@ -154,6 +188,7 @@ class HybridTables(nn.Module):
         store: Store,
         group: ProcessGroup,
         store_is_shared: bool | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.configs = {c.name: c for c in configs}
@@ -163,11 +198,120 @@ class HybridTables(nn.Module):
             store_is_shared = not store_is_replicated(store)
         self.store_is_shared = bool(store_is_shared)
         create_tables(store, [cfg.to_spec() for cfg in configs], group, self.store_is_shared)
+        dev = default_device(group) if device is None else exact_device(device)
         # Autograd needs one input that requires grad to record the lookup node.
-        self._anchor = torch.zeros(0, requires_grad=True)
+        self._anchor = torch.zeros(0, requires_grad=True, device=dev)
         # A zero tied to the lookup node when it has no named output in this batch
         # (replicated data parallel: its backward's collectives must still run).
         self.tie: torch.Tensor | None = None
+        self.state_dict_tables = True  # False: state_dict() leaves the tables out
+
+    @property
+    def device(self) -> torch.device:
+        """Where the pulled rows are pooled and the outputs live (the store stays on the host)."""
+        return self._anchor.device
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """``.to(device)``: later batches pool on the new device (the rows stay in the store)."""
+        self._anchor = torch.zeros(0, requires_grad=True, device=target_device(fn, self._anchor))
+        return self
+
+    # ------------------------------------------------------------ whole tables
+
+    def flush(self) -> None:
+        """Push this worker's pending updates to the store (a cache's ``flush``; nothing
+        for a plain store), so a read of the store sees every update of this worker."""
+        flush = getattr(self.store, "flush", None)
+        if flush is not None:
+            flush()
+
+    def table_parts(self) -> list[tuple[TableSpec, TablePart]]:
+        """Every hybrid table whole (rows, optimizer state, clocks) as ``(spec, part)``,
+        read from the store after :meth:`flush` (not collective: a shared store holds
+        this worker's updates, not necessarily its peers' pending ones). Fixed tables
+        are read through the store in chunks; dynamic ones (their ids are known only to
+        the store) through one ``store.save`` into a temporary folder."""
+        self.flush()
+        store = backing_store(self.store)
+        specs = [cfg.to_spec() for cfg in self.configs.values()]
+        dynamic = [s for s in specs if s.num_rows is None]
+        saved = _saved_tables(store, dynamic) if dynamic else {}
+        return [(s, saved[s.name] if s.num_rows is None else _read_fixed(store, s)) for s in specs]
+
+    def load_parts(self, parts: Sequence[tuple[TableSpec, TablePart]]) -> None:
+        """Replace these hybrid tables in the store by ``parts`` (whole tables, checked
+        against the specs first): through a temporary ps checkpoint and ``store.load``
+        (a cache flushes and empties itself; for a shared store this changes every
+        worker's table). Not collective: see ``EmbeddingCollection.load``."""
+        checked = self._check_parts(parts)
+        with tempfile.TemporaryDirectory(prefix="hybrid-tables-") as tmp:
+            write_checkpoint(
+                Path(tmp) / "tables", [(spec, [part]) for spec, part in checked],
+                writer="embedding.HybridTables",
+            )  # fmt: skip
+            self.store.load(Path(tmp) / "tables")
+
+    def _check_parts(
+        self, parts: Sequence[tuple[TableSpec, TablePart]]
+    ) -> list[tuple[TableSpec, TablePart]]:
+        out = []
+        for spec, part in parts:
+            cfg = self.configs.get(spec.name)
+            if cfg is None:
+                raise KeyError(
+                    f"no hybrid table {spec.name!r}; hybrid tables: {list(self.configs)}"
+                )
+            mine = cfg.to_spec()
+            if spec != mine:
+                raise ValueError(
+                    f"hybrid table {spec.name!r}: the rows given are for {spec}, the table "
+                    f"is {mine}"
+                )
+            part.check_spec(mine, "hybrid table rows")
+            out.append((mine, part))
+        return out
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        """Per table ``<prefix><table>.ids [n]``, ``.weight [n, D]``, ``.state [n, S]``,
+        ``.clocks [n]``: the rows the store holds (all of a fixed table, the live ones of
+        a dynamic table), read through the store (:meth:`table_parts`): copies on the
+        host. Loading them replaces the store's table (:meth:`load_parts`)."""
+        if not self.state_dict_tables:
+            return
+        for spec, part in self.table_parts():
+            destination[f"{prefix}{spec.name}.ids"] = part.ids
+            destination[f"{prefix}{spec.name}.weight"] = part.weights
+            destination[f"{prefix}{spec.name}.state"] = part.state
+            destination[f"{prefix}{spec.name}.clocks"] = part.clocks
+
+    def _load_from_state_dict(  # type: ignore[no-untyped-def]
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        if not self.state_dict_tables:
+            return
+        ours: set[str] = set()
+        parts = []
+        for name, cfg in self.configs.items():
+            keys = {w: f"{prefix}{name}.{w}" for w in ("ids", "weight", "state", "clocks")}
+            ours.update(keys.values())
+            absent = [k for k in keys.values() if k not in state_dict]
+            if absent:
+                missing_keys.extend(absent)
+                continue
+            try:
+                part = TablePart(
+                    ids=_host(state_dict[keys["ids"]], torch.int64),
+                    weights=_host(state_dict[keys["weight"]], torch.float32),
+                    state=_host(state_dict[keys["state"]], torch.float32),
+                    clocks=_host(state_dict[keys["clocks"]], torch.int64),
+                )
+                parts.append(self._check_parts([(cfg.to_spec(), part)])[0])
+            except (TypeError, ValueError) as e:
+                error_msgs.append(f"hybrid table {name!r}: {e}")
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in ours)
+        if parts:
+            self.load_parts(parts)
 
     def prefetch(self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]) -> None:
         """Hand each table's unique ids to the store's ``prefetch_many`` (a cache: they
@@ -176,11 +320,14 @@ class HybridTables(nn.Module):
         one = getattr(self.store, "prefetch", None)
         if many is None and one is None:
             return
+        # The store reads host ids: a batch on a device comes to the host once, and the
+        # dedup runs there (no device work, no sync per table).
+        kjt = kjt.to("cpu")
         requests = []
         for cfg, feats in tables:
             ids = torch.cat([kjt.key_slice(f).ids for f in feats])
             check_ids(cfg, feats, [kjt.key_slice(f).ids for f in feats])
-            requests.append(PullRequest(cfg.name, torch.unique(ids).cpu()))
+            requests.append(PullRequest(cfg.name, torch.unique(ids)))
         if many is not None:
             many(requests)
         elif one is not None:
@@ -191,10 +338,8 @@ class HybridTables(nn.Module):
         self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]
     ) -> dict[str, torch.Tensor]:
         by_dim: dict[int, list[tuple[TableConfig, list[str]]]] = {}
-        checked = whole_batch_in_range(kjt, tables)
+        check_batch_ids(kjt, tables)  # one host sync on a GPU (bad ids raise here)
         for cfg, feats in tables:
-            if not checked:  # per feature (names the culprit)
-                check_ids(cfg, feats, [kjt.key_slice(f).ids for f in feats])
             check_weights(cfg, feats, kjt.weights is not None)
             by_dim.setdefault(cfg.dim, []).append((cfg, feats))
         groups = [self._dedup(kjt, tabs) for tabs in by_dim.values()]
@@ -205,11 +350,8 @@ class HybridTables(nn.Module):
             for cfg, u in zip(g.tables, g.unique, strict=True)
         ]
         results = iter(self.store.pull_many(requests))
-        device = kjt.ids.device
-        rows = []
-        for g in groups:
-            pulled = [next(results).rows for _ in g.tables]  # [U_t, D] each
-            rows.append((pulled[0] if len(pulled) == 1 else torch.cat(pulled)).to(device))
+        pulled = [[next(results).rows for _ in g.tables] for g in groups]  # [U_t, D] each
+        rows = _rows_to_device(pulled, self.device)  # per group [U, D]
         shapes = [feature_sizes(kjt, g.features) for g in groups]  # (seq, sizes)
         splits = [sizes for _, sizes in shapes]  # every group has features
         if self.training and torch.is_grad_enabled():
@@ -249,9 +391,10 @@ class HybridTables(nn.Module):
         if packed:
             srt, perm = cpu_kernel.sort_ids(gb.ids) if gb.ids.is_cpu else torch.sort(gb.ids)  # [N]
             keys, counts = torch.unique_consecutive(srt, return_counts=True)  # [U]
-            bounds = torch.searchsorted(keys, torch.tensor([*starts, base], device=keys.device))
-            cut = bounds.tolist()
+            # The store takes host ids: the one device-to-host copy of the forward (a
+            # host sync on a GPU); the table bounds are then found on the host.
             keys_cpu = keys.cpu()
+            cut = torch.searchsorted(keys_cpu, torch.tensor([*starts, base])).tolist()
             unique = [
                 keys_cpu[cut[i] : cut[i + 1]] - starts[i] for i in range(len(cfgs))
             ]  # [U_t] each
@@ -314,14 +457,17 @@ class _HybridLookup(torch.autograd.Function):
         owner: HybridTables = ctx.owner  # type: ignore[attr-defined]
         groups: list[_Group] = ctx.groups  # type: ignore[attr-defined]
         splits: list[list[int]] = ctx.splits  # type: ignore[attr-defined]
-        grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        used: list[tuple[_Group, torch.Tensor]] = []
         start = 0
         for g, sizes in zip(groups, splits, strict=True):
             given = grad_parts[start : start + len(sizes)]
             start += len(sizes)
             if all(p is None for p in given):
                 continue  # no output of the group was used: nothing to push
-            sums = _row_gradients(g, given, sizes)  # [U, D]
+            used.append((g, _row_gradients(g, given, sizes)))  # [U, D] on the device
+        host = _sums_to_host([s for _, s in used])  # the same [U, D] on the host
+        grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for (g, _), sums in zip(used, host, strict=True):
             at = 0
             for cfg, ids in zip(g.tables, g.unique, strict=True):
                 n = int(ids.numel())
@@ -356,8 +502,48 @@ def _row_gradients(
         b.offsets[1:] - b.offsets[:-1],
         output_size=b.ids.numel(),
     )  # [N]
-    sums = sorted_segment_sum(g.perm, g.counts, grad, bag_of, b.weights)
-    return sums.to(torch.float32).cpu()
+    return sorted_segment_sum(g.perm, g.counts, grad, bag_of, b.weights).to(torch.float32)
+
+
+def _rows_to_device(pulled: list[list[torch.Tensor]], device: torch.device) -> list[torch.Tensor]:
+    """Per group, its tables' pulled host rows ``[U_t, D]`` as one ``[U, D]`` on ``device``.
+
+    On the host: one concatenation per group with more than one table (as before).
+    Elsewhere: every group's rows packed into ONE pinned host buffer and copied with
+    one non-blocking host-to-device copy; the groups are views of the copy."""
+    if device.type == "cpu":
+        return [p[0] if len(p) == 1 else torch.cat(p) for p in pulled]
+    sizes = [sum(int(r.numel()) for r in p) for p in pulled]
+    flat = torch.empty(sum(sizes), dtype=torch.float32, pin_memory=True)  # [sum U_g * D_g]
+    at = 0
+    for p in pulled:
+        for r in p:
+            n = int(r.numel())
+            flat[at : at + n].view_as(r).copy_(r)
+            at += n
+    on_device = flat.to(device, non_blocking=True)
+    out, at = [], 0
+    for p, n in zip(pulled, sizes, strict=True):
+        out.append(on_device[at : at + n].view(-1, p[0].shape[1]))
+        at += n
+    return out
+
+
+def _sums_to_host(sums: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The groups' row gradients ``[U, D]`` on the host: as they are on the host; from a
+    device, every group's in ONE device-to-host copy (into pinned memory), which waits
+    for the backward kernels (the push needs the values: a host sync per step)."""
+    if not sums or sums[0].device.type == "cpu":
+        return sums
+    flat = torch.cat([s.reshape(-1) for s in sums])  # [sum U_g * D_g] on the device
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat)
+    out, at = [], 0
+    for s in sums:
+        n = int(s.numel())
+        out.append(host[at : at + n].view(s.shape))
+        at += n
+    return out
 
 
 def _push(owner: HybridTables, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:

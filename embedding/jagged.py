@@ -25,6 +25,17 @@ def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def exact_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: plain ``"cuda"`` is the current CUDA device, so it
+    compares equal to the device of a tensor placed there."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {str(device)!r} asked for, but torch sees no CUDA device")
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 @dataclass(slots=True, frozen=True)
 class JaggedIds:
     """The ids of one feature for a batch: sample ``b`` owns
@@ -89,7 +100,7 @@ class KeyedJaggedIds:
     ``kjt["f1"]`` (a :class:`JaggedIds`). ``len(kjt)`` is the number of keys.
     """
 
-    __slots__ = ("_keys", "_ids", "_lengths", "_weights", "_index", "_offsets")
+    __slots__ = ("_keys", "_ids", "_lengths", "_weights", "_index", "_offsets", "_starts")
 
     def __init__(
         self,
@@ -152,6 +163,27 @@ class KeyedJaggedIds:
         self._weights = weights
         self._index = index
         self._offsets: torch.Tensor | None = None
+        self._starts: list[int] | None = None  # see key_starts
+
+    @classmethod
+    def _trusted(
+        cls,
+        source: KeyedJaggedIds,
+        ids: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None,
+    ) -> KeyedJaggedIds:
+        """A batch with ``source``'s keys and the same values in other tensors (a copy
+        on another device, pinned, ...): no checks, which would read device values."""
+        out = cls.__new__(cls)
+        out._keys = source._keys
+        out._ids = ids
+        out._lengths = lengths
+        out._weights = weights
+        out._index = source._index
+        out._offsets = None
+        out._starts = source._starts
+        return out
 
     # ------------------------------------------------------------ construction
 
@@ -241,6 +273,19 @@ class KeyedJaggedIds:
             f"num_ids={self._ids.numel()}{w})"
         )
 
+    def key_starts(self) -> list[int]:
+        """``K + 1`` Python ints: key ``k``'s ids are ``ids[starts[k]:starts[k + 1]]``.
+
+        Computed once per batch (one read of ``K`` sums, a host sync on a GPU) and kept
+        by :meth:`to` and :meth:`pin_memory`, so a batch measured on the host and then
+        moved slices its keys on the device without reading device memory."""
+        if self._starts is None:
+            starts = [0]
+            for n in self.ids_per_key().tolist():
+                starts.append(starts[-1] + int(n))
+            self._starts = starts
+        return self._starts
+
     def key_slice(self, key: str) -> JaggedIds:
         """The ids of one key (views into this batch's tensors)."""
         try:
@@ -248,32 +293,25 @@ class KeyedJaggedIds:
         except KeyError:
             raise KeyError(f"key {key!r} not in this batch; keys: {self._keys}") from None
         b = self.batch_size
-        offsets = self.offsets()
-        start, stop = int(offsets[k * b]), int(offsets[(k + 1) * b])
+        starts = self.key_starts()
+        start, stop = starts[k], starts[k + 1]
         w = None if self._weights is None else self._weights[start:stop]
         return JaggedIds(self._ids[start:stop], self._lengths[k * b : (k + 1) * b], w)
 
     def __getitem__(self, key: str) -> JaggedIds:
         return self.key_slice(key)
 
-    def _moved(
-        self, ids: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
-    ) -> KeyedJaggedIds:
-        """The same batch over copies of its tensors, without checking them again: the
-        checks read the lengths on the host, which on a device would wait for the copy
-        (a host synchronisation per batch)."""
-        out = object.__new__(KeyedJaggedIds)
-        out._keys, out._index = self._keys, self._index
-        out._ids, out._lengths, out._weights = ids, lengths, weights
-        out._offsets = None
-        return out
-
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedIds:
-        """The batch on ``device`` (itself when it is there already)."""
-        if self._ids.device == torch.device(device):
+        """The batch on ``device`` (``self`` if it is there already). The values are not
+        checked again (they were when this batch was built), so moving reads nothing
+        back from a device."""
+        device = exact_device(device)
+        here = self._ids.device == device and self._lengths.device == device
+        if here and (self._weights is None or self._weights.device == device):
             return self
         w = None if self._weights is None else self._weights.to(device, non_blocking=non_blocking)
-        return self._moved(
+        return KeyedJaggedIds._trusted(
+            self,
             self._ids.to(device, non_blocking=non_blocking),
             self._lengths.to(device, non_blocking=non_blocking),
             w,
@@ -295,7 +333,7 @@ class KeyedJaggedIds:
         if not torch.cuda.is_available() or self._ids.is_cuda or self.is_pinned():
             return self
         w = None if self._weights is None else self._weights.pin_memory()
-        return self._moved(self._ids.pin_memory(), self._lengths.pin_memory(), w)
+        return KeyedJaggedIds._trusted(self, self._ids.pin_memory(), self._lengths.pin_memory(), w)
 
     # ------------------------------------------------------------ by key
 
@@ -325,10 +363,7 @@ class KeyedJaggedIds:
             empty = self._ids[:0]
             w0 = None if self._weights is None else self._weights[:0]
             return KeyedJaggedIds([], empty, self._lengths[:0], w0)
-        per_key = self.ids_per_key().tolist()  # K Python ints, one sync
-        starts = [0]
-        for n in per_key:
-            starts.append(starts[-1] + n)
+        starts = self.key_starts()  # K + 1 Python ints, one sync per batch
         ids = torch.cat([self._ids[starts[i] : starts[i + 1]] for i in order])
         lengths = torch.cat([self._lengths[i * b : (i + 1) * b] for i in order])
         w = None

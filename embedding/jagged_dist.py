@@ -72,7 +72,10 @@ def bucketize(
         owners.append(o)
         local.append(plan.local_rows(name, u, o))
     sizes = torch.tensor([u.numel() for u in uniques], dtype=torch.int64, device=device)  # [T]
-    table_idx = torch.repeat_interleave(torch.arange(t_count, device=device), sizes)  # [S]
+    total = sum(int(u.numel()) for u in uniques)  # known on the host: no device sync
+    table_idx = torch.repeat_interleave(
+        torch.arange(t_count, device=device), sizes, output_size=total
+    )  # [S]
     owner = torch.cat(owners)  # [S] in (table, unique) order
     key = owner * t_count + table_idx  # [S] destination-major, then table
     order = torch.argsort(key, stable=True)  # [S] buffer slot -> (table, unique) item
@@ -111,9 +114,13 @@ def unpack_rows(flat: torch.Tensor, counts: torch.Tensor, dims: torch.Tensor) ->
     ]
 
 
-def pack_rows(rows: list[torch.Tensor | None], counts: torch.Tensor) -> torch.Tensor:
+def pack_rows(
+    rows: list[torch.Tensor | None], counts: torch.Tensor, device: torch.device | None = None
+) -> torch.Tensor:
     """The inverse of :func:`unpack_rows`: per table ``[n_t, D_t]`` rows in rank order
-    (None for a table with no rows) -> one flat buffer ordered (rank, table)."""
+    (None for a table with no rows) -> one flat buffer ordered (rank, table), on
+    ``device`` (default: the host) when there are no rows at all. ``counts`` ``[W, T]``
+    are on the host (their values are split sizes)."""
     w, t_count = counts.shape
     per_table: list[list[torch.Tensor]] = []
     for t, r in enumerate(rows):
@@ -124,5 +131,5 @@ def pack_rows(rows: list[torch.Tensor | None], counts: torch.Tensor) -> torch.Te
             per_table.append(list(torch.split(r, counts[:, t].tolist())))
     parts = [per_table[t][r].reshape(-1) for r in range(w) for t in range(t_count) if per_table[t]]
     if not parts:
-        return torch.empty(0, dtype=torch.float32)
+        return torch.empty(0, dtype=torch.float32, device=device)
     return torch.cat(parts)

@@ -40,8 +40,18 @@ Initial rows are the ps initializer's values for the *global* row ids
 (:meth:`ps.TableSpec.initial_rows` is a hash of ``(seed, id, column)``), so a
 sharded table starts exactly like the same unsharded table.
 
-Everything is computed on the CPU (the exchange uses the group's CPU
-backends); outputs are moved to the device of the batch.
+Device: the shards (weights, optimizer state, clocks: registered buffers, so
+``module.to(device)`` moves them) live on the module's device, and so do the
+ids and rows handed to the alltoallv (a group on nccl moves them as they are;
+gloo and MPI groups stage device tensors through host memory). The ``[W, T]``
+counts travel on the host: every split size is a Python int anyway. On the host
+the owner's optimizer runs in :class:`ps.local.table.LocalTable` (the store's
+engine, over the same tensors); on a device in the fused local path's torch code
+(:func:`embedding.fused_ops.apply_optimizer`), the same math.
+
+State dict, per table: ``<table>.ids`` (the global row ids of this rank's
+shard), ``.weight``, ``.state``, ``.clocks``; loading copies the rows whose ids
+fall in this rank's range, so it does not depend on the sharding.
 """
 
 from __future__ import annotations
@@ -56,10 +66,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from comm import ProcessGroup
+from comm.device import default_device
 from embedding.checkpoint_io import write_from_rank0
 from embedding.checks import check_weights, sequence_length
 from embedding.config import TableConfig
-from embedding.jagged import JaggedIds, KeyedJaggedIds, offsets_from_lengths
+from embedding.fused_ops import FusedGroup, apply_optimizer, segment_sum
+from embedding.jagged import KeyedJaggedIds, exact_device, offsets_from_lengths
 from embedding.jagged_dist import (
     bucketize,
     dedup,
@@ -69,6 +81,7 @@ from embedding.jagged_dist import (
     unpack_rows,
 )
 from embedding.sharding_plan import DEFAULT_ROW_WISE_THRESHOLD_ROWS, ShardingPlan
+from embedding.table_state import apply_keep_dtype, target_device
 from ps.checkpoint import TablePart, read_checkpoint
 from ps.local.table import LocalTable, take
 from ps.table import TableSpec
@@ -89,6 +102,7 @@ class _TableBatch:
     unique: torch.Tensor  # [U] int64
     lengths: torch.Tensor  # [F * B]
     weights: torch.Tensor | None  # [N] or None
+    seq: list[int]  # per feature: ids per sample of pooling "none" (-1 for pooled ones)
 
 
 @dataclass(slots=True)
@@ -117,6 +131,7 @@ class ShardedTables(nn.Module):
         *,
         plan: ShardingPlan | None = None,
         row_wise_threshold_rows: int | None = DEFAULT_ROW_WISE_THRESHOLD_ROWS,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         configs = list(configs)
@@ -149,10 +164,59 @@ class ShardedTables(nn.Module):
         self.plan = plan
         self._check_plan()
         self._dims = torch.tensor([c.dim for c in self._configs], dtype=torch.int64)  # [T]
-        self._shards: list[LocalTable | None] = [self._make_shard(c) for c in self._configs]
+        dev = default_device(group) if device is None else exact_device(device)
         # The leaf the row exchange hangs off, so autograd calls its backward.
-        self._anchor = torch.empty(0, requires_grad=True)
+        self._anchor = torch.empty(0, requires_grad=True, device=dev)
+        self._shards: list[LocalTable | None] = [
+            self._make_shard(i, cfg, dev) for i, cfg in enumerate(self._configs)
+        ]
         self.tie: torch.Tensor | None = None  # see forward
+        self.state_dict_tables = True  # False: state_dict() leaves the tables out
+
+    @property
+    def device(self) -> torch.device:
+        return self._anchor.device
+
+    def _rows(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(weights [n, D], state [n, S], clocks [n])`` of table ``i``'s shard here, or
+        None where this rank holds none of its rows."""
+        w = self._buffers.get(f"shard{i}_weight")
+        if w is None:
+            return None
+        s, c = self._buffers[f"shard{i}_state"], self._buffers[f"shard{i}_clocks"]
+        assert s is not None and c is not None
+        return w, s, c
+
+    def _shard_spec(self, cfg: TableConfig) -> TableSpec:
+        start, stop = self.plan.table(cfg.name).rows_on(self.group.rank)
+        full = cfg.to_spec()  # its init is resolved: the same on every rank
+        return TableSpec(
+            name=cfg.name, num_rows=stop - start, dim=cfg.dim, optimizer=cfg.optimizer,
+            init=full.init,
+        )  # fmt: skip
+
+    def _bind_shards(self) -> None:
+        """On the host, each shard's :class:`ps.local.table.LocalTable` (its push runs
+        the optimizer) holds the shard's buffers; rebound after ``.to()`` moved them."""
+        old = self._shards or [None] * len(self._configs)
+        self._shards = []
+        for i, cfg in enumerate(self._configs):
+            rows = self._rows(i)
+            if rows is None or rows[0].device.type != "cpu":
+                self._shards.append(None)
+                continue
+            table = old[i] or LocalTable(self._shard_spec(cfg), initialise=False)
+            table.weights, table.state, table.clocks = rows
+            self._shards.append(table)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """``.to(device)``: the shards move (dtype kept, see :mod:`embedding.table_state`)."""
+        for key, buf in list(self._buffers.items()):
+            if buf is not None:
+                self._buffers[key] = apply_keep_dtype(fn, buf)
+        self._anchor = torch.empty(0, requires_grad=True, device=target_device(fn, self._anchor))
+        self._bind_shards()
+        return self
 
     # ------------------------------------------------------------ setup
 
@@ -189,20 +253,31 @@ class ShardedTables(nn.Module):
                     f"rank's plan:\n{plan.describe()}"
                 )
 
-    def _make_shard(self, cfg: TableConfig) -> LocalTable | None:
+    def _make_shard(self, i: int, cfg: TableConfig, device: torch.device) -> LocalTable | None:
+        """Table ``i``'s rows on this rank as buffers ``shard{i}_weight`` ``[n, D]``,
+        ``shard{i}_state`` ``[n, S]``, ``shard{i}_clocks`` ``[n]`` (none without rows).
+        On the host they are a LocalTable's storage (numpy, huge pages, as a store's),
+        which is returned; on a device they are allocated there (None returned)."""
         start, stop = self.plan.table(cfg.name).rows_on(self.group.rank)
         if stop == start:
             return None
-        full = cfg.to_spec()  # its init is resolved: the same on every rank
-        spec = TableSpec(
-            name=cfg.name, num_rows=stop - start, dim=cfg.dim, optimizer=cfg.optimizer,
-            init=full.init,
-        )  # fmt: skip
-        shard = LocalTable(spec, initialise=False)
-        for lo in range(start, stop, _INIT_CHUNK_ROWS):
+        full = cfg.to_spec()
+        table = None
+        if device.type == "cpu":
+            table = LocalTable(self._shard_spec(cfg), initialise=False)
+            weights, state, clocks = table.weights, table.state, table.clocks
+        else:
+            n, s = stop - start, full.state_dim
+            weights = torch.zeros(n, cfg.dim, device=device)
+            state = full.initial_state().to(device).expand(n, s).contiguous()
+            clocks = torch.zeros(n, dtype=torch.int64, device=device)
+        for lo in range(start, stop, _INIT_CHUNK_ROWS):  # on the host, then copied
             hi = min(stop, lo + _INIT_CHUNK_ROWS)
-            shard.weights[lo - start : hi - start] = full.initial_rows(torch.arange(lo, hi))
-        return shard
+            weights[lo - start : hi - start] = full.initial_rows(torch.arange(lo, hi)).to(device)
+        self.register_buffer(f"shard{i}_weight", weights)
+        self.register_buffer(f"shard{i}_state", state)
+        self.register_buffer(f"shard{i}_clocks", clocks)
+        return table
 
     # ------------------------------------------------------------ accessors
 
@@ -218,8 +293,8 @@ class ShardedTables(nn.Module):
         """``(start, stop, weights [stop - start, D])`` of this rank's rows of ``table``."""
         i = self._index(table)
         start, stop = self.plan.table(table).rows_on(self.group.rank)
-        sh = self._shards[i]
-        rows = sh.weights if sh is not None else torch.empty(0, self._configs[i].dim)
+        mine = self._rows(i)
+        rows = mine[0] if mine is not None else torch.empty(0, self._configs[i].dim)
         return start, stop, rows
 
     def full_table(self, table: str) -> torch.Tensor:
@@ -236,14 +311,14 @@ class ShardedTables(nn.Module):
 
     def _gather(self, table: str, what: str) -> torch.Tensor:
         i = self._index(table)
-        cfg, sh = self._configs[i], self._shards[i]
-        if sh is not None:
-            part = getattr(sh, what).clone()
+        cfg, mine = self._configs[i], self._rows(i)
+        if mine is not None:
+            part = mine[("weights", "state", "clocks").index(what)].clone()
         elif what == "clocks":
-            part = torch.empty(0, dtype=torch.int64)
+            part = torch.empty(0, dtype=torch.int64, device=self.device)
         else:
             width = cfg.dim if what == "weights" else cfg.optimizer.state_dim(cfg.dim)
-            part = torch.empty(0, width, dtype=torch.float32)
+            part = torch.empty(0, width, dtype=torch.float32, device=self.device)
         # Ranges run in rank order, so the rank-ordered concatenation is the table.
         return self.group.allgatherv(part.contiguous())
 
@@ -260,9 +335,9 @@ class ShardedTables(nn.Module):
             assert cfg.num_rows is not None
             part = TablePart(
                 ids=torch.arange(cfg.num_rows, dtype=torch.int64),
-                weights=self.full_table(cfg.name),
-                state=self.full_state(cfg.name),
-                clocks=self.full_clocks(cfg.name),
+                weights=self.full_table(cfg.name).cpu(),
+                state=self.full_state(cfg.name).cpu(),
+                clocks=self.full_clocks(cfg.name).cpu(),
             )
             out.append((cfg.to_spec(), part))
         return out
@@ -281,17 +356,79 @@ class ShardedTables(nn.Module):
         ckpt = read_checkpoint(path)
         for cfg in self._configs:
             ckpt.expect(cfg.to_spec())
-        for cfg, shard in zip(self._configs, self._shards, strict=True):
-            if shard is None:
-                continue
-            part = ckpt.read_table(cfg.name)
+        for i, cfg in enumerate(self._configs):
+            if self._rows(i) is not None:
+                self._copy_rows(i, ckpt.read_table(cfg.name))
+
+    def _copy_rows(self, i: int, part: TablePart) -> None:
+        """Copy the rows of ``part`` (global ids) that fall in this rank's shard of table
+        ``i``; the others are not this rank's, and rows ``part`` lacks stay."""
+        rows = self._rows(i)
+        if rows is None:
+            return
+        weights, state, clocks = rows
+        start, stop = self.plan.table(self._configs[i].name).rows_on(self.group.rank)
+        mine = (part.ids >= start) & (part.ids < stop)
+        at = (part.ids[mine] - start).to(weights.device)
+        weights[at] = part.weights[mine].to(weights.device)
+        if state.shape[1] > 0:
+            state[at] = part.state[mine].to(state.device)
+        clocks[at] = part.clocks[mine].to(clocks.device)
+
+    # ------------------------------------------------------------ state dict
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        """Per table ``<prefix><table>.ids`` int64 ``[n]`` (global row ids of this rank's
+        shard; ``[0]`` where it holds none), ``.weight [n, D]``, ``.state [n, S]``,
+        ``.clocks [n]`` (the shard's buffers)."""
+        if not self.state_dict_tables:
+            return
+        for i, cfg in enumerate(self._configs):
             start, stop = self.plan.table(cfg.name).rows_on(self.group.rank)
-            mine = (part.ids >= start) & (part.ids < stop)  # rows a checkpoint lacks stay
-            rows = part.ids[mine] - start
-            shard.weights[rows] = part.weights[mine]
-            if shard.state.shape[1] > 0:
-                shard.state[rows] = part.state[mine]
-            shard.clocks[rows] = part.clocks[mine]
+            rows = self._rows(i)
+            if rows is None:
+                s = cfg.optimizer.state_dim(cfg.dim)
+                rows = (
+                    torch.empty(0, cfg.dim, device=self.device),
+                    torch.empty(0, s, device=self.device),
+                    torch.empty(0, dtype=torch.int64, device=self.device),
+                )
+            destination[f"{prefix}{cfg.name}.ids"] = torch.arange(start, stop, dtype=torch.int64)
+            for what, t in zip(("weight", "state", "clocks"), rows, strict=True):
+                destination[f"{prefix}{cfg.name}.{what}"] = t if keep_vars else t.detach()
+
+    def _load_from_state_dict(  # type: ignore[no-untyped-def]
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        """Rows by global id: any sharding's dict (this rank copies the rows it owns)."""
+        if not self.state_dict_tables:
+            return
+        ours: set[str] = set()
+        for i, cfg in enumerate(self._configs):
+            keys = {w: f"{prefix}{cfg.name}.{w}" for w in ("ids", "weight", "state", "clocks")}
+            ours.update(keys.values())
+            absent = [k for k in keys.values() if k not in state_dict]
+            if absent:
+                missing_keys.extend(absent)
+                continue
+            try:
+                values = [state_dict[keys[w]] for w in ("ids", "weight", "state", "clocks")]
+                if not all(isinstance(v, torch.Tensor) for v in values):
+                    raise TypeError("expected tensors")
+                part = TablePart(
+                    ids=values[0].detach().to("cpu", torch.int64),
+                    weights=values[1].detach().to("cpu", torch.float32),
+                    state=values[2].detach().to("cpu", torch.float32),
+                    clocks=values[3].detach().to("cpu", torch.int64),
+                )
+                part.check_spec(cfg.to_spec(), "state dict")
+            except (TypeError, ValueError) as e:
+                error_msgs.append(f"sharded table {cfg.name!r}: {e}")
+                continue
+            with torch.no_grad():
+                self._copy_rows(i, part)
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in ours)
 
     def _index(self, table: str) -> int:
         for i, c in enumerate(self._configs):
@@ -318,28 +455,32 @@ class ShardedTables(nn.Module):
             batches, code = self._prepare(kjt)
         except (ValueError, TypeError, KeyError) as e:
             error, code = e, [_BAD_BATCH, 0, 0]
-        uniques = [torch.empty(0, dtype=torch.int64) for _ in self._configs]  # [U_t] each
+        dev = self.device
+        uniques = [torch.empty(0, dtype=torch.int64, device=dev) for _ in self._configs]
         for tb in batches:
-            uniques[tb.index] = tb.unique
+            uniques[tb.index] = tb.unique  # [U_t] each
         buckets = bucketize(self.plan, [c.name for c in self._configs], uniques)
-        counts = buckets.counts  # [W, T]: what this rank asks of each owner
+        # [W, T]: what this rank asks of each owner. Every split below is a Python int,
+        # so the counts travel on the host (a host sync on a GPU: the device-to-host copy).
+        counts = buckets.counts.cpu()
         # 1) counts + error flag: row p goes to rank p; every rank learns every error.
         head = torch.cat([counts, torch.tensor([code] * w, dtype=torch.int64)], dim=1)
-        got = group.alltoallv(head.contiguous(), [1] * w, [1] * w)  # [W, T + 3]
+        got = group.alltoallv(head.contiguous(), [1] * w, [1] * w).cpu()  # [W, T + 3]
         self._raise_if_bad(got[:, t_count:], error)
         recv_counts = got[:, :t_count].contiguous()  # [W, T]: what each rank asks of me
-        # 2) unique ids to their owners (as owner-local rows).
+        # 2) unique ids to their owners (as owner-local rows), device tensors.
         recv_ids = group.alltoallv(
-            buckets.send_ids.contiguous(), buckets.send_splits, recv_counts.sum(1).tolist()
+            buckets.send_ids.contiguous(), counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         )  # [R]
         # 3) look up the rows this rank owns, packed in the order they were asked for.
         served: list[torch.Tensor | None] = []
         rows: list[torch.Tensor | None] = []
-        for shard, local in zip(self._shards, split_ids(recv_ids, recv_counts), strict=True):
+        for i, local in enumerate(split_ids(recv_ids, recv_counts)):
             # local: [n_t] rows of this shard, asked by rank 0, then rank 1, ...
-            served.append(None if shard is None else local)
-            rows.append(None if shard is None else take(shard.weights, local))  # [n_t, D_t]
-        answer = pack_rows(rows, recv_counts)  # ordered (asking rank, table)
+            mine = self._rows(i)
+            served.append(None if mine is None else local)
+            rows.append(None if mine is None else _gather(mine[0], local))  # [n_t, D_t]
+        answer = pack_rows(rows, recv_counts, dev)  # ordered (asking rank, table)
         # 4) rows back to the ranks that asked (through autograd when training).
         ex = _Exchange(counts, recv_counts, served)
         if self.training and torch.is_grad_enabled():
@@ -348,14 +489,13 @@ class ShardedTables(nn.Module):
             flat = self._rows_back(answer, ex)
         # 5) pool locally over the unique rows.
         per_table = unpack_rows(flat, counts, self._dims)  # [U_t, D_t] in unique-id order
-        device = kjt.ids.device
         b = kjt.batch_size
         out: dict[str, torch.Tensor] = {}
         for tb in batches:
             cfg = self._configs[tb.index]
             pooled_feats = self._pool(cfg, tb, per_table[tb.index], b)
             for feat, pooled in zip(tb.features, pooled_feats, strict=True):
-                out[feat] = pooled.to(device)
+                out[feat] = pooled
         # No feature here but peers exchange rows: the exchange's backward must still
         # run on this rank; the collection ties this zero to an output.
         train = self.training and torch.is_grad_enabled()
@@ -377,31 +517,49 @@ class ShardedTables(nn.Module):
             per_table.setdefault(t, []).append(key)
         batches: list[_TableBatch] = []
         b = kjt.batch_size
-        for t in sorted(per_table):
+        kjt = kjt.to(self.device)  # a no-op behind the collection, which moved it already
+        order = sorted(per_table)
+        slices = {t: [kjt.key_slice(f) for f in per_table[t]] for t in order}
+        ids = {t: torch.cat([s.ids for s in slices[t]]) for t in order}  # [N] per table
+        bad_table = self._first_out_of_range(ids)  # one host sync on a GPU
+        if bad_table is not None:
+            t = bad_table
+            n = self._configs[t].num_rows
+            assert n is not None
+            bad = (ids[t] < 0) | (ids[t] >= n)
+            pos = int(torch.nonzero(bad)[0, 0])
+            ends = torch.tensor([s.ids.numel() for s in slices[t]]).cumsum(0)
+            feat = per_table[t][int(torch.searchsorted(ends, pos, right=True))]
+            return [], [_BAD_ID, self._features.index(feat), int(ids[t][pos])]
+        for t in order:
             cfg, feats = self._configs[t], per_table[t]
-            slices = [_on_cpu(kjt.key_slice(f)) for f in feats]
             check_weights(cfg, feats, kjt.weights is not None)
-            if cfg.pooling == "none":
-                for f, s in zip(feats, slices, strict=True):
-                    sequence_length(cfg, f, s.lengths)
-            ids = torch.cat([s.ids for s in slices])  # [N]
-            n = cfg.num_rows
-            assert n is not None  # checked by the plan
-            if ids.numel() > 0:
-                bad = (ids < 0) | (ids >= n)
-                if bool(bad.any()):
-                    pos = int(torch.nonzero(bad)[0, 0])
-                    ends = torch.tensor([s.ids.numel() for s in slices]).cumsum(0)
-                    feat = feats[int(torch.searchsorted(ends, pos, right=True))]
-                    return [], [_BAD_ID, self._features.index(feat), int(ids[pos])]
-            unique, inverse = dedup(ids)  # [U], [N]
-            lengths = torch.cat([s.lengths for s in slices])  # [F * B]
+            seq = [
+                sequence_length(cfg, f, s.lengths) if cfg.pooling == "none" else -1
+                for f, s in zip(feats, slices[t], strict=True)
+            ]
+            unique, inverse = dedup(ids[t])  # [U], [N]
+            lengths = torch.cat([s.lengths for s in slices[t]])  # [F * B]
             weights = None
             if kjt.weights is not None:
-                weights = torch.cat([s.weights for s in slices if s.weights is not None])
-            batches.append(_TableBatch(t, feats, inverse, unique, lengths, weights))
+                weights = torch.cat([s.weights for s in slices[t] if s.weights is not None])
+            batches.append(_TableBatch(t, feats, inverse, unique, lengths, weights, seq))
             assert lengths.numel() == len(feats) * b
         return batches, [_OK, 0, 0]
+
+    def _first_out_of_range(self, ids: dict[int, torch.Tensor]) -> int | None:
+        """The first table (index) with an id outside its rows, or None: every table's
+        ``(min, max)`` is read back at once (one host sync on a GPU)."""
+        given = [t for t, x in ids.items() if x.numel() > 0]
+        if not given:
+            return None
+        bounds = torch.stack([torch.stack(torch.aminmax(ids[t])) for t in given]).tolist()
+        for t, (lo, hi) in zip(given, bounds, strict=True):
+            n = self._configs[t].num_rows
+            assert n is not None  # checked by the plan
+            if lo < 0 or hi >= n:
+                return t
+        return None
 
     def _raise_if_bad(self, codes: torch.Tensor, mine: Exception | None) -> None:
         """``codes`` ``[W, 3]``: each rank's (kind, feature index, id). Raise on every rank."""
@@ -435,13 +593,8 @@ class ShardedTables(nn.Module):
             per_id = F.embedding(tb.inverse, rows)  # [N, D]
             if weights is not None:
                 per_id = per_id * weights.unsqueeze(1)
-            out = []
-            for i, part in enumerate(
-                torch.split(per_id, tb.lengths.view(f_count, b).sum(1).tolist())
-            ):
-                seq = int(tb.lengths[i * b]) if b > 0 else 0
-                out.append(part.view(b, seq, cfg.dim))
-            return out
+            parts = torch.split(per_id, [b * t for t in tb.seq])  # [B * T, D] per feature
+            return [p.view(b, t, cfg.dim) for p, t in zip(parts, tb.seq, strict=True)]
         pooled = F.embedding_bag(
             tb.inverse,
             rows,
@@ -472,17 +625,48 @@ class ShardedTables(nn.Module):
         )  # ordered like the ids this rank received
         scale = 1.0 / self.group.size  # the DDP average: see the module doc
         grads = unpack_rows(got, ex.recv_counts, self._dims)  # [n_t, D_t] like ex.served
-        for shard, local, g in zip(self._shards, ex.served, grads, strict=True):
-            if shard is None or local is None or local.numel() == 0:
+        for i, (local, g) in enumerate(zip(ex.served, grads, strict=True)):
+            if local is None or local.numel() == 0:
                 continue
             g = g.mul(scale)
-            with shard.lock:
-                shard.push(local, g)  # sums repeats, optimizer once per unique row; raises on Inf
+            shard = self._shards[i]
+            if shard is not None:  # on the host: the store's engine
+                with shard.lock:
+                    shard.push(local, g)  # sums repeats, optimizer once per row; raises on Inf
+                continue
+            rows = self._rows(i)
+            assert rows is not None
+            _push_on_device(self._configs[i], rows, local, g)
 
 
-def _on_cpu(s: JaggedIds) -> JaggedIds:
-    w = None if s.weights is None else s.weights.cpu()
-    return JaggedIds(s.ids.cpu(), s.lengths.cpu(), w)
+def _gather(weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``weights[rows]`` ``[n, D]``: numpy's single-threaded take on the host (see
+    :func:`ps.local.table.take`), ``index_select`` on a device."""
+    return take(weights, rows) if weights.device.type == "cpu" else weights.index_select(0, rows)
+
+
+def _push_on_device(
+    cfg: TableConfig,
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    local: torch.Tensor,
+    grads: torch.Tensor,
+) -> None:
+    """What :meth:`ps.local.table.LocalTable.push` does, for a shard on a device: sum
+    the gradients of repeated rows, refuse non-finite sums (as the store's default
+    ``nan_policy="raise"``: one host sync) and run the optimizer once per unique row
+    (:func:`embedding.fused_ops.apply_optimizer`, the same math)."""
+    weights, state, clocks = rows
+    index = torch.arange(local.numel(), device=local.device)
+    uniq, summed = segment_sum(local, grads, index, None)  # [U], [U, D]
+    ok = torch.isfinite(summed).all(dim=1)  # [U]
+    if not bool(ok.all()):
+        bad = int(uniq[~ok][0])
+        raise ValueError(
+            f"sharded table {cfg.name!r}: the summed gradient of shard row {bad} is not "
+            "finite; nothing was applied"
+        )
+    group = FusedGroup(cfg.dim, cfg.optimizer, weights, state, clocks)
+    apply_optimizer(group, uniq, summed)
 
 
 class _RowExchange(torch.autograd.Function):

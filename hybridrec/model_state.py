@@ -54,6 +54,8 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,6 +178,18 @@ def _with_prefix(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
+@contextmanager
+def tables_left_out(parts: ModelParts) -> Iterator[None]:
+    """Within it, the collections' tables are not in ``model.state_dict()`` nor expected by
+    ``load_state_dict()``: a model save writes them with the collections' own checkpoint
+    code (``embeddings/``, ``stores/``), and a state dict would read every hybrid table
+    through its store for nothing."""
+    with ExitStack() as stack:
+        for c in parts.collections.values():
+            stack.enter_context(c.tables_left_out())
+        yield
+
+
 def _dense_state(
     model: nn.Module, parts: ModelParts, full: dict[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
@@ -183,7 +197,9 @@ def _dense_state(
     ``full`` replaces the entries it has (the gathered weights of a ZeRO-3 module)."""
     skip = tuple(f"{n}." for n in parts.collections if n)
     out = {}
-    for key, value in (model.state_dict() | (full or {})).items():
+    with tables_left_out(parts):
+        state = model.state_dict()
+    for key, value in (state | (full or {})).items():
         name = canonical_name(model, key)
         if "" in parts.collections or name.startswith(skip):
             continue
@@ -400,6 +416,26 @@ def _load_local(
     optimizer: DenseOptimizer | None,
 ) -> None:
     state = read_state(folder / "dense")
+    with tables_left_out(parts):
+        _load_dense(folder, model, state, optimizer)
+    if optimizer is not None:
+        if isinstance(optimizer, ZeroOptimizer | Zero3):
+            optimizer.load_state_dict(load_zero_state(folder / "zero"))
+        else:
+            optimizer.load_state_dict(read_state(folder / "optimizer"))
+    for name, c in parts.collections.items():
+        if c.local is not None or c.sharded is not None:
+            # hybrid tables: their stores are loaded on their own (_load_stores)
+            c.load(folder / "embeddings" / saved[name]["folder"] / "tables", hybrid=False)
+
+
+def _load_dense(
+    folder: Path,
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    optimizer: DenseOptimizer | None,
+) -> None:
+    """The dense entries into ``model`` (strict: every entry, the tables left out)."""
     actual = {canonical_name(model, k): k for k in model.state_dict()}
     unknown = sorted(set(state) - set(actual))
     if unknown:
@@ -414,14 +450,6 @@ def _load_local(
         optimizer.load_full_state_dict({k[len(head) :]: v for k, v in mine.items()})
         rest = {actual[k]: v for k, v in state.items() if not actual[k].startswith(head)}
         model.load_state_dict(rest, strict=False)
-    if optimizer is not None:
-        if isinstance(optimizer, ZeroOptimizer | Zero3):
-            optimizer.load_state_dict(load_zero_state(folder / "zero"))
-        else:
-            optimizer.load_state_dict(read_state(folder / "optimizer"))
-    for name, c in parts.collections.items():
-        if c.local is not None or c.sharded is not None:
-            c.load(folder / "embeddings" / saved[name]["folder"] / "tables")
 
 
 def _load_stores(

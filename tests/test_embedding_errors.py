@@ -103,6 +103,3 @@ def test_collection_arguments() -> None:
         ec.rows("u", torch.tensor([0]))
     with pytest.raises(ValueError, match=r"table 't': ids must be in \[0, 5\), got range"):
         ec.rows("t", torch.tensor([5]))
-    with pytest.raises(ValueError, match="this collection has no local or sharded tables"):
-        EmbeddingCollection([TableConfig(name="h", num_rows=2, dim=2, feature_names=["x"],
-                                         placement="hybrid")]).save("/nonexistent")  # fmt: skip
