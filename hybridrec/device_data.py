@@ -55,10 +55,16 @@ def to_device(
 
 
 def pinned(batch: Any) -> Any:
-    """``batch`` in page-locked host memory, so a host -> device copy can run async."""
-    return map_batch(
-        batch, lambda t: t if t.device.type != "cpu" or t.is_pinned() else t.pin_memory()
-    )
+    """``batch`` in page-locked host memory, so a host -> device copy can run async.
+    A ``KeyedJaggedIds`` measures its key boundaries here, on the host, so slicing it
+    by key on the device reads nothing back."""
+
+    def pin(t: Any) -> Any:
+        if isinstance(t, KeyedJaggedIds) and t.device.type == "cpu":
+            t.key_starts()
+        return t if t.device.type != "cpu" or t.is_pinned() else t.pin_memory()
+
+    return map_batch(batch, pin)
 
 
 def _record(batch: Any, stream: Any) -> None:

@@ -31,7 +31,7 @@ from multiproc import ROOT, free_port, rank_env
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 NO_CUDA = not comm.cuda_available()
 DLRM_ARGS = [
-    "--data", "synthetic", "--synthetic-rows", "200", "--synthetic-samples", "4096",
+    "--data", "synthetic", "--synthetic-rows", "200", "--synthetic-samples", "20000",
     "--batch-size", "128", "--dim", "8", "--bottom-mlp", "16", "8", "--top-mlp", "16", "1",
     "--no-progress", "--no-verbose", "--backend", "local", "--log-every", "10",
 ]  # fmt: skip
