@@ -118,7 +118,8 @@ def group_batch(
         ids = sub.ids
     unpooled = any(c.pooling == "none" for c, _ in feats)
     mean = any(c.pooling == "mean" for c, _ in feats)
-    counts = per_key.tolist() if (unpooled or mean) else []
+    starts = sub.key_starts() if (unpooled or mean) else []  # host ints, measured once
+    counts = [starts[i + 1] - starts[i] for i in range(k)] if starts else []
     if not unpooled:
         offsets = sub.offsets()  # [K * B + 1]
     else:
@@ -258,7 +259,9 @@ def row_gradients(batch: GroupBatch, grad_out: torch.Tensor) -> tuple[torch.Tens
     """The coalesced gradient of a lookup: ``(unique flat rows [U], grads [U, D])``."""
     bag_lengths = batch.offsets[1:] - batch.offsets[:-1]  # [nbags]
     bag_of_id = torch.repeat_interleave(
-        torch.arange(batch.num_bags, device=grad_out.device), bag_lengths
+        torch.arange(batch.num_bags, device=grad_out.device),
+        bag_lengths,
+        output_size=batch.ids.numel(),  # known: no read of the lengths back from a device
     )  # [N]
     return segment_sum(batch.ids, grad_out, bag_of_id, batch.weights)
 

@@ -172,17 +172,20 @@ class KeyedJaggedIds:
         ids: torch.Tensor,
         lengths: torch.Tensor,
         weights: torch.Tensor | None,
+        keys: list[str] | None = None,
+        starts: list[int] | None = None,
     ) -> KeyedJaggedIds:
-        """A batch with ``source``'s keys and the same values in other tensors (a copy
-        on another device, pinned, ...): no checks, which would read device values."""
+        """A batch with ``source``'s keys (or ``keys``, with their id ``starts``) and the
+        same values in other tensors (a copy on another device, pinned, a selection of
+        checked keys): no checks, which would read device values."""
         out = cls.__new__(cls)
-        out._keys = source._keys
+        out._keys = source._keys if keys is None else keys
         out._ids = ids
         out._lengths = lengths
         out._weights = weights
-        out._index = source._index
+        out._index = source._index if keys is None else {k: i for i, k in enumerate(keys)}
         out._offsets = None
-        out._starts = source._starts
+        out._starts = source._starts if keys is None else starts
         return out
 
     # ------------------------------------------------------------ construction
@@ -369,7 +372,11 @@ class KeyedJaggedIds:
         w = None
         if self._weights is not None:
             w = torch.cat([self._weights[starts[i] : starts[i + 1]] for i in order])
-        return KeyedJaggedIds(keys, ids, lengths, w)
+        new_starts = [0]
+        for i in order:
+            new_starts.append(new_starts[-1] + starts[i + 1] - starts[i])
+        # Parts of a checked batch: checking again would read the lengths back (a sync).
+        return KeyedJaggedIds._trusted(self, ids, lengths, w, keys=keys, starts=new_starts)
 
     def permute(self, keys: Sequence[str]) -> KeyedJaggedIds:
         """The same batch with its keys in the order ``keys`` (a permutation of ``keys``)."""
