@@ -73,7 +73,6 @@ if str(HERE.parent) not in sys.path:
 from comm import resolve_device  # noqa: E402
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig  # noqa: E402
 from hybridrec.dlrm.model import DLRM  # noqa: E402
-from ps import UniformInit  # noqa: E402
 
 PEAK_NAME = "H200 SXM bf16 dense 989 TFLOP/s"
 PEAK_FLOPS = 989e12
@@ -469,18 +468,11 @@ def hybridrec_dlrm(shape: DLRMShape, device: torch.device, notes: list[str]) -> 
 
     features = [Feature(f"f{t}", shape.rows) for t in range(shape.tables)]
     tables = dlrm_tables(features, dim=shape.dim, emb_lr=shape.emb_lr)
-    # The default per-row hashed init runs in numpy on the host (~0.8 s per 65,536 x 128
-    # rows on one core: minutes for 26 M rows); start from zeros and draw the same
-    # U(-b, b) range on the device below.
-    tables = [dataclasses.replace(t, init=UniformInit(low=0.0, high=0.0)) for t in tables]
+    # The tables' default init (TorchRec's U(-sqrt(1/rows), sqrt(1/rows)), a hash of
+    # (seed, id, column)) runs on the device the tables are built on.
     embeddings = collection_on(tables, device, notes)
-    bound = math.sqrt(1.0 / shape.rows)
-    weights = local_weights(embeddings)
-    if not weights:
-        notes.append("the local tables' weights were not found: the DLRM tables start at zero")
-    with torch.no_grad():
-        for w in weights:
-            w.uniform_(-bound, bound)
+    if not local_weights(embeddings):
+        notes.append("the local tables' weights were not found")
     config = DLRMConfig(
         num_dense=shape.num_dense,
         num_sparse=shape.tables,
@@ -918,7 +910,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "dense_optimizer": "Adam (fused on CUDA)",
             "fp32_matmul": "fp32 (TF32 off)",
             "bf16": "torch.autocast(bfloat16); tables stay fp32",
-            "table_init": "U(-sqrt(1/rows), sqrt(1/rows)), drawn on the device",
+            "table_init": "U(-sqrt(1/rows), sqrt(1/rows)): the tables' hashed init, on the device",
         },
         "gpt": dataclasses.asdict(gshape)
         | {

@@ -90,11 +90,13 @@ class LocalTables(nn.Module):
             for c in cfgs:
                 spec = c.to_spec()
                 n = int(c.num_rows or 0)
-                for start in range(0, n, _INIT_CHUNK_ROWS):  # on the host, then copied
+                for start in range(0, n, _INIT_CHUNK_ROWS):
                     stop = min(n, start + _INIT_CHUNK_ROWS)
+                    # Hashed on the tables' device (bit for bit the host values): a GPU
+                    # fills its tables without a host pass.
                     weight[base + start : base + stop] = spec.initial_rows(
-                        torch.arange(start, stop)
-                    ).to(dev)
+                        torch.arange(start, stop, device=dev)
+                    )
                 self.specs[c.name] = spec
                 self.where[c.name] = (gi, base)
                 base += n

@@ -271,9 +271,11 @@ class ShardedTables(nn.Module):
             weights = torch.zeros(n, cfg.dim, device=device)
             state = full.initial_state().to(device).expand(n, s).contiguous()
             clocks = torch.zeros(n, dtype=torch.int64, device=device)
-        for lo in range(start, stop, _INIT_CHUNK_ROWS):  # on the host, then copied
+        for lo in range(start, stop, _INIT_CHUNK_ROWS):  # hashed on the shard's device
             hi = min(stop, lo + _INIT_CHUNK_ROWS)
-            weights[lo - start : hi - start] = full.initial_rows(torch.arange(lo, hi)).to(device)
+            weights[lo - start : hi - start] = full.initial_rows(
+                torch.arange(lo, hi, device=device)
+            )
         self.register_buffer(f"shard{i}_weight", weights)
         self.register_buffer(f"shard{i}_state", state)
         self.register_buffer(f"shard{i}_clocks", clocks)
