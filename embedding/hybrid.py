@@ -62,7 +62,7 @@ from embedding.fused_ops import (
     sorted_segment_sum,
 )
 from embedding.jagged import KeyedJaggedIds, exact_device
-from embedding.table_state import target_device
+from embedding.table_state import part_from_state_dict, target_device
 from ps import InProcessStore, PullRequest, PushRequest, Store, TableSpec
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
 from ps.kernels import rowwise_adagrad as cpu_kernel
@@ -155,12 +155,6 @@ def _saved_tables(store: Store, specs: Sequence[TableSpec]) -> dict[str, TablePa
         store.save(Path(tmp) / "store")
         ckpt = read_checkpoint(Path(tmp) / "store")
         return {s.name: ckpt.read_table(s.name) for s in specs}
-
-
-def _host(value: object, dtype: torch.dtype) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"expected a tensor, got {type(value).__name__}")
-    return value.detach().to("cpu", dtype)
 
 
 @dataclass(slots=True)
@@ -292,19 +286,10 @@ class HybridTables(nn.Module):
         ours: set[str] = set()
         parts = []
         for name, cfg in self.configs.items():
-            keys = {w: f"{prefix}{name}.{w}" for w in ("ids", "weight", "state", "clocks")}
-            ours.update(keys.values())
-            absent = [k for k in keys.values() if k not in state_dict]
-            if absent:
-                missing_keys.extend(absent)
-                continue
             try:
-                part = TablePart(
-                    ids=_host(state_dict[keys["ids"]], torch.int64),
-                    weights=_host(state_dict[keys["weight"]], torch.float32),
-                    state=_host(state_dict[keys["state"]], torch.float32),
-                    clocks=_host(state_dict[keys["clocks"]], torch.int64),
-                )
+                part = part_from_state_dict(state_dict, prefix, name, ours, missing_keys)
+                if part is None:
+                    continue
                 parts.append(self._check_parts([(cfg.to_spec(), part)])[0])
             except (TypeError, ValueError) as e:
                 error_msgs.append(f"hybrid table {name!r}: {e}")

@@ -81,7 +81,7 @@ from embedding.jagged_dist import (
     unpack_rows,
 )
 from embedding.sharding_plan import DEFAULT_ROW_WISE_THRESHOLD_ROWS, ShardingPlan
-from embedding.table_state import apply_keep_dtype, target_device
+from embedding.table_state import apply_keep_dtype, part_from_state_dict, target_device
 from ps.checkpoint import TablePart, read_checkpoint
 from ps.local.table import LocalTable, take
 from ps.table import TableSpec
@@ -407,22 +407,10 @@ class ShardedTables(nn.Module):
             return
         ours: set[str] = set()
         for i, cfg in enumerate(self._configs):
-            keys = {w: f"{prefix}{cfg.name}.{w}" for w in ("ids", "weight", "state", "clocks")}
-            ours.update(keys.values())
-            absent = [k for k in keys.values() if k not in state_dict]
-            if absent:
-                missing_keys.extend(absent)
-                continue
             try:
-                values = [state_dict[keys[w]] for w in ("ids", "weight", "state", "clocks")]
-                if not all(isinstance(v, torch.Tensor) for v in values):
-                    raise TypeError("expected tensors")
-                part = TablePart(
-                    ids=values[0].detach().to("cpu", torch.int64),
-                    weights=values[1].detach().to("cpu", torch.float32),
-                    state=values[2].detach().to("cpu", torch.float32),
-                    clocks=values[3].detach().to("cpu", torch.int64),
-                )
+                part = part_from_state_dict(state_dict, prefix, cfg.name, ours, missing_keys)
+                if part is None:
+                    continue
                 part.check_spec(cfg.to_spec(), "state dict")
             except (TypeError, ValueError) as e:
                 error_msgs.append(f"sharded table {cfg.name!r}: {e}")

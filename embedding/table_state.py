@@ -9,9 +9,13 @@ would lose its values.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
+
+from ps.checkpoint import TablePart
+
+PART_KEYS = ("ids", "weight", "state", "clocks")  # a table's entries: prefix + name + "." + key
 
 
 def target_device(fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor) -> torch.device:
@@ -43,3 +47,31 @@ def copy_checked(target: torch.Tensor, value: object, what: str) -> str | None:
     with torch.no_grad():
         target.copy_(value)
     return None
+
+
+def part_from_state_dict(
+    state_dict: Mapping[str, object], prefix: str, name: str, ours: set[str], missing: list[str]
+) -> TablePart | None:
+    """Table ``name``'s rows in ``state_dict`` (entries ``<prefix><name>.<key>`` for
+    :data:`PART_KEYS`) as a host :class:`TablePart`. Adds its keys to ``ours``; None (its
+    absent keys added to ``missing``) when some are not there; TypeError when an entry is
+    not a tensor (the caller names the table)."""
+    keys = [f"{prefix}{name}.{k}" for k in PART_KEYS]
+    ours.update(keys)
+    absent = [k for k in keys if k not in state_dict]
+    if absent:
+        missing.extend(absent)
+        return None
+    values: list[torch.Tensor] = []
+    for key in keys:
+        v = state_dict[key]
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"{key}: expected a tensor, got {type(v).__name__}")
+        values.append(v.detach())
+    ids, weights, state, clocks = values
+    return TablePart(
+        ids=ids.to("cpu", torch.int64),
+        weights=weights.to("cpu", torch.float32),
+        state=state.to("cpu", torch.float32),
+        clocks=clocks.to("cpu", torch.int64),
+    )
