@@ -7,8 +7,7 @@ CUDA events; batches are built on the device beforehand, so loading is not timed
 
 * ``kernels``: the Triton fused embedding forward and step vs torch's
   ``embedding_bag`` (26 x 100 k x 64, batch 2048, pooling 1 and 20, row-wise
-  Adagrad) through ``triton_bench.run_kernels``; where that function is missing, the
-  same comparison built here on ``triton_bench``'s implementations. The forward's
+  Adagrad) through ``triton_bench.run_kernels``. The forward's
   bandwidth is the bytes of the rows it reads over the device-to-device copy
   bandwidth measured in the same run (a copy of S bytes moves 2S: read + write).
 * ``dlrm``: one training step at MLPerf-like shapes (26 tables x 1 M rows x 128,
@@ -55,7 +54,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +72,7 @@ if str(HERE.parent) not in sys.path:
 from comm import resolve_device  # noqa: E402
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig  # noqa: E402
 from hybridrec.dlrm.model import DLRM  # noqa: E402
+from hybridrec.precision import autocast  # noqa: E402
 
 PEAK_NAME = "H200 SXM bf16 dense 989 TFLOP/s"
 PEAK_FLOPS = 989e12
@@ -126,43 +126,16 @@ class GPTShape:
     lr: float = 6e-4
 
 
-@dataclass(kw_only=True, slots=True)
-class KernelShape:
-    """The fallback kernel comparison's shape (triton_bench's full and quick modes)."""
-
-    tables: int = 26
-    rows: int = 100_000
-    dim: int = 64
-    batch: int = 2048
-    poolings: list[int] = field(default_factory=lambda: [1, 20])
-    warmup: int = 10
-    iters: int = 50
-    repeats: int = 5
-    copy_bytes: int = 1 << 30
-
-
-def shapes(mode: str) -> tuple[KernelShape, DLRMShape, GPTShape]:
+def shapes(mode: str) -> tuple[DLRMShape, GPTShape]:
     """The shapes of ``mode``: full (the issue's), quick (under a minute) or tiny (CPU)."""
     if mode == "full":
-        return KernelShape(), DLRMShape(), GPTShape()
+        return DLRMShape(), GPTShape()
     if mode == "quick":
         return (
-            KernelShape(tables=8, rows=20_000, batch=1024, warmup=3, iters=10, repeats=3),
             DLRMShape(rows=100_000, batch=16_384, warmup=3, windows=3, steps=3),
             GPTShape(batch=4, warmup=3, windows=2, steps=3),
         )
     return (
-        KernelShape(
-            tables=2,
-            rows=100,
-            dim=8,
-            batch=8,
-            poolings=[1, 2],
-            warmup=1,
-            iters=1,
-            repeats=1,
-            copy_bytes=1 << 20,
-        ),
         DLRMShape(
             tables=4,
             rows=1000,
@@ -245,13 +218,6 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def autocast(device: torch.device, precision: str) -> AbstractContextManager[Any]:
-    """bf16 autocast for ``precision == "bf16"``, a no-op context for fp32."""
-    return torch.autocast(
-        device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16"
-    )
-
-
 @contextmanager
 def tf32(enabled: bool) -> Iterator[None]:
     """TF32 matmuls and convolutions on (``enabled``) or off inside the block."""
@@ -312,75 +278,17 @@ def local_weights(coll: EmbeddingCollection) -> list[torch.Tensor]:
 # ---------------------------------------------------------------- kernels
 
 
-def kernels_part(device: torch.device, shape: KernelShape, quick: bool) -> dict[str, Any]:
-    """Triton vs torch embedding kernels; ``triton_bench.run_kernels`` where it exists."""
+def kernels_part(device: torch.device, quick: bool) -> dict[str, Any]:
+    """Triton vs torch embedding kernels: ``triton_bench.run_kernels``."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return {
             "skipped": "the Triton kernels need CUDA (or TRITON_INTERPRET=1 for a functional run)"
         }
     import triton_bench
 
-    run = getattr(triton_bench, "run_kernels", None)
-    if run is not None and device.type == "cuda":
-        out = dict(run(device, quick))
-    elif run is not None and "interpret" in inspect.signature(run).parameters:
-        out = dict(run(device, True, interpret=True))
-    else:
-        out = fallback_kernels(triton_bench, device, shape)
-        out["source"] = "gpu_bench on triton_bench's implementations (no run_kernels)"
-        return out
-    out["source"] = "triton_bench.run_kernels"
-    return out
-
-
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes per second of a device-to-device copy, counting read + write (2 x size)."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    t = min(seconds_per_call(lambda: dst.copy_(src), 10, device) for _ in range(3))
-    return 2 * nbytes / t
-
-
-def fallback_kernels(tb: Any, device: torch.device, shape: KernelShape) -> dict[str, Any]:
-    """The kernel targets from ``triton_bench``'s problem, impls and timer."""
-    per: dict[str, dict[str, Any]] = {}
-    for pooling in shape.poolings:
-        p = tb.make_problem(
-            tables=shape.tables,
-            rows=shape.rows,
-            dim=shape.dim,
-            batch=shape.batch,
-            pooling=pooling,
-            device=device,
-            seed=pooling,
-        )
-        weight = torch.randn(p.tables * p.rows, p.dim, device=device) * 0.01
-        impls = {"triton": tb.triton_impl(p, weight), "torch": tb.torch_impl(p, weight)}
-        ms = tb.measure(
-            impls, device, warmup=shape.warmup, iters=shape.iters, repeats=shape.repeats
-        )
-        rows_read = p.ids.numel() * p.dim * 4  # bytes of rows the forward gathers
-        per[f"L{pooling}"] = {
-            "ids": int(p.ids.numel()),
-            "ms_fwd": {n: round(v["fwd"], 4) for n, v in ms.items()},
-            "ms_step": {n: round(v["step"], 4) for n, v in ms.items()},
-            "fwd_vs_torch": ms["torch"]["fwd"] / ms["triton"]["fwd"],
-            "step_vs_torch": ms["torch"]["step"] / ms["triton"]["step"],
-            "fwd_rows_read_GBps": rows_read / (ms["triton"]["fwd"] / 1e3) / 1e9,
-        }
-        del impls, weight, p
-        free_memory(device)
-    copy = copy_bandwidth(device, shape.copy_bytes)
-    top = per[f"L{max(shape.poolings)}"]
-    return {
-        "triton_fwd_vs_torch_min": min(v["fwd_vs_torch"] for v in per.values()),
-        "triton_step_vs_torch_min": min(v["step_vs_torch"] for v in per.values()),
-        "fwd_bandwidth_fraction": top["fwd_rows_read_GBps"] * 1e9 / copy,
-        "copy_GBps": copy / 1e9,
-        "per_pooling": per,
-        "shape": dataclasses.asdict(shape),
-    }
+    if device.type == "cuda":
+        return dict(triton_bench.run_kernels(device, quick))
+    return dict(triton_bench.run_kernels(device, True, interpret=True))
 
 
 # ---------------------------------------------------------------- DLRM
@@ -858,7 +766,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # A functional kernel run in Triton's interpreter, which triton reads when it is
         # imported and when a kernel is defined: set before either happens.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    kshape, dshape, gshape = shapes(mode)
+    dshape, gshape = shapes(mode)
     notes: list[str] = []
     machine = machine_info(device)  # before the parts: a broken CUDA context cannot say it
 
@@ -868,7 +776,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return result
 
     report = Report(Path(args.out) if args.out else None)
-    report.run("kernels", lambda: kernels_part(device, kshape, mode != "full"), device)
+    report.run("kernels", lambda: kernels_part(device, mode != "full"), device)
     report.run("dlrm", lambda: dlrm_part(device, dshape, notes, report.emit), device)
     report.run("gpt", lambda: gpt_part(device, gshape, False, notes), device)
     left = args.budget_s - (time.perf_counter() - start) - 5
