@@ -116,10 +116,14 @@ class Sizes:
     max_fill: int = 2000  # warm-up steps at most while the caches fill
 
     @staticmethod
-    def of(quick: bool, mpi: bool, settle: int | None = None, **kw: Any) -> Sizes:
+    def of(
+        quick: bool, mpi: bool, settle: int | None = None, tables: int | None = None, **kw: Any
+    ) -> Sizes:
         z = Sizes._of(quick, mpi, **kw)
         if settle is not None:
             z.settle = settle
+        if tables is not None:
+            z.tables = tables
         return z
 
     @staticmethod
@@ -290,8 +294,8 @@ def _run_policy(z: Sizes, draws: ZipfDraws, policy: str) -> tuple[int, int, dict
     after = cached.cache_stats()
     cached.close()
     store.close()
-    keys = ("rows_pulled", "rows_pushed", "misses", "refreshes", "hits", "rejected")
-    keys += ("evicted_pending",)
+    keys = ["rows_pulled", "rows_pushed", "misses", "refreshes", "hits", "rejected"]
+    keys.append("evicted_pending")
     per_step = {
         k: sum(int(after[n][k]) - int(before[n][k]) for n in after) / measured for k in keys
     }
@@ -474,7 +478,7 @@ def _say(*a: Any) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
-def mpi_part(quick: bool, settle: int | None = None, **kw: Any) -> None:
+def mpi_part(quick: bool, settle: int | None = None, tables: int | None = None, **kw: Any) -> None:
     """Under ``mpirun -n 2``: rank 1 serves, rank 0 runs :func:`compare` and prints JSON."""
     import comm
     from ps.mpi.server import serve_mpi
@@ -486,7 +490,7 @@ def mpi_part(quick: bool, settle: int | None = None, **kw: Any) -> None:
         serve_mpi(group, topology)
         return
     torch.set_num_threads(1)
-    z = Sizes.of(quick, mpi=True, settle=settle, **kw)
+    z = Sizes.of(quick, mpi=True, settle=settle, tables=tables, **kw)
     with MPIStore(group, topology, request_timeout_s=300.0) as store:
         result = compare(store, store, z, _say)
     print(json.dumps({"config": _config(z), "figures": result}), flush=True)
@@ -504,7 +508,13 @@ def _config(z: Sizes) -> dict[str, Any]:
 
 
 def run_mpi(
-    quick: bool, compute_ms: float, policy: str, prefetch: bool, groups: bool, settle: int | None
+    quick: bool,
+    compute_ms: float,
+    policy: str,
+    prefetch: bool,
+    groups: bool,
+    settle: int | None,
+    tables: int | None,
 ) -> dict[str, Any]:
     mpirun = Path(sys.executable).parent / "mpirun"
     cmd = [str(mpirun if mpirun.exists() else "mpirun"), "-n", "2", sys.executable, __file__]
@@ -512,6 +522,7 @@ def run_mpi(
     cmd += (["--quick"] if quick else []) + ([] if prefetch else ["--no-prefetch"])
     cmd += [] if groups else ["--no-groups"]
     cmd += [] if settle is None else ["--settle", str(settle)]
+    cmd += [] if tables is None else ["--tables", str(tables)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, check=False)
@@ -547,6 +558,9 @@ def main() -> None:
         "--admission-only", action="store_true", help="only the policies' rows moved, side by side"
     )
     p.add_argument("--settle", type=int, default=None, help="steady-state steps before measuring")
+    p.add_argument(
+        "--tables", type=int, default=None, help="tables (default 26; 8 over MPI --quick)"
+    )
     p.add_argument("--no-prefetch", action="store_true", help="cached steps do not prefetch")
     p.add_argument("--no-mpi", action="store_true", help="skip the MPI store")
     p.add_argument("--no-groups", action="store_true", help="one cache per table")
@@ -559,10 +573,10 @@ def main() -> None:
         groups=not args.no_groups,
     )
     if args.mpi_part:
-        mpi_part(args.quick, settle=args.settle, **kw)
+        mpi_part(args.quick, settle=args.settle, tables=args.tables, **kw)
         return
     torch.set_num_threads(1)
-    z = Sizes.of(args.quick, mpi=False, settle=args.settle, **kw)
+    z = Sizes.of(args.quick, mpi=False, settle=args.settle, tables=args.tables, **kw)
     adm = admission(z, POLICIES, _say)
     best = max(POLICIES, key=lambda name: adm[name]["rows_moved_vs_ceiling"])
     ref = adm["reference"]
@@ -577,9 +591,9 @@ def main() -> None:
         f"{ref['oracle_vs_ceiling']:.3f}",
     }
     if args.admission_only:
-        config = {"quick": args.quick, "admission": _config(z)}
+        only = {"quick": args.quick, "admission": _config(z)}
         targets = {"rows_moved_vs_ceiling": vs_ceiling}
-        print(json.dumps({"bench": "cache", "config": config, "figures": {"admission": adm},
+        print(json.dumps({"bench": "cache", "config": only, "figures": {"admission": adm},
                           "targets": targets}))  # fmt: skip
         return
     local = compare(ps.InProcessStore(), ps.InProcessStore(), z, _say)
@@ -594,6 +608,7 @@ def main() -> None:
             not args.no_prefetch,
             not args.no_groups,
             args.settle,
+            args.tables,
         )
         _show("mpi", mpi["figures"])
         figures["mpi"] = mpi["figures"]
