@@ -50,8 +50,11 @@ the bound's refreshes, the extra misses split into first touches (ids the static
 holds that this run had never seen: no online cache can have them), what an ideal
 online frequency cache with the whole history counted exactly would still miss
 (``oracle``: frequencies known only from the steps so far) and the rest (the policy),
-and the extra pushes (partial sums of evicted rows). ``--admission-only`` runs only
-this part; ``--settle`` sets the steady-state steps before measuring.
+and the extra pushes (partial sums of evicted rows). Its rows pushed include those
+owed: the change over the window in rows holding pending updates (each costs one push
+later), so chunked evictions (LRU, LFU) count the same wherever the window falls.
+``--admission-only`` runs only this part; ``--settle`` sets the steady-state steps
+before measuring, ``--tables`` the number of tables.
 
 Targets: ``rows_moved_reduction`` = 1 - cached / uncached rows moved (0.90),
 ``cached_vs_uncached_step`` = uncached / cached step time (1.0; the MPI store's, the
@@ -295,7 +298,7 @@ def _run_policy(z: Sizes, draws: ZipfDraws, policy: str) -> tuple[int, int, dict
     cached.close()
     store.close()
     keys = ["rows_pulled", "rows_pushed", "misses", "refreshes", "hits", "rejected"]
-    keys.append("evicted_pending")
+    keys += ["evicted_pending", "pending_rows", "prefetch_rejected"]
     per_step = {
         k: sum(int(after[n][k]) - int(before[n][k]) for n in after) / measured for k in keys
     }
@@ -317,7 +320,11 @@ def admission(z: Sizes, policies: tuple[str, ...], say: Any) -> dict[str, Any]:
             refs[start] = gap_reference(draws, z, start, measured)
         ref = refs[start]
         distinct = ref["distinct"]
-        pulled, pushed = c["rows_pulled"], c["rows_pushed"]
+        # Pushes owed: a row holding pending updates at the end costs one more push that
+        # the window caused (one held at the start was caused before it). Without this,
+        # LRU and LFU, which evict in chunks of capacity / 16, would count a burst of
+        # evicted sums or none depending on where the window falls.
+        pulled, pushed = c["rows_pulled"], c["rows_pushed"] + c["pending_rows"]
         misses, refreshes = c["misses"], c["refreshes"]
         static_rows = _rows(ref["static_misses"], distinct, z)
         reduction = 1 - (pulled + pushed) / (2 * distinct)
@@ -335,12 +342,14 @@ def admission(z: Sizes, policies: tuple[str, ...], say: Any) -> dict[str, Any]:
         ratio = reduction / floor["reduction_ceiling"]
         out[policy] = {
             "rows_moved_per_step": {"uncached": 2 * distinct, "cached": pulled + pushed},
+            "rows_pushed_per_step": {"sent": c["rows_pushed"], "owed": c["pending_rows"]},
             "rows_moved_reduction": reduction,
             "reduction_ceiling": floor["reduction_ceiling"],
             "rows_moved_vs_ceiling": ratio,
             "miss_rate": misses / distinct,
             "hit_rate": c["hits"] / distinct,
             "rejected_per_step": c["rejected"],
+            "prefetch_rejected_per_step": c["prefetch_rejected"],
             "evicted_pending_per_step": c["evicted_pending"],
             "measured_from_step": start,
             "filled_after_steps": filled,

@@ -16,7 +16,7 @@ POLICIES = ("lru", "lfu", "tinylfu")
 
 #: TinyLFU defaults: sketch counters per cached row (rounded up to a power of 2), hash
 #: rows, and ids added between halvings per cached row.
-SKETCH_WIDTH_PER_ROW = 4
+SKETCH_WIDTH_PER_ROW = 1
 SKETCH_DEPTH = 4
 SKETCH_PERIOD_PER_ROW = 10
 
@@ -50,7 +50,7 @@ class CacheConfig:
       gradients pushed at once, as when the cache is full. So one-off ids do not
       evict hot rows (``docs/cache_admission.md``).
     * ``sketch_width``, ``sketch_depth``, ``sketch_period`` (``"tinylfu"`` only):
-      counters per hash row (a power of 2; None: ``4 x capacity`` rounded up),
+      counters per hash row (a power of 2; None: the capacity rounded up),
       hash rows (1-8, default 4), and ids counted between two halvings of every
       counter (None: ``10 x capacity``). The sketch takes ``4 x width x depth``
       bytes.

@@ -40,6 +40,12 @@ serving pull (the next batch's ids riding on this batch's request) leaves out th
 serving pull's ids and *reserves* the slots of its cached ids, so the serving pull's
 admissions cannot evict them before the prefetch is installed right after it.
 
+With TinyLFU (``policy="tinylfu"``) every serving pull also counts its distinct ids in
+a frequency sketch (:mod:`cache.sketch`), and a miss is admitted only if its estimate
+beats the frequency of the row it would evict (:meth:`TableCache._choose`); a refused
+miss is served and pushed through like one that finds no slot, and a prefetch fetches
+only the misses it would admit.
+
 Pushes are not sent by the table either: the rows due (and the sums of evicted rows)
 go to :attr:`TableCache.outbox`, which the owner sends with the other tables' as one
 batched push.

@@ -274,5 +274,5 @@ def test_config_errors(kw: dict[str, object], match: str) -> None:
 
 def test_default_sketch_size() -> None:
     cfg = cache.CacheConfig(capacity_rows=1000, policy="tinylfu")
-    assert cfg.sketch(1000) == (4096, 4, 10_000)
-    assert cfg.sketch(1024) == (4096, 4, 10_240)
+    assert cfg.sketch(1000) == (1024, 4, 10_000)
+    assert cfg.sketch(1025) == (2048, 4, 10_250)
