@@ -1,7 +1,7 @@
 """Hot-row cache vs no cache: rows moved to/from the PS per step, hit rate, step time.
 
     python benchmarks/cache_bench.py [--quick] [--policy lru|lfu|tinylfu] [--compute-ms MS]
-        [--no-mpi] [--admission-only] [--settle STEPS]
+        [--no-mpi] [--admission-only] [--settle STEPS] [--tables N] [--sketch-period IDS]
 
 Criteo-shaped synthetic ids (``_bench_util.ZipfDraws``): 26 tables of 1 M rows
 (``--quick``: 100 k), each sample draws one id per table from a Zipf(1.05) law truncated
@@ -54,7 +54,8 @@ and the extra pushes (partial sums of evicted rows). Its rows pushed include tho
 owed: the change over the window in rows holding pending updates (each costs one push
 later), so chunked evictions (LRU, LFU) count the same wherever the window falls.
 ``--admission-only`` runs only this part; ``--settle`` sets the steady-state steps
-before measuring, ``--tables`` the number of tables.
+before measuring, ``--tables`` the number of tables, ``--sketch-period`` TinyLFU's
+halving period (ids counted).
 
 Targets: ``rows_moved_reduction`` = 1 - cached / uncached rows moved (0.90),
 ``cached_vs_uncached_step`` = uncached / cached step time (1.0; the MPI store's, the
@@ -117,6 +118,7 @@ class Sizes:
     groups: bool = True  # the 26 tables share one cache (CacheConfig.group_tables)
     compute_ms: float = 0.0
     max_fill: int = 2000  # warm-up steps at most while the caches fill
+    sketch_period: int | None = None  # TinyLFU: ids between halvings (None: the default)
 
     @staticmethod
     def of(
@@ -267,6 +269,7 @@ def _run_policy(z: Sizes, draws: ZipfDraws, policy: str) -> tuple[int, int, dict
         write_bound=z.write_bound,
         policy=policy,  # type: ignore[arg-type]
         group_tables=z.groups,
+        sketch_period=z.sketch_period if policy == "tinylfu" else None,
     )
     cached = cache.CachedStore(store, cfg)
     grad = torch.full((z.batch, z.dim), 1e-3)
@@ -511,7 +514,7 @@ def _config(z: Sizes) -> dict[str, Any]:
         "cache_fraction": z.fraction, "bounds": [z.read_bound, z.write_bound],
         "settle_steps": z.settle, "block_steps": z.block, "rounds": z.rounds,
         "compute_ms": z.compute_ms, "optimizer": "rowwise_adagrad", "policy": z.policy,
-        "prefetch": z.prefetch, "groups": z.groups,
+        "prefetch": z.prefetch, "groups": z.groups, "sketch_period": z.sketch_period,
         "zipf_a": 1.05,
     }  # fmt: skip
 
@@ -570,6 +573,9 @@ def main() -> None:
     p.add_argument(
         "--tables", type=int, default=None, help="tables (default 26; 8 over MPI --quick)"
     )
+    p.add_argument(
+        "--sketch-period", type=int, default=None, help="TinyLFU: ids counted between halvings"
+    )
     p.add_argument("--no-prefetch", action="store_true", help="cached steps do not prefetch")
     p.add_argument("--no-mpi", action="store_true", help="skip the MPI store")
     p.add_argument("--no-groups", action="store_true", help="one cache per table")
@@ -586,6 +592,7 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     z = Sizes.of(args.quick, mpi=False, settle=args.settle, tables=args.tables, **kw)
+    z.sketch_period = args.sketch_period
     adm = admission(z, POLICIES, _say)
     best = max(POLICIES, key=lambda name: adm[name]["rows_moved_vs_ceiling"])
     ref = adm["reference"]
