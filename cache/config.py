@@ -82,7 +82,9 @@ class CacheConfig:
       tables joined with ``+``). False: one cache per table.
     * ``evict_chunk``: rows evicted at least at a time when the cache is full
       (None: ``max(1, capacity // 16)``); the victim search is O(capacity), so
-      evicting a chunk amortizes it. 1 = exact LRU/LFU order.
+      evicting a chunk amortizes it. 1 = exact LRU/LFU order. TinyLFU evicts only
+      rows a candidate beats; for it this is the size of one victim search, kept as
+      a pool for the next batches (:mod:`cache.policy`).
     """
 
     capacity_rows: int | None = None
