@@ -95,10 +95,11 @@ class EvictionPolicy:
         """Up to ``k`` slots in eviction order (smallest key first, ties: smaller row id)
         among rows last used before ``tick`` and not in ``protect``, without evicting
         them: entries of the pool still valid (key unchanged since the search), after a
-        new search of ``max(k, chunk)`` rows when the pool cannot give ``k``."""
+        new search of ``max(k, chunk)`` rows when the pool cannot give ``k``; with
+        ``chunk`` 1, a new search every time (the exact order)."""
         if k <= 0:
             return np.empty(0, dtype=np.int64)
-        got = self._from_pool(k, tick, protect)
+        got = self._from_pool(k, tick, protect) if chunk > 1 else self.pool[:0]
         if got.size < k:
             found = self.victims(max(k, chunk), tick, protect, row_id)
             order = np.lexsort((row_id.take(found), self.key.take(found)))

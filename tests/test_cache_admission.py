@@ -68,10 +68,13 @@ class Model:
         return self.key.get(x) == key and key[1] < self.tick
 
     def _victims(self, k: int) -> list[int]:
-        """The first ``k`` valid pool entries; a new search of max(k, chunk) if short."""
+        """The first ``k`` valid pool entries; a new search of max(k, chunk) if short
+        (always with chunk 1: the exact order)."""
         if k <= 0:
             return []
-        got = [x for x, key in self.pool[self.pool_at :] if self._valid(x, key)][:k]
+        got: list[int] = []
+        if self.chunk > 1:
+            got = [x for x, key in self.pool[self.pool_at :] if self._valid(x, key)][:k]
         if len(got) < k:
             ranked = sorted((key, x) for x, key in self.key.items() if key[1] < self.tick)
             self.pool = [(x, key) for key, x in ranked[: max(k, self.chunk)]]
@@ -107,7 +110,7 @@ class Model:
         return set(admitted)
 
 
-@pytest.mark.parametrize("chunk", [1, 6])
+@pytest.mark.parametrize("chunk", [1, 6, 24])
 def test_matches_the_per_id_model(chunk: int) -> None:
     rows, capacity, dim = 400, 40, 4
     width, depth, period = 128, 3, 120
