@@ -1,13 +1,14 @@
-"""cache: the worker-side hot-embedding cache (capacity, LRU/LFU eviction, read and write
-staleness bounds, prefetch, statistics). Sits between ``ps`` and ``embedding``; imports only
-``comm`` and ``ps``.
+"""cache: the worker-side hot-embedding cache (capacity, LRU/LFU eviction or TinyLFU
+admission, read and write staleness bounds, prefetch, statistics). Sits between ``ps`` and
+``embedding``; imports only ``comm`` and ``ps``.
 
 ``CachedStore(store, CacheConfig(...))`` is itself a :class:`ps.Store`, so an
 ``embedding.EmbeddingCollection`` given one trains through the cache (the "hybrid"
-placement). Rules: ``docs/cache.md``.
+placement). Rules: ``docs/cache.md``; admission: ``docs/cache_admission.md``.
 
 Modules: ``config`` (CacheConfig), ``cached_store`` (the Store wrapper),
-``table_cache`` (one table's slots, fetch and write-back), ``policy`` (LRU/LFU),
+``table_cache`` (one table's slots, fetch and write-back), ``policy`` (LRU/LFU/TinyLFU
+eviction order), ``sketch`` (TinyLFU's count-min sketch of recent id frequencies),
 ``slot_index`` (id -> slot), ``stats`` (counters and the staleness histogram).
 """
 

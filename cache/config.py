@@ -12,7 +12,13 @@ from typing import Literal
 
 from ps import SGD, Adagrad, Adam, RowWiseAdagrad, TableSpec
 
-POLICIES = ("lru", "lfu")
+POLICIES = ("lru", "lfu", "tinylfu")
+
+#: TinyLFU defaults: sketch counters per cached row (rounded up to a power of 2), hash
+#: rows, and ids added between halvings per cached row.
+SKETCH_WIDTH_PER_ROW = 1
+SKETCH_DEPTH = 4
+SKETCH_PERIOD_PER_ROW = 10
 
 #: Rows up to which a fixed table's id -> slot map is a plain array (4 bytes per row)
 #: instead of a hash index (``ps.local.dynamic_index.IdIndex``, ~46-92 bytes per cached id).
@@ -36,7 +42,18 @@ class CacheConfig:
 
     * ``policy``: ``"lru"`` evicts the least recently used rows; ``"lfu"`` the
       least frequently used (uses counted per lookup since the row entered the
-      cache), ties broken by recency.
+      cache), ties broken by recency; ``"tinylfu"`` adds frequency-aware
+      admission: a count-min sketch (:mod:`cache.sketch`) counts in how many
+      recent batches each id appeared, whether cached or not, and a missed id is
+      cached only if its estimate beats that of the row it would evict (the
+      least frequent by the same estimate); ids not admitted are served and their
+      gradients pushed at once, as when the cache is full. So one-off ids do not
+      evict hot rows (``docs/cache_admission.md``).
+    * ``sketch_width``, ``sketch_depth``, ``sketch_period`` (``"tinylfu"`` only):
+      counters per hash row (a power of 2; None: the capacity rounded up),
+      hash rows (1-8, default 4), and ids counted between two halvings of every
+      counter (None: ``10 x capacity``). The sketch takes ``4 x width x depth``
+      bytes.
     * ``read_bound`` (``s_r``): a cached copy is served while the PS clock is at
       most ``s_r`` ahead of the clock it was read at; 0 = synchronous reads.
     * ``write_bound`` (``s_w``): a row's gradients are pushed once more than
@@ -65,12 +82,14 @@ class CacheConfig:
       tables joined with ``+``). False: one cache per table.
     * ``evict_chunk``: rows evicted at least at a time when the cache is full
       (None: ``max(1, capacity // 16)``); the victim search is O(capacity), so
-      evicting a chunk amortizes it. 1 = exact LRU/LFU order.
+      evicting a chunk amortizes it. 1 = exact LRU/LFU order. TinyLFU evicts only
+      rows a candidate beats; for it this is the size of one victim search, kept as
+      a pool for the next batches (:mod:`cache.policy`).
     """
 
     capacity_rows: int | None = None
     capacity_fraction: float | None = None
-    policy: Literal["lru", "lfu"] = "lru"
+    policy: Literal["lru", "lfu", "tinylfu"] = "lru"
     read_bound: int = 0
     write_bound: int = 0
     local_lr: float | None = None
@@ -78,6 +97,9 @@ class CacheConfig:
     exact_staleness: bool = False
     evict_chunk: int | None = None
     group_tables: bool = False
+    sketch_width: int | None = None
+    sketch_depth: int | None = None
+    sketch_period: int | None = None
 
     def __post_init__(self) -> None:
         if (self.capacity_rows is None) == (self.capacity_fraction is None):
@@ -113,6 +135,23 @@ class CacheConfig:
                 )
         if self.evict_chunk is not None:
             _int("evict_chunk", self.evict_chunk, 1)
+        for name in ("sketch_width", "sketch_depth", "sketch_period"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if self.policy != "tinylfu":
+                raise ValueError(
+                    f"CacheConfig: {name}={value!r} applies to policy='tinylfu' only, "
+                    f"got policy={self.policy!r}"
+                )
+            _int(name, value, 1)
+        w = self.sketch_width
+        if w is not None and (w < 2 or w & (w - 1)):
+            raise ValueError(f"CacheConfig: sketch_width must be a power of 2 >= 2, got {w}")
+        if self.sketch_depth is not None and self.sketch_depth > 8:
+            raise ValueError(
+                f"CacheConfig: sketch_depth must be in [1, 8], got {self.sketch_depth}"
+            )
 
     def capacity(self, spec: TableSpec) -> int:
         """Cache rows for the table ``spec``."""
@@ -132,6 +171,17 @@ class CacheConfig:
         if self.evict_chunk is not None:
             return self.evict_chunk
         return max(1, capacity // 16)
+
+    def sketch(self, capacity: int) -> tuple[int, int, int]:
+        """``(width, depth, period)`` of the TinyLFU sketch of a cache of ``capacity`` rows."""
+        width = self.sketch_width
+        if width is None:
+            width = 1 << max(1, (SKETCH_WIDTH_PER_ROW * max(capacity, 1) - 1).bit_length())
+        depth = SKETCH_DEPTH if self.sketch_depth is None else self.sketch_depth
+        period = self.sketch_period
+        if period is None:
+            period = SKETCH_PERIOD_PER_ROW * max(capacity, 1)
+        return width, depth, period
 
     def lr_for(self, spec: TableSpec) -> float:
         """The step size of the local SGD step on cached copies of ``spec``'s rows."""

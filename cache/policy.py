@@ -1,10 +1,14 @@
-"""Eviction order of cached rows: LRU or LFU over slots, vectorised (numpy).
+"""Eviction order of cached rows: LRU, LFU or TinyLFU over slots, vectorised (numpy).
 
 One contiguous int64 ``key`` per slot orders the victims (smallest first):
 
 * LRU: key = ``last_use`` (the table's pull tick of the row's last lookup);
 * LFU: key = ``min(freq, 2**30) * 2**32 + last_use`` (fewest uses first, ties:
   least recent), rewritten on every use;
+* TinyLFU: the same key with ``freq`` = the frequency sketch's estimate of the row
+  (:mod:`cache.sketch`) at its last use, halved with the sketch
+  (:meth:`EvictionPolicy.halve`), so it is the estimate as the sketch holds it now
+  up to collisions;
 
 remaining ties: the smaller row id first. An empty slot holds ``FREE``. The low
 32 bits are always ``last_use``, which decides whether a row is evictable at all
@@ -14,6 +18,12 @@ remaining ties: the smaller row id first. An empty slot holds ``FREE``. The low
 
 A search is O(capacity) (one ``np.partition`` over the keys), which is why the
 cache evicts in chunks (:meth:`cache.CacheConfig.chunk`); a use is one scatter.
+TinyLFU evicts only rows that a candidate beats, so instead of evicting a chunk it
+keeps the chunk it found as a *pool* of victims in key order
+(:meth:`EvictionPolicy.ordered_victims`): later steps take victims from the pool while
+its entries are unchanged (same key: not used, not evicted since), and search again
+once it runs dry. Rows cached after the search join the candidates only at the next
+search; with ``evict_chunk=1`` every call searches, so the order is exact.
 """
 
 from __future__ import annotations
@@ -28,8 +38,11 @@ FREE = np.iinfo(np.int64).max  # key of an empty slot: never a victim (its low b
 
 class EvictionPolicy:
     def __init__(self, capacity: int, kind: str) -> None:
-        self.lfu = kind == "lfu"
+        self.lfu = kind in ("lfu", "tinylfu")  # a frequency in the high bits of the key
         self.key = np.full(capacity, FREE, dtype=np.int64)  # [C]
+        self.pool = np.empty(0, dtype=np.int64)  # TinyLFU: victims found, in key order
+        self.pool_key = np.empty(0, dtype=np.int64)  # their keys when found
+        self.pool_at = 0  # entries of the pool used up
 
     def use(self, slots: np.ndarray, freq: np.ndarray | None, tick: int) -> None:
         """Distinct ``slots`` were looked up (or admitted) at ``tick``; ``freq`` ``[K]``
@@ -38,6 +51,13 @@ class EvictionPolicy:
             self.key[slots] = tick
         else:
             self.key[slots] = (np.minimum(freq, _FREQ_MAX) << _TICK_BITS) + tick
+
+    def halve(self) -> None:
+        """Halve the frequency of every cached row (the sketch was halved)."""
+        used = self.key != FREE
+        k = self.key[used]
+        self.key[used] = (((k >> _TICK_BITS) >> 1) << _TICK_BITS) + (k & _LOW)
+        self.pool_at = self.pool.size  # the keys changed: search again
 
     def free(self, slots: np.ndarray) -> None:
         """``slots`` were emptied."""
@@ -68,3 +88,45 @@ class EvictionPolicy:
         if below.size + at.size > k:
             at = at[np.argsort(row_id.take(at), kind="stable")][: k - below.size]
         return np.concatenate([below, at])
+
+    def ordered_victims(
+        self, k: int, tick: int, protect: np.ndarray | None, row_id: np.ndarray, chunk: int
+    ) -> np.ndarray:
+        """Up to ``k`` slots in eviction order (smallest key first, ties: smaller row id)
+        among rows last used before ``tick`` and not in ``protect``, without evicting
+        them: entries of the pool still valid (key unchanged since the search), after a
+        new search of ``max(k, chunk)`` rows when the pool cannot give ``k``; with
+        ``chunk`` 1, a new search every time (the exact order)."""
+        if k <= 0:
+            return np.empty(0, dtype=np.int64)
+        got = self._from_pool(k, tick, protect) if chunk > 1 else self.pool[:0]
+        if got.size < k:
+            found = self.victims(max(k, chunk), tick, protect, row_id)
+            order = np.lexsort((row_id.take(found), self.key.take(found)))
+            self.pool = found.take(order)
+            self.pool_key = self.key.take(self.pool)
+            self.pool_at = 0
+            got = self._from_pool(k, tick, protect)
+        return got
+
+    def _from_pool(self, k: int, tick: int, protect: np.ndarray | None) -> np.ndarray:
+        """The first ``k`` pool entries still valid (skipping used-up ones for good)."""
+        rest = self.pool[self.pool_at :]
+        key = self.key.take(rest)
+        ok = (key == self.pool_key[self.pool_at :]) & ((key & _LOW) < tick)
+        if protect is not None and protect.size > 0:
+            ok &= ~np.isin(rest, protect)
+        valid = np.flatnonzero(ok)
+        if valid.size < k:
+            return rest.take(valid)
+        return rest.take(valid[:k])
+
+    def consumed(self, slots: np.ndarray) -> None:
+        """``slots`` (the first valid pool entries, as :meth:`ordered_victims` gave them)
+        were evicted: later calls start after them."""
+        if slots.size == 0 or self.pool_at >= self.pool.size:
+            return
+        last = int(slots[-1])
+        where = np.flatnonzero(self.pool[self.pool_at :] == last)
+        if where.size:
+            self.pool_at += int(where[0]) + 1

@@ -19,6 +19,10 @@ per table (JSON-ready: ints, floats, a ``{staleness: count}`` dict). Key meaning
 ``rows_pushed``            row gradients sent to the PS; ``bytes_pushed`` = rows x 4 dim
 ``push_requests``          push requests sent to the PS
 ``evictions``              rows evicted; ``evicted_pending`` of them had pending updates
+``rejected``               misses TinyLFU did not admit (served, pushed through; also in
+                           ``pass_through``)
+``prefetch_rejected``      rows a prefetch fetched that TinyLFU then did not admit
+``sketch_halvings``        times TinyLFU's frequency sketch was halved (aged)
 ``pending_rows``           rows holding unpushed updates now
 ``cached_rows``            rows cached now (of ``capacity``)
 ``staleness_served``       {s: rows served whose PS clock was s ahead of the copy}
@@ -52,6 +56,9 @@ COUNTERS = (
     "push_requests",
     "evictions",
     "evicted_pending",
+    "rejected",
+    "prefetch_rejected",
+    "sketch_halvings",
 )
 
 

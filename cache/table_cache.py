@@ -40,6 +40,12 @@ serving pull (the next batch's ids riding on this batch's request) leaves out th
 serving pull's ids and *reserves* the slots of its cached ids, so the serving pull's
 admissions cannot evict them before the prefetch is installed right after it.
 
+With TinyLFU (``policy="tinylfu"``) every serving pull also counts its distinct ids in
+a frequency sketch (:mod:`cache.sketch`), and a miss is admitted only if its estimate
+beats the frequency of the row it would evict (:meth:`TableCache._choose`); a refused
+miss is served and pushed through like one that finds no slot, and a prefetch fetches
+only the misses it would admit.
+
 Pushes are not sent by the table either: the rows due (and the sums of evicted rows)
 go to :attr:`TableCache.outbox`, which the owner sends with the other tables' as one
 batched push.
@@ -59,6 +65,7 @@ import torch
 from cache.config import CacheConfig
 from cache.kernels.records import copy_clocks, serve_rows, update_rows
 from cache.policy import EvictionPolicy
+from cache.sketch import FrequencySketch
 from cache.slot_index import make_slot_index
 from cache.stats import CacheStats
 from comm import Handle
@@ -140,7 +147,9 @@ class TableCache:
         self.read_bound = config.read_bound
         self.write_bound = config.write_bound
         self.lr = config.lr_for(spec)
-        self.lfu = config.policy == "lfu"
+        self.lfu = config.policy == "lfu"  # FREQ counts lookups in the record
+        # TinyLFU: the sketch of recent batches' ids decides admissions (see _choose).
+        self.sketch = FrequencySketch(*config.sketch(cap)) if config.policy == "tinylfu" else None
         self.verify_prefetched = config.verify_prefetched
         self.exact = config.exact_staleness
         self.chunk = config.chunk(cap)
@@ -165,6 +174,7 @@ class TableCache:
         self.inflight: Fetch | None = None
         self.deferred: torch.Tensor | None = None  # next batch's ids for the next pull
         self.reserved: np.ndarray | None = None  # slots a planned prefetch counts as cached
+        self.planned_hits: np.ndarray = _EMPTY_I64  # slots of the planned serving pull's hits
         self.outbox: list[tuple[np.ndarray, np.ndarray]] = []  # pushes due: ([P], [P, D])
         self.push_handles: list[Handle] = []
         # Pending sums of evicted rows not sent yet: ([K] ids, [K, D] sums) pairs. They
@@ -244,13 +254,17 @@ class TableCache:
         order = np.lexsort((self.row_id[slots], self.policy.key[slots]))
         slots = slots[order]  # [K] least kept first (the victim order)
         rec = self._gather(slots)  # [K, W]
-        return {
+        out = {
             "ids": torch.from_numpy(self.row_id[slots].copy()),
             "rows": torch.from_numpy(rec[:, : self.dim].copy()),
             "meta": torch.from_numpy(self._meta(rec).copy()),
             "keys": torch.from_numpy(self.policy.key[slots].copy()),
             "counters": torch.tensor([self.tick, self.seq], dtype=torch.int64),
         }
+        if self.sketch is not None:  # TinyLFU: the frequencies it admits by
+            sk = self.sketch.state()
+            out["sketch_counters"], out["sketch_added"] = sk["counters"], sk["added"]
+        return out
 
     def import_state(self, state: dict[str, torch.Tensor]) -> None:
         """Fill this empty cache from :meth:`export_state` (same dim; at most
@@ -285,6 +299,8 @@ class TableCache:
         self._scatter(slots, rec)
         self.policy.key[slots] = keys[keep].numpy()
         self.tick, self.seq = (int(v) for v in state["counters"].tolist())
+        if self.sketch is not None and "sketch_counters" in state:
+            self.sketch.load({"counters": state["sketch_counters"], "added": state["sketch_added"]})
         self.touched = slots.size  # an upper bound of the slots in use (see _admittable)
 
     # ------------------------------------------------------------ fetch
@@ -326,8 +342,10 @@ class TableCache:
         hit = slots >= 0
         if exclude is not None:
             self.reserved = slots[hit]
+        if not prefetch:
+            self.planned_hits = slots[hit]
         if prefetch and self.verify_prefetched:
-            asked = self._admittable(hit, slots, misses_only=True)
+            asked = self._admittable(uniq, hit, slots, misses_only=True)
             assert asked is not None
             request = None
             if asked.size > 0:
@@ -343,7 +361,7 @@ class TableCache:
             if ok.any():
                 asked = np.flatnonzero(~ok)  # [A]
         if prefetch:
-            asked = self._admittable(hit, slots, misses_only=False)
+            asked = self._admittable(uniq, hit, slots, misses_only=False)
         fill = -1 - self.read_bound  # misses always come back
         copy_clock = copy_clocks(self.slab, self.dim, slots, fill)  # [U]
         if copy_clock is None:
@@ -364,11 +382,13 @@ class TableCache:
         )
 
     def _admittable(
-        self, hit: np.ndarray, slots: np.ndarray, *, misses_only: bool
+        self, uniq: np.ndarray, hit: np.ndarray, slots: np.ndarray, *, misses_only: bool
     ) -> np.ndarray | None:
         """Indices into the prefetch's ids worth asking for: the cached ids (unless
         ``misses_only``) and only as many misses (the first ones) as free or evictable
         slots can take. None: all of them."""
+        if self.sketch is not None:
+            return self._admittable_tinylfu(uniq, hit, slots, misses_only=misses_only)
         n_hit = int(np.count_nonzero(hit))
         misses = hit.size - n_hit
         room = misses
@@ -387,6 +407,51 @@ class TableCache:
         keep[np.flatnonzero(~hit)[:room]] = True
         return np.flatnonzero(keep)
 
+    def _admittable_tinylfu(
+        self, uniq: np.ndarray, hit: np.ndarray, slots: np.ndarray, *, misses_only: bool
+    ) -> np.ndarray | None:
+        """:meth:`_admittable` for TinyLFU: the misses that win admission now (their
+        estimate + 1, the count they get when served, against the victims they would
+        evict), so a prefetch fetches no row it would not keep."""
+        miss = np.flatnonzero(~hit)  # [K] indices into the prefetch's ids
+        assert self.sketch is not None
+        ids = uniq.take(miss)
+        protect = np.concatenate([slots[hit], self.planned_hits])
+        order, n, _ = self._choose(ids, self.sketch.estimate(ids) + 1, protect)
+        chosen = np.sort(miss.take(order[:n]))  # [n] in id order
+        if misses_only:
+            return chosen
+        if n == miss.size:
+            return None
+        keep = hit.copy()
+        keep[chosen] = True
+        return np.flatnonzero(keep)
+
+    def _choose(
+        self, ids: np.ndarray, scores: np.ndarray, protect: np.ndarray | None
+    ) -> tuple[np.ndarray, int, np.ndarray]:
+        """TinyLFU's admission of the missed ``ids`` ``[K]`` with sketch estimates
+        ``scores`` ``[K]``: ``(order, n, victims)``.
+
+        Candidates go highest estimate first (ties: smaller id). The first ones take
+        the free slots; each next one is admitted only if its estimate beats the
+        frequency of the next victim in eviction order (lowest first), so the
+        admitted are a prefix: ``order[:n]`` (indices into ``ids``), evicting
+        ``victims`` (slots, in order; their frequency is the high half of the key).
+        Victims exclude ``protect``, the reserved slots and rows of the current batch.
+        """
+        k = ids.size
+        order = np.lexsort((ids, -scores))  # [K]
+        free = min(k, self.n_free)
+        if self.reserved is not None and self.reserved.size:
+            protect = self.reserved if protect is None else np.concatenate([protect, self.reserved])
+        victims = self.policy.ordered_victims(
+            k - free, self.tick, protect, self.row_id, self.chunk
+        )  # [M] lowest key first
+        beats = scores.take(order[free : free + victims.size]) > (self.policy.key[victims] >> 32)
+        n_beat = victims.size if beats.all() else int(np.argmin(beats))  # a True prefix
+        return order, free + n_beat, victims[:n_beat]
+
     def _finish_misses(self, f: Fetch) -> None:
         """Install a prefetch that asked only for misses (``f.asked``, a plain pull)."""
         assert f.asked is not None
@@ -396,14 +461,26 @@ class TableCache:
             res: PullResult = f.handle.wait()
             fresh, fresh_clock = res.rows.numpy(), res.clocks.numpy()  # [A, D], [A]
             self.stats.pulled(asked.size, asked.size, 0)
-            new_slots = self._admit(uniq.take(asked), slots[f.hit])  # [n]
+            ids = uniq.take(asked)  # [A]
+            take = np.arange(asked.size)  # [A] rows of the reply to install, in order
+            freq = np.zeros(asked.size, np.int64) if self.lfu else None
+            if self.sketch is not None:  # decide again: the serving pull took victims since
+                freq = self.sketch.estimate(ids) + 1
+                order, n_ok, victims = self._choose(ids, freq, slots[f.hit])
+                take = order[:n_ok]
+                self.stats.add("prefetch_rejected", asked.size - n_ok)
+                new_slots = self._admit(ids.take(take), slots[f.hit], victims)
+            else:
+                new_slots = self._admit(ids, slots[f.hit])  # [n]
             n = new_slots.size
             if n > 0:
-                self._install(new_slots, fresh[:n], fresh_clock[:n], f.seq, f.tick * 4 + _MISS)
-                self.policy.use(new_slots, np.zeros(n, np.int64) if self.lfu else None, f.tick)
+                sel = take[:n]
+                rows, clocks = fresh.take(sel, axis=0), fresh_clock.take(sel)
+                self._install(new_slots, rows, clocks, f.seq, f.tick * 4 + _MISS)
+                self.policy.use(new_slots, None if freq is None else freq.take(sel), f.tick)
                 self.touched += n
                 final = slots.copy()
-                final[asked[:n]] = new_slots
+                final[asked.take(sel)] = new_slots
         self.prefetched = _Known(uniq, final, self.gen, f.tick, False)
 
     def finish(self, f: Fetch) -> PullResult | None:
@@ -433,6 +510,12 @@ class TableCache:
             return None
         d = self.dim
         uniq, slots, hit = f.uniq, f.slots, f.hit
+        est = None  # TinyLFU: sketch estimates of the served ids [U], after counting them
+        if self.sketch is not None and not f.prefetch:
+            if self.sketch.add(uniq):
+                self.policy.halve()
+                self.stats.add("sketch_halvings", 1)
+            est = self.sketch.estimate(uniq)
         if f.handle is not None:
             res: PullResult = f.handle.wait()
             assert res.positions is not None
@@ -471,7 +554,18 @@ class TableCache:
         if not f.prefetch:  # this batch's cached rows are in use (protected from eviction)
             self.policy.use(slots[hit], None, f.tick)  # LFU keys are rewritten below
             self.touched += int(np.count_nonzero(hit))
-        new_slots = self._admit(uniq.take(miss_u), slots[hit] if f.prefetch else None)
+        protect = slots[hit] if f.prefetch else None
+        adm_freq = None  # TinyLFU: the admitted rows' frequencies (their key)
+        if self.sketch is not None and miss_u.size > 0:
+            ids = uniq.take(miss_u)
+            score = est.take(miss_u) if est is not None else self.sketch.estimate(ids) + 1
+            order, n_ok, victims = self._choose(ids, score, protect)
+            miss_u, miss_sel = miss_u.take(order), miss_sel.take(order)  # admitted first
+            adm_freq = score.take(order[:n_ok])
+            self.stats.add("rejected", miss_u.size - n_ok)
+            new_slots = self._admit(uniq.take(miss_u[:n_ok]), protect, victims)
+        else:
+            new_slots = self._admit(uniq.take(miss_u), protect)
         n_adm = new_slots.size
         adm_u = miss_u[:n_adm]
         final = slots.copy()
@@ -488,7 +582,7 @@ class TableCache:
             self.meta[new_slots, PF] = marks + _MISS
             self.meta[ref_slots, PF] = marks + _REFRESH
             zeros = np.zeros(n_adm, np.int64) if self.lfu else None  # FREQ of new rows
-            self.policy.use(new_slots, zeros, f.tick)
+            self.policy.use(new_slots, zeros if adm_freq is None else adm_freq, f.tick)
             self.prefetched = _Known(uniq, final, self.gen, f.tick, False)
             return None
 
@@ -502,6 +596,8 @@ class TableCache:
         cached = final >= 0
         if self.lfu:
             self.policy.use(final[cached], freq[cached], f.tick)
+        elif est is not None:
+            self.policy.use(final[cached], est[cached], f.tick)
         elif n_adm > 0:
             self.policy.use(new_slots, None, f.tick)
         self._count_served(f, ref_u.size, miss_sel.size, old, lag, n_pf_miss, n_pf_ref)
@@ -584,19 +680,27 @@ class TableCache:
             old_lag = now - self.meta[f.slots[old], CLOCK]
         st.served(f.uniq.size - n_old, old_lag)
 
-    def _admit(self, ids: np.ndarray, protect: np.ndarray | None) -> np.ndarray:
+    def _admit(
+        self, ids: np.ndarray, protect: np.ndarray | None, victims: np.ndarray | None = None
+    ) -> np.ndarray:
         """Slots for the first of the new ids ``[K]`` that fit (evicting if needed).
 
         Never evicts ``protect`` slots or rows used by the current batch (or
         prefetched for the next one): their gradients are still to come.
+        ``victims`` (TinyLFU, from :meth:`_choose`): evict exactly these instead.
         """
         k = ids.size
         if k == 0:
             return _EMPTY_I64
         need = k - self.n_free
-        if self.reserved is not None and self.reserved.size:
-            protect = self.reserved if protect is None else np.concatenate([protect, self.reserved])
-        if need > 0 and self.capacity > 0:
+        if victims is not None:
+            self._evict(victims)
+            self.policy.consumed(victims)
+        elif need > 0 and self.capacity > 0:
+            if self.reserved is not None and self.reserved.size:
+                protect = (
+                    self.reserved if protect is None else np.concatenate([protect, self.reserved])
+                )
             victims = self.policy.victims(max(need, self.chunk), self.tick, protect, self.row_id)
             self._evict(victims)
         n = min(k, self.n_free)

@@ -24,7 +24,9 @@ class RunOptions:
     cache_fraction: float = option(0.0, help="cache size as a fraction of each table's rows")
     read_bound: int = option(0, help="cache read staleness bound s_r (PS updates a copy may miss)")
     write_bound: int = option(0, help="cache write bound s_w (updates a row may hold unpushed)")
-    cache_policy: Literal["lru", "lfu"] = option("lru", help="cache eviction policy")
+    cache_policy: Literal["lru", "lfu", "tinylfu"] = option(
+        "lru", help="cache eviction policy (tinylfu: frequency-aware admission, LFU eviction)"
+    )
     cache_groups: bool = option(
         True, help="tables of one dim share one cache: one cache pass per step for all of them"
     )

@@ -78,7 +78,7 @@ def test_bounds_zero_bit_identical_to_the_plain_store(opt: ps.Optimizer, verify:
     assert stats["a+b"]["prefetched"] > 0
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "tinylfu"])
 @pytest.mark.parametrize("bounds", [(0, 0), (2, 3)])
 def test_a_shared_cache_is_one_cache_over_the_packed_tables(
     policy: str, bounds: tuple[int, int]

@@ -83,7 +83,7 @@ def test_kernel_equals_numpy_path(
     assert a[3] == b[3]
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "tinylfu"])
 @pytest.mark.parametrize("verify", [True, False])
 def test_kernels_equal_numpy_paths_policies(
     policy: str, verify: bool, monkeypatch: pytest.MonkeyPatch

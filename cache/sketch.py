@@ -1,0 +1,106 @@
+"""A count-min sketch of recent id frequencies with periodic halving (TinyLFU's filter).
+
+``depth`` rows of ``width`` int32 counters (one flat torch tensor ``[depth * width]``).
+Id ``x`` (int64, a packed id for a shared cache) maps to counter ``h_d(x)`` of row ``d``
+by multiply-shift hashing: ``h_d(x) = ((x * A_d) mod 2**64) >> (64 - log2(width))``
+with fixed odd 64-bit multipliers ``A_d`` (:data:`MULTIPLIERS`), so the same id lands
+on the same counters in every run and the tests' per-id model can recompute them.
+
+* :meth:`add` counts each id once (a batch's distinct ids: the frequency is the number
+  of batches an id appeared in, which is what a cached row saves: one pull per batch);
+  duplicates in one call count each time. One ``index_add_`` over ``depth x N``
+  positions, never a loop per id.
+* :meth:`estimate` is the minimum of an id's ``depth`` counters: never below the true
+  count since the last halving, above it only by collisions.
+* Aging: once ``period`` ids were added since the last halving, every counter is
+  halved (``c >> 1``) and the addition count restarts (:meth:`add` says so, so the
+  cache halves the frequencies it keeps too). Old popularity fades by half per
+  period, so the sketch follows a changing id law, and counters stay bounded
+  (at most ``2 * period``).
+
+Memory: ``4 * depth * width`` bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+#: Odd 64-bit multipliers of the hash rows (from the SplitMix64 and Murmur3 finalizers
+#: and the golden ratio); ``depth`` <= 8.
+MULTIPLIERS = (
+    0x9E3779B97F4A7C15,
+    0xBF58476D1CE4E5B9,
+    0x94D049BB133111EB,
+    0xFF51AFD7ED558CCD,
+    0xC4CEB9FE1A85EC53,
+    0xD6E8FEB86659FD93,
+    0xA0761D6478BD642F,
+    0xE7037ED1A0B428DB,
+)
+
+
+class FrequencySketch:
+    """Counters ``[depth, width]`` of ids added in the last ``period`` additions or so."""
+
+    def __init__(self, width: int, depth: int, period: int) -> None:
+        if width < 2 or width & (width - 1):
+            raise ValueError(f"FrequencySketch: width must be a power of 2 >= 2, got {width}")
+        if not 1 <= depth <= len(MULTIPLIERS):
+            raise ValueError(
+                f"FrequencySketch: depth must be in [1, {len(MULTIPLIERS)}], got {depth}"
+            )
+        if period < 1:
+            raise ValueError(f"FrequencySketch: period must be >= 1, got {period}")
+        self.width, self.depth, self.period = width, depth, period
+        self.shift = np.uint64(64 - (width.bit_length() - 1))
+        self.mult = np.array(MULTIPLIERS[:depth], dtype=np.uint64)[:, None]  # [depth, 1]
+        self.base = (np.arange(depth, dtype=np.int64) * width)[:, None]  # [depth, 1]
+        self.counters = torch.zeros(depth * width, dtype=torch.int32)  # [depth * width]
+        self.added = 0  # ids added since the last halving
+        self.halvings = 0
+
+    def positions(self, ids: np.ndarray) -> np.ndarray:
+        """Flat counter positions int64 ``[depth, N]`` of ``ids`` int64 ``[N]``."""
+        h = (ids.astype(np.uint64)[None, :] * self.mult) >> self.shift  # wraps mod 2**64
+        return h.astype(np.int64) + self.base
+
+    def add(self, ids: np.ndarray) -> bool:
+        """Count ``ids`` int64 ``[N]`` once each; True if the sketch was halved after."""
+        if ids.size == 0:
+            return False
+        pos = torch.from_numpy(self.positions(ids).reshape(-1))
+        self.counters.index_add_(0, pos, torch.ones(pos.numel(), dtype=torch.int32))
+        self.added += int(ids.size)
+        if self.added < self.period:
+            return False
+        self.counters.bitwise_right_shift_(1)
+        self.added = 0
+        self.halvings += 1
+        return True
+
+    def estimate(self, ids: np.ndarray) -> np.ndarray:
+        """Estimated counts int64 ``[N]`` of ``ids`` int64 ``[N]``."""
+        if ids.size == 0:
+            return np.empty(0, dtype=np.int64)
+        pos = torch.from_numpy(self.positions(ids).reshape(-1))
+        got = self.counters.take(pos).view(self.depth, ids.size)  # [depth, N]
+        return got.amin(dim=0).numpy().astype(np.int64)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Counters and addition count, for a checkpoint of the cache."""
+        return {
+            "counters": self.counters.clone(),
+            "added": torch.tensor([self.added, self.halvings], dtype=torch.int64),
+        }
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state` (same width and depth)."""
+        counters = state["counters"]
+        if counters.shape != self.counters.shape:
+            raise ValueError(
+                f"FrequencySketch: saved counters {tuple(counters.shape)}, expected "
+                f"{tuple(self.counters.shape)} (depth {self.depth} x width {self.width})"
+            )
+        self.counters.copy_(counters.to(torch.int32))
+        self.added, self.halvings = (int(v) for v in state["added"].tolist())
