@@ -134,13 +134,16 @@ def test_file_sampler_ranks_by_frequency(tmp_path: Path) -> None:
 
 
 def reference_cache(
-    batches: list[np.ndarray], capacity: int, write_bound: int, warm: int
+    batches: list[np.ndarray], capacity: int, write_bound: int, warm: int, tinylfu: bool = False
 ) -> dict[str, float]:
     """A per-id Python model of one worker's LFU cache (no other workers), the same
     step as :func:`simulate_table`: serve batch s (prefetched), prefetch the misses of
     batch s + 1 (evicting the least used rows not in batch s or s + 1, oldest first on
-    ties, pushing those with pending updates), push batch s's rows past the bound."""
+    ties, pushing those with pending updates), push batch s's rows past the bound.
+    ``tinylfu``: a row's count is its lookups so far, and the misses, most looked up
+    first, take the free slots and then only the slots of victims they beat."""
     cached: list[int] = []  # admission order
+    seen: dict[int, int] = {}  # tinylfu: lookups so far
     freq: dict[int, int] = {}
     pending: dict[int, int] = {}
     sums = dict.fromkeys(("unique", "pulled", "pushed", "hits"), 0.0)
@@ -151,10 +154,21 @@ def reference_cache(
         misses = [i for i in nxt if i not in freq]
         evict_pushed = 0
         free = capacity - len(cached)
+        busy = set(cur) | set(nxt)
+        fetched = len(misses)  # admitted or served through, each is pulled
+        if tinylfu and len(misses) > free:
+            misses = sorted(misses, key=lambda i: -seen.get(i, 0))
+            victims = sorted(freq[i] for i in cached if i not in busy)
+            admitted = misses[:free]
+            for i, v in zip(misses[free:], victims, strict=False):
+                if seen.get(i, 0) <= v:
+                    break
+                admitted.append(i)
+            misses = admitted
         if len(misses) > free:
-            busy = set(cur) | set(nxt)
             cand = [i for i in cached if i not in busy]
-            need = min(max(len(misses) - free, max(1, capacity // 16)), len(cand))
+            chunk = 1 if tinylfu else max(1, capacity // 16)
+            need = min(max(len(misses) - free, chunk), len(cand))
             victims = sorted(cand, key=lambda i: freq[i])[:need]  # sorted() is stable
             for v in victims:
                 evict_pushed += pending[v] > 0
@@ -162,41 +176,43 @@ def reference_cache(
                 del freq[v], pending[v]
         for i in misses[: capacity - len(cached)]:
             cached.append(i)
-            freq[i] = 0
+            freq[i] = seen.get(i, 0) if tinylfu else 0
             pending[i] = 0
         pushed = evict_pushed
         for i in cur:
+            seen[i] = seen.get(i, 0) + 1
             if i in freq:
                 pending[i] += 1
-                freq[i] += 1
+                freq[i] = seen[i] if tinylfu else freq[i] + 1
                 if pending[i] > write_bound:
                     pending[i] = 0
                     pushed += 1
             else:
                 pushed += 1
         hits = len(cur) - fetched_for_cur
-        fetched_for_cur = len(misses)
+        fetched_for_cur = fetched
         if s >= warm:
             counted += 1
-            for k, v in (("unique", len(cur)), ("pulled", len(misses)), ("pushed", pushed),
+            for k, v in (("unique", len(cur)), ("pulled", fetched), ("pushed", pushed),
                          ("hits", hits)):  # fmt: skip
                 sums[k] += v
     return {k: v / counted for k, v in sums.items()}
 
 
-def test_lfu_simulation_equals_a_per_id_model() -> None:
+@pytest.mark.parametrize("policy", ["lfu", "tinylfu"])
+def test_lfu_simulation_equals_a_per_id_model(policy: str) -> None:
     rows, draws, capacity, write_bound = 400, 60, 48, 2
     sampler = ZipfSampler(rows, 1.1)
-    traffic = simulate_table(
-        sampler, draws, CachePlan(rows=capacity, write_bound=write_bound), capacity, 1,
-        seed=3, measure_steps=30,
-    )  # fmt: skip
+    plan = CachePlan(rows=capacity, write_bound=write_bound, policy=policy)
+    traffic = simulate_table(sampler, draws, plan, capacity, 1, seed=3, measure_steps=30)
     # the same draws: simulate_table draws step by step from one generator
     rng = np.random.default_rng(3)
     batches = [np.unique(sampler.draw(rng, draws)) for _ in range(200)]
     # the simulation counts from the step the cache first became full
     full = next(s for s in range(200) if _filled(batches, capacity, s))
-    ref = reference_cache(batches[: full + 30 + 2], capacity, write_bound, warm=full + 1)
+    ref = reference_cache(
+        batches[: full + 30 + 2], capacity, write_bound, warm=full + 1, tinylfu=policy == "tinylfu"
+    )
     assert traffic.unique == pytest.approx(ref["unique"])
     assert traffic.pulled == pytest.approx(ref["pulled"])
     assert traffic.pushed == pytest.approx(ref["pushed"])

@@ -200,6 +200,10 @@ def simulate_table(
     slots = np.empty(0, dtype=np.int64)  # cached ranks
     rate_scale = (workers - 1) / (cache.write_bound + 1)
     lfu = cache.policy == "lfu"
+    # TinyLFU: the key is how often an id was looked up so far (its sketch estimate, here
+    # exact), and a miss is admitted only if that beats its victim's.
+    tinylfu = cache.policy == "tinylfu"
+    seen = np.zeros(tracked, dtype=np.int64) if tinylfu else None
     chunk = max(1, cap // 16)  # evict in chunks, as the cache does
 
     totals = np.zeros(8)  # unique, pulled, refreshed, pushed, hits, pulls, checks, pushes
@@ -230,8 +234,12 @@ def simulate_table(
         miss = t[~hit]
         free = cap - slots.size
         evict_pushed = 0
+        fetched = miss.size + cold  # every miss is pulled, admitted or served through
+        if seen is not None and miss.size > free:
+            miss = _tinylfu_admits(miss, seen, slots, key, free, np.concatenate([cur, nxt]))
         if miss.size > free and slots.size:
-            need = min(max(miss.size - free, chunk), slots.size)
+            # TinyLFU evicts exactly the victims its admitted misses beat.
+            need = min(miss.size - free if tinylfu else max(miss.size - free, chunk), slots.size)
             busy = np.isin(slots, nxt) | np.isin(slots, cur)
             cand = np.flatnonzero(~busy)
             need = min(need, cand.size)
@@ -245,7 +253,7 @@ def simulate_table(
                 slots = np.delete(slots, cand[order])
         admit = miss[: max(0, cap - slots.size)]
         in_cache[admit] = True
-        key[admit] = 0 if lfu else step
+        key[admit] = seen[admit] if seen is not None else 0 if lfu else step
         others[admit] = 0
         last[admit] = step + 1
         pending[admit] = 0
@@ -256,12 +264,15 @@ def simulate_table(
         pending[c] += 1
         due = c[pending[c] > cache.write_bound]
         pending[due] = 0
-        if lfu:
+        if seen is not None:
+            seen[cur[cur < tracked]] += 1
+            key[c] = seen[c]
+        elif lfu:
             key[c] += 1
         else:
             key[c] = step
         pushed = due.size + evict_pushed + (cur.size - c.size)  # uncached rows go at once
-        pulled = miss.size + cold
+        pulled = fetched
         hits = cur.size - fetched_for_cur - refreshed  # the cache counts fetched rows as misses
         fetched_for_cur = pulled
         if measuring:
@@ -281,6 +292,26 @@ def simulate_table(
         pushed=m[3], hit_rate=m[4] / max(m[0], 1e-12), pull_requests=m[5],
         check_requests=m[6], push_requests=m[7],
     )  # fmt: skip
+
+
+def _tinylfu_admits(
+    miss: np.ndarray,
+    seen: np.ndarray,
+    slots: np.ndarray,
+    key: np.ndarray,
+    free: int,
+    busy: np.ndarray,
+) -> np.ndarray:
+    """The misses TinyLFU admits, most frequent first: the first ``free`` take free
+    slots, each next one only if its count beats the next victim's (the least frequent
+    cached rows not in ``busy`` use). The rest are served and pushed straight through."""
+    order = miss[np.argsort(-seen[miss], kind="stable")]
+    idle = slots[~np.isin(slots, busy)]
+    victims = np.sort(key[idle], kind="stable")  # ascending
+    contest = order[free : free + victims.size]
+    better = seen[contest] > victims[: contest.size]  # both sorted: the winners are a prefix
+    wins = contest.size if bool(better.all()) else int(np.argmin(better))
+    return order[: free + wins]
 
 
 class TrafficModel:

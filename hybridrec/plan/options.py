@@ -79,7 +79,9 @@ class PlanOptions:
     cache_rows: int = option(0, help="hot-row cache: rows per table")
     read_bound: int = option(0, help="cache read bound s_r")
     write_bound: int = option(0, help="cache write bound s_w")
-    cache_policy: Literal["lfu", "lru"] = option("lfu", help="cache eviction policy")
+    cache_policy: Literal["lfu", "lru", "tinylfu"] = option(
+        "lfu", help="cache eviction policy (tinylfu: LFU plus frequency-based admission)"
+    )
     # ---- network and device
     bandwidth_gbps: float = option(0.0, help="link bandwidth, Gbit/s (0: this machine's)")
     latency_us: float = option(0.0, help="one-way link latency, microseconds")

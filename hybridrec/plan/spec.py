@@ -23,7 +23,7 @@ from typing import Any
 PLACEMENTS = ("local", "hybrid", "sharded")
 STORES = ("mpi", "inprocess")
 PROTOCOLS = ("auto", "batched", "per-table")
-POLICIES = ("lfu", "lru")
+POLICIES = ("lfu", "lru", "tinylfu")
 DEVICES = ("cpu", "gpu")
 
 
