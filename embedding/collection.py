@@ -289,8 +289,8 @@ class EmbeddingCollection(nn.Module):
         here = kjt.ids.device == dev and kjt.lengths.device == dev
         if here and (w is None or w.device == dev):
             return kjt
-        if kjt.ids.device.type == "cpu" and kjt.lengths.device.type == "cpu":
-            kjt.key_starts()  # host ints, carried to the moved batch
+        if kjt.lengths.device.type == "cpu":
+            kjt.key_starts()  # host ints from host lengths (ids may be on the device already)
         return kjt.to(dev, non_blocking=True)
 
     def _group_keys(self, kjt: KeyedJaggedIds) -> list[tuple[TableConfig, list[str]]]:
