@@ -291,7 +291,9 @@ class EmbeddingCollection(nn.Module):
             return kjt
         if kjt.lengths.device.type == "cpu":
             kjt.key_starts()  # host ints from host lengths (ids may be on the device already)
-        return kjt.to(dev, non_blocking=True)
+        # Non-blocking only towards a GPU: a non-blocking copy from a GPU to the host
+        # returns before the bytes land, and the host code below would read them.
+        return kjt.to(dev, non_blocking=dev.type == "cuda")
 
     def _group_keys(self, kjt: KeyedJaggedIds) -> list[tuple[TableConfig, list[str]]]:
         """Tables touched by the batch (in table order) with their features (in key order)."""
