@@ -58,7 +58,15 @@ nvidia-smi -L 2>/dev/null | tee -a "$DEST/machine.log" || true
 if [[ ${STATUS[machine]} == ok ]]; then
   run_part cases "$(cap 80 230)" "$DEST/cases.jsonl" "$PY" tests/triton_cases.py --device cuda
 
-  mapfile -t GPU_TESTS < <(grep -l "mark.gpu" tests/test_*.py)
+  # In-process checks first (every placement and optimizer, state dicts, kernels), then
+  # the jobs, then the files that launch ranks (mpirun, gloo, nccl): a run cut short by
+  # its timeout has then answered the most.
+  FIRST=(tests/test_embedding_device.py tests/test_embedding_state_dict.py
+         tests/test_ps_inprocess.py tests/test_triton_kernels.py tests/test_device_jobs.py)
+  mapfile -t MARKED < <(grep -l "mark.gpu" tests/test_*.py)
+  GPU_TESTS=()
+  for f in "${FIRST[@]}"; do [[ " ${MARKED[*]} " == *" $f "* ]] && GPU_TESTS+=("$f"); done
+  for f in "${MARKED[@]}"; do [[ " ${FIRST[*]} " == *" $f "* ]] || GPU_TESTS+=("$f"); done
   if (( ${#GPU_TESTS[@]} )); then
     # Only the files with gpu tests are collected (others import packages this machine
     # may lack); -m gpu keeps their CUDA tests; -v names each result as it comes, so a

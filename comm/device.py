@@ -63,6 +63,7 @@ def worker_device(
     An nccl group already holds this rank's GPU: ``auto`` and ``cuda`` mean that one,
     and ``cpu`` is an error (nccl moves CUDA tensors only). ``local_rank`` defaults to
     the launcher's (``torchrun``'s ``LOCAL_RANK``, ``mpirun``'s local rank variables).
+    A CUDA device becomes this process's current device.
     """
     own = getattr(group, "device", None)
     if isinstance(own, torch.device) and own.type == "cuda":
@@ -76,7 +77,13 @@ def worker_device(
         from comm.init import detect_launch
 
         local_rank = detect_launch().local_rank
-    return resolve_device(requested, local_rank)
+    device = resolve_device(requested, local_rank)
+    if device.type == "cuda":
+        # This rank's GPU becomes the current one (as comm.init does for nccl): Triton
+        # launches its kernels on the current device's stream, whatever device the
+        # tensors are on, and "cuda" without an index means the current device.
+        torch.cuda.set_device(device)
+    return device
 
 
 def default_device(group: ProcessGroup | None = None) -> torch.device:

@@ -421,7 +421,8 @@ class _StepRun:
         self.input_grads: dict[int, torch.Tensor] = {}  # mb -> grad of its input rows
         self.posted = 0
         self.busy_s = self.wait_s = 0.0
-        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        # On the stage's device: the last stage adds its losses (device tensors) in place.
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=pipe.device)
 
     # Tags: unique per (pipe, direction, micro-batch) within a step; every message of a
     # step completes before the step ends, so steps reuse them.

@@ -289,9 +289,11 @@ class EmbeddingCollection(nn.Module):
         here = kjt.ids.device == dev and kjt.lengths.device == dev
         if here and (w is None or w.device == dev):
             return kjt
-        if kjt.ids.device.type == "cpu" and kjt.lengths.device.type == "cpu":
-            kjt.key_starts()  # host ints, carried to the moved batch
-        return kjt.to(dev, non_blocking=True)
+        if kjt.lengths.device.type == "cpu":
+            kjt.key_starts()  # host ints from host lengths (ids may be on the device already)
+        # Non-blocking only towards a GPU: a non-blocking copy from a GPU to the host
+        # returns before the bytes land, and the host code below would read them.
+        return kjt.to(dev, non_blocking=dev.type == "cuda")
 
     def _group_keys(self, kjt: KeyedJaggedIds) -> list[tuple[TableConfig, list[str]]]:
         """Tables touched by the batch (in table order) with their features (in key order)."""

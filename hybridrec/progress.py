@@ -1,8 +1,9 @@
 """A progress bar for training loops: samples/s, loss and ETA, on rank 0 only.
 
 Quiet when stderr is not a terminal (CI logs, redirected runs), on ranks other
-than 0 (multi-rank jobs print one bar, not N interleaved ones) or when the job
-says so (``--no-progress``).
+than 0 (multi-rank jobs print one bar, not N interleaved ones), when the job
+says so (``--no-progress``), or when ``tqdm`` is not installed (a training machine
+with only torch and numpy still trains, without a bar).
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ import time
 from typing import Any
 
 import torch
-from tqdm import tqdm
+
+try:
+    from tqdm import tqdm
+except ImportError:  # tqdm is the examples' extra, not a dependency of training
+    tqdm = None
 
 _SHOW_EVERY_S = 0.5  # the loss and rate on the bar are refreshed at most this often
 
@@ -34,14 +39,17 @@ class Progress:
         initial: int = 0,
     ) -> None:
         on = enabled and rank == 0 and sys.stderr.isatty()
-        self._bar: Any = tqdm(
-            total=total_steps,
-            initial=initial,
-            desc=desc,
-            unit="step",
-            disable=not on,
-            dynamic_ncols=True,
-        )
+        if tqdm is None:
+            self._bar: Any = _NoBar()
+        else:
+            self._bar = tqdm(
+                total=total_steps,
+                initial=initial,
+                desc=desc,
+                unit="step",
+                disable=not on,
+                dynamic_ncols=True,
+            )
         self._samples = 0
         self._shown = -_SHOW_EVERY_S  # when the postfix was last written (monotonic s)
 
@@ -70,3 +78,15 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _NoBar:
+    """The part of tqdm's bar :class:`Progress` uses, switched off (no tqdm installed)."""
+
+    disable = True
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

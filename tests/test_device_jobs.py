@@ -216,7 +216,9 @@ def test_two_ranks_sharing_one_gpu_over_gloo_equal_one_rank(tmp_path: Path) -> N
     args[args.index("--backend") + 1] = "gloo"
 
     def run(n: int, out: Path) -> list[dict[str, Any]]:
-        cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(n),
+        # torchrun as a module: its script need not sit beside this python (a system
+        # python on the GPU machine keeps scripts elsewhere).
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
                "--master-port", str(free_port()), str(ROOT / "examples" / "train_dlrm.py"),
                *args, "--metrics-out", str(out)]  # fmt: skip
         env = rank_env()
