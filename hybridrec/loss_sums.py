@@ -2,8 +2,9 @@
 
 A step returns its loss as a float or as a 0-d tensor. Converting a CUDA loss to a
 float waits for the step's kernels (a host synchronisation per step, which stalls the
-next step's launches); :class:`LossSums` keeps device losses as tensors and adds them
-up when the sums are read (a log line, an evaluation, a checkpoint).
+next step's launches); :class:`LossSums` adds device losses up on the device (one tiny
+kernel per step) and reads the sum when the sums are read (a log line, an evaluation,
+a checkpoint).
 """
 
 from __future__ import annotations
@@ -18,28 +19,31 @@ class LossSums:
 
     def __init__(self) -> None:
         self._host = torch.zeros(2, dtype=torch.float64)
-        self._pending: list[torch.Tensor] = []  # 0-d device losses not yet added
+        self._device_sum: torch.Tensor | None = None  # 0-d float64 on the losses' device
+        self._device_count = 0
 
     def add(self, loss: Loss) -> None:
         if isinstance(loss, torch.Tensor) and loss.device.type != "cpu":
-            self._pending.append(loss.detach().reshape(()))
+            value = loss.detach().reshape(()).double()
+            self._device_sum = value if self._device_sum is None else self._device_sum + value
+            self._device_count += 1
         else:
             self._host += torch.tensor([float(loss), 1.0], dtype=torch.float64)
 
     def value(self) -> torch.Tensor:
-        """The sums, float64 ``[2]`` on the host (reads any device losses once)."""
-        if self._pending:
-            total = torch.stack(self._pending).double().sum()
-            self._host += torch.stack([total.cpu(), torch.tensor(float(len(self._pending)))])
-            self._pending = []
+        """The sums, float64 ``[2]`` on the host (reads the device sum once)."""
+        if self._device_sum is not None:
+            count = torch.tensor(float(self._device_count), dtype=torch.float64)
+            self._host += torch.stack([self._device_sum.cpu(), count])
+            self._device_sum, self._device_count = None, 0
         return self._host.clone()
 
     def set(self, sums: torch.Tensor) -> None:
         self._host = sums.to(torch.float64).clone()
-        self._pending = []
+        self._device_sum, self._device_count = None, 0
 
     def reset(self) -> None:
         self.set(torch.zeros(2, dtype=torch.float64))
 
     def __bool__(self) -> bool:
-        return bool(self._pending) or bool(self._host[1])
+        return self._device_count > 0 or bool(self._host[1])
