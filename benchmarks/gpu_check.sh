@@ -20,7 +20,7 @@ mkdir -p "$DEST"
 export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 
-TOTAL=335  # seconds for the whole check; each part gets at most its cap and what is left
+TOTAL=345  # seconds for the whole check; each part gets at most its cap and what is left
 declare -A STATUS SECS
 cap() {  # cap <max seconds> <seconds kept for the parts after this one>
   local left=$(( TOTAL - SECONDS - $2 ))
@@ -56,7 +56,7 @@ PY
 nvidia-smi -L 2>/dev/null | tee -a "$DEST/machine.log" || true
 
 if [[ ${STATUS[machine]} == ok ]]; then
-  run_part cases "$(cap 80 230)" "$DEST/cases.jsonl" "$PY" tests/triton_cases.py --device cuda
+  run_part cases "$(cap 60 270)" "$DEST/cases.jsonl" "$PY" tests/triton_cases.py --device cuda
 
   # In-process checks first (every placement and optimizer, state dicts, kernels), then
   # the jobs, then the files that launch ranks (mpirun, gloo, nccl): a run cut short by
@@ -72,7 +72,7 @@ if [[ ${STATUS[machine]} == ok ]]; then
     # may lack); -m gpu keeps their CUDA tests; -v names each result as it comes, so a
     # timed-out run still says which passed. The cases ran above: their pytest twin is
     # deselected. The shell timeout bounds the whole run (pytest-timeout may be absent).
-    run_part gpu_tests "$(cap 110 120)" "$DEST/pytest_gpu.log" \
+    run_part gpu_tests "$(cap 150 120)" "$DEST/pytest_gpu.log" \
       env HYBRIDREC_REQUIRE_TRITON=1 "$PY" -m pytest -m gpu -v -p no:cacheprovider \
       --continue-on-collection-errors \
       --deselect tests/test_triton_kernels.py::test_triton_cases_on_cuda "${GPU_TESTS[@]}"
@@ -80,7 +80,7 @@ if [[ ${STATUS[machine]} == ok ]]; then
     STATUS[gpu_tests]="none: no test file has a gpu mark"; SECS[gpu_tests]=0
   fi
 
-  BENCH_LIMIT=$(cap 180 0)
+  BENCH_LIMIT=$(cap 170 0)
   run_part bench "$BENCH_LIMIT" "$DEST/bench.log" \
     "$PY" benchmarks/gpu_bench.py --out "$DEST" --budget-s $(( BENCH_LIMIT - 15 )) "$@"
 else
