@@ -223,6 +223,14 @@ class EmbeddingCollection(nn.Module):
     # ------------------------------------------------------------ forward
 
     def forward(self, kjt: KeyedJaggedIds) -> dict[str, torch.Tensor]:
+        if self._device.type == "cuda":
+            # Triton launches on the current device's stream whatever its tensors' device:
+            # a collection on cuda:1 in a process whose current device is 0 must switch.
+            with torch.cuda.device(self._device):
+                return self._forward(kjt)
+        return self._forward(kjt)
+
+    def _forward(self, kjt: KeyedJaggedIds) -> dict[str, torch.Tensor]:
         kjt = self._on_device(kjt, "EmbeddingCollection")
         plan = self._group_keys(kjt)
         out: dict[str, torch.Tensor] = {}
