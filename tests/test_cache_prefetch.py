@@ -6,7 +6,6 @@ The slow store is a real ``ps.Store``: an InProcessStore whose pull replies arri
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -16,31 +15,20 @@ import torch
 import cache
 import ps
 from comm import Handle
+from wrapped_store import WrappedStore
 
 pytestmark = pytest.mark.timeout(120)
 
 DIM = 4
 
 
-class SlowStore(ps.Store):
+class SlowStore(WrappedStore):
     """``InProcessStore`` with ``delay`` seconds of latency on every pull reply."""
 
     def __init__(self, delay: float) -> None:
-        self.inner = ps.InProcessStore()
+        super().__init__()
         self.delay = delay
         self.pulls = 0
-
-    def create_table(self, spec: ps.TableSpec, *, exist_ok: bool = False) -> None:
-        self.inner.create_table(spec, exist_ok=exist_ok)
-
-    def drop_table(self, table: str) -> None:
-        self.inner.drop_table(table)
-
-    def tables(self) -> list[str]:
-        return self.inner.tables()
-
-    def spec(self, table: str) -> ps.TableSpec:
-        return self.inner.spec(table)
 
     def pull_async(
         self,
@@ -64,24 +52,6 @@ class SlowStore(ps.Store):
             timeout_s=30.0,
             block=block,
         )
-
-    def push_async(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> Handle:
-        return self.inner.push_async(table, ids, grads)
-
-    def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        return self.inner.clocks(table, ids)
-
-    def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        return self.inner.state(table, ids)
-
-    def stats(self) -> dict[str, dict[str, int | float]]:
-        return self.inner.stats()
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        self.inner.save(path)
-
-    def load(self, path: str | os.PathLike[str]) -> None:
-        self.inner.load(path)
 
 
 def _cached(delay: float, **kw: object) -> tuple[cache.CachedStore, SlowStore]:

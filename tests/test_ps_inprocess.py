@@ -15,6 +15,7 @@ import comm
 import ps
 from cache import CacheConfig, CachedStore
 from ps_lifecycle import check_lifecycle
+from wrapped_store import WrappedStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -421,24 +422,12 @@ def test_batched_requests_equal_per_table_requests_and_count_one_message() -> No
     check_batched(ps.InProcessStore(), "batch_", servers=1)
 
 
-class _OneTableAtATime(ps.Store):
+class _OneTableAtATime(WrappedStore):
     """A store that speaks only the per-table requests (the base class batches for it)."""
 
     def __init__(self) -> None:
-        self.inner = ps.InProcessStore()
+        super().__init__()
         self.calls = 0
-
-    def create_table(self, spec: ps.TableSpec, *, exist_ok: bool = False) -> None:
-        self.inner.create_table(spec, exist_ok=exist_ok)
-
-    def drop_table(self, table: str) -> None:
-        self.inner.drop_table(table)
-
-    def tables(self) -> list[str]:
-        return self.inner.tables()
-
-    def spec(self, table: str) -> ps.TableSpec:
-        return self.inner.spec(table)
 
     def pull_async(self, table, ids, *, clocks=None, bound=None):  # type: ignore[no-untyped-def]
         self.calls += 1
@@ -447,21 +436,6 @@ class _OneTableAtATime(ps.Store):
     def push_async(self, table, ids, grads):  # type: ignore[no-untyped-def]
         self.calls += 1
         return self.inner.push_async(table, ids, grads)
-
-    def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        return self.inner.clocks(table, ids)
-
-    def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        return self.inner.state(table, ids)
-
-    def stats(self) -> dict[str, dict[str, int | float]]:
-        return self.inner.stats()
-
-    def save(self, path) -> None:  # type: ignore[no-untyped-def]
-        self.inner.save(path)
-
-    def load(self, path) -> None:  # type: ignore[no-untyped-def]
-        self.inner.load(path)
 
 
 def test_the_base_class_batches_any_store_one_table_at_a_time() -> None:
