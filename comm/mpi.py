@@ -19,7 +19,7 @@ from mpi4py import MPI
 from comm.failures import exception_in_flight, release_abort_hook
 from comm.group import ProcessGroup, ReduceOp
 from comm.handle import Handle
-from comm.staging import Alloc, host_empty
+from comm.staging import Alloc
 
 # torch dtype -> (MPI datatype, whether MPI can reduce it). Half types travel as
 # 16-bit integers (MPI has no standard half type) and are reduced in float32.
@@ -93,14 +93,12 @@ class MPIGroup(ProcessGroup):
         self._handle(req, lambda: None, "allgather (argument check)").wait()
         return out.tolist()  # type: ignore[no-any-return]
 
-    # Each primitive is a host path ``_host_*(tensor, alloc, ...)``. A CPU tensor takes
-    # it at once (outputs from torch.empty); any other goes through ``_on_host``, which
-    # stages it through pinned blocks (copied in, outputs allocated there, the result
+    # Each primitive is a host path ``_host_*(tensor, alloc, ...)`` run by ``_on_host``:
+    # a CPU tensor takes it at once (outputs from torch.empty); a device tensor is
+    # staged through pinned blocks (copied in, outputs allocated there, the result
     # copied back at wait).
 
     def _allreduce_async(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
-        if tensor.is_cpu and not self.stage_cpu_tensors:
-            return self._host_allreduce(tensor, host_empty, op)
         return self._on_host(tensor, lambda t, a: self._host_allreduce(t, a, op), in_place=True)
 
     def _host_allreduce(self, tensor: torch.Tensor, alloc: Alloc, op: ReduceOp) -> Handle:
@@ -119,8 +117,6 @@ class MPIGroup(ProcessGroup):
         return self._handle(req, finish, "allreduce")
 
     def _broadcast_async(self, tensor: torch.Tensor, root: int) -> Handle:
-        if tensor.is_cpu and not self.stage_cpu_tensors:
-            return self._host_broadcast(tensor, host_empty, root)
         # Staged, only the root's bytes need to reach the host.
         return self._on_host(
             tensor,
@@ -134,8 +130,6 @@ class MPIGroup(ProcessGroup):
         return self._handle(req, lambda: tensor, "broadcast")
 
     def _allgather_async(self, tensor: torch.Tensor) -> Handle:
-        if tensor.is_cpu and not self.stage_cpu_tensors:
-            return self._host_allgather(tensor, host_empty)
         return self._on_host(tensor, self._host_allgather)
 
     def _host_allgather(self, tensor: torch.Tensor, alloc: Alloc) -> Handle:
@@ -144,8 +138,6 @@ class MPIGroup(ProcessGroup):
         return self._handle(req, lambda: out, "allgather")
 
     def _allgatherv_async(self, tensor: torch.Tensor, counts: list[int]) -> Handle:
-        if tensor.is_cpu and not self.stage_cpu_tensors:
-            return self._host_allgatherv(tensor, host_empty, counts)
         return self._on_host(tensor, lambda t, a: self._host_allgatherv(t, a, counts))
 
     def _host_allgatherv(self, tensor: torch.Tensor, alloc: Alloc, counts: list[int]) -> Handle:
@@ -157,8 +149,6 @@ class MPIGroup(ProcessGroup):
         return self._handle(req, lambda: out, "allgatherv")
 
     def _reduce_scatter_async(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
-        if tensor.is_cpu and not self.stage_cpu_tensors:
-            return self._host_reduce_scatter(tensor, host_empty, op)
         return self._on_host(tensor, lambda t, a: self._host_reduce_scatter(t, a, op))
 
     def _host_reduce_scatter(self, tensor: torch.Tensor, alloc: Alloc, op: ReduceOp) -> Handle:
@@ -176,8 +166,6 @@ class MPIGroup(ProcessGroup):
         return self._handle(req, finish, "reduce_scatter")
 
     def _alltoallv_async(self, tensor: torch.Tensor, send: list[int], recv: list[int]) -> Handle:
-        if tensor.is_cpu and not self.stage_cpu_tensors:
-            return self._host_alltoallv(tensor, host_empty, send, recv)
         return self._on_host(tensor, lambda t, a: self._host_alltoallv(t, a, send, recv))
 
     def _host_alltoallv(
@@ -198,8 +186,6 @@ class MPIGroup(ProcessGroup):
         return self._handle(self._comm.Ibarrier(), lambda: None, "barrier")
 
     def _send_async(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
-        if tensor.is_cpu and not self.stage_cpu_tensors:
-            return self._host_send(tensor, host_empty, dst, tag)
         # A staged block is kept until the send completes.
         return self._on_host(tensor, lambda t, a: self._host_send(t, a, dst, tag))
 
@@ -208,8 +194,6 @@ class MPIGroup(ProcessGroup):
         return self._handle(req, lambda: None, f"send to rank {dst}")
 
     def _recv_async(self, tensor: torch.Tensor, src: int, tag: int) -> Handle:
-        if tensor.is_cpu and not self.stage_cpu_tensors:
-            return self._host_recv(tensor, host_empty, src, tag)
         return self._on_host(
             tensor, lambda t, a: self._host_recv(t, a, src, tag), read=False, in_place=True
         )
