@@ -36,11 +36,7 @@ def resolve_device(requested: str = "auto", local_rank: int = 0) -> torch.device
         req = "cuda"
     if req == "cuda" or req.startswith("cuda:"):
         if not cuda_available():
-            raise RuntimeError(
-                f"device {requested!r} asked for, but torch sees no CUDA device "
-                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); "
-                "use --device cpu or auto"
-            )
+            raise _no_cuda(requested)
         count = torch.cuda.device_count()
         if req == "cuda":
             index = local_rank % count
@@ -84,6 +80,34 @@ def worker_device(
         # tensors are on, and "cuda" without an index means the current device.
         torch.cuda.set_device(device)
     return device
+
+
+def _no_cuda(requested: object) -> RuntimeError:
+    return RuntimeError(
+        f"device {str(requested)!r} asked for, but torch sees no CUDA device "
+        f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); "
+        "use --device cpu or auto"
+    )
+
+
+def exact_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: plain ``"cuda"`` is the current CUDA device, so it
+    compares equal to the device of a tensor placed there. CUDA without CUDA is an error
+    naming the device."""
+    device = torch.device(device)
+    if device.type == "cuda" and not cuda_available():
+        raise _no_cuda(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def module_device(
+    group: ProcessGroup | None = None, device: torch.device | str | None = None
+) -> torch.device:
+    """Where a module of ``group`` computes: ``device`` (exact) when given, else
+    :func:`default_device` of the group."""
+    return default_device(group) if device is None else exact_device(device)
 
 
 def default_device(group: ProcessGroup | None = None) -> torch.device:

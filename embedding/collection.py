@@ -48,11 +48,11 @@ import torch
 from torch import nn
 
 from comm import LocalGroup, ProcessGroup
-from comm.device import default_device
+from comm.device import module_device
 from embedding.checkpoint_io import agree, run_on_rank0
 from embedding.config import TableConfig
 from embedding.hybrid import HybridTables, backing_store
-from embedding.jagged import KeyedJaggedIds, exact_device
+from embedding.jagged import KeyedJaggedIds
 from embedding.local_tables import LocalTables
 from embedding.table_state import target_device
 from ps import InProcessStore, Store, TableSpec
@@ -119,7 +119,7 @@ class EmbeddingCollection(nn.Module):
         self.group: ProcessGroup = LocalGroup() if group is None else group
         self.store: Store = InProcessStore() if store is None else store
         try:
-            dev = default_device(self.group) if device is None else exact_device(device)
+            dev = module_device(self.group, device)
         except (RuntimeError, TypeError, ValueError) as e:
             raise ValueError(f"EmbeddingCollection: {e}") from None
         self._device = dev

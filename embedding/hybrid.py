@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from comm import ProcessGroup
-from comm.device import default_device
+from comm.device import module_device
 from embedding.checkpoint_io import run_on_rank0
 from embedding.checks import check_batch_ids, check_ids, check_weights
 from embedding.config import TableConfig
@@ -61,7 +61,7 @@ from embedding.fused_ops import (
     name_parts,
     sorted_segment_sum,
 )
-from embedding.jagged import KeyedJaggedIds, exact_device
+from embedding.jagged import KeyedJaggedIds
 from embedding.table_state import part_from_state_dict, target_device
 from ps import InProcessStore, PullRequest, PushRequest, Store, TableSpec
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
@@ -192,7 +192,7 @@ class HybridTables(nn.Module):
             store_is_shared = not store_is_replicated(store)
         self.store_is_shared = bool(store_is_shared)
         create_tables(store, [cfg.to_spec() for cfg in configs], group, self.store_is_shared)
-        dev = default_device(group) if device is None else exact_device(device)
+        dev = module_device(group, device)
         # Autograd needs one input that requires grad to record the lookup node.
         self._anchor = torch.zeros(0, requires_grad=True, device=dev)
         # A zero tied to the lookup node when it has no named output in this batch

@@ -1,8 +1,8 @@
 """The jagged batch of sparse ids: the only way ids travel between layers.
 
-Imports only torch at runtime (:meth:`KeyedJaggedIds.bucketize_by_rank` imports
-:mod:`embedding.jagged_dist` when called), so every layer (loaders, caches, collections, comm hooks)
-can depend on it.
+Imports only torch and :mod:`comm.device` at runtime
+(:meth:`KeyedJaggedIds.bucketize_by_rank` imports :mod:`embedding.jagged_dist` when
+called), so loaders, collections and jobs can all depend on it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # only for annotations: this module imports nothing but torch at runtime
+from comm.device import exact_device
+
+if TYPE_CHECKING:  # only for annotations (see the module docstring)
     from embedding.jagged_dist import IdBuckets
     from embedding.sharding_plan import ShardingPlan
 
@@ -23,17 +25,6 @@ def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, dim=0, out=out[1:])
     return out
-
-
-def exact_device(device: torch.device | str) -> torch.device:
-    """``device`` with its index: plain ``"cuda"`` is the current CUDA device, so it
-    compares equal to the device of a tensor placed there."""
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {str(device)!r} asked for, but torch sees no CUDA device")
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 @dataclass(slots=True, frozen=True)

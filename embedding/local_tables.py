@@ -12,8 +12,8 @@ initializer); the backward gathers every rank's coalesced row gradients with
 identical update (the same rule as replicated hybrid tables).
 
 Device: the tables live on the collection's device (weights, optimizer state
-and clocks allocated there; initial rows computed on the host in chunks and
-copied). They are module state: each group's ``weight [R, D]``, ``state [R, S]``
+and clocks allocated there; initial rows hashed there in chunks, bit for bit the
+host values). They are module state: each group's ``weight [R, D]``, ``state [R, S]``
 and ``clocks [R]`` are registered buffers, so ``module.to(device)`` moves them
 (the fused groups are rebound to the moved tensors), and the state dict names
 them per table: ``<table>.weight``, ``<table>.state``, ``<table>.clocks``.
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from comm import ProcessGroup
-from comm.device import default_device
+from comm.device import module_device
 from embedding.checks import check_batch_ids, check_weights
 from embedding.config import TableConfig
 from embedding.fused_ops import (
@@ -40,7 +40,7 @@ from embedding.fused_ops import (
     lookup,
     name_parts,
 )
-from embedding.jagged import KeyedJaggedIds, exact_device
+from embedding.jagged import KeyedJaggedIds
 from embedding.table_state import apply_keep_dtype, copy_checked, target_device
 from ps import Optimizer, TableSpec
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
@@ -76,7 +76,7 @@ class LocalTables(nn.Module):
         super().__init__()
         self.configs = {c.name: c for c in configs}
         self.group = group
-        dev = default_device(group) if device is None else exact_device(device)
+        dev = module_device(group, device)
         keys: dict[tuple[int, Optimizer], list[TableConfig]] = {}
         for cfg in configs:
             keys.setdefault((cfg.dim, cfg.optimizer), []).append(cfg)

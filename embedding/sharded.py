@@ -66,12 +66,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from comm import ProcessGroup
-from comm.device import default_device
+from comm.device import module_device
 from embedding.checkpoint_io import write_from_rank0
 from embedding.checks import check_weights, sequence_length
 from embedding.config import TableConfig
 from embedding.fused_ops import FusedGroup, apply_optimizer, segment_sum
-from embedding.jagged import KeyedJaggedIds, exact_device, offsets_from_lengths
+from embedding.jagged import KeyedJaggedIds, offsets_from_lengths
 from embedding.jagged_dist import (
     bucketize,
     dedup,
@@ -164,7 +164,7 @@ class ShardedTables(nn.Module):
         self.plan = plan
         self._check_plan()
         self._dims = torch.tensor([c.dim for c in self._configs], dtype=torch.int64)  # [T]
-        dev = default_device(group) if device is None else exact_device(device)
+        dev = module_device(group, device)
         # The leaf the row exchange hangs off, so autograd calls its backward.
         self._anchor = torch.empty(0, requires_grad=True, device=dev)
         self._shards: list[LocalTable | None] = [
