@@ -32,22 +32,35 @@ def check_batch_ids(
     _check_ranges([(cfg, f, kjt.key_slice(f).ids) for cfg, feats in tables for f in feats])
 
 
-def _check_ranges(given: Sequence[tuple[TableConfig, str, torch.Tensor]]) -> None:
-    """Raise naming the first feature with an id outside its table's rows."""
-    given = [g for g in given if g[0].num_rows is not None and g[2].numel() > 0]
-    if not given:
-        return
-    # Every feature's (min, max) read back at once: one host sync on a GPU.
-    bounds = torch.stack([torch.stack(torch.aminmax(t)) for *_, t in given]).tolist()
-    for (cfg, feat, _), (lo, hi) in zip(given, bounds, strict=True):
-        n = cfg.num_rows
+def first_out_of_range(
+    given: Sequence[tuple[int | None, torch.Tensor]],
+) -> tuple[int, int] | None:
+    """``(position in given, offending id)`` of the first ``(num_rows, ids)`` with an id
+    outside ``[0, num_rows)`` (``num_rows`` None: any id), or None. Every ``(min, max)``
+    is read back at once: one host sync on a GPU."""
+    at = [i for i, (n, t) in enumerate(given) if n is not None and t.numel() > 0]
+    if not at:
+        return None
+    bounds = torch.stack([torch.stack(torch.aminmax(given[i][1])) for i in at]).tolist()
+    for i, (lo, hi) in zip(at, bounds, strict=True):
+        n = given[i][0]
         assert n is not None
         if lo < 0 or hi >= n:
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"EmbeddingCollection: feature {feat!r} has id {bad}, out of range for "
-                f"table {cfg.name!r} with {n} rows (valid ids [0, {n}))"
-            )
+            return i, lo if lo < 0 else hi
+    return None
+
+
+def _check_ranges(given: Sequence[tuple[TableConfig, str, torch.Tensor]]) -> None:
+    """Raise naming the first feature with an id outside its table's rows."""
+    found = first_out_of_range([(cfg.num_rows, t) for cfg, _, t in given])
+    if found is not None:
+        i, bad = found
+        cfg, feat, _ = given[i]
+        n = cfg.num_rows
+        raise ValueError(
+            f"EmbeddingCollection: feature {feat!r} has id {bad}, out of range for "
+            f"table {cfg.name!r} with {n} rows (valid ids [0, {n}))"
+        )
 
 
 def whole_batch_in_range(

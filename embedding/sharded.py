@@ -68,7 +68,7 @@ from torch import nn
 from comm import ProcessGroup
 from comm.device import module_device
 from embedding.checkpoint_io import write_from_rank0
-from embedding.checks import check_weights, sequence_length
+from embedding.checks import check_weights, first_out_of_range, sequence_length
 from embedding.config import TableConfig
 from embedding.fused_ops import FusedGroup, apply_optimizer, segment_sum
 from embedding.jagged import KeyedJaggedIds, offsets_from_lengths
@@ -511,9 +511,9 @@ class ShardedTables(nn.Module):
         order = sorted(per_table)
         slices = {t: [kjt.key_slice(f) for f in per_table[t]] for t in order}
         ids = {t: torch.cat([s.ids for s in slices[t]]) for t in order}  # [N] per table
-        bad_table = self._first_out_of_range(ids)  # one host sync on a GPU
-        if bad_table is not None:
-            t = bad_table
+        found = first_out_of_range([(self._configs[t].num_rows, ids[t]) for t in order])
+        if found is not None:  # (one host sync on a GPU for every table)
+            t = order[found[0]]
             n = self._configs[t].num_rows
             assert n is not None
             bad = (ids[t] < 0) | (ids[t] >= n)
@@ -536,20 +536,6 @@ class ShardedTables(nn.Module):
             batches.append(_TableBatch(t, feats, inverse, unique, lengths, weights, seq))
             assert lengths.numel() == len(feats) * b
         return batches, [_OK, 0, 0]
-
-    def _first_out_of_range(self, ids: dict[int, torch.Tensor]) -> int | None:
-        """The first table (index) with an id outside its rows, or None: every table's
-        ``(min, max)`` is read back at once (one host sync on a GPU)."""
-        given = [t for t, x in ids.items() if x.numel() > 0]
-        if not given:
-            return None
-        bounds = torch.stack([torch.stack(torch.aminmax(ids[t])) for t in given]).tolist()
-        for t, (lo, hi) in zip(given, bounds, strict=True):
-            n = self._configs[t].num_rows
-            assert n is not None  # checked by the plan
-            if lo < 0 or hi >= n:
-                return t
-        return None
 
     def _raise_if_bad(self, codes: torch.Tensor, mine: Exception | None) -> None:
         """``codes`` ``[W, 3]``: each rank's (kind, feature index, id). Raise on every rank."""
