@@ -52,6 +52,10 @@ class EvictionPolicy:
         else:
             self.key[slots] = (np.minimum(freq, _FREQ_MAX) << _TICK_BITS) + tick
 
+    def frequency(self, slots: np.ndarray) -> np.ndarray:
+        """The frequencies ``[K]`` the keys of ``slots`` hold (LFU, TinyLFU)."""
+        return self.key.take(slots) >> _TICK_BITS
+
     def halve(self) -> None:
         """Halve the frequency of every cached row (the sketch was halved)."""
         used = self.key != FREE
