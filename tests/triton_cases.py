@@ -24,6 +24,7 @@ import sys
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -121,10 +122,15 @@ def ref_step(
 
 
 def kernels(device: str) -> tuple[Callable[..., torch.Tensor], Callable[..., None]]:
-    from embedding.kernels.triton_adagrad import fused_backward_rowwise_adagrad_
+    """The forward and the fused backward with row-wise Adagrad (``lr``, ``eps`` kwargs)."""
+    from embedding.kernels.triton_optimizers import fused_backward_
     from embedding.kernels.triton_pool import pooled_lookup
+    from ps.optimizers import RowWiseAdagrad
 
-    return pooled_lookup, fused_backward_rowwise_adagrad_
+    def rowwise_adagrad_backward(*args: Any, lr: float, eps: float, **kw: Any) -> None:
+        fused_backward_(*args, RowWiseAdagrad(lr=lr, eps=eps), **kw)
+
+    return pooled_lookup, rowwise_adagrad_backward
 
 
 def check_forward(b: Batch, mode: str, device: str) -> None:
@@ -301,8 +307,8 @@ def case_bwd_state_2d_matches_ps(device: str) -> None:
 
 
 def case_bwd_coalesced_rows(device: str) -> None:
-    # rowwise_adagrad_rows_ (gradients already coalesced per row) equals ps's apply.
-    from embedding.kernels.triton_adagrad import rowwise_adagrad_rows_
+    # apply_rows_ (gradients already coalesced per row) with row-wise Adagrad equals ps's apply.
+    from embedding.kernels.triton_optimizers import apply_rows_
     from ps.optimizers import RowWiseAdagrad
 
     g = torch.Generator().manual_seed(21)
@@ -311,7 +317,7 @@ def case_bwd_coalesced_rows(device: str) -> None:
     grads = torch.randn(11, 19, generator=g).to(device)
     w, s = weight.clone(), torch.full((40, 1), 0.2, device=device)
     clocks = torch.zeros(40, dtype=torch.int64, device=device)
-    rowwise_adagrad_rows_(w, s, rows, grads, lr=0.3, eps=0.1, clocks=clocks)
+    apply_rows_(w, s, rows, grads, RowWiseAdagrad(lr=0.3, eps=0.1), clocks=clocks)
     w_ref, s_ref = weight[rows].clone(), torch.full((11, 1), 0.2, device=device)
     RowWiseAdagrad(lr=0.3, eps=0.1).apply(w_ref, s_ref, grads)
     close(w[rows], w_ref)

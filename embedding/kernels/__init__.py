@@ -53,7 +53,7 @@ def interpreter_enabled() -> bool:
 
     Triton reads this variable when a kernel is *defined* (at import of the kernel
     module), so it must be set before the first import of ``triton_pool`` /
-    ``triton_adagrad`` in the process.
+    ``triton_optimizers`` in the process.
     """
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
