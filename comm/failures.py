@@ -40,6 +40,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from types import TracebackType
@@ -51,6 +52,10 @@ _ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None
 # group per process, so module state is enough (and it is what sys.excepthook is).
 _owner: object | None = None
 _previous: _ExceptHook | None = None
+# How long a rank waits between its last output and MPI_Abort, so that mpirun forwards
+# the output before it ends the job (see _end_distributed_job).
+ABORT_FLUSH_S = 0.5
+
 _label = ""
 
 
@@ -128,9 +133,14 @@ def _abort_on_uncaught(
 
 
 def _end_distributed_job(exit_code: int) -> None:
-    """MPI_Abort, or exit at once under torch.distributed; returns only in a lone process."""
+    """MPI_Abort, or exit at once under torch.distributed; returns only in a lone process.
+
+    Under mpirun the last lines this rank wrote are in the pipe to the launcher's proxy,
+    and an abort at once can end the job before the proxy forwarded them (a job that
+    failed saying nothing, or without its traceback): it waits ``ABORT_FLUSH_S`` first."""
     job = running_job()
     if job == "mpi":
+        time.sleep(ABORT_FLUSH_S)
         _mpi_world().Abort(exit_code)
     if job == "torch":
         os._exit(exit_code)

@@ -63,9 +63,6 @@ PROG = "hybridrec"
 # error at about the same moment, to abort the job first (the line then appears
 # once); short enough that an error of this rank alone still ends the job promptly.
 PEER_GRACE_S = 5.0
-# How long a rank waits between printing its error line and MPI_Abort, so the launcher
-# forwards the line before it ends the job.
-ABORT_FLUSH_S = 0.5
 
 USER_ERROR_TYPES: tuple[type[BaseException], ...] = (
     ValueError,
@@ -162,12 +159,11 @@ def report_user_error(err: BaseException) -> NoReturn:
         print(line, file=sys.stderr, flush=True)
         if _running_job() == "mpi":
             _quiet_stderr()  # MPI_Abort's own notice would repeat the line with less in it
-            # The line is in the pipe to mpirun's proxy; an abort at once can tear the job
-            # down before the proxy forwarded it (seen as a job that failed saying nothing).
-            time.sleep(ABORT_FLUSH_S)
         import comm  # here, not at the top: --help and --version load no torch
 
-        comm.abort(EXIT_USER_ERROR)  # every rank ends: MPI_Abort, or exit under torchrun
+        # Every rank ends: MPI_Abort (after a pause that lets mpirun forward the line),
+        # or exit under torchrun.
+        comm.abort(EXIT_USER_ERROR)
     if rank == 0:
         print(line, file=sys.stderr, flush=True)
     raise SystemExit(EXIT_USER_ERROR)

@@ -20,7 +20,6 @@ import os
 import time
 
 import torch
-from mpi4py import MPI
 
 import comm
 from ps.mpi.server import ServerConfig, serve_mpi
@@ -44,9 +43,7 @@ def main() -> None:
         except comm.CommTimeoutError as e:
             took = time.monotonic() - start
             print(f"rank {group.rank}: stopped after {took:.1f} s: {e}", flush=True)
-            time.sleep(0.5)  # let mpirun forward the line before the abort ends the job
-            MPI.COMM_WORLD.Abort(4)
-            os._exit(4)  # MPICH's Abort may return before the launcher ends this rank
+            comm.abort(4)  # after a pause that lets mpirun forward the line
         raise AssertionError("serve_mpi returned although worker 1 never said goodbye")
     store = MPIStore(group, topology, request_timeout_s=30.0)
     n = check_lifecycle(store, mates.rank, mates.size, mates.barrier, "race")
