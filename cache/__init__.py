@@ -14,5 +14,6 @@ eviction order), ``sketch`` (TinyLFU's count-min sketch of recent id frequencies
 
 from cache.cached_store import CachedStore
 from cache.config import CacheConfig
+from cache.memory import CacheBytes, cache_bytes, rows_fitting
 
-__all__ = ["CacheConfig", "CachedStore"]
+__all__ = ["CacheBytes", "CacheConfig", "CachedStore", "cache_bytes", "rows_fitting"]

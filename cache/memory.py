@@ -1,0 +1,72 @@
+"""What a cache will take, before it exists: bytes on its device and in host memory.
+
+A job sizing a cache against a GPU's memory, or saying at start where its memory goes,
+asks :func:`cache_bytes` with the tables it will cache. Per cached row of a ``D``-wide
+table (layouts in :mod:`cache.table_cache`):
+
+* records in host memory (``device=None``): one ``W``-float record (row, pending sum,
+  64 bytes of metadata, rounded up to 64-byte lines) on the host;
+* rows on a device: the row and the pending sum, ``2 x D`` float32, on the device, and a
+  64-byte metadata record on the host;
+* either way on the host: the slot's row id, eviction key and free-stack entry (24
+  bytes), the id -> slot map (4 bytes per *table* row for a fixed table of at most
+  :data:`cache.config.DENSE_INDEX_MAX_ROWS` rows, else about 64 bytes per cached id),
+  and TinyLFU's sketch (``4 x width x depth`` bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cache.config import DENSE_INDEX_MAX_ROWS, CacheConfig
+from ps import TableSpec
+
+META_BYTES = 64  # CLOCK, OWN, COUNT, FREQ, PF, CHECKED, PUSHED, spare: 8 int64
+SLOT_BYTES = 24  # row id, eviction key, free-stack entry: 3 int64 per slot
+HASH_BYTES_PER_ID = 64  # the hash index's share per cached id (46-92 measured)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheBytes:
+    """Bytes a cache takes: ``device`` on the device its rows are on (0 when they are in
+    host records), ``host`` in host memory."""
+
+    device: int
+    host: int
+
+
+def record_floats(dim: int) -> int:
+    """Floats of one host record holding row, pending sum and metadata (64-byte lines)."""
+    return -(-(2 * dim + META_BYTES // 4) // 16) * 16
+
+
+def cache_bytes(config: CacheConfig, specs: Sequence[TableSpec], *, on_device: bool) -> CacheBytes:
+    """What caches of ``specs`` under ``config`` take when full; ``on_device``: rows and
+    pending sums on a device (:class:`cache.CachedStore` given a ``device``)."""
+    device = host = 0
+    for spec in specs:
+        rows = config.capacity(spec)
+        if on_device:
+            device += rows * 2 * spec.dim * 4
+            host += rows * META_BYTES
+        else:
+            host += rows * record_floats(spec.dim) * 4
+        host += rows * SLOT_BYTES
+        if spec.num_rows is not None and spec.num_rows <= DENSE_INDEX_MAX_ROWS:
+            host += spec.num_rows * 4
+        else:
+            host += rows * HASH_BYTES_PER_ID
+        if config.policy == "tinylfu":
+            width, depth, _ = config.sketch(rows)
+            host += 4 * width * depth
+    return CacheBytes(device=device, host=host)
+
+
+def rows_fitting(specs: Sequence[TableSpec], device_bytes: int) -> int:
+    """The most rows per table whose caches of ``specs`` (rows on a device) take at most
+    ``device_bytes`` there: ``device_bytes // sum(2 x D x 4)``."""
+    per_row = sum(2 * spec.dim * 4 for spec in specs)
+    if per_row == 0:
+        raise ValueError("rows_fitting: no tables to cache")
+    return max(0, int(device_bytes) // per_row)
