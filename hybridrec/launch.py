@@ -23,7 +23,7 @@ every rank with the numbers in the message.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
@@ -34,12 +34,13 @@ import comm
 from cache import CacheConfig, CachedStore
 from comm import ProcessGroup, Role, Topology
 from embedding.hybrid import store_is_replicated
+from hybridrec.memory_plan import cache_size_fitting, device_memory
 from hybridrec.tables import (  # noqa: F401 - re-exported: the jobs' launch helpers
     EXISTING_TABLES,
     ExistingTablesError,
     prepare_tables,
 )
-from ps import InProcessStore, Store
+from ps import InProcessStore, Store, TableSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,12 +129,80 @@ def open_ps(value: str, group: ProcessGroup) -> PSRole:
     return PSRole(topo, role, workers, MPIStore(group, topo))
 
 
-def with_cache(cfg: Any, store: Store, group: ProcessGroup) -> CachedStore | None:
-    """The hot-row cache in front of ``store`` when ``cfg`` (a job config with fields
-    ``cache_rows``, ``cache_fraction``, ``cache_policy``, ``read_bound``, ``write_bound``,
-    and optionally ``cache_groups``)
-    asks for one; None otherwise."""
-    if not (cfg.cache_rows or cfg.cache_fraction):
+def store_location(value: str, workers: int = 1) -> tuple[str, bool]:
+    """Where ``--ps value`` keeps the hybrid tables, for the memory plan: ``(text,
+    remote)``, e.g. ``("host (in-process store)", False)``, ``("2 PS server ranks",
+    True)``; ``workers`` > 1 with ``local``: every worker holds its own replica."""
+    choice = parse_ps(value)
+    if choice.kind == "local":
+        return "host (in-process store" + (", a replica per worker)" if workers > 1 else ")"), False
+    if choice.kind == "mpi":
+        n = choice.num_servers
+        return f"{n} PS server rank{'s' if n != 1 else ''}", True
+    return ("Redis Cluster" if choice.cluster else "Redis"), True
+
+
+def cache_device(cfg: Any, device: torch.device) -> torch.device | None:
+    """Where the cache keeps its rows (``cfg.cache_on``): the worker's GPU, or None for
+    records in host memory. On a CPU worker always None (the host cache, as ever);
+    ``--cache-on device`` there is an error."""
+    if device.type != "cuda":
+        if cfg.cache_on == "device":
+            raise ValueError(
+                f"--cache-on device keeps the cache's rows on the worker's GPU, but this worker "
+                f"trains on {device} (use --cache-on auto or host, or --device cuda)"
+            )
+        return None
+    return None if cfg.cache_on == "host" else device
+
+
+def cache_config(cfg: Any, specs: Sequence[TableSpec], device: torch.device) -> CacheConfig | None:
+    """The cache ``cfg`` asks for in front of the hybrid tables ``specs`` on a worker on
+    ``device``; None without one. ``cfg``: a job config with the fields of
+    :class:`hybridrec.run_options.RunOptions` (``cache_rows``, ``cache_fraction``,
+    ``cache_memory``, ``cache_on``, ``cache_policy``, ``read_bound``, ``write_bound``,
+    ``cache_groups``). ``--cache-memory F`` sizes the cache's rows on the GPU to at
+    most ``F`` of its memory (:func:`hybridrec.memory_plan.cache_size_fitting`)."""
+    if not cfg.wants_cache:
+        return None
+    on = cache_device(cfg, device)
+    if cfg.cache_memory:
+        if on is None:
+            raise ValueError(
+                f"--cache-memory {cfg.cache_memory} sizes a cache whose rows are on the GPU, "
+                f"but this worker trains on {device} (size a host cache with --cache-rows or "
+                "--cache-fraction)"
+            )
+        budget = int(cfg.cache_memory * device_memory(on))
+        size: dict[str, Any] = cache_size_fitting(specs, budget)
+    else:
+        size = {
+            "capacity_rows": cfg.cache_rows or None,
+            "capacity_fraction": cfg.cache_fraction or None,
+        }
+    return CacheConfig(
+        **size,
+        policy=cfg.cache_policy,
+        read_bound=cfg.read_bound,
+        write_bound=cfg.write_bound,
+        group_tables=getattr(cfg, "cache_groups", False),
+    )
+
+
+def with_cache(
+    cfg: Any,
+    store: Store,
+    group: ProcessGroup,
+    device: torch.device,
+    *,
+    specs: Sequence[TableSpec] = (),
+) -> CachedStore | None:
+    """The hot-row cache in front of ``store`` when ``cfg`` asks for one
+    (:func:`cache_config`; ``specs``, the hybrid tables it will serve, size a
+    ``--cache-memory`` cache); None otherwise. On a GPU worker (``device``) its rows
+    are on the GPU unless ``--cache-on host``; on a CPU worker it is the host cache."""
+    config = cache_config(cfg, specs, device)
+    if config is None:
         return None
     if group.size > 1 and store_is_replicated(store):
         raise ValueError(
@@ -141,17 +210,10 @@ def with_cache(cfg: Any, store: Store, group: ProcessGroup) -> CachedStore | Non
             f"{group.size} ranks each would cache its own replica (use --ps mpi or redis://, "
             "or one rank)"
         )
-    return CachedStore(
-        store,
-        CacheConfig(
-            capacity_rows=cfg.cache_rows or None,
-            capacity_fraction=cfg.cache_fraction or None,
-            policy=cfg.cache_policy,
-            read_bound=cfg.read_bound,
-            write_bound=cfg.write_bound,
-            group_tables=getattr(cfg, "cache_groups", False),
-        ),
-    )
+    on = cache_device(cfg, device)
+    if on is None:  # the host cache: the CPU path, unchanged
+        return CachedStore(store, config)
+    return CachedStore(store, config, device=on)  # type: ignore[call-arg, unused-ignore]
 
 
 def describe_roles(topology: Topology, backend: str) -> str:
@@ -325,6 +387,9 @@ __all__ = [
     "parse_ps",
     "topology_for",
     "with_cache",
+    "cache_config",
+    "cache_device",
+    "store_location",
     "check_batch_size",
     "describe_roles",
     "prepare_tables",

@@ -30,6 +30,20 @@ class RunOptions:
     cache_groups: bool = option(
         True, help="tables of one dim share one cache: one cache pass per step for all of them"
     )
+    cache_memory: float = option(
+        0.0,
+        help="size the cache so that its rows and pending sums take at most this fraction "
+        "(0 < F <= 1) of the worker GPU's memory, instead of --cache-rows/--cache-fraction: "
+        "with fixed tables every table caches the same fraction of its rows (never more than "
+        "all of them), with dynamic tables every table gets the same rows (at most the "
+        "smallest fixed table's); a GPU worker with the cache on the device only",
+    )
+    cache_on: Literal["auto", "host", "device"] = option(
+        "auto",
+        help="where the cache keeps its rows: device (the worker's GPU: hits never leave it), "
+        "host (records in host memory, as on a CPU worker) or auto (device on a GPU worker, "
+        "host on a CPU worker)",
+    )
     # ---- dense data parallelism
     compression: str | None = option(
         None, help=f"gradient codec for the DataParallel allreduce: one of {', '.join(CODECS)}"
@@ -82,8 +96,35 @@ class RunOptions:
         return 1
 
     @property
-    def cache_on(self) -> bool:
-        return bool(self.cache_rows or self.cache_fraction)
+    def wants_cache(self) -> bool:
+        """A hot-row cache is asked for (by rows, fraction or GPU memory)."""
+        return bool(self.cache_rows or self.cache_fraction or self.cache_memory)
+
+    def check_cache_memory(self) -> None:
+        """``cache_memory`` is a share of the GPU, exclusive of the other cache sizes, and
+        sizes a cache whose rows are on the device (the worker's device is checked later,
+        by :func:`hybridrec.launch.cache_config`)."""
+        if self.cache_on not in ("auto", "host", "device"):
+            raise ValueError(f"cache_on must be 'auto', 'host' or 'device', got {self.cache_on!r}")
+        if not self.cache_memory:
+            return
+        if not 0 < self.cache_memory <= 1:
+            raise ValueError(
+                f"cache_memory must be in (0, 1] (a fraction of the GPU's memory), "
+                f"got {self.cache_memory}"
+            )
+        given = [f"{n} {getattr(self, n)}" for n in ("cache_rows", "cache_fraction")
+                 if getattr(self, n)]  # fmt: skip
+        if given:
+            raise ValueError(
+                f"give cache_memory or {' / '.join(n.split()[0] for n in given)}, not both "
+                f"(got cache_memory {self.cache_memory} and {' and '.join(given)})"
+            )
+        if self.cache_on == "host":
+            raise ValueError(
+                f"cache_memory {self.cache_memory} sizes a cache whose rows are on the GPU, but "
+                "cache_on is 'host' (size a host cache with cache_rows or cache_fraction)"
+            )
 
     def check_run_options(self) -> None:
         """ValueError naming the option and its value if a shared option is out of range."""
@@ -94,6 +135,7 @@ class RunOptions:
             )
         if not 0 <= self.cache_fraction <= 1:
             raise ValueError(f"cache_fraction must be in [0, 1], got {self.cache_fraction}")
+        self.check_cache_memory()
         for name in ("threads", "checkpoint_every", "cache_rows", "read_bound", "write_bound"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from cache import CachedStore
 from comm import ProcessGroup, Topology, worker_device
-from dense import DataParallel, ZeroOptimizer
+from dense import DataParallel, DLRMConfig, DLRMDense, ZeroOptimizer
 from hybridrec.batches import agreed
 from hybridrec.checkpoint import DenseOptimizer
 from hybridrec.config import parse_config
@@ -41,12 +41,16 @@ from hybridrec.dlrm.model import DLRM, build_dlrm, dlrm_tables
 from hybridrec.errors import reported_errors
 from hybridrec.launch import (
     Launch,
+    cache_config,
+    cache_device,
     check_batch_size,
     describe_device,
     describe_roles,
+    store_location,
     torch_threads,
     with_cache,
 )
+from hybridrec.memory_plan import MemoryPlan, dense_bytes, plan_memory
 from hybridrec.metrics_log import cache_metrics, store_metrics
 from hybridrec.precision import autocast
 from hybridrec.tables import prepare_tables
@@ -74,7 +78,7 @@ def resolve_placements(cfg: TrainConfig, features: list[Feature]) -> dict[str, s
     default: str = cfg.placement
     if default == "auto":
         dynamic = any(f.num_rows is None for f in features)
-        default = "hybrid" if (cfg.cache_on or cfg.ps != "local" or dynamic) else "local"
+        default = "hybrid" if (cfg.wants_cache or cfg.ps != "local" or dynamic) else "local"
     out: dict[str, str] = {f.name: default for f in features}
     for table, where in cfg.placement_overrides().items():
         if table not in out:
@@ -108,16 +112,16 @@ def build(
     device: torch.device | None = None,
 ) -> tuple[DLRM, DenseOptimizer, CachedStore | None]:
     """The model on ``device`` (default: ``--device``), its dense optimizer and the cache
-    (if any, on the host with the store). Hybrid tables the store already holds are
+    (if any: its rows on a GPU worker's GPU unless ``--cache-on host``, else in host
+    memory; :func:`hybridrec.launch.with_cache`). Hybrid tables the store already holds are
     handled by ``--existing-tables`` (:func:`prepare_tables`)."""
     device = device if device is not None else worker_device(cfg.device, group)
     placements = placements or resolve_placements(cfg, source.features)
     assert cfg.dim is not None and cfg.top_mlp is not None and cfg.interaction is not None
-    cached = with_cache(cfg, store, group)
-    if cached is not None and "hybrid" not in placements.values():
-        raise ValueError(f"the cache serves hybrid tables, but the placements are {placements}")
+    check_cache_serves(cfg, placements)
     tables = dlrm_tables(source.features, dim=cfg.dim, emb_lr=cfg.emb_lr, placements=placements)
     hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
+    cached = with_cache(cfg, store, group, device, specs=hybrid)
     prepare_tables(store, hybrid, group, cfg.tables_policy)
     model = build_dlrm(
         source.features,
@@ -136,6 +140,54 @@ def build(
         device=device,
     )
     return model, make_optimizer(cfg, model, group), cached
+
+
+def check_cache_serves(cfg: TrainConfig, placements: dict[str, str]) -> None:
+    if cfg.wants_cache and "hybrid" not in placements.values():
+        raise ValueError(f"the cache serves hybrid tables, but the placements are {placements}")
+
+
+def dense_model(cfg: TrainConfig, num_dense: int, num_sparse: int) -> DLRMDense:
+    """The dense part :func:`build_dlrm` builds, on the meta device (shapes, no memory)."""
+    assert cfg.dim is not None and cfg.top_mlp is not None and cfg.interaction is not None
+    config = DLRMConfig(
+        num_dense=num_dense, num_sparse=num_sparse, embedding_dim=cfg.dim,
+        bottom_mlp=[64, cfg.dim] if cfg.bottom_mlp is None else list(cfg.bottom_mlp),
+        top_mlp=list(cfg.top_mlp), interaction=cfg.interaction, dcn_layers=cfg.dcn_layers,
+        dcn_rank=cfg.dcn_rank,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return DLRMDense(config)
+
+
+def memory_plan(
+    cfg: TrainConfig,
+    source: Source,
+    placements: dict[str, str],
+    group: ProcessGroup,
+    device: torch.device,
+) -> MemoryPlan:
+    """Where this worker's run keeps its memory (:mod:`hybridrec.memory_plan`), before
+    anything is allocated: the tables by placement, the cache, the dense part."""
+    assert cfg.dim is not None
+    check_cache_serves(cfg, placements)
+    tables = dlrm_tables(source.features, dim=cfg.dim, emb_lr=cfg.emb_lr, placements=placements)
+    hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
+    cache = cache_config(cfg, hybrid, device) if hybrid else None
+    where, remote = store_location(cfg.ps, group.size)
+    state = 2 if cfg.dense_optimizer == "adam" else 1  # Adam: two moments; Adagrad: a sum
+    dense = dense_bytes(
+        dense_model(cfg, source.num_dense, len(tables)),
+        state,
+        group.size if cfg.zero_stage else 1,
+    )
+    return plan_memory(
+        tables, device=device, store_where=where, store_remote=remote, cache=cache,
+        cache_on_device=cache_device(cfg, device) is not None, rank=group.rank,
+        world_size=group.size, dense=dense,
+        dense_note=f"weights, gradients, {cfg.dense_optimizer} state"
+        + (f" over {group.size} ranks" if cfg.zero_stage and group.size > 1 else ""),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- steps
@@ -239,6 +291,9 @@ class DLRMJob:
         self.source = open_source(cfg, group)
         placements = resolve_placements(cfg, self.source.features)
         self.device = worker_device(cfg.device, group)
+        # Where the memory goes, checked against the GPU before a table is allocated.
+        self.memory = memory_plan(cfg, self.source, placements, group, self.device)
+        self.memory.check()
         self.model, self.optimizer, self.cached = build(
             cfg, self.source, group, store, placements, self.device
         )
@@ -248,6 +303,7 @@ class DLRMJob:
         self.say(f"DLRM on {self.source.describe()}; "
                  f"{describe_roles(roles or Topology.of(group), group.backend)}; "
                  f"{describe_device(self.device, cfg.precision)}")  # fmt: skip
+        self.say(self.memory.describe())
         stream = isinstance(self.source, StreamSource)  # ranks may hold one batch more or less
         model, opt = self.model, self.optimizer
         select_best = cfg.keep_best and self.source.has_split("val")
@@ -304,6 +360,7 @@ class DLRMJob:
             self.cached.flush()  # every pending row update reaches the store
         model = self.model
         result = finish(self.cfg, self.group, model, self.source, self.lockstep, run, self.feed)
+        result["memory"] = self.memory.to_json()
         if self.cached is not None:
             result["cache"] = self.cached.cache_stats()
             result.update(cache_metrics(result["cache"]))

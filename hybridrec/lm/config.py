@@ -145,7 +145,7 @@ class LMConfig(RunOptions):
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         self.check_ngram_options()
         self.check_model_parallel()
-        if (self.cache_rows or self.cache_fraction) and "hybrid" not in self.placements():
+        if self.wants_cache and "hybrid" not in self.placements():
             raise ValueError(
                 f"a cache needs placement 'hybrid' for the token or n-gram tables, got "
                 f"{self.placement!r}" + (f" and {self.ngram_placement!r}" if self.ngram > 1 else "")

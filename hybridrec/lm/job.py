@@ -28,11 +28,12 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
+from torch import nn
 
 from comm import ProcessGroup, Topology, worker_device
 from dense import apply_tensor_parallel
 from dense.gpt import GPT, GPTConfig, gpt_loss
-from embedding import EmbeddingCollection
+from embedding import EmbeddingCollection, TableConfig
 from embedding.hybrid import store_is_replicated
 from hybridrec.config import build_parser as build_config_parser
 from hybridrec.config import parse_config
@@ -48,9 +49,12 @@ from hybridrec.device_data import DeviceBatches, DeviceEpochData
 from hybridrec.errors import reported_errors
 from hybridrec.launch import (
     Launch,
+    cache_config,
+    cache_device,
     check_batch_size,
     describe_device,
     describe_roles,
+    store_location,
     torch_threads,
     with_cache,
 )
@@ -63,6 +67,7 @@ from hybridrec.lm.model import (
     token_table,
 )
 from hybridrec.lm.parallel import build_dense, model_parallel, pipeline_loss, pipeline_step
+from hybridrec.memory_plan import MemoryPlan, dense_bytes, plan_memory
 from hybridrec.metrics_log import cache_metrics, store_metrics
 from hybridrec.precision import autocast
 from hybridrec.tables import prepare_tables
@@ -216,11 +221,16 @@ class LMJob:
         self.dense = build_dense(cfg, gpt, par)
         trained, self.optimizer = self.dense.trained, self.dense.optimizer
         assert par.tables is not None
-        self.cached = with_cache(cfg, store, par.tables) if par.looks_up else None
         self.ngrams = ngram_config(cfg)
         tables = [token_table(cfg, vocab), *(self.ngrams.tables() if self.ngrams else [])]
         self.ngram_tables = {t.name for t in tables[1:]}
         hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
+        # Where the memory goes, checked against the GPU before a table is allocated.
+        self.memory = self.memory_plan(tables if par.looks_up else [], trained)
+        self.memory.check()
+        self.cached = (
+            with_cache(cfg, store, par.tables, device, specs=hybrid) if par.looks_up else None
+        )
         self.store = self.cached if self.cached is not None else store
         self.eval_traffic = 0  # n-gram rows moved by validation passes
         embeddings = None
@@ -239,6 +249,7 @@ class LMJob:
             f"zero stage {cfg.zero_stage}{describe_mesh(par.mesh.shape)}; "
             f"{describe_device(device, cfg.precision)}"
         )
+        self.say(self.memory.describe())
         self.feed = DeviceBatches(device)
         forward = functools.partial(autocast, device, cfg.precision)
         self.val = eval_batches(
@@ -274,6 +285,25 @@ class LMJob:
     def say(self, text: str) -> None:
         if self.cfg.verbose and self.group.rank == 0:
             print(text, flush=True)
+
+    def memory_plan(self, tables: list[TableConfig], trained: nn.Module) -> MemoryPlan:
+        """Where this rank's run keeps its memory (:mod:`hybridrec.memory_plan`): the
+        tables it holds (none on a rank that runs no first pipeline stage), the cache,
+        its part of the GPT (AdamW: two moments per weight, sharded over dp with ZeRO)."""
+        cfg, par, device = self.cfg, self.par, self.device
+        assert par.tables is not None
+        hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
+        cache = cache_config(cfg, hybrid, device) if hybrid else None
+        where, remote = store_location(cfg.ps, self.group.size)
+        shards = par.dp.size if cfg.zero_stage else 1
+        return plan_memory(
+            tables, device=device, store_where=where, store_remote=remote, cache=cache,
+            cache_on_device=cache_device(cfg, device) is not None, rank=par.tables.rank,
+            world_size=par.tables.size, dense=dense_bytes(trained, 2, shards),
+            dense_note="weights, gradients, AdamW state" + (
+                f" over {shards} ranks" if shards > 1 else ""
+            ),
+        )  # fmt: skip
 
     def describe_ngrams(self) -> str:
         ng = self.ngrams
@@ -364,6 +394,7 @@ class LMJob:
             # validation loss per byte of text: nats per token over the corpus's bytes per token
             "val_nats_per_byte": evals[-1]["val_loss"] / self.bytes_per_token,
             "step_seconds": run.train_seconds / max(run.steps_run, 1),
+            "memory": self.memory.to_json(),
         }
         if self.ngrams is not None:
             steps = max(run.steps_run, 1)
