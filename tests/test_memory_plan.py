@@ -1,0 +1,281 @@
+"""Where a job's memory goes (``hybridrec/memory_plan.py``) and the cache's placement and
+sizing options (``--cache-on``, ``--cache-memory``).
+
+The plan's numbers are checked against arithmetic written out here (float32 weights and
+optimizer state plus an int64 clock per row; a device cache's rows and pending sums,
+``2 x D`` float32 per cached row), on a DLRM job with local, hybrid + cache and sharded
+tables. The CUDA variants (``gpu``) put the cache on the GPU, size it by ``--cache-memory``
+and refuse tables that cannot fit before allocating them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import comm
+from cache import CacheConfig, cache_bytes
+from embedding import Adam, RowWiseAdagrad, TableConfig
+from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.job import DLRMJob
+from hybridrec.dlrm.job import parse_args as dlrm_args
+from hybridrec.launch import cache_config, store_location, with_cache
+from hybridrec.lm.job import parse_args as lm_args
+from hybridrec.memory_plan import (
+    DEVICE,
+    HOST,
+    MemoryPart,
+    MemoryPlan,
+    cache_size_fitting,
+    dense_bytes,
+    human_bytes,
+    plan_memory,
+)
+from ps import InProcessStore, TableSpec
+
+CPU = torch.device("cpu")
+ROWS, DIM = 300, 8
+JOB_ARGS = [
+    "--data", "synthetic", "--synthetic-rows", str(ROWS), "--synthetic-samples", "2000",
+    "--batch-size", "64", "--dim", str(DIM), "--bottom-mlp", "16", str(DIM), "--top-mlp", "8",
+    "1", "--no-progress", "--backend", "local", "--max-steps", "2",
+]  # fmt: skip
+
+
+def _row(dim: int, state: int) -> int:
+    """A stored row: float32 weights and state, one int64 clock."""
+    return 4 * dim + 4 * state + 8
+
+
+def _job(argv: list[str]) -> tuple[DLRMJob, dict[str, Any]]:
+    job = DLRMJob(dlrm_args(argv), comm.LocalGroup(), InProcessStore())
+    return job, job.close(job.trainer.fit())
+
+
+# ---------------------------------------------------------------- the plan's arithmetic
+
+
+def test_plan_of_every_placement_against_arithmetic() -> None:
+    """Rank 1 of 2: hybrid tables behind a device cache, a local Adam table, two
+    table-wise sharded tables and a row-wise one (3,000,001 rows: rank 1 owns 1,500,000
+    of them), a dynamic table that grows with use."""
+    rowwise, adam = RowWiseAdagrad(lr=0.1), Adam(lr=0.1)
+
+    def table(name: str, rows: int | None, dim: int, where: Any, opt: Any = rowwise) -> Any:
+        return TableConfig(name=name, num_rows=rows, dim=dim, feature_names=[name],
+                           placement=where, optimizer=opt)  # fmt: skip
+
+    tables = [
+        table("h1", 1000, 16, "hybrid"),
+        table("h2", 4000, 16, "hybrid"),
+        table("dyn", None, 16, "hybrid"),
+        table("loc", 500, 4, "local", adam),
+        table("big", 800, 8, "sharded"),
+        table("small", 100, 8, "sharded"),
+        table("rows", 3_000_001, 2, "sharded"),
+    ]
+    cache = CacheConfig(capacity_rows=64)
+    model = nn.Linear(10, 5)  # 55 float32 weights
+    plan = plan_memory(
+        tables, device=CPU, store_where="2 PS server ranks", store_remote=True, cache=cache,
+        cache_on_device=True, rank=1, world_size=2, dense=dense_bytes(model, 2, 2),
+    )  # fmt: skip
+    parts = {p.key: p for p in plan.parts}
+    assert parts["hybrid_tables"].bytes == (1000 + 4000) * (16 * 4 + 4 + 8)
+    assert parts["hybrid_tables"].place == "remote"
+    assert plan.dynamic_tables == ("dyn",)
+    assert parts["cache_device"].bytes == 3 * 64 * 2 * 16 * 4  # three tables' rows and sums
+    specs = [t.to_spec() for t in tables if t.placement == "hybrid"]
+    assert parts["cache_host"].bytes == cache_bytes(cache, specs, on_device=True).host
+    assert parts["local_tables"].bytes == 500 * _row(4, 2 * 4 + 1)  # Adam: m, v, step
+    # The row-wise table gives rank 0 one row more, so the bigger table-wise one goes to
+    # rank 1 (the ranks' fewest bytes so far), the smaller to rank 0; together: all rows.
+    assert parts["sharded_tables"].bytes == 800 * _row(8, 1) + 1_500_000 * _row(2, 1)
+    rank0 = plan_memory(
+        tables, device=CPU, store_where="", store_remote=True, cache=None,
+        cache_on_device=False, rank=0, world_size=2, dense=0,
+    )  # fmt: skip
+    both = rank0.parts[-2].bytes + parts["sharded_tables"].bytes
+    assert both == 900 * _row(8, 1) + 3_000_001 * _row(2, 1)
+    assert parts["dense"].bytes == 55 * 4 * 2 + 55 * 4 * 2 // 2  # weights, grads, half the state
+    on_device = ("cache_device", "local_tables", "sharded_tables", "dense")
+    assert plan.device_bytes == sum(parts[k].bytes for k in on_device)
+    assert plan.host_bytes == parts["cache_host"].bytes  # the store is on the servers
+    js = plan.to_json()
+    assert js["parts"]["sharded_tables"] == {
+        "bytes": parts["sharded_tables"].bytes, "where": "cpu", "place": "device"
+    }  # fmt: skip
+    assert all(type(p["bytes"]) is int for p in js["parts"].values())
+    text = plan.describe()
+    assert "2 PS server ranks" in text and "dyn grow with use" in text
+    assert "rank 1's shards of 2" in text
+    plan.check()  # a CPU worker: nothing to check against
+
+
+def test_store_locations_and_units() -> None:
+    assert store_location("local") == ("host (in-process store)", False)
+    assert store_location("local", 2) == ("host (in-process store, a replica per worker)", False)
+    assert store_location("mpi:3") == ("3 PS server ranks", True)
+    assert store_location("redis://h:1/0?cluster=1") == ("Redis Cluster", True)
+    assert [human_bytes(n) for n in (512, 53_200_000_000, 1_500_000)] == [
+        "512 B", "53.2 GB", "1.5 MB"
+    ]  # fmt: skip
+
+
+def test_device_parts_larger_than_the_gpu_fail_naming_each() -> None:
+    gpu = torch.device("cuda", 0)
+    plan = MemoryPlan(
+        device=gpu, device_total=80 * 10**9, device_name="cuda:0 (a GPU)",
+        parts=(MemoryPart("local_tables", "local tables", 70 * 10**9, "cuda:0", DEVICE),
+               MemoryPart("cache_device", "cache rows", 12 * 10**9, "cuda:0", DEVICE),
+               MemoryPart("cache_host", "cache index", 10**9, "host", HOST)),
+    )  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        plan.check()
+    msg = str(err.value)
+    for text in ("82.0 GB", "local tables 70.0 GB", "cache rows 12.0 GB", "80.0 GB",
+                 "--cache-memory", "--placement hybrid"):  # fmt: skip
+        assert text in msg, msg
+    assert "cache index" not in msg  # host parts do not count
+
+
+# ---------------------------------------------------------------- sizing by GPU memory
+
+
+def _spec(name: str, rows: int | None, dim: int) -> TableSpec:
+    return TableSpec(name=name, num_rows=rows, dim=dim, optimizer=RowWiseAdagrad(lr=0.1))
+
+
+def test_cache_memory_sizes_each_table_within_the_budget() -> None:
+    specs = [_spec("a", 10_000, 16), _spec("b", 3, 16), _spec("c", 50_000, 32)]
+    whole = (10_000 * 16 + 3 * 16 + 50_000 * 32) * 2 * 4  # every row of every table
+    for budget in (whole // 10, whole // 2, whole - 1):
+        size = cache_size_fitting(specs, budget)
+        fraction = size["capacity_fraction"]
+        rows = [math.ceil(fraction * s.num_rows) for s in specs]  # type: ignore[operator]
+        used = sum(r * s.dim * 2 * 4 for r, s in zip(rows, specs, strict=True))
+        assert used <= budget
+        assert used > budget - sum(s.dim * 2 * 4 for s in specs)  # within a row per table
+        assert all(r <= s.num_rows for r, s in zip(rows, specs, strict=True))  # type: ignore[operator]
+    assert cache_size_fitting(specs, whole) == {"capacity_fraction": 1.0}
+    # A dynamic table: the same rows for every table, at most the smallest fixed table's.
+    mixed = [_spec("a", 10_000, 16), _spec("d", None, 16)]
+    assert cache_size_fitting(mixed, 100 * 2 * 2 * 16 * 4 + 5) == {"capacity_rows": 100}
+    assert cache_size_fitting(mixed, 10**12) == {"capacity_rows": 10_000}
+    with pytest.raises(ValueError, match="less than one cached row of each table"):
+        cache_size_fitting(specs, 100)
+
+
+def test_cache_options_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"--cache-memory or --cache-rows, not both \(got "
+                       r"--cache-memory 0\.1 and --cache-rows 10\)"):  # fmt: skip
+        dlrm_args(["--cache-memory", "0.1", "--cache-rows", "10"])
+    with pytest.raises(ValueError, match="--cache-memory 0.1 and --cache-fraction 0.2"):
+        lm_args(["--cache-memory", "0.1", "--cache-fraction", "0.2", "--placement", "hybrid"])
+    with pytest.raises(ValueError, match=r"--cache-memory must be in \(0, 1\]"):
+        dlrm_args(["--cache-memory", "1.5"])
+    with pytest.raises(ValueError, match="sizes a cache whose rows are on the GPU, but "
+                       "--cache-on is 'host'"):  # fmt: skip
+        dlrm_args(["--cache-memory", "0.1", "--cache-on", "host"])
+    with pytest.raises(ValueError, match="invalid choice: 'gpu'"):
+        dlrm_args(["--cache-on", "gpu"])
+    specs = [_spec("a", 100, 8)]
+    cfg = TrainConfig(cache_memory=0.1)
+    with pytest.raises(ValueError, match="--cache-memory 0.1 sizes a cache whose rows are on "
+                       "the GPU, but this worker trains on cpu"):  # fmt: skip
+        cache_config(cfg, specs, CPU)
+    with pytest.raises(ValueError, match="--cache-on device keeps the cache's rows on the "
+                       "worker's GPU, but this worker trains on cpu"):  # fmt: skip
+        cache_config(TrainConfig(cache_rows=5, cache_on="device"), specs, CPU)
+    assert cache_config(TrainConfig(), specs, CPU) is None
+
+
+def test_cache_on_host_is_the_cpu_cache() -> None:
+    store = InProcessStore()
+    for on in ("host", "auto"):
+        cfg = TrainConfig(cache_rows=7, cache_on=on)  # type: ignore[arg-type]
+        assert cache_config(cfg, [], CPU) == CacheConfig(capacity_rows=7, group_tables=True)
+        cached = with_cache(cfg, store, comm.LocalGroup(), CPU)
+        assert cached is not None
+        assert getattr(cached, "device", None) is None  # records in host memory
+        cached.close()
+
+
+# ---------------------------------------------------------------- the jobs
+
+
+def test_dlrm_job_prints_its_memory_and_reports_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """Local, hybrid behind a 10 % cache and sharded tables of the synthetic data (26
+    tables of ROWS rows, row-wise Adagrad), one process: the plan against arithmetic."""
+    argv = [*JOB_ARGS, "--placement", "hybrid", "--cache-fraction", "0.1",
+            "--placement-of", "cat0=local", "cat1=local", "cat2=sharded"]  # fmt: skip
+    job, result = _job(argv)
+    out = capsys.readouterr().out
+    header = out.index("DLRM on synthetic")
+    block = out.index("memory of worker rank 0 and its store:")
+    assert block > header
+    for line in ("hybrid tables", "cache", "local tables", "sharded tables", "dense"):
+        assert f"\n  {line}" in out[block:], out
+    mem = result["memory"]
+    parts = {k: v["bytes"] for k, v in mem["parts"].items()}
+    row = _row(DIM, 1)
+    capacity = math.ceil(0.1 * ROWS)
+    assert parts["hybrid_tables"] == 23 * ROWS * row
+    assert parts["local_tables"] == 2 * ROWS * row
+    assert parts["sharded_tables"] == ROWS * row
+    assert "cache_device" not in parts  # a CPU worker: the host cache
+    # A host record per cached row (row, pending sum, 64 bytes of metadata, whole 64-byte
+    # lines), the slot's 24 bytes, and a 4-byte id -> slot entry per table row.
+    record = math.ceil((2 * DIM * 4 + 64) / 64) * 64
+    assert parts["cache_host"] == 23 * (capacity * (record + 24) + ROWS * 4)
+    weights = sum(p.numel() for p in job.model.dense.parameters()) * 4
+    assert parts["dense"] == 4 * weights  # weights, gradients, Adam's two moments
+    assert mem["device"] == "cpu" and mem["device_total_bytes"] == 0
+    assert mem["device_bytes"] == parts["local_tables"] + parts["sharded_tables"] + parts["dense"]
+    assert result["steps"] == 2
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_dlrm_cache_on_the_gpu_sized_by_its_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    """--cache-memory 0.001 of the GPU: 26 tables of 100,000 x 8 rows do not all fit
+    there (166 MB of rows and pending sums), so each caches the same share of its rows."""
+    rows = 100_000
+    argv = [*JOB_ARGS, "--device", "cuda", "--placement", "hybrid", "--cache-memory", "0.001",
+            "--synthetic-rows", str(rows), "--max-steps", "5"]  # fmt: skip
+    job, result = _job(argv)
+    assert job.cached is not None
+    assert job.cached.device.type == "cuda"  # type: ignore[attr-defined, unused-ignore]
+    total = torch.cuda.get_device_properties(job.device).total_memory
+    name = torch.cuda.get_device_properties(job.device).name
+    out = capsys.readouterr().out
+    assert f"on {job.device} ({name}): " in out, out
+    mem = result["memory"]
+    cached = mem["parts"]["cache_device"]
+    assert cached["place"] == "device" and cached["where"] == str(job.device)
+    budget = int(0.001 * total)
+    assert budget - 26 * 2 * DIM * 4 < cached["bytes"] <= min(budget, 26 * rows * 2 * DIM * 4)
+    assert mem["device_total_bytes"] == total
+    assert result["steps"] == 5 and result["cache"]
+
+
+@pytest.mark.gpu
+def test_tables_larger_than_the_gpu_fail_before_allocating() -> None:
+    gpu = comm.resolve_device("cuda")
+    total = torch.cuda.get_device_properties(gpu).total_memory
+    rows = total // (4 * 128 + 4 + 8) + 1  # one row more than the GPU holds
+    tables = [TableConfig(name="huge", num_rows=rows, dim=128, feature_names=["f"],
+                          optimizer=RowWiseAdagrad(lr=0.1))]  # fmt: skip
+    plan = plan_memory(
+        tables, device=gpu, store_where="host (in-process store)", store_remote=False,
+        cache=None, cache_on_device=False, rank=0, world_size=1, dense=0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=f"local tables {human_bytes(plan.device_bytes)}"):
+        plan.check()
