@@ -105,8 +105,7 @@ def cache_size_fitting(specs: Sequence[TableSpec], budget: int) -> dict[str, Any
         if taken.device <= budget:
             break
         fraction = math.nextafter(fraction, 0.0) * (1 - 1e-9)  # float rounding only
-    if not fraction > 0:  # unreachable with budget >= one_row; kept as a clear error
-        raise ValueError(f"--cache-memory: no cache fraction fits in {human_bytes(budget)}")
+    assert fraction > 0, (budget, one_row, whole)  # budget >= one_row: some fraction fits
     return {"capacity_fraction": fraction}
 
 
@@ -175,9 +174,8 @@ class MemoryPlan:
         for p in shown:
             size = human_bytes(p.bytes)
             if p.key == "hybrid_tables" and self.dynamic_tables:
-                grows = ", ".join(self.dynamic_tables)
                 size = f"{size} + dynamic" if p.bytes else "dynamic"
-                note = f"{p.note}; {grows} grow with use" if p.note else f"{grows} grow with use"
+                note = "; ".join(filter(None, [p.note, grows_with_use(self.dynamic_tables)]))
             else:
                 note = p.note
             lines.append(
@@ -205,6 +203,13 @@ class MemoryPlan:
             },
             "dynamic_tables": list(self.dynamic_tables),
         }
+
+
+def grows_with_use(names: Sequence[str]) -> str:
+    """``"cat0, cat1 grow with use"``; past three tables, their count."""
+    if len(names) > 3:
+        return f"{len(names)} dynamic tables grow with use"
+    return f"{', '.join(names)} grow{'s' if len(names) == 1 else ''} with use"
 
 
 def dense_bytes(module: nn.Module, state_per_parameter: float, state_shards: int = 1) -> int:
@@ -259,19 +264,20 @@ def plan_memory(
         )
     if cache is not None and hybrid:
         taken = cache_bytes(cache, hybrid, on_device=cache_on_device)
+        if cache.capacity_fraction is not None:
+            size = f"{cache.capacity_fraction:.1%} of each table's rows"
+        else:
+            size = f"{cache.capacity_rows} rows per table"
         if cache_on_device:
             parts.append(MemoryPart(
-                "cache_device", "cache rows", taken.device, where, DEVICE, "rows, pending sums"
+                "cache_device", "cache rows", taken.device, where, DEVICE,
+                f"rows, pending sums: {size}",
             ))  # fmt: skip
             parts.append(MemoryPart(
                 "cache_host", "cache index", taken.host, "host", HOST, "slots, id map, metadata"
             ))  # fmt: skip
         else:
-            parts.append(
-                MemoryPart(
-                    "cache_host", "cache", taken.host, "host", HOST, "rows, pending sums, index"
-                )
-            )
+            parts.append(MemoryPart("cache_host", "cache", taken.host, "host", HOST, size))
     if local:
         size = sum(spec.num_rows * row_bytes(spec) for spec in local if spec.num_rows)
         parts.append(MemoryPart("local_tables", "local tables", size, where, DEVICE))

@@ -111,7 +111,7 @@ def test_plan_of_every_placement_against_arithmetic() -> None:
     }  # fmt: skip
     assert all(type(p["bytes"]) is int for p in js["parts"].values())
     text = plan.describe()
-    assert "2 PS server ranks" in text and "dyn grow with use" in text
+    assert "2 PS server ranks" in text and "dyn grows with use" in text
     assert "rank 1's shards of 2" in text
     plan.check()  # a CPU worker: nothing to check against
 
