@@ -265,19 +265,19 @@ def plan_memory(
     if cache is not None and hybrid:
         taken = cache_bytes(cache, hybrid, on_device=cache_on_device)
         if cache.capacity_fraction is not None:
-            size = f"{cache.capacity_fraction:.1%} of each table's rows"
+            share = f"{cache.capacity_fraction:.1%} of each table's rows"
         else:
-            size = f"{cache.capacity_rows} rows per table"
+            share = f"{cache.capacity_rows} rows per table"
         if cache_on_device:
             parts.append(MemoryPart(
                 "cache_device", "cache rows", taken.device, where, DEVICE,
-                f"rows, pending sums: {size}",
+                f"rows, pending sums: {share}",
             ))  # fmt: skip
             parts.append(MemoryPart(
                 "cache_host", "cache index", taken.host, "host", HOST, "slots, id map, metadata"
             ))  # fmt: skip
         else:
-            parts.append(MemoryPart("cache_host", "cache", taken.host, "host", HOST, size))
+            parts.append(MemoryPart("cache_host", "cache", taken.host, "host", HOST, share))
     if local:
         size = sum(spec.num_rows * row_bytes(spec) for spec in local if spec.num_rows)
         parts.append(MemoryPart("local_tables", "local tables", size, where, DEVICE))
