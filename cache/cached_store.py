@@ -70,6 +70,7 @@ from cache.device_rows import to_host
 from cache.table_cache import Fetch, TableCache
 from cache.table_group import GroupClocks, TableGroup
 from comm import Handle
+from comm.device import exact_device
 from ps import PullRequest, PullResult, PushRequest, Store, TableSpec
 from ps.store import check_requests, first_of
 from ps.validate import check_grads, check_ids, finite_rows
@@ -106,9 +107,8 @@ class CachedStore(Store):
             )
         self.inner = store
         self.config = config
-        self.device = None if device is None else torch.device(device)
-        if self.device is not None and self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        # Where the cached rows live (None: host records); plain "cuda" is the current GPU.
+        self.device = None if device is None else exact_device(device)
         self._owns = bool(owns_store)
         self._caches: dict[str, TableCache] = {}  # cache name (table, or group) -> cache
         self._groups: dict[str, TableGroup] = {}  # cache name -> its tables (shared caches)
@@ -118,7 +118,8 @@ class CachedStore(Store):
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"CachedStore({self.inner!r}, {self.config!r})"
+        where = "" if self.device is None else f", device={str(self.device)!r}"
+        return f"CachedStore({self.inner!r}, {self.config!r}{where})"
 
     def _cache(self, table: str) -> TableCache:
         return self._member(table)[0]

@@ -235,3 +235,9 @@ def test_rows_served_on_the_device_and_state_round_trip(device: str) -> None:
     sk.flush()
     after = skip.pull("s", torch.tensor([1, 2])).rows
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1] - 1.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")
+def test_a_cuda_cache_without_cuda_is_a_clear_error() -> None:
+    with pytest.raises(RuntimeError, match="device .cuda:0. asked for, but torch sees no CUDA"):
+        cache.CachedStore(ps.InProcessStore(), cache.CacheConfig(capacity_rows=4), device="cuda:0")
