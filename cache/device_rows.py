@@ -86,8 +86,8 @@ class DeviceRows:
         """New copies: ``rows[slots] = fresh[sel]``, nothing pending (``[n]`` each)."""
         if slots.numel() == 0:
             return
-        self.rows[slots] = fresh.index_select(0, sel)
-        self.pend[slots] = 0.0
+        self.rows.index_copy_(0, slots, fresh.index_select(0, sel))
+        self.pend.index_fill_(0, slots, 0.0)
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """``rows[slots] = rows`` (host ``[n, D]``), nothing pending (a loaded cache)."""
@@ -103,7 +103,7 @@ class DeviceRows:
         new = fresh.index_select(0, sel)  # [R, D]
         if lr != 0.0:
             new -= lr * self.pend.index_select(0, slots)
-        self.rows[slots] = new
+        self.rows.index_copy_(0, slots, new)
 
     def serve(
         self,
@@ -118,13 +118,13 @@ class DeviceRows:
         that pass through (``through_at``), in request order (``inverse`` ``[N]``)."""
         out = self.rows.index_select(0, final.clamp(min=0))  # [U, D]
         if through_at.numel() > 0:
-            out[through_at] = fresh.index_select(0, through_sel)
+            out.index_copy_(0, through_at, fresh.index_select(0, through_sel))
         return out if inverse is None else out.index_select(0, inverse)
 
     def take_pending(self, slots: torch.Tensor) -> torch.Tensor:
         """The pending sums of ``slots`` ``[K]`` (a new tensor ``[K, D]``), zeroed here."""
         sums = self.pend.index_select(0, slots)
-        self.pend[slots] = 0.0
+        self.pend.index_fill_(0, slots, 0.0)
         return sums
 
     def pending_of(self, slots: torch.Tensor) -> torch.Tensor:
@@ -146,9 +146,9 @@ class DeviceRows:
             return
         g = grads.index_select(0, cached_at)  # [S, D]
         if lr != 0.0:
-            self.rows[slots] = self.rows.index_select(0, slots) - lr * g
+            self.rows.index_copy_(0, slots, self.rows.index_select(0, slots) - lr * g)
         if accumulate:
-            self.pend[slots] = self.pend.index_select(0, slots) + g
+            self.pend.index_copy_(0, slots, self.pend.index_select(0, slots) + g)
 
     def read(self, slots: np.ndarray) -> torch.Tensor:
         """Host copies of the rows of ``slots`` (a checkpoint of the cache)."""

@@ -853,9 +853,13 @@ class TableCache:
         uncached = _EMPTY_I64
         if slots.size and slots.min() < 0:  # rows not cached are pushed at once
             uncached = np.flatnonzero(slots < 0)
-        push_ids = np.concatenate([uniq.take(uncached), uniq.take(due_at)])
+        push_ids = uniq.take(due_at)
+        if uncached.size:
+            push_ids = np.concatenate([uniq.take(uncached), push_ids])
         if self.data is None:
-            self._push(push_ids, np.concatenate([g.take(uncached, axis=0), due_g]))
+            if uncached.size:
+                due_g = np.concatenate([g.take(uncached, axis=0), due_g])
+            self._push(push_ids, due_g)
             return
         cached = np.flatnonzero(slots >= 0)
         at_c, s_c, at_due, s_due, at_unc = self.data.indices(
