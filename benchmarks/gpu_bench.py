@@ -583,22 +583,6 @@ def cache_totals(cached: Any) -> dict[str, int]:
     return total
 
 
-def device_cache(store: Store, config: Any, device: torch.device, notes: list[str]) -> Any:
-    """``cache.CachedStore(store, config, device=device)``: rows and pending sums in
-    ``device`` memory."""
-    from cache import CachedStore
-
-    try:
-        return CachedStore(store, config, device=device)  # type: ignore[call-arg]
-    except TypeError as e:
-        if "device" not in str(e):
-            raise
-    note = "gpu_cache: CachedStore has no device= keyword: the cache keeps host records"
-    if note not in notes:
-        notes.append(note)
-    return CachedStore(store, config)
-
-
 @dataclass(slots=True)
 class CacheVariant:
     """One DLRM of the cache part and its place in the shared stream of batches."""
@@ -608,7 +592,7 @@ class CacheVariant:
     opt: torch.optim.Optimizer
     batches: list[Any]  # hybridrec Batch: fresh ids per step, the same stream for all
     precision: str
-    cached: Any = None  # the CachedStore, if any
+    cached: Any = None  # the cache.CachedStore with rows on the device, if any
     count: int = 0  # steps taken
     wrapped: bool = False  # ran past the drawn batches (ids then repeat)
 
@@ -668,7 +652,7 @@ def _gpu_cache_run(
     notes: list[str],
     out: dict[str, Any],
 ) -> None:
-    from cache import CacheConfig, cache_bytes
+    from cache import CacheConfig, CachedStore, cache_bytes
     from hybridrec.datasets.ctr import Batch
     from ps import InProcessStore
 
@@ -780,11 +764,10 @@ def _gpu_cache_run(
             policy=shape.policy,  # type: ignore[arg-type]
             group_tables=True,
         )
-        cached = device_cache(store, config, device, notes)
-        on_device = getattr(cached, "device", None) is not None
+        cached = CachedStore(store, config, device=device)
         m = hybridrec_dlrm(dshape, device, notes, "hybrid", cached)
         variants[name] = CacheVariant(name, m, dense_opt(m), host_batches, shape.precision, cached)
-        need = cache_bytes(config, specs, on_device=on_device)
+        need = cache_bytes(config, specs, on_device=True)
         memory[name] = {
             "device_cache_GiB": gib(need.device),
             "host_GiB": gib(need.host + (0 if store is shared else host_store_bytes)),
@@ -906,9 +889,7 @@ def _gpu_cache_run(
     out["targets_read"] = best
     out["gpu_cache_vs_local"] = out["vs_local"][best]
     out["gpu_cache_vs_uncached"] = out["vs_uncached"][best]
-    out["cache_on_device"] = all(
-        getattr(variants[n].cached, "device", None) is not None for n in cached_names
-    )
+    out["cache_device"] = str(variants[best].cached.device)
     if cuda:  # every variant's tables, caches and batches, and the largest step's peak
         out["timed_peak_GiB"] = gib(torch.cuda.max_memory_allocated(device))
 
