@@ -778,13 +778,14 @@ def _gpu_cache_run(
     _time_left(deadline, "after building every variant")
 
     # ---- warm-up, one variant after the other: kernels (Triton autotune) and pinned
-    # buffers first; a cache until its hit rate is steady, the caches sharing half of
-    # the time left.
+    # buffers first; a cache until its hit rate is steady. The caches share what the
+    # timed windows will not need (estimated with the uncached step time), at least a
+    # quarter of the time left.
     warm: dict[str, dict[str, Any]] = {}
     out["warmup"] = warm
     step_s: dict[str, float] = {}
     caches_left = sum(v.cached is not None for v in variants.values())
-    cache_warm_until = time.perf_counter() + 0.5 * _time_left(deadline, "warm-up")
+    cache_warm_until = 0.0
     for name, v in variants.items():
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -796,6 +797,11 @@ def _gpu_cache_run(
             blocks = [max(1, half), max(1, shape.warm_local - half)]
             until = deadline
         else:
+            if not cache_warm_until:  # the first cache: local and uncached steps are known
+                left = _time_left(deadline, "warming the caches")
+                guess = step_s["local"] + step_s["uncached"] * (1 + caches_left)
+                timed_need = shape.windows * shape.steps * guess + 1.0
+                cache_warm_until = time.perf_counter() + max(left - timed_need, 0.25 * left)
             blocks = [shape.warm_block] * -(-shape.warm_max // shape.warm_block)
             until = time.perf_counter() + (cache_warm_until - time.perf_counter()) / caches_left
             caches_left -= 1
@@ -836,7 +842,7 @@ def _gpu_cache_run(
 
     # ---- timed windows, sized to the time left by the warm-up's step times
     round_s = sum(step_s.values())  # one step of every variant
-    left = _time_left(deadline, "timed windows", round_s) - 2.0
+    left = _time_left(deadline, "timed windows", round_s) - 1.0
     steps_per = shape.steps
     windows = min(shape.windows, int(left / (steps_per * round_s)))
     if windows < 2:
