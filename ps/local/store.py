@@ -38,8 +38,9 @@ class InProcessStore(Store):
     ``init_device`` (a ``torch.device`` or its name, e.g. ``"cuda"``): where the
     initial rows of new fixed tables (and of rows a checkpoint lacks) are hashed
     before they are copied into host memory: the same bits as the default (None:
-    numpy on one host core, ~0.8 s per 65,536 x 128 rows), a GPU doing 26 x 2 M x 128
-    in seconds. The tables stay on the host either way.
+    numpy on one host core, ~0.8 s per 65,536 x 128 rows, ~10 minutes for 26 x 2 M x
+    128), the host's share with a GPU being one copy of the rows on every core. The
+    tables stay on the host either way.
     """
 
     def __init__(self, *, init_device: torch.device | str | None = None) -> None:

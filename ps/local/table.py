@@ -28,8 +28,8 @@ Dynamic-table rules (see :class:`ps.table.TableSpec`):
 Initial rows of a fixed table are hashed on the host by default (numpy, one core: ~0.8 s
 per 65,536 x 128 rows); with ``init_device`` they are hashed by torch ops on that device
 (:meth:`ps.UniformInit.rows_torch`, the same bits) and copied into the host table
-chunk by chunk (:func:`initialise_rows`), so a GPU fills a 2 M x 128 table in well under
-a second.
+chunk by chunk (:func:`initialise_rows`): with a GPU, the host's share is one copy of the
+rows on every core.
 
 Nothing here validates requests or takes locks: callers check ids and grads
 (:mod:`ps.validate`) and serialise requests with :attr:`LocalTable.lock`.
