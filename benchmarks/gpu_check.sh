@@ -63,7 +63,8 @@ if [[ ${STATUS[machine]} == ok ]]; then
   # the jobs, then the files that launch ranks (mpirun, gloo, nccl): a run cut short by
   # its timeout has then answered the most.
   FIRST=(tests/test_embedding_device.py tests/test_embedding_state_dict.py
-         tests/test_ps_inprocess.py tests/test_triton_kernels.py tests/test_device_jobs.py)
+         tests/test_cache_device.py tests/test_ps_inprocess.py tests/test_ps_init_device.py
+         tests/test_triton_kernels.py tests/test_device_jobs.py)
   mapfile -t MARKED < <(grep -l "mark.gpu" tests/test_*.py)
   GPU_TESTS=()
   for f in "${FIRST[@]}"; do [[ " ${MARKED[*]} " == *" $f "* ]] && GPU_TESTS+=("$f"); done
