@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One-shot GPU check, under 6 minutes on one GPU, every part bounded by `timeout`:
+# One-shot GPU check, under 7 minutes on one GPU, every part bounded by `timeout`:
 #   1. the machine: GPU, torch, CUDA, triton;
 #   2. the Triton kernels' correctness cases compiled on CUDA (tests/triton_cases.py);
 #   3. the tests marked gpu (pytest -m gpu, over the test files that have such tests);
-#   4. benchmarks/gpu_bench.py: kernels, DLRM and GPT vs plain PyTorch (last line JSON);
+#   4. benchmarks/gpu_bench.py: kernels, DLRM and GPT vs plain PyTorch, the embedding
+#      cache on the GPU vs tables in HBM and vs uncached host tables (last line JSON);
 # then a summary: each part's status and seconds, and every benchmark target.
 # Usage, from anywhere:  bash benchmarks/gpu_check.sh [--quick]   (--quick goes to the bench)
 # Python: $PYTHON, else .venv/bin/python, else python3 (a CUDA build of torch, and triton).
@@ -20,7 +21,7 @@ mkdir -p "$DEST"
 export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 
-TOTAL=345  # seconds for the whole check; each part gets at most its cap and what is left
+TOTAL=400  # seconds for the whole check; each part gets at most its cap and what is left
 declare -A STATUS SECS
 cap() {  # cap <max seconds> <seconds kept for the parts after this one>
   local left=$(( TOTAL - SECONDS - $2 ))
@@ -56,13 +57,14 @@ PY
 nvidia-smi -L 2>/dev/null | tee -a "$DEST/machine.log" || true
 
 if [[ ${STATUS[machine]} == ok ]]; then
-  run_part cases "$(cap 60 270)" "$DEST/cases.jsonl" "$PY" tests/triton_cases.py --device cuda
+  run_part cases "$(cap 60 330)" "$DEST/cases.jsonl" "$PY" tests/triton_cases.py --device cuda
 
   # In-process checks first (every placement and optimizer, state dicts, kernels), then
   # the jobs, then the files that launch ranks (mpirun, gloo, nccl): a run cut short by
   # its timeout has then answered the most.
   FIRST=(tests/test_embedding_device.py tests/test_embedding_state_dict.py
-         tests/test_ps_inprocess.py tests/test_triton_kernels.py tests/test_device_jobs.py)
+         tests/test_cache_device.py tests/test_ps_inprocess.py tests/test_ps_init_device.py
+         tests/test_triton_kernels.py tests/test_device_jobs.py)
   mapfile -t MARKED < <(grep -l "mark.gpu" tests/test_*.py)
   GPU_TESTS=()
   for f in "${FIRST[@]}"; do [[ " ${MARKED[*]} " == *" $f "* ]] && GPU_TESTS+=("$f"); done
@@ -72,7 +74,7 @@ if [[ ${STATUS[machine]} == ok ]]; then
     # may lack); -m gpu keeps their CUDA tests; -v names each result as it comes, so a
     # timed-out run still says which passed. The cases ran above: their pytest twin is
     # deselected. The shell timeout bounds the whole run (pytest-timeout may be absent).
-    run_part gpu_tests "$(cap 150 120)" "$DEST/pytest_gpu.log" \
+    run_part gpu_tests "$(cap 140 190)" "$DEST/pytest_gpu.log" \
       env HYBRIDREC_REQUIRE_TRITON=1 "$PY" -m pytest -m gpu -v -p no:cacheprovider \
       --continue-on-collection-errors \
       --deselect tests/test_triton_kernels.py::test_triton_cases_on_cuda "${GPU_TESTS[@]}"
@@ -80,7 +82,7 @@ if [[ ${STATUS[machine]} == ok ]]; then
     STATUS[gpu_tests]="none: no test file has a gpu mark"; SECS[gpu_tests]=0
   fi
 
-  BENCH_LIMIT=$(cap 170 0)
+  BENCH_LIMIT=$(cap 200 0)
   run_part bench "$BENCH_LIMIT" "$DEST/bench.log" \
     "$PY" benchmarks/gpu_bench.py --out "$DEST" --budget-s $(( BENCH_LIMIT - 15 )) "$@"
 else
@@ -117,7 +119,14 @@ for name, t in out["targets"].items():
     print(f"    {name:26s} {value:>8s}  target >= {t['target']:<5}  {'met' if t['met'] else 'UNMET'}")
 f = out["figures"]
 print(f"    dlrm samples/s hybridrec {f['dlrm_gpu_samples_s']}, torch {f['dlrm_torch_samples_s']}")
-print(f"    gpt tokens/s {f['gpt_tokens_s']}, gpu_cache: {f['gpu_cache']}")
+print(f"    gpt tokens/s {f['gpt_tokens_s']}")
+c = f["gpu_cache"]
+if "samples_s" in c:
+    print(f"    gpu_cache samples/s {json.dumps({k: round(v) for k, v in c['samples_s'].items()})}")
+    print(f"    gpu_cache hit rate {json.dumps({k: round(v, 3) for k, v in c['hit_rate'].items()})}, "
+          f"rows moved/step {json.dumps({k: round(v) for k, v in c['rows_moved_per_step'].items()})}")
+else:
+    print(f"    gpu_cache: {c.get('error') or c.get('skipped') or 'no figures'}")
 for part, err in out["errors"].items():
     print(f"    error in {part}: {err}")
 PY

@@ -6,10 +6,15 @@ admission, read and write staleness bounds, prefetch, statistics). Sits between 
 ``embedding.EmbeddingCollection`` given one trains through the cache (the "hybrid"
 placement). Rules: ``docs/cache.md``; admission: ``docs/cache_admission.md``.
 
+``CachedStore(..., device=torch.device("cuda:0"))`` keeps the cached rows in that
+device's memory (a GPU worker's cache in HBM); the plan of each step stays on the host.
+
 Modules: ``config`` (CacheConfig), ``cached_store`` (the Store wrapper),
-``table_cache`` (one table's slots, fetch and write-back), ``policy`` (LRU/LFU/TinyLFU
-eviction order), ``sketch`` (TinyLFU's count-min sketch of recent id frequencies),
-``slot_index`` (id -> slot), ``stats`` (counters and the staleness histogram).
+``table_cache`` (one table's slots, fetch and write-back), ``device_rows`` (the rows and
+pending sums in device tensors), ``memory`` (what a cache takes, before it exists),
+``policy`` (LRU/LFU/TinyLFU eviction order), ``sketch`` (TinyLFU's count-min sketch of
+recent id frequencies), ``slot_index`` (id -> slot), ``stats`` (counters and the
+staleness histogram).
 """
 
 from cache.cached_store import CachedStore

@@ -66,9 +66,11 @@ from typing import Any
 import torch
 
 from cache.config import CacheConfig
+from cache.device_rows import to_host
 from cache.table_cache import Fetch, TableCache
 from cache.table_group import GroupClocks, TableGroup
 from comm import Handle
+from comm.device import exact_device
 from ps import PullRequest, PullResult, PushRequest, Store, TableSpec
 from ps.store import check_requests, first_of
 from ps.validate import check_grads, check_ids, finite_rows
@@ -77,10 +79,24 @@ from ps.validate import check_grads, check_ids, finite_rows
 class CachedStore(Store):
     """A hot-row cache in front of ``store`` (see the module docstring).
 
+    ``device``: None (default) keeps each cached row in a record in host memory with its
+    metadata (the CPU path). A ``torch.device`` keeps the rows and their pending sums in
+    that device's memory (:mod:`cache.device_rows`; a GPU worker's cache in HBM): pulls
+    return rows there, pushes take gradients there (host ones are moved), hits never
+    leave it, and only the rows due to the store cross to the host. ``cpu`` runs that
+    same path on host tensors.
+
     ``close()`` flushes; it closes ``store`` too only if ``owns_store`` is True.
     """
 
-    def __init__(self, store: Store, config: CacheConfig, *, owns_store: bool = False) -> None:
+    def __init__(
+        self,
+        store: Store,
+        config: CacheConfig,
+        *,
+        owns_store: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
         if not isinstance(store, Store):
             raise TypeError(f"CachedStore: store must be a ps.Store, got {type(store).__name__}")
         if isinstance(store, CachedStore):
@@ -91,6 +107,8 @@ class CachedStore(Store):
             )
         self.inner = store
         self.config = config
+        # Where the cached rows live (None: host records); plain "cuda" is the current GPU.
+        self.device = None if device is None else exact_device(device)
         self._owns = bool(owns_store)
         self._caches: dict[str, TableCache] = {}  # cache name (table, or group) -> cache
         self._groups: dict[str, TableGroup] = {}  # cache name -> its tables (shared caches)
@@ -100,7 +118,8 @@ class CachedStore(Store):
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"CachedStore({self.inner!r}, {self.config!r})"
+        where = "" if self.device is None else f", device={str(self.device)!r}"
+        return f"CachedStore({self.inner!r}, {self.config!r}{where})"
 
     def _cache(self, table: str) -> TableCache:
         return self._member(table)[0]
@@ -139,7 +158,7 @@ class CachedStore(Store):
     ) -> str:
         """Make the cache of ``specs`` (one table, or a group), filled from ``state``."""
         if len(specs) == 1:
-            tc = TableCache(specs[0], self.config, self.inner)
+            tc = TableCache(specs[0], self.config, self.inner, device=self.device)
             group = None
         else:
             group = TableGroup.of(specs)
@@ -150,6 +169,7 @@ class CachedStore(Store):
                 GroupClocks(group, self.inner),
                 capacity=capacity,
                 largest_table=max(int(s.num_rows or 0) for s in specs),
+                device=self.device,
             )
             self._groups[tc.name] = group
         if state is not None:
@@ -192,19 +212,23 @@ class CachedStore(Store):
     def _send(self, caches: Sequence[TableCache]) -> None:
         """Send what the outboxes of ``caches`` hold as one batched push (nothing if
         they are empty); each table keeps the handle for :meth:`flush`."""
-        requests, senders = [], []
+        pushes, senders = [], []  # (cache, ids, grads)
         for tc in caches:
             box = tc.take_outbox()
-            group = self._groups.get(tc.name)
-            for ids, grads in box:
-                if group is None:
-                    requests.append(PushRequest(tc.name, ids, grads))
-                else:
-                    requests += group.split_push(ids, grads)
+            pushes += [(tc, ids, grads) for ids, grads in box]
             if box:
                 senders.append(tc)
-        if not requests:
+        if not pushes:
             return
+        # Rows on a device: every table's pushed rows in one copy to the host.
+        host = to_host([g for _, _, g in pushes])
+        requests = []
+        for (tc, ids, _), grads in zip(pushes, host, strict=True):
+            group = self._groups.get(tc.name)
+            if group is None:
+                requests.append(PushRequest(tc.name, ids, grads))
+            else:
+                requests += group.split_push(ids, grads)
         handle = self.inner.push_many_async(requests)
         for tc in senders:
             tc.sent(handle)
@@ -401,11 +425,13 @@ class CachedStore(Store):
             spec = self._specs[r.table]
             ids = check_ids(spec, r.ids, "push").cpu()
             finite = spec.nan_policy == "raise"
-            grads = check_grads(spec, ids, r.grads, finite=finite).detach().cpu()
+            grads = check_grads(spec, ids, r.grads, finite=finite).detach()
+            grads = grads.to(self.device or "cpu")  # where the cached rows are
             if spec.nan_policy == "skip" and grads.numel() > 0:
                 ok = finite_rows(grads)
                 if not bool(ok.all()):
-                    ids, grads = ids[ok], grads[ok]
+                    ok_host = ok.cpu()
+                    ids, grads = ids[ok_host], grads[ok]
             packed = ids if group is None else group.pack(r.table, ids)
             checked.setdefault(tc.name, []).append((packed, grads))
         caches = []

@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 from cache.config import CacheConfig
+from cache.device_rows import DeviceRows
 from cache.kernels.records import copy_clocks, serve_rows, update_rows
 from cache.policy import EvictionPolicy
 from cache.sketch import FrequencySketch
@@ -138,10 +139,15 @@ class TableCache:
         *,
         capacity: int | None = None,
         largest_table: int | None = None,
+        device: torch.device | None = None,
     ) -> None:
         cap = config.capacity(spec) if capacity is None else capacity
         d = spec.dim
         self.spec, self.name, self.dim = spec, spec.name, d
+        # Rows on a device: the records keep only metadata (a row width of 0 in the slab).
+        self.data = None if device is None else DeviceRows(cap, d, device)
+        sd = d if self.data is None else 0  # floats of row (and of pend) in a record
+        self.sd = sd
         self.store = store
         self.capacity = cap
         self.read_bound = config.read_bound
@@ -153,11 +159,11 @@ class TableCache:
         self.verify_prefetched = config.verify_prefetched
         self.exact = config.exact_staleness
         self.chunk = config.chunk(cap)
-        self.width = -(-(2 * d + _META_WORDS) // 16) * 16  # W: whole 64-byte lines
+        self.width = -(-(2 * sd + _META_WORDS) // 16) * 16  # W: whole 64-byte lines
         self.slab = _aligned_records(cap, self.width)  # [C, W]
         self._void = np.dtype((np.void, 4 * self.width))
         self.vslab = self.slab.view(self._void).reshape(cap)  # [C] one item per record
-        self.meta = self.slab[:, 2 * d : 2 * d + _META_WORDS].view(np.int64)  # [C, 8] view
+        self.meta = self.slab[:, 2 * sd : 2 * sd + _META_WORDS].view(np.int64)  # [C, 8] view
         self.row_id = np.full(cap, -1, dtype=np.int64)  # [C]
         self.free = np.arange(cap - 1, -1, -1, dtype=np.int64)  # stack: free[:n_free], top last
         self.n_free = cap
@@ -175,12 +181,13 @@ class TableCache:
         self.deferred: torch.Tensor | None = None  # next batch's ids for the next pull
         self.reserved: np.ndarray | None = None  # slots a planned prefetch counts as cached
         self.planned_hits: np.ndarray = _EMPTY_I64  # slots of the planned serving pull's hits
-        self.outbox: list[tuple[np.ndarray, np.ndarray]] = []  # pushes due: ([P], [P, D])
+        # Pushes due: ([P] ids, [P, D] gradients: numpy, or tensors on the rows' device).
+        self.outbox: list[tuple[np.ndarray, Any]] = []
         self.push_handles: list[Handle] = []
         # Pending sums of evicted rows not sent yet: ([K] ids, [K, D] sums) pairs. They
         # ride on the next push (the batch's update follows the eviction at once in a
         # training step), saving a request; see :meth:`send_evicted`.
-        self.evicted: list[tuple[np.ndarray, np.ndarray]] = []
+        self.evicted: list[tuple[np.ndarray, Any]] = []
 
     # ------------------------------------------------------------ records
 
@@ -194,8 +201,8 @@ class TableCache:
 
     def _meta(self, rec: np.ndarray) -> np.ndarray:
         """The int64 ``[K, 8]`` metadata view of records ``rec`` ``[K, W]``."""
-        d = self.dim
-        return rec[:, 2 * d : 2 * d + _META_WORDS].view(np.int64)
+        sd = self.sd
+        return rec[:, 2 * sd : 2 * sd + _META_WORDS].view(np.int64)
 
     def _slots_of(self, uniq: np.ndarray, known: _Known | None, tick: int | None) -> np.ndarray:
         """Slots of ``uniq``: from ``known`` when it holds the same ids and is current.
@@ -254,9 +261,14 @@ class TableCache:
         order = np.lexsort((self.row_id[slots], self.policy.key[slots]))
         slots = slots[order]  # [K] least kept first (the victim order)
         rec = self._gather(slots)  # [K, W]
+        rows = (
+            torch.from_numpy(rec[:, : self.dim].copy())
+            if self.data is None
+            else self.data.read(slots)
+        )  # [K, D]
         out = {
             "ids": torch.from_numpy(self.row_id[slots].copy()),
-            "rows": torch.from_numpy(rec[:, : self.dim].copy()),
+            "rows": rows,
             "meta": torch.from_numpy(self._meta(rec).copy()),
             "keys": torch.from_numpy(self.policy.key[slots].copy()),
             "counters": torch.tensor([self.tick, self.seq], dtype=torch.int64),
@@ -292,11 +304,15 @@ class TableCache:
                 )
         slots = self._admit(ids_np, None)  # [K'] (the cache is empty: no eviction)
         rec = np.zeros((slots.size, self.width), dtype=np.float32)
-        rec[:, : self.dim] = rows[keep].numpy()
+        sd = self.sd
+        rec[:, :sd] = rows[keep].numpy()[:, :sd]
         self._meta(rec)[:] = meta[keep].numpy()
         self._meta(rec)[:, COUNT] = 0  # a saved cache was flushed: nothing pending
-        rec[:, self.dim : 2 * self.dim] = 0.0
+        rec[:, sd : 2 * sd] = 0.0
         self._scatter(slots, rec)
+        if self.data is not None:
+            (at,) = self.data.indices(slots)
+            self.data.write(at, rows[keep].to(torch.float32))
         self.policy.key[slots] = keys[keep].numpy()
         self.tick, self.seq = (int(v) for v in state["counters"].tolist())
         if self.sketch is not None and "sketch_counters" in state:
@@ -363,7 +379,7 @@ class TableCache:
         if prefetch:
             asked = self._admittable(uniq, hit, slots, misses_only=False)
         fill = -1 - self.read_bound  # misses always come back
-        copy_clock = copy_clocks(self.slab, self.dim, slots, fill)  # [U]
+        copy_clock = copy_clocks(self.slab, self.sd, slots, fill)  # [U]
         if copy_clock is None:
             copy_clock = np.where(hit, self.meta[slots, CLOCK], fill)
         ask_ids, ask_clock = uniq, copy_clock
@@ -459,7 +475,7 @@ class TableCache:
         final = slots
         if f.handle is not None:
             res: PullResult = f.handle.wait()
-            fresh, fresh_clock = res.rows.numpy(), res.clocks.numpy()  # [A, D], [A]
+            fresh, fresh_clock = self._fresh(res.rows), res.clocks.numpy()  # [A, D], [A]
             self.stats.pulled(asked.size, asked.size, 0)
             ids = uniq.take(asked)  # [A]
             take = np.arange(asked.size)  # [A] rows of the reply to install, in order
@@ -475,8 +491,9 @@ class TableCache:
             n = new_slots.size
             if n > 0:
                 sel = take[:n]
-                rows, clocks = fresh.take(sel, axis=0), fresh_clock.take(sel)
-                self._install(new_slots, rows, clocks, f.seq, f.tick * 4 + _MISS)
+                self._install(
+                    new_slots, fresh, sel, fresh_clock.take(sel), f.seq, f.tick * 4 + _MISS
+                )
                 self.policy.use(new_slots, None if freq is None else freq.take(sel), f.tick)
                 self.touched += n
                 final = slots.copy()
@@ -521,10 +538,10 @@ class TableCache:
             assert res.positions is not None
             pos = res.positions.numpy()
             got = pos if f.asked is None else f.asked.take(pos)  # [M] indices into uniq
-            fresh, fresh_clock = res.rows.numpy(), res.clocks.numpy()  # [M, D], [M]
+            fresh, fresh_clock = self._fresh(res.rows), res.clocks.numpy()  # [M, D], [M]
         else:
             got = _EMPTY_I64
-            fresh = np.empty((0, d), dtype=np.float32)
+            fresh = self._fresh(torch.empty(0, d, dtype=torch.float32))
             fresh_clock = _EMPTY_I64
         got_hit = hit.take(got)  # [M]
         ref_sel = np.flatnonzero(got_hit)  # [R] indices into got
@@ -543,10 +560,14 @@ class TableCache:
         # Cached rows past the bound: copy := PS row minus the unpushed local delta.
         ref_slots = slots.take(ref_u)  # [R]
         if ref_u.size > 0:
-            rows = fresh.take(ref_sel, axis=0)  # [R, D]
-            if self.lr != 0.0:  # pend is zero for rows without pending updates: exact
-                rows -= self.lr * self.slab[ref_slots, d : 2 * d]
-            self.slab[ref_slots, :d] = rows
+            if self.data is None:
+                rows = fresh.take(ref_sel, axis=0)  # [R, D]
+                if self.lr != 0.0:  # pend is zero for rows without pending updates: exact
+                    rows -= self.lr * self.slab[ref_slots, d : 2 * d]
+                self.slab[ref_slots, :d] = rows
+            else:
+                at, sel = self.data.indices(ref_slots, ref_sel)
+                self.data.refresh(at, fresh, sel, self.lr)
             self.meta[ref_slots, CLOCK] = fresh_clock.take(ref_sel)
             self.meta[ref_slots, OWN] = 0
 
@@ -572,7 +593,7 @@ class TableCache:
         if n_adm > 0:
             final[adm_u] = new_slots
             adm = miss_sel[:n_adm]
-            self._install(new_slots, fresh.take(adm, axis=0), fresh_clock.take(adm), f.seq)
+            self._install(new_slots, fresh, adm, fresh_clock.take(adm), f.seq)
             self.touched += n_adm
 
         if f.prefetch:
@@ -589,7 +610,7 @@ class TableCache:
         # Served: every cached row of the batch counts one use per occurrence.
         old = hit.copy()  # cached rows served without moving now
         old[ref_u] = False
-        served = serve_rows(self.slab, d, final, old, f.counts, lfu=self.lfu, tick=f.tick)
+        served = serve_rows(self.slab, self.sd, final, old, f.counts, lfu=self.lfu, tick=f.tick)
         if served is None:
             served = self._serve_numpy(final, old, f.counts, f.tick)
         out, out_clock, lag, freq, n_pf_miss, n_pf_ref = served
@@ -601,26 +622,51 @@ class TableCache:
         elif n_adm > 0:
             self.policy.use(new_slots, None, f.tick)
         self._count_served(f, ref_u.size, miss_sel.size, old, lag, n_pf_miss, n_pf_ref)
-        through_u = miss_u[n_adm:]
+        through_u = miss_u[n_adm:]  # [T] indices into uniq of the ids passed through
+        through = miss_sel[n_adm:]  # [T] their rows in the reply
         self.served = _Known(uniq, final, self.gen, f.tick, through_u.size == 0)
         if through_u.size > 0:
-            through = miss_sel[n_adm:]
-            out[through_u] = fresh.take(through, axis=0)
             out_clock[through_u] = fresh_clock.take(through)
             self.stats.add("pass_through", through.size)
         if f.inverse is not None:
-            out, out_clock = out.take(f.inverse, axis=0), out_clock.take(f.inverse)
-        f.result = PullResult(torch.from_numpy(out), torch.from_numpy(out_clock), None)
+            out_clock = out_clock.take(f.inverse)
+        if self.data is None:
+            if through_u.size > 0:
+                out[through_u] = fresh.take(through, axis=0)
+            if f.inverse is not None:
+                out = out.take(f.inverse, axis=0)
+            rows_out = torch.from_numpy(out)  # [N, D]
+        else:
+            inverse = () if f.inverse is None else (f.inverse,)
+            idx = self.data.indices(final, through_u, through, *inverse)
+            rows_out = self.data.serve(idx[0], idx[1], fresh, idx[2], idx[3] if inverse else None)
+        f.result = PullResult(rows_out, torch.from_numpy(out_clock), None)
         return f.result
 
+    def _fresh(self, rows: torch.Tensor) -> Any:
+        """The rows a store returned ``[M, D]``: a numpy view for the slab, or on the
+        cache's device in one copy."""
+        return rows.numpy() if self.data is None else self.data.upload(rows)
+
     def _install(
-        self, slots: np.ndarray, rows: np.ndarray, clocks: np.ndarray, seq: int, pf: int = 0
+        self,
+        slots: np.ndarray,
+        fresh: Any,
+        sel: np.ndarray,
+        clocks: np.ndarray,
+        seq: int,
+        pf: int = 0,
     ) -> None:
-        """Fresh records in ``slots`` ``[n]``: PS rows ``[n, D]`` read at ``clocks``
-        ``[n]`` by request ``seq``, nothing pending, no uses yet, prefetch mark ``pf``."""
+        """Fresh records in ``slots`` ``[n]``: PS rows ``fresh[sel]`` (``fresh`` from
+        :meth:`_fresh`, ``[M, D]``) read at ``clocks`` ``[n]`` by request ``seq``, nothing
+        pending, no uses yet, prefetch mark ``pf``."""
         n = slots.size
         rec = np.zeros((n, self.width), dtype=np.float32)  # [n, W]
-        rec[:, : self.dim] = rows
+        if self.data is None:
+            rec[:, : self.dim] = fresh.take(sel, axis=0)
+        else:
+            at, at_sel = self.data.indices(slots, sel)
+            self.data.install(at, fresh, at_sel)
         meta = self._meta(rec)
         meta[:, CLOCK] = clocks
         meta[:, CHECKED] = seq
@@ -631,7 +677,7 @@ class TableCache:
         self, final: np.ndarray, old: np.ndarray, uses: np.ndarray | None, tick: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int]:
         """:func:`cache.kernels.records.serve_rows` on numpy (no C compiler)."""
-        u, d = final.size, self.dim
+        u, d = final.size, self.sd
         cached = final >= 0
         cs = final[cached]  # [S]
         out = np.zeros((u, d), dtype=np.float32)
@@ -721,7 +767,13 @@ class TableCache:
         pend = np.flatnonzero(meta[:, COUNT])
         if pend.size > 0:  # never dropped: push their gradient sums first
             d = self.dim
-            self.evicted.append((self.row_id.take(victims.take(pend)), rec[pend, d : 2 * d]))
+            sums: Any
+            if self.data is None:
+                sums = rec[pend, d : 2 * d]  # [K, D]
+            else:  # gathered now, before an admitted row takes the slot
+                (at,) = self.data.indices(victims.take(pend))
+                sums = self.data.pending_of(at)
+            self.evicted.append((self.row_id.take(victims.take(pend)), sums))
             self.stats.add("evicted_pending", pend.size)
             self.meta[victims.take(pend), COUNT] = 0  # free slots hold no count
         self.index.remove(self.row_id.take(victims))
@@ -742,16 +794,19 @@ class TableCache:
         carries them; the owner calls this (and sends the outbox) before any pull
         when they are still waiting."""
         if self.evicted:
-            self._push(_EMPTY_I64, np.empty((0, self.dim), dtype=np.float32))
+            no_rows = np.empty((0, self.dim), dtype=np.float32)
+            self._push(_EMPTY_I64, no_rows if self.data is None else self.data.empty())
 
-    def _push(self, ids: np.ndarray, grads: np.ndarray) -> None:
-        """Queue a push of ``ids`` ``[P]`` and ``grads`` ``[P, D]`` (fresh arrays) in the
-        outbox, with the evicted rows' sums not sent yet (distinct from ``ids``: a row
-        evicted since the last push was cached, so it is not in a batch's pass-through
-        ids, and it is not cached now, so it is not due)."""
+    def _push(self, ids: np.ndarray, grads: Any) -> None:
+        """Queue a push of ``ids`` ``[P]`` and ``grads`` ``[P, D]`` (fresh arrays; tensors
+        on the cache's device for rows on a device) in the outbox, with the evicted rows'
+        sums not sent yet (distinct from ``ids``: a row evicted since the last push was
+        cached, so it is not in a batch's pass-through ids, and it is not cached now, so
+        it is not due)."""
         if self.evicted:
             ids = np.concatenate([e[0] for e in self.evicted] + [ids])
-            grads = np.concatenate([e[1] for e in self.evicted] + [grads])
+            sums = [e[1] for e in self.evicted] + [grads]
+            grads = np.concatenate(sums) if self.data is None else torch.cat(sums)
             self.evicted = []
         if ids.size == 0:
             return
@@ -760,9 +815,11 @@ class TableCache:
 
     def take_outbox(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The pushes queued since the last call, each ``(ids [P], grads [P, D])``, in
-        order (each one is a separate push for the PS: one optimizer step per row)."""
+        order (each one is a separate push for the PS: one optimizer step per row). The
+        gradients of rows on a device are still there (the owner copies every table's
+        at once)."""
         box, self.outbox = self.outbox, []
-        return [(torch.from_numpy(i), torch.from_numpy(g)) for i, g in box]
+        return [(torch.from_numpy(i), g if self.data else torch.from_numpy(g)) for i, g in box]
 
     def sent(self, handle: Handle) -> None:
         """The outbox went to the PS in the request of ``handle`` (waited by ``flush``)."""
@@ -771,73 +828,88 @@ class TableCache:
         self.push_handles.append(handle)
 
     def update(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """Apply row gradients ``grads`` ``[N, D]`` of ``ids`` ``[N]`` (checked already).
+        """Apply row gradients ``grads`` ``[N, D]`` of ``ids`` ``[N]`` (checked already;
+        ``grads`` on the rows' device when they are on one).
 
         Repeated ids are summed first (as a store does). Cached rows: the copy takes
         an SGD step of ``lr``, the gradient joins the row's pending sum, and rows
         with more than ``write_bound`` pending updates are pushed (their sum) now.
         Rows not cached are pushed at once. Everything due goes in one push.
         """
-        uniq, g = ids.numpy(), grads.numpy()
+        uniq = ids.numpy()
         if not _increasing(uniq):
-            u, gs = coalesce(ids, grads)  # [U], [U, D]
-            uniq, g = u.numpy(), gs.numpy()
+            ids, grads = _coalesce(ids, grads)  # [U], [U, D]
+            uniq = ids.numpy()
         self.seq += 1
-        d = self.dim
         # The batch's rows stay in their slots until the next serving pull (they are
         # protected from eviction), so its slots need no lookup unless ids were admitted.
         slots = self._slots_of(uniq, self.served, self.tick)  # [U]
         self.stats.add("updates", uniq.size)
-        got = None
-        if uniq.size > 0 and g.flags.c_contiguous:  # cached rows in one pass, in C
-            got = update_rows(
-                self.slab, d, slots, g, lr=self.lr, write_bound=self.write_bound, seq=self.seq
-            )
-        if got is not None:
-            due_at, due_grads = got  # [K] positions into uniq, [K, D]
-            push_ids, push_g = uniq.take(due_at), due_grads
-            if slots.min() < 0:  # rows not cached are pushed at once
-                uncached = np.flatnonzero(slots < 0)
-                push_ids = np.concatenate([uniq.take(uncached), push_ids])
-                push_g = np.concatenate([g.take(uncached, axis=0), push_g])
-            self._push(push_ids, push_g)  # with the evicted rows' sums, if any
+        if self.data is None:
+            g = np.ascontiguousarray(grads.numpy())  # [U, D]
+        else:  # the records hold no row: the pass only counts and decides what is due
+            g = np.empty((uniq.size, 0), dtype=np.float32)
+        due_at, due_g = self._update_records(slots, g)  # [K] positions into uniq, [K, sd]
+        uncached = _EMPTY_I64
+        if slots.size and slots.min() < 0:  # rows not cached are pushed at once
+            uncached = np.flatnonzero(slots < 0)
+        push_ids = uniq.take(due_at)
+        if uncached.size:
+            push_ids = np.concatenate([uniq.take(uncached), push_ids])
+        if self.data is None:
+            if uncached.size:
+                due_g = np.concatenate([g.take(uncached, axis=0), due_g])
+            self._push(push_ids, due_g)
             return
-        direct = None
-        if slots.size == 0 or slots.min() >= 0:
-            s, gc, c_ids = slots, g, uniq  # [S], [S, D], [S]
+        cached = np.flatnonzero(slots >= 0)
+        at_c, s_c, at_due, s_due, at_unc = self.data.indices(
+            cached, slots.take(cached), due_at, slots.take(due_at), uncached
+        )
+        self.data.update(at_c, s_c, grads, self.lr, accumulate=self.write_bound > 0)
+        if self.write_bound == 0:  # every update is due as it is
+            due = grads.index_select(0, at_due)
         else:
-            cached = slots >= 0
-            c_sel = np.flatnonzero(cached)
-            direct = np.flatnonzero(~cached)
-            s, gc, c_ids = slots.take(c_sel), g.take(c_sel, axis=0), uniq.take(c_sel)
-        due_ids: np.ndarray = _EMPTY_I64
-        due_g: np.ndarray = np.empty((0, d), dtype=np.float32)
-        if s.size > 0:
-            rec = self._gather(s)  # [S, W]
-            meta = self._meta(rec)
-            if self.lr != 0.0:
-                rec[:, :d] -= self.lr * gc
-            if self.write_bound == 0:  # every update is due: push the gradients as they are
-                due_ids, due_g = c_ids.copy(), gc.copy()
-                meta[:, OWN] += 1
-                meta[:, PUSHED] = self.seq
-            else:
-                pend = rec[:, d : 2 * d]  # [S, D] view; zeros where nothing is pending
-                pend += gc
-                meta[:, COUNT] += 1
-                due = np.flatnonzero(meta[:, COUNT] > self.write_bound)
-                if due.size > 0:
-                    due_ids, due_g = c_ids.take(due), pend[due]
-                    pend[due] = 0.0
-                    meta[due, COUNT] = 0
-                    meta[due, OWN] += 1
-                    meta[due, PUSHED] = self.seq
-            self._scatter(s, rec)
-        push_ids, push_g = due_ids, due_g
-        if direct is not None:
-            push_ids = np.concatenate([uniq.take(direct), due_ids])
-            push_g = np.concatenate([g.take(direct, axis=0), due_g])
-        self._push(push_ids, push_g)  # with the evicted rows' sums, if any
+            due = self.data.take_pending(s_due)
+        self._push(push_ids, torch.cat([grads.index_select(0, at_unc), due]))
+
+    def _update_records(self, slots: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The records' pass of a push (:func:`cache.kernels.records.update_rows`, or the
+        same in numpy): for the cached ``slots`` ``[U]`` (-1: not cached) with gradients
+        ``g`` ``[U, sd]``, ``(due_at [K] positions into slots, due sums [K, sd])``."""
+        if slots.size == 0:
+            return _EMPTY_I64, np.empty((0, self.sd), dtype=np.float32)
+        got = update_rows(
+            self.slab, self.sd, slots, g, lr=self.lr, write_bound=self.write_bound, seq=self.seq
+        )
+        if got is not None:
+            return got
+        d = self.sd
+        c_sel = np.flatnonzero(slots >= 0)  # [S] positions of the cached rows
+        s, gc = slots.take(c_sel), g.take(c_sel, axis=0)  # [S], [S, D]
+        if s.size == 0:
+            return _EMPTY_I64, np.empty((0, d), dtype=np.float32)
+        rec = self._gather(s)  # [S, W]
+        meta = self._meta(rec)
+        if self.lr != 0.0:
+            rec[:, :d] -= self.lr * gc
+        if self.write_bound == 0:  # every update is due: push the gradients as they are
+            due = np.arange(s.size)
+            due_g = gc
+            meta[:, OWN] += 1
+            meta[:, PUSHED] = self.seq
+        else:
+            pend = rec[:, d : 2 * d]  # [S, D] view; zeros where nothing is pending
+            pend += gc
+            meta[:, COUNT] += 1
+            due = np.flatnonzero(meta[:, COUNT] > self.write_bound)
+            due_g = pend[due]
+            if due.size > 0:
+                pend[due] = 0.0
+                meta[due, COUNT] = 0
+                meta[due, OWN] += 1
+                meta[due, PUSHED] = self.seq
+        self._scatter(s, rec)
+        return c_sel.take(due), due_g
 
     def flush(self) -> None:
         """Queue every pending sum (and evicted sum) in the outbox; the owner sends it
@@ -845,13 +917,29 @@ class TableCache:
         slots = np.flatnonzero(self.meta[:, COUNT])
         if slots.size > 0:
             self.seq += 1
-            d = self.dim
+            d = self.sd
             rec = self._gather(slots)
             meta = self._meta(rec)
-            self._push(self.row_id.take(slots), rec[:, d : 2 * d].copy())
+            sums: Any
+            if self.data is None:
+                sums = rec[:, d : 2 * d].copy()  # [K, D]
+            else:
+                (at,) = self.data.indices(slots)
+                sums = self.data.take_pending(at)
+            self._push(self.row_id.take(slots), sums)
             rec[:, d : 2 * d] = 0.0
             meta[:, COUNT] = 0
             meta[:, OWN] += 1
             meta[:, PUSHED] = self.seq
             self._scatter(slots, rec)
         self.send_evicted()
+
+
+def _coalesce(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Repeated ``ids`` ``[N]`` summed (as a store does): ``([U] sorted, [U, D])``; the
+    sums stay on ``grads``' device (the ids on the host)."""
+    if grads.device.type == "cpu":
+        return coalesce(ids, grads)
+    uniq, inverse = torch.unique(ids, return_inverse=True)  # [U], [N]
+    sums = torch.zeros(uniq.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
+    return uniq, sums.index_add_(0, inverse.to(grads.device), grads)

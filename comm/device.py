@@ -114,9 +114,9 @@ def default_device(group: ProcessGroup | None = None) -> torch.device:
     """The device of a module built without one: the group's GPU when the group moves
     CUDA tensors (nccl), else the CPU.
 
-    The CPU is the default everywhere else on purpose: the MPI and gloo backends,
-    the parameter server and the caches all work on host memory; a job that trains
-    on a GPU over them says so (:func:`resolve_device`), and the groups stage its
+    The CPU is the default everywhere else on purpose: the MPI and gloo backends and
+    the parameter server work on host memory (a cache is given its device); a job that
+    trains on a GPU over them says so (:func:`resolve_device`), and the groups stage its
     CUDA tensors through host memory.
     """
     device = getattr(group, "device", None)

@@ -450,7 +450,9 @@ class _HybridLookup(torch.autograd.Function):
             if all(p is None for p in given):
                 continue  # no output of the group was used: nothing to push
             used.append((g, _row_gradients(g, given, sizes)))  # [U, D] on the device
-        host = _sums_to_host([s for _, s in used])  # the same [U, D] on the host
+        # The same [U, D] where the store takes them: a cache with rows on this device
+        # takes them as they are, any other store on the host.
+        host = _sums_to_store([s for _, s in used], store_device(owner.store))
         grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for (g, _), sums in zip(used, host, strict=True):
             at = 0
@@ -490,13 +492,21 @@ def _row_gradients(
     return sorted_segment_sum(g.perm, g.counts, grad, bag_of, b.weights).to(torch.float32)
 
 
-def _rows_to_device(pulled: list[list[torch.Tensor]], device: torch.device) -> list[torch.Tensor]:
-    """Per group, its tables' pulled host rows ``[U_t, D]`` as one ``[U, D]`` on ``device``.
+def store_device(store: Store) -> torch.device:
+    """Where ``store`` serves rows and takes gradients: a cache's device
+    (``cache.CachedStore(device=...)``: rows in that device's memory), else the host."""
+    device = getattr(store, "device", None)
+    return device if isinstance(device, torch.device) else torch.device("cpu")
 
-    On the host: one concatenation per group with more than one table (as before).
-    Elsewhere: every group's rows packed into ONE pinned host buffer and copied with
-    one non-blocking host-to-device copy; the groups are views of the copy."""
-    if device.type == "cpu":
+
+def _rows_to_device(pulled: list[list[torch.Tensor]], device: torch.device) -> list[torch.Tensor]:
+    """Per group, its tables' pulled rows ``[U_t, D]`` as one ``[U, D]`` on ``device``.
+
+    Rows already there (on the host, or served by a cache on this device): one
+    concatenation per group with more than one table. From the host to a device: every
+    group's rows packed into ONE pinned host buffer and copied with one non-blocking
+    host-to-device copy; the groups are views of the copy."""
+    if all(r.device == device for p in pulled for r in p):
         return [p[0] if len(p) == 1 else torch.cat(p) for p in pulled]
     sizes = [sum(int(r.numel()) for r in p) for p in pulled]
     flat = torch.empty(sum(sizes), dtype=torch.float32, pin_memory=True)  # [sum U_g * D_g]
@@ -514,11 +524,12 @@ def _rows_to_device(pulled: list[list[torch.Tensor]], device: torch.device) -> l
     return out
 
 
-def _sums_to_host(sums: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The groups' row gradients ``[U, D]`` on the host: as they are on the host; from a
-    device, every group's in ONE device-to-host copy (into pinned memory), which waits
-    for the backward kernels (the push needs the values: a host sync per step)."""
-    if not sums or sums[0].device.type == "cpu":
+def _sums_to_store(sums: list[torch.Tensor], where: torch.device) -> list[torch.Tensor]:
+    """The groups' row gradients ``[U, D]`` where the store takes them (``where``): as
+    they are when they are there; from a device to the host, every group's in ONE
+    device-to-host copy (into pinned memory), which waits for the backward kernels (the
+    push needs the values: a host sync per step)."""
+    if not sums or sums[0].device == where:
         return sums
     flat = torch.cat([s.reshape(-1) for s in sums])  # [sum U_g * D_g] on the device
     host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)

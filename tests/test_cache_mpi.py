@@ -21,14 +21,33 @@ def _oks(outs: list[str], role: str) -> list[int]:
     return sorted(int(r) for r in re.findall(rf"rank (\d+): ok {role}", "\n".join(outs)))
 
 
+GPU = pytest.mark.gpu
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
-    ("nprocs", "servers", "s_r", "s_w"),
-    [(2, 1, 0, 0), (4, 2, 2, 2)],
-    ids=["1worker-1server-bounds0", "2workers-2servers-bounds2"],
+    ("nprocs", "servers", "s_r", "s_w", "device"),
+    [
+        (2, 1, 0, 0, "host"),
+        (4, 2, 2, 2, "host"),
+        (3, 1, 2, 2, "cpu"),
+        pytest.param(2, 1, 0, 0, "cuda", marks=GPU),
+        pytest.param(3, 1, 2, 2, "cuda", marks=GPU),
+    ],
+    ids=[
+        "1worker-1server-bounds0",
+        "2workers-2servers-bounds2",
+        "2workers-1server-bounds2-rows-in-tensors",
+        "1worker-1server-bounds0-cuda",
+        "2workers-sharing-the-gpu-1server-bounds2-cuda",
+    ],
 )
-def test_read_bound_respected_over_mpi(nprocs: int, servers: int, s_r: int, s_w: int) -> None:
-    args = ["--servers", servers, "--read-bound", s_r, "--write-bound", s_w]
+def test_read_bound_respected_over_mpi(
+    nprocs: int, servers: int, s_r: int, s_w: int, device: str
+) -> None:
+    """``device``: where the cache keeps its rows (host records, or tensors on the CPU
+    or on one GPU that the workers share)."""
+    args = ["--servers", servers, "--read-bound", s_r, "--write-bound", s_w, "--device", device]
     outs = run_ranks(SCRIPT, nprocs, "mpi", [str(a) for a in args], timeout=130)
     workers = nprocs - servers
     assert _oks(outs, "worker") == list(range(workers)), outs

@@ -28,7 +28,7 @@ from ps_reference import reference
 pytestmark = pytest.mark.timeout(120)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-PLACEMENTS = ["local", "hybrid", "hybrid-cached", "sharded"]
+PLACEMENTS = ["local", "hybrid", "hybrid-cached", "hybrid-device-cache", "sharded"]
 OPTIMIZERS = {
     "sgd-momentum": ps.SGD(lr=0.1, momentum=0.9),
     "rowwise_adagrad": ps.RowWiseAdagrad(lr=0.1),
@@ -55,8 +55,11 @@ def _collection(
     tables: list[TableConfig], placement: str, device: str | torch.device
 ) -> EmbeddingCollection:
     store: ps.Store = ps.InProcessStore()
+    bounds0 = CacheConfig(capacity_rows=4, read_bound=0, write_bound=0)
     if placement == "hybrid-cached":  # synchronous bounds: the cache changes no value
-        store = CachedStore(store, CacheConfig(capacity_rows=4, read_bound=0, write_bound=0))
+        store = CachedStore(store, bounds0)
+    if placement == "hybrid-device-cache":  # the cached rows in the device's memory
+        store = CachedStore(store, bounds0, device=device)
     return EmbeddingCollection(tables, store=store, device=device)
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from comm import Handle
+from comm.device import exact_device
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
 from ps.errors import check_existing
 from ps.local.table import LocalTable
@@ -33,9 +34,30 @@ class InProcessStore(Store):
     Thread-safe: every request holds its table's lock, so concurrent pushes to
     one table are applied one after the other and a pull sees rows and clocks
     of one moment. :meth:`request_counts` counts calls: a batched request is one.
+
+    ``init_device`` (a ``torch.device`` or its name, e.g. ``"cuda"``): where the
+    initial rows of new fixed tables (and of rows a checkpoint lacks) are hashed
+    before they are copied into host memory: the same bits as the default (None:
+    numpy on one host core, ~0.8 s per 65,536 x 128 rows, ~10 minutes for 26 x 2 M x
+    128), the host's share with a GPU being one copy of the rows on every core. The
+    tables stay on the host either way.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, init_device: torch.device | str | None = None) -> None:
+        self.init_device: torch.device | None = None
+        if init_device is not None:
+            if not isinstance(init_device, str | torch.device):
+                raise TypeError(
+                    f"InProcessStore: init_device must be None, a torch.device or a device "
+                    f"name such as 'cuda', got {type(init_device).__name__} {init_device!r}"
+                )
+            try:
+                self.init_device = exact_device(init_device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(
+                    f"InProcessStore: init_device={init_device!r} is not a usable torch "
+                    f"device ({e}); expected None, 'cpu', 'cuda' or 'cuda:N'"
+                ) from None
         self._tables: dict[str, LocalTable] = {}
         self._create_lock = threading.Lock()
         self._messages = {"pull_messages": 0, "push_messages": 0}
@@ -54,7 +76,7 @@ class InProcessStore(Store):
             where, clear = "in the in-process store", "or open a new InProcessStore"
             old_spec = None if old is None else old.spec
             if check_existing(old_spec, spec, exist_ok=exist_ok, where=where, clear=clear):
-                self._tables[spec.name] = LocalTable(spec)
+                self._tables[spec.name] = LocalTable(spec, init_device=self.init_device)
 
     def drop_table(self, table: str) -> None:
         with self._create_lock:
@@ -182,7 +204,8 @@ class InProcessStore(Store):
         """
         ckpt = read_checkpoint(path)
         loaded = {
-            spec.name: LocalTable.from_part(spec, ckpt.read_table(spec.name)) for spec in ckpt.specs
+            spec.name: LocalTable.from_part(spec, ckpt.read_table(spec.name), self.init_device)
+            for spec in ckpt.specs
         }
         with self._create_lock:
             self._tables.update(loaded)

@@ -25,12 +25,19 @@ Dynamic-table rules (see :class:`ps.table.TableSpec`):
   (ties: smaller id first) are evicted. Evicted rows lose weights, state and
   clock; their slots are reused.
 
+Initial rows of a fixed table are hashed on the host by default (numpy, one core: ~0.8 s
+per 65,536 x 128 rows); with ``init_device`` they are hashed by torch ops on that device
+(:meth:`ps.UniformInit.rows_torch`, the same bits) and copied into the host table
+chunk by chunk (:func:`initialise_rows`): with a GPU, the host's share is one copy of the
+rows on every core.
+
 Nothing here validates requests or takes locks: callers check ids and grads
 (:mod:`ps.validate`) and serialise requests with :attr:`LocalTable.lock`.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 
@@ -42,10 +49,15 @@ from ps.kernels import rowwise_adagrad
 from ps.local.dynamic_index import IdIndex
 from ps.optimizers import RowWiseAdagrad
 from ps.store import PullResult
-from ps.table import TableSpec
+from ps.table import TableSpec, UniformInit
 from ps.validate import finite_rows
 
 _INIT_CHUNK_ROWS = 1 << 16  # rows initialised per step, bounds the temporary hash arrays
+#: Elements hashed at once by torch on a device: the hash holds a few int64 ``[rows, D]``
+#: temporaries at a time (8 bytes x this each), 1 GiB each on a GPU (1 M rows of 128),
+#: 32 MiB on the host.
+_DEVICE_INIT_ELEMENTS = {"cuda": 1 << 27}
+_HOST_INIT_ELEMENTS = 1 << 22
 _MIN_SLOTS = 64
 
 COUNTERS = (
@@ -71,8 +83,106 @@ def table_array(
     """
     np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
     if fill is None or fill == 0:
+        # calloc: the kernel hands out zero pages as they are first written, so tens of
+        # GB are "allocated" at once and the first writer (the init) pays for the pages
         return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
     return torch.from_numpy(np.full(shape, fill, dtype=np_dtype))
+
+
+def initialise_rows(
+    spec: TableSpec,
+    weights: torch.Tensor,
+    device: torch.device | None = None,
+    ids: torch.Tensor | None = None,
+) -> None:
+    """Write the initial rows of fixed table ``spec`` into the host ``weights [N, D]``:
+    all rows, or only rows ``ids`` (int64 ``[K]``, host) when given.
+
+    ``device`` None: ``spec.initial_rows`` on the host (numpy), 65,536 rows at a time.
+    Else the rows are hashed by :meth:`ps.UniformInit.rows_torch` on ``device``, bit for
+    bit the same values, in chunks of ``_DEVICE_INIT_ELEMENTS`` elements, and copied in.
+    On CUDA two pinned buffers alternate: the device hashes chunk ``i + 1`` and copies
+    it to one buffer while the host copies chunk ``i`` from the other into ``weights``
+    (torch's host copy runs on every core, which also spreads the first-touch page
+    faults of a freshly allocated table). A constant init is written on the host.
+    """
+    init = spec.init
+    assert isinstance(init, UniformInit)  # resolved by TableSpec
+    n, d = int(weights.shape[0]), int(weights.shape[1])
+    count = n if ids is None else int(ids.numel())
+    if count == 0:
+        return
+    if init.low == init.high and device is not None:
+        value = float(init.low)
+        if ids is not None:
+            weights[ids] = value
+        elif value != 0.0 or math.copysign(1.0, value) < 0:  # +0.0: calloc's zeros already
+            weights.fill_(value)
+        return
+    if device is None:
+        for start in range(0, count, _INIT_CHUNK_ROWS):
+            stop = min(count, start + _INIT_CHUNK_ROWS)
+            if ids is None:
+                weights[start:stop] = spec.initial_rows(torch.arange(start, stop))
+            else:
+                sl = ids[start:stop]
+                weights[sl] = spec.initial_rows(sl)
+        return
+    chunk = max(1, _DEVICE_INIT_ELEMENTS.get(device.type, _HOST_INIT_ELEMENTS) // d)
+    if device.type == "cuda":
+        _initialise_from_cuda(init, weights, device, chunk, ids)
+        return
+    for start in range(0, count, chunk):
+        stop = min(count, start + chunk)
+        if ids is None:
+            at = torch.arange(start, stop, dtype=torch.int64, device=device)
+            weights[start:stop].copy_(init.rows_torch(at, d))
+        else:
+            sl = ids[start:stop]
+            weights[sl] = init.rows_torch(sl.to(device), d).cpu()
+
+
+def _initialise_from_cuda(
+    init: UniformInit,
+    weights: torch.Tensor,
+    device: torch.device,
+    chunk: int,
+    ids: torch.Tensor | None,
+) -> None:
+    """:func:`initialise_rows` on a GPU: hash a chunk on the device, copy it to a pinned
+    buffer (non-blocking), and while the next chunk is hashed and copied to the other
+    buffer, copy this one into ``weights`` on the host."""
+    d = int(weights.shape[1])
+    count = int(weights.shape[0]) if ids is None else int(ids.numel())
+    rows = min(chunk, count)
+    buffers = [torch.empty((rows, d), dtype=torch.float32, pin_memory=True) for _ in range(2)]
+    stream = torch.cuda.current_stream(device)
+    # (copy done, pinned buffer, start, stop): on the way to the host, not yet in weights
+    waiting: tuple[torch.cuda.Event, torch.Tensor, int, int] | None = None
+
+    def land(done: torch.cuda.Event, buf: torch.Tensor, start: int, stop: int) -> None:
+        done.synchronize()
+        if ids is None:
+            weights[start:stop].copy_(buf)
+        else:
+            weights[ids[start:stop]] = buf
+
+    for i, start in enumerate(range(0, count, chunk)):
+        stop = min(count, start + chunk)
+        if ids is None:
+            at = torch.arange(start, stop, dtype=torch.int64, device=device)
+        else:
+            at = ids[start:stop].to(device, non_blocking=False)
+        # buffer i % 2 last held chunk i - 2, which ``land`` copied out at step i - 1
+        buf = buffers[i % 2][: stop - start]
+        buf.copy_(init.rows_torch(at, d), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+        if waiting is not None:
+            land(*waiting)
+        waiting = (done, buf, start, stop)
+    if waiting is not None:
+        land(*waiting)
 
 
 def take(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -117,7 +227,13 @@ def coalesce(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torc
 class LocalTable:
     """Rows, optimizer state and clocks of one table in local memory (fixed or dynamic)."""
 
-    def __init__(self, spec: TableSpec, *, initialise: bool = True) -> None:
+    def __init__(
+        self, spec: TableSpec, *, initialise: bool = True, init_device: torch.device | None = None
+    ) -> None:
+        """``initialise`` False leaves a fixed table's rows at zero (a load fills them);
+        ``init_device``: where a fixed table's initial rows are hashed (None: numpy on
+        the host; see :func:`initialise_rows`). Dynamic tables create rows on the host
+        as pushes come."""
         self.spec = spec
         self.lock = threading.Lock()
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -127,12 +243,11 @@ class LocalTable:
             n = spec.num_rows
             self.weights = table_array((n, d), torch.float32)  # [N, D]
             self.state = table_array((n, s), torch.float32)  # [N, S]
-            self.state[:] = self._state0
+            if bool((self._state0.view(torch.int32) != 0).any()):  # else calloc's zeros
+                self.state[:] = self._state0
             self.clocks = table_array((n,), torch.int64)  # [N]
             if initialise:
-                for start in range(0, n, _INIT_CHUNK_ROWS):
-                    stop = min(n, start + _INIT_CHUNK_ROWS)
-                    self.weights[start:stop] = spec.initial_rows(torch.arange(start, stop))
+                initialise_rows(spec, self.weights, init_device)
         else:
             self.step = 0
             self.index = IdIndex()
@@ -411,12 +526,15 @@ class LocalTable:
             )
 
     @classmethod
-    def from_part(cls, spec: TableSpec, part: TablePart) -> LocalTable:
+    def from_part(
+        cls, spec: TableSpec, part: TablePart, init_device: torch.device | None = None
+    ) -> LocalTable:
         """A table holding the checkpointed rows ``part`` (checked against ``spec`` already).
 
         Fixed tables: rows absent from ``part`` start from the initializer.
         Dynamic tables: the rows of ``part`` count as touched at step 0; if there
         are more than ``capacity``, the smallest ids are evicted at once.
+        ``init_device``: where the missing rows are hashed (see :func:`initialise_rows`).
         """
         t = cls(spec, initialise=False)
         ids = part.ids
@@ -424,9 +542,7 @@ class LocalTable:
             have = torch.zeros(spec.num_rows, dtype=torch.bool)
             have[ids] = True
             missing = torch.nonzero(~have).squeeze(1)
-            for start in range(0, missing.numel(), _INIT_CHUNK_ROWS):
-                sl = missing[start : start + _INIT_CHUNK_ROWS]
-                t.weights[sl] = spec.initial_rows(sl)
+            initialise_rows(spec, t.weights, init_device, missing)
             t.weights[ids] = part.weights
             t.state[ids] = part.state
             t.clocks[ids] = part.clocks

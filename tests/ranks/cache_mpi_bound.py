@@ -1,7 +1,10 @@
 """Rank script: workers train through a CachedStore over a real MPI store.
 
-Run as ``mpirun -n N python cache_mpi_bound.py --servers S --read-bound R --write-bound W``;
-the last ``S`` ranks serve, the other ``N - S`` are workers. Two tables share one cache
+Run as ``mpirun -n N python cache_mpi_bound.py --servers S --read-bound R --write-bound W
+[--device host|cpu|cuda]``; the last ``S`` ranks serve, the other ``N - S`` are workers.
+``--device`` is where the cache keeps its rows (``host``: records in host memory; ``cpu``
+or ``cuda``: tensors on that device, every worker sharing GPU 0; rows are served there
+and gradients pushed from there). Two tables share one cache
 (``group_tables``) and each step is what the hybrid embedding tables make: the next
 batch's ids handed to ``prefetch_many``, ONE batched pull (at most one message per
 server: this batch's verifying pull and the next batch's misses), ONE batched push.
@@ -42,7 +45,11 @@ def main() -> None:
     p.add_argument("--servers", type=int, required=True)
     p.add_argument("--read-bound", type=int, required=True)
     p.add_argument("--write-bound", type=int, required=True)
+    p.add_argument("--device", choices=["host", "cpu", "cuda"], default="host")
     args = p.parse_args()
+    device = None if args.device == "host" else torch.device(args.device)
+    if device is not None and device.type == "cuda":
+        device = torch.device("cuda", 0)  # the workers share one GPU
     group = comm.init("mpi")
     topology = comm.Topology(world_size=group.size, num_servers=args.servers)
     mates = topology.role_group(group)
@@ -67,7 +74,8 @@ def main() -> None:
             evict_chunk=4,
             group_tables=True,
         )
-        store = cache.CachedStore(mpi, cfg)
+        store = cache.CachedStore(mpi, cfg, device=device)
+        on = device or torch.device("cpu")
         plain = None
         if mates.size == 1:
             plain = ps.InProcessStore()
@@ -104,19 +112,20 @@ def main() -> None:
                     sent = mpi.request_counts()["pull_messages"] - before["pull_messages"]
                     assert sent <= args.servers, f"step {step}: {sent} pull messages"
                     for n, g in zip(names, got, strict=True):
+                        assert g.rows.device == on, (g.rows.device, on)
                         lag = mpi.clocks(n, ids[n]) - g.clocks  # [U]
                         assert int(lag.max()) <= s_r, f"step {step}: lags {lag.tolist()} > {s_r}"
                         for v in lag.tolist():
                             direct[v] = direct.get(v, 0) + 1
                         if plain is not None:
                             want = plain.pull(n, ids[n]).rows
-                            assert torch.equal(g.rows, want), f"step {step} {n}"
+                            assert torch.equal(g.rows.cpu(), want), f"step {step} {n}"
                 mates.barrier()
             grads = {
                 n: torch.randint(-8, 9, (i.numel(), DIM), generator=gen).float() / 8
                 for n, i in ids.items()
             }
-            store.push_many([ps.PushRequest(n, ids[n], grads[n]) for n in names])
+            store.push_many([ps.PushRequest(n, ids[n], grads[n].to(on)) for n in names])
             for n in names:
                 if plain is not None:
                     plain.push(n, ids[n], grads[n])

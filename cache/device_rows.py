@@ -1,0 +1,175 @@
+"""The rows and pending sums of a cache's slots in tensors on a device (a GPU's memory).
+
+With :class:`cache.CachedStore` given a ``device``, a table's cache splits its slots in
+two: the metadata records (clock, counts, prefetch marks, eviction keys, the id -> slot
+map) stay in host memory, where the plan of every step is made (:mod:`cache.table_cache`
+with a row width of 0), and the ``D``-wide data lives here::
+
+    rows  float32 [C, D]   the copy served: PS row at CLOCK + local updates
+    pend  float32 [C, D]   the sum of the gradients not pushed yet (0 if COUNT = 0)
+
+The host decides every step from the metadata alone (which ids hit, which rows are
+refreshed, admitted, evicted or due), so the device only receives index arrays and the
+rows the store sent, and does gathers and scatters; it never has to tell the host
+anything but the rows due to the store. Per step that is:
+
+* host -> device: the rows the store returned (misses and refreshes, ``[M, D]``) in one
+  copy, and the step's slot index arrays packed into one int64 copy (both from pinned
+  memory, ``non_blocking``: no host synchronisation);
+* device -> host: the pushed rows (gradients of rows not cached, due pending sums,
+  evicted sums; ``[P, D]``) in one copy, which waits for the backward (the one
+  synchronisation, made by :class:`cache.CachedStore` for every table at once).
+
+On the host (``device = cpu``) the same code runs on CPU tensors without copies; tests
+compare it with the record slab bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+class DeviceRows:
+    """``rows`` and ``pend`` ``[capacity, dim]`` float32 on ``device`` (zeros)."""
+
+    def __init__(self, capacity: int, dim: int, device: torch.device) -> None:
+        self.device = device
+        self.dim = dim
+        self.rows = torch.zeros(capacity, dim, dtype=torch.float32, device=device)  # [C, D]
+        self.pend = torch.zeros(capacity, dim, dtype=torch.float32, device=device)  # [C, D]
+        self._copies = device.type != "cpu"
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.rows.numel() * 4
+
+    # ------------------------------------------------------------ transfers
+
+    def indices(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """int64 numpy arrays as int64 tensors on the device: one packed pinned copy."""
+        if not self._copies:
+            return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+        sizes = [int(a.size) for a in arrays]
+        host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
+        flat = host.numpy()
+        at = 0
+        for a, n in zip(arrays, sizes, strict=True):
+            flat[at : at + n] = a.reshape(-1)
+            at += n
+        on_device = host.to(self.device, non_blocking=True)
+        out, at = [], 0
+        for n in sizes:
+            out.append(on_device[at : at + n])
+            at += n
+        return out
+
+    def upload(self, rows: torch.Tensor) -> torch.Tensor:
+        """Host rows ``[M, D]`` (from the store) on the device, one non-blocking copy."""
+        if not self._copies:
+            return rows
+        if rows.numel() == 0:
+            return torch.empty(rows.shape, dtype=torch.float32, device=self.device)
+        staged = torch.empty(rows.shape, dtype=torch.float32, pin_memory=True)
+        staged.copy_(rows)
+        return staged.to(self.device, non_blocking=True)
+
+    def empty(self) -> torch.Tensor:
+        """``[0, D]`` on the device (a push with no rows)."""
+        return torch.empty(0, self.dim, dtype=torch.float32, device=self.device)
+
+    # ------------------------------------------------------------ slot operations
+
+    def install(self, slots: torch.Tensor, fresh: torch.Tensor, sel: torch.Tensor) -> None:
+        """New copies: ``rows[slots] = fresh[sel]``, nothing pending (``[n]`` each)."""
+        if slots.numel() == 0:
+            return
+        self.rows.index_copy_(0, slots, fresh.index_select(0, sel))
+        self.pend.index_fill_(0, slots, 0.0)
+
+    def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """``rows[slots] = rows`` (host ``[n, D]``), nothing pending (a loaded cache)."""
+        self.install(slots, self.upload(rows), torch.arange(rows.shape[0], device=self.device))
+
+    def refresh(
+        self, slots: torch.Tensor, fresh: torch.Tensor, sel: torch.Tensor, lr: float
+    ) -> None:
+        """Cached rows past the read bound: ``rows[slots] = fresh[sel] - lr * pend[slots]``
+        (the PS row minus the unpushed local delta; exact where nothing is pending)."""
+        if slots.numel() == 0:
+            return
+        new = fresh.index_select(0, sel)  # [R, D]
+        if lr != 0.0:
+            new -= lr * self.pend.index_select(0, slots)
+        self.rows.index_copy_(0, slots, new)
+
+    def serve(
+        self,
+        final: torch.Tensor,
+        through_at: torch.Tensor,
+        fresh: torch.Tensor,
+        through_sel: torch.Tensor,
+        inverse: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The served rows ``[N, D]``: the copies of the cached ids (``final`` ``[U]``
+        slots, -1 where not cached), the store's rows ``fresh[through_sel]`` at the ids
+        that pass through (``through_at``), in request order (``inverse`` ``[N]``)."""
+        out = self.rows.index_select(0, final.clamp(min=0))  # [U, D]
+        if through_at.numel() > 0:
+            out.index_copy_(0, through_at, fresh.index_select(0, through_sel))
+        return out if inverse is None else out.index_select(0, inverse)
+
+    def take_pending(self, slots: torch.Tensor) -> torch.Tensor:
+        """The pending sums of ``slots`` ``[K]`` (a new tensor ``[K, D]``), zeroed here."""
+        sums = self.pend.index_select(0, slots)
+        self.pend.index_fill_(0, slots, 0.0)
+        return sums
+
+    def pending_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """A copy of the pending sums of ``slots`` ``[K]`` (rows being evicted)."""
+        return self.pend.index_select(0, slots)
+
+    def update(
+        self,
+        cached_at: torch.Tensor,
+        slots: torch.Tensor,
+        grads: torch.Tensor,
+        lr: float,
+        accumulate: bool,
+    ) -> None:
+        """Gradients ``grads[cached_at]`` of the cached rows ``slots`` (``[S]``): the copy
+        takes an SGD step of ``lr`` (float32 product, then subtract), and with
+        ``accumulate`` (a write bound > 0) the gradient joins the pending sum."""
+        if slots.numel() == 0:
+            return
+        g = grads.index_select(0, cached_at)  # [S, D]
+        if lr != 0.0:
+            self.rows.index_copy_(0, slots, self.rows.index_select(0, slots) - lr * g)
+        if accumulate:
+            self.pend.index_copy_(0, slots, self.pend.index_select(0, slots) + g)
+
+    def read(self, slots: np.ndarray) -> torch.Tensor:
+        """Host copies of the rows of ``slots`` (a checkpoint of the cache)."""
+        (at,) = self.indices(slots)
+        return self.rows.index_select(0, at).cpu()
+
+
+def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Device tensors ``[P_i, D_i]`` float32 on the host, in ONE device -> host copy into
+    pinned memory (it waits for the kernels that made them: the step's host sync).
+    Host tensors are returned as they are."""
+    on_device = [i for i, t in enumerate(tensors) if t.device.type != "cpu"]
+    out = list(tensors)
+    if not on_device:
+        return out
+    flat = torch.cat([tensors[i].reshape(-1) for i in on_device])
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat)
+    at = 0
+    for i in on_device:
+        n = int(tensors[i].numel())
+        out[i] = host[at : at + n].view(tensors[i].shape)
+        at += n
+    return out
