@@ -51,8 +51,8 @@ def _row(dim: int, state: int) -> int:
     return 4 * dim + 4 * state + 8
 
 
-def _job(argv: list[str]) -> tuple[DLRMJob, dict[str, Any]]:
-    job = DLRMJob(dlrm_args(argv), comm.LocalGroup(), InProcessStore())
+def _job(argv: list[str], store: InProcessStore) -> tuple[DLRMJob, dict[str, Any]]:
+    job = DLRMJob(dlrm_args(argv), comm.LocalGroup(), store)
     return job, job.close(job.trainer.fit())
 
 
@@ -201,7 +201,7 @@ def test_cache_on_host_is_the_cpu_cache() -> None:
         assert cache_config(cfg, [], CPU) == CacheConfig(capacity_rows=7, group_tables=True)
         cached = with_cache(cfg, store, comm.LocalGroup(), CPU)
         assert cached is not None
-        assert getattr(cached, "device", None) is None  # records in host memory
+        assert cached.device is None  # records in host memory
         cached.close()
 
 
@@ -213,7 +213,9 @@ def test_dlrm_job_prints_its_memory_and_reports_it(capsys: pytest.CaptureFixture
     tables of ROWS rows, row-wise Adagrad), one process: the plan against arithmetic."""
     argv = [*JOB_ARGS, "--placement", "hybrid", "--cache-fraction", "0.1",
             "--placement-of", "cat0=local", "cat1=local", "cat2=sharded"]  # fmt: skip
-    job, result = _job(argv)
+    store = InProcessStore()
+    job, result = _job(argv, store)
+    assert store.init_device is None  # a CPU worker's store hashes its rows with numpy
     out = capsys.readouterr().out
     header = out.index("DLRM on synthetic")
     block = out.index("memory of worker rank 0 and its store:")
@@ -250,9 +252,11 @@ def test_dlrm_cache_on_the_gpu_sized_by_its_memory(capsys: pytest.CaptureFixture
     rows = 100_000
     argv = [*JOB_ARGS, "--device", "cuda", "--placement", "hybrid", "--cache-memory", "0.001",
             "--synthetic-rows", str(rows), "--max-steps", "5"]  # fmt: skip
-    job, result = _job(argv)
+    store = InProcessStore()
+    job, result = _job(argv, store)
+    assert store.init_device == job.device  # the store's initial rows hashed on the GPU
     assert job.cached is not None
-    assert job.cached.device.type == "cuda"  # type: ignore[attr-defined, unused-ignore]
+    assert job.cached.device is not None and job.cached.device.type == "cuda"
     total = torch.cuda.get_device_properties(job.device).total_memory
     name = torch.cuda.get_device_properties(job.device).name
     out = capsys.readouterr().out

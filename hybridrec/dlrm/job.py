@@ -46,6 +46,7 @@ from hybridrec.launch import (
     check_batch_size,
     describe_device,
     describe_roles,
+    init_rows_on,
     store_location,
     torch_threads,
     with_cache,
@@ -122,6 +123,7 @@ def build(
     tables = dlrm_tables(source.features, dim=cfg.dim, emb_lr=cfg.emb_lr, placements=placements)
     hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
     cached = with_cache(cfg, store, group, device, specs=hybrid)
+    init_rows_on(store, device)
     prepare_tables(store, hybrid, group, cfg.tables_policy)
     model = build_dlrm(
         source.features,

@@ -54,6 +54,7 @@ from hybridrec.launch import (
     check_batch_size,
     describe_device,
     describe_roles,
+    init_rows_on,
     store_location,
     torch_threads,
     with_cache,
@@ -236,6 +237,7 @@ class LMJob:
         embeddings = None
         if par.looks_up:  # the ranks running a first stage hold the sparse tables
             if hybrid:
+                init_rows_on(store, device)
                 prepare_tables(store, hybrid, par.tables, cfg.tables_policy)
             embeddings = EmbeddingCollection(
                 tables, store=self.store, group=par.tables, device=device
