@@ -23,7 +23,7 @@ from embedding import Adam, RowWiseAdagrad, TableConfig
 from hybridrec.dlrm.config import TrainConfig
 from hybridrec.dlrm.job import DLRMJob
 from hybridrec.dlrm.job import parse_args as dlrm_args
-from hybridrec.launch import cache_config, store_location, with_cache
+from hybridrec.launch import cache_config, cache_device, store_location, with_cache
 from hybridrec.lm.job import parse_args as lm_args
 from hybridrec.memory_plan import (
     DEVICE,
@@ -192,6 +192,13 @@ def test_cache_options_are_checked() -> None:
                        "worker's GPU, but this worker trains on cpu"):  # fmt: skip
         cache_config(TrainConfig(cache_rows=5, cache_on="device"), specs, CPU)
     assert cache_config(TrainConfig(), specs, CPU) is None
+    # The placement alone needs no GPU to decide: auto and device put a GPU worker's cache
+    # rows on its GPU, host keeps them in host records; a CPU worker always has those.
+    gpu = torch.device("cuda", 1)
+    for on, want in (("auto", gpu), ("device", gpu), ("host", None)):
+        assert cache_device(TrainConfig(cache_rows=5, cache_on=on), gpu) == want  # type: ignore[arg-type]
+        if on != "device":
+            assert cache_device(TrainConfig(cache_rows=5, cache_on=on), CPU) is None  # type: ignore[arg-type]
 
 
 def test_cache_on_host_is_the_cpu_cache() -> None:
