@@ -373,6 +373,11 @@ def test_plan_from_the_dlrm_job_options() -> None:
     assert plan.model.dense_params == sum(p.numel() for p in dense.parameters())
     with pytest.raises(ValueError, match="must split evenly over 5 workers"):
         plan_from_dlrm(cfg, workers=5)
+    gpu_sized = parse_args(
+        ["--data", "synthetic", "--batch-size", "768", "--cache-memory", "0.2", "--ps", "mpi:2"]
+    )
+    with pytest.raises(ValueError, match="--cache-memory 0.2 sizes a GPU cache"):
+        plan_from_dlrm(gpu_sized, workers=3)
 
 
 def test_cli_writes_table_json_and_png(

@@ -95,6 +95,12 @@ def plan_from_dlrm(
         servers=choice.num_servers if mpi else 0, store="mpi" if mpi else "inprocess",
         protocol=protocol,
     )  # fmt: skip
+    if getattr(cfg, "cache_memory", 0.0):
+        raise ValueError(
+            f"plan_from_dlrm: --cache-memory {cfg.cache_memory} sizes a GPU cache from the "
+            "GPU's memory when the job starts; give the planner the cache's size as "
+            "--cache-fraction or --cache-rows (the job prints the size it chose)"
+        )
     cache = CachePlan(
         fraction=cfg.cache_fraction, rows=cfg.cache_rows, read_bound=cfg.read_bound,
         write_bound=cfg.write_bound, policy=cfg.cache_policy,
