@@ -7,6 +7,8 @@
 #      cache on the GPU vs tables in HBM and vs uncached host tables (last line JSON);
 # then a summary: each part's status and seconds, and every benchmark target.
 # Usage, from anywhere:  bash benchmarks/gpu_check.sh [--quick]   (--quick goes to the bench)
+# A rerun of some parts only (two full runs and a cold start do not fit in 15 minutes of
+# device time):  GPU_CHECK_PARTS="gpu_tests bench" bash benchmarks/gpu_check.sh
 # Python: $PYTHON, else .venv/bin/python, else python3 (a CUDA build of torch, and triton).
 # Logs, the cases' JSON lines, the bench's JSON (and its parts as they finish) go to $OUT
 # (set by a device runner) or runs/gpu_check/.
@@ -22,6 +24,7 @@ export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 
 TOTAL=400  # seconds for the whole check; each part gets at most its cap and what is left
+PARTS=" ${GPU_CHECK_PARTS:-cases gpu_tests bench} "  # the parts after the machine check
 declare -A STATUS SECS
 cap() {  # cap <max seconds> <seconds kept for the parts after this one>
   local left=$(( TOTAL - SECONDS - $2 ))
@@ -30,6 +33,9 @@ cap() {  # cap <max seconds> <seconds kept for the parts after this one>
 run_part() {  # run_part <name> <timeout s> <log> <command...>: status and seconds recorded
   local name=$1 limit=$2 log=$3 t0=$SECONDS rc=0
   shift 3
+  if [[ $name != machine && $PARTS != *" $name "* ]]; then
+    STATUS[$name]="skipped (GPU_CHECK_PARTS)"; SECS[$name]=0; return
+  fi
   echo "== $name (timeout ${limit}s)"
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
