@@ -81,6 +81,7 @@ if str(HERE) not in sys.path:  # triton_bench is a sibling script, not a package
 if str(HERE.parent) not in sys.path:
     sys.path.insert(0, str(HERE.parent))
 
+from cache.stats import COUNTERS  # noqa: E402
 from comm import resolve_device  # noqa: E402
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig  # noqa: E402
 from hybridrec.dlrm.model import DLRM  # noqa: E402
@@ -561,17 +562,8 @@ def cache_shape(mode: str) -> CacheShape:
     )
 
 
-CACHE_TOTALS = (
-    "lookups",
-    "hits",
-    "misses",
-    "refreshes",
-    "prefetched",
-    "pass_through",
-    "rows_pulled",
-    "rows_pushed",
-    "evictions",
-)
+# The cache's counters (every one cache.stats keeps), summed over its caches per step.
+CACHE_TOTALS = COUNTERS
 
 
 def cache_totals(cached: Any) -> dict[str, int]:
