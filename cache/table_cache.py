@@ -21,6 +21,13 @@ plus ``row_id`` int64 ``[C]`` (-1: free), the id -> slot map (:mod:`cache.slot_i
 plain int32 array for fixed tables), the eviction keys (:mod:`cache.policy`, int64
 ``[C]``) and a stack of free slots.
 
+With the rows on a device (``TableCache(..., device=...)``) a record holds the metadata
+alone (the layout above with a row width ``sd`` of 0: ``W`` = 16) and the rows and
+pending sums are tensors on that device (:class:`cache.device_rows.DeviceRows`). Every
+decision below reads only metadata, so both layouts run the same plan, the same C
+kernels and the same bookkeeping; where a step reads or writes rows, the device layout
+does the same with gathers and scatters at the plan's slots.
+
 Why records: a batch's ids hit random slots, so the cost of a step is the memory
 traffic of its random record accesses, not the number of calls. Everything about a
 slot sits in one record, and the per-row passes of a step (the clocks of a planned pull,
