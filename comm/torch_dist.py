@@ -120,9 +120,7 @@ class TorchGroup(ProcessGroup):
             def finish() -> torch.Tensor:
                 if op is ReduceOp.AVG:
                     work_t.div_(size)
-                if work_t is not t:
-                    t.copy_(work_t)
-                return t
+                return _unstaged(work_t, t)
 
             return self._handle(work, finish, "allreduce")
 
@@ -134,9 +132,7 @@ class TorchGroup(ProcessGroup):
             work = dist.broadcast(work_t, group=self._pg, group_src=root, async_op=True)
 
             def finish() -> torch.Tensor:
-                if work_t is not t:
-                    t.copy_(work_t)
-                return t
+                return _unstaged(work_t, t)
 
             return self._handle(work, finish, "broadcast")
 
@@ -237,9 +233,7 @@ class TorchGroup(ProcessGroup):
             work = dist.irecv(buf, group=self._pg, group_src=src, tag=tag)
 
             def finish() -> torch.Tensor:
-                if buf is not t:
-                    t.copy_(buf)
-                return t
+                return _unstaged(buf, t)
 
             return self._handle(work, finish, f"recv from rank {src}")
 
@@ -301,3 +295,10 @@ class TorchGroup(ProcessGroup):
             dist.destroy_process_group()
         else:
             dist.destroy_process_group(self._pg)
+
+
+def _unstaged(work: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` holding the result the backend left in ``work`` (its staged copy, or ``t``)."""
+    if work is not t:
+        t.copy_(work)
+    return t

@@ -33,8 +33,9 @@ import torch
 import comm
 from cache import CacheConfig, CachedStore
 from comm import ProcessGroup, Role, Topology
+from embedding import TableConfig
 from embedding.hybrid import store_is_replicated
-from hybridrec.memory_plan import cache_size_fitting, device_memory
+from hybridrec.memory_plan import MemoryPlan, cache_size_fitting, device_memory, plan_memory
 from hybridrec.tables import (  # noqa: F401 - re-exported: the jobs' launch helpers
     EXISTING_TABLES,
     ExistingTablesError,
@@ -210,10 +211,33 @@ def with_cache(
             f"{group.size} ranks each would cache its own replica (use --ps mpi or redis://, "
             "or one rank)"
         )
-    on = cache_device(cfg, device)
-    if on is None:  # the host cache: the CPU path, unchanged
-        return CachedStore(store, config)
-    return CachedStore(store, config, device=on)
+    # device None: the host cache, the CPU path unchanged
+    return CachedStore(store, config, device=cache_device(cfg, device))
+
+
+def job_memory_plan(
+    cfg: Any,
+    tables: Sequence[TableConfig],
+    device: torch.device,
+    *,
+    workers: int,
+    rank: int,
+    world_size: int,
+    dense: int,
+    dense_note: str,
+) -> MemoryPlan:
+    """Where a job's worker keeps its memory (:func:`hybridrec.memory_plan.plan_memory`):
+    ``tables`` by placement, the hybrid ones in the ``--ps`` store of ``workers`` and
+    behind the cache ``cfg`` asks for (:func:`cache_config`), ``rank`` of the
+    ``world_size`` ranks the sharded ones are split over, and ``dense`` bytes."""
+    hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
+    where, remote = store_location(cfg.ps, workers)
+    return plan_memory(
+        tables, device=device, store_where=where, store_remote=remote,
+        cache=cache_config(cfg, hybrid, device) if hybrid else None,
+        cache_on_device=cache_device(cfg, device) is not None, rank=rank,
+        world_size=world_size, dense=dense, dense_note=dense_note,
+    )  # fmt: skip
 
 
 def init_rows_on(store: Store, device: torch.device) -> None:
@@ -399,6 +423,7 @@ __all__ = [
     "cache_config",
     "cache_device",
     "init_rows_on",
+    "job_memory_plan",
     "store_location",
     "check_batch_size",
     "describe_roles",

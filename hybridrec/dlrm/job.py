@@ -41,17 +41,15 @@ from hybridrec.dlrm.model import DLRM, build_dlrm, dlrm_tables
 from hybridrec.errors import reported_errors
 from hybridrec.launch import (
     Launch,
-    cache_config,
-    cache_device,
     check_batch_size,
     describe_device,
     describe_roles,
     init_rows_on,
-    store_location,
+    job_memory_plan,
     torch_threads,
     with_cache,
 )
-from hybridrec.memory_plan import MemoryPlan, dense_bytes, plan_memory
+from hybridrec.memory_plan import MemoryPlan, dense_bytes
 from hybridrec.metrics_log import cache_metrics, store_metrics
 from hybridrec.precision import autocast
 from hybridrec.tables import prepare_tables
@@ -174,19 +172,15 @@ def memory_plan(
     assert cfg.dim is not None
     check_cache_serves(cfg, placements)
     tables = dlrm_tables(source.features, dim=cfg.dim, emb_lr=cfg.emb_lr, placements=placements)
-    hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
-    cache = cache_config(cfg, hybrid, device) if hybrid else None
-    where, remote = store_location(cfg.ps, group.size)
     state = 2 if cfg.dense_optimizer == "adam" else 1  # Adam: two moments; Adagrad: a sum
     dense = dense_bytes(
         dense_model(cfg, source.num_dense, len(tables)),
         state,
         group.size if cfg.zero_stage else 1,
     )
-    return plan_memory(
-        tables, device=device, store_where=where, store_remote=remote, cache=cache,
-        cache_on_device=cache_device(cfg, device) is not None, rank=group.rank,
-        world_size=group.size, dense=dense,
+    return job_memory_plan(
+        cfg, tables, device, workers=group.size, rank=group.rank, world_size=group.size,
+        dense=dense,
         dense_note=f"weights, gradients, {cfg.dense_optimizer} state"
         + (f" over {group.size} ranks" if cfg.zero_stage and group.size > 1 else ""),
     )  # fmt: skip

@@ -49,13 +49,11 @@ from hybridrec.device_data import DeviceBatches, DeviceEpochData
 from hybridrec.errors import reported_errors
 from hybridrec.launch import (
     Launch,
-    cache_config,
-    cache_device,
     check_batch_size,
     describe_device,
     describe_roles,
     init_rows_on,
-    store_location,
+    job_memory_plan,
     torch_threads,
     with_cache,
 )
@@ -68,7 +66,7 @@ from hybridrec.lm.model import (
     token_table,
 )
 from hybridrec.lm.parallel import build_dense, model_parallel, pipeline_loss, pipeline_step
-from hybridrec.memory_plan import MemoryPlan, dense_bytes, plan_memory
+from hybridrec.memory_plan import MemoryPlan, dense_bytes
 from hybridrec.metrics_log import cache_metrics, store_metrics
 from hybridrec.precision import autocast
 from hybridrec.tables import prepare_tables
@@ -294,13 +292,9 @@ class LMJob:
         its part of the GPT (AdamW: two moments per weight, sharded over dp with ZeRO)."""
         cfg, par, device = self.cfg, self.par, self.device
         assert par.tables is not None
-        hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
-        cache = cache_config(cfg, hybrid, device) if hybrid else None
-        where, remote = store_location(cfg.ps, self.group.size)
         shards = par.dp.size if cfg.zero_stage else 1
-        return plan_memory(
-            tables, device=device, store_where=where, store_remote=remote, cache=cache,
-            cache_on_device=cache_device(cfg, device) is not None, rank=par.tables.rank,
+        return job_memory_plan(
+            cfg, tables, device, workers=self.group.size, rank=par.tables.rank,
             world_size=par.tables.size, dense=dense_bytes(trained, 2, shards),
             dense_note="weights, gradients, AdamW state" + (
                 f" over {shards} ranks" if shards > 1 else ""
