@@ -15,7 +15,9 @@ A checkpoint is one folder per saved step under ``--checkpoint-dir``::
                                     dropped), index.json + *.npy
         optimizer/ or zero/         the torch optimizer's state_dict, or the ZeRO global state
         embeddings/c000/tables/     local and sharded tables, whole (ps format)
-        stores/s000/                hybrid tables: the store's save, after every cache flushed
+        stores/s000/                hybrid tables in a shared store: its save, after every
+                                    cache flushed
+        ranks/<rank>/stores/s001/   per rank: its own replica of hybrid tables in a per-rank store
         ranks/<rank>/codec/         per rank: gradient-codec residuals and generator states
         ranks/<rank>/cache/         per rank: the cache contents (ids, copies, counters)
       ranks/  index.json + *.npy    per rank: torch RNG state and the job's int64 vector

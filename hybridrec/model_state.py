@@ -12,9 +12,12 @@
       zero/                   a dense.ZeroOptimizer's global state (dense.save_zero_state)
       embeddings/c000/        one folder per EmbeddingCollection (names in model.json):
         tables/               its local and sharded tables, whole (ps checkpoint format)
-      stores/s000/            each store holding hybrid tables, saved once (store.save:
-                              every table it holds), after every worker flushed its cache
+      stores/s000/            each shared store holding hybrid tables, saved once by rank 0
+                              (store.save: every table it holds), after every worker
+                              flushed its cache
       ranks/00000/            per saving rank:
+        stores/s001/          each per-rank store (a replica of the hybrid tables that only
+                              this rank reads and writes), saved by its rank
         codec/                each DataParallel's codec state (error-feedback residuals,
                               random generator states)
         cache/                each cache's contents (cached ids, copies, counters)
@@ -27,8 +30,8 @@ modules of the same structure, at any number of workers ``M`` (saved by ``N``):
 * local tables (replicated) load whole on every rank; sharded tables were saved
   whole and each rank copies the rows the ``M``-rank plan gives it; local and
   sharded placements load into each other. Hybrid tables go back into the store
-  (rank 0 loads a shared store once; a per-rank store is loaded on every rank); the
-  ps format routes rows by id, so any server count reads it;
+  (rank 0 loads a shared store once; rank ``m`` loads saved rank ``m mod N``'s per-rank
+  store); the ps format routes rows by id, so any server count reads it;
 * codec state: exact per rank when ``M == N``; otherwise every rank takes the mean of
   the saved residuals, which keeps the pending correction of the averaged gradient
   (``sum_r r_r / N``) unchanged, and random codecs restart their streams (see
@@ -39,6 +42,12 @@ modules of the same structure, at any number of workers ``M`` (saved by ``N``):
   any ``M``; a cache over a store differs from the store by design (copies may lag
   by the read bound and carry local steps), which is why the copies themselves are
   saved and a flush alone would not reproduce what the cache serves next.
+
+At the saving count every rank gets back exactly its own state, so a resumed run repeats
+the saving run's arithmetic bit for bit. Per-rank store replicas are saved per rank for
+that reason: they receive the same gradients, but each rank's cache groups them into
+pushes by its own hits and evictions, so the replicas differ by rounding, and a resumed
+rank that took rank 0's replica would continue from other bits.
 
 Everything but the per-rank folders is written by rank 0; every rank writes its own
 ``ranks/`` folder, so all ranks must see ``path`` (one machine or a shared
@@ -73,7 +82,7 @@ from hybridrec.state_files import read_state, write_state
 from ps import Store
 from ps.checkpoint import write_checkpoint
 
-FORMAT = "hybridrec-model/1"
+FORMAT = "hybridrec-model/2"
 DenseOptimizer = torch.optim.Optimizer | ZeroOptimizer | Zero3
 
 
@@ -119,6 +128,14 @@ class ModelParts:
             if c.hybrid is not None:
                 seen.setdefault(id(backing_store(c.store)), backing_store(c.store))
         return list(seen.values())
+
+    def shared_stores(self) -> set[int]:
+        """``id()`` of the hybrid stores that every rank shares (the others are per rank)."""
+        return {
+            id(backing_store(c.store))
+            for c in self.collections.values()
+            if c.hybrid is not None and c.hybrid.store_is_shared
+        }
 
     def caches(self) -> list[CachedStore]:
         """The distinct caches in front of hybrid tables, in collection order."""
@@ -247,6 +264,11 @@ def write_model(
     error: BaseException | None = None
     try:
         mine = folder / "ranks" / f"{group.rank:05d}"
+        shared = parts.shared_stores()
+        for j, store in enumerate(parts.hybrid_stores()):
+            if id(store) not in shared:
+                (mine / "stores").mkdir(parents=True, exist_ok=True)
+                store.save(mine / "stores" / f"s{j:03d}")
         write_state(mine / "codec", codecs)
         write_state(mine / "cache", {f"k{i:03d}": s for i, s in enumerate(cache_states)})
         if group.rank == 0:
@@ -279,9 +301,11 @@ def _write_shared(
             where = folder / "embeddings" / entry["folder"] / "tables"
             where.parent.mkdir(parents=True, exist_ok=True)
             write_checkpoint(where, [(s, [p]) for s, p in found], writer="hybridrec.save_model")
+    shared = parts.shared_stores()
     for j, store in enumerate(parts.hybrid_stores()):
-        (folder / "stores").mkdir(exist_ok=True)
-        store.save(folder / "stores" / f"s{j:03d}")
+        if id(store) in shared:  # per-rank stores: every rank saves its own (write_model)
+            (folder / "stores").mkdir(exist_ok=True)
+            store.save(folder / "stores" / f"s{j:03d}")
     (folder / "model.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
 
 
@@ -399,7 +423,7 @@ def load_model(
     except Exception as e:
         error = e
     agree(group, error, f"loading the model from {folder}")  # also: every cache flushed
-    _load_stores(folder, parts, saved, group)
+    _load_stores(folder, doc, parts, saved, group)
     try:
         _load_rank_state(folder, doc, parts, saved, group)
     except Exception as e:
@@ -453,9 +477,15 @@ def _load_dense(
 
 
 def _load_stores(
-    folder: Path, parts: ModelParts, saved: dict[str, dict[str, Any]], group: ProcessGroup
+    folder: Path,
+    doc: dict[str, Any],
+    parts: ModelParts,
+    saved: dict[str, dict[str, Any]],
+    group: ProcessGroup,
 ) -> None:
-    """Each backing store once: rank 0 for a shared one, every rank for a per-rank one."""
+    """Each backing store once: rank 0 for a shared one; every rank for a per-rank one,
+    rank ``m`` from saved rank ``m mod N``'s."""
+    source = folder / "ranks" / f"{group.rank % int(doc['world_size']):05d}"
     done: set[int] = set()
     shared: list[tuple[Store, Path]] = []
     error: BaseException | None = None
@@ -464,12 +494,12 @@ def _load_stores(
         if c.hybrid is None or id(store) in done:
             continue
         done.add(id(store))
-        where = folder / "stores" / f"s{saved[name]['store']:03d}"
+        part = f"s{saved[name]['store']:03d}"
         if c.hybrid.store_is_shared:
-            shared.append((store, where))
+            shared.append((store, folder / "stores" / part))
         else:
             try:
-                store.load(where)
+                store.load(source / "stores" / part)
             except Exception as e:
                 error = e
     agree(group, error, f"loading the per-rank stores from {folder}")
