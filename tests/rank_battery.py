@@ -6,9 +6,11 @@ test_dense_data_parallel, test_dense_zero, test_dense_zero3, test_dense_tensor_p
 test_dense_pipeline and test_comm_device (its CPU checks) run together through
 ``tests/ranks/battery.py``: one launch per (backend, ranks) for the whole session,
 started by whichever test needs it first (``RankBattery.output``). Each test then looks
-for its own "ok" lines in that launch's output; when a launch fails, the output ends
-with the failure report, so the tests whose checks ran first still pass and the others
-fail with the whole report.
+for its own "ok" lines in that output. A failing check fails its own test and no other:
+its ranks may be stuck in a collective that can never complete, so the launch ends
+there, its failure report is kept, and the checks after it run in a new launch (one
+more rank start per failed check). A launch that fails before its first check ran
+(the ranks did not start) is not repeated: every check left fails with its report.
 
 :func:`plan` lists the checks of every launch: the same (backend, ranks) cases and the same
 arguments as when each script had its own launches.
@@ -17,6 +19,7 @@ arguments as when each script had its own launches.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from multiproc import run_ranks
@@ -74,27 +77,39 @@ def plan(backend: str, nprocs: int, workdir: Path) -> list[list[str]]:
 class RankBattery:
     """Runs each (backend, ranks) launch of :func:`plan` at most once; files under ``workdir``."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(
+        self, workdir: Path, checks: Callable[[str, int, Path], list[list[str]]] = plan
+    ) -> None:
         self.workdir = workdir
+        self._plan = checks  # the checks of each launch (tests of the battery pass others)
         self._outputs: dict[tuple[str, int], str] = {}
 
     def output(self, backend: str, nprocs: int) -> str:
-        """Every rank's output of the (backend, nprocs) launch (run now if not run yet),
-        followed by the failure report if it failed."""
+        """Every rank's output of the (backend, nprocs) launches (run now if not run yet),
+        each failed launch followed by its failure report."""
         key = (backend, nprocs)
         if key in ZERO_LOADS:
             self.output(*ZERO_SAVE)  # the files the loads read
         if key not in self._outputs:
-            checks = plan(backend, nprocs, self.workdir)
+            checks = self._plan(backend, nprocs, self.workdir)
             if not checks:
                 raise ValueError(f"no multi-rank checks planned for {backend} x{nprocs}")
-            args = [json.dumps(c) for c in checks]
-            timeout = START_S + PER_CHECK_S * len(checks)
-            try:
-                text = "\n".join(run_ranks("battery.py", nprocs, backend, args, timeout))
-            except AssertionError as err:
-                text = f"{err}\n==== the launch failed (report above)"
-            self._outputs[key] = text
+            texts: list[str] = []
+            while checks:
+                timeout = START_S + PER_CHECK_S * len(checks)
+                args = [json.dumps(c) for c in checks]
+                try:
+                    texts.append("\n".join(run_ranks("battery.py", nprocs, backend, args, timeout)))
+                    break
+                except AssertionError as err:
+                    report = str(err)
+                failed = _first_unfinished(report, checks, nprocs)
+                what = " ".join(checks[failed])
+                texts.append(f"{report}\n==== the launch failed in check {what!r} (report above)")
+                if f"battery start {what}" not in report:
+                    break  # the ranks never reached it: a relaunch would fail the same way
+                checks = checks[failed + 1 :]
+            self._outputs[key] = "\n".join(texts)
         return self._outputs[key]
 
     def expect(self, backend: str, nprocs: int, lines: list[str]) -> None:
@@ -102,3 +117,13 @@ class RankBattery:
         text = self.output(backend, nprocs)
         missing = [line for line in lines if line not in text]
         assert not missing, f"missing from {backend} x{nprocs}: {missing}\n{text}"
+
+
+def _first_unfinished(report: str, checks: list[list[str]], nprocs: int) -> int:
+    """The index of the first of ``checks`` that not every rank finished in ``report``."""
+    for i, check in enumerate(checks):
+        what = " ".join(check)
+        done = [f"rank {r}/{nprocs}: battery done {what} (" for r in range(nprocs)]
+        if not all(line in report for line in done):
+            return i
+    return len(checks) - 1  # every check finished, then the launch failed: blame the last

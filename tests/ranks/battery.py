@@ -5,7 +5,8 @@ and the arguments of its ``run(group, args)``. The checks run in the order given
 ``comm.init()`` group, each between a "battery start" and a "battery done" line (with
 its seconds), so a test can tell its check's output from the others'. The first failure
 raises (non-zero exit), as the script alone would: peers may be inside a collective that
-can no longer complete, so no later check runs.
+can no longer complete, so no later check runs in this launch (tests/rank_battery.py
+starts the checks after it in a new one).
 
 Backend from ``HYBRIDREC_TEST_BACKEND`` (set by tests/multiproc.py).
 """
