@@ -43,6 +43,7 @@ class EvictionPolicy:
         self.pool = np.empty(0, dtype=np.int64)  # TinyLFU: victims found, in key order
         self.pool_key = np.empty(0, dtype=np.int64)  # their keys when found
         self.pool_at = 0  # entries of the pool used up
+        self.marked = np.zeros(capacity, dtype=bool)  # [C] scratch: the protected slots
 
     def use(self, slots: np.ndarray, freq: np.ndarray | None, tick: int) -> None:
         """Distinct ``slots`` were looked up (or admitted) at ``tick``; ``freq`` ``[K]``
@@ -114,16 +115,35 @@ class EvictionPolicy:
         return got
 
     def _from_pool(self, k: int, tick: int, protect: np.ndarray | None) -> np.ndarray:
-        """The first ``k`` pool entries still valid (skipping used-up ones for good)."""
+        """The first ``k`` pool entries still valid (skipping used-up ones for good).
+
+        The pool can hold a chunk of the capacity while a step wants a few thousand
+        victims, so it is read in windows that double until they hold ``k`` valid
+        entries, and ``protect`` is looked up in a mark array (a set lookup per entry,
+        where ``np.isin`` would sort or hash both arrays every call)."""
         rest = self.pool[self.pool_at :]
-        key = self.key.take(rest)
-        ok = (key == self.pool_key[self.pool_at :]) & ((key & _LOW) < tick)
-        if protect is not None and protect.size > 0:
-            ok &= ~np.isin(rest, protect)
-        valid = np.flatnonzero(ok)
-        if valid.size < k:
-            return rest.take(valid)
-        return rest.take(valid[:k])
+        keys_then = self.pool_key[self.pool_at :]
+        marks = protect is not None and protect.size > 0
+        if marks:
+            self.marked[protect] = True
+        try:
+            found: list[np.ndarray] = []
+            have, lo, window = 0, 0, max(2 * k, 1024)
+            while have < k and lo < rest.size:
+                part = rest[lo : lo + window]
+                key = self.key.take(part)
+                ok = (key == keys_then[lo : lo + window]) & ((key & _LOW) < tick)
+                if marks:
+                    ok &= ~self.marked.take(part)
+                valid = part[ok]
+                found.append(valid[: k - have])
+                have += min(valid.size, k - have)
+                lo += window
+                window *= 2
+        finally:
+            if marks:
+                self.marked[protect] = False
+        return np.concatenate(found) if found else rest[:0]
 
     def consumed(self, slots: np.ndarray) -> None:
         """``slots`` (the first valid pool entries, as :meth:`ordered_victims` gave them)

@@ -8,8 +8,9 @@ on the same counters in every run and the tests' per-id model can recompute them
 
 * :meth:`add` counts each id once (a batch's distinct ids: the frequency is the number
   of batches an id appeared in, which is what a cached row saves: one pull per batch);
-  duplicates in one call count each time. One ``index_add_`` over ``depth x N``
-  positions, never a loop per id.
+  duplicates in one call count each time. One pass of a C kernel over the ids
+  (:mod:`cache.kernels.sketch`), else one ``index_add_`` over ``depth x N`` positions;
+  never a Python loop per id.
 * :meth:`estimate` is the minimum of an id's ``depth`` counters: never below the true
   count since the last halving, above it only by collisions.
 * Aging: once ``period`` ids were added since the last halving, every counter is
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from cache.kernels.sketch import add_counts, min_counts
 
 #: Odd 64-bit multipliers of the hash rows (from the SplitMix64 and Murmur3 finalizers
 #: and the golden ratio); ``depth`` <= 8.
@@ -55,6 +58,7 @@ class FrequencySketch:
         self.width, self.depth, self.period = width, depth, period
         self.shift = np.uint64(64 - (width.bit_length() - 1))
         self.mult = np.array(MULTIPLIERS[:depth], dtype=np.uint64)[:, None]  # [depth, 1]
+        self.mult_flat = np.ascontiguousarray(self.mult[:, 0])  # [depth], for the kernels
         self.base = (np.arange(depth, dtype=np.int64) * width)[:, None]  # [depth, 1]
         self.counters = torch.zeros(depth * width, dtype=torch.int32)  # [depth * width]
         self.added = 0  # ids added since the last halving
@@ -69,8 +73,10 @@ class FrequencySketch:
         """Count ``ids`` int64 ``[N]`` once each; True if the sketch was halved after."""
         if ids.size == 0:
             return False
-        pos = torch.from_numpy(self.positions(ids).reshape(-1))
-        self.counters.index_add_(0, pos, torch.ones(pos.numel(), dtype=torch.int32))
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if not add_counts(ids, self.mult_flat, int(self.shift), self.width, self.counters):
+            pos = torch.from_numpy(self.positions(ids).reshape(-1))
+            self.counters.index_add_(0, pos, torch.ones(pos.numel(), dtype=torch.int32))
         self.added += int(ids.size)
         if self.added < self.period:
             return False
@@ -83,6 +89,10 @@ class FrequencySketch:
         """Estimated counts int64 ``[N]`` of ``ids`` int64 ``[N]``."""
         if ids.size == 0:
             return np.empty(0, dtype=np.int64)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        got_c = min_counts(ids, self.mult_flat, int(self.shift), self.width, self.counters)
+        if got_c is not None:
+            return got_c
         pos = torch.from_numpy(self.positions(ids).reshape(-1))
         got = self.counters.take(pos).view(self.depth, ids.size)  # [depth, N]
         return got.amin(dim=0).numpy().astype(np.int64)

@@ -71,7 +71,7 @@ import torch
 
 from cache.config import CacheConfig
 from cache.device_rows import DeviceRows
-from cache.kernels.records import copy_clocks, serve_rows, update_rows
+from cache.kernels.records import copy_clocks, install_rows, serve_rows, update_rows
 from cache.policy import EvictionPolicy
 from cache.sketch import FrequencySketch
 from cache.slot_index import make_slot_index
@@ -84,6 +84,7 @@ CLOCK, OWN, COUNT, FREQ, PF, CHECKED, PUSHED = range(7)
 _META_WORDS = 16  # 8 int64 fields, as float32 words
 _MISS, _REFRESH = 1, 2
 _EMPTY_I64 = np.empty(0, dtype=np.int64)
+_NO_ROWS = np.empty((0, 0), dtype=np.float32)  # the rows of a record slab of row width 0
 
 
 class ClockSource(Protocol):
@@ -668,12 +669,16 @@ class TableCache:
         :meth:`_fresh`, ``[M, D]``) read at ``clocks`` ``[n]`` by request ``seq``, nothing
         pending, no uses yet, prefetch mark ``pf``."""
         n = slots.size
+        if self.data is not None:
+            at, at_sel = self.data.indices(slots, sel)
+            self.data.install(at, fresh, at_sel)
+        host_rows = fresh if self.data is None else _NO_ROWS
+        sel, clocks = sel.astype(np.int64, copy=False), clocks.astype(np.int64, copy=False)
+        if install_rows(self.slab, self.sd, slots, host_rows, sel, clocks, seq=seq, pf=pf):
+            return
         rec = np.zeros((n, self.width), dtype=np.float32)  # [n, W]
         if self.data is None:
             rec[:, : self.dim] = fresh.take(sel, axis=0)
-        else:
-            at, at_sel = self.data.indices(slots, sel)
-            self.data.install(at, fresh, at_sel)
         meta = self._meta(rec)
         meta[:, CLOCK] = clocks
         meta[:, CHECKED] = seq

@@ -18,7 +18,8 @@ points). The users:
 
 * ``ps/kernels/rowwise_adagrad`` - fused row-wise Adagrad, id sort and segment sums
   (the ps table engine's pushes; ``embedding``'s CPU fused backward calls it too);
-* ``cache/kernels/records`` - the cache's slot records (serve rows, apply pushes);
+* ``cache/kernels/records`` - the cache's slot records (serve rows, install, apply pushes);
+* ``cache/kernels/sketch`` - the TinyLFU frequency sketch (count, estimate);
 * ``dense/kernels/interaction`` - the DLRM pairwise interaction.
 
 It lives in ``comm`` because ``ps``, ``cache`` and ``dense`` all build kernels with it

@@ -22,7 +22,7 @@ pytestmark = [
 ROWS, DIM = 300, 12
 
 
-KERNELS = ("update_rows", "serve_rows", "copy_clocks")
+KERNELS = ("update_rows", "serve_rows", "copy_clocks", "install_rows")
 
 
 def _run(
@@ -115,3 +115,23 @@ def test_kernel_skips_uncached_and_reports_due_rows() -> None:
     assert np.array_equal(slab[2, d : 2 * d], grads[2])
     assert meta[1].tolist()[1:3] == [1, 0] and meta[1, 6] == 9  # OWN, COUNT; PUSHED
     assert meta[2, 2] == 1 and meta[0].tolist() == [0] * 8  # slot 0 untouched
+
+
+def test_sketch_kernels_equal_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sketch's C passes count and estimate exactly as its torch path (integers)."""
+    import cache.sketch as sketch_mod
+
+    rng = np.random.default_rng(3)
+    batches = [(rng.zipf(1.1, size=500) - 1).astype(np.int64) for _ in range(20)]
+    batches.append(np.array([-5, 2**62, -(2**63), 0, 0], dtype=np.int64))  # any int64 hashes
+    got = []
+    for torch_path in (False, True):
+        if torch_path:
+            monkeypatch.setattr(sketch_mod, "add_counts", lambda *a: False)
+            monkeypatch.setattr(sketch_mod, "min_counts", lambda *a: None)
+        sk = sketch_mod.FrequencySketch(width=1024, depth=4, period=3000)
+        est = [sk.estimate(b) for b in batches if sk.add(b) or True]
+        got.append((sk.counters.clone(), est, sk.halvings))
+    assert torch.equal(got[0][0], got[1][0]) and got[0][2] == got[1][2] > 0
+    for a, b in zip(got[0][1], got[1][1], strict=True):
+        assert a.dtype == b.dtype == np.int64 and np.array_equal(a, b)

@@ -1,3 +1,4 @@
+/* No fused multiply-add (see ps/kernels/rowwise_adagrad.c): the same bits on every CPU. */
 #pragma GCC optimize ("fp-contract=off")
 #include <stdint.h>
 #include <string.h>
@@ -84,4 +85,24 @@ int64_t hr_cache_update(int64_t n, int64_t d, int64_t w, const int64_t* slots,
         due_idx[k++] = i;
     }
     return k;
+}
+
+/* Fresh records in slots[i] (distinct): row := fresh[sel[i]] (d floats, fresh [m, d]),
+   nothing pending, CLOCK := clocks[i], CHECKED := seq, PF := pf, every other word 0. */
+void hr_cache_install(int64_t n, int64_t d, int64_t w, const int64_t* slots,
+                      const float* fresh, const int64_t* sel, const int64_t* clocks,
+                      int64_t seq, int64_t pf, float* slab) {
+    for (int64_t i = 0; i < n; ++i) {
+        if (i + AHEAD < n) {
+            const char* p = (const char*)(slab + slots[i + AHEAD] * w);
+            for (int64_t c = 0; c < w * 4; c += 64) __builtin_prefetch(p + c, 1, 0);
+        }
+        float* rec = slab + slots[i] * w;
+        memset(rec, 0, sizeof(float) * (size_t)w);
+        if (d > 0) memcpy(rec, fresh + sel[i] * d, sizeof(float) * (size_t)d);
+        int64_t* meta = META(slab, slots[i], d, w);
+        meta[CLOCK] = clocks[i];
+        meta[PF] = pf;
+        meta[CHECKED] = seq;
+    }
 }

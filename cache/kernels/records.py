@@ -1,7 +1,7 @@
 """C kernels over the cache's slot records: one pass per batch, touching only the
 words each step needs (record layout in :mod:`cache.table_cache`).
 
-Three passes of a table's step, each over the batch's slots ``[S]`` (-1: not cached,
+Four passes of a table's step, each over the batch's slots ``[S]`` (-1: not cached,
 skipped):
 
 * :func:`copy_clocks` (planning a pull): the ``CLOCK`` word of each record, 8 bytes
@@ -9,6 +9,8 @@ skipped):
 * :func:`serve_rows` (installing a served pull): the served row and clock of each
   cached id; for the hits, the prefetch marks (counted and cleared) and the own
   pushes since the read (the staleness lower bound); with LFU, ``FREQ += uses``;
+* :func:`install_rows` (installing admitted misses): each new record written once, in
+  place, from the store's reply (numpy would build the records, then scatter them);
 * :func:`update_rows` (a push)::
 
       for i, s in enumerate(slots):
@@ -60,6 +62,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_cache_update.restype = i64
     lib.hr_cache_update.argtypes = [i64, i64, i64, ptr, ptr, ptr, ctypes.c_float, i64, i64]
     lib.hr_cache_update.argtypes += [ptr, ptr]
+    lib.hr_cache_install.restype = None
+    lib.hr_cache_install.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr]
 
 
 def available() -> bool:
@@ -123,6 +127,35 @@ def serve_rows(
         freq.ctypes.data, pf.ctypes.data,
     )  # fmt: skip
     return rows, clocks, lag, freq, int(pf[0]), int(pf[1])
+
+
+def install_rows(
+    slab: np.ndarray,
+    dim: int,
+    slots: np.ndarray,
+    fresh: np.ndarray,
+    sel: np.ndarray,
+    clocks: np.ndarray,
+    *,
+    seq: int,
+    pf: int,
+) -> bool:
+    """Write fresh records to the distinct ``slots`` int64 ``[n]`` of ``slab`` float32
+    ``[C, W]``: row ``fresh[sel[i]]`` (``fresh`` float32 ``[M, dim]``; ``dim`` 0: rows
+    live elsewhere), nothing pending, ``CLOCK = clocks[i]``, ``CHECKED = seq``, ``PF =
+    pf``, every other word zero. False (nothing written) where the kernel is not
+    available."""
+    lib = _library()
+    if lib is None or not _ok(slab, slots, sel, clocks) or (dim and not _ok(fresh)):
+        return False
+    n = slots.size
+    assert sel.size == n and clocks.size == n
+    assert slots.dtype == sel.dtype == clocks.dtype == np.int64
+    lib.hr_cache_install(
+        n, dim, slab.shape[1], slots.ctypes.data, fresh.ctypes.data if dim else None,
+        sel.ctypes.data, clocks.ctypes.data, seq, pf, slab.ctypes.data,
+    )  # fmt: skip
+    return True
 
 
 def update_rows(

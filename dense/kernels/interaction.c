@@ -1,3 +1,6 @@
+/* No fused multiply-add: -march=native enables FMA where the CPU has it, and contracting
+   a*b+c there would make the bits depend on the machine (every CPU rounds alike here). */
+#pragma GCC optimize ("fp-contract=off")
 #include <stdint.h>
 #include <string.h>
 
