@@ -7,6 +7,11 @@ hand on the rows the batch touched (row-wise Adagrad; lazy Adam with a per-row
 step count, which is neither ``torch.optim.Adam`` nor ``SparseAdam``: SparseAdam
 counts steps per tensor, not per row). Initial rows come from the table spec's
 initializer, as every placement's do.
+
+``Reference(tables, dtype=torch.float64)`` replays the same computation in float64 (same
+initial rows, same batches, every tensor in float64): :class:`Replayed` runs both and
+derives each comparison's tolerance from the fp32 reference's own rounding error
+(``tests/tolerance.py``).
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from torch import nn
 
 import ps
 from embedding import KeyedJaggedIds, TableConfig
+from tolerance import replay_tol, sum_tol
 
 
 class Reference:
-    def __init__(self, tables: list[TableConfig]) -> None:
+    def __init__(self, tables: list[TableConfig], dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
         self.tables = {t.name: t for t in tables}
         self.table_of = {f: t.name for t in tables for f in t.feature_names}
         self.mods: dict[str, nn.Module] = {}
@@ -34,9 +41,9 @@ class Reference:
             spec = t.to_spec()
             mod: nn.Embedding | nn.EmbeddingBag
             if t.pooling == "none":
-                mod = nn.Embedding(t.num_rows, t.dim)
+                mod = nn.Embedding(t.num_rows, t.dim, dtype=dtype)
             else:
-                mod = nn.EmbeddingBag(t.num_rows, t.dim, mode=t.pooling)
+                mod = nn.EmbeddingBag(t.num_rows, t.dim, mode=t.pooling, dtype=dtype)
             w: torch.Tensor = mod.weight
             with torch.no_grad():
                 w.copy_(spec.initial_rows(torch.arange(t.num_rows)))
@@ -51,10 +58,10 @@ class Reference:
                     [w], lr=opt.lr, eps=opt.eps, initial_accumulator_value=opt.initial_accumulator
                 )
             elif isinstance(opt, ps.RowWiseAdagrad):
-                self.acc[t.name] = torch.full((t.num_rows,), opt.initial_accumulator)
+                self.acc[t.name] = torch.full((t.num_rows,), opt.initial_accumulator, dtype=dtype)
             elif isinstance(opt, ps.Adam):
-                z = torch.zeros(t.num_rows, t.dim)
-                self.adam[t.name] = (z.clone(), z.clone(), torch.zeros(t.num_rows))
+                z = torch.zeros(t.num_rows, t.dim, dtype=dtype)
+                self.adam[t.name] = (z.clone(), z.clone(), torch.zeros(t.num_rows, dtype=dtype))
             else:
                 raise AssertionError(f"no reference for {opt}")
 
@@ -71,17 +78,18 @@ class Reference:
         out = {}
         for feat in kjt.keys:
             j = kjt[feat]
+            weights = None if j.weights is None else j.weights.to(self.dtype)
             t = self.tables[self.table_of[feat]]
             mod = self.mods[t.name]
             if t.pooling == "none":
                 b = j.batch_size
                 rows = mod(j.ids)  # [N, D]
-                if j.weights is not None:
-                    rows = rows * j.weights.unsqueeze(1)
+                if weights is not None:
+                    rows = rows * weights.unsqueeze(1)
                 out[feat] = rows.view(b, j.ids.numel() // b if b else 0, t.dim)
             else:
                 # bag starts [B]; per-id weights only in sum mode
-                out[feat] = mod(j.ids, j.offsets()[:-1], per_sample_weights=j.weights)
+                out[feat] = mod(j.ids, j.offsets()[:-1], per_sample_weights=weights)
         return out
 
     def step(self, kjt: KeyedJaggedIds) -> None:
@@ -117,3 +125,85 @@ class Reference:
                         size = opt.lr * math.sqrt(1 - b2**k) / (1 - b1**k)
                         w[row] -= size * m[row] / (v[row].sqrt() + opt.eps)
             w.grad = None
+
+
+# At most this many roundings in the update of one element by any optimizer here (Adam:
+# m, v, sqrt(v), + eps, the step size, the quotient, its product and the sum).
+UPDATE_ROUNDINGS = 8
+
+
+class Replayed:
+    """The reference in float32 (``ref``, what a placement is compared against) and its
+    float64 replay (``ref64``), stepped together; the tolerances of a placement's outputs,
+    rows and state against ``ref`` come from ``|ref - ref64|`` (:func:`replay_tol`: the
+    placement sums the gradients of repeated ids in another order, its optimizer runs
+    other kernels, fused multiply-adds or not, and Adam / Adagrad amplify that over the
+    steps).
+
+    The measured error of a small table can be small by chance (few elements, and the
+    largest errors on the smallest values), so each tolerance is also never below the
+    worst case of the last step alone (``floor_terms`` of :func:`replay_tol`): a row's
+    gradient sums up to ``occ`` terms (the most occurrences of one id in a batch), and
+    the update rounds at most :data:`UPDATE_ROUNDINGS` more times; an accumulator of
+    squares doubles the gradient's relative error and adds a mean over ``dim``."""
+
+    def __init__(self, tables: list[TableConfig]) -> None:
+        self.ref = Reference(tables)
+        self.ref64 = Reference(tables, dtype=torch.float64)
+        self.occ = {t.name: 0 for t in tables}
+
+    def forward(
+        self, kjt: KeyedJaggedIds
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return self.ref.forward(kjt), self.ref64.forward(kjt)
+
+    def step(self, kjt: KeyedJaggedIds) -> None:
+        for name, t in self.ref.tables.items():
+            ids = [kjt[f].ids for f in t.feature_names if f in kjt]
+            if ids and sum(i.numel() for i in ids):
+                counts = torch.unique(torch.cat(ids), return_counts=True)[1]
+                self.occ[name] = max(self.occ[name], int(counts.max()))
+        self.ref.step(kjt)
+        self.ref64.step(kjt)
+
+    def output_tol(
+        self, kjt: KeyedJaggedIds, feat: str, want: torch.Tensor, want64: torch.Tensor
+    ) -> float:
+        """Output ``feat``: the replay's measured error, and never below the worst case of
+        one pooling over the reference's current rows (:meth:`pool_tol`)."""
+        return max(replay_tol(want.detach(), want64.detach()), self.pool_tol(kjt, feat))
+
+    def pool_tol(self, kjt: KeyedJaggedIds, feat: str) -> float:
+        """Two fp32 poolings of ``feat`` over the same rows (one ``embedding_bag`` per
+        feature here; a fused bag with ``1/len`` weights in the placements): a sum of up
+        to ``n`` products ``w_i * row_i`` per bag, plus the rounding of ``1/len`` and of its
+        product with a user weight, so ``n + 2`` roundings, over the largest
+        ``sum_i |w_i| |row_i|`` of any bag (in float64)."""
+        j = kjt[feat]
+        if j.ids.numel() == 0:
+            return 0.0
+        name = self.ref64.table_of[feat]
+        t = self.ref64.tables[name]
+        w = self.ref64.weight[name].detach().abs()
+        weights = None if j.weights is None else j.weights.to(torch.float64).abs()
+        if t.pooling == "none":
+            rows = w[j.ids] if weights is None else w[j.ids] * weights.unsqueeze(1)
+            return sum_tol(torch.float32, 2, float(rows.max()))
+        mags = nn.functional.embedding_bag(
+            j.ids, w, j.offsets()[:-1], mode=t.pooling, per_sample_weights=weights
+        )
+        longest = int((j.offsets()[1:] - j.offsets()[:-1]).max())
+        return sum_tol(torch.float32, longest + 2, float(mags.max()))
+
+    def rows_tol(self, name: str) -> float:
+        """Table ``name``'s rows."""
+        terms = self.occ[name] + UPDATE_ROUNDINGS
+        w, w64 = self.ref.weight[name].detach(), self.ref64.weight[name].detach()
+        return replay_tol(w, w64, floor_terms=terms)
+
+    def state_tol(self, name: str) -> float:
+        """Table ``name``'s optimizer state in the ps layout."""
+        s, s64 = self.ref.state(name), self.ref64.state(name)
+        assert s is not None and s64 is not None
+        terms = 2 * self.occ[name] + self.ref.tables[name].dim + UPDATE_ROUNDINGS
+        return replay_tol(s, s64, floor_terms=terms)
