@@ -134,3 +134,69 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, *, what: str, why:
         raise AssertionError(
             f"{what}: not bit for bit ({why}); max |diff| {max_abs_diff(actual, expected):.3g}"
         )
+
+
+# ---------------------------------------------------------------- cross entropy, Adam
+#Rounding bounds of the dense tests' cross entropy (on top of ``tests/tolerance.py``).
+#
+# The mean cross entropy of ``N`` rows of ``V`` logits, ``mean_i (log S_i - (z_it - m_i))``
+# with ``m_i = max_j z_ij`` and ``S_i = sum_j exp(z_ij - m_i)``, computed in another order
+# (``F.cross_entropy``'s fused log-softmax, the vocabulary-parallel one summing shards, a
+# pipeline's micro-batches): each ``exp`` and ``log`` is within 2 u (vectorised kernels
+# are accurate to 1 ulp, not correctly rounded), so ``S_i`` is within ``gamma_{V+1}``
+# relative, and ``log S_i`` within that absolute (``S_i >= 1``) plus 2 u of itself; the
+# subtraction, the rounding of ``z_it - m_i`` and the mean of ``N`` terms add
+# ``gamma_{N+4}`` of ``mag = mean_i (|log S_i| + |z_it - m_i|)``. Its gradient
+# ``(softmax_ij - [j = t_i]) * g / N``: the softmax within ``gamma_{V+3}`` of itself (at
+# most 1), the one-hot subtraction and the scaling add three roundings. Two evaluations
+# are within twice each bound (``sum_tol``).
+#
+
+
+def cross_entropy_tol(
+    logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> float:
+    """Two ``dtype`` evaluations of ``F.cross_entropy(logits [..., V], targets [...])``
+    (mean over the rows) are at most this far apart; ``logits`` best in float64."""
+    z = logits.detach().double().reshape(-1, logits.shape[-1])  # [N, V]
+    t = targets.reshape(-1)
+    n, v = z.shape
+    m = z.max(dim=1).values
+    lse = (z - m[:, None]).exp().sum(1).log()  # [N], >= 0
+    z_t = z.gather(1, t[:, None]).squeeze(1) - m  # [N], <= 0
+    mag = float((lse.abs() + z_t.abs()).mean())
+    return sum_tol(dtype, v + 1, 1.0) + sum_tol(dtype, n + 4, mag)
+
+
+def cross_entropy_grad_tol(
+    n: int, vocab: int, upstream: float = 1.0, dtype: torch.dtype = torch.float32
+) -> float:
+    """Two ``dtype`` evaluations of the gradient of ``upstream * (mean cross entropy of
+    n rows of vocab logits)`` with respect to the logits: at most this far apart."""
+    return sum_tol(dtype, vocab + 6, abs(upstream) / n)
+
+
+class AdamDrift:
+    """How far Adam (or AdamW) moves a parameter when its gradients are off by at most
+    ``grad_tol`` per step (one fp32 backward against another, in another order).
+
+    Adam's step is ``lr * m / (sqrt(v) + eps)`` with ``m`` and ``sqrt(v)`` weighted means
+    (of the gradients, of their squares' root): each moves by at most the largest gradient
+    error ``d`` so far, and ``|m| <= sqrt(v) + eps`` (up to the betas' bias corrections),
+    so the step moves by at most ``2 lr d / eps``. Where a gradient is near zero this is
+    what fp32's rounding does to the weights, far above their own rounding; the sum over
+    the steps so far is added to the replayed tolerance of the weights."""
+
+    def __init__(self, lr: float, eps: float) -> None:
+        self.lr, self.eps = lr, eps
+        self._worst: dict[object, float] = {}
+        self._drift: dict[object, float] = {}
+
+    def step(self, key: object, grad_tol: float) -> None:
+        """One optimizer step of parameter ``key`` with a gradient within ``grad_tol``."""
+        worst = max(self._worst.get(key, 0.0), grad_tol)
+        self._worst[key] = worst
+        self._drift[key] = self._drift.get(key, 0.0) + 2.0 * self.lr * worst / self.eps
+
+    def __getitem__(self, key: object) -> float:
+        return self._drift.get(key, 0.0)

@@ -7,10 +7,11 @@ through the same staging path, so it runs without a GPU.
 
 Each case runs twice on identical inputs (seeded by rank and case): on CPU tensors with
 no staging (the reference, itself checked against numpy by comm_suite.py), then on the
-device. The device result must be bit-identical, of the same dtype and shape, on the
-input's device, and in place where the collective is in place. Covered: allreduce
-(sum, avg, max; float32/64, int64, float16, bfloat16; 0-d, empty and 2 MB tensors),
-broadcast, allgather, allgatherv (a rank with no rows), reduce_scatter, alltoallv
+device. The device result must be bit-identical (the inputs are small multiples of a
+power of two, so every sum and average is exact in any order: see ``GRID``), of the same
+dtype and shape, on the input's device, and in place where the collective is in place.
+Covered: allreduce (sum, avg, max; float32/64, int64, float16, bfloat16; 0-d, empty and
+2 MB tensors), broadcast, allgather, allgatherv (a rank with no rows), reduce_scatter, alltoallv
 (uneven and zero splits, N-D rows, recv_splits given or learned), send/recv, several
 operations in flight waited in reverse order, barrier, a sub-group, validation off.
 Staged runs also check that the pool reuses its blocks (a repeated operation allocates
@@ -30,12 +31,26 @@ import comm
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.float16, torch.bfloat16)
 
 
+# dtype -> (largest |k|, denominator) of the float inputs k / den: exact in the dtype, and
+# so are their sums over up to 4 ranks and averages over 1, 2 or 4, in any order. The
+# device's reduction (nccl's ring, a staged copy's) may add in another order than the CPU
+# run: with these values the results are still the same bits, so bit for bit is the check.
+GRID: dict[torch.dtype, tuple[int, int]] = {
+    torch.float32: (1000, 8),
+    torch.float64: (1000, 8),
+    torch.float16: (32, 4),
+    torch.bfloat16: (16, 2),
+}
+
+
 def make(seed: str, rank: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """Rank ``rank``'s CPU input for case ``seed``."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{rank}".encode()))
     if dtype == torch.int64:
         return torch.randint(-1000, 1000, tuple(shape), generator=gen)
-    return torch.randn(tuple(shape), generator=gen, dtype=torch.float64).to(dtype)
+    lim, den = GRID[dtype]
+    k = torch.randint(-lim, lim + 1, tuple(shape), generator=gen, dtype=torch.int64)
+    return (k.double() / den).to(dtype)
 
 
 class DeviceCases:
