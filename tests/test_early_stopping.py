@@ -130,8 +130,10 @@ def test_dlrm_reports_the_test_metrics_of_the_best_validation_epoch(tmp_path: Pa
 
     at_k = run(epochs=k, keep_best=False)  # the reference: a run that ends at epoch k
     assert at_k["best_epoch"] is None
-    assert stopped["test_auc"] == pytest.approx(at_k["test_auc"], rel=1e-12, abs=0)
-    assert stopped["test_logloss"] == pytest.approx(at_k["test_logloss"], rel=1e-12, abs=0)
+    # Bit for bit: up to epoch k both runs do the same steps, and the stopped run
+    # evaluates a copy of epoch k's weights with the same code on the same test set.
+    assert stopped["test_auc"] == at_k["test_auc"]
+    assert stopped["test_logloss"] == at_k["test_logloss"]
 
     # Stopped by --max-steps inside epoch k + 1 and resumed: the best-so-far (epoch k)
     # comes back from the checkpoint, and the run ends as the uninterrupted one did.
@@ -142,7 +144,9 @@ def test_dlrm_reports_the_test_metrics_of_the_best_validation_epoch(tmp_path: Pa
     second = run(epochs=8, patience=patience, checkpoint_dir=ck, resume=True)
     assert second["best_epoch"] == k and second["stopped_early"]
     assert second["steps"] == stopped["steps"]
-    assert second["test_auc"] == pytest.approx(stopped["test_auc"], rel=1e-12, abs=0)
+    # Bit for bit: a resume at the saving worker count repeats the saving run
+    # (docs/numerics.md), and the best epoch's weights come back from the checkpoint.
+    assert second["test_auc"] == stopped["test_auc"]
     again = run(epochs=8, patience=patience, checkpoint_dir=ck, resume=True)
     assert again["already_finished"] and again["best_epoch"] == k
-    assert again["test_auc"] == pytest.approx(stopped["test_auc"], rel=1e-12, abs=0)
+    assert again["test_auc"] == stopped["test_auc"]  # the finished run's, as it was saved

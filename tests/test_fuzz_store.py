@@ -11,7 +11,8 @@ NaN/Inf, half a conditional pull, bad bounds, a second create of the same table)
   every id the example uses, and every counter of ``stats()``, are the same before
   and after;
 * after the sequence, rows and state equal the independent optimizer references
-  of ``tests/ps_reference.py`` replaying the good pushes, and clocks count them.
+  of ``tests/ps_reference.py`` replaying the good pushes (tolerances from the
+  reference's float32 run against its float64 one), and clocks count them.
 
 Redis gets the same requests with an in-process store as its reference (fewer
 examples: each one is a few round trips to a real ``redis-server``). Counts:
@@ -33,7 +34,7 @@ from hypothesis import strategies as st
 
 import ps
 from ps.redis.store import RedisStore
-from ps_reference import reference
+from ps_reference import Replay
 from redis_server import RedisServer, redis_server
 
 pytestmark = pytest.mark.timeout(240)
@@ -286,24 +287,33 @@ def _run(store: ps.Store, case: Case, steps: list[tuple[str, Any]]) -> Iterator[
             yield what, None
 
 
-def _check_reference(store: ps.Store, case: Case) -> None:
-    """Rows and state equal ps_reference's optimizer replay; clocks count the pushes."""
-    ids = torch.tensor(case.universe, dtype=torch.int64)
+def _replay(case: Case, pushes: int | None = None) -> tuple[Replay, dict[int, int]]:
+    """ps_reference's replay (float32 and float64) of the first ``pushes`` good pushes
+    (all by default) on the example's universe, and each id's row in it."""
     position = {v: i for i, v in enumerate(case.universe)}
-    w0 = case.spec.initial_rows(ids)  # [R, D]
-    pushes = [
+    w0 = case.spec.initial_rows(torch.tensor(case.universe, dtype=torch.int64))  # [R, D]
+    replayed = [
         (torch.tensor([position[int(i)] for i in p_ids], dtype=torch.int64), g)
-        for p_ids, g in case.pushes
+        for p_ids, g in case.pushes[:pushes]
     ]
-    want_rows, want_state = reference(case.spec.optimizer, w0, pushes)
+    return Replay(case.spec.optimizer, w0, replayed), position
+
+
+def _rows_of(position: dict[int, int], ids: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([position[int(i)] for i in ids], dtype=torch.int64)
+
+
+def _check_reference(store: ps.Store, case: Case) -> None:
+    """Rows and state equal ps_reference's optimizer replay (within the tolerances of its
+    float32 run against its float64 one); clocks count the pushes."""
+    ids = torch.tensor(case.universe, dtype=torch.int64)
+    replay, position = _replay(case)
     got = store.pull(case.name, ids)
-    torch.testing.assert_close(got.rows.double(), want_rows, rtol=0, atol=1e-5)
-    torch.testing.assert_close(
-        store.state(case.name, ids).double(), want_state, rtol=1e-5, atol=1e-5
-    )
+    replay.assert_rows(got.rows, case.name)
+    replay.assert_state(store.state(case.name, ids), case.name)
     touched = torch.zeros(len(ids), dtype=torch.int64)
-    for p_ids, _ in pushes:
-        touched[torch.unique(p_ids)] += 1
+    for p_ids, _ in case.pushes:
+        touched[torch.unique(_rows_of(position, p_ids))] += 1
     assert got.clocks.tolist() == touched.tolist()
 
 
@@ -349,16 +359,23 @@ def test_redis_store_requests_match_inprocess(server: RedisServer) -> None:
         try:
             got_steps = list(_run(store, case, steps))
             want_steps = list(_run(ref, ref_case, steps))
-            for (what, got), (_, want) in zip(got_steps, want_steps, strict=True):
+            pushed = 0  # good pushes before the step: the replay giving its tolerance
+            for (what, got), (_, want), (_, arg) in zip(got_steps, want_steps, steps, strict=True):
+                pushed += what == "push"
                 if what == "pull":
                     assert torch.equal(got.clocks, want.clocks)
                     assert (got.positions is None) == (want.positions is None)
+                    replay, position = _replay(case, pushed)
+                    index = _rows_of(position, arg[0])
                     if got.positions is not None:
                         assert torch.equal(got.positions, want.positions)
-                    torch.testing.assert_close(got.rows, want.rows, rtol=0, atol=1e-5)
+                        index = index[got.positions]
+                    replay.assert_rows(got.rows, "pull", want=want.rows, index=index)
                 elif what == "read":
                     assert torch.equal(got[0], want[0])
-                    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+                    replay, position = _replay(case, pushed)
+                    index = _rows_of(position, arg)
+                    replay.assert_state(got[1], "read", want=want[1], index=index)
             _check_reference(store, case)
         finally:
             if case.name in store.tables():

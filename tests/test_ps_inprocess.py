@@ -15,6 +15,7 @@ import comm
 import ps
 from cache import CacheConfig, CachedStore
 from ps_lifecycle import check_lifecycle
+from tolerance import assert_close, assert_same, replay_tol
 from wrapped_store import WrappedStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,7 +39,7 @@ def _snapshot(store: ps.Store) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def _assert_unchanged(store: ps.Store, before: tuple[torch.Tensor, ...]) -> None:
     after = _snapshot(store)
     for a, b in zip(before, after, strict=True):
-        assert torch.equal(a, b)
+        assert_same(a, b, what="rows, state, clocks", why="a refused request writes nothing")
 
 
 def _touch(store: ps.Store) -> None:
@@ -157,30 +158,44 @@ def test_duplicate_ids_are_summed_before_one_update(optimizer: ps.Optimizer) -> 
     a, b = _store(optimizer), _store(optimizer)
     a.push("t", torch.tensor([2, 2, 2]), grads)
     b.push("t", torch.tensor([2]), grads.sum(0, keepdim=True))
-    assert torch.equal(a.pull("t", torch.arange(ROWS)).rows, b.pull("t", torch.arange(ROWS)).rows)
-    assert torch.equal(a.state("t", torch.arange(ROWS)), b.state("t", torch.arange(ROWS)))
+    # The store sums the three rows in the order given, as sum(0) does over the outer dim,
+    # then both run the same update kernel on one [1, D] row.
+    why = "the same three-term sum in the same order, then the same kernel on the same row"
+    every = torch.arange(ROWS)
+    assert_same(a.pull("t", every).rows, b.pull("t", every).rows, what="rows", why=why)
+    assert_same(a.state("t", every), b.state("t", every), what="state", why=why)
 
 
 def test_rowwise_adagrad_matches_formula() -> None:
     lr, eps, acc0 = 0.2, 1e-3, 0.5
     store = _store(ps.RowWiseAdagrad(lr=lr, eps=eps, initial_accumulator=acc0))
     ids = torch.tensor([4, 1])
-    w = store.pull("t", torch.arange(ROWS)).rows.double()
-    s = torch.full((ROWS,), acc0, dtype=torch.float64)
+    w0 = store.pull("t", torch.arange(ROWS)).rows
     assert store.state("t", torch.arange(ROWS)).squeeze(1).tolist() == [acc0] * ROWS
     gen = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        g = torch.randn(2, DIM, generator=gen)
+    pushes = [torch.randn(2, DIM, generator=gen) for _ in range(3)]
+    for g in pushes:
         store.push("t", ids, g)
-        gd = g.double()
-        for row, gi in zip(ids.tolist(), gd, strict=True):
-            s[row] += float((gi**2).mean())
-            w[row] -= lr * gi / (math.sqrt(s[row]) + eps)
-    got = store.pull("t", torch.arange(ROWS)).rows.double()
-    torch.testing.assert_close(got, w, rtol=0, atol=1e-6)
-    torch.testing.assert_close(
-        store.state("t", torch.arange(ROWS)).squeeze(1).double(), s, rtol=0, atol=1e-6
-    )
+
+    def formula(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        w = w0.to(dtype)
+        s = torch.full((ROWS,), acc0, dtype=dtype)
+        for g in pushes:
+            for row, gi in zip(ids.tolist(), g.to(dtype), strict=True):
+                s[row] += (gi**2).mean()
+                w[row] -= lr * gi / (s[row].sqrt() + eps)
+        return w, s
+
+    (w32, s32), (w64, s64) = formula(torch.float32), formula(torch.float64)
+    # Three pushes of the formula in float32 against its float64 replay; the floor: the
+    # last push's roundings (a mean of DIM squares, a square root, a sum, a quotient, a
+    # product and a difference).
+    terms = DIM + 6
+    why = "4 x the float32 formula's error against its float64 replay"
+    got = store.pull("t", torch.arange(ROWS)).rows
+    assert_close(got, w32, atol=replay_tol(w32, w64, floor_terms=terms), what="rows", why=why)
+    acc = store.state("t", torch.arange(ROWS)).squeeze(1)
+    assert_close(acc, s32, atol=replay_tol(s32, s64, floor_terms=terms), what="acc", why=why)
 
 
 def test_sgd_matches_formula_and_has_no_state() -> None:
@@ -191,7 +206,8 @@ def test_sgd_matches_formula_and_has_no_state() -> None:
     w1 = store.pull("t", torch.arange(ROWS)).rows
     want = w0.clone()
     want[[0, 7]] -= 0.25 * g
-    torch.testing.assert_close(w1, want, rtol=0, atol=1e-7)
+    # 0.25 * g is exact: one correctly rounded subtraction on both sides, fused or not.
+    assert_same(w1, want, what="rows", why="lr * g exact, one rounding per element")
     assert store.state("t", torch.arange(ROWS)).shape == (ROWS, 0)
 
 
@@ -329,7 +345,8 @@ def test_nan_policy_skip_drops_only_bad_rows() -> None:
     ref.push("d", ids[[0, 2]], g[[0, 2]])  # what should have happened
     got, want = _dyn_snapshot(store), _dyn_snapshot(ref)
     for a, b in zip(got[:3], want[:3], strict=True):
-        assert torch.equal(a, b)
+        # Both apply the same kernel to rows -4 and 9 in one sorted [2, D] push.
+        assert_same(a, b, what="rows, state, clocks", why="the same update of the same rows")
     st = store.stats()["d"]
     assert st["rows_skipped_nan"] == 2 and st["rows"] == 2  # 5 and 7 were not created
     # A fixed table with "skip": the same, and the clock of a skipped row stays.
@@ -381,7 +398,11 @@ def test_concurrent_pushes_from_threads_lose_nothing() -> None:
         t.join()
     for n in ("t", "d"):  # 4 threads x 25 pushes x summed gradient 1.0, exact in float32
         got = store.pull(n, torch.arange(50))
-        torch.testing.assert_close(got.rows, w0[n] - 100.0, rtol=0, atol=1e-4)
+        want = w0[n].clone()
+        for _ in range(100):
+            want -= 1.0
+        why = "each push subtracts exactly 1.0 (one correctly rounded step), in any order"
+        assert_same(got.rows, want, what=f"{n} rows", why=why)
         assert got.clocks.tolist() == [100] * 50
 
 

@@ -3,7 +3,8 @@
 See tests/ps_reference.py: torch.optim (SGD, SGD momentum per row, Adagrad, SparseAdam per
 row) or the published rule in plain Python floats (row-wise Adagrad, FTRL, Adam with
 weight decay). Several pushes, duplicate ids in a push, untouched rows, fixed and dynamic
-tables; tolerance 1e-6.
+tables; tolerances from the reference's float32 run against its float64 replay
+(``ps_reference.Replay``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 import ps
 from ps_reference import assert_matches_reference
+from tolerance import assert_same
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,7 +57,7 @@ def test_optimizer_matches_reference(opt: ps.Optimizer, dynamic: bool) -> None:
     spec = ps.TableSpec(name="t", num_rows=None if dynamic else ROWS, dim=DIM, optimizer=opt)
     store.create_table(spec)
     w0 = store.pull("t", key).rows.clone()  # [R, D] initial rows
-    assert torch.equal(w0, spec.initial_rows(key))
+    assert_same(w0, spec.initial_rows(key), what="initial rows", why="the same initializer")
     pushes = _pushes(seed=3)
     for ids, grads in pushes:
         store.push("t", key[ids], grads)
@@ -73,7 +75,8 @@ def test_lazy_momentum_differs_from_dense_torch_sgd() -> None:
     store.push("t", torch.tensor([0]), torch.ones(1, 1))
     store.push("t", torch.tensor([1]), torch.ones(1, 1))
     got = store.pull("t", torch.arange(2)).rows
-    torch.testing.assert_close(got, w0 - 1.0)  # each row: one step of -lr * g
+    # each row: one step of -lr * g
+    assert_same(got, w0 - 1.0, what="rows", why="lr * g = 1 is exact: one rounding, as w0 - 1.0")
     assert store.state("t", torch.arange(2)).flatten().tolist() == [1.0, 1.0]
 
 

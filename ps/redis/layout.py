@@ -30,22 +30,17 @@ incarnation token tells such rows from rows that were lost (``docs/ps_protocol.m
 from __future__ import annotations
 
 import json
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from ps.local.table import COUNTERS
+from ps.redis.hints import AbsentHints
 from ps.table import TableSpec
 
 if TYPE_CHECKING:
     from ps.redis.sequencing import PushSettle
 
 META_FORMAT = "hybridrec-redis/2"
-
-#: Reads per table whose missing ids are kept as hints for pushes (:class:`RedisTable`).
-ABSENT_READS = 8
 
 #: This client's counters per table: the in-process store's, and the exactly-once ones.
 CLIENT_COUNTERS = (*COUNTERS, "push_calls", "push_retries")
@@ -85,12 +80,11 @@ class RedisTable:
     # Pushes of this client whose replies were not processed yet, in issue order (see
     # RedisStore._settle): each one's completion (replies, second round, eviction).
     pending: list[PushSettle] = field(default_factory=list)
-    # Ids this client's latest reads found missing from Redis (int64 [A_k] per read, at
-    # most ABSENT_READS reads): its next push of them sends their initial rows in the
-    # first round (no second round). Only a hint: a row created meanwhile ignores it, a
-    # row missing without it costs the second round. ``push_epoch`` counts the pushes
-    # built; a read issued before a push adds no hints after it (RedisStore._note_absent).
-    absent: deque[np.ndarray] = field(default_factory=lambda: deque(maxlen=ABSENT_READS))
+    # Ids this client's reads found missing from Redis (ps.redis.hints): its next push of
+    # them sends their initial rows in the first round (no second round). ``push_epoch``
+    # counts the pushes built; a read issued before a push adds no hints after it
+    # (RedisStore._note_absent).
+    absent: AbsentHints = field(default_factory=AbsentHints)
     push_epoch: int = 0
 
     @property

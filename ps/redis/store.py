@@ -68,7 +68,6 @@ import os
 import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,9 +122,6 @@ __all__ = ["RedisAuthError", "RedisDataLossError", "RedisStore", "RedisUnavailab
 
 #: Labels of the round trips counted for :meth:`RedisStore.request_counts`.
 PULL, PUSH = "pull_messages", "push_messages"
-
-#: Ids remembered per table as missing from Redis (:meth:`RedisStore._note_absent`): 8 MiB.
-MAX_ABSENT_HINTS = 1 << 20
 
 
 class RedisDataLossError(RuntimeError):
@@ -561,9 +557,7 @@ class RedisStore(Store):
         with self._lock:
             if t.push_epoch != epoch:
                 return
-            t.absent.append(missing[:MAX_ABSENT_HINTS])  # the oldest read drops out
-            while sum(a.size for a in t.absent) > MAX_ABSENT_HINTS:
-                t.absent.popleft()
+            t.absent.add(missing)
 
     # ------------------------------------------------------------ pulls
 
@@ -844,14 +838,7 @@ class RedisStore(Store):
         with self._lock:
             seqs = next_numbers(t, [b for b, _lo, _hi in calls])  # [calls] (number, watermark)
             t.push_epoch += 1
-            hinted = np.empty(0, dtype=np.int64)  # positions in sorted_ids [H]
-            if t.absent and sorted_ids.size:
-                mask = np.isin(sorted_ids, np.concatenate(t.absent))
-                if mask.any():
-                    hinted = np.flatnonzero(mask)
-                    used = sorted_ids[hinted]
-                    kept = (a[~np.isin(a, used)] for a in t.absent)
-                    t.absent = deque((a for a in kept if a.size), maxlen=t.absent.maxlen)
+            hinted = t.absent.take(sorted_ids)  # positions in sorted_ids [H]
         init_rows = b""  # float32 [H, D] of the hinted ids
         if hinted.size:
             first_ids = torch.from_numpy(sorted_ids[hinted].astype(np.int64))
