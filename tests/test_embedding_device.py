@@ -9,6 +9,11 @@ where torch has the rule, the published formulas otherwise). The loss is linear 
 the outputs, so each step's row gradients do not depend on the rows and the replay
 from the initial rows gives the reference after every step.
 
+Tolerances (``tests/tolerance.py``): the same steps in float32 (autograd in float32, the ps
+optimizer's ``apply`` in float32) measure how far float32 rounding moves this computation
+from the float64 reference; the collection, another float32 run, may be a few times that
+far (:func:`replay_tol`), and never less than the roundings of the last step alone.
+
 The CPU variant runs everywhere; the ``cuda`` one (``gpu`` marker) on a GPU machine.
 """
 
@@ -23,7 +28,9 @@ import torch.nn.functional as F
 import ps
 from cache import CacheConfig, CachedStore
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
+from embedding_reference import UPDATE_ROUNDINGS
 from ps_reference import reference
+from tolerance import assert_close, assert_same, replay_tol, sum_tol
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,6 +45,10 @@ OPTIMIZERS = {
 }
 B = 4
 STEPS = 2
+REPLAY_WHY = (
+    "4x a float32 replay's distance to the float64 reference; never below the roundings "
+    "of the last step (a pooling, or a row's gradient sum and one update)"
+)
 
 
 def _tables(opt: ps.Optimizer, placement: str) -> list[TableConfig]:
@@ -86,7 +97,12 @@ def _targets(gen: torch.Generator, tables: list[TableConfig]) -> dict[str, torch
 
 class DenseReference:
     """Dense float64 tables; forward pools like ``EmbeddingBag``; ``step`` records the
-    touched rows' gradients and replays every push from the initial rows."""
+    touched rows' gradients and replays every push from the initial rows.
+
+    Alongside, the same steps in float32 (``rows32``, ``state32``: autograd in float32,
+    then the ps optimizer's own ``apply``), whose distance to the float64 reference is
+    the rounding error the tolerances are built from; ``occ`` is the most occurrences of
+    one id of a table in one batch."""
 
     def __init__(self, tables: list[TableConfig]) -> None:
         self.tables = {t.name: t for t in tables}
@@ -97,6 +113,14 @@ class DenseReference:
         self.state: dict[str, torch.Tensor] = {}
         self.clocks = {n: torch.zeros(w.shape[0], dtype=torch.int64) for n, w in self.w0.items()}
         self.pushes: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in self.w0}
+        self.rows32 = {n: w.float().clone() for n, w in self.w0.items()}
+        self.state32 = {
+            t.name: t.optimizer.initial_state(t.dim)  # type: ignore[union-attr]
+            .expand(int(t.num_rows or 0), -1)
+            .clone()
+            for t in tables
+        }
+        self.occ = {n: 0 for n in self.w0}
 
     def forward(
         self, kjt: KeyedJaggedIds, rows: dict[str, torch.Tensor]
@@ -116,17 +140,57 @@ class DenseReference:
         leaves = {n: r.clone().requires_grad_() for n, r in self.rows.items()}
         out = self.forward(kjt, leaves)
         sum((out[f] * targets[f]).sum() for f in out).backward()  # type: ignore[union-attr]
+        leaves32 = {n: r.clone().requires_grad_() for n, r in self.rows32.items()}
+        out32 = self.forward(kjt, leaves32)
+        loss32 = sum((out32[f] * targets[f].float()).sum() for f in out32)
+        loss32.backward()  # type: ignore[union-attr]
         for name, t in self.tables.items():
-            touched = torch.unique(torch.cat([kjt[f].ids for f in t.feature_names]))
+            ids = torch.cat([kjt[f].ids for f in t.feature_names])
+            touched, counts = torch.unique(ids, return_counts=True)
             if touched.numel() == 0:
                 continue
-            grad = leaves[name].grad
-            assert grad is not None
+            self.occ[name] = max(self.occ[name], int(counts.max()))
+            grad, grad32 = leaves[name].grad, leaves32[name].grad
+            assert grad is not None and grad32 is not None
             self.pushes[name].append((touched, grad[touched].float()))
             self.clocks[name][touched] += 1
             self.rows[name], self.state[name] = reference(
                 t.optimizer, self.w0[name], self.pushes[name]
             )
+            rows32, state32 = self.rows32[name][touched], self.state32[name][touched]
+            t.optimizer.apply(rows32, state32, grad32[touched])  # type: ignore[union-attr]
+            self.rows32[name][touched], self.state32[name][touched] = rows32, state32
+
+    def output_tol(self, kjt: KeyedJaggedIds, f: str) -> float:
+        """Output ``f``: the float32 replay's measured error, never below two fp32 poolings
+        of the same rows (up to ``n`` additions, a mean's ``1 / len`` and its product: ``n + 2``
+        roundings of the largest bag's sum of ``|row|``, in float64)."""
+        want32, want = self.forward(kjt, self.rows32)[f], self.forward(kjt, self.rows)[f]
+        magnitude = self.forward(kjt, {n: r.abs() for n, r in self.rows.items()})[f]
+        lengths = kjt[f].offsets()[1:] - kjt[f].offsets()[:-1]
+        longest = int(lengths.max()) if lengths.numel() else 0
+        floor = sum_tol(torch.float32, longest + 2, float(magnitude.max()))
+        return max(replay_tol(want32, want), floor)
+
+    def rows_tol(self, name: str) -> float:
+        """Table ``name``'s rows: a gradient of up to ``occ`` terms and one update."""
+        terms = self.occ[name] + UPDATE_ROUNDINGS
+        return replay_tol(self.rows32[name], self.rows[name], floor_terms=terms)
+
+    def assert_state_close(self, name: str, state: torch.Tensor) -> None:
+        """Table ``name``'s state, in groups of ``dim`` columns (moments, accumulators, step
+        counts: each on its own scale): an accumulator of squares doubles the gradient's
+        relative error, row-wise Adagrad adds a mean over ``dim``."""
+        dim = self.tables[name].dim
+        terms = 2 * self.occ[name] + dim + UPDATE_ROUNDINGS
+        parts = (state.double(), self.state[name], self.state32[name])
+        for k, (got, want, want32) in enumerate(
+            zip(*(p.split(dim, 1) for p in parts), strict=True)
+        ):
+            assert_close(
+                got, want, atol=replay_tol(want32, want, floor_terms=terms),
+                what=f"table {name} state columns {k * dim}..", why=REPLAY_WHY,
+            )  # fmt: skip
 
 
 def _table_now(ec: EmbeddingCollection, t: TableConfig) -> tuple[torch.Tensor, ...]:
@@ -156,15 +220,20 @@ def _train_and_compare(
         assert list(out) == kjt.keys
         for f, o in out.items():
             assert o.device.type == torch.device(device).type, f
-            torch.testing.assert_close(o.double().cpu(), want[f], rtol=0, atol=1e-5)
+            got = o.detach().double().cpu()
+            assert_close(
+                got, want[f], atol=ref.output_tol(kjt, f), what=f"output {f}", why=REPLAY_WHY
+            )
         loss = sum((o * targets[f].to(o.device, torch.float32)).sum() for f, o in out.items())
         loss.backward()  # type: ignore[union-attr]
         ref.step(kjt, targets)
     for t in tables:
         rows, state, clocks = _table_now(ec, t)
-        torch.testing.assert_close(rows.double(), ref.rows[t.name], rtol=0, atol=1e-5)
-        want_state = ref.state[t.name]
-        torch.testing.assert_close(state.double(), want_state, rtol=1e-5, atol=1e-5)
+        assert_close(
+            rows.double(), ref.rows[t.name], atol=ref.rows_tol(t.name), what=f"table {t.name} rows",
+            why=REPLAY_WHY,
+        )  # fmt: skip
+        ref.assert_state_close(t.name, state)
         assert torch.equal(clocks, ref.clocks[t.name]), t.name
 
 
@@ -207,7 +276,11 @@ def test_mixed_placements_in_one_collection_on_the_device(device: str) -> None:
         on_device = ec(kjt.to(device))
     for f in kjt.keys:
         assert from_host[f].device.type == device
-        torch.testing.assert_close(from_host[f], on_device[f], rtol=0, atol=1e-6)
+        assert_same(
+            from_host[f], on_device[f], what=f"output {f}, host vs device batch",
+            why="the host batch is moved to the device first; then both run the same lookup "
+            "on the same rows",
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)

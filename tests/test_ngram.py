@@ -23,6 +23,7 @@ from types import ModuleType
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -31,6 +32,7 @@ import ps
 from embedding import EmbeddingCollection, KeyedJaggedIds, NGramConfig, TableConfig, ngram_ids
 from embedding.config import Placement
 from multiproc import RANKS_DIR, run_ranks
+from tolerance import assert_close, assert_same, replay_tol, sum_tol
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -357,10 +359,14 @@ def test_combine_sums_each_ns_concatenated_sub_tables() -> None:
         "ngram3_0": torch.tensor([[[10.0, 20.0]]]),
         "ngram2_1": torch.tensor([[[3.0, 4.0]]]),
     }
+    # Sums of small integers: exact in float32, in any order.
     assert cfg.combine(rows).tolist() == [[[11.0, 22.0, 33.0, 44.0]]]
     one = NGramConfig(max_n=4, rows=10, dim=2)
     parts = {f"ngram{n}": torch.full((2, 3, 2), float(10**n)) for n in (2, 3, 4)}
-    assert torch.equal(one.combine(parts), torch.full((2, 3, 2), 11100.0))
+    assert_same(
+        one.combine(parts), torch.full((2, 3, 2), 11100.0), what="combined rows",
+        why="sums of integers below 2**24 are exact in float32, in any order",
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- through a collection
@@ -404,13 +410,19 @@ def toy_loss(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 class ReferenceModel:
     """Plain ``nn.Embedding`` per table with hand-written SGD; the n-gram ids come from
-    :func:`ref_ngram_ids` and each distinct id (over all batches) gets its own zero row."""
+    :func:`ref_ngram_ids` and each distinct id (over all batches) gets its own zero row.
+    ``dtype`` float64 replays the same computation in float64."""
 
     def __init__(
-        self, cfg: NGramConfig, batches: list[torch.Tensor], lr_tok: float, lr_ngram: float
+        self,
+        cfg: NGramConfig,
+        batches: list[torch.Tensor],
+        lr_tok: float,
+        lr_ngram: float,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.cfg, self.lr_tok, self.lr_ngram = cfg, lr_tok, lr_ngram
-        self.tok = nn.Embedding(VOCAB, DIM)
+        self.tok = nn.Embedding(VOCAB, DIM, dtype=dtype)
         with torch.no_grad():
             self.tok.weight.copy_(TOKEN_INIT.rows(torch.arange(VOCAB), DIM))
         self.ids: list[dict[str, list[list[int]]]] = []  # per batch: feature -> [B][T] ids
@@ -425,17 +437,25 @@ class ReferenceModel:
             f: sorted({i for ids in self.ids for row in ids[f] for i in row})
             for f, _, _ in cfg.features()
         }  # feature -> its distinct ids, sorted
-        self.emb = {f: nn.Embedding(len(k), DIM // cfg.splits) for f, k in self.known.items()}
+        self.emb = {
+            f: nn.Embedding(len(k), DIM // cfg.splits, dtype=dtype) for f, k in self.known.items()
+        }
         for e in self.emb.values():
             nn.init.zeros_(e.weight)
 
-    def forward(self, step: int, tok: torch.Tensor) -> torch.Tensor:
+    def forward(self, step: int, tok: torch.Tensor, absolute: bool = False) -> torch.Tensor:
+        """The input ``[B, T, DIM]`` of batch ``step``; ``absolute``: from the rows' absolute
+        values (the magnitude of each sum, for its rounding bound)."""
+
+        def rows(mod: nn.Embedding) -> torch.Tensor:
+            return mod.weight.abs() if absolute else mod.weight
+
         per_n: dict[int, list[torch.Tensor]] = {}
         for f, n, _ in self.cfg.features():
             where = {i: k for k, i in enumerate(self.known[f])}
             index = torch.tensor([[where[i] for i in row] for row in self.ids[step][f]])
-            per_n.setdefault(n, []).append(self.emb[f](index))  # [B, T, DIM / splits]
-        x = self.tok(tok)
+            per_n.setdefault(n, []).append(F.embedding(index, rows(self.emb[f])))  # [B, T, D/s]
+        x = F.embedding(tok, rows(self.tok))
         for parts in per_n.values():
             x = x + torch.cat(parts, dim=-1)
         return x
@@ -450,6 +470,61 @@ class ReferenceModel:
                     w.grad = None
 
 
+# Roundings of one row element in an SGD step besides its gradient's sum: ``x + target`` per
+# occurrence (the toy loss's gradient), ``lr * g`` and ``w - lr * g``.
+SGD_ROUNDINGS = 3
+REPLAY_WHY = (
+    "4x the fp32 reference's own rounding error, measured by its float64 replay; never "
+    "below the roundings of the last step (one sum, or a row's gradient sum and its update)"
+)
+
+
+class ReplayedReference:
+    """:class:`ReferenceModel` in float32 (``ref``, what the collections are compared with)
+    and its float64 replay (``ref64``), stepped together; each tolerance is
+    :func:`replay_tol` of ``|ref - ref64|``, never below the worst case of the last
+    operation alone: the input sums a token row and one n-gram row per ``n``; a row's
+    gradient sums up to ``occ`` terms (the most occurrences of one row in a batch)."""
+
+    def __init__(
+        self, cfg: NGramConfig, batches: list[torch.Tensor], lr_tok: float, lr_ngram: float
+    ) -> None:
+        self.cfg, self.batches = cfg, batches
+        self.ref = ReferenceModel(cfg, batches, lr_tok, lr_ngram)
+        self.ref64 = ReferenceModel(cfg, batches, lr_tok, lr_ngram, dtype=torch.float64)
+        self.occ = {"tokens": 0, **{f: 0 for f, _, _ in cfg.features()}}
+
+    def forward(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tok = self.batches[step]
+        return self.ref.forward(step, tok), self.ref64.forward(step, tok)
+
+    def output_tol(self, step: int, want: torch.Tensor, want64: torch.Tensor) -> float:
+        terms = 1 + len({n for _, n, _ in self.cfg.features()})
+        magnitude = self.ref64.forward(step, self.batches[step], absolute=True)
+        floor = sum_tol(torch.float32, terms, float(magnitude.detach().max()))
+        return max(replay_tol(want.detach(), want64.detach()), floor)
+
+    def backward_and_step(self, step: int, want: torch.Tensor, want64: torch.Tensor,
+                          target: torch.Tensor) -> None:  # fmt: skip
+        toy_loss(want, target).backward()
+        toy_loss(want64, target.double()).backward()
+        self.ref.sgd()
+        self.ref64.sgd()
+        counts = {"tokens": self.batches[step].flatten()}
+        counts |= {f: torch.tensor(ids).flatten() for f, ids in self.ref.ids[step].items()}
+        for f, ids in counts.items():
+            self.occ[f] = max(self.occ[f], int(torch.unique(ids, return_counts=True)[1].max()))
+
+    def weight(self, f: str, ref: ReferenceModel | None = None) -> torch.Tensor:
+        ref = self.ref if ref is None else ref
+        return (ref.tok if f == "tokens" else ref.emb[f]).weight.detach()
+
+    def rows_tol(self, f: str) -> float:
+        """Feature ``f``'s rows (``"tokens"``: the token table's)."""
+        w, w64 = self.weight(f), self.weight(f, self.ref64)
+        return replay_tol(w, w64, floor_terms=self.occ[f] + SGD_ROUNDINGS)
+
+
 @pytest.mark.parametrize("rows", [1000, None], ids=["fixed", "dynamic"])
 def test_collection_trains_like_plain_embeddings(rows: int | None) -> None:
     """Token + n-gram tables (hybrid, in-process store, SGD) vs the reference: outputs
@@ -460,29 +535,38 @@ def test_collection_trains_like_plain_embeddings(rows: int | None) -> None:
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, VOCAB, (3, 6), generator=gen) for _ in range(3)]
     targets = [torch.randn(3, 6, DIM, generator=gen) for _ in batches]
-    ref = ReferenceModel(cfg, batches, lr_tok=0.1, lr_ngram=0.5)
+    rep = ReplayedReference(cfg, batches, lr_tok=0.1, lr_ngram=0.5)
+    ref = rep.ref
     if rows is not None:  # some distinct n-grams of the batches share one of the 1000 rows
         apart = ReferenceModel(dataclasses.replace(cfg, rows=None), batches, 0.1, 0.5).known
         assert any(len(ref.known[f]) < len(apart[f]) for f in apart)
     seen_tokens: set[int] = set()
     for step, (tok, target) in enumerate(zip(batches, targets, strict=True)):
         x = collection_input(ec, cfg, tok)
-        want = ref.forward(step, tok)
-        torch.testing.assert_close(x, want, rtol=0, atol=1e-6)
+        want, want64 = rep.forward(step)
+        assert_close(
+            x.detach(), want.detach(), atol=rep.output_tol(step, want, want64),
+            what=f"step {step} input", why=REPLAY_WHY,
+        )  # fmt: skip
         toy_loss(x, target).backward()
-        toy_loss(want, target).backward()
-        ref.sgd()
+        rep.backward_and_step(step, want, want64, target)
         seen_tokens |= set(tok.flatten().tolist())
-        torch.testing.assert_close(
-            ec.rows("tokens", torch.arange(VOCAB)), ref.tok.weight.detach(), rtol=0, atol=1e-6
-        )
+        assert_close(
+            ec.rows("tokens", torch.arange(VOCAB)), rep.weight("tokens"),
+            atol=rep.rows_tol("tokens"), what=f"step {step} token rows", why=REPLAY_WHY,
+        )  # fmt: skip
         unseen = torch.tensor(sorted(set(range(VOCAB)) - seen_tokens))
-        assert torch.equal(ec.rows("tokens", unseen), TOKEN_INIT.rows(unseen, DIM))
+        assert_same(
+            ec.rows("tokens", unseen), TOKEN_INIT.rows(unseen, DIM), what="untouched token rows",
+            why="rows no batch touched keep the initializer's values",
+        )  # fmt: skip
         for f, _, _ in cfg.features():
             known = torch.tensor(ref.known[f])
             # Rows of n-grams of later batches are still zero in both.
-            want_rows = ref.emb[f].weight.detach()
-            torch.testing.assert_close(ec.rows(f, known), want_rows, rtol=0, atol=1e-6)
+            assert_close(
+                ec.rows(f, known), rep.weight(f), atol=rep.rows_tol(f),
+                what=f"step {step} rows of {f}", why=REPLAY_WHY,
+            )  # fmt: skip
             seen = {i for ids in ref.ids[: step + 1] for row in ids[f] for i in row}
             if rows is not None:  # every other row of the fixed table is still zero
                 moved = torch.nonzero(ec.rows(f, torch.arange(rows)).abs().sum(1)).flatten()
@@ -517,13 +601,21 @@ def test_placements_train_alike() -> None:
         )
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, VOCAB, (2, 8), generator=gen) for _ in range(3)]
-    for tok in batches:
+    # The tolerances: the same training by the plain-module reference, in float32 and float64
+    # (every n-gram its own row, as the check below the loop makes sure of).
+    rep = ReplayedReference(cfgs["local"], batches, lr_tok=0.1, lr_ngram=0.5)
+    for step, tok in enumerate(batches):
         target = torch.randn(2, 8, DIM, generator=gen)
         xs = {name: collection_input(ecs[name], cfgs[name], tok) for name in made}
+        want, want64 = rep.forward(step)
         for name in ("hybrid", "dynamic"):
-            torch.testing.assert_close(xs[name], xs["local"], rtol=0, atol=1e-6)
+            assert_close(
+                xs[name].detach(), xs["local"].detach(), atol=rep.output_tol(step, want, want64),
+                what=f"step {step} input, {name} vs local", why=REPLAY_WHY,
+            )  # fmt: skip
         for x in xs.values():
             toy_loss(x, target).backward()
+        rep.backward_and_step(step, want, want64, target)
     all_tok = torch.cat(batches)
     for f, _, _ in cfgs["local"].features():
         fixed = cfgs["local"].ids(all_tok)[f].flatten()
@@ -532,12 +624,21 @@ def test_placements_train_alike() -> None:
         assert len({a for a, _ in pairs}) == len(pairs), f"{f}: n-grams share a fixed row"
         want = ecs["local"].rows(f, fixed)
         assert bool(want.abs().sum(1).gt(0).all())  # every n-gram trained
-        torch.testing.assert_close(ecs["hybrid"].rows(f, fixed), want, rtol=0, atol=1e-6)
-        torch.testing.assert_close(ecs["dynamic"].rows(f, dynamic), want, rtol=0, atol=1e-6)
+        for name, got in (
+            ("hybrid", ecs["hybrid"].rows(f, fixed)),
+            ("dynamic", ecs["dynamic"].rows(f, dynamic)),
+        ):
+            assert_close(
+                got, want, atol=rep.rows_tol(f), what=f"rows of {f}, {name} vs local",
+                why=REPLAY_WHY,
+            )  # fmt: skip
     want_tok = ecs["local"].rows("tokens", torch.arange(VOCAB))
     for name in ("hybrid", "dynamic"):
         got_tok = ecs[name].rows("tokens", torch.arange(VOCAB))
-        torch.testing.assert_close(got_tok, want_tok, rtol=0, atol=1e-6)
+        assert_close(
+            got_tok, want_tok, atol=rep.rows_tol("tokens"), what=f"token rows, {name} vs local",
+            why=REPLAY_WHY,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------- dynamic tables

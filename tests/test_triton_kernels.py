@@ -33,6 +33,12 @@ from multiproc import rank_env
 SCRIPT = Path(__file__).with_name("triton_cases.py")
 ROOT = SCRIPT.parent.parent
 
+# The gate benchmarks/triton_bench.py applies to its one checked step (it raises above it).
+# Not a rounding tolerance: it tells a wrong update (off by about lr = 0.01 on touched
+# elements) from rounding (around 1e-7 on rows of order 1 after one step); the kernels are
+# checked at derived tolerances in tests/triton_cases.py.
+BENCH_STEP_GATE = 1e-4
+
 
 def _require_triton() -> None:
     if triton_available():
@@ -136,7 +142,7 @@ def test_triton_bench_smoke_in_interpreter() -> None:
         assert set(ratios) == {"L1", "L4"}, (name, ratios)
         for tag in ratios:
             diff = fig["cases"][tag]["step"][name]["max_abs_diff_first_step"]
-            assert diff <= 1e-4, (name, tag, diff)
+            assert diff <= BENCH_STEP_GATE, (name, tag, diff)
 
 
 @pytest.mark.gpu
@@ -155,14 +161,10 @@ def test_triton_cases_on_cuda() -> None:
 @pytest.mark.parametrize("opt_name", sorted(triton_cases.optimizers()))
 def test_fused_lookup_on_cuda_equals_cpu(opt_name: str) -> None:
     # The dispatch in embedding.fused_ops: Triton on CUDA for every optimizer, the C kernel
-    # or the ps optimizer's apply on CPU; 3 steps agree to 1e-5.
+    # or the ps optimizer's apply on CPU; 3 steps agree within the replay tolerance of an
+    # fp32 reference of the same steps against its float64 replay.
     _require_triton()
     assert use_triton(torch.zeros(1, device="cuda"))
     cpu = triton_cases.fused_lookup_steps("cpu", opt_name, 3)
     cuda = triton_cases.fused_lookup_steps("cuda", opt_name, 3)
-    for what, a, b in zip(("weight", "state", "clocks"), cuda, cpu, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape, what
-        if what == "clocks":
-            assert torch.equal(a, b), what
-        else:
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (what, float((a - b).abs().max()))
+    triton_cases.check_fused_runs_agree(cuda, cpu, opt_name, 3)
