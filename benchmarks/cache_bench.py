@@ -57,12 +57,24 @@ later), so chunked evictions (LRU, LFU) count the same wherever the window falls
 before measuring, ``--tables`` the number of tables, ``--sketch-period`` TinyLFU's
 halving period (ids counted).
 
+The cache's own time (``cache_ns_per_id``, ``cache_s_per_step``): each cached step is
+timed in three phases (plan: the prefetch hand-over, the pull's plan and send; serve:
+waiting for the reply, installing it, serving rows; push: the update and what is due
+sent) and the store is wrapped in ``_timed_store.TimedStore``, which times every call
+into it and every wait on its handles; a phase's own time is its seconds less the
+store's, per distinct id of the step.
+
+Stores: in-process, MPI (``mpirun -n 2``) and Redis (its own ``redis-server`` on a free
+loopback port as the tests start it, or ``--redis-url``; 8 tables x 100 k rows in both
+modes, since a row moved through Redis costs ~10 us).
+
 Targets: ``rows_moved_reduction`` = 1 - cached / uncached rows moved (0.90),
-``cached_vs_uncached_step`` = uncached / cached step time (1.0; the MPI store's, the
-in-process ratio is reported beside it), ``batched_vs_per_table`` = per-table /
-batched uncached step time over the MPI store (1.5), ``requests_per_server_step`` of
-the cached MPI step (1 pull + 1 push = 2), ``rows_moved_vs_ceiling`` of the best
-policy (0.95). The last line is one JSON object
+``cached_vs_uncached_step`` = uncached / cached step time over the MPI store (1.15),
+``cached_vs_uncached_step_inprocess`` (0.9) and ``cached_vs_uncached_step_redis`` (3.0)
+the same over the other stores, ``cache_ns_per_id`` (at most 225, in-process),
+``batched_vs_per_table`` = per-table / batched uncached step time over the MPI store
+(1.0), ``requests_per_server_step`` of the cached MPI step (1 pull + 1 push = 2),
+``rows_moved_vs_ceiling`` of the best policy (0.95). The last line is one JSON object
 (benchmarks/README.md).
 """
 
@@ -87,6 +99,7 @@ sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 from _bench_util import ZipfDraws  # noqa: E402
+from _timed_store import TimedStore  # noqa: E402
 
 import cache  # noqa: E402
 import ps  # noqa: E402
@@ -96,9 +109,12 @@ POLICIES = ("lru", "lfu", "tinylfu")
 TARGETS = {
     "rows_moved_vs_ceiling": 0.95,
     "rows_moved_reduction": 0.90,
-    "cached_vs_uncached_step": 1.0,
-    "batched_vs_per_table": 1.5,
+    "cached_vs_uncached_step": 1.15,
+    "cached_vs_uncached_step_inprocess": 0.9,
+    "cached_vs_uncached_step_redis": 3.0,
+    "batched_vs_per_table": 1.0,
 }
+CACHE_NS_PER_ID_TARGET = 225.0  # at most: 1.5 x the two-pass floor of a C loop
 
 
 @dataclass(kw_only=True, slots=True)
@@ -182,6 +198,47 @@ def step(
         time.sleep(compute_s)
     pairs = zip(names, ids, strict=True)
     store.push_many([ps.PushRequest(n, i, grad[: i.numel()]) for n, i in pairs])
+
+
+PHASES = ("plan", "serve", "push")
+
+
+def cached_step(
+    cached: cache.CachedStore,
+    timed: TimedStore,
+    names: list[str],
+    ids: list[torch.Tensor],
+    nxt: list[torch.Tensor] | None,
+    grad: torch.Tensor,
+    compute_s: float,
+    prefetch: bool,
+    spent: dict[str, float],
+) -> None:
+    """:func:`step` through the cache, adding each phase's seconds to ``spent`` (plan:
+    prefetch hand-over, the pull's plan and send; serve: waiting for the store's reply,
+    installing it, serving rows; push: the cache's update and what is due sent); the
+    store's own share of each is in ``timed.seconds``."""
+    t0 = time.perf_counter()
+    timed.phase = "plan"
+    if nxt is not None and prefetch:
+        cached.prefetch_many([ps.PullRequest(n, i) for n, i in zip(names, nxt, strict=True)])
+    h = cached.pull_many_async([ps.PullRequest(n, i) for n, i in zip(names, ids, strict=True)])
+    t1 = time.perf_counter()
+    timed.phase = "serve"
+    h.wait()
+    t2 = time.perf_counter()
+    if compute_s:
+        time.sleep(compute_s)
+    timed.phase = "push"
+    t3 = time.perf_counter()
+    cached.push_many(
+        [ps.PushRequest(n, i, grad[: i.numel()]) for n, i in zip(names, ids, strict=True)]
+    )
+    t4 = time.perf_counter()
+    timed.phase = "other"
+    spent["plan"] += t1 - t0
+    spent["serve"] += t2 - t1
+    spent["push"] += t4 - t3
 
 
 def floor_figures(z: Sizes, draws: ZipfDraws) -> dict[str, float]:
@@ -397,27 +454,41 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
         policy=z.policy,
         group_tables=z.groups,
     )
-    cached = cache.CachedStore(store_c, cfg)
+    timed = TimedStore(store_c)  # the store's share of the cached step, per phase
+    cached = cache.CachedStore(timed, cfg)
     grad = torch.full((z.batch, z.dim), 1e-3)
     compute_s = z.compute_ms / 1e3
 
     messages = {w: {"pull_messages": 0, "push_messages": 0} for w in ("u", "p", "c")}
     empty = torch.empty(0, dtype=torch.int64)
+    spent = dict.fromkeys(PHASES, 0.0)  # the cached steps' seconds per phase
 
     def run(which: str, first: int, count: int, steps: list[list[torch.Tensor]]) -> float:
         store, names = (cached, names_c) if which == "c" else (store_u, names_u)
         before = store.request_counts()
         t = time.perf_counter()
         for s in range(count):
-            step(store, names, steps[s], steps[s + 1], grad, compute_s, z.prefetch, which == "p")
+            if which == "c":
+                cached_step(
+                    cached, timed, names, steps[s], steps[s + 1], grad, compute_s, z.prefetch,
+                    spent,
+                )  # fmt: skip
+            else:
+                step(
+                    store, names, steps[s], steps[s + 1], grad, compute_s, z.prefetch, which == "p"
+                )
         elapsed = time.perf_counter() - t
         after = store.request_counts()
         for key in messages[which]:
             messages[which][key] += after[key] - before[key]
         if which == "c":  # complete the prefetch of the block's last step inside the block
             t = time.perf_counter()
+            timed.phase = "serve"
             cached.pull_many([ps.PullRequest(n, empty) for n in names_c])
-            elapsed += time.perf_counter() - t
+            timed.phase = "other"
+            done = time.perf_counter() - t
+            spent["serve"] += done
+            elapsed += done
         return elapsed / count
 
     t0 = time.perf_counter()
@@ -442,6 +513,8 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
         counts.update(pull_messages=0, push_messages=0)
     say(f"warm-up: caches full after {filled} steps, {s} steps in {time.perf_counter() - t0:.1f} s")
     before = cached.cache_stats()
+    for ph in PHASES:  # count the timed blocks only
+        spent[ph], timed.seconds[ph] = 0.0, 0.0
     times: dict[str, list[float]] = {"u": [], "p": [], "c": []}
     distinct = 0
     for r in range(z.rounds):
@@ -468,6 +541,11 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
         for w, label in (("u", "uncached"), ("p", "per_table"), ("c", "cached"))
     }
     per_table = z.tables
+    # The cache's own time: each phase's seconds less the store's share of them.
+    own = {ph: max(spent[ph] - timed.seconds[ph], 0.0) / n_steps for ph in PHASES}
+    ids_per_step = distinct / n_steps
+    own_ns = {ph: 1e9 * own[ph] / ids_per_step for ph in PHASES}
+    own_ns["total"] = sum(own_ns[ph] for ph in PHASES)
     return {
         "rows_moved_per_step": {"uncached": rows_u, "cached": pulled + pushed},
         "rows_pulled_per_step": {"uncached": rows_u / 2, "cached": pulled},
@@ -483,6 +561,8 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
         "rows_moved_reduction": 1 - (pulled + pushed) / rows_u,
         "cached_vs_uncached_step": step_u / step_c,
         "batched_vs_per_table": step_p / step_u,
+        "cache_s_per_step": {**own, "store": sum(timed.seconds[ph] for ph in PHASES) / n_steps},
+        "cache_ns_per_id": own_ns,
     }
 
 
@@ -545,6 +625,29 @@ def run_mpi(
     return result
 
 
+def redis_sizes(quick: bool, **kw: Any) -> Sizes:
+    """Over Redis a row moved costs ~10 us (Lua decodes and encodes it), so the Redis part
+    runs the MPI part's quick tables (8 x 100 k) in both modes, longer when not quick."""
+    z = Sizes._of(True, True, **kw)
+    if not quick:
+        z.settle, z.rounds = 60, 3
+    return z
+
+
+def run_redis(quick: bool, url: str | None, **kw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`compare` over one Redis server (its own on a free loopback port, started as
+    the tests start it, unless ``url``): the uncached and the cached tables side by side."""
+    from _ps_bench_redis import _server
+
+    from ps.redis.store import RedisStore
+
+    z = redis_sizes(quick, **kw)
+    with _server(url) as where, RedisStore(where, prefix="hrcachebench") as store:
+        for name in store.tables():  # a server given by URL may hold an earlier run's
+            store.drop_table(name)
+        return _config(z), compare(store, store, z, _say)
+
+
 def _show(label: str, f: dict[str, Any]) -> None:
     moved = f["rows_moved_per_step"]
     _say(
@@ -554,7 +657,8 @@ def _show(label: str, f: dict[str, Any]) -> None:
         f"{f['step_s']['uncached'] * 1e3:.1f} ms -> {f['step_s']['cached'] * 1e3:.1f} ms "
         f"(uncached/cached {f['cached_vs_uncached_step']:.2f}); per-table uncached "
         f"{f['step_s']['per_table'] * 1e3:.1f} ms (per-table/batched "
-        f"{f['batched_vs_per_table']:.2f}); messages per server and step "
+        f"{f['batched_vs_per_table']:.2f}); the cache's own ns per id "
+        f"{ {k: round(v) for k, v in f['cache_ns_per_id'].items()} }; messages per server and step "
         f"{f['requests_per_server_step']}"
     )
 
@@ -578,6 +682,8 @@ def main() -> None:
     )
     p.add_argument("--no-prefetch", action="store_true", help="cached steps do not prefetch")
     p.add_argument("--no-mpi", action="store_true", help="skip the MPI store")
+    p.add_argument("--no-redis", action="store_true", help="skip the Redis store")
+    p.add_argument("--redis-url", default=None, help="a Redis server to use (default: start one)")
     p.add_argument("--no-groups", action="store_true", help="one cache per table")
     p.add_argument("--mpi-part", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -629,14 +735,15 @@ def main() -> None:
         _show("mpi", mpi["figures"])
         figures["mpi"] = mpi["figures"]
         config["mpi"] = mpi["config"]
-    # Rows moved: the worse store (same ids and cache, so about equal). Step time: the
-    # MPI store's ratio (a cache in front of an in-process array can only add work; its
-    # ratio is reported in the note and in figures).
+    if not args.no_redis:
+        config["redis"], figures["redis"] = run_redis(args.quick, args.redis_url, **kw)
+        _show("redis", figures["redis"])
+    # Rows moved: the worse store (same ids and cache, so about equal). Step time: each
+    # store's ratio under its own name (the MPI store's is the main one: a cache in front
+    # of an in-process array can only add work, one in front of Redis saves the most).
     stores = [f for k, f in figures.items() if k != "admission"]
     reduction = min(f["rows_moved_reduction"] for f in stores)
     ceiling = min(f["reduction_ceiling"] for f in stores)
-    local_ratio = local["cached_vs_uncached_step"]
-    speed = figures["mpi"]["cached_vs_uncached_step"] if "mpi" in figures else local_ratio
     main_store = figures.get("mpi", local)
     batching = main_store["batched_vs_per_table"]
     cached_messages = main_store["requests_per_server_step"]["cached"]
@@ -647,20 +754,15 @@ def main() -> None:
             f"for Zipf 1.05 (cold_fraction {local['cold_fraction']:.3f} of a batch's "
             "distinct ids are outside it: each costs a pull and a push)"
         ),
-        "cached_vs_uncached_step": (
-            f"MPI store; in-process store: {local_ratio:.3f}"
-            if "mpi" in figures
-            else f"in-process store only (--no-mpi): {local_ratio:.3f}"
-        ),
         "batched_vs_per_table": (
-            "uncached step, one request per table / one batched request per server; "
-            f"in-process store: {local['batched_vs_per_table']:.3f}"
+            "uncached step, one request per table / one batched request per server"
+            + ("" if "mpi" in figures else " (in-process store: --no-mpi)")
+            + f"; in-process store: {local['batched_vs_per_table']:.3f}"
         ),
     }
     targets = {"rows_moved_vs_ceiling": vs_ceiling}
     for name, value in (
         ("rows_moved_reduction", reduction),
-        ("cached_vs_uncached_step", speed),
         ("batched_vs_per_table", batching),
     ):
         targets[name] = {
@@ -669,6 +771,38 @@ def main() -> None:
             "met": value >= TARGETS[name],
             "note": notes[name],
         }
+    for name, key in (
+        ("cached_vs_uncached_step", "mpi"),
+        ("cached_vs_uncached_step_inprocess", "inprocess"),
+        ("cached_vs_uncached_step_redis", "redis"),
+    ):
+        f = figures.get(key)
+        if f is None:
+            targets[name] = {"value": None, "target": TARGETS[name], "met": False,
+                             "note": f"the {key} part did not run (--no-{key})"}  # fmt: skip
+            continue
+        ms = {k: round(v * 1e3, 2) for k, v in f["step_s"].items()}
+        targets[name] = {
+            "value": f["cached_vs_uncached_step"],
+            "target": TARGETS[name],
+            "met": f["cached_vs_uncached_step"] >= TARGETS[name],
+            "note": f"{key} store, step ms {ms}; the cache's own ms per step "
+            + str({k: round(v * 1e3, 2) for k, v in f["cache_s_per_step"].items()}),
+        }
+    ns = local["cache_ns_per_id"]
+    targets["cache_ns_per_id"] = {
+        "value": ns["total"],
+        "target": CACHE_NS_PER_ID_TARGET,
+        "met": ns["total"] <= CACHE_NS_PER_ID_TARGET,
+        "note": "in-process store, the cache's own time per distinct id per step (each "
+        "phase less the store's share), by phase: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in ns.items())
+        + "".join(
+            f"; {k}: total {figures[k]['cache_ns_per_id']['total']:.0f}"
+            for k in ("mpi", "redis")
+            if k in figures
+        ),
+    }
     targets["requests_per_server_step"] = {
         "value": per_server,
         "target": 2.0,

@@ -111,6 +111,7 @@ def main() -> None:
             "redis": redis["figures"],
             "redis_steps": steps,
             "mpi_steps": mpi_steps,
+            "mpi_server": mpi["figures"]["server"],
             "ratios": {**local["ratios"], **redis["ratios"]},
         },
         "requests_per_server_step": {
@@ -126,6 +127,8 @@ def main() -> None:
                 ("redis_pull_vs_mget", redis["ratios"]["redis_pull_vs_mget"]),
                 ("redis_push_vs_lua", redis["ratios"]["redis_push_vs_lua"]),
             )
+        } | {
+            "server_overhead_us_per_message": mpi["targets"]["server_overhead_us_per_message"],
         },
     }  # fmt: skip
     print(json.dumps(result))

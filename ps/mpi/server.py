@@ -216,6 +216,9 @@ class ShardServer:
         self.duplicates: dict[str, int] = {}  # table -> repeats acknowledged, not applied
         # Messages received, for request_counts(): a batched request counts once.
         self.messages = {"pull_messages": 0, "push_messages": 0}
+        # Seconds spent serving them (decoding, checks, the tables' work, the reply built;
+        # not the transfers), for server_busy(): what a message costs this server.
+        self.busy = {"pull_s": 0.0, "push_s": 0.0}
         self.last_source = -1  # the worker served last (round robin, see next_source)
 
     def serve(self) -> dict[str, dict[str, int | float]]:
@@ -363,14 +366,22 @@ class ShardServer:
         payload = meta[HEADER_LEN:]
         if op in (Op.PULL, Op.PULL_MANY):
             self.messages["pull_messages"] += 1
-            if op == Op.PULL_MANY:
-                return self.pull_many(meta, payload, data)
-            return self.pull(meta, payload, data)
+            t = time.perf_counter()
+            try:
+                if op == Op.PULL_MANY:
+                    return self.pull_many(meta, payload, data)
+                return self.pull(meta, payload, data)
+            finally:
+                self.busy["pull_s"] += time.perf_counter() - t
         if op in (Op.PUSH, Op.PUSH_MANY):
             self.messages["push_messages"] += 1
-            if op == Op.PUSH_MANY:
-                return self.push_many(src, meta, payload, data)
-            return self.push(src, meta, payload, data)
+            t = time.perf_counter()
+            try:
+                if op == Op.PUSH_MANY:
+                    return self.push_many(src, meta, payload, data)
+                return self.push(src, meta, payload, data)
+            finally:
+                self.busy["push_s"] += time.perf_counter() - t
         if op in (Op.CLOCKS, Op.STATE):
             return self.inspect(op, meta, payload, data)
         _expect_sizes(meta, data, payload.size, 0)
@@ -389,7 +400,7 @@ class ShardServer:
         if op == Op.LIST:
             return _text_reply(Op.LIST, rid, json.dumps(self.current_names()))
         if op == Op.STATS:
-            reply = {"tables": self.stats(), "requests": self.messages}
+            reply = {"tables": self.stats(), "requests": self.messages, "busy": self.busy}
             return _text_reply(Op.STATS, rid, json.dumps(reply))
         if op == Op.SAVE:
             return _text_reply(Op.SAVE, rid, json.dumps(self.save(json.loads(text))))

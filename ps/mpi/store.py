@@ -645,6 +645,16 @@ class MPIStore(Store):
                 total[key] += int(value)
         return {**total, "servers": len(self._servers)}
 
+    def server_busy(self) -> list[dict[str, float]]:
+        """Per server: the pull and push messages it served and the seconds it spent
+        serving them (decoding, checks, the tables' work, the reply; not the
+        transfers), so ``pull_s / pull_messages`` is what a message costs a server."""
+        out = []
+        for call in self._all(Op.STATS, what="server_busy"):
+            doc = json.loads(call.text())
+            out.append({**{k: float(v) for k, v in doc["requests"].items()}, **doc["busy"]})
+        return out
+
     def stats(self) -> dict[str, dict[str, int | float]]:
         """Per table, the servers' counters summed (``rows`` of a fixed table: ``num_rows``)."""
         total: dict[str, dict[str, int | float]] = {}
