@@ -173,7 +173,13 @@ def test_benchmark_quick_runs() -> None:
     result = json.loads(out.strip().splitlines()[-1])
     figures = result["figures"]["rows_per_s"]
     assert all(v > 0 for v in figures.values()), figures
-    assert set(result["targets"]) == {"mpi_pull_rows_s", "mpi_push_rows_s"}
+    assert set(result["targets"]) == {
+        "mpi_pull_rows_s",
+        "mpi_push_rows_s",
+        "server_overhead_us_per_message",
+    }
+    server = result["figures"]["server"]  # the server's busy time covers the rows' kernels
+    assert all(v > 0 for v in server["busy_us_per_message"].values()), server
 
 
 LOST = ROOT / "tests" / "ranks" / "ps_mpi_lost_worker.py"
