@@ -46,3 +46,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """The kernels ATen runs here: the numerics tests' verdicts are checked under each."""
+    asked = os.environ.get("ATEN_CPU_CAPABILITY")
+    got = torch.backends.cpu.get_cpu_capability()
+    return f"ATen CPU capability: {got}" + (f" (ATEN_CPU_CAPABILITY={asked})" if asked else "")

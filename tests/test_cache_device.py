@@ -31,7 +31,7 @@ from tolerance import assert_close, assert_same
 
 REPLAY = "4 x the float32 reference's error against its float64 replay"
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.numerics]
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 ROWS, DIM = 200, 8

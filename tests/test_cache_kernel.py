@@ -15,6 +15,7 @@ import ps
 from cache.kernels import records
 
 pytestmark = [
+    pytest.mark.numerics,
     pytest.mark.timeout(120),
     pytest.mark.skipif(not records.available(), reason="no C compiler: numpy path only"),
 ]

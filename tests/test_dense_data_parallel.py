@@ -22,6 +22,8 @@ from dense import DataParallel, allreduce_gradients, assign_buckets, broadcast_p
 from rank_battery import BATTERY_TIMEOUT_S, CODECS, DENSE_CASES, RankBattery
 from tolerance import assert_same
 
+pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
+
 
 @pytest.mark.timeout(BATTERY_TIMEOUT_S)
 @pytest.mark.parametrize(("backend", "nprocs"), DENSE_CASES)

@@ -23,6 +23,8 @@ from dense.pipeline_schedules import (
 from rank_battery import BATTERY_TIMEOUT_S, PIPELINE_CASES, RankBattery
 from tolerance import AdamDrift, assert_close, assert_same, cross_entropy_tol, replay_tol
 
+pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
+
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32)
 
 WHY = "a few times the one-process reference's fp32 rounding error, measured in float64"

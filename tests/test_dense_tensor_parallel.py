@@ -44,6 +44,8 @@ from tolerance import (
     replay_tol,
 )
 
+pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
+
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, d_model=32)
 
 

@@ -19,6 +19,8 @@ from comm.handle import Handle
 from dense import GPT, GPTConfig, Zero3, gpt_loss
 from rank_battery import BATTERY_TIMEOUT_S, DENSE_CASES, RankBattery
 
+pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
+
 CHECKS = ("train", "twice", "checkpoint", "errors")
 
 

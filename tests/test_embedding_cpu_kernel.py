@@ -25,6 +25,7 @@ from ps.kernels import rowwise_adagrad
 from tolerance import assert_close, assert_same, replay_tol
 
 pytestmark = [
+    pytest.mark.numerics,
     pytest.mark.timeout(120),
     pytest.mark.skipif(not rowwise_adagrad.available(), reason="no C compiler: torch path only"),
 ]

@@ -12,6 +12,8 @@ import pytest
 
 from rank_battery import BATTERY_TIMEOUT_S, EMBEDDING_CASES, RankBattery
 
+pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
+
 
 @pytest.mark.timeout(BATTERY_TIMEOUT_S)
 @pytest.mark.parametrize(("backend", "nprocs"), EMBEDDING_CASES)

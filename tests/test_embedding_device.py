@@ -32,7 +32,7 @@ from embedding_reference import UPDATE_ROUNDINGS
 from ps_reference import reference
 from tolerance import assert_close, assert_same, replay_tol, sum_tol
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.numerics]
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 PLACEMENTS = ["local", "hybrid", "hybrid-cached", "hybrid-device-cache", "sharded"]

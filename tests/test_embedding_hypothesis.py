@@ -18,7 +18,7 @@ from embedding import EmbeddingCollection, KeyedJaggedIds, RowWiseAdagrad, Table
 from embedding_reference import Replayed
 from tolerance import assert_close
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.numerics]
 
 TABLES = [
     TableConfig(

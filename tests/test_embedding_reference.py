@@ -19,7 +19,7 @@ from embedding import EmbeddingCollection, KeyedJaggedIds, RowWiseAdagrad, Table
 from embedding_reference import Replayed
 from tolerance import assert_close, assert_same, sum_tol
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.numerics]
 
 B = 6  # samples per batch
 STEPS = 6

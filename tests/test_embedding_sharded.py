@@ -28,6 +28,8 @@ from embedding.sharding_plan import ShardingPlan
 from rank_battery import BATTERY_TIMEOUT_S, EMBEDDING_CASES, RankBattery
 from tolerance import assert_close, assert_same, sum_tol
 
+pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
+
 
 @pytest.mark.timeout(BATTERY_TIMEOUT_S)
 @pytest.mark.parametrize(("backend", "nprocs"), EMBEDDING_CASES)

@@ -21,7 +21,7 @@ from cache import CacheConfig, CachedStore
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
 from tolerance import assert_close, sum_tol
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.numerics]
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 OPT = ps.Adam(lr=0.05)

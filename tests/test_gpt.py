@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from dense.gpt import GPT, CausalSelfAttention, GPTConfig, gpt_loss
 from tolerance import assert_close, assert_same, cross_entropy_tol, replay_tol
 
+pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
+
 SMALL: dict[str, Any] = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=16)
 
 

@@ -18,7 +18,7 @@ from ps_lifecycle import check_lifecycle
 from tolerance import assert_close, assert_same, replay_tol
 from wrapped_store import WrappedStore
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.numerics]
 
 ROWS, DIM = 20, 4
 

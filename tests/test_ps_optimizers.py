@@ -18,7 +18,7 @@ import ps
 from ps_reference import assert_matches_reference
 from tolerance import assert_same
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.numerics]
 
 ROWS, DIM = 12, 5
 
