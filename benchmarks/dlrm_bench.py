@@ -24,10 +24,14 @@ Batches are generated before timing and cycled. Every variant warms up, then the
 variants run in turns (A B C ..., the order rotated each window) for ``--windows``
 windows of ``--steps`` steps; a variant's figure is the median over its windows.
 Ratios therefore come from the same run. The last line is JSON
-(``benchmarks/README.md``). ``--parts N`` also times N steps per variant split into
-embedding forward / dense forward / dense backward / embedding backward / dense
-optimizer. ``--clock cpu --threads 1`` counts process CPU time instead of wall
-time, for rough ratios on a machine shared with other jobs.
+(``benchmarks/README.md``). ``--parts N`` (default 5) also times N steps per variant
+split into embedding forward / dense forward / dense backward / embedding backward /
+dense optimizer, summed into each step's sparse part (the embeddings' forward and
+backward) and dense part (``sparse_dense_ms_per_step``). Targets beside TorchRec's:
+``hybrid_cache_vs_local`` (hybrid behind the cache / local samples/s, 0.95) and
+``hybrid_vs_local`` (hybrid without a cache / local, 0.97). ``--clock cpu --threads 1``
+counts process CPU time instead of wall time, for rough ratios on a machine shared with
+other jobs.
 """
 
 from __future__ import annotations
@@ -142,6 +146,7 @@ PARTS = (
     "embedding backward",
     "dense optimizer",
 )
+SPARSE_PARTS = ("embedding forward", "embedding backward")  # the rest is the dense part
 
 
 class Variant:
@@ -485,7 +490,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, help="steps per timed window")
     p.add_argument("--threads", type=int)
     p.add_argument(
-        "--parts", type=int, default=0, metavar="STEPS", help="time the parts of STEPS steps"
+        "--parts",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="time the parts of STEPS steps (default 5, 1 with --quick; 0: not at all)",
     )
     p.add_argument(
         "--clock",
@@ -523,7 +532,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for v in variants:
         v.clock = time.process_time if args.clock == "cpu" else time.perf_counter
     per_step = time_windows(variants, cfg, log)
-    parts = measure_parts(variants, args.parts) if args.parts else {}
+    n_parts = (1 if args.quick else 5) if args.parts is None else args.parts
+    parts = measure_parts(variants, n_parts) if n_parts else {}
+    # Each variant's step split into its sparse part (the embeddings' forward and
+    # backward: lookups, pulls, pushes, the cache) and its dense part (the rest).
+    split = {
+        name: {
+            "sparse": round(sum(row.get(k, 0.0) for k in SPARSE_PARTS), 2),
+            "dense": round(sum(v for k, v in row.items() if k not in SPARSE_PARTS), 2),
+        }
+        for name, row in parts.items()
+    }
     for name, row in parts.items():
         log(f"parts {name} (ms/step): " + ", ".join(f"{k} {row.get(k, 0.0):.1f}" for k in PARTS))
 
@@ -563,7 +582,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "samples_per_s": {n: round(v, 1) for n, v in sps.items()},
             "ms_per_step": {n: round(v, 2) for n, v in ms.items()},
             "local_vs_pytorch": _round(over("local", "pytorch", sps)),
-            **({"parts_ms_per_step": parts} if parts else {}),
+            **({"parts_ms_per_step": parts, "sparse_dense_ms_per_step": split} if parts else {}),
         },
         "targets": {
             "local_vs_torchrec": ratio_target(
@@ -574,6 +593,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ),
             "dense_only_vs_local": ratio_target(
                 over("dense_only", "local", ms), 0.87, why("dense_only", "local")
+            ),
+            "hybrid_cache_vs_local": ratio_target(
+                over("hybrid", "local", sps), 0.95, why("hybrid", "local")
+            ),
+            "hybrid_vs_local": ratio_target(
+                over("hybrid_nocache", "local", sps), 0.97, why("hybrid_nocache", "local")
             ),
         },
     }
