@@ -14,6 +14,10 @@ from torch import nn
 import comm
 from dense import CrossNetwork, DLRMConfig, DLRMDense
 from hybridrec.dlrm.job import TrainConfig, parse_args, train
+from tolerance import assert_close, sum_tol
+
+F64 = torch.float64
+BOUND = "Higham's worst case for the roundings on each path, scaled by the |.| replay"
 
 
 def reference_cross(x0: torch.Tensor, weights: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
@@ -35,6 +39,27 @@ def layer_weights(net: CrossNetwork) -> list[tuple[torch.Tensor, ...]]:
     return [(lay.up.weight, lay.down.weight.t(), lay.up.bias) for lay in net.cross_layers]
 
 
+# How far two float64 evaluations of the cross network (in other orders: a per-sample
+# ``mv`` against batched matmuls) may be apart. The network is a polynomial in its inputs
+# built from sums and products only, so each evaluation is the exact polynomial with every
+# monomial perturbed by at most ``gamma_k``, ``k`` the roundings on its path (Higham,
+# Lemma 3.1 and 3.3), and its error is at most ``gamma_k`` times the same polynomial
+# evaluated on the absolute values (the "|.| replay", where nothing cancels). A layer
+# rounds each path at most ``W`` times in ``V^T x`` (a product and its share of the
+# additions), ``r + 1`` in ``U (.) + b``, then once in ``x0 * (.)`` and once in ``+ x``.
+def cross_depth(width: int, layers: int, rank: int) -> int:
+    """Roundings on any path through the forward of ``layers`` cross layers."""
+    return layers * (width + rank + 3)
+
+
+def abs_leaves(
+    x0: torch.Tensor, weights: list[tuple[torch.Tensor, ...]]
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+    """``|x0|`` and ``|U|, |V|, |b|`` as fresh leaves: the inputs of the |.| replay."""
+    leaf = lambda t: t.detach().abs().clone().requires_grad_(True)  # noqa: E731
+    return leaf(x0), [tuple(leaf(t) for t in w) for w in weights]
+
+
 @pytest.mark.parametrize(
     ("batch", "width", "layers", "rank"), [(5, 12, 1, 3), (7, 20, 3, 4), (3, 9, 2, 9), (4, 6, 4, 1)]
 )
@@ -54,18 +79,35 @@ def test_cross_network_equals_reference_forward_and_gradients(
     ref_x0 = x0.detach().clone().requires_grad_(True)
     ref_w = [tuple(t.detach().clone().requires_grad_(True) for t in w) for w in layer_weights(net)]
     want = reference_cross(ref_x0, ref_w)
-    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    abs_x0, abs_w = abs_leaves(x0, layer_weights(net))
+    abs_out = reference_cross(abs_x0, abs_w)  # the |.| replay: bounds every path's terms
+    depth = cross_depth(width, layers, rank)
+    tol = sum_tol(F64, depth, float(abs_out.detach().max()))
+    assert_close(out.detach(), want.detach(), atol=tol, what="cross network output", why=BOUND)
 
     grad_out = torch.randn(batch, width, dtype=torch.float64)
     out.backward(grad_out)
     want.backward(grad_out)
-    assert x0.grad is not None and ref_x0.grad is not None
-    torch.testing.assert_close(x0.grad, ref_x0.grad, rtol=1e-12, atol=1e-12)
-    for lay, (u, v, b) in zip(net.cross_layers, ref_w, strict=True):
+    abs_out.backward(grad_out.abs())  # the gradients' |.| replay
+    assert x0.grad is not None and ref_x0.grad is not None and abs_x0.grad is not None
+    # A gradient's path: the forward to the parameter's layer, back through every layer
+    # (the same roundings again), the product with ``grad_out`` and the sum over the batch.
+    grad_depth = 2 * depth + 1 + batch
+
+    def check(got: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor | None, what: str) -> None:
+        assert mag is not None
+        tol = sum_tol(F64, grad_depth, float(mag.detach().max()))
+        assert_close(got, ref, atol=tol, what=f"gradient of {what}", why=BOUND)
+
+    check(x0.grad, ref_x0.grad, abs_x0.grad, "x0")
+    for i, (lay, (u, v, b), (au, av, ab)) in enumerate(
+        zip(net.cross_layers, ref_w, abs_w, strict=True)
+    ):
         assert u.grad is not None and v.grad is not None and b.grad is not None
-        torch.testing.assert_close(lay.up.weight.grad, u.grad, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(lay.down.weight.grad, v.grad.t(), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(lay.up.bias.grad, b.grad, rtol=1e-12, atol=1e-12)
+        assert av.grad is not None
+        check(lay.up.weight.grad, u.grad, au.grad, f"layer {i} U")
+        check(lay.down.weight.grad, v.grad.t(), av.grad.t(), f"layer {i} V")
+        check(lay.up.bias.grad, b.grad, ab.grad, f"layer {i} b")
 
 
 def test_fresh_layers_start_near_the_identity_and_params_are_low_rank() -> None:
@@ -98,7 +140,18 @@ def test_dlrm_with_dcn_equals_its_manual_composition(as_list: bool) -> None:
     top, out = cast(nn.Linear, model.top[0]), cast(nn.Linear, model.top[2])  # AlignedLinear
     h = torch.relu(crossed @ top.weight.t() + top.bias)
     want = (h @ out.weight.t() + out.bias).squeeze(1)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    # Both sides compute the bottom MLP alike (the same call); the cross network and the
+    # top MLP in other orders. Their |.| replay (the ReLU, 1-Lipschitz and exact, dropped)
+    # bounds the terms; the top layers add ``fan-in + 1`` roundings each to every path.
+    abs_x0, abs_w = abs_leaves(x0, layer_weights(model.cross))
+    abs_h = reference_cross(abs_x0, abs_w) @ top.weight.t().abs() + top.bias.abs()
+    abs_out = abs_h @ out.weight.t().abs() + out.bias.abs()
+    width = x0.shape[1]
+    depth = cross_depth(width, 2, 3) + (width + 1) + (top.out_features + 1)
+    tol = sum_tol(F64, depth, float(abs_out.detach().max()))
+    assert_close(
+        got.detach(), want.detach(), atol=tol, what="DLRM with DCN vs its composition", why=BOUND
+    )
 
     got.sum().backward()  # every part learns, the cross layers included
     for name, p in model.named_parameters():

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from dense import DLRMConfig, DLRMDense, pairwise_interaction
 from dense.dlrm import AlignedLinear, _interact, naive_pairwise_interaction
 from dense.kernels import interaction as interaction_kernel
+from tolerance import assert_close, assert_same, gamma, sum_tol
+
+F64 = torch.float64
+BOUND = "Higham's worst case for the roundings on each path, scaled by the |.| replay"
 
 
 def _config(**kw: object) -> DLRMConfig:
@@ -18,17 +24,60 @@ def _config(**kw: object) -> DLRMConfig:
     return DLRMConfig(**base)  # type: ignore[arg-type]
 
 
+# Bounds for two float64 evaluations of the same function in other orders (a bmm against
+# explicit loops, padded against unpadded layers): the functions here are sums and products
+# (and ReLUs), so each evaluation is the exact function with every term perturbed by at most
+# ``gamma_k``, ``k`` the roundings on the term's path (Higham, Lemma 3.1 and 3.3), and its
+# error is at most ``gamma_k`` times the function evaluated on absolute values (the "|.|
+# replay": |weights|, |inputs|, no ReLU, where nothing cancels). A ReLU is 1-Lipschitz and
+# exact, so it passes an error on and adds none; in a gradient its mask is the same on both
+# sides unless a pre-activation lies within ~1e-13 of zero (a chance of that order per unit
+# for these inputs of order one).
+
+
+def _abs_model(model: DLRMDense) -> DLRMDense:
+    """A copy of ``model`` with every parameter replaced by its absolute value, each a
+    leaf whose gradient the |.| replay fills."""
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.abs_()
+    out.zero_grad(set_to_none=True)
+    return out
+
+
+def _linears(model: DLRMDense) -> list[torch.nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def _depths(model: DLRMDense, batch: int) -> tuple[int, int]:
+    """``(forward, gradient)``: upper bounds on the roundings on any term's path. A dot
+    product of ``n`` terms rounds each at most ``n`` times (its product and its share of
+    the additions), a bias once more; the interaction's dots have ``D`` terms. A gradient
+    is a product of forward quantities (the saved activations, the upstream ``2 out``) and
+    sums back through every layer (``fan-out + 1``), the interaction's backward (one term
+    per feature, plus the first vector's own gradient) and, for a weight, the batch."""
+    cfg = model.config
+    lin = _linears(model)
+    forward = sum(m.in_features + 1 for m in lin) + cfg.embedding_dim
+    backward = sum(m.out_features + 1 for m in lin) + cfg.num_sparse + 2
+    return forward, 2 * forward + backward + batch + 1
+
+
 def test_pairwise_interaction_matches_double_loop() -> None:
     g = torch.Generator().manual_seed(0)
     t = torch.randn(3, 5, 4, generator=g, dtype=torch.float64)  # [B, N, D]
     got = pairwise_interaction(t)
     assert got.shape == (3, 10)
+    # Each entry: one dot product of D = 4 terms, in two orders.
+    tol = sum_tol(F64, 4, float(pairwise_interaction(t.abs()).max()))
     for b in range(3):
         want = []
         for i in range(5):
             for j in range(i):  # strictly lower triangle, row-major
                 want.append(float(sum(t[b, i, k] * t[b, j, k] for k in range(4))))
-        assert got[b].tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
+        assert_close(got[b], torch.tensor(want, dtype=F64), atol=tol, what=f"sample {b}",
+                     why="one dot product of 4 terms in two orders")  # fmt: skip
 
 
 def test_forward_shapes_and_list_equals_stacked() -> None:
@@ -41,7 +90,12 @@ def test_forward_shapes_and_list_equals_stacked() -> None:
     out_list = model(dense, sparse)
     out_stacked = model(dense, torch.stack(sparse, dim=1))
     assert out_list.shape == (7,)
-    torch.testing.assert_close(out_list, out_stacked, rtol=0, atol=0)
+    assert_same(
+        out_list, out_stacked, what="list vs stacked embeddings",
+        why="the same interaction (the C kernel, built without FMA contraction, reading the "
+        "same rows in the same order; or torch's bmm on a contiguous [B, N, D] copy) and "
+        "the same MLP calls on tensors of the same shape, freshly allocated",
+    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -59,7 +113,10 @@ def test_forward_matches_manual_composition() -> None:
         pairs = [float(torch.dot(feats[i][b], feats[j][b])) for i in range(4) for j in range(i)]
         rows.append(torch.cat([x[b], torch.tensor(pairs, dtype=torch.float64)]))
     want = model.top(torch.stack(rows)).squeeze(1)
-    torch.testing.assert_close(model(dense, sparse), want, rtol=1e-12, atol=1e-12)
+    ref = _abs_model(model)
+    mag = _naive_dense_forward(ref, dense.abs(), sparse.abs(), relu=False)
+    tol = sum_tol(F64, _depths(model, 4)[0], float(mag.detach().max()))
+    assert_close(model(dense, sparse), want, atol=tol, what="forward", why=BOUND)
 
 
 def test_gradients_flow_to_embeddings_and_layers() -> None:
@@ -114,23 +171,38 @@ def test_fast_interaction_equals_naive_forward_and_backward(n: int) -> None:
     naive_in = t.clone().requires_grad_(True)
     fast = pairwise_interaction(fast_in)
     naive = naive_pairwise_interaction(naive_in)
-    torch.testing.assert_close(fast, naive, rtol=0, atol=0)  # same bmm, same entries
+    assert_same(fast, naive, what="pairs", why="the same bmm on equal tensors, the same entries")
     (fast * upstream).sum().backward()
     (naive * upstream).sum().backward()
     assert fast_in.grad is not None and naive_in.grad is not None
-    torch.testing.assert_close(fast_in.grad, naive_in.grad, rtol=1e-12, atol=1e-12)
+    # dT_i = sum_j G_ij T_j: one bmm over N terms (fast) or two of N terms added (naive),
+    # at most N + 1 roundings per term; the |.| replay bounds the terms.
+    abs_in = t.abs().requires_grad_(True)
+    (naive_pairwise_interaction(abs_in) * upstream.abs()).sum().backward()
+    assert abs_in.grad is not None
+    tol = sum_tol(F64, n + 1, float(abs_in.grad.detach().max()))
+    assert_close(fast_in.grad, naive_in.grad, atol=tol, what="input gradient", why=BOUND)
 
 
 def _naive_dense_forward(
-    model: DLRMDense, dense: torch.Tensor, sparse: torch.Tensor
+    model: DLRMDense,
+    dense: torch.Tensor,
+    sparse: torch.Tensor,
+    relu: bool = True,
+    masks: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """DLRMDense's forward from plain nn.Linear layers: no padding, no custom autograd."""
+    """DLRMDense's forward from plain nn.Linear layers: no padding, no custom autograd
+    (``relu=False``: without the ReLUs, for the |.| replay; ``masks``: each ReLU replaced
+    by the product with the next of these 0/1 masks, the branches another run took)."""
+    todo = iter(masks or [])
 
     def run(seq: torch.nn.Sequential, x: torch.Tensor) -> torch.Tensor:
         for layer in seq:
             if isinstance(layer, torch.nn.Linear):
                 x = torch.nn.functional.linear(x, layer.weight, layer.bias)
-            else:
+            elif masks is not None:
+                x = x * next(todo).to(x.dtype)
+            elif relu:
                 x = torch.relu(x)
         return x
 
@@ -158,12 +230,21 @@ def test_dense_step_gradients_equal_naive_model(as_list: bool) -> None:
     naive = _naive_dense_forward(model, dense, naive_sp)
     naive.pow(2).sum().backward()
     naive_grads = [p.grad for p in model.parameters() if p.grad is not None]
-    torch.testing.assert_close(fast, naive, rtol=1e-12, atol=1e-12)
+    ref = _abs_model(model)
+    abs_sp = sparse.abs().requires_grad_(True)
+    mag = _naive_dense_forward(ref, dense.abs(), abs_sp, relu=False)
+    mag.pow(2).sum().backward()  # the gradients' |.| replay, upstream 2 |out|
+    fwd_depth, grad_depth = _depths(model, 5)
+    tol = sum_tol(F64, fwd_depth, float(mag.detach().max()))
+    assert_close(fast.detach(), naive.detach(), atol=tol, what="logits", why=BOUND)
     assert len(fast_grads) == len(naive_grads) == len(list(model.parameters()))
-    for a, b in zip(fast_grads, naive_grads, strict=True):
-        assert a.shape == b.shape
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(fast_sp.grad, naive_sp.grad, rtol=1e-12, atol=1e-12)
+    for (name, p), a, b in zip(ref.named_parameters(), fast_grads, naive_grads, strict=True):
+        assert a.shape == b.shape and p.grad is not None
+        tol = sum_tol(F64, grad_depth, float(p.grad.detach().max()))
+        assert_close(a, b, atol=tol, what=f"gradient of {name}", why=BOUND)
+    assert fast_sp.grad is not None and abs_sp.grad is not None
+    tol = sum_tol(F64, grad_depth, float(abs_sp.grad.detach().max()))
+    assert_close(fast_sp.grad, naive_sp.grad, atol=tol, what="embedding gradient", why=BOUND)
 
 
 def test_aligned_layers_keep_linear_state_dict() -> None:
@@ -192,12 +273,21 @@ def test_interaction_kernel_equals_float64_reference(
     fast = _interact(fast_in, with_first=with_first, width=width)
     ref = _interact(ref_in, with_first=with_first, width=width)
     assert fast.dtype == torch.float32 and fast.shape == (b, width)
-    torch.testing.assert_close(fast.double(), ref, rtol=1e-5, atol=1e-5)
+    # The inputs are exact in float64, so the reference is the exact result to float64's
+    # rounding; the kernel's pair is a dot of d terms (at most d roundings each), its first
+    # vector and padding are copies. The |.| replay of the reference bounds the terms.
+    abs_in = t.double().abs().requires_grad_(True)
+    mag = _interact(abs_in, with_first=with_first, width=width)
+    tol = sum_tol(torch.float32, d, float(mag.detach().max()))
+    assert_close(fast.detach(), ref.detach(), atol=tol, what="forward", why=BOUND)
     assert bool((fast[:, width - 5 :] == 0).all())
     (fast * upstream).sum().backward()
     (ref * upstream.double()).sum().backward()
-    assert fast_in.grad is not None and ref_in.grad is not None
-    torch.testing.assert_close(fast_in.grad.double(), ref_in.grad, rtol=1e-5, atol=1e-5)
+    (mag * upstream.double().abs()).sum().backward()
+    assert fast_in.grad is not None and ref_in.grad is not None and abs_in.grad is not None
+    # dT_i: a sum over the n - 1 other features, plus the first vector's own gradient.
+    tol = sum_tol(torch.float32, n, float(abs_in.grad.detach().max()))
+    assert_close(fast_in.grad, ref_in.grad, atol=tol, what="backward", why=BOUND)
 
 
 @pytest.mark.parametrize("as_list", [False, True])
@@ -210,11 +300,36 @@ def test_float32_model_uses_kernel_and_matches_float64(as_list: bool) -> None:
     ref = DLRMDense(cfg).double()
     ref.load_state_dict(model.state_dict())
     dense, sparse = torch.randn(80, 13), torch.randn(80, 26, 16)
-    sp32, sp64 = sparse.clone().requires_grad_(True), sparse.double().requires_grad_(True)
+    sp32, sp64 = sparse.clone().requires_grad_(True), sparse.double()
+    masks: list[torch.Tensor] = []  # the float32 model's ReLU branches, in order
+    for m in model.modules():
+        if isinstance(m, torch.nn.ReLU):
+            m.register_forward_hook(lambda _m, _i, out: masks.append(out.detach() > 0))
     out32 = model(dense, list(sp32.unbind(1)) if as_list else sp32)
     out64 = ref(dense.double(), sp64)
-    torch.testing.assert_close(out32.double(), out64, rtol=1e-4, atol=1e-4)
+    # The float64 model computes the exact function of the same (exactly converted) inputs
+    # and weights to float64's rounding: the float32 one is within gamma_k(float32) of the
+    # |.| replay, the float64 one within gamma_k(float64).
+    absm = _abs_model(ref)
+    abs_sp = sp64.detach().abs().requires_grad_(True)
+    mag = _naive_dense_forward(absm, dense.double().abs(), abs_sp, relu=False)
+    fwd_depth, grad_depth = _depths(model, 80)
+
+    def bound(k: int, magnitude: torch.Tensor) -> float:
+        return (gamma(k, torch.float32) + gamma(k, F64)) * float(magnitude.detach().max())
+
+    assert_close(
+        out32.detach(), out64.detach(), atol=bound(fwd_depth, mag), what="logits", why=BOUND
+    )
     out32.sum().backward()
-    out64.sum().backward()
-    assert sp32.grad is not None and sp64.grad is not None
-    torch.testing.assert_close(sp32.grad.double(), sp64.grad, rtol=1e-4, atol=1e-4)
+    mag.sum().backward()
+    assert sp32.grad is not None and abs_sp.grad is not None
+    tol = bound(grad_depth, abs_sp.grad)
+    # Where a pre-activation lies within rounding of zero the two models may take other
+    # ReLU branches, and their gradients differ by more than rounding; the float64
+    # gradient with the float32 model's branches is the exact one of the same branches.
+    assert len(masks) == sum(isinstance(m, torch.nn.ReLU) for m in model.modules())
+    sp_b = sp64.detach().clone().requires_grad_(True)
+    _naive_dense_forward(ref, dense.double(), sp_b, masks=masks).sum().backward()
+    assert sp_b.grad is not None
+    assert_close(sp32.grad, sp_b.grad, atol=tol, what="embedding gradient", why=BOUND)
