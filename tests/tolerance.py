@@ -137,8 +137,6 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, *, what: str, why:
 
 
 # ---------------------------------------------------------------- cross entropy, Adam
-#Rounding bounds of the dense tests' cross entropy (on top of ``tests/tolerance.py``).
-#
 # The mean cross entropy of ``N`` rows of ``V`` logits, ``mean_i (log S_i - (z_it - m_i))``
 # with ``m_i = max_j z_ij`` and ``S_i = sum_j exp(z_ij - m_i)``, computed in another order
 # (``F.cross_entropy``'s fused log-softmax, the vocabulary-parallel one summing shards, a
@@ -150,7 +148,6 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, *, what: str, why:
 # ``(softmax_ij - [j = t_i]) * g / N``: the softmax within ``gamma_{V+3}`` of itself (at
 # most 1), the one-hot subtraction and the scaling add three roundings. Two evaluations
 # are within twice each bound (``sum_tol``).
-#
 
 
 def cross_entropy_tol(
