@@ -28,6 +28,11 @@ Every numeric comparison in the suite is one of three kinds:
   away from the exact result), times 2 because the run under test may round more than
   the reference (its reductions over ranks add a rounding level per sum).
 
+Two derived bounds complete them for the dense tests: :func:`cross_entropy_tol` (two
+evaluations of a mean cross entropy, e.g. fused and vocabulary-parallel) with
+:func:`cross_entropy_grad_tol`, and :class:`AdamDrift` (how far Adam moves a weight when
+its gradients are off by a known amount: ``2 lr d / eps`` per step).
+
 :func:`assert_close` compares with ``torch.testing.assert_close`` at a given absolute
 tolerance and no relative one (the tolerance already carries the magnitudes), naming
 what was compared and the tolerance's reason in the message.
