@@ -63,6 +63,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from cache.config import CacheConfig
@@ -417,15 +418,16 @@ class CachedStore(Store):
         """Apply several tables' row gradients to the cache (every request is checked
         first); what is due goes to the PS as ONE ``push_many`` of the wrapped store.
         The returned handle is complete: the updates are in the cache."""
-        checked: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # Per cache: (packed ids, grads, spec, ids) of each request, in request order.
+        checked: dict[str, list[tuple[torch.Tensor, torch.Tensor, TableSpec, torch.Tensor]]]
+        checked = {}
         reqs = check_requests(requests, PushRequest, "push_many")
         self._ensure([r.table for r in reqs])
         for r in reqs:
             tc, group = self._member(r.table)
             spec = self._specs[r.table]
             ids = check_ids(spec, r.ids, "push").cpu()
-            finite = spec.nan_policy == "raise"
-            grads = check_grads(spec, ids, r.grads, finite=finite).detach()
+            grads = check_grads(spec, ids, r.grads, finite=False).detach()
             grads = grads.to(self.device or "cpu")  # where the cached rows are
             if spec.nan_policy == "skip" and grads.numel() > 0:
                 ok = finite_rows(grads)
@@ -433,12 +435,21 @@ class CachedStore(Store):
                     ok_host = ok.cpu()
                     ids, grads = ids[ok_host], grads[ok]
             packed = ids if group is None else group.pack(r.table, ids)
-            checked.setdefault(tc.name, []).append((packed, grads))
-        caches = []
+            checked.setdefault(tc.name, []).append((packed, grads, spec, ids))
+        # Every cache's gradients are checked finite before any is applied, once per cache
+        # (one host sync on a device, not one per table); only a failed check looks for
+        # the table and row to name.
+        merged = []
         for name, parts in checked.items():
-            tc = self._caches[name]
             ids = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
             grads = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
+            if grads.numel() > 0 and not _all_finite(grads):
+                for _, g, spec, raw in parts:  # skip-policy parts were filtered above
+                    check_grads(spec, raw, g, finite=True)  # raises, naming the row
+            merged.append((name, ids, grads))
+        caches = []
+        for name, ids, grads in merged:
+            tc = self._caches[name]
             with tc.lock:
                 self._settle(tc, pushing=True)
                 tc.update(ids, grads.contiguous())
@@ -563,6 +574,14 @@ class CachedStore(Store):
 
     def __enter__(self) -> CachedStore:
         return self
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """Whether every value of ``x`` is finite: numpy's test on the host, one reduction
+    and one sync on a device."""
+    if x.is_cpu and x.dtype == torch.float32 and not x.requires_grad:
+        return bool(np.isfinite(x.numpy()).all())
+    return bool(torch.isfinite(x).all())
 
 
 def _routed_handle(
