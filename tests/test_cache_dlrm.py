@@ -45,7 +45,9 @@ def test_bounded_staleness_matches_synchronous_auc() -> None:
         except FileNotFoundError as e:  # `make test` installs recbole: missing data is a failure
             pytest.fail(f"MovieLens-100k is missing: {e}")
         aucs[bounds], stats[bounds] = metrics["test_auc"], metrics["cache"]
-    # Measured: 0.7732 at (0, 0), 0.7729 at (4, 4).
+    # Not rounding tolerances. 0.005 is the claim under test: bounded staleness (4, 4)
+    # costs at most that much held-out AUC against synchronous training. 0.75: the model
+    # learned something (0.5 ranks at random).
     assert abs(aucs[(4, 4)] - aucs[(0, 0)]) <= 0.005, aucs
     assert aucs[(0, 0)] > 0.75, aucs
     for bounds, per_table in stats.items():
