@@ -77,6 +77,7 @@ def test_python_mpirun_and_torchrun_agree(tmp_path: Path) -> None:
         got = _summary(runs[name])
         assert got.keys() == want.keys()
         for key in want:
+            # A gate, not a rounding bound (docs/numerics.md, "Whole jobs across worker counts").
             assert got[key] == pytest.approx(want[key], abs=1e-5), (name, key, got, want)
 
 
