@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import math
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,9 @@ import pytest
 import torch
 
 from hybridrec.datasets import gather_batch, load_movielens, movielens_dir
+from tolerance import assert_close, replay_tol, sum_tol, unit_roundoff
+
+U32 = unit_roundoff(torch.float32)
 
 
 def _raw(name: str) -> list[dict[str, str]]:
@@ -105,22 +109,94 @@ def test_count_features_use_the_training_split_only(data, raw) -> None:  # type:
         got = data.dense[:, data.dense_names.index(col)].double().numpy()
         slope, intercept = np.polyfit(want, got, 1)
         assert slope > 0, col
-        np.testing.assert_allclose(got, slope * want + intercept, atol=1e-4, err_msg=col)
+        # The reader computes got = fl32(fl32(fl32(want) - m) / s) for its float32 train
+        # mean m and std s; their own errors are absorbed by the fit's intercept and slope,
+        # so what is left is each element's three roundings, e_i <= u (|want_i| + |want_i -
+        # m|) / s + u |got_i| (and the fit's float64 arithmetic). Least squares leaves
+        # residuals r = (I - H) e, H the hat matrix of the fit on [1, want], whose rows'
+        # absolute sums are at most 1 + max_i |w_i - w_bar| sum_j |w_j - w_bar| / S_ww.
+        s, m = 1.0 / slope, -intercept / slope
+        e = U32 * ((np.abs(want) + np.abs(want - m)) / s + np.abs(got)).max()
+        c = want - want.mean()
+        hat = 1.0 + np.abs(c).max() * np.abs(c).sum() / (c * c).sum()
+        tol = (1.0 + hat) * e + sum_tol(torch.float64, len(want), np.abs(got).sum() / len(got))
+        assert_close(torch.from_numpy(got), torch.from_numpy(slope * want + intercept), atol=tol,
+                     what=f"{col} against an affine map of log1p(train count)",
+                     why="three float32 roundings per element, through the fit")  # fmt: skip
         # Counting all rows instead (a leak of val/test) would not fit.
         all_counts: dict[str, int] = {}
         for r in raw["inter"]:
             all_counts[r[key]] = all_counts.get(r[key], 0) + 1
         leaky = np.log1p([all_counts[r[key]] for r in raw["inter"]])
         s2, i2 = np.polyfit(leaky, got, 1)
-        assert np.abs(got - (s2 * leaky + i2)).max() > 1e-2, col
+        # A leak misfits by orders of magnitude more than the rounding bound above.
+        assert np.abs(got - (s2 * leaky + i2)).max() > 1e3 * tol, col
 
 
-def test_dense_features_are_standardized_on_train(data) -> None:  # type: ignore[no-untyped-def]
-    train = data.dense[data.train_idx].double()
-    torch.testing.assert_close(
-        train.mean(0), torch.zeros(5, dtype=torch.float64), atol=1e-4, rtol=0
-    )
-    torch.testing.assert_close(train.std(0), torch.ones(5, dtype=torch.float64), atol=1e-4, rtol=0)
+def _raw_dense(data, raw) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """The five dense columns ``[N, 5]`` before standardizing, in float64 from the raw files."""
+    users = {r["user_id"]: r for r in raw["user"]}
+    items = {r["item_id"]: r for r in raw["item"]}
+
+    def year(r: dict[str, str]) -> float | None:  # a missing year is not a number ("unkonwn")
+        try:
+            return float(r["release_year"])
+        except ValueError:
+            return None
+
+    median = float(np.median([y for r in raw["item"] if (y := year(r)) is not None]))
+    train = set(data.train_idx.tolist())
+    counts: dict[tuple[str, str], int] = {}
+    for i, r in enumerate(raw["inter"]):
+        if i in train:
+            for key in ("user_id", "item_id"):
+                counts[key, r[key]] = counts.get((key, r[key]), 0) + 1
+    cols = []
+    for r in raw["inter"]:
+        item = items[r["item_id"]]
+        y = year(item)
+        cols.append([float(users[r["user_id"]]["age"]), median if y is None else y,
+                     len(item["class"].split()),
+                     math.log1p(counts.get(("user_id", r["user_id"]), 0)),
+                     math.log1p(counts.get(("item_id", r["item_id"]), 0))])  # fmt: skip
+    return np.asarray(cols, dtype=np.float64)
+
+
+def test_dense_features_are_standardized_on_train(data, raw) -> None:  # type: ignore[no-untyped-def]
+    assert data.dense_names == ["age", "release_year", "num_genres", "user_log_count",
+                                "item_log_count"]  # fmt: skip
+    x = torch.from_numpy(_raw_dense(data, raw))  # [N, 5] float64
+    train = x[data.train_idx]
+    m, s = train.mean(0), train.std(0)
+    want = (x - m) / s  # the exact standardization, up to float64 rounding
+    # The reader rounds x to float32, takes its float32 train mean and std, subtracts and
+    # divides (one rounding each): |got - want| <= (u |x| + dm) / s + (ds + 2 u) |want|,
+    # with dm and ds the float32 statistics' errors. Those are measured: the same calls on
+    # the same float32 columns here, against float64 (replay_tol: 4x what float32 rounding
+    # moved them on this machine). ATen's float32 sum is a cascade, far more accurate than
+    # Higham's worst case for a recursive sum of 80,000 terms (80,000 u |x|, as large as the
+    # column's spread for release_year ~ 1990 with std ~ 14).
+    t32 = x.float()[data.train_idx]  # [N_train, 5], as the reader standardizes it
+    m32, s32 = t32.mean(0), t32.std(0)
+    dm = torch.tensor([replay_tol(m32[j], m[j]) for j in range(5)])
+    ds = torch.tensor([replay_tol(s32[j], s[j]) for j in range(5)]) / s
+    got = data.dense.double()
+    tol = ((U32 * x.abs() + dm) / s + (ds + 2 * U32) * want.abs()).max(0).values  # [5]
+    # Second-order terms, and the float64 reference's own rounding.
+    tol = tol * (1 + 4 * U32) + sum_tol(torch.float64, 4, float(want.abs().max()))
+    # So the train split's mean and std are 0 and 1 within the same bound: shifting every
+    # element by at most tol moves the mean by as much, and the sample std by at most
+    # tol * sqrt(n / (n - 1)).
+    got_train = got[data.train_idx]
+    n = len(got_train)
+    for j, name in enumerate(data.dense_names):
+        why = "float32 rounding of the column and of its train statistics"
+        assert_close(got[:, j], want[:, j], atol=float(tol[j]), what=name, why=why)
+        assert_close(got_train[:, j].mean(), 0.0, atol=float(tol[j]), what=f"{name} train mean",
+                     why=why)  # fmt: skip
+        std_tol = float(tol[j]) * math.sqrt(n / (n - 1))
+        assert_close(got_train[:, j].std(), 1.0, atol=std_tol, what=f"{name} train std",
+                     why=why)  # fmt: skip
 
 
 def test_missing_recbole_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

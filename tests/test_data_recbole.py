@@ -22,6 +22,9 @@ from hybridrec.dlrm.data import InMemorySource
 from hybridrec.dlrm.job import train
 from multiproc import ROOT
 from test_resume import losses
+from tolerance import assert_close, replay_tol, sum_tol, unit_roundoff
+
+U32 = unit_roundoff(torch.float32)
 
 INTER = [
     "uid:token\tiid:token\tlabel:float\tctx:token_seq\twatch:float",
@@ -64,17 +67,45 @@ def test_every_field_type_joined_and_mapped(tmp_path: Path, eol: str) -> None:
     # Joined from .user: lyon 1, paris 2; u-z has no user row: unknown (0).
     assert data.feature("city").ids[:, 0].tolist() == [2, 1, 2, 2, 1, 2, 2, 0, 1, 2]
     # Dense columns standardized with training statistics; a missing float is the
-    # training mean (0 after standardizing).
+    # training mean (0 after standardizing). The reference: the same columns read without
+    # standardizing (x, float32 of the reader's float64 values), standardized in float64.
+    # The reader's y = fl32(fl32(x - m32) / s32) is within
+    # (u |x| + dm) / s + (ds + 2 u) |y_64| of y_64 = (x - m) / s, with dm the error of a
+    # float32 mean of n = 6 terms (Higham's bound, sum_tol of n + 1 roundings of mean |x|)
+    # and ds the float32 std's relative error (measured against float64: replay_tol).
+    plain = [{"column": c} for c in ("watch", "emb", "price")]
+    (tmp_path / "plain").mkdir()
+    x32 = load_recbole(_folder(tmp_path / "plain", eol), schema_from_dict({"dense": plain}),
+                       fractions=(0.6, 0.2, 0.2)).dense  # fmt: skip
     train = data.train_idx
+    x = x32.double()
+    n = len(train)
+    m, sd = x[train].mean(0), x[train].std(0)
+    want64 = (x - m) / sd  # [10, 4]
+    tols = []
     for j in range(4):
-        col = data.dense[train, j]
-        assert float(col.mean()) == pytest.approx(0.0, abs=1e-5)
+        dm = sum_tol(torch.float32, n + 1, float(x[train, j].abs().mean()))
+        ds = replay_tol(x32[train, j].std(), sd[j]) / float(sd[j])
+        tol = float(
+            ((U32 * x[:, j].abs() + dm) / sd[j] + (ds + 2 * U32) * want64[:, j].abs()).max()
+        )
+        tol = tol * (1 + 4 * U32) + sum_tol(torch.float64, 4, float(want64[:, j].abs().max()))
+        tols.append(tol)
+        col = data.dense[:, j].double()
+        why = "float32 rounding of the column and of its train statistics"
+        assert_close(col, want64[:, j], atol=tol, what=data.dense_names[j], why=why)
+        # Each element within tol: the train mean within tol of want64's, 0 in float64.
+        mean_tol = tol + sum_tol(torch.float64, n + 1, float(want64[train, j].abs().mean()))
+        assert_close(col[train].mean(), 0.0, atol=mean_tol, what="train mean", why=why)
     watch = [3.5, None, 1, 2, 0.5, 4, 2, 1, 3, 5]  # interaction 2 has no watch value
     seen = [watch[i] for i in train.tolist() if watch[i] is not None]
     mean = sum(seen) / len(seen)
     std = (sum((w - mean) ** 2 for w in seen) / (len(seen) - 1)) ** 0.5
     want = [0.0 if w is None else (w - mean) / std for w in watch]
-    assert data.dense[:, 0].tolist() == pytest.approx(want, abs=1e-5)
+    # The same bound, against the standardization worked out here by hand in float64.
+    tol = tols[0] + sum_tol(torch.float64, 2 * n + 4, max(abs(w) for w in want))
+    assert_close(data.dense[:, 0], torch.tensor(want, dtype=torch.float64), atol=tol,
+                 what="watch", why="as above")  # fmt: skip
     raw_price = {1: 9.5, 3: 3.0}
     prices = [raw_price.get(i) for i in data.feature("iid").ids[:, 0].tolist()]
     known = [(p, float(data.dense[k, 3])) for k, p in enumerate(prices) if p is not None]
@@ -153,6 +184,7 @@ def test_recbole_job_trains_and_ranks_agree(tmp_path: Path) -> None:
     ]
     assert len(whole) == 2
     for step, batch in enumerate(whole):
+        # Bit for bit: both are gathers of the same rows, no arithmetic.
         assert torch.equal(torch.cat([halves[0][step], halves[1][step]]), batch)
 
 
@@ -176,4 +208,6 @@ def test_recbole_with_the_movielens_schema_trains_as_movielens(tmp_path: Path) -
         out = tmp_path / f"{name}.jsonl"
         train(TrainConfig(**base, **extra, metrics_out=str(out)), comm.LocalGroup())  # type: ignore[arg-type]
         runs[name] = losses(out)
+    # Bit for bit: the same reader with the same schema builds the same tensors, and the
+    # same job runs the same operations on them in the same order.
     assert len(runs["movielens"]) == 30 and runs["recbole"] == runs["movielens"]

@@ -20,6 +20,10 @@ import pytest
 from comm.compression import CODECS
 from multiproc import run_ranks
 
+# A statistical band, not a rounding tolerance: a lossy codec changes every step's dense
+# gradient by its quantization or sparsification noise, which moves the AUC after 312
+# steps by a few 1e-3 (measured above: at most 0.0022); freezing the dense layers moves
+# it by 0.018, so 0.01 separates codec noise from a dense gradient that does not arrive.
 TOLERANCE = 0.01
 
 

@@ -25,11 +25,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import ps
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
+from tolerance import assert_close, assert_same, sum_tol
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -258,27 +259,45 @@ def _state(ec: EmbeddingCollection, store: ps.Store) -> list[torch.Tensor]:
     return out
 
 
-def _expected(ec: EmbeddingCollection, kjt: KeyedJaggedIds) -> dict[str, torch.Tensor]:
-    """Plain torch over the rows as they are now."""
-    out = {}
+def _expected(
+    ec: EmbeddingCollection, kjt: KeyedJaggedIds
+) -> dict[str, tuple[torch.Tensor, float | None]]:
+    """Plain torch over the rows as they are now, per feature with its tolerance (None:
+    bit for bit).
+
+    An unpooled feature is a gather, so bit for bit. A pooled bag of L rows is a sum of L
+    terms, in the collection's kernel as in ``embedding_bag`` but maybe in another order
+    (and "mean" there as per-id weights fl(1 / L), one more rounding, against a division
+    here): two evaluations within sum_tol of L + 1 roundings of the bag's sum of
+    |rows| (times 1 / L for "mean")."""
+    out: dict[str, tuple[torch.Tensor, float | None]] = {}
     for f in kjt.keys:
         cfg = TABLE_OF[f]
         rows = ec.rows(cfg.name, torch.arange(ROWS[cfg.name]))
         jag = kjt[f]
         if cfg.pooling == "none":
             t = int(jag.lengths[0]) if jag.lengths.numel() else 0
-            out[f] = F.embedding(jag.ids, rows).view(kjt.batch_size, t, cfg.dim)
+            out[f] = F.embedding(jag.ids, rows).view(kjt.batch_size, t, cfg.dim), None
         else:
             offsets = torch.cat([torch.zeros(1, dtype=torch.int64), jag.lengths.cumsum(0)])
-            out[f] = F.embedding_bag(
+            want = F.embedding_bag(
                 jag.ids, rows, offsets, mode=cfg.pooling, include_last_offset=True
             )
+            mag = F.embedding_bag(
+                jag.ids, rows.double().abs(), offsets, mode=cfg.pooling, include_last_offset=True
+            )
+            longest = int(jag.lengths.max()) if jag.lengths.numel() else 0
+            scale = float(mag.max()) if mag.numel() else 0.0
+            out[f] = want, sum_tol(torch.float32, longest + 1, scale)
     return out
 
 
 def test_collection_rejects_bad_batches_and_changes_nothing() -> None:
     count = [0, 0]  # examples, bad ones
 
+    # A fixed seed: derandomize alone seeds from the body's source, so any edit here would
+    # draw other examples (and the share of bad ones, asserted below, varies by seed).
+    @seed(0)
     @settings(max_examples=COLLECTION_EXAMPLES, **SETTINGS)
     @given(collection_batches())
     def run(example: tuple[dict[str, Any], str | None]) -> None:
@@ -296,7 +315,12 @@ def test_collection_rejects_bad_batches_and_changes_nothing() -> None:
             out = ec(kjt)
             assert list(out) == kjt.keys
             for f in kjt.keys:
-                torch.testing.assert_close(out[f], want[f])
+                expected, tol = want[f]
+                if tol is None:
+                    assert_same(out[f].detach(), expected, what=f"feature {f}", why="a gather")
+                else:
+                    assert_close(out[f].detach(), expected, atol=tol, what=f"feature {f}",
+                                 why="a bag's sum in two orders")  # fmt: skip
             return
         count[1] += 1
         with pytest.raises(ValueError) as info:
@@ -313,7 +337,7 @@ def test_collection_rejects_bad_batches_and_changes_nothing() -> None:
         else:
             assert "'s'" in msg and "'seq'" in msg, msg
         after = _state(ec, store)
-        for x, y in zip(before, after, strict=True):
+        for x, y in zip(before, after, strict=True):  # bit for bit: nothing was written
             assert torch.equal(x, y), f"{fault}: the bad batch changed a table"
         assert store.stats()["hyb"]["push_requests"] == stats["hyb"]["push_requests"]
         assert store.stats()["seq"]["push_requests"] == stats["seq"]["push_requests"]
