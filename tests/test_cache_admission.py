@@ -21,7 +21,7 @@ import ps
 from cache.sketch import MULTIPLIERS, FrequencySketch
 from tolerance import assert_same
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.numerics]
 
 MASK = (1 << 64) - 1
 

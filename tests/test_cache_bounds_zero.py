@@ -21,7 +21,7 @@ import ps
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
 from tolerance import assert_same
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.numerics]
 
 OPTS = {
     "sgd": ps.SGD(lr=0.1, momentum=0.9),

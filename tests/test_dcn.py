@@ -16,6 +16,8 @@ from dense import CrossNetwork, DLRMConfig, DLRMDense
 from hybridrec.dlrm.job import TrainConfig, parse_args, train
 from tolerance import assert_close, sum_tol
 
+pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
+
 F64 = torch.float64
 BOUND = "Higham's worst case for the roundings on each path, scaled by the |.| replay"
 

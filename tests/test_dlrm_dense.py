@@ -12,6 +12,8 @@ from dense.dlrm import AlignedLinear, _interact, naive_pairwise_interaction
 from dense.kernels import interaction as interaction_kernel
 from tolerance import assert_close, assert_same, gamma, sum_tol
 
+pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
+
 F64 = torch.float64
 BOUND = "Higham's worst case for the roundings on each path, scaled by the |.| replay"
 

@@ -20,6 +20,8 @@ import comm
 from hybridrec.dlrm.job import TrainConfig, train
 from hybridrec.trainer import Trainer, TrainerConfig, TrainResult
 
+pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 

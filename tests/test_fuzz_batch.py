@@ -32,7 +32,7 @@ import ps
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
 from tolerance import assert_close, assert_same, sum_tol
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.numerics]
 
 BATCH_EXAMPLES = 500
 COLLECTION_EXAMPLES = 200

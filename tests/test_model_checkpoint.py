@@ -29,6 +29,8 @@ from hybridrec.model_state import load_model, save_model
 from multiproc import run_ranks
 from tolerance import assert_same
 
+pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
+
 ROWS, DIM, BATCH = 30, 4, 8
 Placement = Literal["local", "hybrid", "sharded"]
 

@@ -23,6 +23,8 @@ from hybridrec.batches import epoch_data
 from hybridrec.trainer import Trainer, TrainerConfig, TrainResult
 from tolerance import assert_close, assert_same, replay_tol
 
+pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
+
 SAME_LOOP = "the trainer runs the plain loop's operations in the same order on the same tensors"
 RESUMED = "a resume at the same worker count loads the saved bits and repeats the saving run"
 
