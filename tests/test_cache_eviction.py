@@ -17,7 +17,7 @@ import cache
 import ps
 from ps_reference import WHY as REPLAY
 from ps_reference import RecordingStore
-from tolerance import assert_close, assert_same, sum_tol
+from tolerance import assert_close, assert_same, served_tol
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -159,23 +159,6 @@ SERVED = (
 )
 
 
-def _served_tol(
-    store_tol: float, want: torch.Tensor, moved: torch.Tensor, touched: torch.Tensor
-) -> float:
-    """The tolerance of served rows against the reference's ``want`` ``[N, D]``: a served
-    row is a store row read at some step so far (within ``store_tol``, the largest replay
-    tolerance of the store's rows so far) or a copy of one moved since by the cache: per
-    batch of the row (``touched`` ``[N]`` so far) at most one local SGD step and one
-    re-application of its pending sum at a refresh. Both sides compute those alike (a
-    float32 product, then a subtraction), each rounding once more on each side, of a
-    value within ``moved`` ``[N]`` (the row's local steps' moves summed) of the served
-    row's magnitude."""
-    if want.numel() == 0:
-        return store_tol
-    magnitude = float((want.abs().amax(dim=1) + moved).max())
-    return store_tol + sum_tol(torch.float32, 2 * max(int(touched.max()), 1), magnitude)
-
-
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize(("s_r", "s_w"), [(0, 0), (2, 3), (4, 1)])
 @pytest.mark.parametrize("opt", list(OPTS))
@@ -203,7 +186,7 @@ def test_matches_sequential_replay(
         else:
             store_tol = max(store_tol, ref_store.rows_tol("t", every))
             t = torch.tensor(ids)
-            tol = _served_tol(store_tol, want, moved[t], touched[t])
+            tol = served_tol(store_tol, want, moved[t], touched[t])
             assert_close(got, want, atol=tol, what=what, why=SERVED)
         assert store.cached_ids("t").tolist() == sorted(ref.e), f"step {step}: cached ids"
         grads = torch.randn(len(ids), DIM, generator=g)

@@ -20,7 +20,7 @@ import ps
 from ps import PullRequest, PushRequest
 from ps_reference import WHY as REPLAY
 from ps_reference import RecordingStore
-from tolerance import assert_close, assert_same, sum_tol
+from tolerance import assert_close, assert_same, served_tol
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,23 +94,6 @@ SERVED = (
 )
 
 
-def _served_tol(
-    store_tol: float, want: torch.Tensor, moved: torch.Tensor, touched: torch.Tensor
-) -> float:
-    """The tolerance of served rows against the reference's ``want`` ``[N, D]``: a served
-    row is a store row read at some step so far (within ``store_tol``, the largest replay
-    tolerance of the store's rows so far) or a copy of one moved since by the cache: per
-    batch of the row (``touched`` ``[N]`` so far) at most one local SGD step and one
-    re-application of its pending sum at a refresh. Both sides compute those alike (a
-    float32 product, then a subtraction), each rounding once more on each side, of a
-    value within ``moved`` ``[N]`` (the row's local steps' moves summed) of the served
-    row's magnitude."""
-    if want.numel() == 0:
-        return store_tol
-    magnitude = float((want.abs().amax(dim=1) + moved).max())
-    return store_tol + sum_tol(torch.float32, 2 * max(int(touched.max()), 1), magnitude)
-
-
 @pytest.mark.parametrize("policy", ["lru", "lfu", "tinylfu"])
 @pytest.mark.parametrize("bounds", [(0, 0), (2, 3)])
 def test_a_shared_cache_is_one_cache_over_the_packed_tables(
@@ -146,7 +129,7 @@ def test_a_shared_cache_is_one_cache_over_the_packed_tables(
         got = _step(store, ids, grads)
         want = ref.pull("ab", packed)
         store_tol = max(store_tol, ref_inner.rows_tol("ab", every_packed))
-        tol = _served_tol(store_tol, want.rows, moved[packed], touched[packed])
+        tol = served_tol(store_tol, want.rows, moved[packed], touched[packed])
         pushed = torch.cat([grads["a"], grads["b"]])
         ref.push("ab", packed, pushed)
         moved.index_add_(0, packed, opt.lr * pushed.abs().amax(dim=1))

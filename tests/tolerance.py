@@ -202,3 +202,23 @@ class AdamDrift:
 
     def __getitem__(self, key: object) -> float:
         return self._drift.get(key, 0.0)
+
+
+# ---------------------------------------------------------------- cached copies
+
+
+def served_tol(
+    store_tol: float, want: torch.Tensor, moved: torch.Tensor, touched: torch.Tensor
+) -> float:
+    """The tolerance of served rows against the reference's ``want`` ``[N, D]``: a served
+    row is a store row read at some step so far (within ``store_tol``, the largest replay
+    tolerance of the store's rows so far) or a copy of one moved since by the cache: per
+    batch of the row (``touched`` ``[N]`` so far) at most one local SGD step and one
+    re-application of its pending sum at a refresh. Both sides compute those alike (a
+    float32 product, then a subtraction), each rounding once more on each side, of a
+    value within ``moved`` ``[N]`` (the row's local steps' moves summed) of the served
+    row's magnitude."""
+    if want.numel() == 0:
+        return store_tol
+    magnitude = float((want.abs().amax(dim=1) + moved).max())
+    return store_tol + sum_tol(torch.float32, 2 * max(int(touched.max()), 1), magnitude)
