@@ -125,6 +125,8 @@ class EvictionPolicy:
         keys_then = self.pool_key[self.pool_at :]
         marks = protect is not None and protect.size > 0
         if marks:
+            assert protect is not None
+            protect = protect[protect >= 0]  # slots only (pool entries are never negative)
             self.marked[protect] = True
         try:
             found: list[np.ndarray] = []

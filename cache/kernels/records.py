@@ -148,9 +148,11 @@ def install_rows(
     lib = _library()
     if lib is None or not _ok(slab, slots, sel, clocks) or (dim and not _ok(fresh)):
         return False
+    int64 = slots.dtype == sel.dtype == clocks.dtype == np.int64
+    if not int64 or slab.dtype != np.float32 or (dim and fresh.dtype != np.float32):
+        return False
     n = slots.size
     assert sel.size == n and clocks.size == n
-    assert slots.dtype == sel.dtype == clocks.dtype == np.int64
     lib.hr_cache_install(
         n, dim, slab.shape[1], slots.ctypes.data, fresh.ctypes.data if dim else None,
         sel.ctypes.data, clocks.ctypes.data, seq, pf, slab.ctypes.data,
