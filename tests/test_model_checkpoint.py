@@ -29,8 +29,6 @@ from hybridrec.model_state import load_model, save_model
 from multiproc import run_ranks
 from tolerance import assert_same
 
-pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
-
 ROWS, DIM, BATCH = 30, 4, 8
 Placement = Literal["local", "hybrid", "sharded"]
 
@@ -122,6 +120,7 @@ def fresh(**kw: object) -> tuple[Net, torch.optim.Optimizer]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
 def test_one_process_resume_repeats_the_run_bit_for_bit(tmp_path: Path) -> None:
     data = batches(10)
     net, opt = fresh()
@@ -155,6 +154,7 @@ def test_one_process_resume_repeats_the_run_bit_for_bit(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "mine"]
 
 
+@pytest.mark.numerics
 def test_local_and_sharded_load_into_each_other(tmp_path: Path) -> None:
     net, opt = fresh(sharded="local")
     train(net, opt, batches(3))
