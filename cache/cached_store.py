@@ -63,7 +63,6 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from cache.config import CacheConfig
@@ -74,7 +73,7 @@ from comm import Handle
 from comm.device import exact_device
 from ps import PullRequest, PullResult, PushRequest, Store, TableSpec
 from ps.store import check_requests, first_of
-from ps.validate import check_grads, check_ids, finite_rows
+from ps.validate import all_finite, check_grads, check_ids, finite_rows
 
 
 class CachedStore(Store):
@@ -443,7 +442,7 @@ class CachedStore(Store):
         for name, parts in checked.items():
             ids = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
             grads = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
-            if grads.numel() > 0 and not _all_finite(grads):
+            if grads.numel() > 0 and not all_finite(grads):
                 for _, g, spec, raw in parts:  # skip-policy parts were filtered above
                     check_grads(spec, raw, g, finite=True)  # raises, naming the row
             merged.append((name, ids, grads))
@@ -574,14 +573,6 @@ class CachedStore(Store):
 
     def __enter__(self) -> CachedStore:
         return self
-
-
-def _all_finite(x: torch.Tensor) -> bool:
-    """Whether every value of ``x`` is finite: numpy's test on the host, one reduction
-    and one sync on a device."""
-    if x.is_cpu and x.dtype == torch.float32 and not x.requires_grad:
-        return bool(np.isfinite(x.numpy()).all())
-    return bool(torch.isfinite(x).all())
 
 
 def _routed_handle(

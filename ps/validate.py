@@ -73,6 +73,14 @@ def check_pull_bound(
     return clocks.cpu()
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every value of ``x`` is finite: numpy's test on host float32 (several
+    times cheaper than torch's), one reduction and one sync on a device."""
+    if x.is_cpu and x.dtype == torch.float32 and not x.requires_grad:
+        return bool(np.isfinite(x.numpy()).all())
+    return bool(torch.isfinite(x).all())
+
+
 def finite_rows(x: torch.Tensor) -> torch.Tensor:
     """Which rows of ``x`` ``[N, D]`` hold only finite values: bool ``[N]``.
 
@@ -82,7 +90,7 @@ def finite_rows(x: torch.Tensor) -> torch.Tensor:
     over the whole ``[N, D]`` is several times slower than a sum).
     """
     plain = x.is_cpu and not x.requires_grad and x.dtype == torch.float32
-    if plain and bool(np.isfinite(x.numpy()).all()):  # the common case, ~4x cheaper
+    if plain and all_finite(x):  # the common case, ~4x cheaper
         return torch.ones(x.shape[0], dtype=torch.bool)
     ok = torch.isfinite(x.sum(dim=1))  # [N]
     if not bool(ok.all()):

@@ -63,7 +63,7 @@ from ps.mpi.fixed_shard import FixedShard
 from ps.mpi.wire import HEADER_LEN, Op
 from ps.routing import shard_of
 from ps.table import TableSpec
-from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
+from ps.validate import all_finite, check_grads, check_ids, check_pull_bound, unknown_table
 
 _EMPTY_F32 = np.empty(0, dtype=np.float32)
 Shard = LocalTable | FixedShard  # a server's part of one table
@@ -156,7 +156,7 @@ def check_push_grads(spec: TableSpec, ids: torch.Tensor, grads: object) -> torch
     """
     checked = check_grads(spec, ids, grads, finite=False)
     must_be_finite = spec.nan_policy == "raise" and checked.numel() > 0
-    if must_be_finite and not np.isfinite(checked.detach().cpu().numpy()).all():
+    if must_be_finite and not all_finite(checked.detach().cpu()):
         check_grads(spec, ids, checked, finite=True)  # raises, naming the row
     return checked
 
