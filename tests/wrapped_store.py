@@ -1,5 +1,6 @@
-"""A ``ps.Store`` that hands every call to an ``InProcessStore``: tests subclass it and
-override the calls they instrument (count, delay), keeping everything else real."""
+"""A ``ps.Store`` that hands every call to another store (a fresh ``InProcessStore`` by
+default): tests and benchmarks subclass it and override the calls they instrument (count,
+delay, time), keeping everything else real."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from comm import Handle
 
 
 class WrappedStore(ps.Store):
-    """Every ``Store`` method of ``self.inner`` (a fresh ``InProcessStore``), one table
-    at a time: the batched calls come from the base class."""
+    """Every ``Store`` method of ``self.inner`` (``inner``, else a fresh
+    ``InProcessStore``), one table at a time: the batched calls come from the base class."""
 
-    def __init__(self) -> None:
-        self.inner = ps.InProcessStore()
+    def __init__(self, inner: ps.Store | None = None) -> None:
+        self.inner = ps.InProcessStore() if inner is None else inner
 
     def create_table(self, spec: ps.TableSpec, *, exist_ok: bool = False) -> None:
         self.inner.create_table(spec, exist_ok=exist_ok)
