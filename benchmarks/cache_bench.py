@@ -453,6 +453,7 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
         write_bound=z.write_bound,
         policy=z.policy,
         group_tables=z.groups,
+        sole_writer=True,  # one worker, as hybridrec.launch.with_cache sets it
     )
     timed = TimedStore(store_c)  # the store's share of the cached step, per phase
     cached = cache.CachedStore(timed, cfg)

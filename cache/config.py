@@ -70,6 +70,13 @@ class CacheConfig:
       asking the PS again unless this worker pushed them since (saves a round
       trip; with several workers, other workers' pushes during one step may then
       add to ``s_r``).
+    * ``sole_writer``: this cache is the only writer of its tables (one worker; what
+      :func:`hybridrec.launch.with_cache` sets for a job of one worker). The PS then
+      applies only this cache's pushes, in order, so a cached row's PS clock is
+      exactly its copy clock plus its ``own`` pushes since, and a serving pull asks
+      the PS only about the misses and the rows pushed more than ``s_r`` times since
+      their read: provably fresh rows cost no request (ids, clocks and round trip).
+      Wrong with another writer (the bound would not hold), so False by default.
     * ``exact_staleness``: also read the PS clocks of served cache hits (one
       extra clocks request per pull; 8 bytes per row) so the staleness histogram
       is exact instead of a lower bound. For tests and diagnosis.
@@ -94,6 +101,7 @@ class CacheConfig:
     write_bound: int = 0
     local_lr: float | None = None
     verify_prefetched: bool = True
+    sole_writer: bool = False
     exact_staleness: bool = False
     evict_chunk: int | None = None
     group_tables: bool = False
@@ -128,7 +136,7 @@ class CacheConfig:
                 raise TypeError(f"CacheConfig: local_lr must be a number, got {type(lr).__name__}")
             if not (math.isfinite(lr) and lr >= 0):
                 raise ValueError(f"CacheConfig: local_lr must be a finite number >= 0, got {lr}")
-        for name in ("verify_prefetched", "exact_staleness", "group_tables"):
+        for name in ("verify_prefetched", "sole_writer", "exact_staleness", "group_tables"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"CacheConfig: {name} must be a bool, got {type(getattr(self, name)).__name__}"

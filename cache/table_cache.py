@@ -71,7 +71,13 @@ import torch
 
 from cache.config import CacheConfig
 from cache.device_rows import DeviceRows
-from cache.kernels.records import copy_clocks, install_rows, serve_rows, update_rows
+from cache.kernels.records import (
+    copy_clocks,
+    install_rows,
+    serve_rows,
+    sole_writer_asks,
+    update_rows,
+)
 from cache.policy import EvictionPolicy
 from cache.sketch import FrequencySketch
 from cache.slot_index import make_slot_index
@@ -165,6 +171,7 @@ class TableCache:
         # TinyLFU: the sketch of recent batches' ids decides admissions (see _choose).
         self.sketch = FrequencySketch(*config.sketch(cap)) if config.policy == "tinylfu" else None
         self.verify_prefetched = config.verify_prefetched
+        self.sole_writer = config.sole_writer
         self.exact = config.exact_staleness
         self.chunk = config.chunk(cap)
         self.width = -(-(2 * sd + _META_WORDS) // 16) * 16  # W: whole 64-byte lines
@@ -343,7 +350,10 @@ class TableCache:
         module docstring). A prefetch with ``verify_prefetched`` asks only for the misses
         that free or evictable slots can take, with a plain pull (the serving pull checks
         every cached row anyway); without it, it also checks the cached rows, and the
-        serving pull trusts that check.
+        serving pull trusts that check. A sole writer's serving pull
+        (``CacheConfig.sole_writer``) asks only about the misses and the cached rows
+        pushed more than ``s_r`` times since their read; its prefetch asks only for
+        misses.
         """
         counts = inverse = None
         uniq = ids.numpy()
@@ -368,7 +378,11 @@ class TableCache:
             self.reserved = slots[hit]
         if not prefetch:
             self.planned_hits = slots[hit]
-        if prefetch and self.verify_prefetched:
+        fill = -1 - self.read_bound  # misses always come back
+        if not prefetch and self.sole_writer:
+            return self._plan_sole_writer(uniq, counts, inverse, slots, hit, tick, fill)
+        if prefetch and (self.verify_prefetched or self.sole_writer):
+            # (a sole writer's serving pull asks about its cached rows only when needed)
             asked = self._admittable(uniq, hit, slots, misses_only=True)
             assert asked is not None
             request = None
@@ -386,7 +400,6 @@ class TableCache:
                 asked = np.flatnonzero(~ok)  # [A]
         if prefetch:
             asked = self._admittable(uniq, hit, slots, misses_only=False)
-        fill = -1 - self.read_bound  # misses always come back
         copy_clock = copy_clocks(self.slab, self.sd, slots, fill)  # [U]
         if copy_clock is None:
             copy_clock = np.where(hit, self.meta[slots, CLOCK], fill)
@@ -403,6 +416,38 @@ class TableCache:
             )
         return Fetch(
             uniq, counts, inverse, slots, hit, False, asked, request, self.seq, tick, prefetch
+        )
+
+    def _plan_sole_writer(
+        self,
+        uniq: np.ndarray,
+        counts: np.ndarray | None,
+        inverse: np.ndarray | None,
+        slots: np.ndarray,
+        hit: np.ndarray,
+        tick: int,
+        fill: int,
+    ) -> Fetch:
+        """A serving pull of the tables' only writer: ask about the misses and the rows
+        pushed more than ``s_r`` times since their read (``PS clock = CLOCK + OWN``
+        exactly), nothing about the rest."""
+        found = sole_writer_asks(self.slab, self.sd, slots, self.read_bound, fill)
+        if found is None:
+            meta = self.meta[slots]  # [U, 8] (garbage where not cached)
+            asked = np.flatnonzero(~hit | (meta[:, OWN] > self.read_bound))  # [A]
+            clock = np.where(hit, meta[:, CLOCK], fill).take(asked)  # [A]
+        else:
+            asked, clock = found
+        request = None
+        if asked.size > 0:
+            request = PullRequest(
+                self.name,
+                torch.from_numpy(uniq.take(asked)),
+                clocks=torch.from_numpy(clock),
+                bound=self.read_bound,
+            )
+        return Fetch(
+            uniq, counts, inverse, slots, hit, False, asked, request, self.seq, tick, False
         )
 
     def _admittable(

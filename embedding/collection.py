@@ -265,9 +265,29 @@ class EmbeddingCollection(nn.Module):
             result[first] = result[first] + sum(ties)
         return result
 
+    def set_sparse_pipeline(self, on: bool) -> None:
+        """Pipeline the hybrid tables' sparse step (:meth:`HybridTables.set_pipelined`):
+        the batch announced by :meth:`prefetch` is pulled on a background thread while
+        this batch's dense step runs, and each push runs there too. Nothing without
+        hybrid tables (local and sharded tables have no store to wait for)."""
+        if self.hybrid is not None:
+            self.hybrid.set_pipelined(on)
+
+    def drain(self) -> None:
+        """Wait until the sparse pipeline's store calls are done (raising a failed
+        push's error); nothing without it. Before reading a store's counters."""
+        if self.hybrid is not None:
+            self.hybrid.drain()
+
+    @property
+    def sparse_pipelined(self) -> bool:
+        return self.hybrid is not None and self.hybrid.pipeline is not None
+
     def prefetch(self, kjt: KeyedJaggedIds) -> None:
         """Announce a coming batch: each hybrid table's unique ids go to
-        ``store.prefetch(table, ids)`` when the store has one (a cache); else nothing."""
+        ``store.prefetch(table, ids)`` when the store has one (a cache); else nothing.
+        With the sparse pipeline on, the batch is pulled on the pipeline's thread once
+        this step's rows are taken (:meth:`set_sparse_pipeline`)."""
         if not isinstance(kjt, KeyedJaggedIds):
             raise TypeError(
                 f"EmbeddingCollection.prefetch: expected a KeyedJaggedIds, got {type(kjt).__name__}"

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,7 @@ from embedding.fused_ops import (
     sorted_segment_sum,
 )
 from embedding.jagged import KeyedJaggedIds
+from embedding.sparse_pipeline import SparsePipeline
 from embedding.table_state import part_from_state_dict, target_device
 from ps import InProcessStore, PullRequest, PushRequest, Store, TableSpec
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
@@ -167,6 +169,38 @@ class _Group:
     perm: torch.Tensor  # [N] positions of the ids, sorted by (table, id)
     counts: torch.Tensor  # [U] occurrences of each unique row (runs of ``perm``)
     unique: list[torch.Tensor]  # per table: its unique ids [U_t], sorted (CPU)
+    # Fixed tables packed into one id space: the unique keys [U] (CPU, sorted) and each
+    # table's base (table t's id i is key bases[t] + i); None for a group with a dynamic table.
+    keys: torch.Tensor | None = None
+    bases: list[int] | None = None
+
+
+Plan = list[tuple[TableConfig, list[str]]]  # the hybrid tables of a batch, with their features
+
+
+@dataclass(slots=True, eq=False)
+class _Ahead:
+    """The next batch's dedup and pull, running on the pipeline's thread."""
+
+    kjt: KeyedJaggedIds
+    plan: Plan
+    future: Future[tuple[list[_Group], list[list[torch.Tensor]]] | None]
+    # Pushes sent after the pull: each first pushes the rows this batch uses and pulls
+    # them again into its rows, and is done when they are right (see _push).
+    fixes: list[Future[None]]
+
+
+def _same_batch(a: KeyedJaggedIds, b: KeyedJaggedIds) -> bool:
+    """The same ids in the same bags (the trainer announces a batch, then may move it)."""
+    if a is b:
+        return True
+    if a.keys != b.keys or a.ids.shape != b.ids.shape or a.lengths.shape != b.lengths.shape:
+        return False
+    wa, wb = a.weights, b.weights
+    if (wa is None) != (wb is None):
+        return False
+    same = torch.equal(a.ids.cpu(), b.ids.cpu()) and torch.equal(a.lengths.cpu(), b.lengths.cpu())
+    return same and (wa is None or wb is None or torch.equal(wa.cpu(), wb.cpu()))
 
 
 class HybridTables(nn.Module):
@@ -199,6 +233,98 @@ class HybridTables(nn.Module):
         # (replicated data parallel: its backward's collectives must still run).
         self.tie: torch.Tensor | None = None
         self.state_dict_tables = True  # False: state_dict() leaves the tables out
+        # The sparse pipeline (:meth:`set_pipelined`): store calls on a background thread.
+        self.pipeline: SparsePipeline | None = None
+        self._announced: tuple[KeyedJaggedIds, Plan] | None = None  # the next batch
+        self._ahead: _Ahead | None = None  # its pull, in flight
+
+    # ------------------------------------------------------------ the sparse pipeline
+
+    def set_pipelined(self, on: bool) -> None:
+        """Run the sparse step beside the dense compute (on) or in line with it (off).
+
+        On, a training step's store calls run on one background thread
+        (:class:`embedding.sparse_pipeline.SparsePipeline`), in order: the batch
+        announced by :meth:`prefetch` is deduplicated and pulled while this batch's dense
+        forward and backward run, and the backward's push is handed to the thread. The
+        rows a batch is pooled from are what the unpipelined step would pull: rows of
+        the announced batch that this worker pushed after its pull was sent are pulled
+        again once that push is applied (through a cache: served again, with its
+        read-bound check), so with one worker and bounds (0, 0) training is bit-exact
+        with the unpipelined run. Other workers' pushes during one step may land after
+        the pull, as they may after any pull of an asynchronous PS.
+
+        Needs a store shared by the ranks, or one rank: with per-rank replicas every push
+        is a collective (``allgatherv``), which must not run beside the dense allreduce.
+        """
+        if on and self.pipeline is None:
+            if self.group.size > 1 and not self.store_is_shared:
+                raise ValueError(
+                    f"hybrid tables {list(self.configs)}: the sparse pipeline needs a store "
+                    f"shared by the {self.group.size} ranks (or one rank); with per-rank "
+                    "replicas every push is a collective (allgatherv), which must not run "
+                    "beside the dense allreduce"
+                )
+            self.pipeline = SparsePipeline()
+        elif not on and self.pipeline is not None:
+            self._drop_ahead()
+            pipeline, self.pipeline = self.pipeline, None
+            self._announced = None
+            pipeline.close()
+
+    def _store_call(self, call):  # type: ignore[no-untyped-def]
+        """``call()`` in order with the pipeline's jobs (on its thread), or here without one."""
+        return call() if self.pipeline is None else self.pipeline.run(call)
+
+    def drain(self) -> None:
+        """Wait for every store call of the pipeline (raising a failed push's error)."""
+        if self.pipeline is not None:
+            self.pipeline.drain()
+
+    def _take_ahead(
+        self, kjt: KeyedJaggedIds, plan: Plan
+    ) -> tuple[list[_Group], list[list[torch.Tensor]]] | None:
+        """The pipelined dedup and rows of ``kjt`` when they were pulled ahead (None:
+        not announced, another batch, or it could not be pulled ahead), once every push
+        sent since has pulled the rows it changed again."""
+        ahead = self._ahead
+        if ahead is None or ahead.plan != plan or not _same_batch(ahead.kjt, kjt):
+            return None
+        self._ahead = None
+        assert self.pipeline is not None
+        got = ahead.future.result()  # an error of the pull itself is raised here
+        for fix in ahead.fixes:
+            fix.result()  # a failed push's error is raised here
+        self.pipeline.check()
+        return got
+
+    def _drop_ahead(self) -> None:
+        """Forget the pull ahead; its pushes' errors stay owed (raised by the next check)."""
+        if self._ahead is not None and self.pipeline is not None:
+            for fix in self._ahead.fixes:
+                self.pipeline.owe(fix)
+        self._ahead = None
+
+    def _pull_ahead(self) -> None:
+        """Send the announced batch's dedup and pull to the pipeline's thread."""
+        announced, self._announced = self._announced, None
+        if announced is None or self.pipeline is None:
+            return
+        kjt, plan = announced
+
+        def job() -> tuple[list[_Group], list[list[torch.Tensor]]] | None:
+            try:  # a bad batch is reported by its own forward, which checks it again
+                check_batch_ids(kjt, plan)
+                for cfg, feats in plan:
+                    check_weights(cfg, feats, kjt.weights is not None)
+            except (TypeError, ValueError, IndexError, KeyError):
+                return None
+            groups = [self._dedup(kjt, tabs) for tabs in _by_dim(plan)]
+            # one [U, D] per group: a push's rows are pulled again into it in one scatter
+            return groups, [[p[0] if len(p) == 1 else torch.cat(p)] for p in self._pull(groups)]
+
+        self._drop_ahead()  # an earlier one its batch never came for
+        self._ahead = _Ahead(kjt, plan, self.pipeline.submit(job), [])
 
     @property
     def device(self) -> torch.device:
@@ -215,6 +341,7 @@ class HybridTables(nn.Module):
     def flush(self) -> None:
         """Push this worker's pending updates to the store (a cache's ``flush``; nothing
         for a plain store), so a read of the store sees every update of this worker."""
+        self.drain()
         flush = getattr(self.store, "flush", None)
         if flush is not None:
             flush()
@@ -238,6 +365,8 @@ class HybridTables(nn.Module):
         (a cache flushes and empties itself; for a shared store this changes every
         worker's table). Not collective: see ``EmbeddingCollection.load``."""
         checked = self._check_parts(parts)
+        self.drain()
+        self._drop_ahead()  # pulled before the load: the old rows
         with tempfile.TemporaryDirectory(prefix="hybrid-tables-") as tmp:
             write_checkpoint(
                 Path(tmp) / "tables", [(spec, [part]) for spec, part in checked],
@@ -301,6 +430,9 @@ class HybridTables(nn.Module):
     def prefetch(self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]) -> None:
         """Hand each table's unique ids to the store's ``prefetch_many`` (a cache: they
         ride on the next batched pull), or else its ``prefetch``; nothing without one."""
+        if self.pipeline is not None and self.training and torch.is_grad_enabled():
+            self._announced = (kjt, tables)  # pulled ahead once this batch's rows are taken
+            return
         many = getattr(self.store, "prefetch_many", None)
         one = getattr(self.store, "prefetch", None)
         if many is None and one is None:
@@ -313,33 +445,35 @@ class HybridTables(nn.Module):
             ids = torch.cat([kjt.key_slice(f).ids for f in feats])
             check_ids(cfg, feats, [kjt.key_slice(f).ids for f in feats])
             requests.append(PullRequest(cfg.name, torch.unique(ids)))
-        if many is not None:
-            many(requests)
-        elif one is not None:
-            for r in requests:
-                one(r.table, r.ids)
+
+        def announce() -> None:
+            if many is not None:
+                many(requests)
+            elif one is not None:
+                for r in requests:
+                    one(r.table, r.ids)
+
+        self._store_call(announce)
 
     def forward(
         self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]
     ) -> dict[str, torch.Tensor]:
-        by_dim: dict[int, list[tuple[TableConfig, list[str]]]] = {}
         check_batch_ids(kjt, tables)  # one host sync on a GPU (bad ids raise here)
         for cfg, feats in tables:
             check_weights(cfg, feats, kjt.weights is not None)
-            by_dim.setdefault(cfg.dim, []).append((cfg, feats))
-        groups = [self._dedup(kjt, tabs) for tabs in by_dim.values()]
-        # One batched pull for every table of every group (one message per server).
-        requests = [
-            PullRequest(cfg.name, u)
-            for g in groups
-            for cfg, u in zip(g.tables, g.unique, strict=True)
-        ]
-        results = iter(self.store.pull_many(requests))
-        pulled = [[next(results).rows for _ in g.tables] for g in groups]  # [U_t, D] each
+        train = self.training and torch.is_grad_enabled()
+        got = self._take_ahead(kjt, tables) if train and self.pipeline is not None else None
+        if got is None:
+            groups = [self._dedup(kjt, tabs) for tabs in _by_dim(tables)]
+            pulled = self._store_call(lambda: self._pull(groups))
+        else:
+            groups, pulled = got
+        if train:
+            self._pull_ahead()  # the next batch's pull runs beside this batch's dense step
         rows = _rows_to_device(pulled, self.device)  # per group [U, D]
         shapes = [feature_sizes(kjt, g.features) for g in groups]  # (seq, sizes)
         splits = [sizes for _, sizes in shapes]  # every group has features
-        if self.training and torch.is_grad_enabled():
+        if train:
             parts = _HybridLookup.apply(self._anchor, self, groups, rows, splits)
         else:
             parts = tuple(
@@ -352,9 +486,19 @@ class HybridTables(nn.Module):
         for g, (seq, sizes) in zip(groups, shapes, strict=True):
             out.update(name_parts(parts[start : start + len(sizes)], kjt, g.features, seq))
             start += len(sizes)
-        train = self.training and torch.is_grad_enabled()
         self.tie = parts[0].sum() if train and parts and not out else None
         return out
+
+    def _pull(self, groups: list[_Group]) -> list[list[torch.Tensor]]:
+        """Every table of every group in ONE batched pull (one message per server):
+        per group, its tables' rows ``[U_t, D]``."""
+        requests = [
+            PullRequest(cfg.name, u)
+            for g in groups
+            for cfg, u in zip(g.tables, g.unique, strict=True)
+        ]
+        results = iter(self.store.pull_many(requests))
+        return [[next(results).rows for _ in g.tables] for g in groups]
 
     def _dedup(self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]) -> _Group:
         """One sort for every table of the group: ids are keyed ``(table, id)``.
@@ -400,6 +544,8 @@ class HybridTables(nn.Module):
             torch.arange(counts.numel(), device=perm.device), counts, output_size=perm.numel()
         )
         batch = GroupBatch(index, gb.offsets, gb.weights)
+        if packed:
+            return _Group(feats, cfgs, batch, perm, counts, unique, keys_cpu, starts)
         return _Group(feats, cfgs, batch, perm, counts, unique)
 
 
@@ -460,8 +606,16 @@ class _HybridLookup(torch.autograd.Function):
                 n = int(ids.numel())
                 grads[cfg.name] = (ids, sums[at : at + n])
                 at += n
-        _push(owner, grads)
+        _push(owner, grads, list(zip([g for g, _ in used], host, strict=True)))
         return None, None, None, None, None
+
+
+def _by_dim(tables: Plan) -> list[Plan]:
+    """The batch's tables grouped by ``dim`` (one lookup per group), in order."""
+    by_dim: dict[int, Plan] = {}
+    for cfg, feats in tables:
+        by_dim.setdefault(cfg.dim, []).append((cfg, feats))
+    return list(by_dim.values())
 
 
 def _row_gradients(
@@ -542,14 +696,114 @@ def _sums_to_store(sums: list[torch.Tensor], where: torch.device) -> list[torch.
     return out
 
 
-def _push(owner: HybridTables, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Push every table's ``(unique ids [U], row gradients [U, D])``, in table order.
+def _push(
+    owner: HybridTables,
+    grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    sums: list[tuple[_Group, torch.Tensor]],
+) -> None:
+    """Push every table's ``(unique ids [U], row gradients [U, D])``, in table order
+    (``sums``: the same per group, ``[U, D]`` where the store takes them).
 
     Shared store (or one rank): each rank pushes its own gradients divided by the
     group size. Replicated store: every table of the module (empty where this rank's
     batch lacked it) is gathered from all ranks, averaged and pushed, so every
     replica applies the identical update.
+
+    With the sparse pipeline the push runs on its thread, then pulls the rows it changed
+    that the batch pulled ahead uses again into that batch's rows (which waits for that).
     """
+    pipeline, ahead = owner.pipeline, owner._ahead
+    if pipeline is None:
+        _push_now(owner, grads)
+        return
+    if ahead is None:  # on the pipeline's thread; its error is raised later
+        pipeline.submit_owed(lambda: _push_now(owner, grads))
+        return
+
+    def push_then_pull_again() -> None:
+        _push_now(owner, grads)  # a bad gradient fails it before anything is applied
+        got = ahead.future.result()  # done: it ran before this job
+        if got is not None:
+            groups, pulled = got
+            used, places = _used_by(grads, sums, groups)
+            if used:
+                _pull_again(owner, pulled, used, places)
+
+    ahead.fixes.append(pipeline.submit(push_then_pull_again))
+
+
+def _used_by(
+    grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    sums: list[tuple[_Group, torch.Tensor]],
+    ahead: list[_Group],
+) -> tuple[dict[str, torch.Tensor], list[tuple[int, torch.Tensor]]]:
+    """The pushed ids (per table) that the batch pulled ahead (``ahead``, its groups)
+    uses, and where they sit in that batch's rows: per ahead group ``(group index,
+    positions [K])``, in the order of the tables and ids returned.
+
+    A pushed group of fixed tables that the ahead batch has with the same tables is
+    matched with one ``searchsorted`` over the packed keys (its tables' ids are views);
+    any other table with ``isin``."""
+    by_tables = {tuple(c.name for c in g.tables): k for k, g in enumerate(ahead)}
+    used: dict[str, torch.Tensor] = {}
+    places: list[tuple[int, torch.Tensor]] = []
+    done: set[str] = set()
+    for gp, _ in sums:
+        names = tuple(c.name for c in gp.tables)
+        k = by_tables.get(names)
+        ga = ahead[k] if k is not None else None
+        if ga is None or gp.keys is None or ga.keys is None or gp.bases != ga.bases:
+            continue  # table by table below
+        assert gp.bases is not None and k is not None
+        ka, kp = ga.keys, gp.keys  # [U_a], [U_p] packed, sorted
+        if ka.numel() == 0:
+            continue
+        pos = torch.searchsorted(ka, kp).clamp_(max=ka.numel() - 1)  # [U_p]
+        hit = torch.nonzero(ka[pos] == kp).squeeze(1)  # [K] pushed rows the batch uses
+        keys = kp[hit]  # [K]
+        places.append((k, pos[hit]))
+        cut = torch.searchsorted(keys, torch.tensor([*gp.bases, 1 << 62])).tolist()
+        for t, cfg in enumerate(gp.tables):
+            if cut[t + 1] > cut[t]:
+                used[cfg.name] = keys[cut[t] : cut[t + 1]] - gp.bases[t]
+        done.update(names)
+    for name, (ids, _) in grads.items():
+        where = next(
+            ((k, t) for k, g in enumerate(ahead) for t, c in enumerate(g.tables) if c.name == name),
+            None,
+        )
+        if name in done or where is None:
+            continue
+        k, t = where
+        mine = ahead[k].unique[t]  # [U_t] sorted
+        mask = torch.isin(ids, mine)
+        if bool(mask.any()):
+            used[name] = ids[mask]
+            offset = sum(int(u.numel()) for u in ahead[k].unique[:t])
+            places.append((k, offset + torch.searchsorted(mine, ids[mask])))
+    return used, places
+
+
+def _pull_again(
+    owner: HybridTables,
+    pulled: list[list[torch.Tensor]],
+    used: dict[str, torch.Tensor],
+    places: list[tuple[int, torch.Tensor]],
+) -> None:
+    """Pull the rows of ``used`` (table -> ids) again into the rows pulled ahead (in
+    place): ``pulled`` per group ONE ``[U, D]``, ``places`` the rows' positions there."""
+    fresh = owner.store.pull_many([PullRequest(n, ids) for n, ids in used.items()])
+    rows = torch.cat([r.rows for r in fresh]) if len(fresh) > 1 else fresh[0].rows  # [K, D]
+    at = 0
+    for k, pos in places:
+        n = int(pos.numel())
+        target = pulled[k][0]
+        target[pos.to(target.device)] = rows[at : at + n].to(target.device)
+        at += n
+
+
+def _push_now(owner: HybridTables, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """:func:`_push`'s store calls (on the pipeline's thread when there is one)."""
     group, store = owner.group, owner.store
     if group.size == 1 or owner.store_is_shared:
         scale = 1.0 / group.size

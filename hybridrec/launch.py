@@ -23,6 +23,8 @@ every rank with the numbers in the message.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +35,7 @@ import torch
 import comm
 from cache import CacheConfig, CachedStore
 from comm import ProcessGroup, Role, Topology
-from embedding import TableConfig
+from embedding import EmbeddingCollection, TableConfig
 from embedding.hybrid import store_is_replicated
 from hybridrec.memory_plan import MemoryPlan, cache_size_fitting, device_memory, plan_memory
 from hybridrec.tables import (  # noqa: F401 - re-exported: the jobs' launch helpers
@@ -211,8 +213,44 @@ def with_cache(
             f"{group.size} ranks each would cache its own replica (use --ps mpi or redis://, "
             "or one rank)"
         )
+    # One worker is its tables' only writer: rows it provably holds fresh (pushed at most
+    # read_bound times since their read) cost no request (CacheConfig.sole_writer).
+    config = dataclasses.replace(config, sole_writer=group.size == 1)
     # device None: the host cache, the CPU path unchanged
     return CachedStore(store, config, device=cache_device(cfg, device))
+
+
+# Launchers' variables for the ranks on this host: Open MPI, MPICH/Hydra, torchrun.
+_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE")
+
+
+def ranks_on_this_host() -> int:
+    """How many ranks of the job share this host (1 without a launcher that says)."""
+    for name in _LOCAL_SIZE_VARS:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def wants_sparse_pipeline(cfg: Any, embeddings: EmbeddingCollection, device: torch.device) -> bool:
+    """Whether ``--sparse-pipeline`` (``cfg.sparse_pipeline``) turns the pipelined
+    sparse step on for ``embeddings``. auto: hybrid tables over a store the ranks share
+    (or one rank), and a core free to run it beside the dense step -- a GPU worker (the
+    dense step runs on the GPU), or more cores than this host's ranks take for their torch
+    threads. Measured on 2 cores (``docs/cache.md``): with both cores computing the dense
+    step, the thread only slows it; with one free, the sparse step hides behind it."""
+    hybrid = embeddings.hybrid
+    if hybrid is None or cfg.sparse_pipeline == "off":
+        return False
+    if cfg.sparse_pipeline == "on":
+        return True  # set_sparse_pipeline refuses per-rank replicas, saying why
+    if hybrid.group.size > 1 and not hybrid.store_is_shared:
+        return False
+    if device.type == "cuda":
+        return True
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (cores or 1) > ranks_on_this_host() * torch.get_num_threads()
 
 
 def job_memory_plan(
@@ -428,4 +466,6 @@ __all__ = [
     "check_batch_size",
     "describe_roles",
     "prepare_tables",
+    "ranks_on_this_host",
+    "wants_sparse_pipeline",
 ]

@@ -44,6 +44,13 @@ class RunOptions:
         "host (records in host memory, as on a CPU worker) or auto (device on a GPU worker, "
         "host on a CPU worker)",
     )
+    sparse_pipeline: Literal["auto", "on", "off"] = option(
+        "auto",
+        help="pull the next batch's hybrid rows and push this batch's on a background thread "
+        "while the dense step runs: on, off, or auto (on where a core is free for it: a GPU "
+        "worker, or more cores than this host's ranks use for torch threads; off for per-rank "
+        "replicas, whose pushes are collectives)",
+    )
     # ---- dense data parallelism
     compression: str | None = option(
         None, help=f"gradient codec for the DataParallel allreduce: one of {', '.join(CODECS)}"

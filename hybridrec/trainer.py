@@ -467,7 +467,11 @@ class Trainer:
             pos: torch.Tensor | None = None
             mark = time.perf_counter()
             for (batch, pos), nxt in with_next(agreed(batches, group, cfg.lockstep), cfg.lookahead):
-                loss = self.step_fn(batch, None if nxt is None else nxt[0])
+                # No batch is announced before a checkpoint: what the step pulls ahead for
+                # it would be in the saved cache, and a resumed run pulls it again.
+                last = bool(cfg.max_steps) and step + 1 >= cfg.max_steps
+                saving = bool(cfg.checkpoint_dir) and (due(step + 1, cfg.checkpoint_every) or last)
+                loss = self.step_fn(batch, None if nxt is None or saving else nxt[0])
                 self.train_seconds += time.perf_counter() - mark
                 step, in_epoch = step + 1, in_epoch + 1
                 self._epoch_loss.add(loss)

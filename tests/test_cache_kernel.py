@@ -23,7 +23,7 @@ pytestmark = [
 ROWS, DIM = 300, 12
 
 
-KERNELS = ("update_rows", "serve_rows", "copy_clocks", "install_rows")
+KERNELS = ("update_rows", "serve_rows", "copy_clocks", "install_rows", "sole_writer_asks")
 
 
 def _run(
@@ -33,6 +33,7 @@ def _run(
     monkeypatch: pytest.MonkeyPatch,
     policy: str = "lfu",
     verify: bool = True,
+    sole: bool = False,
 ):
     for name in KERNELS:
         kernel = getattr(records, name)
@@ -48,6 +49,7 @@ def _run(
             local_lr=lr,
             policy=policy,
             verify_prefetched=verify,
+            sole_writer=sole,
             exact_staleness=not verify,
         ),  # fmt: skip
     )
@@ -97,6 +99,33 @@ def test_kernels_equal_numpy_paths_policies(
     for x, y in zip(a[2], b[2], strict=True):
         assert torch.equal(x, y)
     assert a[3] == b[3] and a[3]["hits"] > 0 and a[3]["prefetched"] > 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "tinylfu"])
+def test_kernels_equal_numpy_paths_sole_writer(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = _run(1, None, numpy_path=False, monkeypatch=monkeypatch, policy=policy, sole=True)
+    b = _run(1, None, numpy_path=True, monkeypatch=monkeypatch, policy=policy, sole=True)
+    for x, y in zip(a[0], b[0], strict=True):
+        assert torch.equal(x, y)
+    assert np.array_equal(a[1].view(np.int32), b[1].view(np.int32))
+    for x, y in zip(a[2], b[2], strict=True):
+        assert torch.equal(x, y)
+    assert a[3] == b[3] and a[3]["hits"] > 0
+
+
+def test_sole_writer_asks_misses_and_rows_past_the_bound() -> None:
+    d, w = 4, 32
+    slab = np.zeros((3, w), dtype=np.float32)
+    meta = slab[:, 2 * d : 2 * d + 16].view(np.int64)
+    meta[:, 0] = [10, 20, 30]  # CLOCK
+    meta[:, 1] = [0, 3, 2]  # OWN
+    slots = np.array([2, -1, 1, 0], dtype=np.int64)
+    got = records.sole_writer_asks(slab, d, slots, 2, -3)
+    assert got is not None
+    asked, clocks = got
+    assert asked.tolist() == [1, 2] and clocks.tolist() == [-3, 20]  # the miss, OWN 3 > 2
 
 
 def test_kernel_skips_uncached_and_reports_due_rows() -> None:

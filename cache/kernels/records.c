@@ -17,6 +17,26 @@ void hr_cache_clocks(int64_t n, int64_t d, int64_t w, const int64_t* slots,
     }
 }
 
+/* What a sole writer asks the PS about: the misses (slots[i] < 0) and the cached rows
+   this cache pushed more than `bound` times since their copy was read (with no other
+   writer the PS clock is exactly CLOCK + OWN, so the others are provably within the
+   bound). Their indices go to asked [n] and their copy clocks (fill for a miss) to
+   clock [n], in order; returns how many. */
+int64_t hr_cache_ask(int64_t n, int64_t d, int64_t w, const int64_t* slots,
+                     const float* slab, int64_t bound, int64_t fill, int64_t* asked,
+                     int64_t* clock) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (i + AHEAD < n && slots[i + AHEAD] >= 0)
+            __builtin_prefetch(META(slab, slots[i + AHEAD], d, w), 0, 0);
+        int64_t s = slots[i];
+        if (s >= 0 && META(slab, s, d, w)[OWN] <= bound) continue;
+        asked[k] = i;
+        clock[k++] = s < 0 ? fill : META(slab, s, d, w)[CLOCK];
+    }
+    return k;
+}
+
 /* Rows and clocks of the cached ids (slots[i] >= 0) into out_rows [n, d], out_clock [n].
    old[i] (NULL: none) marks the hits: their prefetch marks PF are counted in
    pf_counts[0] (fetched as a miss) / pf_counts[1] (refreshed) when made for batch

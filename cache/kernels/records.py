@@ -1,11 +1,14 @@
 """C kernels over the cache's slot records: one pass per batch, touching only the
 words each step needs (record layout in :mod:`cache.table_cache`).
 
-Four passes of a table's step, each over the batch's slots ``[S]`` (-1: not cached,
+The passes of a table's step, each over the batch's slots ``[S]`` (-1: not cached,
 skipped):
 
 * :func:`copy_clocks` (planning a pull): the ``CLOCK`` word of each record, 8 bytes
   instead of the whole ``[W]`` record numpy's gather would move;
+* :func:`sole_writer_asks` (planning a pull of a cache that is its tables' only
+  writer): the misses and the cached rows pushed more than ``s_r`` times since their
+  read, with their clocks, compacted in one pass (the other rows need no request);
 * :func:`serve_rows` (installing a served pull): the served row and clock of each
   cached id; for the hits, the prefetch marks (counted and cleared) and the own
   pushes since the read (the staleness lower bound); with LFU, ``FREQ += uses``;
@@ -56,6 +59,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.hr_cache_clocks.restype = None
     lib.hr_cache_clocks.argtypes = [i64, i64, i64, ptr, ptr, i64, ptr]
+    lib.hr_cache_ask.restype = i64
+    lib.hr_cache_ask.argtypes = [i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr]
     lib.hr_cache_serve.restype = None
     lib.hr_cache_serve.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int, i64]
     lib.hr_cache_serve.argtypes += [ptr] * 5
@@ -86,6 +91,24 @@ def copy_clocks(slab: np.ndarray, dim: int, slots: np.ndarray, fill: int) -> np.
         slots.size, dim, slab.shape[1], slots.ctypes.data, slab.ctypes.data, fill, out.ctypes.data
     )
     return out
+
+
+def sole_writer_asks(
+    slab: np.ndarray, dim: int, slots: np.ndarray, bound: int, fill: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(asked [A], clocks [A])``: the indices into ``slots`` int64 ``[S]`` of the
+    misses (-1) and of the records whose ``OWN > bound``, with their ``CLOCK``
+    (``fill`` for a miss), in order. None where the kernel is not available."""
+    lib = _library()
+    if lib is None or not _ok(slab, slots):
+        return None
+    asked = np.empty(slots.size, dtype=np.int64)
+    clocks = np.empty(slots.size, dtype=np.int64)
+    k = lib.hr_cache_ask(
+        slots.size, dim, slab.shape[1], slots.ctypes.data, slab.ctypes.data, bound, fill,
+        asked.ctypes.data, clocks.ctypes.data,
+    )  # fmt: skip
+    return asked[:k], clocks[:k]
 
 
 @functools.cache

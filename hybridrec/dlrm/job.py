@@ -47,6 +47,7 @@ from hybridrec.launch import (
     init_rows_on,
     job_memory_plan,
     torch_threads,
+    wants_sparse_pipeline,
     with_cache,
 )
 from hybridrec.memory_plan import MemoryPlan, dense_bytes
@@ -293,6 +294,9 @@ class DLRMJob:
         self.model, self.optimizer, self.cached = build(
             cfg, self.source, group, store, placements, self.device
         )
+        # The next batch's sparse step beside this batch's dense step, where it can pay.
+        embeddings = self.model.embeddings
+        embeddings.set_sparse_pipeline(wants_sparse_pipeline(cfg, embeddings, self.device))
         # Hybrid tables dedup and pull their ids on the host: those stay there (pinned).
         self.feed = DeviceBatches(self.device, sparse_on_host="hybrid" in placements.values())
         self.lockstep = self.model.embeddings.sharded is not None  # every rank in each forward
@@ -309,7 +313,9 @@ class DLRMJob:
                 f"validation AUC); {self.source.describe()} has none"
             )
         self.trainer = Trainer(
-            trainer_config(cfg, self.cached is not None, stream, select_best),
+            trainer_config(
+                cfg, self.cached is not None or embeddings.sparse_pipelined, stream, select_best
+            ),
             group=group, optimizer=opt, data=DeviceEpochData(self.source, self.feed),
             step=lambda batch, nxt: train_step(model, opt, batch, nxt, cfg.precision),
             dense=model.dense, embeddings=model.embeddings, evaluate=self.validate,
@@ -330,12 +336,14 @@ class DLRMJob:
             self.model, val, self.group, self.lockstep, self.feed, self.cfg.precision
         )
         row = {"val_auc": auc, "val_logloss": logloss}
+        self.model.embeddings.drain()  # the pipeline's pushes are in the counters
         if self.cached is not None:
             row["cache_hit_rate"] = cache_metrics(self.cached.cache_stats())["cache_hit_rate"]
         return row
 
     def extras(self) -> dict[str, float]:
         """Counters for the metrics file's step lines: cache or store traffic."""
+        self.model.embeddings.drain()  # no store call in flight while they are read
         if self.cached is not None:
             return cache_metrics(self.cached.cache_stats())
         if self.model.embeddings.hybrid is not None:
@@ -352,6 +360,7 @@ class DLRMJob:
 
     def close(self, run: TrainResult) -> dict[str, Any]:
         """Collective: test metrics and the summary, written to the metrics file; returns it."""
+        self.model.embeddings.set_sparse_pipeline(False)  # every push applied, thread gone
         if self.cached is not None:
             self.cached.flush()  # every pending row update reaches the store
         model = self.model

@@ -1,0 +1,176 @@
+"""The pipelined sparse step (``EmbeddingCollection.set_sparse_pipeline``): the next
+batch is pulled on a background thread while this batch's dense step runs.
+
+References: the same model trained without the pipeline. With one worker, a plain store
+or a cache at bounds (0, 0), the pipelined run must be bit-exact with it: every row a
+batch is pooled from equals the row the unpipelined step pulls (rows pushed after the
+pull ahead are pulled again), the same pushes reach the store in the same order, and
+both sides run the same kernels on the same tensors. At bounds (4, 4) the cache's exact
+staleness histogram shows the read bound still holds. Errors of the background thread
+surface in the step that needs them, naming the table, with nothing applied."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cache
+import ps
+from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
+from multiproc import run_ranks
+from tolerance import assert_same
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.numerics]
+
+DIM = 8
+SAME = (
+    "one worker: the pipelined step pools the rows the unpipelined step pulls and pushes "
+    "the same sums in the same order, through the same kernels"
+)
+
+
+class _Tiny(nn.Module):
+    """Two hybrid tables (one feature, and two features sharing a table), a linear top."""
+
+    def __init__(self, store: ps.Store, opt: ps.Optimizer) -> None:
+        super().__init__()
+        tables = [
+            TableConfig(name="user", num_rows=300, dim=DIM, feature_names=["user"],
+                        optimizer=opt, placement="hybrid"),
+            TableConfig(name="item", num_rows=500, dim=DIM, feature_names=["item", "hist"],
+                        optimizer=opt, placement="hybrid"),
+        ]  # fmt: skip
+        self.emb = EmbeddingCollection(tables, store=store)
+        torch.manual_seed(0)
+        self.top = nn.Linear(3 * DIM, 1)
+
+    def forward(self, kjt: KeyedJaggedIds) -> torch.Tensor:
+        pooled = self.emb(kjt)
+        return self.top(torch.cat([pooled[k] for k in kjt.keys], dim=1)).squeeze(1)
+
+
+def _batch(g: torch.Generator, b: int = 32) -> tuple[KeyedJaggedIds, torch.Tensor]:
+    user = (torch.randint(1, 60, (b,), generator=g) ** 1.5).long() % 300
+    item = (torch.randint(1, 80, (b,), generator=g) ** 1.4).long() % 500
+    hist_len = torch.randint(0, 4, (b,), generator=g)
+    hist = (torch.randint(1, 80, (int(hist_len.sum()),), generator=g) ** 1.4).long() % 500
+    ids = torch.cat([user, item, hist])
+    ones = torch.ones(b, dtype=torch.int64)
+    kjt = KeyedJaggedIds(["user", "item", "hist"], ids, torch.cat([ones, ones, hist_len]))
+    return kjt, torch.randint(0, 2, (b,), generator=g).float()
+
+
+def _train(model: _Tiny, pipelined: bool, steps: int = 24) -> list[torch.Tensor]:
+    """The trainer's step order: announce the next batch, forward, backward, step."""
+    model.emb.set_sparse_pipeline(pipelined)
+    opt = torch.optim.SGD(model.top.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    batches = [_batch(g) for _ in range(steps + 1)]
+    losses = []
+    for step in range(steps):
+        kjt, labels = batches[step]
+        model.emb.prefetch(batches[step + 1][0])
+        loss = F.binary_cross_entropy_with_logits(model(kjt), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    model.emb.hybrid.flush()  # type: ignore[union-attr]
+    return losses
+
+
+def _tables(store: ps.Store) -> list[torch.Tensor]:
+    out = []
+    for name, rows in (("user", 300), ("item", 500)):
+        every = torch.arange(rows)
+        out += [store.pull(name, every).rows, store.clocks(name, every), store.state(name, every)]
+    return out
+
+
+OPTS = {"sgd": ps.SGD(lr=0.1, momentum=0.9), "adam": ps.Adam(lr=0.01)}
+
+
+def _store(kind: str) -> ps.Store:
+    if kind == "plain":
+        return ps.InProcessStore()
+    cfg = cache.CacheConfig(capacity_fraction=0.1, policy="lfu", sole_writer=kind == "sole")
+    return cache.CachedStore(ps.InProcessStore(), cfg)
+
+
+def _backing(store: ps.Store) -> ps.Store:
+    return store.inner if isinstance(store, cache.CachedStore) else store
+
+
+@pytest.mark.parametrize("opt", list(OPTS))
+@pytest.mark.parametrize("kind", ["plain", "cache", "sole"])
+def test_pipelined_is_bit_exact_with_one_worker(opt: str, kind: str) -> None:
+    runs = []
+    for pipelined in (False, True):
+        store = _store(kind)
+        model = _Tiny(store, OPTS[opt])
+        losses = _train(model, pipelined)
+        runs.append((losses, _tables(_backing(store)), model.top.weight.detach().clone()))
+        if pipelined:
+            assert model.emb.sparse_pipelined
+            model.emb.set_sparse_pipeline(False)
+    (la, ta, wa), (lb, tb, wb) = runs
+    for step, (x, y) in enumerate(zip(lb, la, strict=True)):
+        assert_same(x, y, what=f"step {step} loss", why=SAME)
+    for x, y in zip(tb, ta, strict=True):
+        assert_same(x, y, what="final table", why=SAME)
+    assert_same(wb, wa, what="top weight", why=SAME)
+
+
+def test_pipelined_cache_keeps_the_read_bound() -> None:
+    """Bounds (4, 4), exact staleness: no row is served more than 4 updates behind."""
+    cfg = cache.CacheConfig(
+        capacity_fraction=0.2, read_bound=4, write_bound=4, exact_staleness=True
+    )
+    store = cache.CachedStore(ps.InProcessStore(), cfg)
+    model = _Tiny(store, ps.SGD(lr=0.1))
+    _train(model, True, steps=40)
+    stats = store.cache_stats()
+    for name in ("user", "item"):
+        served = stats[name]["staleness_served"]
+        assert max(served) <= 4 and stats[name]["hits"] > 0, served
+
+
+def test_background_push_error_surfaces_in_the_next_step_naming_the_table() -> None:
+    store = ps.InProcessStore()
+    model = _Tiny(store, ps.SGD(lr=0.1))
+    model.emb.set_sparse_pipeline(True)
+    g = torch.Generator().manual_seed(2)
+    batches = [_batch(g) for _ in range(3)]
+    kjt, labels = batches[0]
+    model.emb.prefetch(batches[1][0])
+    loss = F.binary_cross_entropy_with_logits(model(kjt), labels)
+    model.top.weight.data[0, 0] = float("nan")  # the pooled rows' gradient becomes NaN
+    before = _tables(store)
+    loss = F.binary_cross_entropy_with_logits(model(kjt), labels)  # not the announced batch
+    loss.backward()  # the push goes to the thread and fails there
+    with pytest.raises(ValueError, match=r"'(user|item)'.*(NaN|finite)"):
+        model.emb.prefetch(batches[2][0])
+        model(batches[1][0])
+    after = _tables(store)
+    for x, y in zip(after, before, strict=True):
+        assert torch.equal(x, y)  # nothing of the bad push was applied
+    model.emb.set_sparse_pipeline(False)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("workers", [1, 2, 4])
+@pytest.mark.parametrize("cached", [False, True], ids=["store", "cache"])
+def test_pipelined_workers_over_mpi_lose_nothing(workers: int, cached: bool) -> None:
+    """``tests/ranks/sparse_pipeline_mpi.py``: exact sums after the background pushes of
+    1, 2 and 4 workers over a real MPI server rank; replicas refused."""
+    args = ["--cache"] if cached else []
+    outs = run_ranks("sparse_pipeline_mpi.py", workers + 1, "mpi", args, timeout=130)
+    text = "\n".join(outs)
+    assert sorted(int(r) for r in re.findall(r"rank (\d+): ok worker", text)) == list(
+        range(workers)
+    ), outs
+    assert f"rank {workers}: ok server" in text, outs
