@@ -97,15 +97,19 @@ class TableGroup:
 
     def split_push(self, ids: torch.Tensor, grads: torch.Tensor) -> list[PushRequest]:
         """Per-table pushes of packed ``ids`` ``[P]`` and ``grads`` ``[P, D]`` (any order;
-        each table's rows keep their order)."""
+        each table's rows keep their order). One stable sort by table (none when the ids
+        come table by table already), then each table's run is a slice."""
         packed = ids.numpy()
         table = np.searchsorted(self.bases, packed, side="right") - 1  # [P]
-        out = []
-        for i in np.unique(table).tolist():
-            sel = torch.from_numpy(np.flatnonzero(table == i))
-            own = ids.index_select(0, sel) - int(self.bases[i])
-            out.append(PushRequest(self.names[i], own, grads.index_select(0, sel)))
-        return out
+        if table.size > 1 and not bool((table[1:] >= table[:-1]).all()):
+            order = torch.from_numpy(np.argsort(table, kind="stable"))
+            ids, grads, table = ids[order], grads.index_select(0, order), table[order.numpy()]
+        cuts = np.searchsorted(table, np.arange(len(self.names) + 1))  # [k + 1]
+        return [
+            PushRequest(self.names[i], ids[a:b] - int(self.bases[i]), grads[a:b])
+            for i, (a, b) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True))
+            if b > a
+        ]
 
 
 class GroupClocks:
