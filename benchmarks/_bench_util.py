@@ -1,9 +1,13 @@
-"""Helpers shared by the parameter-server benchmarks: Zipf id batches, a timer."""
+"""Helpers shared by the benchmarks: Zipf id batches, a timer, a CPU job beside a bench."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -76,3 +80,33 @@ def time_call(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+# What --under-load runs beside a bench: another user's CPU job, two torch threads of
+# matrix products (it never finishes by itself; the context manager stops it).
+_LOAD = """
+import torch
+torch.set_num_threads({threads})
+a = torch.randn(512, 512)
+while True:
+    a = torch.tanh(a @ a)
+"""
+
+
+@contextlib.contextmanager
+def cpu_load(threads: int = 2) -> Iterator[None]:
+    """A ``threads``-thread CPU job in another process for the block (started, given a
+    moment to spin up, always killed)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LOAD.format(threads=threads)], env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        time.sleep(1.0)
+        if proc.poll() is not None:
+            raise RuntimeError(f"the --under-load CPU job exited at once (code {proc.returncode})")
+        yield
+    finally:
+        proc.kill()
+        proc.wait()

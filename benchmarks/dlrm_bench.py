@@ -33,7 +33,9 @@ split into embedding forward / dense forward / dense backward / embedding backwa
 dense optimizer, summed into each step's sparse part (the embeddings' forward and
 backward) and dense part (``sparse_dense_ms_per_step``). Targets beside TorchRec's:
 ``hybrid_cache_vs_local`` (hybrid behind the cache / local samples/s, 0.95) and
-``hybrid_vs_local`` (hybrid without a cache / local, 0.97). ``--clock cpu --threads 1``
+``hybrid_vs_local`` (hybrid without a cache / local, 0.97). ``--under-load`` times the windows again beside a 2-thread CPU job in another process
+(another user's training run) and reports how much of each hybrid ratio it keeps
+(``*_kept_under_load``: under load / quiet, target within 25 % of 1). ``--clock cpu --threads 1``
 counts process CPU time instead of wall time, for rough ratios on a machine shared with
 other jobs.
 """
@@ -48,6 +50,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -493,6 +496,12 @@ def time_windows(
 # ------------------------------------------------------------------ main
 
 
+def within(value: float | None, band: float, note: str) -> dict[str, Any]:
+    """A ratio that should stay within ``band`` of 1 (either way)."""
+    ok = value is not None and abs(value - 1.0) <= band
+    return {"value": value, "target": f"1 +- {band}", "met": ok, "note": note}
+
+
 def ratio_target(value: float | None, target: float, note: str | None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "value": None if value is None else round(value, 3),
@@ -509,6 +518,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="small sizes, < 60 s (smoke test)")
+    p.add_argument(
+        "--under-load",
+        action="store_true",
+        help="then time the windows again beside a 2-thread CPU job (another user's): "
+        "the hybrid ratios under load against the quiet ones",
+    )
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
     p.add_argument("--batch", type=int)
     p.add_argument("--rows", type=int)
@@ -558,6 +573,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for v in variants:
         v.clock = time.process_time if args.clock == "cpu" else time.perf_counter
     per_step = time_windows(variants, cfg, log)
+    loaded: dict[str, list[float]] = {}
+    if args.under_load:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from _bench_util import cpu_load
+
+        log("under load: the same windows beside a 2-thread CPU job")
+        with cpu_load(threads=2):
+            loaded = time_windows(variants, cfg, log)
     n_parts = (1 if args.quick else 5) if args.parts is None else args.parts
     parts = measure_parts(variants, n_parts) if n_parts else {}
     # Each variant's step split into its sparse part (the embeddings' forward and
@@ -598,6 +621,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         say = f"{pick} ({free} beside {cfg.threads} threads)"
         return say + (f"; {other}: {alt:.3f}" if alt is not None else "")
 
+    under_load: dict[str, Any] = {}
+    if loaded:
+        ms_l = {n: statistics.median(x) * 1e3 for n, x in loaded.items()}
+        sps_l = {n: cfg.batch / (m / 1e3) for n, m in ms_l.items()}
+        for key, pick in (("hybrid_cache_vs_local", cached_pick), ("hybrid_vs_local", plain_pick)):
+            quiet, busy = over(pick, "local", sps), over(pick, "local", sps_l)
+            under_load[key] = {"quiet": _round(quiet), "under_load": _round(busy)}
+            kept = busy / quiet if quiet and busy else None
+            under_load[key]["kept"] = _round(kept)
+        under_load["ms_per_step"] = {n: round(v, 2) for n, v in ms_l.items()}
+
     result = {
         "bench": "dlrm",
         "machine": {"cpus": cfg.threads, "torch": torch.__version__, "clock": args.clock},
@@ -625,6 +659,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "ms_per_step": {n: round(v, 2) for n, v in ms.items()},
             "local_vs_pytorch": _round(over("local", "pytorch", sps)),
             **({"parts_ms_per_step": parts, "sparse_dense_ms_per_step": split} if parts else {}),
+            **({"under_load": under_load} if under_load else {}),
         },
         "targets": {
             "local_vs_torchrec": ratio_target(
@@ -642,6 +677,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "hybrid_vs_local": ratio_target(
                 over(plain_pick, "local", sps), 0.97, pick_note(plain_pick, "hybrid_nocache")
             ),
+            **{
+                f"{key}_kept_under_load": within(
+                    under_load[key]["kept"], 0.25, f"under load / quiet, {under_load[key]}"
+                )
+                for key in ("hybrid_cache_vs_local", "hybrid_vs_local")
+                if key in under_load
+            },
         },
     }
     print(json.dumps(result), flush=True)
