@@ -33,11 +33,13 @@ split into embedding forward / dense forward / dense backward / embedding backwa
 dense optimizer, summed into each step's sparse part (the embeddings' forward and
 backward) and dense part (``sparse_dense_ms_per_step``). Targets beside TorchRec's:
 ``hybrid_cache_vs_local`` (hybrid behind the cache / local samples/s, 0.95) and
-``hybrid_vs_local`` (hybrid without a cache / local, 0.97). ``--under-load`` times the windows again beside a 2-thread CPU job in another process
-(another user's training run) and reports how much of each hybrid ratio it keeps
-(``*_kept_under_load``: under load / quiet, target within 25 % of 1). ``--clock cpu --threads 1``
-counts process CPU time instead of wall time, for rough ratios on a machine shared with
-other jobs.
+``hybrid_vs_local`` (hybrid without a cache / local, 0.97), each taken from the variant
+``--sparse-pipeline auto`` would run here (pipelined when a core is free beside
+``--threads``). ``--under-load`` times the windows again beside a 2-thread CPU job in
+another process (another user's training run) and reports how much of each hybrid ratio
+it keeps (``*_kept_under_load``: under load / quiet, target within 25 % of 1).
+``--clock cpu --threads 1`` counts process CPU time instead of wall time, for rough
+ratios on a machine shared with other jobs.
 """
 
 from __future__ import annotations
