@@ -738,8 +738,8 @@ def _used_by(
     ahead: list[_Group],
 ) -> tuple[dict[str, torch.Tensor], list[tuple[int, torch.Tensor]]]:
     """The pushed ids (per table) that the batch pulled ahead (``ahead``, its groups)
-    uses, and where they sit in that batch's rows: per ahead group ``(group index,
-    positions [K])``, in the order of the tables and ids returned.
+    uses, and where they sit in that batch's rows: per table returned, in order,
+    ``(group index, positions [K_t])`` into that group's ``[U, D]``.
 
     A pushed group of fixed tables that the ahead batch has with the same tables is
     matched with one ``searchsorted`` over the packed keys (its tables' ids are views);
@@ -760,12 +760,12 @@ def _used_by(
             continue
         pos = torch.searchsorted(ka, kp).clamp_(max=ka.numel() - 1)  # [U_p]
         hit = torch.nonzero(ka[pos] == kp).squeeze(1)  # [K] pushed rows the batch uses
-        keys = kp[hit]  # [K]
-        places.append((k, pos[hit]))
+        keys, at = kp[hit], pos[hit]  # [K] each
         cut = torch.searchsorted(keys, torch.tensor([*gp.bases, 1 << 62])).tolist()
         for t, cfg in enumerate(gp.tables):
             if cut[t + 1] > cut[t]:
                 used[cfg.name] = keys[cut[t] : cut[t + 1]] - gp.bases[t]
+                places.append((k, at[cut[t] : cut[t + 1]]))
         done.update(names)
     for name, (ids, _) in grads.items():
         where = next(
@@ -791,15 +791,12 @@ def _pull_again(
     places: list[tuple[int, torch.Tensor]],
 ) -> None:
     """Pull the rows of ``used`` (table -> ids) again into the rows pulled ahead (in
-    place): ``pulled`` per group ONE ``[U, D]``, ``places`` the rows' positions there."""
+    place): ``pulled`` per group ONE ``[U, D]``, ``places`` per table of ``used`` its
+    rows' group and positions there."""
     fresh = owner.store.pull_many([PullRequest(n, ids) for n, ids in used.items()])
-    rows = torch.cat([r.rows for r in fresh]) if len(fresh) > 1 else fresh[0].rows  # [K, D]
-    at = 0
-    for k, pos in places:
-        n = int(pos.numel())
-        target = pulled[k][0]
-        target[pos.to(target.device)] = rows[at : at + n].to(target.device)
-        at += n
+    for (k, pos), got in zip(places, fresh, strict=True):
+        target = pulled[k][0]  # [U, D] of group k
+        target[pos.to(target.device)] = got.rows.to(target.device)
 
 
 def _push_now(owner: HybridTables, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:

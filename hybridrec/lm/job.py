@@ -55,6 +55,7 @@ from hybridrec.launch import (
     init_rows_on,
     job_memory_plan,
     torch_threads,
+    wants_sparse_pipeline,
     with_cache,
 )
 from hybridrec.lm.config import LMConfig
@@ -241,6 +242,15 @@ class LMJob:
                 tables, store=self.store, group=par.tables, device=device
             )
         self.model = LanguageModel(embeddings, trained, self.ngrams)
+        # The next batch's sparse step beside this one's dense step, where it can pay (not
+        # under --pp: the stages' micro-batches look their rows up inside the schedule).
+        pipelined = (
+            embeddings is not None
+            and self.dense.pipeline is None
+            and wants_sparse_pipeline(cfg, embeddings, device)
+        )
+        if embeddings is not None:
+            embeddings.set_sparse_pipeline(pipelined)
         self.say(
             f"GPT {cfg.n_layer}x{cfg.d_model} ({dense_parameters} dense parameters) + token "
             f"table {vocab}x{cfg.d_model} ({cfg.placement}, {cfg.emb_optimizer})"
@@ -268,12 +278,16 @@ class LMJob:
                 epoch_rows=False, checkpoint_dir=cfg.checkpoint_dir,
                 checkpoint_every=cfg.checkpoint_every, checkpoint_keep=cfg.checkpoint_keep,
                 resume=cfg.resume, metrics_out=cfg.metrics_out, progress=cfg.progress,
-                verbose=cfg.verbose,
+                verbose=cfg.verbose, lookahead=pipelined,
             ),
             group=group, optimizer=self.optimizer,
             data=DeviceEpochData(Windows(splits.train, cfg, par.dp), self.feed),
             step=(
-                plain_step(self.model, par.loss, self.optimizer, forward_context=forward)
+                plain_step(
+                    self.model, par.loss, self.optimizer,
+                    prefetch=(lambda nxt: self.model.prefetch(nxt[0])) if pipelined else None,
+                    forward_context=forward,
+                )  # fmt: skip
                 if self.dense.pipeline is None
                 else pipeline_step(self.model, self.dense, par, cfg.zero_stage)
             ),
@@ -316,6 +330,8 @@ class LMJob:
         """Counters for the metrics file's step lines: n-gram rows of the last batch
         (this rank), and the cache's or the store's traffic."""
         row: dict[str, float] = {}
+        if self.model.embeddings is not None:
+            self.model.embeddings.drain()  # no store call in flight while they are read
         if self.ngrams is not None:
             row["ngram_rows"] = float(self.model.ngram_rows)
         if self.cached is not None:
@@ -336,6 +352,8 @@ class LMJob:
 
     def validate(self) -> dict[str, Any]:
         """Validation loss (nats per token) and perplexity (collective)."""
+        if self.model.embeddings is not None:
+            self.model.embeddings.drain()
         before = self.ngram_traffic()
         model, par = self.model, self.par
         if self.dense.pipeline is None:
@@ -367,6 +385,8 @@ class LMJob:
     def close(self, run: TrainResult) -> dict[str, Any]:
         """The summary (this run's rates), written to the metrics file; returns it."""
         cfg, evals = self.cfg, run.evals
+        if self.model.embeddings is not None:
+            self.model.embeddings.set_sparse_pipeline(False)  # every push applied, thread gone
         if self.cached is not None:
             self.cached.flush()
         tokens_per_s = run.samples_per_s * cfg.block_size  # this run's steps only

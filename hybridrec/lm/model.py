@@ -58,6 +58,12 @@ class LanguageModel(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.gpt(self.embed(idx))  # [B, T, V] (or the tp rank's [B, T, V / tp])
 
+    def prefetch(self, idx: torch.Tensor) -> None:
+        """Announce the next batch's token ids ``[B, T]`` to the input tables (a cache or
+        the sparse pipeline pulls their rows ahead)."""
+        if self.embeddings is not None:
+            self.embeddings.prefetch(input_batch(input_ids(idx, self.ngrams)))
+
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """The input vectors ``[B, T, D]`` of token ids ``[B, T]`` (counting the distinct
         n-gram rows of a training batch)."""
@@ -83,11 +89,17 @@ def embed_ids(
     """The input vectors ``[B, T, D]``: token rows plus the n-gram rows. Every window is
     one sample with exactly ``T`` ids per feature, returned unpooled (``pooling="none"``);
     all features go through the collection in one batch (one dedup, one pull per store)."""
+    out = tables(input_batch(features))  # {feature: [B, T, width]}
+    return out[TOKENS] if ngrams is None else out[TOKENS] + ngrams.combine(out)
+
+
+def input_batch(features: dict[str, torch.Tensor]) -> KeyedJaggedIds:
+    """The collection's batch of ``{feature: [B, T]}`` ids: every window one sample with
+    exactly ``T`` ids per feature, feature-major."""
     b, t = features[TOKENS].shape
     lengths = torch.full((b * len(features),), t, dtype=torch.int64)  # [F * B]: T ids each
-    ids = torch.cat([v.reshape(-1) for v in features.values()])  # [F * B * T], feature-major
-    out = tables(KeyedJaggedIds(list(features), ids, lengths))  # {feature: [B, T, width]}
-    return out[TOKENS] if ngrams is None else out[TOKENS] + ngrams.combine(out)
+    ids = torch.cat([v.reshape(-1) for v in features.values()])  # [F * B * T]
+    return KeyedJaggedIds(list(features), ids, lengths)
 
 
 def embed_tokens(
