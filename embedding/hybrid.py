@@ -281,6 +281,12 @@ class HybridTables(nn.Module):
         if self.pipeline is not None:
             self.pipeline.drain()
 
+    def settle(self) -> None:
+        """:meth:`drain`, and drop the rows pulled ahead: before the store is read or
+        written directly (a save, a load: the next batch then pulls in line)."""
+        self._drop_ahead()
+        self.drain()
+
     def _take_ahead(
         self, kjt: KeyedJaggedIds, plan: Plan
     ) -> tuple[list[_Group], list[list[torch.Tensor]]] | None:
@@ -340,8 +346,9 @@ class HybridTables(nn.Module):
 
     def flush(self) -> None:
         """Push this worker's pending updates to the store (a cache's ``flush``; nothing
-        for a plain store), so a read of the store sees every update of this worker."""
-        self.drain()
+        for a plain store), so a read of the store sees every update of this worker.
+        With the sparse pipeline: its calls are done first, the rows pulled ahead dropped."""
+        self.settle()
         flush = getattr(self.store, "flush", None)
         if flush is not None:
             flush()
@@ -365,8 +372,7 @@ class HybridTables(nn.Module):
         (a cache flushes and empties itself; for a shared store this changes every
         worker's table). Not collective: see ``EmbeddingCollection.load``."""
         checked = self._check_parts(parts)
-        self.drain()
-        self._drop_ahead()  # pulled before the load: the old rows
+        self.settle()  # the rows pulled ahead are the old ones
         with tempfile.TemporaryDirectory(prefix="hybrid-tables-") as tmp:
             write_checkpoint(
                 Path(tmp) / "tables", [(spec, [part]) for spec, part in checked],

@@ -137,6 +137,13 @@ class ModelParts:
             if c.hybrid is not None and c.hybrid.store_is_shared
         }
 
+    def settle(self) -> None:
+        """Every collection's sparse pipeline drained and its pull ahead dropped (a
+        load replaces the rows it read)."""
+        for c in self.collections.values():
+            if c.hybrid is not None:
+                c.hybrid.settle()
+
     def caches(self) -> list[CachedStore]:
         """The distinct caches in front of hybrid tables, in collection order."""
         seen: dict[int, CachedStore] = {}
@@ -250,6 +257,7 @@ def write_model(
     every rank sees (see the module docstring for the layout). Raises on every rank if
     any rank failed."""
     parts = ModelParts.of(model)
+    parts.settle()  # no store call of a sparse pipeline in flight while the stores are read
     caches = parts.caches()
     cache_states = [c.cache_state() for c in caches]  # flushes: pending rows reach the store
     # collective: the global optimizer state, and the gathered weights of a ZeRO-3 module
@@ -417,6 +425,7 @@ def load_model(
         error = e
     agree(group, error, f"checking {folder}")
     try:
+        parts.settle()  # a sparse pipeline's pushes applied, its rows pulled ahead dropped
         for cache in parts.caches():
             cache.flush()  # no update of the old state may reach the store after the load
         _load_local(folder, model, parts, saved, optimizer)

@@ -174,3 +174,26 @@ def test_pipelined_workers_over_mpi_lose_nothing(workers: int, cached: bool) -> 
         range(workers)
     ), outs
     assert f"rank {workers}: ok server" in text, outs
+
+
+def test_load_while_a_batch_is_pulled_ahead_serves_the_loaded_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A load replaces the rows a pull ahead read: the next forward must pool the loaded
+    rows (the same as a model that never pipelined loading the same checkpoint)."""
+    g = torch.Generator().manual_seed(3)
+    batches = [_batch(g) for _ in range(6)]
+    model = _Tiny(ps.InProcessStore(), ps.SGD(lr=0.1))
+    model.emb.set_sparse_pipeline(True)
+    for step in range(5):
+        kjt, labels = batches[step]
+        model.emb.prefetch(batches[step + 1][0])
+        F.binary_cross_entropy_with_logits(model(kjt), labels).backward()
+        if step == 1:
+            model.emb.save(tmp_path / "ckpt")
+    model.emb.load(tmp_path / "ckpt")  # batch 5 was pulled ahead before this
+    got = model.emb(batches[5][0])
+    ref = _Tiny(ps.InProcessStore(), ps.SGD(lr=0.1))
+    ref.emb.load(tmp_path / "ckpt")
+    want = ref.emb(batches[5][0])
+    for key in want:
+        assert_same(got[key], want[key], what=f"pooled {key}", why="the same loaded rows")
+    model.emb.set_sparse_pipeline(False)
