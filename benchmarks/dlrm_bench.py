@@ -275,6 +275,7 @@ class HybridrecVariant(Variant):
                     read_bound=cfg.read_bound,
                     write_bound=cfg.write_bound,
                     sole_writer=True,  # one worker, as hybridrec.launch.with_cache sets it
+                    group_tables=True,  # the jobs' default (--cache-groups)
                 ),
             )
         self.embeddings = EmbeddingCollection(tables, store=store)
