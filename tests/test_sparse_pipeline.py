@@ -22,6 +22,7 @@ import cache
 import ps
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
 from multiproc import run_ranks
+from redis_server import redis_server
 from tolerance import assert_same
 
 # The one-process comparisons rerun under each ATEN_CPU_CAPABILITY (numerics); the
@@ -202,3 +203,27 @@ def test_load_while_a_batch_is_pulled_ahead_serves_the_loaded_rows(tmp_path) -> 
     for key in want:
         assert_same(got[key], want[key], what=f"pooled {key}", why="the same loaded rows")
     model.emb.set_sparse_pipeline(False)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["store", "cache"])
+def test_pipelined_over_redis_is_bit_exact_with_one_worker(cached: bool) -> None:
+    """A real redis-server: the pipeline's thread is the only one talking to Redis, and
+    one worker's pipelined run equals the unpipelined one (bounds (0, 0) through a cache)."""
+    runs = []
+    with redis_server() as srv:
+        for k, pipelined in enumerate((False, True)):
+            redis = ps.RedisStore(srv.url, prefix=f"run{k}")
+            store: ps.Store = redis
+            if cached:
+                cfg = cache.CacheConfig(capacity_fraction=0.1, sole_writer=True)
+                store = cache.CachedStore(redis, cfg)
+            model = _Tiny(store, ps.SGD(lr=0.1, momentum=0.9))
+            losses = _train(model, pipelined, steps=12)
+            runs.append((losses, _tables(redis)))
+            model.emb.set_sparse_pipeline(False)
+            redis.close()
+    (la, ta), (lb, tb) = runs
+    for step, (x, y) in enumerate(zip(lb, la, strict=True)):
+        assert_same(x, y, what=f"step {step} loss", why=SAME)
+    for x, y in zip(tb, ta, strict=True):
+        assert_same(x, y, what="final table", why=SAME)
