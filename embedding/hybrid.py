@@ -317,15 +317,18 @@ class HybridTables(nn.Module):
         if announced is None or self.pipeline is None:
             return
         kjt, plan = announced
+        # Deduplicated where the forward pools (a GPU worker's batch was announced on the
+        # host): the groups' index tensors must be on the rows' device.
+        here = kjt if kjt.ids.device == self.device else kjt.to(self.device)
 
         def job() -> tuple[list[_Group], list[list[torch.Tensor]]] | None:
             try:  # a bad batch is reported by its own forward, which checks it again
-                check_batch_ids(kjt, plan)
+                check_batch_ids(here, plan)
                 for cfg, feats in plan:
-                    check_weights(cfg, feats, kjt.weights is not None)
+                    check_weights(cfg, feats, here.weights is not None)
             except (TypeError, ValueError, IndexError, KeyError):
                 return None
-            groups = [self._dedup(kjt, tabs) for tabs in _by_dim(plan)]
+            groups = [self._dedup(here, tabs) for tabs in _by_dim(plan)]
             # one [U, D] per group: a push's rows are pulled again into it in one scatter
             return groups, [[p[0] if len(p) == 1 else torch.cat(p)] for p in self._pull(groups)]
 
