@@ -616,6 +616,10 @@ class RedisStore(Store):
         """One table's pull: its commands (one per bucket call) and the function that
         decodes their replies into the :class:`PullResult` (checking the markers)."""
         t, ids, caller, bound = p.t, p.ids, p.caller, p.bound
+        if caller is not None and bound is not None and ids.numel() > 0:
+            always = (caller + bound) < 0  # [N] returned whatever the stored clock (>= 0)
+            if bool(always.any()):
+                return self._split_bounded(p, always, step, epoch)
         n = int(ids.shape[0])
         order, calls = self._split(t, ids)
         sorted_ids = ids[order].numpy().astype("<i8")  # [N] bucket-sorted
@@ -672,6 +676,37 @@ class RedisStore(Store):
             return result
 
         return cmds, finish
+
+    def _split_bounded(
+        self, p: _Pull, always: torch.Tensor, step: bytes, epoch: int
+    ) -> tuple[list[Command], Callable[[list[Any]], PullResult]]:
+        """A conditional pull whose ``always`` ids (caller clock ``< -bound``: a cache's
+        misses) come back whatever Redis holds: those as a plain pull (HMGET, no clock
+        compared in Lua, which costs twice as much per row), the rest conditionally; one
+        result with the positions of both, in request order."""
+        assert p.caller is not None
+        at_a = torch.nonzero(always).squeeze(1)  # [A] positions of the plain part
+        at_c = torch.nonzero(~always).squeeze(1)  # [C] positions of the conditional part
+        cmds_a, finish_a = self._pull_commands(_Pull(p.t, p.ids[at_a], None, None), step, epoch)
+        parts = [(cmds_a, finish_a, at_a)]
+        if at_c.numel():
+            sub = _Pull(p.t, p.ids[at_c], p.caller[at_c], p.bound)
+            cmds_c, finish_c = self._pull_commands(sub, step, epoch)
+            parts.append((cmds_c, finish_c, at_c))
+
+        def finish(replies: list[Any]) -> PullResult:
+            rows, clocks, positions, k = [], [], [], 0
+            for cmds, fin, at in parts:
+                got = fin(replies[k : k + len(cmds)])
+                k += len(cmds)
+                rows.append(got.rows)
+                clocks.append(got.clocks)
+                positions.append(at if got.positions is None else at[got.positions])
+            pos = torch.cat(positions)
+            rank = torch.argsort(pos, stable=True)
+            return PullResult(torch.cat(rows)[rank], torch.cat(clocks)[rank], pos[rank])
+
+        return [c for cmds, _, _ in parts for c in cmds], finish
 
     def _decode_values(
         self, t: RedisTable, sorted_ids: np.ndarray, order: np.ndarray, replies: list[Any]
