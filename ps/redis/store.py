@@ -20,7 +20,9 @@ Requests (one command per touched bucket, each node's commands written in one go
 * plain pull: ``HMGET`` per bucket;
 * conditional pull (``clocks``/``bound``): a Lua script per bucket compares the
   stored clocks inside Redis and returns only the stale rows (one round trip,
-  bytes moved = the stale rows);
+  bytes moved = the stale rows); ids whose caller clock is below ``-bound`` (a
+  cache's misses: they come back whatever Redis holds) go as a plain ``HMGET`` in the
+  same round trip instead, half the cost per row of comparing in Lua;
 * push: duplicate ids are summed by the client; a generated Lua script per bucket
   (:func:`ps.redis.lua.push_script`) applies the optimizer to each row and adds 1
   to its clock atomically. A row that does not exist yet needs its initial value,
