@@ -14,11 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import cache
 import ps
-from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
+from tiny_hybrid import TinyHybrid, tiny_batch
 from tolerance import assert_same
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.numerics]
@@ -74,61 +73,18 @@ def test_direct_requests_bit_identical(opt: str, capacity: int, prefetch: bool, 
         assert st["prefetched"] > 0 or not prefetch
 
 
-class _Tiny(nn.Module):
-    """Two sparse features pooled, concatenated, one linear layer: a DLRM-ish loss."""
-
-    def __init__(self, store: ps.Store, opt: ps.Optimizer) -> None:
-        super().__init__()
-        tables = [
-            TableConfig(
-                name="user",
-                num_rows=300,
-                dim=DIM,
-                feature_names=["user"],
-                optimizer=opt,
-                placement="hybrid",
-            ),
-            TableConfig(
-                name="item",
-                num_rows=500,
-                dim=DIM,
-                feature_names=["item", "hist"],
-                optimizer=opt,
-                placement="hybrid",
-            ),
-        ]
-        self.emb = EmbeddingCollection(tables, store=store)
-        torch.manual_seed(0)
-        self.top = nn.Linear(3 * DIM, 1)
-
-    def forward(self, kjt: KeyedJaggedIds) -> torch.Tensor:
-        pooled = self.emb(kjt)
-        return self.top(torch.cat([pooled[k] for k in kjt.keys], dim=1)).squeeze(1)
-
-
-def _batch(g: torch.Generator, b: int = 32) -> tuple[KeyedJaggedIds, torch.Tensor]:
-    user = (torch.randint(1, 60, (b,), generator=g) ** 1.5).long() % 300
-    item = (torch.randint(1, 80, (b,), generator=g) ** 1.4).long() % 500
-    hist_len = torch.randint(0, 4, (b,), generator=g)
-    hist = (torch.randint(1, 80, (int(hist_len.sum()),), generator=g) ** 1.4).long() % 500
-    ids = torch.cat([user, item, hist])
-    lengths = torch.cat([torch.ones(b, dtype=torch.int64), torch.ones(b, dtype=torch.int64)])
-    kjt = KeyedJaggedIds(["user", "item", "hist"], ids, torch.cat([lengths, hist_len]))
-    return kjt, torch.randint(0, 2, (b,), generator=g).float()
-
-
 @pytest.mark.parametrize("opt", list(OPTS))
 def test_embedding_collection_training_bit_identical(opt: str) -> None:
     """EmbeddingCollection + a linear top on a cache of ~10 % of the rows with prefetch of
     the next batch between forward and backward, against the same model on the plain store."""
-    plain = _Tiny(ps.InProcessStore(), OPTS[opt])
+    plain = TinyHybrid(ps.InProcessStore(), OPTS[opt])
     cached_store = cache.CachedStore(
         ps.InProcessStore(), cache.CacheConfig(capacity_fraction=0.1, policy="lfu")
     )
-    cached = _Tiny(cached_store, OPTS[opt])
+    cached = TinyHybrid(cached_store, OPTS[opt])
     opts = [torch.optim.SGD(m.top.parameters(), lr=0.1) for m in (plain, cached)]
     g = torch.Generator().manual_seed(1)
-    batches = [_batch(g) for _ in range(21)]
+    batches = [tiny_batch(g) for _ in range(21)]
     for step in range(20):
         kjt, labels = batches[step]
         losses = []

@@ -16,13 +16,12 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import cache
 import ps
-from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
 from multiproc import run_ranks
 from redis_server import redis_server
+from tiny_hybrid import TinyHybrid, tiny_batch
 from tolerance import assert_same
 
 # The one-process comparisons rerun under each ATEN_CPU_CAPABILITY (numerics); the
@@ -36,43 +35,12 @@ SAME = (
 )
 
 
-class _Tiny(nn.Module):
-    """Two hybrid tables (one feature, and two features sharing a table), a linear top."""
-
-    def __init__(self, store: ps.Store, opt: ps.Optimizer, device: str | None = None) -> None:
-        super().__init__()
-        tables = [
-            TableConfig(name="user", num_rows=300, dim=DIM, feature_names=["user"],
-                        optimizer=opt, placement="hybrid"),
-            TableConfig(name="item", num_rows=500, dim=DIM, feature_names=["item", "hist"],
-                        optimizer=opt, placement="hybrid"),
-        ]  # fmt: skip
-        self.emb = EmbeddingCollection(tables, store=store, device=device)
-        torch.manual_seed(0)
-        self.top = nn.Linear(3 * DIM, 1, device=device)
-
-    def forward(self, kjt: KeyedJaggedIds) -> torch.Tensor:
-        pooled = self.emb(kjt)
-        return self.top(torch.cat([pooled[k] for k in kjt.keys], dim=1)).squeeze(1)
-
-
-def _batch(g: torch.Generator, b: int = 32) -> tuple[KeyedJaggedIds, torch.Tensor]:
-    user = (torch.randint(1, 60, (b,), generator=g) ** 1.5).long() % 300
-    item = (torch.randint(1, 80, (b,), generator=g) ** 1.4).long() % 500
-    hist_len = torch.randint(0, 4, (b,), generator=g)
-    hist = (torch.randint(1, 80, (int(hist_len.sum()),), generator=g) ** 1.4).long() % 500
-    ids = torch.cat([user, item, hist])
-    ones = torch.ones(b, dtype=torch.int64)
-    kjt = KeyedJaggedIds(["user", "item", "hist"], ids, torch.cat([ones, ones, hist_len]))
-    return kjt, torch.randint(0, 2, (b,), generator=g).float()
-
-
-def _train(model: _Tiny, pipelined: bool, steps: int = 24) -> list[torch.Tensor]:
+def _train(model: TinyHybrid, pipelined: bool, steps: int = 24) -> list[torch.Tensor]:
     """The trainer's step order: announce the next batch, forward, backward, step."""
     model.emb.set_sparse_pipeline(pipelined)
     opt = torch.optim.SGD(model.top.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
-    batches = [_batch(g) for _ in range(steps + 1)]
+    batches = [tiny_batch(g) for _ in range(steps + 1)]
     losses = []
     for step in range(steps):
         kjt, labels = batches[step]
@@ -116,7 +84,7 @@ def test_pipelined_is_bit_exact_with_one_worker(opt: str, kind: str) -> None:
     runs = []
     for pipelined in (False, True):
         store = _store(kind)
-        model = _Tiny(store, OPTS[opt])
+        model = TinyHybrid(store, OPTS[opt])
         losses = _train(model, pipelined)
         runs.append((losses, _tables(_backing(store)), model.top.weight.detach().clone()))
         if pipelined:
@@ -137,7 +105,7 @@ def test_pipelined_cache_keeps_the_read_bound() -> None:
         capacity_fraction=0.2, read_bound=4, write_bound=4, exact_staleness=True
     )
     store = cache.CachedStore(ps.InProcessStore(), cfg)
-    model = _Tiny(store, ps.SGD(lr=0.1))
+    model = TinyHybrid(store, ps.SGD(lr=0.1))
     _train(model, True, steps=40)
     stats = store.cache_stats()
     for name in ("user", "item"):
@@ -147,10 +115,10 @@ def test_pipelined_cache_keeps_the_read_bound() -> None:
 
 def test_background_push_error_surfaces_in_the_next_step_naming_the_table() -> None:
     store = ps.InProcessStore()
-    model = _Tiny(store, ps.SGD(lr=0.1))
+    model = TinyHybrid(store, ps.SGD(lr=0.1))
     model.emb.set_sparse_pipeline(True)
     g = torch.Generator().manual_seed(2)
-    batches = [_batch(g) for _ in range(3)]
+    batches = [tiny_batch(g) for _ in range(3)]
     kjt, labels = batches[0]
     model.emb.prefetch(batches[1][0])
     loss = F.binary_cross_entropy_with_logits(model(kjt), labels)
@@ -187,8 +155,8 @@ def test_load_while_a_batch_is_pulled_ahead_serves_the_loaded_rows(tmp_path) -> 
     """A load replaces the rows a pull ahead read: the next forward must pool the loaded
     rows (the same as a model that never pipelined loading the same checkpoint)."""
     g = torch.Generator().manual_seed(3)
-    batches = [_batch(g) for _ in range(6)]
-    model = _Tiny(ps.InProcessStore(), ps.SGD(lr=0.1))
+    batches = [tiny_batch(g) for _ in range(6)]
+    model = TinyHybrid(ps.InProcessStore(), ps.SGD(lr=0.1))
     model.emb.set_sparse_pipeline(True)
     for step in range(5):
         kjt, labels = batches[step]
@@ -198,7 +166,7 @@ def test_load_while_a_batch_is_pulled_ahead_serves_the_loaded_rows(tmp_path) -> 
             model.emb.save(tmp_path / "ckpt")
     model.emb.load(tmp_path / "ckpt")  # batch 5 was pulled ahead before this
     got = model.emb(batches[5][0])
-    ref = _Tiny(ps.InProcessStore(), ps.SGD(lr=0.1))
+    ref = TinyHybrid(ps.InProcessStore(), ps.SGD(lr=0.1))
     ref.emb.load(tmp_path / "ckpt")
     want = ref.emb(batches[5][0])
     for key in want:
@@ -218,7 +186,7 @@ def test_pipelined_over_redis_is_bit_exact_with_one_worker(cached: bool) -> None
             if cached:
                 cfg = cache.CacheConfig(capacity_fraction=0.1, sole_writer=True)
                 store = cache.CachedStore(redis, cfg)
-            model = _Tiny(store, ps.SGD(lr=0.1, momentum=0.9))
+            model = TinyHybrid(store, ps.SGD(lr=0.1, momentum=0.9))
             losses = _train(model, pipelined, steps=12)
             runs.append((losses, _tables(redis)))
             model.emb.set_sparse_pipeline(False)
@@ -242,7 +210,7 @@ def test_pipelined_on_a_gpu_follows_the_unpipelined_run(cached: bool) -> None:
         if cached:
             cfg = cache.CacheConfig(capacity_fraction=0.1, sole_writer=True)
             store = cache.CachedStore(inner, cfg, device=torch.device("cuda"))
-        model = _Tiny(store, ps.SGD(lr=0.1), device="cuda")
+        model = TinyHybrid(store, ps.SGD(lr=0.1), device="cuda")
         losses = _train(model, pipelined, steps=12)
         runs.append((torch.stack(losses), _tables(inner)))
         model.emb.set_sparse_pipeline(False)
