@@ -184,10 +184,22 @@ class _Ahead:
 
     kjt: KeyedJaggedIds
     plan: Plan
-    future: Future[tuple[list[_Group], list[list[torch.Tensor]]] | None]
+    # groups, per group one [U, D] of rows, and the overlap with the batch being trained
+    future: Future[tuple[list[_Group], list[list[torch.Tensor]], _Overlap] | None]
     # Pushes sent after the pull: each first pushes the rows this batch uses and pulls
     # them again into its rows, and is done when they are right (see _push).
     fixes: list[Future[None]]
+    before: list[_Group]  # the batch being trained when this one was announced
+
+
+@dataclass(slots=True)
+class _Overlap:
+    """The rows of one batch's groups (``pushed``) that a later batch uses: per table,
+    in order, its ids and their ``(group index, positions [K_t])`` in the later batch's
+    rows (see :func:`_used_by`)."""
+
+    ids: dict[str, torch.Tensor]
+    places: list[tuple[int, torch.Tensor]]
 
 
 def _same_batch(a: KeyedJaggedIds, b: KeyedJaggedIds) -> bool:
@@ -302,7 +314,7 @@ class HybridTables(nn.Module):
         for fix in ahead.fixes:
             fix.result()  # a failed push's error is raised here
         self.pipeline.check()
-        return got
+        return None if got is None else (got[0], got[1])
 
     def _drop_ahead(self) -> None:
         """Forget the pull ahead; its pushes' errors stay owed (raised by the next check)."""
@@ -311,8 +323,10 @@ class HybridTables(nn.Module):
                 self.pipeline.owe(fix)
         self._ahead = None
 
-    def _pull_ahead(self) -> None:
-        """Send the announced batch's dedup and pull to the pipeline's thread."""
+    def _pull_ahead(self, now: list[_Group]) -> None:
+        """Send the announced batch's dedup and pull to the pipeline's thread, and the
+        rows of this batch (``now``, its groups) it uses, found there too (beside this
+        batch's dense step, not in the wait for this batch's push)."""
         announced, self._announced = self._announced, None
         if announced is None or self.pipeline is None:
             return
@@ -321,7 +335,7 @@ class HybridTables(nn.Module):
         # host): the groups' index tensors must be on the rows' device.
         here = kjt if kjt.ids.device == self.device else kjt.to(self.device)
 
-        def job() -> tuple[list[_Group], list[list[torch.Tensor]]] | None:
+        def job() -> tuple[list[_Group], list[list[torch.Tensor]], _Overlap] | None:
             try:  # a bad batch is reported by its own forward, which checks it again
                 check_batch_ids(here, plan)
                 for cfg, feats in plan:
@@ -330,10 +344,11 @@ class HybridTables(nn.Module):
                 return None
             groups = [self._dedup(here, tabs) for tabs in _by_dim(plan)]
             # one [U, D] per group: a push's rows are pulled again into it in one scatter
-            return groups, [[p[0] if len(p) == 1 else torch.cat(p)] for p in self._pull(groups)]
+            rows = [[p[0] if len(p) == 1 else torch.cat(p)] for p in self._pull(groups)]
+            return groups, rows, _used_by(now, groups)
 
         self._drop_ahead()  # an earlier one its batch never came for
-        self._ahead = _Ahead(kjt, plan, self.pipeline.submit(job), [])
+        self._ahead = _Ahead(kjt, plan, self.pipeline.submit(job), [], now)
 
     @property
     def device(self) -> torch.device:
@@ -478,7 +493,7 @@ class HybridTables(nn.Module):
         else:
             groups, pulled = got
         if train:
-            self._pull_ahead()  # the next batch's pull runs beside this batch's dense step
+            self._pull_ahead(groups)  # the next batch's pull runs beside this dense step
         rows = _rows_to_device(pulled, self.device)  # per group [U, D]
         shapes = [feature_sizes(kjt, g.features) for g in groups]  # (seq, sizes)
         splits = [sizes for _, sizes in shapes]  # every group has features
@@ -732,23 +747,28 @@ def _push(
     def push_then_pull_again() -> None:
         _push_now(owner, grads)  # a bad gradient fails it before anything is applied
         got = ahead.future.result()  # done: it ran before this job
-        if got is not None:
-            groups, pulled = got
-            used, places = _used_by(grads, sums, groups)
-            if used:
-                _pull_again(owner, pulled, used, places)
+        if got is None:
+            return
+        groups, pulled, overlap = got
+        pushed = [g for g, _ in sums]
+        if len(pushed) != len(ahead.before) or any(
+            a is not b for a, b in zip(pushed, ahead.before, strict=False)
+        ):  # not the batch the overlap was found for (e.g. a second backward)
+            overlap = _used_by(pushed, groups)
+        mine = [
+            (name, ids, at)
+            for (name, ids), at in zip(overlap.ids.items(), overlap.places, strict=True)
+            if name in grads  # the groups of unused outputs pushed nothing
+        ]
+        if mine:
+            _pull_again(owner, pulled, mine)
 
     ahead.fixes.append(pipeline.submit(push_then_pull_again))
 
 
-def _used_by(
-    grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    sums: list[tuple[_Group, torch.Tensor]],
-    ahead: list[_Group],
-) -> tuple[dict[str, torch.Tensor], list[tuple[int, torch.Tensor]]]:
-    """The pushed ids (per table) that the batch pulled ahead (``ahead``, its groups)
-    uses, and where they sit in that batch's rows: per table returned, in order,
-    ``(group index, positions [K_t])`` into that group's ``[U, D]``.
+def _used_by(pushed: list[_Group], ahead: list[_Group]) -> _Overlap:
+    """The rows of the groups ``pushed`` (their unique ids: what their push sends) that
+    the batch of the groups ``ahead`` uses, and where they sit in that batch's rows.
 
     A pushed group of fixed tables that the ahead batch has with the same tables is
     matched with one ``searchsorted`` over the packed keys (its tables' ids are views);
@@ -756,54 +776,55 @@ def _used_by(
     by_tables = {tuple(c.name for c in g.tables): k for k, g in enumerate(ahead)}
     used: dict[str, torch.Tensor] = {}
     places: list[tuple[int, torch.Tensor]] = []
-    done: set[str] = set()
-    for gp, _ in sums:
-        names = tuple(c.name for c in gp.tables)
-        k = by_tables.get(names)
+    for gp in pushed:
+        k = by_tables.get(tuple(c.name for c in gp.tables))
         ga = ahead[k] if k is not None else None
-        if ga is None or gp.keys is None or ga.keys is None or gp.bases != ga.bases:
-            continue  # table by table below
-        assert gp.bases is not None and k is not None
-        ka, kp = ga.keys, gp.keys  # [U_a], [U_p] packed, sorted
-        if ka.numel() == 0:
+        if ga is not None and gp.keys is not None and ga.keys is not None and gp.bases == ga.bases:
+            assert gp.bases is not None and k is not None
+            ka, kp = ga.keys, gp.keys  # [U_a], [U_p] packed, sorted
+            if ka.numel() == 0:
+                continue
+            pos = torch.searchsorted(ka, kp).clamp_(max=ka.numel() - 1)  # [U_p]
+            hit = torch.nonzero(ka[pos] == kp).squeeze(1)  # [K] pushed rows the batch uses
+            keys, at = kp[hit], pos[hit]  # [K] each
+            cut = torch.searchsorted(keys, torch.tensor([*gp.bases, 1 << 62])).tolist()
+            for t, cfg in enumerate(gp.tables):
+                if cut[t + 1] > cut[t]:
+                    used[cfg.name] = keys[cut[t] : cut[t + 1]] - gp.bases[t]
+                    places.append((k, at[cut[t] : cut[t + 1]]))
             continue
-        pos = torch.searchsorted(ka, kp).clamp_(max=ka.numel() - 1)  # [U_p]
-        hit = torch.nonzero(ka[pos] == kp).squeeze(1)  # [K] pushed rows the batch uses
-        keys, at = kp[hit], pos[hit]  # [K] each
-        cut = torch.searchsorted(keys, torch.tensor([*gp.bases, 1 << 62])).tolist()
-        for t, cfg in enumerate(gp.tables):
-            if cut[t + 1] > cut[t]:
-                used[cfg.name] = keys[cut[t] : cut[t + 1]] - gp.bases[t]
-                places.append((k, at[cut[t] : cut[t + 1]]))
-        done.update(names)
-    for name, (ids, _) in grads.items():
-        where = next(
-            ((k, t) for k, g in enumerate(ahead) for t, c in enumerate(g.tables) if c.name == name),
-            None,
-        )
-        if name in done or where is None:
-            continue
-        k, t = where
-        mine = ahead[k].unique[t]  # [U_t] sorted
-        mask = torch.isin(ids, mine)
-        if bool(mask.any()):
-            used[name] = ids[mask]
-            offset = sum(int(u.numel()) for u in ahead[k].unique[:t])
-            places.append((k, offset + torch.searchsorted(mine, ids[mask])))
-    return used, places
+        for cfg, ids in zip(gp.tables, gp.unique, strict=True):  # table by table
+            where = next(
+                (
+                    (k, t)
+                    for k, g in enumerate(ahead)
+                    for t, c in enumerate(g.tables)
+                    if c.name == cfg.name
+                ),
+                None,
+            )
+            if where is None or ids.numel() == 0:
+                continue
+            k, t = where
+            mine = ahead[k].unique[t]  # [U_t] sorted
+            mask = torch.isin(ids, mine)
+            if bool(mask.any()):
+                used[cfg.name] = ids[mask]
+                offset = sum(int(u.numel()) for u in ahead[k].unique[:t])
+                places.append((k, offset + torch.searchsorted(mine, ids[mask])))
+    return _Overlap(used, places)
 
 
 def _pull_again(
     owner: HybridTables,
     pulled: list[list[torch.Tensor]],
-    used: dict[str, torch.Tensor],
-    places: list[tuple[int, torch.Tensor]],
+    rows: list[tuple[str, torch.Tensor, tuple[int, torch.Tensor]]],
 ) -> None:
-    """Pull the rows of ``used`` (table -> ids) again into the rows pulled ahead (in
-    place): ``pulled`` per group ONE ``[U, D]``, ``places`` per table of ``used`` its
-    rows' group and positions there."""
-    fresh = owner.store.pull_many([PullRequest(n, ids) for n, ids in used.items()])
-    for (k, pos), got in zip(places, fresh, strict=True):
+    """Pull ``rows`` (per table: its name, ids, and their group and positions in the rows
+    pulled ahead) again into the rows pulled ahead (``pulled``: per group ONE ``[U, D]``),
+    in place."""
+    fresh = owner.store.pull_many([PullRequest(name, ids) for name, ids, _ in rows])
+    for (_, _, (k, pos)), got in zip(rows, fresh, strict=True):
         target = pulled[k][0]  # [U, D] of group k
         target[pos.to(target.device)] = got.rows.to(target.device)
 
