@@ -49,6 +49,11 @@ BACKENDS = ("auto", "local", "mpi", "gloo", "nccl")
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 _MPI_LOCAL_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+_MPI_LOCAL_SIZE_VARS = (
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+    "MV2_COMM_WORLD_LOCAL_SIZE",
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,6 +64,7 @@ class LaunchEnv:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    local_size: int = 1  # ranks of the job on this host
     master_addr: str | None = None
     master_port: int | None = None
 
@@ -86,6 +92,7 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
             rank=int(env["RANK"]),
             size=int(env["WORLD_SIZE"]),
             local_rank=int(env.get("LOCAL_RANK", "0")),
+            local_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
             master_addr=addr,
             master_port=int(port) if port else None,
         )
@@ -97,6 +104,7 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
             rank=rank,
             size=size if size is not None else 1,
             local_rank=_first_int(env, _MPI_LOCAL_VARS) or 0,
+            local_size=_first_int(env, _MPI_LOCAL_SIZE_VARS) or 1,
             master_addr=addr,
             master_port=int(port) if port else None,
         )

@@ -750,18 +750,11 @@ def _push(
         if got is None:
             return
         groups, pulled, overlap = got
-        pushed = [g for g, _ in sums]
-        if len(pushed) != len(ahead.before) or any(
-            a is not b for a, b in zip(pushed, ahead.before, strict=False)
-        ):  # not the batch the overlap was found for (e.g. a second backward)
-            overlap = _used_by(pushed, groups)
-        mine = [
-            (name, ids, at)
-            for (name, ids), at in zip(overlap.ids.items(), overlap.places, strict=True)
-            if name in grads  # the groups of unused outputs pushed nothing
-        ]
-        if mine:
-            _pull_again(owner, pulled, mine)
+        pushed = [g for g, _ in sums]  # the groups of unused outputs pushed nothing
+        if [id(g) for g in pushed] != [id(g) for g in ahead.before]:
+            overlap = _used_by(pushed, groups)  # found for other groups (a second backward)
+        if overlap.ids:
+            _pull_again(owner, pulled, overlap)
 
     ahead.fixes.append(pipeline.submit(push_then_pull_again))
 
@@ -815,16 +808,11 @@ def _used_by(pushed: list[_Group], ahead: list[_Group]) -> _Overlap:
     return _Overlap(used, places)
 
 
-def _pull_again(
-    owner: HybridTables,
-    pulled: list[list[torch.Tensor]],
-    rows: list[tuple[str, torch.Tensor, tuple[int, torch.Tensor]]],
-) -> None:
-    """Pull ``rows`` (per table: its name, ids, and their group and positions in the rows
-    pulled ahead) again into the rows pulled ahead (``pulled``: per group ONE ``[U, D]``),
-    in place."""
-    fresh = owner.store.pull_many([PullRequest(name, ids) for name, ids, _ in rows])
-    for (_, _, (k, pos)), got in zip(rows, fresh, strict=True):
+def _pull_again(owner: HybridTables, pulled: list[list[torch.Tensor]], rows: _Overlap) -> None:
+    """Pull ``rows`` again into the rows pulled ahead (``pulled``: per group ONE
+    ``[U, D]``), in place."""
+    fresh = owner.store.pull_many([PullRequest(name, ids) for name, ids in rows.ids.items()])
+    for (k, pos), got in zip(rows.places, fresh, strict=True):
         target = pulled[k][0]  # [U, D] of group k
         target[pos.to(target.device)] = got.rows.to(target.device)
 

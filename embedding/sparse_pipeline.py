@@ -45,9 +45,7 @@ class SparsePipeline:
     def submit_owed(self, job: Callable[[], Any]) -> None:
         """Run ``job()`` in order; its error is raised by the next :meth:`check` or
         :meth:`drain` (a push: nothing waits for its result)."""
-        future = self._pool.submit(job)
-        with self._lock:
-            self._owed.append(future)
+        self.owe(self._pool.submit(job))
 
     def owe(self, future: Future[Any]) -> None:
         """Keep ``future``'s error for the next :meth:`check` or :meth:`drain`."""

@@ -220,26 +220,13 @@ def with_cache(
     return CachedStore(store, config, device=cache_device(cfg, device))
 
 
-# Launchers' variables for the ranks on this host: Open MPI, MPICH/Hydra, torchrun.
-_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE")
-
-
-def ranks_on_this_host() -> int:
-    """How many ranks of the job share this host (1 without a launcher that says)."""
-    for name in _LOCAL_SIZE_VARS:
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
-
-
 def wants_sparse_pipeline(cfg: Any, embeddings: EmbeddingCollection, device: torch.device) -> bool:
     """Whether ``--sparse-pipeline`` (``cfg.sparse_pipeline``) turns the pipelined
     sparse step on for ``embeddings``. auto: hybrid tables over a store the ranks share
     (or one rank), and a core free to run it beside the dense step -- a GPU worker (the
     dense step runs on the GPU), or more cores than this host's ranks take for their torch
-    threads. Measured on 2 cores (``docs/cache.md``): with both cores computing the dense
-    step, the thread only slows it; with one free, the sparse step hides behind it."""
+    threads. Measured on 2 cores (``docs/embedding.md``): with both cores computing the
+    dense step, the thread only slows it; with one free, the sparse step hides behind it."""
     hybrid = embeddings.hybrid
     if hybrid is None or cfg.sparse_pipeline == "off":
         return False
@@ -250,7 +237,7 @@ def wants_sparse_pipeline(cfg: Any, embeddings: EmbeddingCollection, device: tor
     if device.type == "cuda":
         return True
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (cores or 1) > ranks_on_this_host() * torch.get_num_threads()
+    return (cores or 1) > comm.detect_launch().local_size * torch.get_num_threads()
 
 
 def job_memory_plan(
@@ -466,6 +453,5 @@ __all__ = [
     "check_batch_size",
     "describe_roles",
     "prepare_tables",
-    "ranks_on_this_host",
     "wants_sparse_pipeline",
 ]

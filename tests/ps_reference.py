@@ -368,3 +368,23 @@ class RecordingStore(ps.InProcessStore):
         """State ``got`` of another store (ids ``ids``) against this store's."""
         replay, index = self.replay(table, ids)
         replay.assert_state(got, what, want=self.state(table, ids), index=index)
+
+    def assert_table(
+        self,
+        table: str,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        state: torch.Tensor,
+        *,
+        exact: str | None,
+        what: str,
+    ) -> None:
+        """Another store's ``rows`` and ``state`` of ``ids`` against this store's: bit for
+        bit where ``exact`` gives the reason, else within the replay's tolerance."""
+        want = self.pull(table, ids).rows
+        if exact is not None:
+            assert_same(rows, want, what=f"{what} rows", why=exact)
+            assert_same(state, self.state(table, ids), what=f"{what} state", why=exact)
+        else:
+            self.assert_pull_close(table, ids, rows, want, f"{what} rows")
+            self.assert_state_close(table, ids, state, f"{what} state")

@@ -196,13 +196,8 @@ def test_matches_sequential_replay(
         touched[torch.tensor(ids)] += 1
     store.flush()
     ref.flush()
-    got_rows, want_rows = inner.pull("t", every).rows, ref_store.pull("t", every).rows
-    if exact:
-        assert_same(got_rows, want_rows, what="rows", why=SAME)
-        assert_same(inner.state("t", every), ref_store.state("t", every), what="state", why=SAME)
-    else:
-        ref_store.assert_pull_close("t", every, got_rows, want_rows, "rows")
-        ref_store.assert_state_close("t", every, inner.state("t", every), "state")
+    rows, state = inner.pull("t", every).rows, inner.state("t", every)
+    ref_store.assert_table("t", every, rows, state, exact=SAME if exact else None, what="store")
     assert torch.equal(inner.clocks("t", every), ref_store.clocks("t", every))
     st = store.cache_stats()["t"]
     assert st["evictions"] > 0 and st["pending_rows"] == 0

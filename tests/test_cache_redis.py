@@ -74,13 +74,8 @@ def test_bounds_zero_redis_matches_inprocess(opt: str, prefetch: bool):
             assert torch.equal(a.clocks("t", every), b.clocks("t", every)), f"step {step}"
         a.flush()
         b.flush()
-        got, want = redis.pull("t", every).rows, ref.pull("t", every).rows
-        if exact:
-            assert_same(got, want, what="store rows", why=EXACT_SGD)
-            assert_same(b.state("t", every), a.state("t", every), what="state", why=EXACT_SGD)
-        else:
-            ref.assert_pull_close("t", every, got, want, "store")
-            ref.assert_state_close("t", every, b.state("t", every), "store")
+        rows, state = redis.pull("t", every).rows, b.state("t", every)
+        ref.assert_table("t", every, rows, state, exact=EXACT_SGD if exact else None, what="store")
         for s in (a, b):
             st = s.cache_stats()["t"]
             assert st["evictions"] > 0

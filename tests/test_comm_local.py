@@ -85,6 +85,11 @@ def test_detect_launch_from_env() -> None:
     assert (tr.launcher, tr.rank, tr.size) == ("torchrun", 2, 3)
     assert (tr.master_addr, tr.master_port) == ("10.0.0.1", 29500)
     assert comm.detect_launch({}).launcher == "none"
+    # ranks on this host: what --sparse-pipeline auto divides the cores by
+    assert (mpich.local_size, ompi.local_size, tr.local_size) == (1, 1, 1)
+    hydra = comm.detect_launch({"PMI_RANK": "0", "PMI_SIZE": "4", "MPI_LOCALNRANKS": "4"})
+    assert hydra.local_size == 4
+    assert comm.detect_launch({**env, "LOCAL_WORLD_SIZE": "3"}).local_size == 3
 
 
 def test_init_rejects_bad_arguments(plain_env: None) -> None:
