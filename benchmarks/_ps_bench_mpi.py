@@ -28,10 +28,12 @@ What is measured, on one table of ``rows`` x 64 float32 (SGD), with requests of
 * ``server``: what one batched message of a DLRM step costs the server (26 tables x
   ~1 100 distinct Zipf ids, dim 16, row-wise Adagrad): its busy time per pull and per
   push message (``MPIStore.server_busy``: decoding, checks, the tables' work, the
-  reply; not the transfers) beside the rows' own kernel time (the same gathers, and the
-  same row-wise Adagrad updates through ``ps.kernels``, on plain tensors in this
-  process); ``server_overhead_us_per_message`` is the difference, averaged over the
-  pull and the push message;
+  reply; not the transfers) beside the rows' own kernel time (the same gathers of rows
+  and clocks, and the same row-wise Adagrad updates through ``ps.kernels``, on plain
+  tensors in this process); ``server_overhead_us_per_message`` is the difference,
+  averaged over the pull and the push message. Each table's ids are pushed sorted, as
+  the cache and the hybrid tables push them (their rows are deduplicated by a sort);
+  ``batched_pass_messages`` counts the messages the server served whole in C;
 * ``raw_sendrecv``: the ceiling of the transport: the server gathers the rows
   (``index_select``) and sends them with a plain ``Send`` to a ``Recv`` posted by
   the worker (the same bytes as a pull reply, no protocol, no checks); measured
@@ -228,6 +230,7 @@ def _server_cost(
     """The server's busy time per batched message against the rows' kernel time (see the
     module docstring)."""
     from ps.kernels.rowwise_adagrad import rowwise_adagrad_
+    from ps.local.table import table_array
 
     dim, lr, eps = 16, 0.05, 1e-8
     names = [f"cost{k}" for k in range(tables)]
@@ -237,33 +240,38 @@ def _server_cost(
         )
     per = [zipf_unique_batches(rows, ids, 8, seed=10 + k) for k in range(tables)]
     steps = [[torch.from_numpy(per[k][s]) for k in range(tables)] for s in range(8)]
-    grads = torch.randn(ids, dim, generator=torch.Generator().manual_seed(3)) * 1e-3
-    weights = [torch.randn(rows, dim) for _ in range(tables)]  # the kernels' own tables
-    accs = [torch.zeros(rows, 1) for _ in range(tables)]  # [R, 1] the accumulators
-    ticks = [torch.zeros(rows, dtype=torch.int64) for _ in range(tables)]  # [R] clocks
+    # [tables, ids, dim]: one block per table, as a message carries them
+    grads = torch.randn(tables, ids, dim, generator=torch.Generator().manual_seed(3)) * 1e-3
+    # the kernels' own tables, in the storage a server's tables have (ps.local.table)
+    weights = [table_array((rows, dim), torch.float32) for _ in range(tables)]  # [R, D]
+    for w in weights:
+        w.copy_(torch.randn(rows, dim))
+    accs = [table_array((rows, 1), torch.float32) for _ in range(tables)]  # [R, 1]
+    ticks = [table_array((rows,), torch.int64) for _ in range(tables)]  # [R] clocks
 
     def pull(i: int) -> None:
         store.pull_many([ps.PullRequest(n, t) for n, t in zip(names, steps[i % 8], strict=True)])
 
-    def push(i: int) -> None:
-        pairs = zip(names, steps[i % 8], strict=True)
-        store.push_many([ps.PushRequest(n, t, grads[: t.numel()]) for n, t in pairs])
+    ordered = [[t.sort().values for t in step] for step in steps]  # as a cache pushes them
 
-    ordered = [[t.sort().values for t in step] for step in steps]  # the kernel takes sorted ids
+    def push(i: int) -> None:
+        pairs = zip(names, ordered[i % 8], grads, strict=True)
+        store.push_many([ps.PushRequest(n, t, g[: t.numel()]) for n, t, g in pairs])
 
     def kernel_pull(i: int) -> None:
-        for w, t in zip(weights, steps[i % 8], strict=True):
-            w.index_select(0, t)
+        for w, c, t in zip(weights, ticks, steps[i % 8], strict=True):
+            w.index_select(0, t), c.index_select(0, t)
 
     def kernel_push(i: int) -> None:
-        for w, a, c, t in zip(weights, accs, ticks, ordered[i % 8], strict=True):
-            if not rowwise_adagrad_(w, a, c, t, grads[: t.numel()], lr=lr, eps=eps):
+        for w, a, c, t, g in zip(weights, accs, ticks, ordered[i % 8], grads, strict=True):
+            if not rowwise_adagrad_(w, a, c, t, g[: t.numel()], lr=lr, eps=eps):
                 raise RuntimeError("the row-wise Adagrad C kernel is not available here")
 
     for i in range(8):  # rows created, kernels built
         pull(i), push(i), kernel_pull(i), kernel_push(i)
     busy: dict[str, list[float]] = {"pull": [], "push": []}
     ops = {"pull": pull, "push": push}
+    first = store.server_busy()[0]
     for _ in range(repeats):
         for kind, fn in ops.items():
             before = store.server_busy()[0]
@@ -278,6 +286,9 @@ def _server_cost(
             {"pull": kernel_pull, "push": kernel_push}, iters, repeats, lambda: None
         ).items()
     }
+    last = store.server_busy()[0]
+    sent = sum(last[f"{k}_messages"] - first[f"{k}_messages"] for k in ops)
+    whole = last.get("batched_pass_messages", 0.0) - first.get("batched_pass_messages", 0.0)
     busy_us = {k: 1e6 * statistics.median(v) for k, v in busy.items()}
     kernel_us = {k: 1e6 * v for k, v in kernel.items()}
     overhead = {k: busy_us[k] - kernel_us[k] for k in busy_us}
@@ -286,6 +297,7 @@ def _server_cost(
         "busy_us_per_message": busy_us,
         "kernel_us_per_message": kernel_us,
         "overhead_us_per_message": overhead,
+        "batched_pass_messages": {"served_whole": whole, "sent": sent},
         "server_overhead_us_per_message": (overhead["pull"] + overhead["push"]) / 2,
     }
 

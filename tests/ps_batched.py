@@ -126,3 +126,74 @@ def check_batched(store: ps.Store, prefix: str, *, servers: int, steps: int = 4)
         same(store.pull(s.name, i), ref.pull(s.name, i), s.name, i, f"final {s.name}")
     for s in specs:
         store.drop_table(s.name)
+
+
+WHOLE = (
+    "fixed row-wise Adagrad tables pushed sorted distinct ids: every store applies each "
+    "row's update in the same C row step (rowwise_adagrad.c) on its own row, and pulls "
+    "copy rows, so the bits match the in-process store's"
+)
+
+
+def check_whole_batches(store: ps.Store, prefix: str, folder: str | None, *, steps: int = 5) -> int:
+    """Batched messages of the kind an MPI server serves whole in C (fixed row-wise
+    Adagrad tables; pushes of sorted distinct ids, as the cache and the hybrid tables
+    send them): bit for bit what the in-process store gives for the same requests,
+    plain and conditional pulls alike, and after a save and a load of the store
+    (``folder``: an empty folder for the checkpoint; None: no save, for a worker that
+    shares the store with others). Returns the batched requests sent."""
+    dims = [(500, 4), (300, 16), (200, 33)]
+    specs = [
+        ps.TableSpec(name=f"{prefix}{i}", num_rows=r, dim=d, optimizer=ps.RowWiseAdagrad(lr=0.1))
+        for i, (r, d) in enumerate(dims)
+    ]
+    ref = ps.InProcessStore()
+    for spec in specs:
+        store.create_table(spec)
+        ref.create_table(spec)
+    gen = torch.Generator().manual_seed(len(prefix))
+
+    def same_pulls(requests: list[PullRequest], what: str) -> None:
+        for r, g in zip(requests, store.pull_many(requests), strict=True):
+            w = ref.pull(r.table, r.ids, clocks=r.clocks, bound=r.bound)
+            assert torch.equal(g.clocks, w.clocks), what
+            assert (g.positions is None) == (w.positions is None), what
+            if g.positions is not None and w.positions is not None:
+                assert torch.equal(g.positions, w.positions), what
+            assert_same(g.rows, w.rows, what=f"{what} {r.table}", why=WHOLE)
+
+    sent = 0
+    for step in range(steps):
+        if folder is not None and step == steps - 2:  # save, push, the load undoes it
+            store.save(folder)
+            store.push_many(
+                [PushRequest(s.name, torch.arange(30), torch.ones(30, s.dim)) for s in specs]
+            )
+            store.load(folder)
+            sent += 1
+        ids = [torch.randint(0, s.num_rows or 1, (60,), generator=gen) for s in specs]
+        same_pulls(
+            [PullRequest(s.name, i) for s, i in zip(specs, ids, strict=True)], f"step {step}"
+        )
+        behind = [
+            ref.clocks(s.name, i) - torch.arange(i.numel()) % 3
+            for s, i in zip(specs, ids, strict=True)
+        ]
+        conditional = [
+            PullRequest(s.name, i, c, step % 2) for s, i, c in zip(specs, ids, behind, strict=True)
+        ]
+        same_pulls(conditional, f"step {step} conditional")
+        pushes = []
+        for s, i in zip(specs, ids, strict=True):
+            u = torch.unique(i)  # sorted, distinct
+            pushes.append(PushRequest(s.name, u, torch.randn(u.numel(), s.dim, generator=gen)))
+        store.push_many(pushes)
+        for p in pushes:
+            ref.push(p.table, p.ids, p.grads)
+        sent += 3
+    every = [PullRequest(s.name, torch.arange(s.num_rows or 0)) for s in specs]
+    same_pulls(every, "every row at the end")
+    for s, r in zip(specs, every, strict=True):
+        assert torch.equal(store.state(s.name, r.ids), ref.state(s.name, r.ids)), s.name
+        store.drop_table(s.name)
+    return sent + 1

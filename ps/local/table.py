@@ -72,21 +72,33 @@ COUNTERS = (
 )
 
 
+_ALIGN = 64  # bytes: a cache line
+
+
 def table_array(
     shape: tuple[int, ...], dtype: torch.dtype, fill: float | None = None
 ) -> torch.Tensor:
-    """A CPU tensor for table storage, allocated by numpy (zeros, or ``fill``).
+    """A CPU tensor for table storage, allocated by numpy (zeros, or ``fill``), its first
+    element on a 64-byte boundary.
 
     numpy asks the kernel for transparent huge pages on big arrays
     (``madvise(MADV_HUGEPAGE)``), torch's allocator does not; with 2 MiB pages a
-    random row gather over a large table misses the TLB far less often.
+    random row gather over a large table misses the TLB far less often. But glibc
+    hands out a big block 16 bytes past a page boundary, so every 64-byte row (dim 16)
+    would straddle two cache lines: two misses per random row instead of one, measured
+    1.9x slower for a 26-table row-wise Adagrad push. So the array starts at the first
+    cache line of a block one line larger.
     """
     np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-    if fill is None or fill == 0:
-        # calloc: the kernel hands out zero pages as they are first written, so tens of
-        # GB are "allocated" at once and the first writer (the init) pays for the pages
-        return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
-    return torch.from_numpy(np.full(shape, fill, dtype=np_dtype))
+    nbytes = math.prod(shape) * np_dtype.itemsize
+    # calloc: the kernel hands out zero pages as they are first written, so tens of
+    # GB are "allocated" at once and the first writer (the init) pays for the pages
+    raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    out = raw[start : start + nbytes].view(np_dtype).reshape(shape)
+    if fill is not None and fill != 0:
+        out.fill(fill)
+    return torch.from_numpy(out)
 
 
 def initialise_rows(

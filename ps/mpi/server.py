@@ -59,6 +59,7 @@ from ps.errors import check_existing
 from ps.local.store import PART_ROWS
 from ps.local.table import LocalTable
 from ps.mpi import wire
+from ps.mpi.batched_pass import BatchedPass
 from ps.mpi.fixed_shard import FixedShard
 from ps.mpi.wire import HEADER_LEN, Op
 from ps.routing import shard_of
@@ -220,6 +221,8 @@ class ShardServer:
         # not the transfers), for server_busy(): what a message costs this server.
         self.busy = {"pull_s": 0.0, "push_s": 0.0}
         self.last_source = -1  # the worker served last (round robin, see next_source)
+        # Batched messages of fixed tables served whole in C; rebuilt as tables change.
+        self.batched = BatchedPass(torch.get_num_threads())
 
     def serve(self) -> dict[str, dict[str, int | float]]:
         """Run until every worker said goodbye, then free the communicator; the stats."""
@@ -235,6 +238,7 @@ class ShardServer:
         return False
 
     def stats(self) -> dict[str, dict[str, int | float]]:
+        self.batched.fold()
         return {
             name: {**t.stats(), "push_duplicates": self.duplicates.get(name, 0)}
             for name, t in self.tables.items()
@@ -400,7 +404,8 @@ class ShardServer:
         if op == Op.LIST:
             return _text_reply(Op.LIST, rid, json.dumps(self.current_names()))
         if op == Op.STATS:
-            reply = {"tables": self.stats(), "requests": self.messages, "busy": self.busy}
+            requests = {**self.messages, "batched_pass_messages": self.batched.served}
+            reply = {"tables": self.stats(), "requests": requests, "busy": self.busy}
             return _text_reply(Op.STATS, rid, json.dumps(reply))
         if op == Op.SAVE:
             return _text_reply(Op.SAVE, rid, json.dumps(self.save(json.loads(text))))
@@ -446,6 +451,7 @@ class ShardServer:
             self.tables[spec.name] = self.new_table(spec)
             self.specs[spec.name] = spec
             self.names.append(spec.name)  # a new index, also for a table dropped before
+            self.tables_changed()
         return _text_reply(Op.CREATE, rid, text, table=self.index_of(spec.name))
 
     def drop(self, rid: int, name: str) -> tuple[np.ndarray, Any]:
@@ -455,6 +461,7 @@ class ShardServer:
         for key in [k for k in self.last_seq if k[0] == name]:
             del self.last_seq[key]
         self.duplicates.pop(name, None)
+        self.tables_changed()
         return wire.message(wire.header(Op.DROP, rid)), _EMPTY_F32
 
     def lookup(self, rid: int, name: str) -> tuple[np.ndarray, Any]:
@@ -462,6 +469,11 @@ class ShardServer:
             raise unknown_table(name, self.specs)
         text = json.dumps(self.specs[name].to_json())
         return _text_reply(Op.LOOKUP, rid, text, table=self.index_of(name))
+
+    def tables_changed(self) -> None:
+        """Point the C pass at the tables there are now, by index."""
+        current = set(self.current_names())
+        self.batched.rebuild([self.tables[n] if n in current else None for n in self.names])
 
     def current_names(self) -> list[str]:
         """Names of the tables there are, in the order of their current indices."""
@@ -534,14 +546,16 @@ class ShardServer:
                 return wire.message(head), _EMPTY_F32
             self.last_seq[key] = (session, seq)
         table.push(ids, grads, checked=spec.nan_policy == "raise")
-        if self.reply_lost(src, rid):
-            return None
-        return wire.message(wire.header(Op.PUSH, rid)), _EMPTY_F32
+        return self.push_applied(Op.PUSH, src, rid)
 
     def pull_many(self, meta: np.ndarray, payload: np.ndarray, data: np.ndarray) -> Any:
         """Several tables' pulls in one request: every part is checked, then served in
         order; the reply carries each part's rows, clocks and positions back to back."""
         k = wire.check_parts(int(meta[wire.W_TABLE]), "pull_many")
+        if data.size == 0:
+            whole = self.batched.pull_many(k, int(meta[wire.W_ID]), payload)
+            if whole is not None:
+                return whole
         toc = _toc(payload, k, wire.PULL_PART_WORDS, "pull_many")
         widths = np.where(toc[:, 3] >= 0, 2, 1)  # id words per id: conditional parts send clocks
         _expect_batch(meta, payload, data, int((toc[:, 1] * widths).sum()), k, 0, "pull_many")
@@ -576,8 +590,13 @@ class ShardServer:
         is checked (ids, shapes, finite gradients) before any table changes."""
         k = wire.check_parts(int(meta[wire.W_TABLE]), "push_many")
         rid = int(meta[wire.W_ID])
-        toc = _toc(payload, k, wire.PUSH_PART_WORDS, "push_many")
         sequenced = bool(int(meta[wire.W_FLAGS]) & wire.FLAG_SEQ)
+        if self.batched.can_push(k, payload, data, sequenced):
+            if sequenced and self.repeated(src, payload, meta, k):
+                return _duplicate(rid)
+            self.batched.push(k, payload, data, sequenced)
+            return self.push_applied(Op.PUSH_MANY, src, rid)
+        toc = _toc(payload, k, wire.PUSH_PART_WORDS, "push_many")
         n_ids = int(toc[:, 1].sum())
         floats = int((toc[:, 1] * toc[:, 2]).sum())
         _expect_batch(meta, payload, data, n_ids + int(sequenced), k, floats, "push_many")
@@ -590,21 +609,32 @@ class ShardServer:
             check_push_grads(spec, ids, grads)
             parts.append((spec, table, ids, grads))
             at, fat = at + n, fat + n * dim
-        if sequenced:
-            session, seq = int(payload[at]), int(meta[wire.W_ARG])
-            key = (_BATCH_KEY, src)
-            last = self.last_seq.get(key)
-            if last is not None and last[0] == session and seq <= last[1]:
-                for spec, *_ in parts:
-                    self.duplicates[spec.name] = self.duplicates.get(spec.name, 0) + 1
-                head = wire.header(Op.PUSH_MANY, rid, flags=wire.FLAG_DUPLICATE)
-                return wire.message(head), _EMPTY_F32
-            self.last_seq[key] = (session, seq)
+        if sequenced and self.repeated(src, payload, meta, k):
+            return _duplicate(rid)
         for spec, table, ids, grads in parts:  # back to back, each in its C kernel
             table.push(ids, grads, checked=spec.nan_policy == "raise")
+        return self.push_applied(Op.PUSH_MANY, src, rid)
+
+    def repeated(self, src: int, payload: np.ndarray, meta: np.ndarray, k: int) -> bool:
+        """Whether a checked, sequenced ``PUSH_MANY`` of ``k`` tables repeats one this
+        server applied (then counted as a duplicate of each of its tables); else it is
+        recorded as the worker's last. The session is the payload's last word."""
+        session, seq = int(payload[-1]), int(meta[wire.W_ARG])
+        key = (_BATCH_KEY, src)
+        last = self.last_seq.get(key)
+        if last is not None and last[0] == session and seq <= last[1]:
+            for index in payload[: k * wire.PUSH_PART_WORDS : wire.PUSH_PART_WORDS].tolist():
+                name = self.names[index]
+                self.duplicates[name] = self.duplicates.get(name, 0) + 1
+            return True
+        self.last_seq[key] = (session, seq)
+        return False
+
+    def push_applied(self, op: int, src: int, rid: int) -> tuple[Any, Any] | None:
+        """The reply to an applied push (None where :meth:`reply_lost` says so)."""
         if self.reply_lost(src, rid):
             return None
-        return wire.message(wire.header(Op.PUSH_MANY, rid)), _EMPTY_F32
+        return wire.message(wire.header(op, rid)), _EMPTY_F32
 
     def inspect(self, op: int, meta: np.ndarray, payload: np.ndarray, data: np.ndarray) -> Any:
         what = "clocks" if op == Op.CLOCKS else "state"
@@ -666,6 +696,7 @@ class ShardServer:
                 self.tables[name] = table
                 self.specs[name] = spec
                 self.index_of(name)
+            self.tables_changed()
             return list(staged)
         if phase == "abort":
             self.staged = None
@@ -701,6 +732,12 @@ def round_robin(workers: list[int], last: int) -> list[int]:
         return list(workers)
     i = workers.index(last) + 1
     return workers[i:] + workers[:i]
+
+
+def _duplicate(request_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """The reply to a repeat of an applied ``PUSH_MANY``: acknowledged, not applied."""
+    head = wire.header(Op.PUSH_MANY, request_id, flags=wire.FLAG_DUPLICATE)
+    return wire.message(head), _EMPTY_F32
 
 
 def _text_reply(op: int, request_id: int, text: str, *, table: int = -1) -> Any:

@@ -642,13 +642,16 @@ class MPIStore(Store):
         total = {"pull_messages": 0, "push_messages": 0}
         for call in self._all(Op.STATS, what="request_counts"):
             for key, value in json.loads(call.text())["requests"].items():
-                total[key] += int(value)
+                if key in total:
+                    total[key] += int(value)
         return {**total, "servers": len(self._servers)}
 
     def server_busy(self) -> list[dict[str, float]]:
         """Per server: the pull and push messages it served and the seconds it spent
         serving them (decoding, checks, the tables' work, the reply; not the
-        transfers), so ``pull_s / pull_messages`` is what a message costs a server."""
+        transfers), so ``pull_s / pull_messages`` is what a message costs a server;
+        ``batched_pass_messages``: the batched ones it served whole in C
+        (:mod:`ps.mpi.batched_pass`)."""
         out = []
         for call in self._all(Op.STATS, what="server_busy"):
             doc = json.loads(call.text())

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +39,7 @@ import ps
 from ps.mpi import wire
 from ps.mpi.server import serve_mpi
 from ps.mpi.store import MPIStore
-from tests.ps_batched import check_batched
+from tests.ps_batched import check_batched, check_whole_batches
 from tests.ps_lifecycle import check_lifecycle
 from tests.ps_reference import WHY as REPLAY
 from tests.ps_reference import RecordingStore, state_blocks
@@ -574,6 +575,22 @@ def compare_conc(what: str, store: ps.Store, folder: Path) -> None:
     assert torch.equal(got.clocks, torch.from_numpy(np.load(folder / "conc_clocks.npy"))), what
 
 
+def whole_batch_checks(store: MPIStore, prefix: str, num_servers: int, alone: bool) -> None:
+    """:func:`tests.ps_batched.check_whole_batches` on this worker's own tables; when it
+    is the only worker talking (``alone``) with a save and load too, and every batched
+    request must have been served whole in C (``ps.mpi.batched_pass``) by every server."""
+
+    def whole() -> float:
+        return sum(s.get("batched_pass_messages", 0.0) for s in store.server_busy())
+
+    before = whole()
+    with tempfile.TemporaryDirectory() as tmp:
+        sent = check_whole_batches(store, prefix, str(Path(tmp) / "ckpt") if alone else None)
+    if alone:  # 60 random ids or 30 consecutive ones per table reach every server
+        served = whole() - before
+        assert served == sent * num_servers, (served, sent, num_servers)
+
+
 # ---------------------------------------------------------------- phases
 
 
@@ -587,10 +604,12 @@ def phase_main(store: MPIStore, workers: comm.ProcessGroup, folder: Path, num_se
         nan_skip_checks(store, ref)
     if workers.rank == 1 % workers.size:
         n += bad_input_checks(store, ref)
+    whole_batch_checks(store, f"whole{workers.rank}_", num_servers, alone=False)
     workers.barrier()  # the others are idle: request counts are this worker's alone
     if workers.rank == 0:
         check_batched(store, "batch_", servers=num_servers)
-        n += 1
+        whole_batch_checks(store, "whole_", num_servers, alone=True)
+        n += 3
     workers.barrier()
     ref.save(folder / f"ref-{workers.rank}")
     tols = {table: tolerances(ref, table) for table in ref.tables()}
@@ -621,6 +640,7 @@ def phase_reload(store: MPIStore, folder: Path) -> str:
     again.load(folder / "mpi3")  # 3 servers -> in-process
     n += compare_with_refs("mpi3 into in-process", again, refs)
     compare_conc("mpi3 into in-process", again, folder)
+    whole_batch_checks(store, "whole_", 3, alone=False)  # its own tables, no save: refs above
     store.push("conc", torch.arange(5), torch.ones(5, DIM))  # changed, then replaced by a load
     store.load(refs[0])  # in-process -> 3 servers (replaces the tables it names)
     n += compare_with_refs("in-process into 3 servers", store, refs[:1], copies=True)
@@ -638,6 +658,7 @@ def phase_single(store: MPIStore) -> str:
     nan_skip_checks(store, ref)
     n += bad_input_checks(store, ref)
     check_batched(store, "batch_", servers=1)
+    whole_batch_checks(store, "whole_", 1, alone=True)
     # A worker of an older protocol (3) asking this server (4): a clear error naming both.
     new = wire.PROTOCOL, wire.MAGIC_VERSION
     wire.PROTOCOL, wire.MAGIC_VERSION = 3, (wire.MAGIC << 16) | 3
@@ -646,7 +667,7 @@ def phase_single(store: MPIStore) -> str:
     finally:
         wire.PROTOCOL, wire.MAGIC_VERSION = new
     assert store.tables(), "the server serves on after a request of another version"
-    return f"{n + 2} checks"
+    return f"{n + 3} checks"
 
 
 def main() -> None:

@@ -1,0 +1,134 @@
+"""C passes over whole batched messages of the MPI parameter server.
+
+A ``PULL_MANY`` or ``PUSH_MANY`` of 26 tables served part by part in Python pays
+~65 us of fixed cost per part (the checks' tensors, views, counters, the table's
+branches) against a few microseconds of rows: the server was busy ~1.8 ms per
+message beyond its rows' kernels. These passes check and serve every part of one
+message in C, reading the request's words and writing the reply's in place:
+
+* :func:`pull_check` then :func:`pull_apply`: table indices, sizes, id ranges and
+  routing of every part, then each part's clocks, the bound's selection (a
+  conditional part) and its rows gathered straight into the reply;
+* :func:`push_check` then :func:`push_apply`: the same checks plus strictly
+  increasing ids and finite gradients, then row-wise Adagrad on every part in place
+  with the table engine's own step (``adagrad()`` of ``rowwise_adagrad.c``, built
+  into this library), so the bits are the ones ``LocalTable.push`` gives.
+
+A check says only whether the pass can serve the message exactly as the Python path
+would; where it cannot (another optimizer, a dynamic table, unsorted or repeated ids,
+a bad id, a NaN) nothing has changed and the server takes its Python path, which
+serves the message or replies with its error. Table descriptors and counters are
+laid out in ``message_pass.c``'s header; :class:`ps.mpi.batched_pass.BatchedPass`
+builds them. Every entry point returns None where the library is not available.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from comm.native import kernel_source, load_c_library
+from ps.kernels import rowwise_adagrad
+
+# The C source: message_pass.c next to this file (package data); it is compiled after
+# rowwise_adagrad.c, whose row step it calls.
+_SOURCE = kernel_source(__package__, "message_pass")
+
+#: int64 words per table descriptor and counters per table (see message_pass.c).
+TABLE_WORDS = 9
+COUNTER_WORDS = 8
+
+
+def _library() -> ctypes.CDLL | None:
+    source = rowwise_adagrad._SOURCE + "\n" + _SOURCE
+    return load_c_library("hr_message_pass", source, _declare)  # kept after the first call
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.hr_pull_check.restype = ctypes.c_int
+    lib.hr_pull_check.argtypes = [i64, ptr, i64, ptr, ptr, i64, ptr]
+    lib.hr_pull_apply.restype = None
+    lib.hr_pull_apply.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.hr_push_check.restype = ctypes.c_int
+    lib.hr_push_check.argtypes = [i64, ptr, i64, ptr, i64, ptr, ptr, i64]
+    lib.hr_push_apply.restype = ctypes.c_int
+    lib.hr_push_apply.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def _at(a: np.ndarray) -> int:
+    """The address of a contiguous array's first element."""
+    return int(a.__array_interface__["data"][0])
+
+
+def pull_check(toc: np.ndarray, words: np.ndarray, tables: np.ndarray) -> tuple[int, int] | None:
+    """``(reply words after the header, row floats)`` of a ``PULL_MANY`` the pass can
+    serve: ``toc`` int64 ``[k, 4]``, ``words`` int64 ``[W]`` (each part's ids, then its
+    caller clocks when conditional), ``tables`` int64 ``[T, TABLE_WORDS]``. None: take
+    the Python path."""
+    lib = _library()
+    if lib is None:
+        return None
+    sizes = np.empty(2, dtype=np.int64)
+    rc = lib.hr_pull_check(
+        toc.shape[0], _at(toc), words.size, _at(words), _at(tables), tables.shape[0], _at(sizes)
+    )
+    return None if rc != 0 else (int(sizes[0]), int(sizes[1]))
+
+
+def pull_apply(
+    toc: np.ndarray,
+    words: np.ndarray,
+    tables: np.ndarray,
+    counters: np.ndarray,
+    reply: np.ndarray,
+    rows: np.ndarray,
+) -> tuple[int, int]:
+    """Serve a checked ``PULL_MANY`` into ``reply`` (int64, the words after the header)
+    and ``rows`` (float32); returns the reply words and row floats written."""
+    lib = _library()
+    assert lib is not None  # pull_check said yes
+    used = np.empty(2, dtype=np.int64)
+    lib.hr_pull_apply(
+        toc.shape[0], _at(toc), _at(words), _at(tables), _at(counters), _at(reply), _at(rows),
+        _at(used),
+    )  # fmt: skip
+    return int(used[0]), int(used[1])
+
+
+def push_check(toc: np.ndarray, ids: np.ndarray, grads: np.ndarray, tables: np.ndarray) -> bool:
+    """Whether the pass can apply a ``PUSH_MANY``: ``toc`` int64 ``[k, 3]``, ``ids`` int64
+    ``[N]``, ``grads`` float32 ``[sum n * dim]``."""
+    lib = _library()
+    if lib is None:
+        return False
+    rc = lib.hr_push_check(
+        toc.shape[0], _at(toc), ids.size, _at(ids), grads.size, _at(grads), _at(tables),
+        tables.shape[0],
+    )  # fmt: skip
+    return rc == 0
+
+
+def push_apply(
+    toc: np.ndarray,
+    ids: np.ndarray,
+    grads: np.ndarray,
+    tables: np.ndarray,
+    hyper: np.ndarray,
+    counters: np.ndarray,
+    threads: int,
+) -> None:
+    """Apply a checked ``PUSH_MANY`` in place (``hyper`` float32 ``[T, 2]``: lr, eps)."""
+    lib = _library()
+    assert lib is not None  # push_check said yes
+    rc = lib.hr_push_apply(
+        toc.shape[0], _at(toc), _at(ids), _at(grads), _at(tables), _at(hyper), _at(counters),
+        threads,
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("push_many: the server could not allocate a buffer of the push pass")

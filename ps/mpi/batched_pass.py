@@ -1,0 +1,148 @@
+"""A server's batched messages served whole in C (:mod:`ps.kernels.message_pass`).
+
+:class:`BatchedPass` keeps what the C passes need of the server's tables, one
+descriptor row per table index (addresses of the rows, state and clocks, the id map
+of a :class:`ps.mpi.fixed_shard.FixedShard`, the optimizer's kind and
+hyper-parameters) and the counters the passes add to. The server rebuilds it
+whenever its tables change (create, drop, a committed load); the tensors it points
+into are the tables' own, which a fixed table never reallocates, and the tables are
+held here so the addresses stay valid.
+
+Which messages it serves: a ``PULL_MANY`` whose parts are all fixed tables, and a
+``PUSH_MANY`` whose parts are all fixed row-wise Adagrad tables with strictly
+increasing ids (a cache's and the hybrid tables' deduplicated pushes are) and
+finite gradients. Everything else (dynamic tables, other optimizers, repeated ids,
+any request the checks would refuse) is served part by part in Python, as before;
+the C checks only decide which path, never what an error says.
+
+Counters: the passes count into one int64 array; :meth:`fold` adds them to the
+tables' own counters (before a stats reply and before the tables change), so
+``stats()`` reads the same whichever path served a request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ps.kernels import message_pass
+from ps.kernels.message_pass import COUNTER_WORDS, TABLE_WORDS
+from ps.local.table import COUNTERS, LocalTable
+from ps.mpi import wire
+from ps.mpi.fixed_shard import FixedShard
+from ps.mpi.wire import HEADER_LEN, Op
+from ps.optimizers import RowWiseAdagrad
+
+Shard = LocalTable | FixedShard
+
+assert len(COUNTERS) == COUNTER_WORDS  # the C passes count in this order
+
+
+class BatchedPass:
+    """Descriptors and counters of the C passes over one server's tables."""
+
+    def __init__(self, threads: int) -> None:
+        """``threads``: the row update's threads (the server's torch threads)."""
+        self.threads = threads
+        self.enabled = message_pass.available()
+        self.shards: list[Shard | None] = []  # table index -> the table (None: not served)
+        self.tables = np.zeros((0, TABLE_WORDS), dtype=np.int64)  # [T, TABLE_WORDS]
+        self.hyper = np.zeros((0, 2), dtype=np.float32)  # [T, 2] lr, eps
+        self.counters = np.zeros((0, COUNTER_WORDS), dtype=np.int64)  # [T, COUNTER_WORDS]
+        self.served = 0  # messages these passes served (the rest went the Python path)
+
+    def rebuild(self, shards: list[Shard | None]) -> None:
+        """Point the descriptors at ``shards`` (by table index; None: an index whose
+        table was dropped or re-created under another index), after folding the
+        counters into the tables they counted for."""
+        self.fold()
+        self.shards = list(shards)
+        t = len(shards)
+        self.tables = np.zeros((t, TABLE_WORDS), dtype=np.int64)
+        self.hyper = np.zeros((t, 2), dtype=np.float32)
+        self.counters = np.zeros((t, COUNTER_WORDS), dtype=np.int64)
+        for index, shard in enumerate(shards):
+            if shard is not None and shard.spec.num_rows is not None:
+                self.tables[index], self.hyper[index] = _descriptor(shard)
+
+    def fold(self) -> None:
+        """Add the passes' counts to the tables' own counters and start again from 0."""
+        for index in np.flatnonzero(self.counters.any(axis=1)).tolist():
+            shard = self.shards[index]
+            if shard is not None:
+                own = _engine(shard).counters
+                for name, value in zip(COUNTERS, self.counters[index].tolist(), strict=True):
+                    own[name] += value
+        self.counters[:] = 0
+
+    def pull_many(
+        self, k: int, request_id: int, payload: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The reply (meta, rows) to a ``PULL_MANY`` of ``k`` parts, or None: serve it in
+        Python (``payload``: the request's words after its header)."""
+        width = wire.PULL_PART_WORDS
+        if not self.enabled or payload.size < k * width:
+            return None
+        toc, words = payload[: k * width].reshape(k, width), payload[k * width :]
+        sizes = message_pass.pull_check(toc, words, self.tables)
+        if sizes is None:
+            return None
+        meta = np.empty(HEADER_LEN + sizes[0], dtype=np.int64)
+        rows = np.empty(sizes[1], dtype=np.float32)
+        used, floats = message_pass.pull_apply(
+            toc, words, self.tables, self.counters, meta[HEADER_LEN:], rows
+        )
+        meta[:HEADER_LEN] = wire.header(Op.PULL_MANY, request_id, n=k)
+        self.served += 1
+        return meta[: HEADER_LEN + used], rows[:floats]
+
+    def can_push(self, k: int, payload: np.ndarray, data: np.ndarray, sequenced: bool) -> bool:
+        """Whether :meth:`push` can apply a ``PUSH_MANY`` of ``k`` parts (``payload``: the
+        words after its header; ``sequenced``: the session word ends it)."""
+        width = wire.PUSH_PART_WORDS
+        if not self.enabled or payload.size < k * width + int(sequenced):
+            return False
+        toc, ids = self._parts(k, payload, sequenced)
+        return message_pass.push_check(toc, ids, data, self.tables)
+
+    def push(self, k: int, payload: np.ndarray, data: np.ndarray, sequenced: bool) -> None:
+        """Apply a ``PUSH_MANY`` that :meth:`can_push` accepted."""
+        toc, ids = self._parts(k, payload, sequenced)
+        message_pass.push_apply(
+            toc, ids, data, self.tables, self.hyper, self.counters, self.threads
+        )
+        self.served += 1
+
+    @staticmethod
+    def _parts(k: int, payload: np.ndarray, sequenced: bool) -> tuple[np.ndarray, np.ndarray]:
+        """A ``PUSH_MANY`` payload's table of contents ``[k, 3]`` and ids (views)."""
+        width = wire.PUSH_PART_WORDS
+        end = payload.size - int(sequenced)
+        return payload[: k * width].reshape(k, width), payload[k * width : end]
+
+
+def _engine(shard: Shard) -> LocalTable:
+    """The fixed table that holds ``shard``'s rows."""
+    return shard.table if isinstance(shard, FixedShard) else shard
+
+
+def _descriptor(shard: Shard) -> tuple[list[int], list[float]]:
+    """One table's descriptor words and (lr, eps) (layout: ``message_pass.c``)."""
+    engine = _engine(shard)
+    spec, opt = shard.spec, shard.spec.optimizer
+    state = engine.state  # [rows, S]
+    ids_map: torch.Tensor | None = shard.local if isinstance(shard, FixedShard) else None
+    adagrad = isinstance(opt, RowWiseAdagrad) and state.shape[1] >= 1
+    words = [
+        1,
+        int(spec.num_rows or 0),
+        spec.dim,
+        engine.weights.data_ptr(),
+        state.data_ptr(),
+        state.stride(0),
+        engine.clocks.data_ptr(),
+        0 if ids_map is None else ids_map.data_ptr(),
+        1 if adagrad else 0,
+    ]
+    hyper = [opt.lr, opt.eps] if isinstance(opt, RowWiseAdagrad) else [0.0, 0.0]
+    return words, hyper

@@ -1,0 +1,272 @@
+"""The MPI server's C pass over whole batched messages, against the table engine.
+
+:class:`ps.mpi.batched_pass.BatchedPass` serves a ``PULL_MANY`` / ``PUSH_MANY`` of
+fixed tables in C; the reference is the same tables served part by part by the
+engine the Python path calls (``LocalTable`` / ``FixedShard`` ``pull`` and ``push``).
+Both run the same row step on the same layout (the row-wise Adagrad of
+``rowwise_adagrad.c``) and gathers are copies, so rows, state, clocks, positions and
+counters must be bit-exact. No MPI here: the messages are built with ``ps.mpi.wire``
+as a worker builds them; the MPI jobs in ``test_ps_mpi.py`` run the pass in a server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+import ps
+from ps.kernels import message_pass
+from ps.local.table import LocalTable
+from ps.mpi import wire
+from ps.mpi.batched_pass import BatchedPass, Shard
+from ps.mpi.fixed_shard import FixedShard
+from ps.routing import shard_of
+from tolerance import assert_same
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.numerics,
+    pytest.mark.skipif(not message_pass.available(), reason="needs a C compiler"),
+]
+
+
+_DIMS = [4, 16, 33]  # of the three tables
+SAME = "gathers copy rows; both sides run the same C row step on the same layout"
+
+
+def _spec(name: str, rows: int, dim: int, opt: ps.Optimizer | None = None) -> ps.TableSpec:
+    """A fixed table of ``rows`` rows (0: a dynamic table), row-wise Adagrad by default."""
+    return ps.TableSpec(
+        name=name, num_rows=rows or None, dim=dim, optimizer=opt or ps.RowWiseAdagrad(lr=0.05)
+    )
+
+
+@dataclass
+class Tables:
+    """The same tables twice: ``mine`` served by the pass, ``ref`` by the engine."""
+
+    mine: list[Shard | None]
+    ref: list[Shard | None]
+    ids: list[torch.Tensor]  # per table, the ids that route to this server
+
+    def pass_over_mine(self) -> BatchedPass:
+        p = BatchedPass(threads=1)
+        p.rebuild(self.mine)
+        return p
+
+
+def _tables(shards: int = 1, shard: int = 0) -> Tables:
+    """Three fixed tables (dims 4, 16, 33) as one server of ``shards`` holds them, twice
+    (their initial rows are hashed from the ids, so both copies start equal)."""
+
+    def build() -> list[Shard | None]:
+        out: list[Shard | None] = []
+        for i, (rows, dim) in enumerate(zip([300, 500, 200], _DIMS, strict=True)):
+            spec = _spec(f"t{i}", rows, dim)
+            out.append(FixedShard(spec, shard, shards) if shards > 1 else LocalTable(spec))
+        return out
+
+    ids = []
+    for rows in [300, 500, 200]:
+        every = torch.arange(rows)
+        ids.append(every[shard_of(every, shards) == shard] if shards > 1 else every)
+    return Tables(build(), build(), ids)
+
+
+def _pick(gen: torch.Generator, ids: torch.Tensor, n: int, *, unique: bool) -> torch.Tensor:
+    if unique:
+        return ids[torch.randperm(ids.numel(), generator=gen)[:n]].sort().values
+    return ids[torch.randint(0, ids.numel(), (n,), generator=gen)]
+
+
+def _pull_request(
+    parts: list[tuple[int, torch.Tensor, torch.Tensor | None, int]], dims: list[int] = _DIMS
+) -> np.ndarray:
+    """A PULL_MANY payload: toc [k, 4], then each part's ids (and caller clocks);
+    ``dims``: the tables' widths by index."""
+    toc = [
+        [i, ids.numel(), dims[i], -1 if clocks is None else bound]
+        for i, ids, clocks, bound in parts
+    ]
+    words = [np.asarray(toc, dtype=np.int64).reshape(-1)]
+    for _, ids, clocks, _bound in parts:
+        words.append(ids.numpy())
+        if clocks is not None:
+            words.append(clocks.numpy())
+    return np.concatenate(words)
+
+
+def _push_request(
+    parts: list[tuple[int, torch.Tensor, torch.Tensor]], session: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """A PUSH_MANY payload (toc [k, 3], all ids, the session word) and its gradients."""
+    toc = np.asarray([[i, ids.numel(), g.shape[1]] for i, ids, g in parts], dtype=np.int64)
+    words = [toc.reshape(-1)] + [ids.numpy() for _, ids, _ in parts]
+    if session is not None:
+        words.append(np.asarray([session], dtype=np.int64))
+    grads = np.concatenate([g.numpy().reshape(-1) for _, _, g in parts]).astype(np.float32)
+    return np.concatenate(words), grads
+
+
+def _split_pull_reply(
+    meta: np.ndarray, rows: np.ndarray, tables: list[int]
+) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray]]:
+    """A PULL_MANY reply cut into (clocks, positions, rows) per part, as a worker does."""
+    k = len(tables)
+    body = meta[wire.HEADER_LEN :]
+    toc = body[: 2 * k].reshape(k, 2)
+    at, fat, out = 2 * k, 0, []
+    for p, (m, flags) in enumerate(toc.tolist()):
+        clk = body[at : at + m]
+        at += m
+        pos = None
+        if flags & wire.FLAG_POSITIONS:
+            pos = body[at : at + m]
+            at += m
+        d = _DIMS[tables[p]]
+        out.append((clk, pos, rows[fat : fat + m * d].reshape(m, d)))
+        fat += m * d
+    assert at == body.size and fat == rows.size, "the reply carries exactly its parts"
+    return out
+
+
+def _same_tables(t: Tables) -> None:
+    for a, b in zip(t.mine, t.ref, strict=True):
+        assert a is not None and b is not None
+        ea = a.table if isinstance(a, FixedShard) else a
+        eb = b.table if isinstance(b, FixedShard) else b
+        assert_same(ea.weights, eb.weights, what=f"{a.spec.name} rows", why=SAME)
+        assert_same(ea.state, eb.state, what=f"{a.spec.name} state", why=SAME)
+        assert torch.equal(ea.clocks, eb.clocks), a.spec.name
+
+
+@pytest.mark.parametrize(("shards", "shard"), [(1, 0), (2, 0), (2, 1), (3, 2)])
+def test_pull_and_push_messages_equal_the_engine_part_by_part(shards: int, shard: int) -> None:
+    """Plain and conditional pulls, pushes of sorted distinct ids: bit for bit what the
+    engine gives, the counters included."""
+    t = _tables(shards, shard)
+    batched = t.pass_over_mine()
+    gen = torch.Generator().manual_seed(shards * 10 + shard)
+    for step in range(6):
+        # pulls: tables out of order, one twice, conditional parts with bounds 0 and 1
+        parts: list[tuple[int, torch.Tensor, torch.Tensor | None, int]] = []
+        for index in [2, 0, 1, 0]:
+            ids = _pick(gen, t.ids[index], 40, unique=False)
+            if (step + index) % 2:
+                behind = torch.randint(0, 3, (ids.numel(),), generator=gen)
+                clocks = _ref(t, index).read_clocks(ids) - behind
+                parts.append((index, ids, clocks, step % 2))
+            else:
+                parts.append((index, ids, None, -1))
+        got = batched.pull_many(len(parts), 9, _pull_request(parts))
+        assert got is not None, "the pass serves a pull of fixed tables"
+        meta, rows = got
+        assert meta[wire.W_OP] == wire.Op.PULL_MANY and meta[wire.W_ID] == 9
+        assert meta[wire.W_N] == len(parts)
+        for (index, ids, clocks, bound), (clk, pos, r) in zip(
+            parts, _split_pull_reply(meta, rows, [p[0] for p in parts]), strict=True
+        ):
+            want = _ref(t, index).pull(ids, clocks, None if clocks is None else bound)
+            assert np.array_equal(clk, want.clocks.numpy())
+            assert (pos is None) == (want.positions is None)
+            if pos is not None and want.positions is not None:
+                assert np.array_equal(pos, want.positions.numpy())
+            assert_same(torch.from_numpy(r.copy()), want.rows, what=f"step {step} rows", why=SAME)
+        # pushes: distinct sorted ids, every table once
+        pushes = []
+        for i in range(3):
+            ids = _pick(gen, t.ids[i], 30, unique=True)
+            pushes.append((i, ids, torch.randn(ids.numel(), _DIMS[i], generator=gen)))
+        payload, grads = _push_request(pushes, session=5)
+        assert batched.can_push(3, payload, grads, sequenced=True)
+        batched.push(3, payload, grads, sequenced=True)
+        for i, ids, g in pushes:
+            _ref(t, i).push(ids, g, checked=True)
+        _same_tables(t)
+    batched.fold()
+    assert _counts(t.mine) == _counts(t.ref)
+    assert batched.served == 12
+
+
+def _ref(t: Tables, index: int) -> Shard:
+    shard = t.ref[index]
+    assert shard is not None
+    return shard
+
+
+def _engine(shard: Shard | None) -> LocalTable:
+    assert shard is not None
+    return shard.table if isinstance(shard, FixedShard) else shard
+
+
+def _counts(tables: list[Shard | None]) -> list[dict[str, int]]:
+    return [dict(_engine(s).counters) for s in tables]
+
+
+def test_the_pass_declines_what_only_the_python_path_serves() -> None:
+    """Anything but fixed tables (and, for a push, row-wise Adagrad on sorted distinct
+    ids with finite gradients) is left to the Python path, with nothing changed."""
+    adagrad = LocalTable(_spec("t0", 300, 4))
+    sgd = LocalTable(_spec("t1", 500, 16, ps.SGD(lr=0.1)))
+    dynamic = LocalTable(_spec("t2", 0, 33))
+    shard = FixedShard(_spec("t3", 200, 4), 0, 2)  # index 3: shard 0 of 2
+    batched = BatchedPass(threads=1)
+    # index 4: a dropped table (None); 5: never existed
+    batched.rebuild([adagrad, sgd, dynamic, shard, None])
+    dims = [4, 16, 33, 4, 4, 4]
+    routes = shard_of(torch.arange(200), 2)
+    mine = torch.arange(200)[routes == 0][:3]
+    other = torch.arange(200)[routes == 1][:1]
+    before = [t.weights.clone() for t in (adagrad, sgd, shard.table)]
+
+    def pull(*parts: tuple[int, list[int]]) -> bool:
+        req = [(i, torch.tensor(ids, dtype=torch.int64), None, -1) for i, ids in parts]
+        return batched.pull_many(len(req), 1, _pull_request(req, dims)) is not None
+
+    assert pull((0, [1, 2]), (1, [499]), (3, mine.tolist()))
+    assert not pull((0, [1]), (2, [5]))  # a dynamic table
+    assert not pull((4, [1]))  # a dropped table's index
+    assert not pull((0, [300]))  # out of range
+    assert not pull((0, [-1]))
+    assert not pull((3, other.tolist()))  # another server's row
+    payload = _pull_request([(0, torch.tensor([1, 2]), None, -1)])
+    assert batched.pull_many(1, 1, payload[:-1]) is None  # a word short
+    assert batched.pull_many(1, 1, np.append(payload, 7)) is None  # a word over
+    assert batched.pull_many(2, 1, payload) is None  # fewer parts than it says
+    wrong_dim = payload.copy()
+    wrong_dim[2] = 8
+    assert batched.pull_many(1, 1, wrong_dim) is None
+    unknown = payload.copy()
+    unknown[0] = 5
+    assert batched.pull_many(1, 1, unknown) is None
+    bad_bound = _pull_request([(0, torch.tensor([1]), torch.tensor([0]), 0)])
+    bad_bound[3] = -2
+    assert batched.pull_many(1, 1, bad_bound) is None
+
+    def push(i: int, ids: list[int], grads: torch.Tensor | None = None) -> bool:
+        t = torch.tensor(ids, dtype=torch.int64)
+        g = torch.ones(t.numel(), dims[i]) if grads is None else grads
+        payload, data = _push_request([(i, t, g)])
+        return batched.can_push(1, payload, data, sequenced=False)
+
+    assert push(0, [1, 5, 9]) and push(3, mine.tolist())
+    assert not push(1, [1, 2])  # SGD
+    assert not push(2, [1, 2])  # dynamic
+    assert not push(0, [5, 1])  # unsorted
+    assert not push(0, [1, 1])  # repeated
+    assert not push(0, [300])
+    assert not push(3, other.tolist())
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        g = torch.ones(2, 4)
+        g[1, 3] = bad
+        assert not push(0, [1, 2], g)
+    payload, data = _push_request([(0, torch.tensor([1, 2]), torch.ones(2, 4))])
+    assert not batched.can_push(1, payload, data[:-1], sequenced=False)  # a float short
+    assert not batched.can_push(1, payload[:-1], data, sequenced=False)  # an id short
+    assert not batched.can_push(1, payload, data, sequenced=True)  # no session word
+    for now, then in zip((adagrad, sgd, shard.table), before, strict=True):
+        assert torch.equal(now.weights, then)  # checks change nothing
+    assert batched.served == 1
