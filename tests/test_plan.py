@@ -12,7 +12,7 @@ import pytest
 
 from hybridrec.plan import idlaw
 from hybridrec.plan.__main__ import main
-from hybridrec.plan.costs import Costs, load_costs, save_costs
+from hybridrec.plan.costs import Costs, StoreCosts, load_costs, save_costs
 from hybridrec.plan.idlaw import FileSampler, TrafficModel, ZipfSampler, simulate_table
 from hybridrec.plan.model import predict
 from hybridrec.plan.options import parse_table
@@ -50,7 +50,7 @@ def store_costs(scale: float) -> dict[str, object]:
 
 COSTS_JSON: dict[str, object] = {
     "schema": "hybridrec.plan.costs",
-    "version": 1,
+    "version": 2,
     "device": "cpu",
     "machine": {"cpus": 2},
     "dim": 16,
@@ -454,22 +454,24 @@ def test_fits_recover_known_costs_and_never_go_negative() -> None:
     )
     coef = fit([[1, 1], [1, 2], [1, 3]], [3.0, 2.0, 1.0])  # a negative slope is refitted as 0
     assert coef[1] == 0.0 and coef[0] == pytest.approx(2.0, rel=F64)
-    # the MPI store's wire cost: measured time minus the shard's work, per message,
-    # per table request and per row (batched: one message for several tables)
-    costs = load_costs_dict()
-    shard = costs.server["dense"]
+    # the MPI store's wire cost: measured time minus the server's measured busy time, per
+    # message, per table request and per row (batched: one message for several tables);
+    # the server's own cost: its busy time per table request and per row
+    from hybridrec.plan.calibrate import mpi_server_costs
+
     points: list[dict[str, float]] = []
     for k, n in ((1, 64), (8, 64), (1, 2048), (8, 2048)):
         rows = k * n
         point: dict[str, float] = {"tables": k, "rows": n}
         for kind in ("pull", "pull_check", "push"):
-            own = (shard.push_of("rowwise_adagrad") if kind == "push" else getattr(shard, kind))(
-                k, rows
-            )
+            own = 1e-6 * k + 4e-9 * rows + (2e-8 * rows if kind == "push" else 0.0)
             point[f"{kind}_messages"] = 1
+            point[f"server_{kind}_s"] = own
             point[kind] = own + 40e-6 + 3e-6 * k + 2e-8 * rows
         points.append(point)
-    wire = wire_costs({"store": points, "messages_per_batch": 1.0}, shard)
+    probe = {"store": points, "messages_per_batch": 1.0}
+    wire = wire_costs(probe)
+    server = mpi_server_costs(probe)
     for kind in ("pull", "pull_check", "push"):
         got = getattr(wire, kind)
         # Not a rounding bound: the fit of exact points is off by about its design's
@@ -479,6 +481,32 @@ def test_fits_recover_known_costs_and_never_go_negative() -> None:
         assert got.alpha_s == pytest.approx(40e-6, rel=1e-6)
         assert got.beta_s == pytest.approx(2e-8, rel=1e-6)
         assert wire.per_table_s[kind] == pytest.approx(3e-6, rel=1e-6)
+        own = server.push_of("rowwise_adagrad") if kind == "push" else getattr(server, kind)
+        assert own.alpha_s == pytest.approx(1e-6, rel=1e-6)
+        assert own.beta_s == pytest.approx(4e-9 + (2e-8 if kind == "push" else 0.0), rel=1e-6)
+
+
+def test_mpi_batches_are_charged_the_servers_measured_cost() -> None:
+    """With an MPI calibration, a server's service of a batched request is its own
+    measured cost (``server["mpi"]``: it serves fixed tables whole in C); requests sent
+    one table at a time take the shard's per-table path."""
+    server = {"dense": store_costs(1.0), "sparse": store_costs(3.0), "mpi": store_costs(0.1)}
+    data = {**COSTS_JSON, "server": server}
+    costs = Costs.from_json(data)
+    tm = TrafficModel()
+    plan = small_plan(4)
+    tr = tm.traffic(plan)
+    fast, slow = costs.server["mpi"], costs.server["dense"]
+
+    def queue(pull: StoreCosts, push: StoreCosts, optimizer: str = "rowwise_adagrad") -> float:
+        p = sum(pull.pull(1, t.unique) for t in tr.values())
+        q = sum(push.push_of(optimizer)(1, t.unique) for t in tr.values())
+        return 3 * (p + q)
+
+    got = predict(plan, costs, tr).parts["server_queueing"]
+    assert got == pytest.approx(queue(fast, fast), rel=F64)
+    per_table = predict(plan.with_(protocol="per-table"), costs, tr)
+    assert per_table.parts["server_queueing"] == pytest.approx(queue(slow, slow), rel=F64)
 
 
 def load_costs_dict() -> Costs:

@@ -18,8 +18,10 @@ law (:mod:`hybridrec.plan.costs`), one torch thread per process:
   work (per step, per id looked up, per distinct id) and the cache's (per table step,
   per distinct id, per row fetched);
 * MPI (unless ``mpi=False``): ``mpirun -n 2`` of :mod:`hybridrec.plan.mpi_probe`: the
-  MPI store's ``pull_many`` / ``push_many`` with one server (its cost beyond the
-  shard's work is the wire cost; messages counted by ``request_counts``), and with two
+  MPI store's ``pull_many`` / ``push_many`` with one server: the server's own busy time
+  per message (``server["mpi"]``: it serves a batch of fixed tables whole in C, not
+  through the in-process shard's per-table path), and the rest is the wire cost;
+  messages counted by ``request_counts``), and with two
   (``mpirun -n 3``: the wire cost with several servers; on fewer than 3 cores the
   model's P / C slowdown is taken out), allreduce, alltoallv and allgatherv at 2
   ranks, and 26 sharded tables at 2 ranks (without MPI: a sharded collection on one
@@ -471,25 +473,39 @@ def run_mpi_probe(quick: bool, ranks: int = 2, timeout_s: float = 600.0) -> dict
     return result
 
 
-def wire_costs(probe: dict[str, Any], shard: StoreCosts, slowdown: float = 1.0) -> WireCosts:
-    """The MPI store's cost beyond the shard's work: per message, per table request and
-    per row. (With one message per table the first two cannot be told apart; the model
-    then uses their sum, as the calibration saw it.) With S servers each does its share
-    of the rows in parallel and the messages are counted over all of them. ``slowdown``:
-    the factor by which processes sharing too few cores ran slower (the model's P / C),
+def mpi_server_costs(probe: dict[str, Any]) -> StoreCosts:
+    """What an MPI server itself spends on one worker's batched request (its busy time
+    per message, measured by the probe): per table request and per row of its share.
+    A server serves a batch of fixed tables whole in C (``ps.mpi.batched_pass``), so
+    this is not the in-process shard's cost; pushes are row-wise Adagrad, the only
+    optimizer that pass applies."""
+    servers = int(probe.get("servers", 1))
+    points: dict[str, list[tuple[float, float, float]]] = {}
+    for p in probe["store"]:
+        k, rows = float(p["tables"]), float(p["tables"] * p["rows"]) / servers
+        for kind in ("pull", "pull_check", "push"):
+            points.setdefault(kind, []).append((k, rows, float(p[f"server_{kind}_s"])))
+    return StoreCosts(
+        pull=fit_linear(points["pull"]),
+        pull_check=fit_linear(points["pull_check"]),
+        push={"rowwise_adagrad": fit_linear(points["push"])},
+    )
+
+
+def wire_costs(probe: dict[str, Any], slowdown: float = 1.0) -> WireCosts:
+    """The MPI store's cost beyond the servers' own work (their busy time, measured):
+    per message, per table request and per row. (With one message per table the first
+    two cannot be told apart; the model then uses their sum, as the calibration saw
+    it.) With S servers the messages are counted over all of them. ``slowdown``: the
+    factor by which processes sharing too few cores ran slower (the model's P / C),
     taken out of the times first."""
     fits: dict[str, list[float]] = {}
-    servers = int(probe.get("servers", 1))
     for kind in ("pull", "pull_check", "push"):
         design, times = [], []
         for p in probe["store"]:
             k, rows, messages = p["tables"], p["tables"] * p["rows"], p[f"{kind}_messages"]
-            if kind == "push":
-                own = shard.push_of("rowwise_adagrad")(k, rows / servers)
-            else:
-                own = getattr(shard, kind)(k, rows / servers)
             design.append([float(messages), float(k), float(rows)])
-            times.append(max(p[kind] / slowdown - own, 0.0))
+            times.append(max((p[kind] - p[f"server_{kind}_s"]) / slowdown, 0.0))
         fits[kind] = fit(design, times)
     return WireCosts(
         pull=Linear(alpha_s=fits["pull"][0], beta_s=fits["pull"][2]),
@@ -580,6 +596,8 @@ def calibrate(
         say(f"calibration took {time.perf_counter() - t0:.1f} s")
     finally:
         torch.set_num_threads(threads)
+    if probe is not None:
+        server["mpi"] = mpi_server_costs(probe)
     collectives = collective_costs(probe)
     sync_delay = 0.0 if probe3 is None else sync_delay_of(probe3, collectives)
     if probe is not None:  # the exchange path only runs with 2 ranks or more
@@ -600,10 +618,10 @@ def calibrate(
         embedding=embedding,
         cache=cache_costs,
         server=server,
-        mpi_wire=None if probe is None else wire_costs(probe, server["dense"]),
+        mpi_wire=None if probe is None else wire_costs(probe),
         mpi_wire_sharded=None
         if probe3 is None
-        else wire_costs(probe3, server["dense"], max(1.0, 3 / (os.cpu_count() or 1))),
+        else wire_costs(probe3, max(1.0, 3 / (os.cpu_count() or 1))),
         collectives=collectives,
         sync_delay_s=sync_delay,
     )

@@ -3,13 +3,13 @@
 Every cost is affine, ``alpha_s * count + beta_s * amount`` (:class:`Linear`): seconds
 per call or message plus seconds per row, sample or byte. Layout of the file::
 
-    {"schema": "hybridrec.plan.costs", "version": 1, "device": "cpu",
+    {"schema": "hybridrec.plan.costs", "version": 2, "device": "cpu",
      "machine": {...}, "dim": 16,                      # row width the rows were timed at
      "data":      {"alpha_s", "beta_s"},                # batch assembly: per step, per sample
      "dense":     {"alpha_s", "s_per_param", "s_per_flop"},
      "embedding": {"local"|"hybrid"|"sharded": {"alpha_s", "per_lookup_s", "per_unique_s"}},
      "cache":     {"per_table_s", "per_id_s", "per_admit_s"},  # the cache's own work
-     "server":    {"dense"|"sparse": {"pull", "pull_check", "push": {optimizer: ...}}},
+     "server":    {"dense"|"sparse"|"mpi": {"pull", "pull_check", "push": {optimizer: ...}}},
      "mpi_wire":  {"pull", "pull_check", "push", "per_table_s", "messages_per_batch"},
      "mpi_wire_sharded": {...},                       # the same with two servers
      "collectives": {"allreduce"|"alltoallv"|"allgatherv": {"alpha_s", "beta_s"}},
@@ -18,9 +18,11 @@ per call or message plus seconds per row, sample or byte. Layout of the file::
 ``server`` is the work of one PS shard (a :class:`ps.local.table.LocalTable`, what the
 in-process store and each MPI server run): per table request and per row (``dense``: a
 fixed table, held whole by one server or split densely by several; ``sparse``: a
-dynamic table). ``mpi_wire`` is what the MPI store adds on top (messages, copies), per message
-and per row (and per table request); ``mpi_wire_sharded`` the same measured with two
-servers.
+dynamic table). ``mpi`` (with an MPI calibration) is an MPI server's own busy time on
+one worker's batched request of fixed tables, which it serves whole in C
+(:mod:`ps.mpi.batched_pass`; pushes: row-wise Adagrad only). ``mpi_wire`` is what the
+MPI store adds on top of the servers' work (messages, copies), per message and per row
+(and per table request); ``mpi_wire_sharded`` the same measured with two servers.
 ``messages_per_batch`` is the messages one server got for one ``pull_many`` of several
 tables: 1 when the store batches, else the table count.
 Collectives are at 2 ranks, per call and per byte sent. ``sync_delay_s`` is what each
@@ -37,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA = "hybridrec.plan.costs"
-VERSION = 1
+VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)

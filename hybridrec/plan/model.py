@@ -17,7 +17,8 @@ A step of one worker, in order (``docs/planner.md`` has the full model)::
                  round of a collective waits for a descheduled rank (sync_delay_s)
 
 A server's service is ``alpha * table requests + beta * rows`` of its shard's store
-(a fixed table, whether one server holds it or several split it), and the MPI
+(a fixed table, whether one server holds it or several split it; for the MPI store's
+batches, which a server serves whole in C, its own measured busy time), and the MPI
 store's wire cost is ``alpha * messages + tau * table requests + beta * rows`` on the
 worker; messages per
 server per phase are 1 with the batched protocol, else one per table. Rows per
@@ -97,6 +98,13 @@ def _store_phases(
     # densely too (ps.mpi.fixed_shard), so both cost what a fixed table does.
     shard = costs.server["dense"]
     wire = costs.mpi_wire
+    pulls, push_costs = shard, {t.name: shard for t in tables}
+    if mpi and "mpi" in costs.server and batched(plan, costs):
+        # an MPI server serves a batch of fixed tables whole in C (ps.mpi.batched_pass):
+        # its pulls always, its pushes when every table's optimizer is row-wise Adagrad
+        pulls = costs.server["mpi"]
+        if all(t.optimizer == "rowwise_adagrad" for t in tables):
+            push_costs = {t.name: costs.server["mpi"] for t in tables}
     if servers > 1 and costs.mpi_wire_sharded is not None:
         # measured with two servers; on a calibration machine of fewer than 3 cores that
         # includes the scheduling of 3 processes on too few cores, which only a plan whose
@@ -110,14 +118,16 @@ def _store_phases(
             "calibrate with MPI or plan with --store inprocess"
         )
     pull, push = _Phase(), _Phase()
-    returned_extra = max(0.0, shard.pull.beta_s - shard.pull_check.beta_s)
+    returned_extra = max(0.0, pulls.pull.beta_s - pulls.pull_check.beta_s)
     for t in tables:
         tr = traffic[t.name]
         rs = costs.row_scale(t.dim)
-        pull.service += shard.pull(tr.pull_requests, rs * tr.pulled / servers)
-        pull.service += shard.pull_check(tr.check_requests, rs * tr.asked / servers)
+        pull.service += pulls.pull(tr.pull_requests, rs * tr.pulled / servers)
+        pull.service += pulls.pull_check(tr.check_requests, rs * tr.asked / servers)
         pull.service += returned_extra * rs * tr.refreshed / servers
-        push.service += shard.push_of(t.optimizer)(tr.push_requests, rs * tr.pushed / servers)
+        push.service += push_costs[t.name].push_of(t.optimizer)(
+            tr.push_requests, rs * tr.pushed / servers
+        )
         pull.bytes += (4 * t.dim + 8) * tr.pulled + 16 * tr.asked + 4 * t.dim * tr.refreshed
         push.bytes += (4 * t.dim + 8) * tr.pushed
         if wire is not None and mpi:

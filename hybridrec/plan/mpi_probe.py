@@ -3,8 +3,10 @@ hybridrec.plan.mpi_probe [--quick]`` by :func:`hybridrec.plan.calibrate.run_mpi_
 
 Rank 1 serves a :class:`ps.mpi.store.MPIStore` shard; rank 0 times ``pull_many``,
 conditional ``pull_many`` and ``push_many`` of several tables through it (counting the
-messages the server got with ``request_counts``), then both ranks time allreduce,
-alltoallv and allgatherv of several sizes and a sharded embedding collection. Rank 0
+messages the server got with ``request_counts``, and the server's own seconds per
+message with ``server_busy``: what the queueing model charges a server), then both
+ranks time allreduce, alltoallv and allgatherv of several sizes and a sharded
+embedding collection. Rank 0
 prints one JSON line. Under ``mpirun -n 3`` ranks 1 and 2 serve (each holding the rows
 routed to it densely, as with any S >= 2) and the store and the collectives are timed.
 """
@@ -16,6 +18,7 @@ import functools
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,25 +62,46 @@ def probe_store(group: comm.ProcessGroup, topology: comm.Topology, quick: bool) 
             point: dict[str, Any] = {"tables": k, "rows": n}
             ids = torch.arange(n)
             clocks = [store.clocks(t, ids) for t in names]  # before counting messages
-            for kind in ("pull", "pull_check", "push"):
+            requests = {
+                "pull": [ps.PullRequest(table=t, ids=ids) for t in names],
+                "pull_check": [ps.PullRequest(table=t, ids=ids, clocks=c, bound=0)
+                               for t, c in zip(names, clocks, strict=True)],
+            }  # fmt: skip
+            pushes = [ps.PushRequest(table=t, ids=ids, grads=torch.zeros(n, 16)) for t in names]
+            calls: dict[str, Callable[[], object]] = {
+                "pull": functools.partial(store.pull_many, requests["pull"]),
+                "pull_check": functools.partial(store.pull_many, requests["pull_check"]),
+                "push": functools.partial(store.push_many, pushes),
+            }
+            for kind, call in calls.items():
+                key = "push" if kind == "push" else "pull"
                 before = message_counts(store)
-                if kind == "pull":
-                    store.pull_many([ps.PullRequest(table=t, ids=ids) for t in names])
-                elif kind == "pull_check":
-                    store.pull_many([ps.PullRequest(table=t, ids=ids, clocks=c, bound=0)
-                                     for t, c in zip(names, clocks, strict=True)])  # fmt: skip
-                else:
-                    store.push_many([ps.PushRequest(table=t, ids=ids, grads=torch.zeros(n, 16))
-                                     for t in names])  # fmt: skip
-                after = message_counts(store)
-                key = "push_messages" if kind == "push" else "pull_messages"
-                point[f"{kind}_messages"] = after[key] - before[key]
+                call()
+                point[f"{kind}_messages"] = (
+                    message_counts(store)[f"{key}_messages"] - (before[f"{key}_messages"])
+                )
+                point[f"server_{kind}_s"] = server_seconds(store, call, key, reps)
             if k > 1:  # messages one server got for one pull_many of k tables
                 per_batch = float(point["pull_messages"]) / topology.num_servers
             point.update(time_store(store, by_opt, n, rows, reps, quantile))
             point["push"] = point.pop("push:rowwise_adagrad")
             points.append(point)
     return {"store": points, "messages_per_batch": per_batch}
+
+
+def server_seconds(store: MPIStore, call: Callable[[], object], key: str, reps: int) -> float:
+    """What one server spends on its message of ``call``'s request (``key``: "pull" or
+    "push"), from ``MPIStore.server_busy`` around ``reps`` calls: busy seconds per
+    message, averaged over the servers."""
+    before = store.server_busy()
+    for _ in range(reps):
+        call()
+    per = []
+    for b, a in zip(before, store.server_busy(), strict=True):
+        messages = a[f"{key}_messages"] - b[f"{key}_messages"]
+        if messages > 0:
+            per.append((a[f"{key}_s"] - b[f"{key}_s"]) / messages)
+    return sum(per) / len(per) if per else 0.0
 
 
 def probe_collectives(group: comm.ProcessGroup, quick: bool) -> dict[str, list[list[float]]]:
