@@ -8,7 +8,10 @@ Zipf 1.05 ids, global batch 768, ``--max-steps``) under ``mpirun``:
 
 * the MPI store at (W, S) = (1, 1), (2, 1), (1, 2), (3, 1), uncached and with a cache
   (10 % of each table, LFU, bounds 4 / 4);
-* the sharded placement at 2 and 4 ranks.
+* the sharded placement at 2 and 4 ranks;
+* one process with the in-process store, uncached and cached, with the sparse pipeline
+  off and on (``--sparse-pipeline``: one core runs the dense step, the other the
+  sparse step).
 
 The measured step time is the median over the steady-state steps of the job's metrics
 file (``--log-every 5``: each line's samples/s over 5 steps; the first 10 steps are
@@ -70,6 +73,11 @@ def cases() -> list[Case]:
         out.append(Case(f"mpi W={w} S={s} cached", w, s, ["--ps", f"mpi:{s}", *CACHE]))
     for n in (2, 4):
         out.append(Case(f"sharded {n} ranks", n, 0, ["--placement", "sharded"]))
+    for pipeline in ("off", "on"):  # one process: a core is free for the pipeline's thread
+        for name, cache in (("uncached", []), ("cached", CACHE)):
+            options = ["--ps", "local", "--placement", "hybrid", "--sparse-pipeline", pipeline]
+            options += cache
+            out.append(Case(f"in-process pipeline {pipeline} {name}", 1, 0, options))
     return out
 
 

@@ -18,6 +18,8 @@ points). The users:
 
 * ``ps/kernels/rowwise_adagrad`` - fused row-wise Adagrad, id sort and segment sums
   (the ps table engine's pushes; ``embedding``'s CPU fused backward calls it too);
+* ``ps/kernels/message_pass`` - an MPI server's whole batched messages (compiled with
+  ``rowwise_adagrad.c`` in one library);
 * ``cache/kernels/records`` - the cache's slot records (serve rows, install, apply pushes);
 * ``cache/kernels/sketch`` - the TinyLFU frequency sketch (count, estimate);
 * ``dense/kernels/interaction`` - the DLRM pairwise interaction.

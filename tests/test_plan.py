@@ -511,3 +511,31 @@ def test_mpi_batches_are_charged_the_servers_measured_cost() -> None:
 
 def load_costs_dict() -> Costs:
     return Costs.from_json(COSTS_JSON)
+
+
+def test_the_sparse_pipeline_hides_the_shorter_thread_where_a_core_is_free() -> None:
+    """With ``sparse_pipeline`` and a core for each worker's second thread, the step
+    is shorter by min(sparse step, the rest of compute); without a free core, or with
+    per-rank in-process stores (the job refuses the pipeline there), nothing is hidden."""
+    costs = load_costs_dict()
+    tm = TrafficModel()
+    plain = small_plan(1).with_(cache=CachePlan(fraction=0.1, read_bound=4, write_bound=4))
+    tr = tm.traffic(plain)
+    base = predict(plain, costs, tr)
+    piped = predict(plain.with_(sparse_pipeline=True), costs, tr)
+    k = costs.cache
+    cache_work = sum(
+        k.per_table_s + k.per_id_s * t.unique + k.per_admit_s * t.returned for t in tr.values()
+    )
+    sparse = base.parts["pull"] + base.parts["push"] + base.parts["server_queueing"] + cache_work
+    hidden = min(sparse, base.parts["compute"] - cache_work)
+    assert piped.parts["pipelined"] == pytest.approx(-hidden, rel=F64)
+    assert piped.step_s == pytest.approx(base.step_s - hidden, rel=F64)
+    assert base.parts["pipelined"] == 0.0
+    # 1 worker + 1 server on 2 cores: no core for the second thread
+    crowded = plain.with_(sparse_pipeline=True, device=DevicePlan(shared_cores=2))
+    assert predict(crowded, costs, tr).parts["pipelined"] == 0.0
+    roomy = plain.with_(sparse_pipeline=True, device=DevicePlan(shared_cores=3))
+    assert predict(roomy, costs, tr).parts["pipelined"] == pytest.approx(-hidden, rel=F64)
+    replicas = small_plan(2, store="inprocess", servers=0).with_(sparse_pipeline=True)
+    assert predict(replicas, costs, tm.traffic(replicas)).parts["pipelined"] == 0.0

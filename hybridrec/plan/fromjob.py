@@ -90,10 +90,15 @@ def plan_from_dlrm(
     if choice.kind == "redis":
         raise ValueError("plan_from_dlrm: the planner models MPI and in-process stores, not Redis")
     mpi = choice.kind == "mpi"
+    # --sparse-pipeline auto turns it on for a store the ranks share (or one rank) where
+    # a core is free; whether one is, is the plan's device (predict hides nothing without)
+    pipeline = cfg.sparse_pipeline == "on" or (
+        cfg.sparse_pipeline == "auto" and (mpi or workers == 1)
+    )
     cluster = ClusterPlan(
         workers=workers, batch_per_worker=cfg.batch_size // workers,
         servers=choice.num_servers if mpi else 0, store="mpi" if mpi else "inprocess",
-        protocol=protocol,
+        protocol=protocol, sparse_pipeline=pipeline,
     )  # fmt: skip
     if getattr(cfg, "cache_memory", 0.0):
         raise ValueError(

@@ -12,6 +12,9 @@ A step of one worker, in order (``docs/planner.md`` has the full model)::
     alltoallv  = 4 exchanges (counts, ids, rows back, gradients) of sharded tables:
                  alpha * (W - 1) + beta * bytes sent; replicated (local) tables
                  allgather their row gradients instead
+    pipelined  = with the sparse pipeline and a free core per worker: minus the shorter
+                 of the sparse step (pull + push + queueing + the cache's work) and the
+                 rest of compute, which run at once on two threads
     step       = the sum; with P processes on C shared cores (P > C) every process
                  runs at C / P speed (waiting ranks and idle servers spin), and each
                  round of a collective waits for a descheduled rank (sync_delay_s)
@@ -36,7 +39,7 @@ from hybridrec.plan.costs import Costs, Linear
 from hybridrec.plan.idlaw import TableTraffic
 from hybridrec.plan.spec import Plan, TablePlan
 
-PARTS = ("compute", "pull", "push", "server_queueing", "allreduce", "alltoallv")
+PARTS = ("compute", "pull", "push", "server_queueing", "allreduce", "alltoallv", "pipelined")
 
 
 @dataclass(slots=True)
@@ -212,15 +215,17 @@ def predict(plan: Plan, costs: Costs, traffic: dict[str, TableTraffic]) -> Predi
     # ---- hybrid tables: the store (and the cache in front of it)
     hybrid = model.placed("hybrid")
     hit_rate = None
+    cache_work = 0.0
     if hybrid:
         pull, push = _store_phases(plan, costs, hybrid, traffic)
         cached = [traffic[t.name] for t in hybrid if traffic[t.name].check_requests > 0]
         if cached:
             k = costs.cache
-            parts["compute"] += sum(
+            cache_work = sum(
                 k.per_table_s + k.per_id_s * tr.unique + k.per_admit_s * tr.returned
                 for tr in cached
             )
+            parts["compute"] += cache_work
             lookups = sum(tr.unique for tr in cached)
             hit_rate = sum(tr.hit_rate * tr.unique for tr in cached) / max(lookups, 1e-12)
         pull_net, pull_link = _network(plan, pull, 1.0)
@@ -261,9 +266,16 @@ def predict(plan: Plan, costs: Costs, traffic: dict[str, TableTraffic]) -> Predi
                 costs, plan, "allgatherv", 2, _log2(w), grad_bytes * (w - 1)
             )
 
-    path = sum(parts.values())
     procs = w + (c.servers if c.store == "mpi" and hybrid else 0)
     cores = plan.device.shared_cores
+    shared_store = c.store == "mpi" or w == 1  # per-rank in-process stores: no pipeline
+    if c.sparse_pipeline and hybrid and shared_store and (cores is None or procs + w <= cores):
+        # a second thread per worker, on a core of its own, runs the sparse step (the
+        # next batch's pull and install, this batch's push, the waits on the servers and
+        # the cache's work) while the dense step runs: the shorter of the two is hidden
+        sparse = parts["pull"] + parts["push"] + parts["server_queueing"] + cache_work
+        parts["pipelined"] = -min(sparse, parts["compute"] - cache_work)
+    path = sum(parts.values())
     shared = 0.0
     if cores is not None and procs > cores:
         shared = path * (procs / cores - 1)

@@ -75,6 +75,11 @@ class PlanOptions:
         help="PS messages per step: one pull and one push per server for all tables "
         "(batched), one per table (per-table), or what the calibrated store did (auto)",
     )
+    sparse_pipeline: bool = option(
+        False,
+        help="the hybrid tables' sparse step runs on a second thread beside the dense step "
+        "(the jobs' --sparse-pipeline on); it hides time where that thread has a core",
+    )
     cache_fraction: float = option(0.0, help="hot-row cache: fraction of each table's rows")
     cache_rows: int = option(0, help="hot-row cache: rows per table")
     read_bound: int = option(0, help="cache read bound s_r")
@@ -164,6 +169,8 @@ def plan_of(o: PlanOptions) -> Plan:
         cfg = parse_args(shlex.split(o.dlrm))
         plan = plan_from_dlrm(cfg, workers=o.workers, network=network, device=device,
                               protocol=o.protocol)  # fmt: skip
+        if o.sparse_pipeline:
+            plan = plan.with_(sparse_pipeline=True)
         if o.placement:
             plan = plan.with_(model=plan.model.with_placement(o.placement))
         return plan
@@ -194,7 +201,7 @@ def plan_of(o: PlanOptions) -> Plan:
         batch = o.batch_per_worker or 512
     cluster = ClusterPlan(
         workers=o.workers, batch_per_worker=batch, servers=o.servers if o.store == "mpi" else 0,
-        store=o.store, protocol=o.protocol,
+        store=o.store, protocol=o.protocol, sparse_pipeline=o.sparse_pipeline,
     )  # fmt: skip
     cache = CachePlan(
         fraction=o.cache_fraction, rows=o.cache_rows, read_bound=o.read_bound,

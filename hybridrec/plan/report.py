@@ -9,7 +9,7 @@ from hybridrec.plan.model import PARTS, Prediction
 COLUMNS = (*PARTS, "shared_cores")
 SHORT = {
     "compute": "compute", "pull": "pull", "push": "push", "server_queueing": "queue",
-    "allreduce": "allred", "alltoallv": "a2av", "shared_cores": "cores",
+    "allreduce": "allred", "alltoallv": "a2av", "pipelined": "hidden", "shared_cores": "cores",
 }  # fmt: skip
 
 
@@ -56,9 +56,13 @@ def plot(predictions: list[Prediction], path: str | Path, title: str = "") -> Pa
     xs = list(range(len(rows)))
     bottom = [0.0] * len(rows)
     for c in COLUMNS:  # each part's share of the step, so small and large W read alike
+        if c == "pipelined":  # hidden time (<= 0): the parts then add up to more than 100 %
+            continue
         ys = [100 * p.parts[c] / p.step_s for p in rows]
         right.bar(xs, ys, bottom=bottom, label=SHORT[c])
         bottom = [a + b for a, b in zip(bottom, ys, strict=True)]
+    if any(p.parts["pipelined"] < 0 for p in rows):
+        right.axhline(100, color="black", linewidth=0.8, label="the step (pipelined)")
     labels = [f"{p.workers}\n{p.step_s * 1e3:.3g} ms" for p in rows]
     right.set_xticks(xs, labels, fontsize=7)
     right.set_xlabel(f"workers W and step time ({networks[0]})")

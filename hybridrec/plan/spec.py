@@ -157,13 +157,17 @@ class ClusterPlan:
     ``servers`` S single-threaded PS ranks (``store`` "mpi"), or an in-process store in
     each worker ("inprocess"). ``protocol``: how many messages a step sends each server:
     one pull and one push for all tables ("batched"), one per table ("per-table"), or
-    what the calibrated store did ("auto")."""
+    what the calibrated store did ("auto"). ``sparse_pipeline``: the hybrid tables'
+    pull, push and the cache's work run on a second thread of each worker beside the
+    dense step (the jobs' ``--sparse-pipeline``); it hides time only where that thread
+    has a core of its own."""
 
     workers: int
     batch_per_worker: int
     servers: int = 1
     store: str = "mpi"
     protocol: str = "auto"
+    sparse_pipeline: bool = False
 
     def __post_init__(self) -> None:
         _int_at_least("ClusterPlan", "workers", self.workers, 1)

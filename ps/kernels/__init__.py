@@ -8,4 +8,7 @@ where no C compiler is present.
 * ``rowwise_adagrad`` - fused row-wise Adagrad (pull/push engine of
   :class:`ps.local.LocalTable` and the CPU fused backward of ``embedding``), id sort,
   segment sums.
+* ``message_pass`` - an MPI server's batched pulls and pushes of fixed tables, checked
+  and served whole (:mod:`ps.mpi.batched_pass`); built after ``rowwise_adagrad.c``,
+  whose row step it applies.
 """
