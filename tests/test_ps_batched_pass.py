@@ -52,8 +52,8 @@ class Tables:
     ref: list[Shard | None]
     ids: list[torch.Tensor]  # per table, the ids that route to this server
 
-    def pass_over_mine(self) -> BatchedPass:
-        p = BatchedPass(threads=1)
+    def pass_over_mine(self, threads: int = 1) -> BatchedPass:
+        p = BatchedPass(threads=threads)
         p.rebuild(self.mine)
         return p
 
@@ -143,17 +143,22 @@ def _same_tables(t: Tables) -> None:
         assert torch.equal(ea.clocks, eb.clocks), a.spec.name
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("shards", "shard"), [(1, 0), (2, 0), (2, 1), (3, 2)])
-def test_pull_and_push_messages_equal_the_engine_part_by_part(shards: int, shard: int) -> None:
+def test_pull_and_push_messages_equal_the_engine_part_by_part(
+    shards: int, shard: int, threads: int
+) -> None:
     """Plain and conditional pulls, pushes of sorted distinct ids: bit for bit what the
-    engine gives, the counters included."""
+    engine gives, the counters included, on one thread or with the parts of different
+    tables on two at once (a message naming a table twice runs its parts in order)."""
     t = _tables(shards, shard)
-    batched = t.pass_over_mine()
+    batched = t.pass_over_mine(threads)
     gen = torch.Generator().manual_seed(shards * 10 + shard)
     for step in range(6):
-        # pulls: tables out of order, one twice, conditional parts with bounds 0 and 1
+        # pulls: tables out of order, on odd steps one twice; conditional parts with
+        # bounds 0 and 1
         parts: list[tuple[int, torch.Tensor, torch.Tensor | None, int]] = []
-        for index in [2, 0, 1, 0]:
+        for index in [2, 0, 1, 0] if step % 2 else [2, 0, 1]:
             ids = _pick(gen, t.ids[index], 40, unique=False)
             if (step + index) % 2:
                 behind = torch.randint(0, 3, (ids.numel(),), generator=gen)

@@ -128,68 +128,131 @@ int hr_pull_check(int64_t k, const int64_t* toc, int64_t nwords, const int64_t* 
     return 0;
 }
 
+/* Whether the k parts of a table of contents (width words a part) name k different
+   tables: then they touch disjoint memory and may run on several threads at once. */
+static int cmp_i64(const void* a, const void* b) {
+    int64_t x = *(const int64_t*)a, y = *(const int64_t*)b;
+    return (x > y) - (x < y);
+}
+
+static int distinct_tables(int64_t k, const int64_t* toc, int64_t width) {
+    int64_t* idx = (int64_t*)malloc(sizeof(int64_t) * (size_t)k);
+    if (!idx) return 0;
+    for (int64_t p = 0; p < k; ++p) idx[p] = toc[p * width];
+    qsort(idx, (size_t)k, sizeof(int64_t), cmp_i64);
+    int ok = 1;
+    for (int64_t p = 1; p < k && ok; ++p) ok = idx[p] != idx[p - 1];
+    free(idx);
+    return ok;
+}
+
+/* Threads for the parts of one message: several only for several parts of different
+   tables (each part is ~1 k rows: one thread each, no team inside a part). */
+static int part_threads(int64_t k, const int64_t* toc, int64_t width, int nthreads) {
+    if (nthreads <= 1 || k < 2 || !distinct_tables(k, toc, width)) return 1;
+    return nthreads < k ? nthreads : (int)k;
+}
+
+/* Rows of a conditional pull part that go back: clock past caller clock + bound. */
+static int64_t count_past(const table_desc* t, const int64_t* ids, const int64_t* caller,
+                          int64_t n, int64_t bound) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (i + PULL_PF < n) __builtin_prefetch(t->clocks + local_row(t, ids[i + PULL_PF]));
+        m += t->clocks[local_row(t, ids[i])] > caller[i] + bound;
+    }
+    return m;
+}
+
+/* One pull part's reply: clocks [m] (then positions [m] when conditional) at words, its
+   rows [m, dim] at rows; the m rows counted by count_past (all n for a plain pull). A
+   conditional part finds its rows first, then gathers only those. */
+static void write_part(const table_desc* t, const int64_t* ids, const int64_t* caller,
+                       int64_t n, int64_t bound, int64_t m, int64_t* words, float* rows) {
+    int64_t d = t->dim;
+    if (caller) {
+        int64_t* positions = words + m;
+        int64_t j = 0;
+        for (int64_t i = 0; i < n && j < m; ++i) {
+            if (i + PULL_PF < n) __builtin_prefetch(t->clocks + local_row(t, ids[i + PULL_PF]));
+            int64_t c = t->clocks[local_row(t, ids[i])];
+            if (c > caller[i] + bound) {
+                words[j] = c;
+                positions[j++] = i;
+            }
+        }
+        for (j = 0; j < m; ++j) {
+            if (j + PULL_PF < m)
+                prefetch_row(t->weights + local_row(t, ids[positions[j + PULL_PF]]) * d, d);
+            const float* src = t->weights + local_row(t, ids[positions[j]]) * d;
+            for (int64_t e = 0; e < d; ++e) rows[j * d + e] = src[e];
+        }
+        return;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        if (i + PULL_PF < n) {
+            int64_t q = local_row(t, ids[i + PULL_PF]);
+            prefetch_row(t->weights + q * d, d);
+            __builtin_prefetch(t->clocks + q);
+        }
+        int64_t r = local_row(t, ids[i]);
+        words[i] = t->clocks[r];
+        const float* src = t->weights + r * d;
+        for (int64_t e = 0; e < d; ++e) rows[i * d + e] = src[e];
+    }
+}
+
 /* Serve a checked PULL_MANY: reply [sizes[0]] words (see hr_pull_check), rows [m, dim]
-   of every part back to back; used = (reply words, row floats) written. A conditional part
-   sends the rows whose clock is past caller clock + bound, as ps.local.table.pull. */
-void hr_pull_apply(int64_t k, const int64_t* toc, const int64_t* words, const int64_t* tables,
-                   int64_t* counters, int64_t* reply, float* rows, int64_t* used) {
-    int64_t at = 0, out = 2 * k, fat = 0;
+   of every part back to back; used = (reply words, row floats) written. A conditional
+   part sends the rows whose clock is past caller clock + bound, as ps.local.table.pull.
+   Parts of different tables run on up to nthreads threads: each part's rows are first
+   counted, then every part knows where its reply goes. Returns 0, or 1 when a buffer
+   could not be allocated (nothing written then). */
+int hr_pull_apply(int64_t k, const int64_t* toc, const int64_t* words, const int64_t* tables,
+                  int64_t* counters, int64_t* reply, float* rows, int64_t* used, int nthreads) {
+    /* per part: where its request words, reply words and rows start, its rows back */
+    int64_t* at = (int64_t*)malloc(sizeof(int64_t) * (size_t)(4 * k));
+    if (!at) return 1;
+    int64_t *out = at + k, *fat = at + 2 * k, *m = at + 3 * k;
+    int64_t w = 0;
+    for (int64_t p = 0; p < k; ++p) {
+        at[p] = w;
+        w += toc[p * 4 + 3] >= 0 ? 2 * toc[p * 4 + 1] : toc[p * 4 + 1];
+    }
+    int threads = part_threads(k, toc, 4, nthreads);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t p = 0; p < k; ++p) {
         table_desc t = desc(tables, toc[p * 4]);
-        int64_t n = toc[p * 4 + 1], bound = toc[p * 4 + 3], d = t.dim;
-        const int64_t* ids = words + at;
-        const int64_t* caller = bound >= 0 ? ids + n : NULL;
-        at += bound >= 0 ? 2 * n : n;
-        int64_t* clocks_out = reply + out;
-        int64_t m = 0;
-        if (caller) {
-            /* clocks first (8 bytes a row), the positions kept in the part's upper half
-               of the reply (m <= n) and moved down after; then only the selected rows */
-            int64_t* kept = clocks_out + n;
-            for (int64_t i = 0; i < n; ++i) {
-                if (i + PULL_PF < n) __builtin_prefetch(t.clocks + local_row(&t, ids[i + PULL_PF]));
-                int64_t c = t.clocks[local_row(&t, ids[i])];
-                if (c > caller[i] + bound) {
-                    clocks_out[m] = c;
-                    kept[m++] = i;
-                }
-            }
-            int64_t* positions = clocks_out + m;
-            memmove(positions, kept, sizeof(int64_t) * (size_t)m);
-            for (int64_t i = 0; i < m; ++i) {
-                if (i + PULL_PF < m)
-                    prefetch_row(t.weights + local_row(&t, ids[positions[i + PULL_PF]]) * d, d);
-                const float* src = t.weights + local_row(&t, ids[positions[i]]) * d;
-                float* dst = rows + fat + i * d;
-                for (int64_t c = 0; c < d; ++c) dst[c] = src[c];
-            }
-            out += 2 * m;
-        } else {
-            for (int64_t i = 0; i < n; ++i) {
-                if (i + PULL_PF < n) {
-                    int64_t q = local_row(&t, ids[i + PULL_PF]);
-                    prefetch_row(t.weights + q * d, d);
-                    __builtin_prefetch(t.clocks + q);
-                }
-                int64_t r = local_row(&t, ids[i]);
-                clocks_out[i] = t.clocks[r];
-                const float* src = t.weights + r * d;
-                float* dst = rows + fat + i * d;
-                for (int64_t c = 0; c < d; ++c) dst[c] = src[c];
-            }
-            m = n;
-            out += m;
-        }
-        reply[2 * p] = m;
-        reply[2 * p + 1] = caller ? 2 : 0; /* ps.mpi.wire.FLAG_POSITIONS */
-        fat += m * d;
+        int64_t n = toc[p * 4 + 1], bound = toc[p * 4 + 3];
+        const int64_t* ids = words + at[p];
+        m[p] = bound >= 0 ? count_past(&t, ids, ids + n, n, bound) : n;
+    }
+    int64_t o = 2 * k, f = 0;
+    for (int64_t p = 0; p < k; ++p) {
+        int64_t bound = toc[p * 4 + 3];
+        out[p] = o;
+        fat[p] = f;
+        o += bound >= 0 ? 2 * m[p] : m[p];
+        f += m[p] * desc(tables, toc[p * 4]).dim;
+        reply[2 * p] = m[p];
+        reply[2 * p + 1] = bound >= 0 ? 2 : 0; /* ps.mpi.wire.FLAG_POSITIONS */
         int64_t* cnt = counters + toc[p * 4] * COUNTER_WORDS;
         cnt[C_PULL_REQUESTS] += 1;
-        cnt[C_ROWS_PULLED] += m;
-        cnt[C_ROWS_SKIPPED] += n - m;
+        cnt[C_ROWS_PULLED] += m[p];
+        cnt[C_ROWS_SKIPPED] += toc[p * 4 + 1] - m[p];
     }
-    used[0] = out;
-    used[1] = fat;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t p = 0; p < k; ++p) {
+        table_desc t = desc(tables, toc[p * 4]);
+        int64_t n = toc[p * 4 + 1], bound = toc[p * 4 + 3];
+        const int64_t* ids = words + at[p];
+        write_part(&t, ids, bound >= 0 ? ids + n : NULL, n, bound, m[p], reply + out[p],
+                   rows + fat[p]);
+    }
+    used[0] = o;
+    used[1] = f;
+    free(at);
+    return 0;
 }
 
 /* PUSH_MANY: toc [k, 3] (table index, n, dim), then ids [nids], grads [nfloats]. The
@@ -217,38 +280,48 @@ int hr_push_check(int64_t k, const int64_t* toc, int64_t nids, const int64_t* id
 }
 
 /* Apply a checked PUSH_MANY: each part's rows in adagrad() (rowwise_adagrad.c), in
-   place, clocks + 1. hyper [ntables, 2] = (lr, eps). Returns 0, or 1 when a buffer
-   could not be allocated: the slot buffer comes first (nothing changed then); the
-   d floats adagrad() asks for per part could only fail with memory all but gone. */
+   place, clocks + 1; parts of different tables on up to nthreads threads. hyper
+   [ntables, 2] = (lr, eps). Returns 0, or 1 when a buffer could not be allocated: the
+   slot and offset buffers come first (nothing changed then); the d floats adagrad()
+   asks for per part could only fail with memory all but gone. */
 int hr_push_apply(int64_t k, const int64_t* toc, const int64_t* ids, const float* grads,
                   const int64_t* tables, const float* hyper, int64_t* counters, int nthreads) {
-    int64_t most = 0;
-    for (int64_t p = 0; p < k; ++p)
-        if (toc[p * 3 + 1] > most) most = toc[p * 3 + 1];
-    int64_t* slots = (int64_t*)malloc(sizeof(int64_t) * (size_t)(most + 1));
-    if (!slots) return 1;
-    int64_t at = 0, fat = 0;
+    int64_t* at = (int64_t*)malloc(sizeof(int64_t) * (size_t)(2 * k));
+    if (!at) return 1;
+    int64_t* fat = at + k;
+    int64_t nids = 0, nf = 0;
+    for (int64_t p = 0; p < k; ++p) {
+        at[p] = nids;
+        fat[p] = nf;
+        nids += toc[p * 3 + 1];
+        nf += toc[p * 3 + 1] * toc[p * 3 + 2];
+    }
+    /* the local rows of a server's share of a table (FixedShard), part by part */
+    int64_t* slots = (int64_t*)malloc(sizeof(int64_t) * (size_t)(nids + 1));
+    if (!slots) {
+        free(at);
+        return 1;
+    }
+    int threads = part_threads(k, toc, 3, nthreads);
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : failed)
     for (int64_t p = 0; p < k; ++p) {
         int64_t index = toc[p * 3], n = toc[p * 3 + 1];
         table_desc t = desc(tables, index);
-        const int64_t* rows = ids + at;
+        const int64_t* rows = ids + at[p];
         if (t.map) {
-            for (int64_t i = 0; i < n; ++i) slots[i] = (int64_t)t.map[rows[i]];
-            rows = slots;
+            for (int64_t i = 0; i < n; ++i) slots[at[p] + i] = (int64_t)t.map[rows[i]];
+            rows = slots + at[p];
         }
-        grad_src src = {grads + fat, NULL, t.dim};
-        /* every buffer adagrad() needs is d floats per thread: 1 only if memory is gone */
-        if (adagrad(n, t.dim, t.sstride, rows, NULL, NULL, NULL, &src, t.weights, t.state,
-                    t.clocks, hyper[2 * index], hyper[2 * index + 1], nthreads) != 0) {
-            free(slots);
-            return 1;
-        }
+        grad_src src = {grads + fat[p], NULL, t.dim};
+        failed |= adagrad(n, t.dim, t.sstride, rows, NULL, NULL, NULL, &src, t.weights,
+                          t.state, t.clocks, hyper[2 * index], hyper[2 * index + 1],
+                          threads > 1 ? 1 : nthreads);
         int64_t* cnt = counters + index * COUNTER_WORDS;
         cnt[C_PUSH_REQUESTS] += 1;
         cnt[C_ROWS_PUSHED] += n;
-        at += n;
-        fat += n * t.dim;
     }
     free(slots);
-    return 0;
+    free(at);
+    return failed ? 1 : 0;
 }

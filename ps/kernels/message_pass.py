@@ -49,8 +49,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.hr_pull_check.restype = ctypes.c_int
     lib.hr_pull_check.argtypes = [i64, ptr, i64, ptr, ptr, i64, ptr]
-    lib.hr_pull_apply.restype = None
-    lib.hr_pull_apply.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.hr_pull_apply.restype = ctypes.c_int
+    lib.hr_pull_apply.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.hr_push_check.restype = ctypes.c_int
     lib.hr_push_check.argtypes = [i64, ptr, i64, ptr, i64, ptr, ptr, i64]
     lib.hr_push_apply.restype = ctypes.c_int
@@ -88,16 +88,20 @@ def pull_apply(
     counters: np.ndarray,
     reply: np.ndarray,
     rows: np.ndarray,
+    threads: int,
 ) -> tuple[int, int]:
     """Serve a checked ``PULL_MANY`` into ``reply`` (int64, the words after the header)
-    and ``rows`` (float32); returns the reply words and row floats written."""
+    and ``rows`` (float32), parts of different tables on up to ``threads`` threads;
+    returns the reply words and row floats written."""
     lib = _library()
     assert lib is not None  # pull_check said yes
     used = np.empty(2, dtype=np.int64)
-    lib.hr_pull_apply(
+    rc = lib.hr_pull_apply(
         toc.shape[0], _at(toc), _at(words), _at(tables), _at(counters), _at(reply), _at(rows),
-        _at(used),
+        _at(used), threads,
     )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("pull_many: the server could not allocate a buffer of the pull pass")
     return int(used[0]), int(used[1])
 
 
@@ -123,7 +127,8 @@ def push_apply(
     counters: np.ndarray,
     threads: int,
 ) -> None:
-    """Apply a checked ``PUSH_MANY`` in place (``hyper`` float32 ``[T, 2]``: lr, eps)."""
+    """Apply a checked ``PUSH_MANY`` in place (``hyper`` float32 ``[T, 2]``: lr, eps),
+    parts of different tables on up to ``threads`` threads."""
     lib = _library()
     assert lib is not None  # push_check said yes
     rc = lib.hr_push_apply(

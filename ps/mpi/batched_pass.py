@@ -42,7 +42,8 @@ class BatchedPass:
     """Descriptors and counters of the C passes over one server's tables."""
 
     def __init__(self, threads: int) -> None:
-        """``threads``: the row update's threads (the server's torch threads)."""
+        """``threads``: how many threads serve the parts of one message (parts of
+        different tables run at once; 1: one after another)."""
         self.threads = threads
         self.enabled = message_pass.available()
         self.shards: list[Shard | None] = []  # table index -> the table (None: not served)
@@ -90,7 +91,7 @@ class BatchedPass:
         meta = np.empty(HEADER_LEN + sizes[0], dtype=np.int64)
         rows = np.empty(sizes[1], dtype=np.float32)
         used, floats = message_pass.pull_apply(
-            toc, words, self.tables, self.counters, meta[HEADER_LEN:], rows
+            toc, words, self.tables, self.counters, meta[HEADER_LEN:], rows, self.threads
         )
         meta[:HEADER_LEN] = wire.header(Op.PULL_MANY, request_id, n=k)
         self.served += 1

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from comm import CommTimeoutError, ProcessGroup, Topology
+from comm import CommTimeoutError, ProcessGroup, Topology, detect_launch
 from ps.checkpoint import TablePart, check_row_ids, read_checkpoint, write_part
 from ps.errors import check_existing
 from ps.local.store import PART_ROWS
@@ -88,6 +88,10 @@ class ServerConfig:
     (10 k rows) and its neighbours on the node are workers that spin while they
     wait: with 2 intra-op threads a 10 k-row push took ~50x longer on the 2-core
     development machine (other jobs running) than with 1.
+    ``pass_threads``: threads that serve the table parts of one batched message at once
+    (:mod:`ps.mpi.batched_pass`; parts of different tables touch disjoint rows). None:
+    this host's cores shared out over the ranks on it (``comm.detect_launch().local_size``),
+    at least 1, so the ranks of a host do not outnumber its cores.
     ``data_timeout_s``: how long the server waits for the data message that
     must follow a request's header message (a broken client that sends only
     one gets an error reply instead of hanging the server).
@@ -106,13 +110,15 @@ class ServerConfig:
     spin_s: float = _SPIN_S
     idle_sleep_s: float = _IDLE_SLEEP_S
     torch_threads: int | None = 1
+    pass_threads: int | None = None
     data_timeout_s: float = 10.0
     worker_timeout_s: float | None = 120.0
 
     def __post_init__(self) -> None:
-        t = self.torch_threads
-        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
-            raise ValueError(f"ServerConfig: torch_threads must be None or an int >= 1, got {t!r}")
+        for name in ("torch_threads", "pass_threads"):
+            t = getattr(self, name)
+            if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
+                raise ValueError(f"ServerConfig: {name} must be None or an int >= 1, got {t!r}")
         for name in ("data_timeout_s", "worker_timeout_s"):
             d = getattr(self, name)
             if d is None and name == "worker_timeout_s":
@@ -222,7 +228,7 @@ class ShardServer:
         self.busy = {"pull_s": 0.0, "push_s": 0.0}
         self.last_source = -1  # the worker served last (round robin, see next_source)
         # Batched messages of fixed tables served whole in C; rebuilt as tables change.
-        self.batched = BatchedPass(torch.get_num_threads())
+        self.batched = BatchedPass(config.pass_threads or _host_share_of_cores())
 
     def serve(self) -> dict[str, dict[str, int | float]]:
         """Run until every worker said goodbye, then free the communicator; the stats."""
@@ -723,6 +729,13 @@ class ShardServer:
         if self.num_shards == 1:
             return part
         return part.select(shard_of(part.ids, self.num_shards) == self.shard)
+
+
+def _host_share_of_cores() -> int:
+    """This rank's share of the cores it may run on: their count over the ranks on this
+    host (at least 1)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, detect_launch().local_size))
 
 
 def round_robin(workers: list[int], last: int) -> list[int]:
