@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar, get_args, get_origin
 
 from hybridrec.errors import show_tracebacks
+from ps.redact import redact_values
 
 T = TypeVar("T")
 
@@ -344,5 +345,7 @@ def parse_config(cls: type[T], argv: Sequence[str] | None, description: str) -> 
 
 
 def config_dict(cfg: Any) -> dict[str, Any]:
-    """A JSON-able dict of a config dataclass (for metrics and checkpoints)."""
-    return {k: v for k, v in dataclasses.asdict(cfg).items()}
+    """A JSON-able dict of a config dataclass, as metrics files and checkpoints record it:
+    every password in a store URL replaced by ``***`` (:func:`ps.redact.redact_url`), so
+    no secret reaches a file."""
+    return {k: redact_values(v) for k, v in dataclasses.asdict(cfg).items()}

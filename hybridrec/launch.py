@@ -44,6 +44,7 @@ from hybridrec.tables import (  # noqa: F401 - re-exported: the jobs' launch hel
     prepare_tables,
 )
 from ps import InProcessStore, Store, TableSpec
+from ps.redact import redact_url
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +71,12 @@ def parse_ps(value: str) -> PSChoice:
         query = parse_qs(parts.query)
         cluster = query.pop("cluster", ["0"])[-1].lower() in ("1", "true", "yes")
         if query:
-            raise ValueError(f"--ps {value!r}: unknown query options {sorted(query)}")
+            raise ValueError(f"--ps {redact_url(value)!r}: unknown query options {sorted(query)}")
         url = urlunsplit(parts._replace(query=""))
         return PSChoice("redis", url=url, cluster=cluster)
-    raise ValueError(f"--ps {value!r}: expected 'local', 'mpi', 'mpi:<servers>' or a redis:// URL")
+    raise ValueError(
+        f"--ps {redact_url(value)!r}: expected 'local', 'mpi', 'mpi:<servers>' or a redis:// URL"
+    )
 
 
 @dataclass(slots=True)

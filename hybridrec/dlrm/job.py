@@ -21,7 +21,6 @@ and its plot. ``--help`` lists every option.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from comm import ProcessGroup, Topology, worker_device
 from dense import DataParallel, DLRMConfig, DLRMDense, ZeroOptimizer
 from hybridrec.batches import agreed
 from hybridrec.checkpoint import DenseOptimizer
-from hybridrec.config import parse_config
+from hybridrec.config import config_dict, parse_config
 from hybridrec.datasets.ctr import Batch
 from hybridrec.device_data import DeviceBatches, DeviceEpochData
 from hybridrec.dlrm.config import TrainConfig
@@ -320,7 +319,7 @@ class DLRMJob:
             step=lambda batch, nxt: train_step(model, opt, batch, nxt, cfg.precision),
             dense=model.dense, embeddings=model.embeddings, evaluate=self.validate,
             extras=self.extras, on_row=self.show,
-            run_config={**asdict(cfg), "placements": placements}, shape_options=SHAPE_OPTIONS,
+            run_config={**config_dict(cfg), "placements": placements}, shape_options=SHAPE_OPTIONS,
         )  # fmt: skip
 
     def say(self, text: str) -> None:
@@ -389,7 +388,7 @@ def finish(
     """The final summary: test metrics, the popularity baseline, throughput (this run's)."""
     result: dict[str, Any] = {
         "kind": "final",
-        "config": asdict(cfg),
+        "config": config_dict(cfg),
         "epochs": run.epochs,
         "steps": run.step,
         "steps_run": run.steps_run,

@@ -24,7 +24,6 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -36,7 +35,7 @@ from dense.gpt import GPT, GPTConfig, gpt_loss
 from embedding import EmbeddingCollection, TableConfig
 from embedding.hybrid import store_is_replicated
 from hybridrec.config import build_parser as build_config_parser
-from hybridrec.config import parse_config
+from hybridrec.config import config_dict, parse_config
 from hybridrec.datasets.text import (
     eval_batches,
     get_batch,
@@ -293,7 +292,7 @@ class LMJob:
             ),
             dense=trained,
             embeddings=embeddings, evaluate=self.validate, on_row=self.show, extras=self.extras,
-            run_config={**asdict(cfg), "vocab_size": vocab}, shape_options=SHAPE_OPTIONS,
+            run_config={**config_dict(cfg), "vocab_size": vocab}, shape_options=SHAPE_OPTIONS,
         )  # fmt: skip
 
     def say(self, text: str) -> None:
@@ -392,7 +391,7 @@ class LMJob:
         tokens_per_s = run.samples_per_s * cfg.block_size  # this run's steps only
         result: dict[str, Any] = {
             "kind": "final",
-            "config": asdict(cfg),
+            "config": config_dict(cfg),
             "corpus": self.corpus.name,
             "tokenizer": self.tokenizer.name,
             "vocab_size": self.vocab,
