@@ -67,6 +67,11 @@ class RunOptions:
     checkpoint_every: int = option(0, help="steps between checkpoints (0: only at the end)")
     checkpoint_keep: int = option(2, help="how many of the newest checkpoints to keep")
     resume: bool = option(False, help="continue from the newest checkpoint in --checkpoint-dir")
+    overwrite_checkpoints: bool = option(
+        False,
+        help="a fresh run whose --checkpoint-dir holds another run's checkpoints deletes them "
+        "first (without it, the run stops and names them)",
+    )
     existing_tables: Literal["fail", "reuse", "replace"] = option(
         "fail",
         help="when the --ps store already holds this job's tables (a shared store such as "

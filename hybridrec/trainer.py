@@ -85,6 +85,9 @@ class TrainerConfig:
     checkpoint_every: int = 0  # 0: only at the end
     checkpoint_keep: int = 2
     resume: bool = False  # continue from the newest checkpoint in checkpoint_dir
+    # a fresh run (no resume) whose checkpoint_dir holds another run's checkpoints stops,
+    # naming them, unless told to delete them first
+    overwrite_checkpoints: bool = False
     metrics_out: str | None = None  # JSON lines (rank 0) and a PNG plot next to it
     progress: bool = True
     verbose: bool = True  # rank 0 prints resume and finish notes
@@ -166,6 +169,26 @@ def plain_step(
         return value.detach()
 
     return step
+
+
+def check_checkpoint_dir(root: str | Path | None, *, resume: bool, overwrite: bool) -> list[str]:
+    """What of another run a fresh run's checkpoint folder ``root`` holds (its ``step-*``
+    checkpoints, complete or being written, the ``latest`` pointer and the ``best``
+    model, by name); ValueError naming them and the ways on unless ``overwrite`` (then
+    the caller deletes them). Nothing to check with ``resume`` or without a folder.
+    Jobs call it before they start, the :class:`Trainer` again before its first step."""
+    if root is None or resume or not Path(root).is_dir():
+        return []
+    folder = Path(root)
+    names = sorted(p.name for p in folder.glob("step-*"))
+    names += [n for n in ("latest", "best") if (folder / n).exists()]
+    if names and not overwrite:
+        raise ValueError(
+            f"--checkpoint-dir {str(root)!r} holds checkpoints of another run "
+            f"({', '.join(names)}): continue that run with --resume, give this run "
+            "another --checkpoint-dir, or delete them with --overwrite-checkpoints"
+        )
+    return names
 
 
 def _change(name: str, saved: Any, now: Any) -> str:
@@ -398,6 +421,8 @@ class Trainer:
         """Collective: load the newest checkpoint if asked; ``(path, epoch, step in epoch,
         step, this rank's data position)``."""
         cfg = self.config
+        if cfg.checkpoint_dir and not cfg.resume:
+            self._claim_checkpoint_dir(Path(cfg.checkpoint_dir))
         path = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir and cfg.resume else None
         if path is None:
             if cfg.resume:
@@ -426,6 +451,25 @@ class Trainer:
             self.best, self.stale_epochs = best["row"], int(best["stale_epochs"])
             self.stopped_early = bool(best["stopped_early"])
         return path, epoch, in_epoch, step, position
+
+    def _claim_checkpoint_dir(self, root: Path) -> None:
+        """Collective, a fresh run: ``root`` must hold no other run's checkpoints (they would
+        mix with this run's, and ``latest`` would name whichever wrote last); with
+        ``overwrite_checkpoints`` rank 0 deletes them first. Every rank reads the folder
+        (checkpoints live where all ranks see them), so all stop alike."""
+        found = check_checkpoint_dir(
+            root, resume=False, overwrite=self.config.overwrite_checkpoints
+        )
+        if found:
+            if self.group.rank == 0:
+                for name in found:
+                    target = root / name
+                    if target.is_dir():
+                        shutil.rmtree(target)
+                    else:
+                        target.unlink()
+                self.say(f"deleted the checkpoints of another run in {root}: {', '.join(found)}")
+            self.group.barrier()
 
     # ---------------------------------------------------------------- the loop
 

@@ -53,7 +53,7 @@ from hybridrec.memory_plan import MemoryPlan, dense_bytes
 from hybridrec.metrics_log import cache_metrics, store_metrics
 from hybridrec.precision import autocast
 from hybridrec.tables import prepare_tables
-from hybridrec.trainer import Trainer, TrainerConfig, TrainResult
+from hybridrec.trainer import Trainer, TrainerConfig, TrainResult, check_checkpoint_dir
 from ps import InProcessStore, Store
 
 __all__ = ["DLRMJob", "TrainConfig", "main", "parse_args", "train", "train_step"]
@@ -269,7 +269,8 @@ def trainer_config(
         epochs=cfg.epochs, max_steps=cfg.max_steps, samples_per_step=cfg.batch_size,
         log_every=cfg.log_every, eval_every=cfg.eval_every, checkpoint_dir=cfg.checkpoint_dir,
         checkpoint_every=cfg.checkpoint_every, checkpoint_keep=cfg.checkpoint_keep,
-        resume=cfg.resume, metrics_out=cfg.metrics_out, progress=cfg.progress,
+        resume=cfg.resume, overwrite_checkpoints=cfg.overwrite_checkpoints,
+        metrics_out=cfg.metrics_out, progress=cfg.progress,
         verbose=cfg.verbose, lookahead=lookahead, lockstep=lockstep,
         best_metric="val_auc" if select_best else None, patience=cfg.patience,
     )  # fmt: skip
@@ -458,6 +459,8 @@ def main(argv: list[str] | None = None) -> None:
     """Config -> launch (roles, store) -> build -> train -> close; a user error (bad
     option, missing file, unreachable store) is one line on stderr, exit status 2."""
     cfg = parse_args(argv)
+    # before anything starts: every rank sees the folder, so all stop alike
+    check_checkpoint_dir(cfg.checkpoint_dir, resume=cfg.resume, overwrite=cfg.overwrite_checkpoints)
     with Launch.for_run(cfg) as launch:
         if launch.is_worker:  # a PS server rank has served inside Launch and skips this
             job = DLRMJob(cfg, launch.group, launch.store, roles=launch.topology)

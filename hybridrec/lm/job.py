@@ -70,7 +70,13 @@ from hybridrec.memory_plan import MemoryPlan, dense_bytes
 from hybridrec.metrics_log import cache_metrics, store_metrics
 from hybridrec.precision import autocast
 from hybridrec.tables import prepare_tables
-from hybridrec.trainer import Trainer, TrainerConfig, TrainResult, plain_step
+from hybridrec.trainer import (
+    Trainer,
+    TrainerConfig,
+    TrainResult,
+    check_checkpoint_dir,
+    plain_step,
+)
 from ps import InProcessStore, Store
 
 __all__ = ["LMConfig", "LMJob", "build_parser", "embed_tokens", "main", "parse_args", "train"]
@@ -276,7 +282,8 @@ class LMJob:
                 eval_every=cfg.eval_every, eval_at_start=True, eval_at_end=True,
                 epoch_rows=False, checkpoint_dir=cfg.checkpoint_dir,
                 checkpoint_every=cfg.checkpoint_every, checkpoint_keep=cfg.checkpoint_keep,
-                resume=cfg.resume, metrics_out=cfg.metrics_out, progress=cfg.progress,
+                resume=cfg.resume, overwrite_checkpoints=cfg.overwrite_checkpoints,
+        metrics_out=cfg.metrics_out, progress=cfg.progress,
                 verbose=cfg.verbose, lookahead=pipelined,
             ),
             group=group, optimizer=self.optimizer,
@@ -436,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
     """Config -> launch (roles, store) -> build -> train -> close; a user error (bad
     option, missing file, unreachable store) is one line on stderr, exit status 2."""
     cfg = parse_args(argv)
+    # before anything starts: every rank sees the folder, so all stop alike
+    check_checkpoint_dir(cfg.checkpoint_dir, resume=cfg.resume, overwrite=cfg.overwrite_checkpoints)
     with Launch.for_run(cfg) as launch:
         if launch.is_worker:  # a PS server rank has served inside Launch and skips this
             job = LMJob(cfg, launch.group, launch.store, roles=launch.topology)
