@@ -30,6 +30,10 @@ Once per job, under ``mpirun`` or ``torchrun`` too:
   rank 0's abort ends it if rank 0 hit the same error, and then prints its line
   (labelled ``[rank R]``) and aborts.
 
+A ``KeyboardInterrupt`` that reaches it (a second Ctrl-C, :mod:`hybridrec.interrupts`)
+is one line too, ``hybridrec: interrupted ...``, and exit status 130 (under ``mpirun``
+every rank ends); with ``--debug`` it keeps its traceback.
+
 Nesting is harmless: an inner ``reported_errors`` turns the error into
 ``SystemExit(2)``, which an outer one lets through.
 """
@@ -45,6 +49,7 @@ from typing import Any, NoReturn
 
 __all__ = [
     "DEBUG_ENV",
+    "EXIT_INTERRUPTED",
     "EXIT_USER_ERROR",
     "describe",
     "is_user_error",
@@ -56,6 +61,7 @@ __all__ = [
 
 DEBUG_ENV = "HYBRIDREC_DEBUG"
 EXIT_USER_ERROR = 2  # as argparse exits on a bad command line
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a job ended by Ctrl-C
 PROG = "hybridrec"
 
 # How long a rank other than 0 waits before printing an error that arose after
@@ -169,6 +175,23 @@ def report_user_error(err: BaseException) -> NoReturn:
     raise SystemExit(EXIT_USER_ERROR)
 
 
+def report_interrupt(err: KeyboardInterrupt) -> NoReturn:
+    """A Ctrl-C that stopped the job at once (a second one, or one where no job watches,
+    :mod:`hybridrec.interrupts`): one line, exit status 130 on every rank."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    rank, size = _launch_rank()
+    if rank == 0:
+        why = f" ({describe(err)})" if str(err).strip() else ""
+        print(f"{PROG}: interrupted{why}; nothing more was saved", file=sys.stderr, flush=True)
+    if size > 1 and _running_job() == "mpi":
+        _quiet_stderr()  # MPI_Abort's notice would follow the line
+        import comm
+
+        comm.abort(EXIT_INTERRUPTED)
+    raise SystemExit(EXIT_INTERRUPTED)
+
+
 class reported_errors(contextlib.ContextDecorator):  # noqa: N801 - used like a function
     """Context manager (or decorator): a user error inside becomes one line on stderr
     and exit status 2; everything else passes through unchanged."""
@@ -182,6 +205,8 @@ class reported_errors(contextlib.ContextDecorator):  # noqa: N801 - used like a 
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> Any:
+        if isinstance(exc, KeyboardInterrupt) and not tracebacks_shown():
+            report_interrupt(exc)
         if exc is None or not is_user_error(exc) or tracebacks_shown():
             return False  # propagate: a bug, a SystemExit, --debug, or no error at all
         report_user_error(exc)

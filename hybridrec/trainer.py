@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 from torch import nn
@@ -60,6 +60,7 @@ from hybridrec.checkpoint import (
     save_checkpoint,
     save_model,
 )
+from hybridrec.interrupts import Interrupted, stop_agreed
 from hybridrec.loss_sums import Loss, LossSums
 from hybridrec.metrics_log import MetricsLog
 from hybridrec.step_log import StepLog, due
@@ -523,8 +524,11 @@ class Trainer:
                 steps.step(step, loss)
                 if due(step, cfg.eval_every) or (cfg.eval_at_end and step == total):
                     self._eval(step)
-                if cfg.checkpoint_dir and due(step, cfg.checkpoint_every):
+                saved = bool(cfg.checkpoint_dir) and due(step, cfg.checkpoint_every)
+                if saved:
                     self.save(step, e, in_epoch, pos)
+                if stop_agreed(group):  # a rank got Ctrl-C or SIGTERM (hybridrec.interrupts)
+                    self._interrupted(steps, step, e, in_epoch, pos, saved)
                 if cfg.max_steps and step >= cfg.max_steps:
                     stopped = True
                     break
@@ -549,6 +553,28 @@ class Trainer:
             self.save(step, *end)  # the last model: a resume with more epochs goes on from it
         self._restore_best(step)
         return self._result(step, step - start_step, resumed_from)
+
+    def _interrupted(
+        self,
+        steps: StepLog,
+        step: int,
+        epoch: int,
+        in_epoch: int,
+        position: torch.Tensor | None,
+        saved: bool,
+    ) -> NoReturn:
+        """Collective, after the step a stop request was agreed at: a checkpoint there
+        (with a checkpoint folder), one line, :class:`hybridrec.interrupts.Interrupted`."""
+        steps.flush(step)
+        steps.close()
+        if self.config.checkpoint_dir:
+            if not saved:
+                self.save(step, epoch, in_epoch, position)
+            self.say(f"interrupted at step {step}; resume with --resume")
+        else:
+            self.say(f"interrupted at step {step} (no --checkpoint-dir: nothing was saved)")
+        self.close()  # the metrics file and its plot
+        raise Interrupted()
 
     def _result(
         self, step: int, run: int, resumed_from: Path | None, already_finished: bool = False

@@ -46,6 +46,7 @@ from hybridrec.datasets.text import (
 )
 from hybridrec.device_data import DeviceBatches, DeviceEpochData
 from hybridrec.errors import reported_errors
+from hybridrec.interrupts import exit_if_asked, watching
 from hybridrec.launch import (
     Launch,
     check_batch_size,
@@ -445,7 +446,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     # before anything starts: every rank sees the folder, so all stop alike
     check_checkpoint_dir(cfg.checkpoint_dir, resume=cfg.resume, overwrite=cfg.overwrite_checkpoints)
-    with Launch.for_run(cfg) as launch:
-        if launch.is_worker:  # a PS server rank has served inside Launch and skips this
-            job = LMJob(cfg, launch.group, launch.store, roles=launch.topology)
-            job.close(job.trainer.fit())
+    with watching():  # Ctrl-C / SIGTERM: finish the step, save, exit 130
+        with Launch.for_run(cfg) as launch:
+            if launch.is_worker:  # a PS server rank has served inside Launch and skips this
+                job = LMJob(cfg, launch.group, launch.store, roles=launch.topology)
+                job.close(job.trainer.fit())
+        exit_if_asked()  # a PS server rank, or a stop request at the last step
