@@ -92,7 +92,8 @@ def common_args(quick: bool, steps: int) -> list[str]:
     return [
         "--tokenizer", "byte", "--n-layer", "2", "--n-head", "4",
         "--d-model", "32" if quick else "128", "--block-size", "64", "--batch-size", "32",
-        "--steps", str(steps), "--eval-every", str(steps), "--eval-batches", "2" if quick else "32",
+        "--max-steps", str(steps), "--eval-every", str(steps),
+        "--eval-batches", "2" if quick else "32",
         "--max-bytes", "200000" if quick else "0", "--emb-optimizer", "sgd", "--emb-lr", "64",
         "--threads", "1", "--no-progress", "--no-verbose",
     ]  # fmt: skip

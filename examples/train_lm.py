@@ -3,7 +3,7 @@
     python examples/train_lm.py                         # Shakespeare (or stdlib source), bytes
     mpirun -n 2 python examples/train_lm.py             # the same job on two ranks
     torchrun --standalone --nproc_per_node 2 examples/train_lm.py --zero-stage 1
-    python examples/train_lm.py --tokenizer gpt2 --d-model 128 --steps 1000
+    python examples/train_lm.py --tokenizer gpt2 --d-model 128 --max-steps 1000
     python examples/train_lm.py --checkpoint-dir ckpt --checkpoint-every 100 --resume
 
 The same job as the installed ``hybridrec train-lm``; ``--help`` lists every option.
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
         # Build: corpus and tokenizer, the token table (hybrid, sharded or local), the GPT
         # under DataParallel or ZeRO, and the Trainer with its evaluation and checkpoints.
         job = LMJob(cfg, launch.group, launch.store, roles=launch.topology)
-        # Train: --steps steps, evaluating every --eval-every; --resume continues a run.
+        # Train: --max-steps steps, evaluating every --eval-every; --resume continues a run.
         run = job.trainer.fit()
         # Close: the final validation loss, tokens/s of this run, metrics file + plot.
         job.close(run)

@@ -49,13 +49,42 @@ class ConfigError(ValueError):
     """A bad command-line option or config file value; the message names the option."""
 
 
-def option(default: Any = dataclasses.MISSING, *, help: str, **kw: Any) -> Any:  # noqa: A002
-    """A dataclass field with help text for the command line."""
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,  # noqa: A002
+    old_names: tuple[str, ...] = (),
+    **kw: Any,
+) -> Any:
+    """A dataclass field with help text for the command line. ``old_names``: earlier
+    names of the option (fields' spelling, e.g. ``"steps"``), still taken on the command
+    line and in config files with one line saying the new name (:func:`deprecated`),
+    until the release after next."""
     if isinstance(default, list):
         value = list(default)
         kw["default_factory"] = lambda: list(value)
         default = dataclasses.MISSING
-    return dataclasses.field(default=default, metadata={"help": help}, **kw)
+    metadata = {"help": help, "old_names": tuple(old_names)}
+    return dataclasses.field(default=default, metadata=metadata, **kw)
+
+
+def deprecated(old: str, new: str, where: str = "") -> None:
+    """One line on stderr: ``old`` is now spelled ``new`` (flags or config keys)."""
+    print(
+        f"hybridrec: note: {where}{old} is now {new}; the old name still works in this "
+        "release and will be removed in the next",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+class _OldName(argparse.Action):
+    """An old flag of an option: stores into the option and says the new name."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:  # fmt: skip
+        deprecated(str(option_string), flag(self.dest))
+        setattr(namespace, self.dest, values)
 
 
 def flag(field: str) -> str:
@@ -106,6 +135,11 @@ def _add_field(p: argparse.ArgumentParser, f: dataclasses.Field[Any], tp: Any) -
     base, _ = _unwrap_optional(tp)  # None comes from the default or a JSON null
     kw: dict[str, Any] = {"dest": f.name, "help": help_text, "default": argparse.SUPPRESS}
     name = flag(f.name)
+    for old in f.metadata.get("old_names", ()):
+        old_kw = {**kw, "help": f"old name of {name}"}
+        if base not in (int, float, str):
+            raise TypeError(f"option {f.name!r}: old names need an int, float or str option")
+        p.add_argument(flag(old), action=_OldName, type=base, **old_kw)
     if base is bool:
         p.add_argument(name, action=argparse.BooleanOptionalAction, **kw)
     elif get_origin(base) is Literal:
@@ -281,10 +315,14 @@ def load_config_file(path: str | Path, cls: type) -> dict[str, Any]:
         raise ConfigError(f"config file {p}: expected a table of options, got {_kind(raw)}")
     hints = typing.get_type_hints(cls)
     known = [f.name for f in dataclasses.fields(cls)]
+    renamed = {o: f.name for f in dataclasses.fields(cls) for o in f.metadata.get("old_names", ())}
     out: dict[str, Any] = {}
     written: dict[str, str] = {}  # field -> the key as written in the file
     for key, value in raw.items():
         name = key.replace("-", "_")
+        if name in renamed:
+            deprecated(repr(key), repr(renamed[name]), where=f"config file {p}: ")
+            name = renamed[name]
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
             hint = f" (did you mean {close[0].replace('_', '-')!r}?)" if close else ""

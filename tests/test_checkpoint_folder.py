@@ -31,7 +31,7 @@ JOBS = {
         "--block-size 16 --checkpoint-every 2 --no-progress"
     ),
 }
-STEPS = {"dlrm": "--max-steps", "lm": "--steps"}
+STEPS = {"dlrm": "--max-steps", "lm": "--max-steps"}
 
 
 def _run(launcher: list[str], args: list[str], cwd: Path) -> tuple[int, str]:

@@ -132,8 +132,28 @@ def test_dataclass_checks_name_flags_not_fields(argv: str, message: str) -> None
 def test_lm_checks_and_file_values_name_flags_too(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="a cache needs --placement 'hybrid' for the token or"):
         parse_config(LMConfig, ["--cache-rows", "5", "--placement", "sharded"], "t")
-    with pytest.raises(ValueError, match="^--steps must be >= 1, got 0$"):
-        parse_config(LMConfig, _toml(tmp_path, "steps = 0\n"), "t")
+    with pytest.raises(ValueError, match="^--max-steps must be >= 1, got 0$"):
+        parse_config(LMConfig, _toml(tmp_path, "max_steps = 0\n"), "t")
+
+
+def test_old_option_names_still_work_and_say_the_new_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The LM job's ``--steps`` is ``--max-steps`` as in the DLRM job: the old spelling
+    works for one more release, on the command line and in a config file, with a note."""
+    assert parse_config(LMConfig, ["--steps", "7"], "t").max_steps == 7
+    err = capsys.readouterr().err
+    assert err == (
+        "hybridrec: note: --steps is now --max-steps; the old name still works in this "
+        "release and will be removed in the next\n"
+    ), err
+    assert parse_config(LMConfig, _toml(tmp_path, "steps = 9\n"), "t").max_steps == 9
+    assert "'steps' is now 'max_steps'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="'steps' and 'max_steps' are the same option"):
+        parse_config(LMConfig, _toml(tmp_path, "steps = 9\nmax_steps = 3\n"), "t")
+    capsys.readouterr()
+    assert parse_config(LMConfig, ["--max-steps", "4"], "t").max_steps == 4
+    assert capsys.readouterr().err == ""
 
 
 def test_values_and_words_that_look_like_fields_stay(tmp_path: Path) -> None:

@@ -164,7 +164,7 @@ def _dlrm(device: str, precision: str, steps: int) -> dict[str, Any]:
 
 
 def _lm(device: str, precision: str, steps: int, placement: str) -> dict[str, Any]:
-    argv = [*LM_ARGS, "--device", device, "--precision", precision, "--steps", str(steps),
+    argv = [*LM_ARGS, "--device", device, "--precision", precision, "--max-steps", str(steps),
             "--eval-every", str(steps), "--placement", placement]  # fmt: skip
     return train_lm(lm_args(argv), comm.LocalGroup())
 

@@ -31,7 +31,7 @@ DLRM = shlex.split(
     "--batch-size 100 --dim 8 --log-every 1 --no-progress"
 )
 LM = shlex.split(
-    "train-lm --steps 100000 --eval-every 100000 --eval-batches 1 --max-bytes 200000 "
+    "train-lm --max-steps 100000 --eval-every 100000 --eval-batches 1 --max-bytes 200000 "
     "--batch-size 4 --block-size 16 --log-every 1 --no-progress"
 )
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -104,7 +104,7 @@ def test_ctrl_c_under_python_saves_and_exits_130(tmp_path: Path, job: str) -> No
     assert code == 130, out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
     at = _stopped_at(out)
-    _check_resume(tmp_path, base, at, "--max-steps" if job == "dlrm" else "--steps")
+    _check_resume(tmp_path, base, at, "--max-steps")
 
 
 @pytest.mark.parametrize("ps", ["local", "mpi"])

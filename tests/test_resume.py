@@ -3,7 +3,7 @@ uninterrupted run at the same step bit for bit (at the saving worker count every
 exactly the state it saved, docs/numerics.md), for DLRM (1 rank with every placement, Criteo
 mid-file, and under mpirun -n 2) and the language model; plus the checkpoint format.
 
-"Interrupted" runs stop at ``max_steps`` (DLRM) or a shorter ``steps`` (LM) and write
+"Interrupted" runs stop at a shorter ``max_steps`` and write
 their checkpoint; the resumed run reads the newest checkpoint and goes on to the end.
 The step-loss lines of the metrics file (``--log-every 1``) are compared step by step.
 """
@@ -173,14 +173,14 @@ def test_lm_resume_one_rank(tmp_path: Path, ngram: dict[str, int]) -> None:
     checkpoint, and a resume with another n-gram shape is refused like any shape change."""
     base = dict(
         max_bytes=200_000, block_size=32, batch_size=8, n_layer=1, n_head=2, d_model=32,
-        steps=24, eval_every=10, eval_batches=2, dropout=0.1,  # dropout: the RNG is restored
+        max_steps=24, eval_every=10, eval_batches=2, dropout=0.1,  # dropout: the RNG is restored
         verbose=False, progress=False, log_every=1, **ngram,
     )  # fmt: skip
 
     def run(cfg: LMConfig) -> dict[str, Any]:
         return train_lm(cfg, comm.LocalGroup())
 
-    interrupted_equals_uninterrupted(run, LMConfig, base, tmp_path, dict(steps=9),
+    interrupted_equals_uninterrupted(run, LMConfig, base, tmp_path, dict(max_steps=9),
                                      dict(d_model=16, n_layer=2))  # fmt: skip
 
 

@@ -30,7 +30,7 @@ DLRM = shlex.split(
     "--dim 8 --max-steps 4 --checkpoint-every 2 --log-every 1 --no-progress"
 )
 LM = shlex.split(
-    "train-lm --steps 4 --eval-every 2 --eval-batches 1 --max-bytes 20000 --batch-size 4 "
+    "train-lm --max-steps 4 --eval-every 2 --eval-batches 1 --max-bytes 20000 --batch-size 4 "
     "--block-size 16 --checkpoint-every 2 --placement hybrid --no-progress"
 )
 

@@ -31,7 +31,7 @@ SMALL: dict[str, Any] = dict(
     n_layer=1,
     n_head=2,
     d_model=32,
-    steps=30,
+    max_steps=30,
     eval_every=15,
     eval_batches=2,
 )
@@ -45,7 +45,7 @@ def test_defaults_and_every_option() -> None:
     assert parse_args([]) == LMConfig()
     argv = (
         "--text-dir /t --max-bytes 9 --tokenizer auto --bpe-file /b --block-size 8 "
-        "--batch-size 4 --n-layer 3 --n-head 2 --d-model 16 --dropout 0.1 --steps 7 --lr 0.01 "
+        "--batch-size 4 --n-layer 3 --n-head 2 --d-model 16 --dropout 0.1 --max-steps 7 --lr 0.01 "
         "--weight-decay 0 --placement sharded --emb-optimizer sgd --emb-lr 0.5 --zero-stage 2 "
         "--bucket-mb 1 --eval-every 3 --eval-batches 2 --seed 4 --backend gloo "
         "--validate-comm --threads 2 --metrics-out m.jsonl --no-verbose --ps redis://h:1/0 "
@@ -55,7 +55,7 @@ def test_defaults_and_every_option() -> None:
     )
     assert parse_args(argv.split()) == LMConfig(
         text_dir="/t", max_bytes=9, tokenizer="auto", bpe_file="/b", block_size=8, batch_size=4,
-        n_layer=3, n_head=2, d_model=16, dropout=0.1, steps=7, lr=0.01, weight_decay=0.0,
+        n_layer=3, n_head=2, d_model=16, dropout=0.1, max_steps=7, lr=0.01, weight_decay=0.0,
         placement="sharded", emb_optimizer="sgd", emb_lr=0.5, zero_stage=2, bucket_mb=1.0,
         eval_every=3, eval_batches=2, seed=4, backend="gloo", validate_comm=True, threads=2,
         metrics_out="m.jsonl", verbose=False, ps="redis://h:1/0", cache_rows=0,
@@ -73,7 +73,7 @@ def test_defaults_and_every_option() -> None:
 @pytest.mark.parametrize(
     ("kw", "pattern"),
     [
-        (dict(steps=0), "steps must be >= 1, got 0"),
+        (dict(max_steps=0), "max_steps must be >= 1, got 0"),
         (dict(lr=0.0), "lr must be > 0, got 0.0"),
         (dict(tokenizer="bpe"), "tokenizer must be 'byte', 'gpt2' or 'auto', got 'bpe'"),
         (dict(zero_stage=4), "zero_stage must be 0, 1, 2 or 3, got 4"),
@@ -316,7 +316,7 @@ def test_dynamic_ngram_tables_hold_only_seen_ngrams() -> None:
     from hybridrec.lm.job import LMJob
     from ps import InProcessStore
 
-    small = dict(SMALL, steps=6, eval_every=6, ngram=3, ngram_rows=0)
+    small = dict(SMALL, max_steps=6, eval_every=6, ngram=3, ngram_rows=0)
     store = InProcessStore()
     job = LMJob(LMConfig(**small, verbose=False), comm.LocalGroup(), store)  # type: ignore[arg-type]
     job.close(job.trainer.fit())
@@ -378,7 +378,7 @@ def test_ngram_ranks_match_one_process(
 
 # ------------------------------------------------------------ tensor, pipeline, ZeRO-3
 
-MODEL_PARALLEL: dict[str, Any] = dict(NGRAM, n_layer=2, steps=20, eval_every=10)
+MODEL_PARALLEL: dict[str, Any] = dict(NGRAM, n_layer=2, max_steps=20, eval_every=10)
 
 
 @pytest.fixture(scope="module")
@@ -454,8 +454,8 @@ def test_model_parallel_needs_a_mesh_that_fits() -> None:
 def test_zero3_checkpoint_resumes_at_stage_one(tmp_path: Path) -> None:
     """A ZeRO-3 run's checkpoint (the global optimizer state and the gathered weights)
     resumes under ZeRO stage 1 and ends where the uninterrupted run ends."""
-    base = dict(MODEL_PARALLEL, steps=20, verbose=False, checkpoint_dir=str(tmp_path / "ck"))
-    first = train(LMConfig(**{**base, "steps": 10, "zero_stage": 3}), comm.LocalGroup())  # type: ignore[arg-type]
+    base = dict(MODEL_PARALLEL, max_steps=20, verbose=False, checkpoint_dir=str(tmp_path / "ck"))
+    first = train(LMConfig(**{**base, "max_steps": 10, "zero_stage": 3}), comm.LocalGroup())  # type: ignore[arg-type]
     assert first["steps"] == 10
     resumed = train(LMConfig(**{**base, "zero_stage": 1, "resume": True}), comm.LocalGroup())  # type: ignore[arg-type]
     plain = train(LMConfig(**{**base, "checkpoint_dir": None}), comm.LocalGroup())  # type: ignore[arg-type]

@@ -158,7 +158,7 @@ def test_command_help_version_and_unknown_commands(capsys: pytest.CaptureFixture
     [
         ("train-dlrm --batch-size 0", "--batch-size must be >= 1, got 0"),
         ("train-dlrm --cache-policy fifo", "--cache-policy: invalid choice: 'fifo'"),
-        ("train-lm --steps 2.5", "--steps: invalid int value: '2.5'"),
+        ("train-lm --max-steps 2.5", "--max-steps: invalid int value: '2.5'"),
         ("train-dlrm --config missing.toml", "config file missing.toml does not exist"),
         (
             "train-dlrm --data criteo --criteo-path missing.tsv --criteo-rows 10",
@@ -204,7 +204,7 @@ def test_console_script_runs_a_job_and_reports_errors(tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 def test_python_m_runs_a_job_and_an_unreachable_redis_is_one_line(tmp_path: Path) -> None:
     code, out, err = _run(
-        [sys.executable, "-m", "hybridrec", "train-lm", "--steps", "2", "--eval-every", "2",
+        [sys.executable, "-m", "hybridrec", "train-lm", "--max-steps", "2", "--eval-every", "2",
          "--eval-batches", "1", "--max-bytes", "20000", "--batch-size", "4", "--block-size",
          "16", "--no-progress", "--backend", "local"],
         tmp_path,

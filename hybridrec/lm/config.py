@@ -39,7 +39,7 @@ class LMConfig(RunOptions):
     dropout: float = option(0.0, help="dropout in the decoder")
     # ---- schedule and optimizers
     batch_size: int = option(32, help="global windows per step, split evenly over the ranks")
-    steps: int = option(500, help="training steps")
+    max_steps: int = option(500, help="training steps", old_names=("steps",))
     lr: float = option(5e-3, help="AdamW learning rate (dense part)")
     weight_decay: float = option(0.01, help="AdamW decoupled weight decay (every dense param)")
     emb_optimizer: Literal["adam", "adagrad", "sgd"] = option(
@@ -127,7 +127,7 @@ class LMConfig(RunOptions):
                 f"emb_optimizer must be 'adam', 'adagrad' or 'sgd', got {self.emb_optimizer!r}"
             )
         for name in (
-            "block_size", "batch_size", "steps", "eval_every", "eval_batches", "log_every",
+            "block_size", "batch_size", "max_steps", "eval_every", "eval_batches", "log_every",
             "checkpoint_keep",
         ):  # fmt: skip
             if getattr(self, name) < 1:

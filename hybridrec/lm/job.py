@@ -3,7 +3,7 @@
     python examples/train_lm.py                         # Shakespeare (or stdlib source), bytes
     mpirun -n 2 python examples/train_lm.py             # the same job on two ranks
     torchrun --standalone --nproc_per_node 2 examples/train_lm.py --zero-stage 1
-    python examples/train_lm.py --tokenizer gpt2 --d-model 128 --steps 1000
+    python examples/train_lm.py --tokenizer gpt2 --d-model 128 --max-steps 1000
     python examples/train_lm.py --checkpoint-dir ckpt --checkpoint-every 100 --resume
 
 Config -> build -> train -> close, on :class:`hybridrec.trainer.Trainer` and
@@ -131,7 +131,7 @@ class Windows:
     def __init__(self, tokens: torch.Tensor, cfg: LMConfig, group: ProcessGroup) -> None:
         self.tokens, self.cfg, self.group = tokens, cfg, group
 
-    steps_per_epoch = None  # no epochs: the run ends at --steps (the trainer's max_steps)
+    steps_per_epoch = None  # no epochs: the run ends at --max-steps
 
     def train_batches(
         self, epoch: int, skip: int = 0, start: torch.Tensor | None = None
@@ -279,7 +279,7 @@ class LMJob:
         # An evaluation first, every eval_every steps and after the last step.
         self.trainer = Trainer(
             TrainerConfig(
-                max_steps=cfg.steps, samples_per_step=cfg.batch_size, log_every=cfg.log_every,
+                max_steps=cfg.max_steps, samples_per_step=cfg.batch_size, log_every=cfg.log_every,
                 eval_every=cfg.eval_every, eval_at_start=True, eval_at_end=True,
                 epoch_rows=False, checkpoint_dir=cfg.checkpoint_dir,
                 checkpoint_every=cfg.checkpoint_every, checkpoint_keep=cfg.checkpoint_keep,
