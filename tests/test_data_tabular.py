@@ -249,6 +249,43 @@ def test_bad_data_is_named(schema: Schema, tmp_path: Path) -> None:
         LabelColumn(column="r", rule="=> 4")
 
 
+def test_schema_and_data_errors_say_what_to_do(schema: Schema, tmp_path: Path) -> None:
+    """Schema values are type-checked (file, entry, column, expected type), a rule's
+    error names the file, a tab-separated file named .csv is recognised, and a number
+    that is not one points at --skip-bad-lines."""
+    bad = tmp_path / "bad.toml"
+    cases = [
+        ('[[sparse]]\ncolumn = "c"\nhash_rows = "1000"\n',
+         'sparse #1 (column \'c\'): hash_rows = "1000" must be an integer'),
+        ('[[sparse]]\ncolumn = "c"\nvocab = "yes"\n',
+         'sparse #1 (column \'c\'): vocab = "yes" must be true or false'),
+        ('[[dense]]\ncolumn = "d"\nlog = 1\n', "log = 1 must be true or false"),
+        ('[[sparse]]\ncolumn = "c"\nbuckets = [1, "2"]\n',
+         'buckets = [1, "2"] must be a list of numbers'),
+        ('[label]\ncolumn = "r"\nrule = "=> 4"\n',
+         "[label] (column 'r'): label rule '=> 4': expected '0/1' or a comparison"),
+    ]  # fmt: skip
+    for text, says in cases:
+        bad.write_text(text)
+        with pytest.raises(ValueError) as info:
+            load_schema(bad)
+        assert str(info.value).startswith(f"schema file {bad}: "), info.value
+        assert says in str(info.value), info.value
+    tsv = tmp_path / "tabs.csv"
+    _write(tsv, HEADER, ROWS, "\t", "\n")
+    with pytest.raises(ValueError, match=r"the header is one column, .* splits on '\\t' into"):
+        fit_tabular([str(tsv)], schema)
+    with pytest.raises(ValueError, match='give format = "tsv" in the schema'):
+        fit_tabular([str(tsv)], schema)
+    path = tmp_path / "nan.csv"
+    good = tmp_path / "ok.csv"
+    _write(good, HEADER, ROWS, ",", "\n")
+    _write(path, HEADER, [["1", "5", "n/a", "1", "u", "", ""]], ",", "\n")
+    with pytest.raises(ValueError, match=r"column 'price' must be a number, got 'n/a' .*"
+                       r"--skip-bad-lines counts and skips"):  # fmt: skip
+        list(_reader([str(path)], schema, train=[str(good)]))
+
+
 def test_parquet_without_pyarrow_names_the_extra(schema: Schema, tmp_path: Path) -> None:
     # pyarrow is not a test dependency: the message without it is what is tested.
     try:

@@ -34,10 +34,12 @@ from __future__ import annotations
 import json
 import operator
 import tomllib
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin
 
 RULES: dict[str, Callable[[float, float], bool]] = {
     ">=": operator.ge,
@@ -197,10 +199,53 @@ class Schema:
     def check_columns(self, have: list[str], where: str) -> None:
         """``ValueError`` naming every schema column missing from ``have``."""
         missing = [c for c in [*self.used_columns(), *self.drop] if c not in have]
-        if missing:
-            raise ValueError(
-                f"{where}: unknown column(s) {missing} in the schema; the columns are {have}"
-            )
+        if not missing:
+            return
+        for sep, fmt in (("\t", "tsv"), (",", "csv"), (";", None), ("|", None)):
+            split = [c.strip() for c in have[0].split(sep)] if len(have) == 1 else []
+            if len(split) > 1 and not [c for c in missing if c not in split]:
+                how = f'format = "{fmt}" in the schema' if fmt else "a file of commas or tabs"
+                raise ValueError(
+                    f"{where}: the header is one column, {have[0]!r}, which splits on "
+                    f"{sep!r} into the schema's columns {split}: the file is separated "
+                    f"by {sep!r}, not as its name says; give {how}"
+                )
+        raise ValueError(
+            f"{where}: unknown column(s) {missing} in the schema; the columns are {have}"
+        )
+
+
+def _fits(value: Any, tp: Any) -> bool:
+    """Whether a parsed TOML/JSON ``value`` is of the annotated type ``tp`` (str, bool,
+    int, float, list[float], or one of them or None); an int is a float, a bool is not
+    a number."""
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in get_args(tp))
+    if tp is type(None):
+        return value is None
+    if get_origin(tp) is list:
+        (item,) = get_args(tp)
+        return isinstance(value, list) and all(_fits(v, item) for v in value)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _type_name(tp: Any) -> str:
+    """``int``, ``a number``, ``a list of numbers``, ``text or nothing`` ..."""
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp) if a is not type(None))
+    if get_origin(tp) is list:
+        return "a list of " + {float: "numbers", str: "texts", int: "integers"}.get(
+            get_args(tp)[0], str(get_args(tp)[0])
+        )
+    names = {str: 'text (in "quotes")', bool: "true or false", int: "an integer",
+             float: "a number"}  # fmt: skip
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
 
 
 def _table(raw: Any, cls: type, where: str) -> Any:
@@ -212,9 +257,16 @@ def _table(raw: Any, cls: type, where: str) -> Any:
         raise ValueError(f"{where}: unknown key(s) {unknown}; known keys: {known}")
     if "column" not in raw or not isinstance(raw["column"], str):
         raise ValueError(f'{where}: needs column = "NAME"')
+    where = f"{where} (column {raw['column']!r})"
+    hints = typing.get_type_hints(cls)
+    for key, value in raw.items():
+        if not _fits(value, hints[key]):
+            raise ValueError(
+                f"{where}: {key} = {json.dumps(value)} must be {_type_name(hints[key])}"
+            )
     try:
         return cls(**raw)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
 
 

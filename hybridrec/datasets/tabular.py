@@ -155,7 +155,9 @@ class RowParser:
                     x = float(t)
                 except ValueError:
                     raise ValueError(
-                        f"{where}: column {dcol.column!r} must be a number, got {t!r}"
+                        f"{where}: column {dcol.column!r} must be a number, got {t!r} (an "
+                        "empty field reads as 0; --skip-bad-lines counts and skips such "
+                        'lines; RecBole data can fill = "mean" or "median" instead)'
                     ) from None
                 if not math.isfinite(x):
                     raise ValueError(f"{where}: column {dcol.column!r} must be finite, got {t!r}")
