@@ -23,8 +23,15 @@ PROG = "hybridrec"
 # name -> (module whose main(argv) runs it, one line of help). Modules are imported
 # only when their command runs, so --help and --version do not load torch.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train-dlrm": ("hybridrec.dlrm.job", "train DLRM on MovieLens-100k, synthetic or Criteo data"),
-    "train-lm": ("hybridrec.lm.job", "train a GPT language model with a sparse token table"),
+    "train-dlrm": (
+        "hybridrec.dlrm.job",
+        "train DLRM on MovieLens-100k, synthetic, Criteo, your CSV/TSV/Parquet files "
+        "(tabular) or a RecBole data set",
+    ),
+    "train-lm": (
+        "hybridrec.lm.job",
+        "train a GPT language model with a sparse token table (Shakespeare, or your text files)",
+    ),
 }
 
 

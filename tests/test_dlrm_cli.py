@@ -121,3 +121,26 @@ def test_script_runs_as_a_file(tmp_path: Path) -> None:
     assert all(r["loss"] > 0 and r["samples_per_s"] > 0 for r in rows if r["kind"] == "step")
     assert rows[-1]["steps"] == 2 * (1600 // 100)
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(120)
+def test_the_console_shows_the_cache_hit_rate(tmp_path: Path) -> None:
+    """With a cache, every epoch line says the hit rate so far (as the metrics file's
+    epoch row does); without one it says nothing about a cache."""
+    args = [
+        sys.executable, "-m", "hybridrec", "train-dlrm", "--data", "synthetic",
+        "--synthetic-samples", "2000", "--synthetic-rows", "100", "--epochs", "2",
+        "--batch-size", "100", "--backend", "local", "--no-progress",
+    ]  # fmt: skip
+    runs = {}
+    for name, extra in (("cached", ["--cache-fraction", "0.2"]), ("plain", [])):
+        run = subprocess.run(
+            [*args, *extra], cwd=tmp_path, env=rank_env(), capture_output=True, text=True,
+            timeout=110,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        runs[name] = [line for line in run.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(runs["cached"]) == 2 and all("cache hit rate " in x for x in runs["cached"])
+    rates = [float(x.rsplit("cache hit rate ", 1)[1].rstrip("%")) for x in runs["cached"]]
+    assert 0 < rates[0] <= rates[1] < 100, rates  # hot rows are found more as the cache fills
+    assert runs["plain"] and not any("cache" in x for x in runs["plain"])

@@ -357,7 +357,8 @@ class DLRMJob:
         loss = "-" if row["train_loss"] is None else f"{row['train_loss']:.4f}"
         val = (f"  val AUC {row['val_auc']:.4f}  val logloss {row['val_logloss']:.4f}"
                if "val_auc" in row else "")  # fmt: skip
-        self.say(f"epoch {row['epoch']}: train loss {loss}{val}")
+        hits = f"  cache hit rate {row['cache_hit_rate']:.1%}" if "cache_hit_rate" in row else ""
+        self.say(f"epoch {row['epoch']}: train loss {loss}{val}{hits}")
 
     def close(self, run: TrainResult) -> dict[str, Any]:
         """Collective: test metrics and the summary, written to the metrics file; returns it."""

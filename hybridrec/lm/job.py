@@ -387,7 +387,13 @@ class LMJob:
         bits = f"  {loss / math.log(2):.3f} bits/byte" if self.tokenizer.name == "byte" else ""
         train_part = "" if row["train_loss"] is None else f"train loss {row['train_loss']:.4f}  "
         ppl = f"ppl {row['val_ppl']:.2f}"
-        self.say(f"step {row['step']:5d}: {train_part}val loss {loss:.4f}  {ppl}{bits}")
+        hits = ""
+        if self.cached is not None:  # what the cache saved so far (hit rate over every lookup)
+            if self.model.embeddings is not None:
+                self.model.embeddings.drain()  # no push in flight while the counters are read
+            rate = cache_metrics(self.cached.cache_stats())["cache_hit_rate"]
+            hits = f"  cache hit rate {rate:.1%}"
+        self.say(f"step {row['step']:5d}: {train_part}val loss {loss:.4f}  {ppl}{bits}{hits}")
 
     def close(self, run: TrainResult) -> dict[str, Any]:
         """The summary (this run's rates), written to the metrics file; returns it."""
