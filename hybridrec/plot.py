@@ -64,12 +64,15 @@ def _line(ax: Any, pts: list[tuple[float, float]], **kw: Any) -> None:
 
 
 def _final_marks(ax: Any, final: dict[str, Any] | None, test_key: str, base_key: str) -> None:
-    """The test result (a star at the last step) and the popularity baseline (dashed)."""
+    """The test result (a star at the step of the model tested: the restored best epoch's,
+    else the last) and the popularity baseline (dashed)."""
     if final is None:
         return
     test = final.get(test_key)
     if isinstance(test, int | float):
-        ax.plot([_step(final)], [test], "*", ms=12, color=TEST, label="test")
+        at = final.get("tested_step")
+        x = float(at) if isinstance(at, int | float) else _step(final)
+        ax.plot([x], [test], "*", ms=12, color=TEST, label="test")
     base = final.get(base_key)
     if isinstance(base, int | float):
         ax.axhline(base, ls="--", lw=1, color=BASE, label="popularity baseline")
@@ -94,11 +97,25 @@ def plot_metrics(path: str | Path, out: str | Path | None = None) -> Path | None
     except ImportError:
         print("plot skipped: matplotlib is not installed (pip install matplotlib)")
         return None
-    fig = metrics_figure(read_metrics(path), title=Path(path).name)
+    rows = read_metrics(path)
+    fig = metrics_figure(rows, title=run_title(rows, Path(path).name))
     target = Path(out) if out is not None else Path(path).with_suffix(".png")
     fig.savefig(target, dpi=110)
     plt.close(fig)
     return target
+
+
+def run_title(rows: list[dict[str, Any]], name: str) -> str:
+    """What ran, on what, and the file: ``DLRM on movielens data (run.jsonl)``."""
+    finals = [r for r in rows if r.get("kind") == "final"]
+    config = (finals[-1].get("config") if finals else None) or {}
+    if any(k in r for r in rows for k in ("val_auc", "test_auc")):
+        data = config.get("data")
+        return f"DLRM on {data} data ({name})" if data else f"DLRM ({name})"
+    if any(k in r for r in rows for k in ("val_loss", "val_ppl")):
+        tokens = config.get("tokenizer")
+        return f"GPT language model, {tokens} tokens ({name})" if tokens else f"GPT ({name})"
+    return name
 
 
 def metrics_figure(rows: list[dict[str, Any]], title: str = "") -> Any:

@@ -11,7 +11,7 @@ from typing import Literal
 import pytest
 
 from hybridrec.config import ConfigError, build_parser, option, parse_config
-from hybridrec.plot import metrics_figure, plot_metrics, read_metrics
+from hybridrec.plot import metrics_figure, plot_metrics, read_metrics, run_title
 
 
 @dataclass(kw_only=True, slots=True)
@@ -105,6 +105,24 @@ def test_click_plot_puts_log_loss_and_auc_on_separate_labelled_axes() -> None:
     assert auc["popularity baseline"][1] == [0.55, 0.55]  # a horizontal line
     assert loss["popularity baseline"][1] == [0.69, 0.69]
     plt.close(fig)
+
+
+def test_the_test_result_sits_at_the_tested_model_and_the_title_names_the_run() -> None:
+    """The job tests the restored best epoch's model: the star goes to that epoch's step,
+    not the last one; the title says the job and the data, then the file."""
+    import matplotlib.pyplot as plt
+
+    rows = _rows_click()
+    rows[-1] = {**rows[-1], "tested_step": 10, "config": {"data": "movielens"}}
+    fig = metrics_figure(rows)
+    ax_loss, ax_auc = fig.axes
+    assert _lines(ax_loss)["test"] == ([10], [0.58]) and _lines(ax_auc)["test"] == ([10], [0.72])
+    plt.close(fig)
+    assert run_title(rows, "m.jsonl") == "DLRM on movielens data (m.jsonl)"
+    lm = [{"kind": "eval", "step": 0, "val_loss": 5.0}]
+    lm += [{"kind": "final", "steps": 1, "config": {"tokenizer": "byte"}}]
+    assert run_title(lm, "lm.jsonl") == "GPT language model, byte tokens (lm.jsonl)"
+    assert run_title([{"kind": "step", "step": 1, "loss": 1.0}], "x.jsonl") == "x.jsonl"
 
 
 def test_lm_plot_shows_loss_and_perplexity() -> None:

@@ -477,3 +477,34 @@ def test_zero3_checkpoint_resumes_at_stage_one(tmp_path: Path) -> None:
     assert all(n % 32 == 0 for n in sizes), sizes
     assert_same(torch.tensor(resumed["val_loss"]), torch.tensor(plain["val_loss"]),
                 what="val loss", why="the same elementwise AdamW on every element")  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_default_ngram_tables_fit_a_laptop_and_the_memory_block_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--ngram 3`` with the default rows: the memory block printed at the start names
+    the hybrid tables' size, and it stays under 0.5 GB."""
+    cfg = parse_args(
+        [
+            "--ngram",
+            "3",
+            "--max-steps",
+            "1",
+            "--eval-every",
+            "1",
+            "--eval-batches",
+            "1",
+            "--max-bytes",
+            "20000",
+            "--no-progress",
+            "--backend",
+            "local",
+        ]
+    )
+    train(cfg, comm.LocalGroup())
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.strip().startswith("hybrid tables")]
+    size, unit = line.split()[2:4]
+    mb = float(size) * {"kB": 1e-3, "MB": 1.0, "GB": 1e3}[unit]
+    assert 100 < mb < 500, line  # two tables of 256 Ki rows x 64 with Adam state

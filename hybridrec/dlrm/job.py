@@ -409,6 +409,8 @@ def finish(
     if chosen is not None and "val_auc" in chosen:
         result["val_auc"], result["val_logloss"] = chosen["val_auc"], chosen["val_logloss"]
         result["chosen_epoch"] = chosen["epoch"]
+    # the step of the model the test split sees (the plot marks the test result there)
+    result["tested_step"] = int(chosen["step"]) if chosen is not None else run.step
     result["best_epoch"] = None if run.best is None else run.best["epoch"]
     result["stopped_early"] = run.stopped_early
     if source.has_split("test"):

@@ -68,7 +68,7 @@ class LMConfig(RunOptions):
         "their own) to its token vector; 1 = no n-gram tables",
     )
     ngram_rows: int = option(
-        1_048_576,
+        262_144,  # 2 tables with Adam state: ~400 MB, what a laptop takes (the memory plan says)
         help="rows per n-gram table (ids hashed into them); 0 = dynamic tables keyed by "
         "63-bit n-gram ids, rows created for the n-grams seen (needs --ngram-placement hybrid)",
     )
