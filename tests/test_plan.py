@@ -539,3 +539,18 @@ def test_the_sparse_pipeline_hides_the_shorter_thread_where_a_core_is_free() -> 
     assert predict(roomy, costs, tr).parts["pipelined"] == pytest.approx(-hidden, rel=F64)
     replicas = small_plan(2, store="inprocess", servers=0).with_(sparse_pipeline=True)
     assert predict(replicas, costs, tm.traffic(replicas)).parts["pipelined"] == 0.0
+
+
+def test_the_plot_says_which_network_curves_coincide() -> None:
+    """Curves within 5 % of each other at every W are named in the plot (one hides the
+    other), curves apart are not."""
+    from hybridrec.plan.model import Prediction
+    from hybridrec.plan.report import _coinciding
+
+    def pred(w: int, net: str, rate: float) -> Prediction:
+        return Prediction(workers=w, servers=1, network=net, parts={}, step_s=1.0,
+                          samples_per_s=rate, bottleneck="compute")  # fmt: skip
+
+    preds = [pred(w, n, r * w) for w in (1, 64) for n, r in (("10", 90.0), ("25", 99.0),
+                                                               ("100", 100.0))]  # fmt: skip
+    assert _coinciding(preds, ["10", "25", "100"]) == ["25", "100"]

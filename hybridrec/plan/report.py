@@ -27,6 +27,22 @@ def table(predictions: list[Prediction]) -> str:
     return "\n".join(lines)
 
 
+def _coinciding(predictions: list[Prediction], networks: list[str]) -> list[str]:
+    """The networks whose samples/s curve another network's lies on (within 5 % at every
+    W: hardly a gap on the log axis), so the plot can say why one of them hides."""
+    curve = {
+        n: {p.workers: p.samples_per_s for p in predictions if p.network == n} for n in networks
+    }
+
+    def close(a: str, b: str) -> bool:
+        shared = curve[a].keys() & curve[b].keys()
+        return bool(shared) and all(
+            abs(curve[a][w] - curve[b][w]) <= 0.05 * max(curve[a][w], curve[b][w]) for w in shared
+        )
+
+    return [a for a in networks if any(close(a, b) for b in networks if b != a)]
+
+
 def plot(predictions: list[Prediction], path: str | Path, title: str = "") -> Path:
     """Samples/s against W (one line per network, log-log) and the step's breakdown
     against W (each part's share; the first network's), side by side. Needs matplotlib."""
@@ -41,7 +57,7 @@ def plot(predictions: list[Prediction], path: str | Path, title: str = "") -> Pa
             "JSON need nothing"
         ) from e
     networks = list(dict.fromkeys(p.network for p in predictions))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     for net in networks:
         rows = sorted((p for p in predictions if p.network == net), key=lambda p: p.workers)
         left.plot([p.workers for p in rows], [p.samples_per_s for p in rows], marker="o",
@@ -52,6 +68,12 @@ def plot(predictions: list[Prediction], path: str | Path, title: str = "") -> Pa
     left.set_ylabel("samples/s (predicted)")
     left.grid(True, which="both", alpha=0.3)
     left.legend(title="network")
+    same = _coinciding(predictions, networks)
+    if same:
+        note = (
+            f"{' and '.join(same)}: one curve (within 5 %):\nthe network hardly limits these steps"
+        )
+        left.text(0.98, 0.02, note, transform=left.transAxes, ha="right", va="bottom", fontsize=8)
     rows = sorted((p for p in predictions if p.network == networks[0]), key=lambda p: p.workers)
     xs = list(range(len(rows)))
     bottom = [0.0] * len(rows)
@@ -64,10 +86,10 @@ def plot(predictions: list[Prediction], path: str | Path, title: str = "") -> Pa
     if any(p.parts["pipelined"] < 0 for p in rows):
         right.axhline(100, color="black", linewidth=0.8, label="the step (pipelined)")
     labels = [f"{p.workers}\n{p.step_s * 1e3:.3g} ms" for p in rows]
-    right.set_xticks(xs, labels, fontsize=7)
+    right.set_xticks(xs, labels, fontsize=7, rotation=45 if len(rows) > 6 else 0)
     right.set_xlabel(f"workers W and step time ({networks[0]})")
     right.set_ylabel("share of the step (%)")
-    right.legend(fontsize=8)
+    right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars
     if title:
         fig.suptitle(title)
     fig.tight_layout()
