@@ -123,7 +123,7 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} ({self.prog} --help lists the options)")
 
 
-def _add_field(p: argparse.ArgumentParser, f: dataclasses.Field[Any], tp: Any) -> None:
+def _add_field(p: Any, f: dataclasses.Field[Any], tp: Any) -> None:
     help_text = f.metadata.get("help", "")
     if f.default is not dataclasses.MISSING:
         default = f.default
@@ -168,8 +168,20 @@ def build_parser(cls: type, description: str) -> argparse.ArgumentParser:
         help="a TOML or JSON file of option = value pairs; command-line options override it",
     )
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        _add_field(p, f, hints[f.name])
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    groups: tuple[tuple[str, tuple[str, ...]], ...] = getattr(cls, "help_groups", ())
+    placed: set[str] = set()
+    for title, names in groups:  # --help lists the options by group, in this order
+        mine = [n for n in names if n in fields and n not in placed]
+        if mine:
+            section = p.add_argument_group(f"{title} options")
+            for name in mine:
+                _add_field(section, fields[name], hints[name])
+            placed.update(mine)
+    rest = [f for f in fields.values() if f.name not in placed]
+    target: Any = p.add_argument_group("other options") if groups and rest else p
+    for f in rest:
+        _add_field(target, f, hints[f.name])
     return p
 
 

@@ -15,10 +15,36 @@ from comm import DEVICE_CHOICES
 from comm.compression import CODECS
 from hybridrec.config import option
 
+HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("data", ("data", "data_path", "data_val_path", "data_test_path", "schema",
+              "skip_bad_lines", "criteo_path", "criteo_val_path", "criteo_rows",
+              "synthetic_rows", "synthetic_samples", "text_dir", "max_bytes", "tokenizer",
+              "bpe_file", "block_size")),
+    ("training", ("epochs", "max_steps", "batch_size", "lr", "weight_decay", "dense_optimizer",
+                  "seed", "eval_every", "eval_batch_size", "eval_batches", "keep_best",
+                  "patience", "precision")),
+    ("model", ("dim", "bottom_mlp", "top_mlp", "interaction", "dcn_layers", "dcn_rank",
+               "n_layer", "n_head", "d_model", "dropout")),
+    ("tables and store", ("ps", "placement", "placement_of", "existing_tables", "emb_lr",
+                          "emb_optimizer", "ngram", "ngram_rows", "ngram_splits",
+                          "ngram_placement", "ngram_capacity", "ngram_max_age")),
+    ("cache", ("cache_rows", "cache_fraction", "read_bound", "write_bound", "cache_policy",
+               "cache_groups", "cache_memory", "cache_on", "sparse_pipeline")),
+    ("dense parallelism", ("compression", "zero_stage", "bucket_mb", "tp", "pp",
+                           "microbatches", "schedule")),
+    ("checkpoints", ("checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume",
+                     "overwrite_checkpoints")),
+    ("output", ("metrics_out", "log_every", "progress", "verbose")),
+    ("launch", ("device", "backend", "threads", "validate_comm")),
+)  # fmt: skip
+
 
 @dataclass(kw_only=True, slots=True)
 class RunOptions:
     max_zero_stage: ClassVar[int] = 2  # a job that shards parameters (ZeRO-3) raises it
+    #: How ``--help`` groups the options of every job (one name means one thing in all of
+    #: them), the common groups first; an option listed nowhere goes to "other options".
+    help_groups: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]] = HELP_GROUPS
     # ---- the hot-row cache in front of the --ps store (hybrid tables)
     cache_rows: int = option(0, help="hot-row cache in front of the store: rows per table")
     cache_fraction: float = option(0.0, help="cache size as a fraction of each table's rows")

@@ -144,3 +144,18 @@ def test_the_console_shows_the_cache_hit_rate(tmp_path: Path) -> None:
     rates = [float(x.rsplit("cache hit rate ", 1)[1].rstrip("%")) for x in runs["cached"]]
     assert 0 < rates[0] <= rates[1] < 100, rates  # hot rows are found more as the cache fills
     assert runs["plain"] and not any("cache" in x for x in runs["plain"])
+
+
+def test_help_groups_the_options_the_same_way_in_both_jobs() -> None:
+    """``--help`` lists the options by group, the common ones first, every option in a
+    named group (none left to "other options"), for the DLRM and the LM job alike."""
+    from hybridrec.lm.config import LMConfig
+    from hybridrec.run_options import HELP_GROUPS
+
+    titles = [f"{title} options:" for title, _ in HELP_GROUPS]
+    for cls in (TrainConfig, LMConfig):
+        text = build_parser(cls, "x").format_help()
+        seen = [line for line in text.splitlines() if line.endswith(" options:")]
+        assert seen == titles, seen
+        assert "other options:" not in text
+    assert titles[:2] == ["data options:", "training options:"]

@@ -1,4 +1,4 @@
-"""Train DLRM on MovieLens-100k, synthetic or Criteo data, on 1 or N ranks.
+"""Train DLRM on MovieLens-100k, synthetic, Criteo, tabular or RecBole data, on 1 or N ranks.
 
     python examples/train_dlrm.py                                # MovieLens, one process
     mpirun -n 2 python examples/train_dlrm.py                    # the same job on two ranks
