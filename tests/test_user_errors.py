@@ -135,6 +135,10 @@ def test_command_help_version_and_unknown_commands(capsys: pytest.CaptureFixture
     commands.main(["--help"])
     out = capsys.readouterr().out
     assert "train-dlrm" in out and "train-lm" in out and "--debug" in out
+    # every data source is named: the DLRM job's five (--data) and the LM's text files
+    for source in ("MovieLens-100k", "synthetic", "Criteo", "CSV/TSV/Parquet", "RecBole",
+                   "Shakespeare", "text files"):  # fmt: skip
+        assert source in out, (source, out)
     commands.main(["--version"])
     assert capsys.readouterr().out == f"hybridrec {metadata.version('hybridrec')}\n"
     with pytest.raises(SystemExit) as info:
