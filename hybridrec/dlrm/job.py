@@ -38,9 +38,8 @@ from hybridrec.dlrm.config import TrainConfig
 from hybridrec.dlrm.data import Feature, Source, StreamSource, auc_logloss, open_source
 from hybridrec.dlrm.model import DLRM, build_dlrm, dlrm_tables
 from hybridrec.errors import reported_errors
-from hybridrec.interrupts import exit_if_asked, watching
+from hybridrec.job_main import run_job
 from hybridrec.launch import (
-    Launch,
     check_batch_size,
     describe_device,
     describe_roles,
@@ -54,7 +53,7 @@ from hybridrec.memory_plan import MemoryPlan, dense_bytes
 from hybridrec.metrics_log import cache_metrics, store_metrics
 from hybridrec.precision import autocast
 from hybridrec.tables import prepare_tables
-from hybridrec.trainer import Trainer, TrainerConfig, TrainResult, check_checkpoint_dir
+from hybridrec.trainer import Trainer, TrainerConfig, TrainResult
 from ps import InProcessStore, Store
 
 __all__ = ["DLRMJob", "TrainConfig", "main", "parse_args", "train", "train_step"]
@@ -462,12 +461,4 @@ def summary_line(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Config -> launch (roles, store) -> build -> train -> close; a user error (bad
     option, missing file, unreachable store) is one line on stderr, exit status 2."""
-    cfg = parse_args(argv)
-    # before anything starts: every rank sees the folder, so all stop alike
-    check_checkpoint_dir(cfg.checkpoint_dir, resume=cfg.resume, overwrite=cfg.overwrite_checkpoints)
-    with watching():  # Ctrl-C / SIGTERM: finish the step, save, exit 130
-        with Launch.for_run(cfg) as launch:
-            if launch.is_worker:  # a PS server rank has served inside Launch and skips this
-                job = DLRMJob(cfg, launch.group, launch.store, roles=launch.topology)
-                job.close(job.trainer.fit())
-        exit_if_asked()  # a PS server rank, or a stop request at the last step
+    run_job(parse_args(argv), DLRMJob)

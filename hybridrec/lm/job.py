@@ -46,9 +46,8 @@ from hybridrec.datasets.text import (
 )
 from hybridrec.device_data import DeviceBatches, DeviceEpochData
 from hybridrec.errors import reported_errors
-from hybridrec.interrupts import exit_if_asked, watching
+from hybridrec.job_main import run_job
 from hybridrec.launch import (
-    Launch,
     check_batch_size,
     describe_device,
     describe_roles,
@@ -75,7 +74,6 @@ from hybridrec.trainer import (
     Trainer,
     TrainerConfig,
     TrainResult,
-    check_checkpoint_dir,
     plain_step,
 )
 from ps import InProcessStore, Store
@@ -449,12 +447,4 @@ class LMJob:
 def main(argv: list[str] | None = None) -> None:
     """Config -> launch (roles, store) -> build -> train -> close; a user error (bad
     option, missing file, unreachable store) is one line on stderr, exit status 2."""
-    cfg = parse_args(argv)
-    # before anything starts: every rank sees the folder, so all stop alike
-    check_checkpoint_dir(cfg.checkpoint_dir, resume=cfg.resume, overwrite=cfg.overwrite_checkpoints)
-    with watching():  # Ctrl-C / SIGTERM: finish the step, save, exit 130
-        with Launch.for_run(cfg) as launch:
-            if launch.is_worker:  # a PS server rank has served inside Launch and skips this
-                job = LMJob(cfg, launch.group, launch.store, roles=launch.topology)
-                job.close(job.trainer.fit())
-        exit_if_asked()  # a PS server rank, or a stop request at the last step
+    run_job(parse_args(argv), LMJob)
