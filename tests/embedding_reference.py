@@ -23,7 +23,7 @@ from torch import nn
 
 import ps
 from embedding import KeyedJaggedIds, TableConfig
-from tolerance import replay_tol, sum_tol
+from tolerance import REPLAY_FACTOR, replay_tol, sum_tol
 
 
 class Reference:
@@ -145,12 +145,29 @@ class Replayed:
     worst case of the last step alone (``floor_terms`` of :func:`replay_tol`): a row's
     gradient sums up to ``occ`` terms (the most occurrences of one id in a batch), and
     the update rounds at most :data:`UPDATE_ROUNDINGS` more times; an accumulator of
-    squares doubles the gradient's relative error and adds a mean over ``dim``."""
+    squares doubles the gradient's relative error and adds a mean over ``dim``.
+
+    Adam's step ``size * m / (sqrt(v) + eps)`` turns the absolute error ``d`` of a
+    gradient near zero (a row whose occurrences nearly cancel) into one far above the
+    replay's own: ``m`` (a weighted mean) and ``sqrt(v)`` (a weighted norm) each move by
+    at most ``d`` and ``|m| <= sqrt(v) + eps``, so the step moves by at most ``2 size d /
+    (sqrt(v) - d + eps)`` (the bound of
+    :class:`tolerance.AdamDrift`, per element: ``2 lr d / eps`` where ``v`` is 0, nothing
+    to speak of where the gradients are large). An Adam table's rows add that drift,
+    summed over the steps, with ``d`` each step's gradient replay tolerance (the
+    reference's measured ``|g - g64|``, times :data:`tolerance.REPLAY_FACTOR`)."""
 
     def __init__(self, tables: list[TableConfig]) -> None:
         self.ref = Reference(tables)
         self.ref64 = Reference(tables, dtype=torch.float64)
         self.occ = {t.name: 0 for t in tables}
+        self.steps = 0  # optimizer steps taken
+        # Adam tables: the drift bound of each element so far, [rows, dim]
+        self.drift = {
+            t.name: torch.zeros(t.num_rows or 0, t.dim, dtype=torch.float64)
+            for t in tables
+            if isinstance(t.optimizer, ps.Adam)
+        }
 
     def forward(
         self, kjt: KeyedJaggedIds
@@ -163,15 +180,59 @@ class Replayed:
             if ids and sum(i.numel() for i in ids):
                 counts = torch.unique(torch.cat(ids), return_counts=True)[1]
                 self.occ[name] = max(self.occ[name], int(counts.max()))
+        self.steps += 1
+        grad_tol = {}  # the Adam tables' gradient tolerance of this step
+        for name in self.drift:
+            g, g64 = self.ref.weight[name].grad, self.ref64.weight[name].grad
+            if g is not None and g64 is not None:
+                grad_tol[name] = REPLAY_FACTOR * float((g.double() - g64.double()).abs().max())
         self.ref.step(kjt)
         self.ref64.step(kjt)
+        for name, d in grad_tol.items():
+            opt = self.ref64.tables[name].optimizer
+            assert isinstance(opt, ps.Adam)
+            m, v, steps = self.ref64.adam[name]
+            b1, b2 = opt.betas
+            k = steps.clamp(min=1).unsqueeze(1)  # [rows, 1] the rows' step counts
+            size = opt.lr * torch.sqrt(1 - b2**k) / (1 - b1**k)
+            touched = (steps > 0).unsqueeze(1)  # rows never stepped have not moved
+            # sqrt(v) is a weighted norm of the gradients: the run under test's is within d
+            bound = 2 * size * d / ((v.sqrt() - d).clamp(min=0) + opt.eps)
+            self.drift[name] += torch.where(touched, bound, torch.zeros_like(bound))
 
     def output_tol(
         self, kjt: KeyedJaggedIds, feat: str, want: torch.Tensor, want64: torch.Tensor
     ) -> float:
         """Output ``feat``: the replay's measured error, and never below the worst case of
-        one pooling over the reference's current rows (:meth:`pool_tol`)."""
-        return max(replay_tol(want.detach(), want64.detach()), self.pool_tol(kjt, feat))
+        one pooling over the reference's current rows (:meth:`pool_tol`); after a step,
+        plus what the rows' own tolerance can move a bag (:meth:`rows_effect`): the run
+        under test pools its rows, which are only within :meth:`rows_tol` of these."""
+        base = max(replay_tol(want.detach(), want64.detach()), self.pool_tol(kjt, feat))
+        return base + self.rows_effect(kjt, feat)
+
+    def rows_effect(self, kjt: KeyedJaggedIds, feat: str) -> float:
+        """The most a bag of ``feat`` moves when every row moves by ``rows_tol``: the
+        largest ``sum_i |w_i|`` of a bag (1 for a mean) times it; 0 before any step."""
+        j = kjt[feat]
+        name = self.ref64.table_of[feat]
+        if j.ids.numel() == 0 or self.steps == 0:
+            return 0.0
+        t = self.ref64.tables[name]
+        weights = (
+            torch.ones(j.ids.numel(), dtype=torch.float64)
+            if j.weights is None
+            else j.weights.to(torch.float64).abs()
+        )
+        if t.pooling == "none":
+            most = float(weights.max())
+        else:
+            ones = torch.ones(t.num_rows or 0, 1, dtype=torch.float64)
+            sums = nn.functional.embedding_bag(
+                j.ids, ones, j.offsets()[:-1], mode=t.pooling,
+                per_sample_weights=weights if t.pooling == "sum" else None,
+            )  # fmt: skip
+            most = float(sums.max())
+        return most * self.rows_tol(name)
 
     def pool_tol(self, kjt: KeyedJaggedIds, feat: str) -> float:
         """Two fp32 poolings of ``feat`` over the same rows (one ``embedding_bag`` per
@@ -199,7 +260,9 @@ class Replayed:
         """Table ``name``'s rows."""
         terms = self.occ[name] + UPDATE_ROUNDINGS
         w, w64 = self.ref.weight[name].detach(), self.ref64.weight[name].detach()
-        return replay_tol(w, w64, floor_terms=terms)
+        drift = self.drift.get(name)
+        extra = float(drift.max()) if drift is not None and drift.numel() else 0.0
+        return replay_tol(w, w64, floor_terms=terms) + extra
 
     def state_tol(self, name: str) -> float:
         """Table ``name``'s optimizer state in the ps layout."""
