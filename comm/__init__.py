@@ -28,7 +28,7 @@ from comm.device import (
 from comm.failures import abort, running_job
 from comm.group import ProcessGroup, ReduceOp
 from comm.handle import CommTimeoutError, Handle
-from comm.init import LaunchEnv, detect_launch, init
+from comm.init import LaunchEnv, detect_launch, init, usable_cores
 from comm.local import LocalGroup
 from comm.mesh import DeviceMesh
 from comm.topology import Role, Topology
@@ -51,5 +51,6 @@ __all__ = [
     "resolve_device",
     "worker_device",
     "detect_launch",
+    "usable_cores",
     "init",
 ]

@@ -81,6 +81,14 @@ def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
     return None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one), at
+    least 1: what the ranks on a host (``LaunchEnv.local_size``) share."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
 def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
     """Read the launcher from ``env`` (default ``os.environ``)."""
     env = os.environ if env is None else env

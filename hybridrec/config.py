@@ -251,6 +251,16 @@ def _example(tp: Any) -> str:
     return {int: "64, 32", float: "0.5, 1.0", str: '"a", "b"'}.get(tp, "...")
 
 
+def type_mismatch(value: Any, tp: Any) -> str | None:
+    """None if a parsed TOML/JSON ``value`` fits type ``tp`` as a config file value must
+    (an int is a number, a bool is not), else what was expected (``"an integer"``)."""
+    try:
+        _typed(value, tp)
+    except _Mismatch:
+        return _expected(tp)
+    return None
+
+
 def _typed(value: Any, tp: Any) -> Any:
     """``value`` checked against ``tp`` (and an int made a float where a float is
     expected, as the command line does); :class:`_Mismatch` if it does not fit."""

@@ -14,6 +14,7 @@ nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from hybridrec.interrupts import exit_if_asked, watching
@@ -27,7 +28,7 @@ class _Job(Protocol):
     def close(self, run: Any) -> Any: ...
 
 
-def run_job(cfg: Any, job: Any) -> None:
+def run_job(cfg: Any, job: Callable[..., _Job]) -> None:
     """Check ``cfg``'s checkpoint folder (every rank sees it, so all stop alike), then
     launch (roles, store), build ``job`` on a worker, train, close; Ctrl-C or SIGTERM
     finish the step, save and exit 130 (:mod:`hybridrec.interrupts`)."""
@@ -35,6 +36,6 @@ def run_job(cfg: Any, job: Any) -> None:
     with watching():
         with Launch.for_run(cfg) as launch:
             if launch.is_worker:  # a PS server rank has served inside Launch and skips this
-                built: _Job = job(cfg, launch.group, launch.store, roles=launch.topology)
+                built = job(cfg, launch.group, launch.store, roles=launch.topology)
                 built.close(built.trainer.fit())
         exit_if_asked()  # a PS server rank, or a stop request at the last step

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -239,8 +238,7 @@ def wants_sparse_pipeline(cfg: Any, embeddings: EmbeddingCollection, device: tor
         return False
     if device.type == "cuda":
         return True
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (cores or 1) > comm.detect_launch().local_size * torch.get_num_threads()
+    return comm.usable_cores() > comm.detect_launch().local_size * torch.get_num_threads()
 
 
 def job_memory_plan(

@@ -422,8 +422,7 @@ class Trainer:
         """Collective: load the newest checkpoint if asked; ``(path, epoch, step in epoch,
         step, this rank's data position)``."""
         cfg = self.config
-        if cfg.checkpoint_dir and not cfg.resume:
-            self._claim_checkpoint_dir(Path(cfg.checkpoint_dir))
+        self._claim_checkpoint_dir()
         path = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir and cfg.resume else None
         if path is None:
             if cfg.resume:
@@ -453,15 +452,18 @@ class Trainer:
             self.stopped_early = bool(best["stopped_early"])
         return path, epoch, in_epoch, step, position
 
-    def _claim_checkpoint_dir(self, root: Path) -> None:
-        """Collective, a fresh run: ``root`` must hold no other run's checkpoints (they would
-        mix with this run's, and ``latest`` would name whichever wrote last); with
-        ``overwrite_checkpoints`` rank 0 deletes them first. Every rank reads the folder
-        (checkpoints live where all ranks see them), so all stop alike."""
+    def _claim_checkpoint_dir(self) -> None:
+        """Collective, a fresh run: its checkpoint folder must hold no other run's
+        checkpoints (they would mix with this run's, and ``latest`` would name whichever
+        wrote last); with ``overwrite_checkpoints`` rank 0 deletes them first. Every rank
+        reads the folder (checkpoints live where all ranks see them), so all stop alike."""
+        cfg = self.config
         found = check_checkpoint_dir(
-            root, resume=False, overwrite=self.config.overwrite_checkpoints
+            cfg.checkpoint_dir, resume=cfg.resume, overwrite=cfg.overwrite_checkpoints
         )
         if found:
+            assert cfg.checkpoint_dir is not None  # found nothing without a folder
+            root = Path(cfg.checkpoint_dir)
             if self.group.rank == 0:
                 for name in found:
                     target = root / name

@@ -34,12 +34,13 @@ from __future__ import annotations
 import json
 import operator
 import tomllib
-import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Any
+
+from hybridrec.config import type_mismatch
 
 RULES: dict[str, Callable[[float, float], bool]] = {
     ">=": operator.ge,
@@ -215,39 +216,6 @@ class Schema:
         )
 
 
-def _fits(value: Any, tp: Any) -> bool:
-    """Whether a parsed TOML/JSON ``value`` is of the annotated type ``tp`` (str, bool,
-    int, float, list[float], or one of them or None); an int is a float, a bool is not
-    a number."""
-    if get_origin(tp) in (typing.Union, types.UnionType):
-        return any(_fits(value, a) for a in get_args(tp))
-    if tp is type(None):
-        return value is None
-    if get_origin(tp) is list:
-        (item,) = get_args(tp)
-        return isinstance(value, list) and all(_fits(v, item) for v in value)
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    return isinstance(value, tp)
-
-
-def _type_name(tp: Any) -> str:
-    """``int``, ``a number``, ``a list of numbers``, ``text or nothing`` ..."""
-    if get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in get_args(tp) if a is not type(None))
-    if get_origin(tp) is list:
-        return "a list of " + {float: "numbers", str: "texts", int: "integers"}.get(
-            get_args(tp)[0], str(get_args(tp)[0])
-        )
-    names = {str: 'text (in "quotes")', bool: "true or false", int: "an integer",
-             float: "a number"}  # fmt: skip
-    return names.get(tp, getattr(tp, "__name__", str(tp)))
-
-
 def _table(raw: Any, cls: type, where: str) -> Any:
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected a table, got {raw!r}")
@@ -260,10 +228,9 @@ def _table(raw: Any, cls: type, where: str) -> Any:
     where = f"{where} (column {raw['column']!r})"
     hints = typing.get_type_hints(cls)
     for key, value in raw.items():
-        if not _fits(value, hints[key]):
-            raise ValueError(
-                f"{where}: {key} = {json.dumps(value)} must be {_type_name(hints[key])}"
-            )
+        expected = type_mismatch(value, hints[key])  # the config files' own type check
+        if expected is not None:
+            raise ValueError(f"{where}: {key} = {json.dumps(value)} must be {expected}")
     try:
         return cls(**raw)
     except (TypeError, ValueError) as e:

@@ -61,11 +61,6 @@ def available() -> bool:
     return _library() is not None
 
 
-def _at(a: np.ndarray) -> int:
-    """The address of a contiguous array's first element."""
-    return int(a.__array_interface__["data"][0])
-
-
 def pull_check(toc: np.ndarray, words: np.ndarray, tables: np.ndarray) -> tuple[int, int] | None:
     """``(reply words after the header, row floats)`` of a ``PULL_MANY`` the pass can
     serve: ``toc`` int64 ``[k, 4]``, ``words`` int64 ``[W]`` (each part's ids, then its
@@ -76,8 +71,9 @@ def pull_check(toc: np.ndarray, words: np.ndarray, tables: np.ndarray) -> tuple[
         return None
     sizes = np.empty(2, dtype=np.int64)
     rc = lib.hr_pull_check(
-        toc.shape[0], _at(toc), words.size, _at(words), _at(tables), tables.shape[0], _at(sizes)
-    )
+        toc.shape[0], toc.ctypes.data, words.size, words.ctypes.data, tables.ctypes.data,
+        tables.shape[0], sizes.ctypes.data,
+    )  # fmt: skip
     return None if rc != 0 else (int(sizes[0]), int(sizes[1]))
 
 
@@ -97,8 +93,8 @@ def pull_apply(
     assert lib is not None  # pull_check said yes
     used = np.empty(2, dtype=np.int64)
     rc = lib.hr_pull_apply(
-        toc.shape[0], _at(toc), _at(words), _at(tables), _at(counters), _at(reply), _at(rows),
-        _at(used), threads,
+        toc.shape[0], toc.ctypes.data, words.ctypes.data, tables.ctypes.data,
+        counters.ctypes.data, reply.ctypes.data, rows.ctypes.data, used.ctypes.data, threads,
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("pull_many: the server could not allocate a buffer of the pull pass")
@@ -112,8 +108,8 @@ def push_check(toc: np.ndarray, ids: np.ndarray, grads: np.ndarray, tables: np.n
     if lib is None:
         return False
     rc = lib.hr_push_check(
-        toc.shape[0], _at(toc), ids.size, _at(ids), grads.size, _at(grads), _at(tables),
-        tables.shape[0],
+        toc.shape[0], toc.ctypes.data, ids.size, ids.ctypes.data, grads.size, grads.ctypes.data,
+        tables.ctypes.data, tables.shape[0],
     )  # fmt: skip
     return rc == 0
 
@@ -132,7 +128,8 @@ def push_apply(
     lib = _library()
     assert lib is not None  # push_check said yes
     rc = lib.hr_push_apply(
-        toc.shape[0], _at(toc), _at(ids), _at(grads), _at(tables), _at(hyper), _at(counters),
+        toc.shape[0], toc.ctypes.data, ids.ctypes.data, grads.ctypes.data, tables.ctypes.data,
+        hyper.ctypes.data, counters.ctypes.data,
         threads,
     )  # fmt: skip
     if rc != 0:

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from comm import CommTimeoutError, ProcessGroup, Topology, detect_launch
+from comm import CommTimeoutError, ProcessGroup, Topology, detect_launch, usable_cores
 from ps.checkpoint import TablePart, check_row_ids, read_checkpoint, write_part
 from ps.errors import check_existing
 from ps.local.store import PART_ROWS
@@ -734,8 +734,7 @@ class ShardServer:
 def _host_share_of_cores() -> int:
     """This rank's share of the cores it may run on: their count over the ranks on this
     host (at least 1)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, detect_launch().local_size))
+    return max(1, usable_cores() // max(1, detect_launch().local_size))
 
 
 def round_robin(workers: list[int], last: int) -> list[int]:
