@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import time
 from types import TracebackType
@@ -53,6 +54,7 @@ __all__ = [
     "EXIT_USER_ERROR",
     "describe",
     "is_user_error",
+    "launch_rank",
     "report_user_error",
     "reported_errors",
     "show_tracebacks",
@@ -123,7 +125,7 @@ def describe(err: BaseException) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
-def _launch_rank() -> tuple[int, int]:
+def launch_rank() -> tuple[int, int]:
     """(rank, size) as the launcher set them; (0, 1) if they cannot be read."""
     try:
         from comm import detect_launch
@@ -156,7 +158,7 @@ def report_user_error(err: BaseException) -> NoReturn:
     """Print ``err`` as one line (once per job) and end the job with exit status 2."""
     with contextlib.suppress(Exception):
         sys.stdout.flush()  # what the job printed so far comes before the error line
-    rank, size = _launch_rank()
+    rank, size = launch_rank()
     line = f"{PROG}: error: {describe(err)}"
     if size > 1 and _running_job() is not None:
         if rank != 0:
@@ -180,7 +182,7 @@ def report_interrupt(err: KeyboardInterrupt) -> NoReturn:
     :mod:`hybridrec.interrupts`): one line, exit status 130 on every rank."""
     with contextlib.suppress(Exception):
         sys.stdout.flush()
-    rank, size = _launch_rank()
+    rank, size = launch_rank()
     if rank == 0:
         why = f" ({describe(err)})" if str(err).strip() else ""
         print(f"{PROG}: interrupted{why}; nothing more was saved", file=sys.stderr, flush=True)
@@ -190,6 +192,19 @@ def report_interrupt(err: KeyboardInterrupt) -> NoReturn:
 
         comm.abort(EXIT_INTERRUPTED)
     raise SystemExit(EXIT_INTERRUPTED)
+
+
+def _exit_status(exc: BaseException | None) -> object:
+    return exc.code if isinstance(exc, SystemExit) else None
+
+
+def _ignore_stop_signals() -> None:
+    """The process exits for a stop request: a further Ctrl-C or SIGTERM would only cut
+    the exit short, and one that lands while the interpreter shuts down can end it
+    with a signal's status or a fatal error. Only the main thread can set handlers."""
+    with contextlib.suppress(ValueError):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
 
 
 class reported_errors(contextlib.ContextDecorator):  # noqa: N801 - used like a function
@@ -205,6 +220,8 @@ class reported_errors(contextlib.ContextDecorator):  # noqa: N801 - used like a 
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> Any:
+        if isinstance(exc, KeyboardInterrupt) or _exit_status(exc) == EXIT_INTERRUPTED:
+            _ignore_stop_signals()
         if isinstance(exc, KeyboardInterrupt) and not tracebacks_shown():
             report_interrupt(exc)
         if exc is None or not is_user_error(exc) or tracebacks_shown():

@@ -1,7 +1,8 @@
 """Ctrl-C and SIGTERM: the first finishes the step and saves, the second stops at once.
 
 A job wraps its run in :func:`watching`. The first SIGINT or SIGTERM only notes the
-request; the :class:`hybridrec.Trainer` asks after every step whether any rank got one
+request (rank 0 says so at once: ``stopping after this step; Ctrl-C again stops at
+once``); the :class:`hybridrec.Trainer` asks after every step whether any rank got one
 (:func:`stop_agreed`: one 4-byte allreduce per step on several ranks, so every rank
 stops after the same step), writes a checkpoint when it has a checkpoint folder, prints
 ``interrupted at step N; resume with --resume`` once and raises :class:`Interrupted`
@@ -9,7 +10,10 @@ stops after the same step), writes a checkpoint when it has a checkpoint folder,
 rank serves on until its workers said goodbye and then exits 130 too
 (:func:`exit_if_asked`). A second signal raises ``KeyboardInterrupt`` where the process
 is; :func:`hybridrec.errors.reported_errors` turns that into one line and exit status
-130 (under ``mpirun`` ending every rank).
+130 (under ``mpirun`` ending every rank). Once a process exits for a stop request,
+:func:`hybridrec.errors.reported_errors` ignores further signals: the exit is already
+under way, and a signal that lands while the interpreter shuts down would end it with a
+signal's status (or worse, where a thread without Python's lock checks for signals).
 
 ``mpirun`` forwards a Ctrl-C to every rank; ``torchrun`` turns it into SIGTERM for its
 workers: both reach the same handler.
@@ -18,6 +22,7 @@ workers: both reach the same handler.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -26,7 +31,7 @@ from types import FrameType
 import torch
 
 from comm import ProcessGroup
-from hybridrec.errors import EXIT_INTERRUPTED
+from hybridrec.errors import EXIT_INTERRUPTED, launch_rank
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -44,10 +49,16 @@ class _Requests:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.watching = False
+        self.announce = False  # rank 0 says it heard the first one
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
+            if self.announce:
+                # os.write, not print: the signal may land inside a print to stderr,
+                # whose buffer refuses a second writer.
+                name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+                os.write(2, f"stopping after this step; {name} again stops at once\n".encode())
             return
         for s in SIGNALS:  # a third one gets Python's default: a KeyboardInterrupt / exit
             signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
@@ -67,6 +78,7 @@ def watching() -> Iterator[None]:
         return
     before = {s: signal.getsignal(s) for s in SIGNALS}
     _requests.signum, _requests.watching = None, True
+    _requests.announce = launch_rank()[0] == 0
     for s in SIGNALS:
         signal.signal(s, _requests.handle)
     try:

@@ -17,6 +17,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ LM = shlex.split(
     "--batch-size 4 --block-size 16 --log-every 1 --no-progress"
 )
 TORCHRUN = Path(sys.executable).parent / "torchrun"
+HEARD = "stopping after this step; Ctrl-C again stops at once"
 
 
 def _steps_logged(metrics: Path) -> int:
@@ -44,32 +46,52 @@ def _steps_logged(metrics: Path) -> int:
 
 
 def _interrupt(
-    cmd: list[str], cwd: Path, *, signals: int = 1, after_steps: int = 3, timeout: float = 150
+    cmd: list[str],
+    cwd: Path,
+    *,
+    second_at: str | None = None,
+    after_steps: int = 3,
+    timeout: float = 150,
 ) -> tuple[int, str]:
     """Run ``cmd``; once its metrics file shows ``after_steps`` steps send SIGINT to the
-    launcher (``signals`` times, 0.05 s apart); (exit status, everything printed)."""
+    launcher; with ``second_at`` a second one as soon as the job printed a line starting
+    so (a second signal before the handler ran for the first would count as one);
+    (exit status, everything printed)."""
     metrics = cwd / "m.jsonl"
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=rank_env(inherit=False), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
+    lines: list[str] = []
+    heard = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if second_at is not None and line.startswith(second_at):
+                heard.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + timeout
         while _steps_logged(metrics) < after_steps:
             if proc.poll() is not None or time.monotonic() > deadline:
-                out = proc.communicate()[0]
-                raise AssertionError(f"the job ended or stalled before its steps:\n{out}")
+                said = "".join(lines)
+                raise AssertionError(f"the job ended or stalled before its steps:\n{said}")
             time.sleep(0.05)
-        for i in range(signals):
-            if i:
-                time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        if second_at is not None:
+            assert heard.wait(timeout), "".join(lines)
             proc.send_signal(signal.SIGINT)
-        out = proc.communicate(timeout=timeout)[0]
+        proc.wait(timeout=timeout)
+        reader.join(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    return proc.returncode, out
+            proc.wait()
+    return proc.returncode, "".join(lines)
 
 
 def _stopped_at(out: str) -> int:
@@ -115,6 +137,7 @@ def test_ctrl_c_under_mpirun_stops_every_rank_after_the_same_step(tmp_path: Path
     code, out = _interrupt(cmd, tmp_path)
     assert code == 130, out  # mpiexec reports its ranks' status: all of them 130
     assert "Traceback" not in out and "Abort" not in out, out
+    assert out.splitlines().count(HEARD) == 1, out  # rank 0 says it heard the request
     at = _stopped_at(out)
     again = [*DLRM, "--checkpoint-dir", "ck", "--ps", ps]
     _check_resume(tmp_path, again, at, "--max-steps", [mpirun_path(), "-n", "2", sys.executable])
@@ -130,11 +153,24 @@ def test_ctrl_c_under_torchrun_saves_once(tmp_path: Path) -> None:
 
 
 def test_a_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
-    """The second signal comes 0.05 s after the first, while the job still finishes its
-    step or writes its metrics plot: it stops there, in one line."""
-    base = [*DLRM, "--metrics-out", "m.jsonl"]
-    code, out = _interrupt([sys.executable, "-m", "hybridrec", *base], tmp_path, signals=2)
+    """The second signal comes once the job said it heard the first, while it still
+    finishes its step (a large batch keeps it busy) or writes its metrics and plot: it
+    stops there, in one line."""
+    base = [*DLRM, "--batch-size", "20000", "--metrics-out", "m.jsonl"]
+    code, out = _interrupt([sys.executable, "-m", "hybridrec", *base], tmp_path, second_at=HEARD)
     assert code == 130, out
     assert "Traceback" not in out, out
     said = "hybridrec: interrupted (a second SIGINT: stopped at once); nothing more was saved"
     assert out.splitlines().count(said) == 1, out
+
+
+def test_a_second_ctrl_c_as_the_job_ends_still_exits_130(tmp_path: Path) -> None:
+    """A second signal once the job said where it stopped: it lands while the job writes
+    its metrics, or after (where the exit ignores it), or while the interpreter shuts
+    down (where, not ignored, it would end the process with a signal's status or a
+    fatal error): always exit 130 and no traceback."""
+    base = [*DLRM, "--metrics-out", "m.jsonl"]
+    cmd = [sys.executable, "-m", "hybridrec", *base]
+    code, out = _interrupt(cmd, tmp_path, second_at="interrupted at step")
+    assert code == 130, out
+    assert "Traceback" not in out and "Fatal" not in out, out
