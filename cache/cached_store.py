@@ -136,17 +136,20 @@ class CachedStore(Store):
     def _ensure(self, tables: Sequence[str]) -> None:
         """Make the caches of ``tables`` (one request's) that have none yet. With
         ``group_tables`` those of them that are fixed and share a dim and a local step
-        size share one cache: tables first requested together are cached together."""
+        size (and pushed statistic) share one cache: tables first requested together are
+        cached together."""
         with self._lock:
             new: list[str] = []
             for t in tables:
                 if (not isinstance(t, str) or t not in self._members) and t not in new:
                     new.append(t)
             specs = [self.inner.spec(t) for t in new]  # raises for an unknown table
-            groups: dict[tuple[int, float], list[TableSpec]] = {}
+            groups: dict[tuple[int, float, int], list[TableSpec]] = {}
             for spec in specs:
                 if self.config.group_tables and spec.num_rows is not None:
-                    key = (spec.dim, self.config.lr_for(spec))
+                    # One record layout: the same pushed statistic (counted pushes).
+                    stat = spec.optimizer.stat_dim(spec.dim)
+                    key = (spec.dim, self.config.lr_for(spec), stat)
                     groups.setdefault(key, []).append(spec)
                 else:
                     self._register([spec])
@@ -157,8 +160,9 @@ class CachedStore(Store):
         self, specs: list[TableSpec], state: dict[str, torch.Tensor] | None = None
     ) -> str:
         """Make the cache of ``specs`` (one table, or a group), filled from ``state``."""
+        counted = self.inner.counted_pushes  # the PS applies a pushed row's updates
         if len(specs) == 1:
-            tc = TableCache(specs[0], self.config, self.inner, device=self.device)
+            tc = TableCache(specs[0], self.config, self.inner, device=self.device, counted=counted)
             group = None
         else:
             group = TableGroup.of(specs)
@@ -170,6 +174,7 @@ class CachedStore(Store):
                 capacity=capacity,
                 largest_table=max(int(s.num_rows or 0) for s in specs),
                 device=self.device,
+                counted=counted,
             )
             self._groups[tc.name] = group
         if state is not None:
@@ -212,23 +217,28 @@ class CachedStore(Store):
     def _send(self, caches: Sequence[TableCache]) -> None:
         """Send what the outboxes of ``caches`` hold as one batched push (nothing if
         they are empty); each table keeps the handle for :meth:`flush`."""
-        pushes, senders = [], []  # (cache, ids, grads)
+        pushes, senders = [], []  # (cache, ids, grads, counted)
         for tc in caches:
             box = tc.take_outbox()
-            pushes += [(tc, ids, grads) for ids, grads in box]
+            pushes += [(tc, *pushed) for pushed in box]
             if box:
                 senders.append(tc)
         if not pushes:
             return
-        # Rows on a device: every table's pushed rows in one copy to the host.
-        host = to_host([g for _, _, g in pushes])
+        # Rows on a device: every table's pushed rows (and statistics) in one copy.
+        stats = {k: c[1] for k, (_, _, _, c) in enumerate(pushes) if c is not None}
+        host = to_host([g for _, _, g, _ in pushes] + list(stats.values()))
+        host_stats = dict(zip(stats, host[len(pushes) :], strict=True))
         requests = []
-        for (tc, ids, _), grads in zip(pushes, host, strict=True):
+        for k, (tc, ids, _, counted) in enumerate(pushes):
+            grads = host[k]
+            counts = None if counted is None else counted[0]
+            stat = host_stats.get(k)
             group = self._groups.get(tc.name)
             if group is None:
-                requests.append(PushRequest(tc.name, ids, grads))
+                requests.append(PushRequest(tc.name, ids, grads, counts, stat))
             else:
-                requests += group.split_push(ids, grads)
+                requests += group.split_push(ids, grads, counts, stat)
         handle = self.inner.push_many_async(requests)
         for tc in senders:
             tc.sent(handle)

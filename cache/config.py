@@ -59,6 +59,12 @@ class CacheConfig:
     * ``write_bound`` (``s_w``): a row's gradients are pushed once more than
       ``s_w`` updates are pending (and on eviction and ``flush()``); 0 = every
       update is pushed at once.
+    * ``counted_pushes``: True (default): a row pushed with ``k`` pending updates says
+      so, with the statistic its optimizer's accumulator needs (``ps.PushRequest``
+      ``counts`` and ``stats``), so the PS applies ``k`` updates (adaptive optimizers
+      then learn under a write bound as without one; ``docs/cache.md``). Where the
+      store does not take counted pushes (``ps.Store.counted_pushes``) or the rows
+      are on a device, the PS applies one update per push, as with False.
     * ``local_lr``: step size of the SGD step applied to the cached copy for each
       local update (``copy -= local_lr * grad``). None: the table optimizer's
       ``lr`` (SGD, RowWiseAdagrad, Adagrad, Adam; 0 for FTRL). 0: a copy changes
@@ -99,6 +105,7 @@ class CacheConfig:
     policy: Literal["lru", "lfu", "tinylfu"] = "lru"
     read_bound: int = 0
     write_bound: int = 0
+    counted_pushes: bool = True
     local_lr: float | None = None
     verify_prefetched: bool = True
     sole_writer: bool = False
@@ -136,7 +143,13 @@ class CacheConfig:
                 raise TypeError(f"CacheConfig: local_lr must be a number, got {type(lr).__name__}")
             if not (math.isfinite(lr) and lr >= 0):
                 raise ValueError(f"CacheConfig: local_lr must be a finite number >= 0, got {lr}")
-        for name in ("verify_prefetched", "sole_writer", "exact_staleness", "group_tables"):
+        for name in (
+            "counted_pushes",
+            "verify_prefetched",
+            "sole_writer",
+            "exact_staleness",
+            "group_tables",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"CacheConfig: {name} must be a bool, got {type(getattr(self, name)).__name__}"

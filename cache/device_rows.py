@@ -7,6 +7,8 @@ with a row width of 0), and the ``D``-wide data lives here::
 
     rows  float32 [C, D]   the copy served: PS row at CLOCK + local updates
     pend  float32 [C, D]   the sum of the gradients not pushed yet (0 if COUNT = 0)
+    stat  float32 [C, Q]   counted pushes: the statistic of `pend` (Q = 1: sum of
+                           mean(g^2); Q = D: sums of g^2; Q = 0 otherwise)
 
 The host decides every step from the metadata alone (which ids hit, which rows are
 refreshed, admitted, evicted or due), so the device only receives index arrays and the
@@ -33,18 +35,20 @@ import torch
 
 
 class DeviceRows:
-    """``rows`` and ``pend`` ``[capacity, dim]`` float32 on ``device`` (zeros)."""
+    """``rows`` and ``pend`` ``[capacity, dim]`` and ``stat`` ``[capacity, stat_dim]``
+    float32 on ``device`` (zeros)."""
 
-    def __init__(self, capacity: int, dim: int, device: torch.device) -> None:
+    def __init__(self, capacity: int, dim: int, device: torch.device, stat_dim: int = 0) -> None:
         self.device = device
         self.dim = dim
         self.rows = torch.zeros(capacity, dim, dtype=torch.float32, device=device)  # [C, D]
         self.pend = torch.zeros(capacity, dim, dtype=torch.float32, device=device)  # [C, D]
+        self.stat = torch.zeros(capacity, stat_dim, dtype=torch.float32, device=device)  # [C, Q]
         self._copies = device.type != "cpu"
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.rows.numel() * 4
+        return (2 * self.rows.numel() + self.stat.numel()) * 4
 
     # ------------------------------------------------------------ transfers
 
@@ -88,6 +92,7 @@ class DeviceRows:
             return
         self.rows.index_copy_(0, slots, fresh.index_select(0, sel))
         self.pend.index_fill_(0, slots, 0.0)
+        self.stat.index_fill_(0, slots, 0.0)
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """``rows[slots] = rows`` (host ``[n, D]``), nothing pending (a loaded cache)."""
@@ -131,6 +136,20 @@ class DeviceRows:
         """A copy of the pending sums of ``slots`` ``[K]`` (rows being evicted)."""
         return self.pend.index_select(0, slots)
 
+    def take_stats(self, slots: torch.Tensor) -> torch.Tensor:
+        """The statistics of ``slots`` ``[K]`` (a new tensor ``[K, Q]``), zeroed here."""
+        stats = self.stat.index_select(0, slots)
+        self.stat.index_fill_(0, slots, 0.0)
+        return stats
+
+    def stats_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """A copy of the statistics of ``slots`` ``[K]`` (rows being evicted)."""
+        return self.stat.index_select(0, slots)
+
+    def no_stats(self, n: int) -> torch.Tensor:
+        """``[n, Q]`` zeros on the device: the statistic of rows of one update (not read)."""
+        return torch.zeros(n, self.stat.shape[1], dtype=torch.float32, device=self.device)
+
     def update(
         self,
         cached_at: torch.Tensor,
@@ -141,7 +160,9 @@ class DeviceRows:
     ) -> None:
         """Gradients ``grads[cached_at]`` of the cached rows ``slots`` (``[S]``): the copy
         takes an SGD step of ``lr`` (float32 product, then subtract), and with
-        ``accumulate`` (a write bound > 0) the gradient joins the pending sum."""
+        ``accumulate`` (a write bound > 0) the gradient joins the pending sum and its
+        square the statistic (summed over the row in the host kernel's order, j = 0, 1,
+        ..., so both layouts give the same bits)."""
         if slots.numel() == 0:
             return
         g = grads.index_select(0, cached_at)  # [S, D]
@@ -149,6 +170,16 @@ class DeviceRows:
             self.rows.index_copy_(0, slots, self.rows.index_select(0, slots) - lr * g)
         if accumulate:
             self.pend.index_copy_(0, slots, self.pend.index_select(0, slots) + g)
+            q = self.stat.shape[1]
+            if q == 1:
+                sq = torch.zeros(g.shape[0], dtype=torch.float32, device=g.device)
+                for j in range(g.shape[1]):
+                    sq += g[:, j] * g[:, j]
+                add = (sq / float(g.shape[1])).unsqueeze(1)  # [S, 1]
+            elif q > 1:
+                add = g * g  # [S, D]
+            if q > 0:
+                self.stat.index_copy_(0, slots, self.stat.index_select(0, slots) + add)
 
     def read(self, slots: np.ndarray) -> torch.Tensor:
         """Host copies of the rows of ``slots`` (a checkpoint of the cache)."""

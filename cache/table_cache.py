@@ -16,6 +16,13 @@ aligned to cache lines)::
                  (kind 0 checked, 1 fetched a miss, 2 refreshed; 0: none)
         CHECKED  request number of the last PS answer about the row
         PUSHED   request number of the row's last push
+        (spare)  counted pushes of row-wise Adagrad: float32 sum of mean(g^2) of `pend`
+    slab[s, 2D+16:3D+16]  float32  counted pushes of element-wise optimizers (Adagrad,
+                                   Adam, FTRL): the sums of g^2 of `pend`
+
+The statistics exist only where pushes are counted (``CacheConfig.counted_pushes`` and a
+store that takes them, :attr:`ps.Store.counted_pushes`): a due row is then pushed with
+its update count ``COUNT`` and statistic, so the PS applies that many updates.
 
 plus ``row_id`` int64 ``[C]`` (-1: free), the id -> slot map (:mod:`cache.slot_index`: a
 plain int32 array for fixed tables), the eviction keys (:mod:`cache.policy`, int64
@@ -142,6 +149,43 @@ def _aligned_records(rows: int, words: int) -> np.ndarray:
     return buf[start : start + rows * words].reshape(rows, words)
 
 
+#: One push of a table's cache as the owner sends it: ``(ids [P], grads [P, D], counted)``
+#: with ``counted`` the ``(counts [P], stats [P, Q])`` of a counted push, or None.
+Pushed = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]
+
+
+@dataclass(slots=True)
+class _Due:
+    """Rows to push: ``ids`` ``[P]``, ``grads`` ``[P, D]`` (numpy, or a tensor on the rows'
+    device) and, where pushes are counted, ``counts`` ``[P]`` and ``stats`` ``[P, Q]``."""
+
+    ids: np.ndarray
+    grads: Any
+    counts: np.ndarray | None = None
+    stats: Any = None  # numpy, or a tensor on the rows' device
+
+    @staticmethod
+    def join(parts: list[_Due], *, on_device: bool = False) -> _Due:
+        def cat(xs: list[Any]) -> Any:
+            return torch.cat(xs) if on_device else np.concatenate(xs)
+
+        ids = np.concatenate([p.ids for p in parts])
+        grads = cat([p.grads for p in parts])
+        if parts[0].counts is None:
+            return _Due(ids, grads)
+        counts = np.concatenate([p.counts for p in parts if p.counts is not None])
+        return _Due(ids, grads, counts, cat([p.stats for p in parts]))
+
+    def tensors(self, *, on_device: bool) -> Pushed:
+        def tensor(x: Any) -> torch.Tensor:
+            return x if on_device else torch.from_numpy(x)
+
+        counted = None
+        if self.counts is not None:
+            counted = (torch.from_numpy(self.counts), tensor(self.stats))
+        return torch.from_numpy(self.ids), tensor(self.grads), counted
+
+
 class TableCache:
     """Rows of one table cached under ``config``; see the module docstring."""
 
@@ -154,18 +198,25 @@ class TableCache:
         capacity: int | None = None,
         largest_table: int | None = None,
         device: torch.device | None = None,
+        counted: bool = False,
     ) -> None:
+        """``counted``: the store takes counted pushes (see the module docstring)."""
         cap = config.capacity(spec) if capacity is None else capacity
         d = spec.dim
         self.spec, self.name, self.dim = spec, spec.name, d
         # Rows on a device: the records keep only metadata (a row width of 0 in the slab).
-        self.data = None if device is None else DeviceRows(cap, d, device)
+        self.write_bound = config.write_bound
+        # Counted pushes (a write bound, a store that takes them): Q statistic floats per
+        # row; with host rows in the record at float `stat_at` (Q = 1: the spare meta
+        # word; Q = D: after the metadata), else on the rows' device.
+        self.counted = counted and config.counted_pushes and self.write_bound > 0
+        self.push_q = spec.optimizer.stat_dim(d) if self.counted else 0
+        self.data = None if device is None else DeviceRows(cap, d, device, self.push_q)
         sd = d if self.data is None else 0  # floats of row (and of pend) in a record
         self.sd = sd
         self.store = store
         self.capacity = cap
         self.read_bound = config.read_bound
-        self.write_bound = config.write_bound
         self.lr = config.lr_for(spec)
         self.lfu = config.policy == "lfu"  # FREQ counts lookups in the record
         # TinyLFU: the sketch of recent batches' ids decides admissions (see _choose).
@@ -174,7 +225,10 @@ class TableCache:
         self.sole_writer = config.sole_writer
         self.exact = config.exact_staleness
         self.chunk = config.chunk(cap)
-        self.width = -(-(2 * sd + _META_WORDS) // 16) * 16  # W: whole 64-byte lines
+        q = self.push_q if self.data is None else 0
+        self.stat_dim, self.stat_at = q, 2 * sd + (_META_WORDS - 2 if q == 1 else _META_WORDS)
+        extra = q if q > 1 else 0
+        self.width = -(-(2 * sd + _META_WORDS + extra) // 16) * 16  # W: whole 64-byte lines
         self.slab = _aligned_records(cap, self.width)  # [C, W]
         self._void = np.dtype((np.void, 4 * self.width))
         self.vslab = self.slab.view(self._void).reshape(cap)  # [C] one item per record
@@ -196,13 +250,14 @@ class TableCache:
         self.deferred: torch.Tensor | None = None  # next batch's ids for the next pull
         self.reserved: np.ndarray | None = None  # slots a planned prefetch counts as cached
         self.planned_hits: np.ndarray = _EMPTY_I64  # slots of the planned serving pull's hits
-        # Pushes due: ([P] ids, [P, D] gradients: numpy, or tensors on the rows' device).
-        self.outbox: list[tuple[np.ndarray, Any]] = []
+        # Pushes due (gradients numpy, or tensors on the rows' device).
+        self.outbox: list[_Due] = []
         self.push_handles: list[Handle] = []
-        # Pending sums of evicted rows not sent yet: ([K] ids, [K, D] sums) pairs. They
-        # ride on the next push (the batch's update follows the eviction at once in a
-        # training step), saving a request; see :meth:`send_evicted`.
-        self.evicted: list[tuple[np.ndarray, Any]] = []
+        # Pending sums of evicted rows not sent yet: [K] ids, [K, D] sums, and with counted
+        # pushes their [K] counts and [K, Q] statistics. They ride on the next push (the
+        # batch's update follows the eviction at once in a training step), saving a
+        # request; see :meth:`send_evicted`.
+        self.evicted: list[_Due] = []
 
     # ------------------------------------------------------------ records
 
@@ -827,10 +882,12 @@ class TableCache:
             sums: Any
             if self.data is None:
                 sums = rec[pend, d : 2 * d]  # [K, D]
+                counts, stats = self._counted_of(rec[pend])
             else:  # gathered now, before an admitted row takes the slot
                 (at,) = self.data.indices(victims.take(pend))
                 sums = self.data.pending_of(at)
-            self.evicted.append((self.row_id.take(victims.take(pend)), sums))
+                counts, stats = self._counted_of(rec[pend], self.data.stats_of(at))
+            self.evicted.append(_Due(self.row_id.take(victims.take(pend)), sums, counts, stats))
             self.stats.add("evicted_pending", pend.size)
             self.meta[victims.take(pend), COUNT] = 0  # free slots hold no count
         self.index.remove(self.row_id.take(victims))
@@ -852,31 +909,49 @@ class TableCache:
         when they are still waiting."""
         if self.evicted:
             no_rows = np.empty((0, self.dim), dtype=np.float32)
-            self._push(_EMPTY_I64, no_rows if self.data is None else self.data.empty())
+            self._push(self._due(_EMPTY_I64, no_rows if self.data is None else self.data.empty()))
 
-    def _push(self, ids: np.ndarray, grads: Any) -> None:
-        """Queue a push of ``ids`` ``[P]`` and ``grads`` ``[P, D]`` (fresh arrays; tensors
-        on the cache's device for rows on a device) in the outbox, with the evicted rows'
-        sums not sent yet (distinct from ``ids``: a row evicted since the last push was
-        cached, so it is not in a batch's pass-through ids, and it is not cached now, so
-        it is not due)."""
+    def _counted_of(
+        self, rec: np.ndarray, on_device: torch.Tensor | None = None
+    ) -> tuple[np.ndarray | None, Any]:
+        """The update counts ``[K]`` and statistics ``[K, Q]`` (copies; ``on_device``: the
+        device's, for rows there) of records ``rec`` ``[K, W]`` with pending updates;
+        (None, None) where pushes are not counted."""
+        if not self.counted:
+            return None, None
+        q, at = self.stat_dim, self.stat_at
+        stats = rec[:, at : at + q].copy() if on_device is None else on_device
+        return self._meta(rec)[:, COUNT].copy(), stats
+
+    def _due(self, ids: np.ndarray, grads: Any) -> _Due:
+        """A push of ``ids`` ``[P]`` and ``grads`` ``[P, D]`` of one update each."""
+        if not self.counted:
+            return _Due(ids, grads)
+        # The statistic of a row of one update is not read (the PS squares its gradient).
+        none: Any = np.zeros((ids.size, self.push_q), np.float32)
+        if self.data is not None:
+            none = self.data.no_stats(ids.size)
+        return _Due(ids, grads, np.ones(ids.size, dtype=np.int64), none)
+
+    def _push(self, due: _Due) -> None:
+        """Queue the push ``due`` (fresh arrays; gradients on the cache's device for rows
+        on a device) in the outbox, with the evicted rows' sums not sent yet (distinct
+        from its ids: a row evicted since the last push was cached, so it is not in a
+        batch's pass-through ids, and it is not cached now, so it is not due)."""
         if self.evicted:
-            ids = np.concatenate([e[0] for e in self.evicted] + [ids])
-            sums = [e[1] for e in self.evicted] + [grads]
-            grads = np.concatenate(sums) if self.data is None else torch.cat(sums)
+            due = _Due.join([*self.evicted, due], on_device=self.data is not None)
             self.evicted = []
-        if ids.size == 0:
+        if due.ids.size == 0:
             return
-        self.outbox.append((ids, grads))
-        self.stats.pushed(ids.size)
+        self.outbox.append(due)
+        self.stats.pushed(due.ids.size)
 
-    def take_outbox(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The pushes queued since the last call, each ``(ids [P], grads [P, D])``, in
-        order (each one is a separate push for the PS: one optimizer step per row). The
-        gradients of rows on a device are still there (the owner copies every table's
-        at once)."""
+    def take_outbox(self) -> list[Pushed]:
+        """The pushes queued since the last call, in order (each one is a separate push
+        for the PS: one optimizer step per row, or ``counts`` of them). The gradients of
+        rows on a device are still there (the owner copies every table's at once)."""
         box, self.outbox = self.outbox, []
-        return [(torch.from_numpy(i), g if self.data else torch.from_numpy(g)) for i, g in box]
+        return [b.tensors(on_device=self.data is not None) for b in box]
 
     def sent(self, handle: Handle) -> None:
         """The outbox went to the PS in the request of ``handle`` (waited by ``flush``)."""
@@ -906,18 +981,22 @@ class TableCache:
             g = np.ascontiguousarray(grads.numpy())  # [U, D]
         else:  # the records hold no row: the pass only counts and decides what is due
             g = np.empty((uniq.size, 0), dtype=np.float32)
-        due_at, due_g = self._update_records(slots, g)  # [K] positions into uniq, [K, sd]
+        # [K] positions into uniq, [K, sd] sums, counted pushes: [K] counts, [K, Q] stats
+        due_at, due_g, *due_counted = self._update_records(slots, g)
         uncached = _EMPTY_I64
         if slots.size and slots.min() < 0:  # rows not cached are pushed at once
             uncached = np.flatnonzero(slots < 0)
+        if self.data is None:
+            pushed = _Due(uniq.take(due_at), due_g, *due_counted)
+            if uncached.size:
+                through = self._due(uniq.take(uncached), g.take(uncached, axis=0))
+                pushed = _Due.join([through, pushed])
+            self._push(pushed)
+            return
         push_ids = uniq.take(due_at)
+        through = self._due(uniq.take(uncached), None)
         if uncached.size:
             push_ids = np.concatenate([uniq.take(uncached), push_ids])
-        if self.data is None:
-            if uncached.size:
-                due_g = np.concatenate([g.take(uncached, axis=0), due_g])
-            self._push(push_ids, due_g)
-            return
         cached = np.flatnonzero(slots >= 0)
         at_c, s_c, at_due, s_due, at_unc = self.data.indices(
             cached, slots.take(cached), due_at, slots.take(due_at), uncached
@@ -927,46 +1006,78 @@ class TableCache:
             due = grads.index_select(0, at_due)
         else:
             due = self.data.take_pending(s_due)
-        self._push(push_ids, torch.cat([grads.index_select(0, at_unc), due]))
+        rows = torch.cat([grads.index_select(0, at_unc), due])
+        if not self.counted:
+            self._push(_Due(push_ids, rows))
+            return
+        assert through.counts is not None and due_counted[0] is not None
+        counts = np.concatenate([through.counts, due_counted[0]])
+        stats = torch.cat([through.stats, self.data.take_stats(s_due)])
+        self._push(_Due(push_ids, rows, counts, stats))
 
-    def _update_records(self, slots: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _update_records(
+        self, slots: np.ndarray, g: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
         """The records' pass of a push (:func:`cache.kernels.records.update_rows`, or the
         same in numpy): for the cached ``slots`` ``[U]`` (-1: not cached) with gradients
-        ``g`` ``[U, sd]``, ``(due_at [K] positions into slots, due sums [K, sd])``."""
+        ``g`` ``[U, sd]``, ``(due_at [K] positions into slots, due sums [K, sd], counts
+        [K], statistics [K, Q])``, the last two None where pushes are not counted."""
+        q, at = self.stat_dim, self.stat_at
         if slots.size == 0:
-            return _EMPTY_I64, np.empty((0, self.sd), dtype=np.float32)
+            return self._counted(_EMPTY_I64, np.empty((0, self.sd), np.float32), _EMPTY_I64, None)
         got = update_rows(
-            self.slab, self.sd, slots, g, lr=self.lr, write_bound=self.write_bound, seq=self.seq
-        )
+            self.slab, self.sd, slots, g, lr=self.lr, write_bound=self.write_bound,
+            seq=self.seq, stat_dim=q, stat_at=at,
+        )  # fmt: skip
         if got is not None:
-            return got
+            return self._counted(*got)
         d = self.sd
         c_sel = np.flatnonzero(slots >= 0)  # [S] positions of the cached rows
         s, gc = slots.take(c_sel), g.take(c_sel, axis=0)  # [S], [S, D]
         if s.size == 0:
-            return _EMPTY_I64, np.empty((0, d), dtype=np.float32)
+            return self._counted(_EMPTY_I64, np.empty((0, d), np.float32), _EMPTY_I64, None)
         rec = self._gather(s)  # [S, W]
         meta = self._meta(rec)
         if self.lr != 0.0:
             rec[:, :d] -= self.lr * gc
-        if self.write_bound == 0:  # every update is due: push the gradients as they are
+        if self.write_bound == 0:  # every update is due as it is
             due = np.arange(s.size)
-            due_g = gc
+            due_g, due_k, due_s = gc, np.ones(s.size, np.int64), None
             meta[:, OWN] += 1
             meta[:, PUSHED] = self.seq
         else:
             pend = rec[:, d : 2 * d]  # [S, D] view; zeros where nothing is pending
             pend += gc
+            stat = rec[:, at : at + q]  # [S, Q] view (Q = 0: empty)
+            if q == 1:  # the kernel's sum, in its order: j = 0, 1, ... (no pairwise sum)
+                sq = np.zeros(s.size, dtype=np.float32)
+                for j in range(d):
+                    sq += gc[:, j] * gc[:, j]
+                stat[:, 0] += sq / np.float32(d)
+            elif q > 1:
+                stat += gc * gc
             meta[:, COUNT] += 1
             due = np.flatnonzero(meta[:, COUNT] > self.write_bound)
-            due_g = pend[due]
+            due_g, due_k, due_s = pend[due], meta[due, COUNT].copy(), stat[due].copy()
             if due.size > 0:
                 pend[due] = 0.0
+                stat[due] = 0.0
                 meta[due, COUNT] = 0
                 meta[due, OWN] += 1
                 meta[due, PUSHED] = self.seq
         self._scatter(s, rec)
-        return c_sel.take(due), due_g
+        return self._counted(c_sel.take(due), due_g, due_k, due_s)
+
+    def _counted(
+        self, due: np.ndarray, sums: np.ndarray, counts: np.ndarray, stats: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """What :meth:`_update_records` returns: the counts and statistics only where
+        pushes are counted (the statistics of a write bound of 0: zeros, not read)."""
+        if not self.counted:
+            return due, sums, None, None
+        if stats is None:
+            stats = np.zeros((due.size, self.stat_dim), dtype=np.float32)
+        return due, sums, counts, stats
 
     def flush(self) -> None:
         """Queue every pending sum (and evicted sum) in the outbox; the owner sends it
@@ -980,11 +1091,15 @@ class TableCache:
             sums: Any
             if self.data is None:
                 sums = rec[:, d : 2 * d].copy()  # [K, D]
+                counted = self._counted_of(rec)
             else:
                 (at,) = self.data.indices(slots)
                 sums = self.data.take_pending(at)
-            self._push(self.row_id.take(slots), sums)
+                counted = self._counted_of(rec, self.data.take_stats(at) if self.counted else None)
+            self._push(_Due(self.row_id.take(slots), sums, *counted))
             rec[:, d : 2 * d] = 0.0
+            if self.counted:
+                rec[:, self.stat_at : self.stat_at + self.stat_dim] = 0.0
             meta[:, COUNT] = 0
             meta[:, OWN] += 1
             meta[:, PUSHED] = self.seq

@@ -95,18 +95,33 @@ class TableGroup:
         pos = [r.positions + a for a, r in parts if r.positions is not None]
         return PullResult(rows, clocks, torch.cat(pos))
 
-    def split_push(self, ids: torch.Tensor, grads: torch.Tensor) -> list[PushRequest]:
+    def split_push(
+        self,
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        counts: torch.Tensor | None = None,
+        stats: torch.Tensor | None = None,
+    ) -> list[PushRequest]:
         """Per-table pushes of packed ``ids`` ``[P]`` and ``grads`` ``[P, D]`` (any order;
-        each table's rows keep their order). One stable sort by table (none when the ids
-        come table by table already), then each table's run is a slice."""
+        each table's rows keep their order), with the ``counts`` ``[P]`` and ``stats``
+        ``[P, Q]`` of a counted push. One stable sort by table (none when the ids come
+        table by table already), then each table's run is a slice."""
         packed = ids.numpy()
         table = np.searchsorted(self.bases, packed, side="right") - 1  # [P]
         if table.size > 1 and not bool((table[1:] >= table[:-1]).all()):
             order = torch.from_numpy(np.argsort(table, kind="stable"))
             ids, grads, table = ids[order], grads.index_select(0, order), table[order.numpy()]
+            if counts is not None and stats is not None:
+                counts, stats = counts[order], stats.index_select(0, order)
         cuts = np.searchsorted(table, np.arange(len(self.names) + 1))  # [k + 1]
         return [
-            PushRequest(self.names[i], ids[a:b] - int(self.bases[i]), grads[a:b])
+            PushRequest(
+                self.names[i],
+                ids[a:b] - int(self.bases[i]),
+                grads[a:b],
+                None if counts is None else counts[a:b],
+                None if stats is None else stats[a:b],
+            )
             for i, (a, b) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True))
             if b > a
         ]

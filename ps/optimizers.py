@@ -24,6 +24,17 @@ Adam               ``m[D] | v[D] | step[1]``        zeros
 FTRL               ``z[D] | n[D]``                  zeros
 =================  ===============================  ================================
 
+A *counted* push (:meth:`Optimizer.apply_counted`) stands for ``k`` updates of a row
+at once: a cache under a write bound sums a row's gradients ``g_1 .. g_k`` and sends
+the sum ``G``, the count ``k`` and, where the optimizer's accumulator needs more than
+the sum, the statistic ``S`` (:meth:`Optimizer.stat_dim`): ``sum_i mean(g_i ** 2)``
+per row for row-wise Adagrad, ``sum_i g_i ** 2`` per element for Adagrad, Adam and
+FTRL. The store then applies ``k`` sub-steps of the mean gradient ``G / k`` with
+``S / k`` in place of its square, so every accumulator grows by exactly ``S`` (and
+Adam's step count by ``k``), as with ``k`` separate pushes; what differs from those
+is only the order of the gradients within the ``k`` (exact when they are equal; see
+docs/cache.md for each optimizer's bound). Plain SGD needs only the sum.
+
 Every config serialises to a JSON-ready dict (:meth:`Optimizer.to_json`) and
 back (:func:`optimizer_from_json`), for checkpoint manifests and wire messages;
 nothing is pickled.
@@ -69,6 +80,67 @@ class Optimizer(ABC):
     def initial_state(self, dim: int) -> torch.Tensor:
         """The state ``[state_dim(dim)]`` float32 every row starts with (zeros by default)."""
         return torch.zeros(self.state_dim(dim), dtype=torch.float32)
+
+    def stat_dim(self, dim: int) -> int:
+        """Float32 columns of the statistic a counted push carries per row besides the
+        sum: 0 (the sum is enough), 1 (``sum_i mean(g_i ** 2)``) or ``dim``
+        (``sum_i g_i ** 2``). See the module docstring."""
+        return dim
+
+    def apply_counted(
+        self,
+        rows: torch.Tensor,
+        state: torch.Tensor,
+        grads: torch.Tensor,
+        counts: torch.Tensor,
+        stats: torch.Tensor,
+    ) -> None:
+        """:meth:`apply` for rows that stand for ``counts`` ``[U]`` (int64, >= 1) updates
+        each: ``grads`` ``[U, D]`` their gradients' sums, ``stats`` ``[U, stat_dim(D)]``
+        the statistic (module docstring). Rows with a count of 1 take :meth:`apply`
+        itself, bit for bit; the others ``k`` sub-steps of the mean gradient."""
+        one = counts == 1
+        if bool(one.all()):
+            self.apply(rows, state, grads)
+            return
+        for sel, counted in ((torch.nonzero(one).squeeze(1), False),
+                             (torch.nonzero(~one).squeeze(1), True)):  # fmt: skip
+            if sel.numel() == 0:
+                continue
+            r, st, g = rows[sel], state[sel], grads[sel]  # copies [K, D], [K, S], [K, D]
+            if counted:
+                self._substeps(r, st, g, counts[sel], stats[sel])
+            else:
+                self.apply(r, st, g)
+            rows[sel], state[sel] = r, st
+
+    def _substeps(
+        self,
+        rows: torch.Tensor,
+        state: torch.Tensor,
+        grads: torch.Tensor,
+        counts: torch.Tensor,
+        stats: torch.Tensor,
+    ) -> None:
+        """``counts[u]`` (>= 2) sub-steps of row ``u`` with the mean gradient and the mean
+        statistic; rows with fewer sub-steps left drop out as the others go on."""
+        k = counts.to(torch.float32).unsqueeze(1)  # [K, 1]
+        mean_g, mean_sq = grads / k, stats / k  # [K, D], [K, stat_dim]
+        for j in range(int(counts.max())):
+            live = torch.nonzero(counts > j).squeeze(1)  # [L]
+            if live.numel() == counts.numel():
+                self._substep(rows, state, mean_g, mean_sq)
+                continue
+            r, st = rows[live], state[live]
+            self._substep(r, st, mean_g[live], mean_sq[live])
+            rows[live], state[live] = r, st
+
+    def _substep(
+        self, rows: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, squares: torch.Tensor
+    ) -> None:
+        """One update as :meth:`apply` with gradient ``grads`` ``[K, D]``, where the
+        accumulator takes ``squares`` ``[K, stat_dim]`` in place of the gradient's square."""
+        raise NotImplementedError(f"{type(self).__name__}: no counted update")
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict ``{"type": kind, **fields}`` that :func:`optimizer_from_json` reads."""
@@ -179,6 +251,27 @@ class SGD(Optimizer):
         else:
             rows.add_(grads, alpha=-self.lr)
 
+    def stat_dim(self, dim: int) -> int:
+        return 0
+
+    def apply_counted(
+        self,
+        rows: torch.Tensor,
+        state: torch.Tensor,
+        grads: torch.Tensor,
+        counts: torch.Tensor,
+        stats: torch.Tensor,
+    ) -> None:
+        if self.momentum > 0:  # k sub-steps of the mean gradient
+            Optimizer.apply_counted(self, rows, state, grads, counts, stats)  # slots: no super()
+        else:  # k steps of g_i move the row by lr * sum_i g_i: the sum's step, exactly
+            self.apply(rows, state, grads)
+
+    def _substep(
+        self, rows: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, squares: torch.Tensor
+    ) -> None:
+        self.apply(rows, state, grads)
+
 
 @_register
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -215,6 +308,16 @@ class RowWiseAdagrad(Optimizer):
     def initial_state(self, dim: int) -> torch.Tensor:
         return torch.full((1,), float(self.initial_accumulator), dtype=torch.float32)
 
+    def stat_dim(self, dim: int) -> int:
+        return 1
+
+    def _substep(
+        self, rows: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, squares: torch.Tensor
+    ) -> None:
+        acc = state[:, 0]  # [K]
+        acc.add_(squares[:, 0])
+        rows.add_(grads / (acc.sqrt() + self.eps).unsqueeze(1), alpha=-self.lr)
+
 
 @_register
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -245,6 +348,12 @@ class Adagrad(Optimizer):
 
     def initial_state(self, dim: int) -> torch.Tensor:
         return torch.full((dim,), float(self.initial_accumulator), dtype=torch.float32)
+
+    def _substep(
+        self, rows: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, squares: torch.Tensor
+    ) -> None:
+        state.add_(squares)
+        rows.addcdiv_(grads, state.sqrt().add_(self.eps), value=-self.lr)
 
 
 @_register
@@ -297,6 +406,23 @@ class Adam(Optimizer):
         size = self.lr * torch.sqrt(1.0 - b2**t64) / (1.0 - b1**t64)  # [U]
         rows.addcmul_(m / (v.sqrt() + self.eps), size.float().unsqueeze(1), value=-1.0)
 
+    def _substep(
+        self, rows: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, squares: torch.Tensor
+    ) -> None:
+        d = rows.shape[1]
+        b1, b2 = float(self.betas[0]), float(self.betas[1])
+        m, v, t = state[:, :d], state[:, d : 2 * d], state[:, 2 * d]  # [K, D], [K, D], [K]
+        if self.weight_decay > 0:  # E[(g + c)^2] = E[g^2] + 2 c E[g] + c^2, c = wd * w
+            c = rows * self.weight_decay
+            squares = squares + c * (2.0 * grads + c)
+            grads = grads + c
+        t.add_(1.0)
+        m.mul_(b1).add_(grads, alpha=1.0 - b1)
+        v.mul_(b2).add_(squares, alpha=1.0 - b2)
+        t64 = t.double()  # [K]
+        size = self.lr * torch.sqrt(1.0 - b2**t64) / (1.0 - b1**t64)  # [K]
+        rows.addcmul_(m / (v.sqrt() + self.eps), size.float().unsqueeze(1), value=-1.0)
+
 
 @_register
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -342,6 +468,19 @@ class FTRL(Optimizer):
         shrunk = z - torch.sign(z) * self.l1
         w = torch.where(z.abs() <= self.l1, torch.zeros_like(z), -shrunk / denom)
         rows.copy_(w)
+
+    def _substep(
+        self, rows: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, squares: torch.Tensor
+    ) -> None:
+        d = rows.shape[1]
+        z, n = state[:, :d], state[:, d:]  # [K, D] each
+        n_new = n + squares
+        sigma = (n_new.sqrt() - n.sqrt()) / self.alpha
+        z.add_(grads - sigma * rows)
+        n.copy_(n_new)
+        denom = (self.beta + n.sqrt()) / self.alpha + self.l2  # [K, D]
+        shrunk = z - torch.sign(z) * self.l1
+        rows.copy_(torch.where(z.abs() <= self.l1, torch.zeros_like(z), -shrunk / denom))
 
 
 OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(_REGISTRY.values())

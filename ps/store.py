@@ -15,6 +15,10 @@ Push semantics (all stores):
   leaves rows, optimizer state and clocks as they were (with the table's
   ``nan_policy="skip"``, rows whose summed gradient is not finite are dropped
   and the rest is applied);
+* a *counted* push (:class:`PushRequest` with ``counts``) stands for ``counts[i]``
+  updates of its row at once, with the statistic the optimizer needs
+  (:mod:`ps.optimizers`); the row's clock still goes up by 1 (it counts pushes).
+  Stores with :attr:`Store.counted_pushes` take them; the others refuse them;
 * on a dynamic table (``TableSpec.num_rows`` None) a push creates the rows it
   touches that do not exist yet (from the table's initializer, clock 0) before
   applying the optimizer.
@@ -115,11 +119,17 @@ class PullRequest:
 
 @dataclass(slots=True, frozen=True)
 class PushRequest:
-    """One table's part of a batched push: ``grads`` float32 ``[N, D]`` for ``ids`` ``[N]``."""
+    """One table's part of a batched push: ``grads`` float32 ``[N, D]`` for ``ids`` ``[N]``.
+
+    A counted push (a cache under a write bound) adds ``counts`` int64 ``[N]`` (>= 1:
+    the updates each row's gradient sums) and ``stats`` float32 ``[N, Q]``, ``Q`` the
+    optimizer's :meth:`ps.Optimizer.stat_dim` (the sums of the squares it needs)."""
 
     table: str
     ids: torch.Tensor
     grads: torch.Tensor
+    counts: torch.Tensor | None = None
+    stats: torch.Tensor | None = None
 
 
 #: Keys of :meth:`Store.request_counts`.
@@ -132,6 +142,9 @@ REQUEST_KEYS: tuple[str, ...] = (
 
 class Store(ABC):
     """A set of tables of rows; see the module docstring for push semantics."""
+
+    #: Whether pushes may be counted (:class:`PushRequest` ``counts`` and ``stats``).
+    counted_pushes: bool = False
 
     # ------------------------------------------------------------ tables
 

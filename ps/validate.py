@@ -130,3 +130,40 @@ def check_grads(
                 f"nan_policy='skip' to drop such rows instead)"
             )
     return grads
+
+
+def check_counted(
+    spec: TableSpec, ids: torch.Tensor, counts: object, stats: object, *, takes: bool, where: str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A push's ``counts`` int64 ``[N]`` (>= 1) and ``stats`` float32 ``[N, Q]`` (``Q`` =
+    the optimizer's ``stat_dim``; finite, >= 0), or None for a push that is not counted.
+    ``takes``: whether the store (named ``where``) takes counted pushes."""
+    if counts is None and stats is None:
+        return None
+    what = f"push table {spec.name!r}"
+    if not takes:
+        raise ValueError(f"{what}: {where} does not take counted pushes (counts, stats)")
+    n, q = int(ids.shape[0]), spec.optimizer.stat_dim(spec.dim)
+    if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64:
+        got = counts.dtype if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise TypeError(f"{what}: counts must be an int64 tensor, got {got}")
+    if tuple(counts.shape) != (n,):
+        raise ValueError(f"{what}: counts have shape {tuple(counts.shape)}, expected ({n},)")
+    counts = counts.detach().cpu()
+    if n and int(counts.min()) < 1:
+        pos = int(torch.nonzero(counts < 1)[0, 0])
+        raise ValueError(
+            f"{what}: count {int(counts[pos])} for row id {int(ids[pos])}; counts are >= 1"
+        )
+    if not isinstance(stats, torch.Tensor) or stats.dtype != torch.float32:
+        got = stats.dtype if isinstance(stats, torch.Tensor) else type(stats).__name__
+        raise TypeError(f"{what}: stats must be a float32 tensor, got {got}")
+    if tuple(stats.shape) != (n, q):
+        raise ValueError(
+            f"{what}: stats have shape {tuple(stats.shape)}, expected ({n}, {q}) "
+            f"(len(ids), the stat_dim of {spec.optimizer.name})"
+        )
+    stats = stats.detach().cpu()
+    if stats.numel() and not bool(((stats >= 0) & torch.isfinite(stats)).all()):
+        raise ValueError(f"{what}: stats must be finite and >= 0 (sums of squares)")
+    return counts, stats

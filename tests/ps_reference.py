@@ -331,7 +331,17 @@ class RecordingStore(ps.InProcessStore):
     def push_many_async(self, requests: list[ps.PushRequest]) -> Handle:  # type: ignore[override]
         handle = super().push_many_async(requests)
         for r in requests:
-            self._record(r.table, r.ids, r.grads)
+            if r.counts is None:
+                self._record(r.table, r.ids, r.grads)
+                continue
+            # A counted push, replayed as its sub-steps: push j holds the rows of more
+            # than j updates, each with its mean gradient. The replay then rounds as the
+            # store's sub-steps do (the tolerance is about rounding, not about the
+            # squares the store uses in place of the mean's).
+            mean = r.grads / r.counts.unsqueeze(1).float()
+            for j in range(int(r.counts.max()) if r.counts.numel() else 0):
+                live = r.counts > j
+                self._record(r.table, r.ids[live], mean[live])
         return handle
 
     def drop_table(self, table: str) -> None:  # type: ignore[override]

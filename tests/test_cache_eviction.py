@@ -30,6 +30,7 @@ class _Entry:
     row: torch.Tensor  # [D]
     clock: int
     pend: torch.Tensor | None = None  # [D]
+    sq: torch.Tensor | None = None  # the counted push's statistic of `pend` [Q]
     count: int = 0
     last_use: int = 0
     freq: int = 0
@@ -51,6 +52,30 @@ class ReplayCache:
         )
         self.e: dict[int, _Entry] = {}
         self.tick = 0
+        spec = store.spec("t")
+        self.q = spec.optimizer.stat_dim(spec.dim) if s_w > 0 else 0
+        self.counted = s_w > 0  # rows pushed with their updates' count and statistic
+
+    def _square(self, g: torch.Tensor) -> torch.Tensor:
+        """The statistic of one update ``g`` ``[D]`` (``[Q]``: mean(g^2) or g^2)."""
+        return (g * g).mean().reshape(1) if self.q == 1 else (g * g)[: self.q]
+
+    def _send(
+        self, ids: list[int], grads: list[torch.Tensor], entries: list[_Entry | None]
+    ) -> None:
+        """One push of ``ids``; ``entries[i]`` the cached row whose pending updates it
+        carries (None: one update of a row not cached)."""
+        if not ids:
+            return
+        g = torch.stack(grads)
+        if not self.counted:
+            self.store.push("t", torch.tensor(ids), g)
+            return
+        counts = torch.tensor([1 if e is None else e.count for e in entries])
+        stats = torch.stack(
+            [torch.zeros(self.q) if e is None or e.sq is None else e.sq for e in entries]
+        )
+        self.store.push_many([ps.PushRequest("t", torch.tensor(ids), g, counts, stats)])
 
     def _key(self, i: int) -> tuple[int, ...]:
         e = self.e[i]
@@ -79,9 +104,8 @@ class ReplayCache:
             cands = [i for i, e in self.e.items() if e.last_use < self.tick]
             victims = sorted(cands, key=self._key)[:need]
             pending = [i for i in victims if self.e[i].count > 0]
-            if pending:
-                grads = torch.stack([self.e[i].pend for i in pending])  # type: ignore[misc]
-                self.store.push("t", torch.tensor(pending), grads)
+            pend = [self.e[i].pend for i in pending]
+            self._send(pending, pend, [self.e[i] for i in pending])  # type: ignore[arg-type]
             for i in victims:
                 del self.e[i]
         free = self.cap - len(self.e)
@@ -94,31 +118,32 @@ class ReplayCache:
         return torch.stack([out[i] if i in out else self.e[i].row for i in ids])
 
     def push(self, ids: list[int], grads: torch.Tensor) -> None:
-        push_ids, push_g = [], []
+        push_ids, push_g, owners = [], [], []
         for i, g in zip(ids, grads, strict=True):
             e = self.e.get(i)
             if e is None:
                 push_ids.append(i)
                 push_g.append(g)
+                owners.append(None)
                 continue
             e.pend = g.clone() if e.count == 0 else e.pend + g  # type: ignore[operator]
+            sq = self._square(g)
+            e.sq = sq if e.count == 0 or e.sq is None else e.sq + sq
             if self.lr != 0:
                 e.row = e.row - self.lr * g
             e.count += 1
             if e.count > self.s_w:
                 push_ids.append(i)
                 push_g.append(e.pend)
-                e.pend, e.count = None, 0
-        if push_ids:
-            self.store.push("t", torch.tensor(push_ids), torch.stack(push_g))
+                owners.append(_Entry(e.row, e.clock, count=e.count, sq=e.sq))
+                e.pend, e.sq, e.count = None, None, 0
+        self._send(push_ids, push_g, owners)
 
     def flush(self) -> None:
         pending = sorted(i for i, e in self.e.items() if e.count > 0)
-        if pending:
-            grads = torch.stack([self.e[i].pend for i in pending])  # type: ignore[misc]
-            self.store.push("t", torch.tensor(pending), grads)
+        self._send(pending, [self.e[i].pend for i in pending], [self.e[i] for i in pending])  # type: ignore[misc]
         for i in pending:
-            self.e[i].pend, self.e[i].count = None, 0
+            self.e[i].pend, self.e[i].sq, self.e[i].count = None, None, 0
 
 
 def _stores(opt: ps.Optimizer) -> tuple[ps.InProcessStore, RecordingStore]:

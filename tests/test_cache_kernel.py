@@ -140,13 +140,38 @@ def test_kernel_skips_uncached_and_reports_due_rows() -> None:
     grads = np.arange(3 * d, dtype=np.float32).reshape(3, d)
     got = records.update_rows(slab, d, slots, grads, lr=0.5, write_bound=1, seq=9)
     assert got is not None
-    due, due_g = got
+    due, due_g, due_k, due_s = got
     assert due.tolist() == [0]  # slot 1 passed the bound; slot 2 has one pending now
     assert np.array_equal(due_g, grads[:1])
+    assert due_k.tolist() == [2] and due_s.shape == (1, 0)  # its two updates; no statistic
     assert np.array_equal(slab[1, :d], 1.0 - np.float32(0.5) * grads[0])
     assert np.array_equal(slab[2, d : 2 * d], grads[2])
     assert meta[1].tolist()[1:3] == [1, 0] and meta[1, 6] == 9  # OWN, COUNT; PUSHED
     assert meta[2, 2] == 1 and meta[0].tolist() == [0] * 8  # slot 0 untouched
+
+
+@pytest.mark.parametrize("q", [1, 4])
+def test_kernel_sums_the_statistic_of_counted_pushes(q: int) -> None:
+    """Q = 1: sum of mean(g^2) in the spare meta word; Q = D: sums of g^2 after the meta.
+    Gradients in halves, so every square and sum is exact."""
+    d = 4
+    at = 2 * d + (14 if q == 1 else 16)
+    w = 32 if q == 1 else 48
+    slab = np.zeros((2, w), dtype=np.float32)
+    slots = np.array([0, 1], dtype=np.int64)
+    g1 = np.array([[0.5, -1.0, 1.5, 2.0], [1.0, 1.0, 0.5, 0.5]], dtype=np.float32)
+    g2 = np.array([[1.0, 0.5, -0.5, 0.0], [2.0, 0.0, 1.0, -1.0]], dtype=np.float32)
+    kw = {"lr": 0.0, "write_bound": 1, "stat_dim": q, "stat_at": at}
+    first = records.update_rows(slab, d, slots, g1, seq=1, **kw)
+    assert first is not None and first[0].size == 0  # both rows pending
+    got = records.update_rows(slab, d, slots, g2, seq=2, **kw)
+    assert got is not None
+    due, due_g, due_k, due_s = got
+    assert due.tolist() == [0, 1] and due_k.tolist() == [2, 2]
+    assert np.array_equal(due_g, g1 + g2)
+    want = (g1 * g1).mean(axis=1, keepdims=True) + (g2 * g2).mean(axis=1, keepdims=True)
+    assert np.array_equal(due_s, want if q == 1 else g1 * g1 + g2 * g2)
+    assert not slab[:, at : at + q].any() and not slab[:, d : 2 * d].any()  # pushed: zeroed
 
 
 def test_sketch_kernels_equal_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:

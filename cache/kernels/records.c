@@ -72,15 +72,22 @@ void hr_cache_serve(int64_t n, int64_t d, int64_t w, const int64_t* slots, float
     }
 }
 
+/* The push's pass over the records: a cached row's copy takes an SGD step of lr, its
+   gradient joins the pending sum (and, q > 0, the statistic of a counted push at float
+   stat_at of the record: q = 1 the sum of mean(g^2), q = d the sums of g^2) and rows
+   with more than write_bound pending updates are due: index into due_idx, sum into
+   due_g [k, d], update count into due_k and statistic into due_s [k, q]; returns k. */
 int64_t hr_cache_update(int64_t n, int64_t d, int64_t w, const int64_t* slots,
                         const float* grads, float* slab, float lr, int64_t write_bound,
-                        int64_t seq, int64_t* due_idx, float* due_g) {
+                        int64_t seq, int64_t q, int64_t stat_at, int64_t* due_idx,
+                        float* due_g, int64_t* due_k, float* due_s) {
     int64_t k = 0;
     for (int64_t i = 0; i < n; ++i) {
         int64_t s = slots[i];
         if (s < 0) continue;
         float* row = slab + s * w;
         float* pend = row + d;
+        float* stat = row + stat_at;
         int64_t* meta = META(slab, s, d, w);
         const float* g = grads + i * d;
         if (i + 4 < n && slots[i + 4] >= 0) __builtin_prefetch(slab + slots[i + 4] * w, 1, 0);
@@ -92,12 +99,26 @@ int64_t hr_cache_update(int64_t n, int64_t d, int64_t w, const int64_t* slots,
         }
         if (write_bound == 0) {
             memcpy(due_g + k * d, g, sizeof(float) * (size_t)d);
+            due_k[k] = 1;
+            if (q > 0) memset(due_s + k * q, 0, sizeof(float) * (size_t)q);
         } else {
             for (int64_t j = 0; j < d; ++j) pend[j] += g[j];
+            if (q == 1) {
+                float sq = 0.0f;
+                for (int64_t j = 0; j < d; ++j) sq += g[j] * g[j];
+                stat[0] += sq / (float)d;
+            } else if (q > 1) {
+                for (int64_t j = 0; j < d; ++j) stat[j] += g[j] * g[j];
+            }
             meta[COUNT] += 1;
             if (meta[COUNT] <= write_bound) continue;
             memcpy(due_g + k * d, pend, sizeof(float) * (size_t)d);
             memset(pend, 0, sizeof(float) * (size_t)d);
+            due_k[k] = meta[COUNT];
+            if (q > 0) {
+                memcpy(due_s + k * q, stat, sizeof(float) * (size_t)q);
+                memset(stat, 0, sizeof(float) * (size_t)q);
+            }
             meta[COUNT] = 0;
         }
         meta[OWN] += 1;

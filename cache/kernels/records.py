@@ -20,11 +20,13 @@ skipped):
           row, pend, meta = slab[s, :D], slab[s, D:2D], slab[s, 2D:] as int64
           row -= lr * grad[i]                   # float32 product, then subtract (no FMA)
           if write_bound == 0:                  # every update is due as it is
-              due_g[k] = grad[i]
+              due_g[k] = grad[i]; due_k[k] = 1; due_s[k] = 0
           else:
               pend += grad[i]; meta[COUNT] += 1
+              stat += mean(grad[i] ** 2) (Q = 1) or grad[i] ** 2 (Q = D)  # counted pushes
               if meta[COUNT] <= write_bound: continue
-              due_g[k] = pend; pend = 0; meta[COUNT] = 0
+              due_g[k] = pend; due_k[k] = meta[COUNT]; due_s[k] = stat
+              pend = 0; stat = 0; meta[COUNT] = 0
           meta[OWN] += 1; meta[PUSHED] = seq; due_idx[k++] = i
 
 Why C: the table's records are scattered over a slab of ``capacity x W`` floats, so
@@ -66,7 +68,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_cache_serve.argtypes += [ptr] * 5
     lib.hr_cache_update.restype = i64
     lib.hr_cache_update.argtypes = [i64, i64, i64, ptr, ptr, ptr, ctypes.c_float, i64, i64]
-    lib.hr_cache_update.argtypes += [ptr, ptr]
+    lib.hr_cache_update.argtypes += [i64, i64, ptr, ptr, ptr, ptr]
     lib.hr_cache_install.restype = None
     lib.hr_cache_install.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr]
 
@@ -192,12 +194,17 @@ def update_rows(
     lr: float,
     write_bound: int,
     seq: int,
-) -> tuple[np.ndarray, np.ndarray] | None:
+    stat_dim: int = 0,
+    stat_at: int = 0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """Apply ``grads`` float32 ``[S, D]`` to the records of ``slots`` int64 ``[S]`` (-1:
-    skipped) of ``slab`` float32 ``[C, W]`` in place (see the module docstring).
+    skipped) of ``slab`` float32 ``[C, W]`` in place (see the module docstring); with
+    ``stat_dim`` ``Q`` > 0 each record also sums the statistic of a counted push at
+    float ``stat_at`` (``Q`` = 1: ``mean(g ** 2)``; ``Q`` = ``D``: ``g ** 2``).
 
-    Returns ``(due, due_grads)``: positions int64 ``[K]`` into ``slots`` of the rows to
-    push now and their gradients float32 ``[K, D]`` (fresh arrays), or None (nothing
+    Returns ``(due, due_grads, due_counts, due_stats)``: positions int64 ``[K]`` into
+    ``slots`` of the rows to push now, their gradients float32 ``[K, D]``, update counts
+    int64 ``[K]`` and statistics float32 ``[K, Q]`` (fresh arrays), or None (nothing
     changed) where the kernel is not available.
     """
     lib = _library()
@@ -207,8 +214,11 @@ def update_rows(
     assert grads.shape == (n, dim)
     due = np.empty(n, dtype=np.int64)
     due_g = np.empty((n, dim), dtype=np.float32)
+    due_k = np.empty(n, dtype=np.int64)
+    due_s = np.empty((n, stat_dim), dtype=np.float32)
     k = lib.hr_cache_update(
         n, dim, slab.shape[1], slots.ctypes.data, grads.ctypes.data, slab.ctypes.data,
-        lr, write_bound, seq, due.ctypes.data, due_g.ctypes.data,
+        lr, write_bound, seq, stat_dim, stat_at, due.ctypes.data, due_g.ctypes.data,
+        due_k.ctypes.data, due_s.ctypes.data,
     )  # fmt: skip
-    return due[:k], due_g[:k]
+    return due[:k], due_g[:k], due_k[:k], due_s[:k]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ from ps.errors import check_existing
 from ps.local.table import LocalTable
 from ps.store import PullRequest, PullResult, PushRequest, Store, check_requests
 from ps.table import TableSpec
-from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
+from ps.validate import check_counted, check_grads, check_ids, check_pull_bound, unknown_table
 
 #: Rows per checkpoint part file (bounds the size of one ``.npy``).
 PART_ROWS = 1 << 20
@@ -41,7 +42,11 @@ class InProcessStore(Store):
     numpy on one host core, ~0.8 s per 65,536 x 128 rows, ~10 minutes for 26 x 2 M x
     128), the host's share with a GPU being one copy of the rows on every core. The
     tables stay on the host either way.
+
+    Takes counted pushes (:class:`ps.PushRequest` ``counts``, ``stats``).
     """
+
+    counted_pushes = True
 
     def __init__(self, *, init_device: torch.device | str | None = None) -> None:
         self.init_device: torch.device | None = None
@@ -144,16 +149,23 @@ class InProcessStore(Store):
         with t.lock:  # rows and clocks of one consistent moment
             return t.pull(ids, clocks, bound)
 
-    def _checked_push(self, r: PushRequest) -> tuple[LocalTable, torch.Tensor, torch.Tensor]:
+    def _checked_push(self, r: PushRequest) -> tuple[LocalTable, torch.Tensor, torch.Tensor, Any]:
         t = self._get(r.table)
         ids = check_ids(t.spec, r.ids, "push").cpu()
         finite = t.spec.nan_policy == "raise"
-        return t, ids, check_grads(t.spec, ids, r.grads, finite=finite).detach().cpu()
+        grads = check_grads(t.spec, ids, r.grads, finite=finite).detach().cpu()
+        counted = check_counted(t.spec, ids, r.counts, r.stats, takes=True, where="this store")
+        return t, ids, grads, counted
 
     @staticmethod
-    def _apply_push(t: LocalTable, ids: torch.Tensor, grads: torch.Tensor) -> None:
+    def _apply_push(
+        t: LocalTable,
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        counted: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         with t.lock:
-            t.push(ids, grads, checked=t.spec.nan_policy == "raise")
+            t.push(ids, grads, checked=t.spec.nan_policy == "raise", counted=counted)
 
     def request_counts(self) -> dict[str, int]:
         return {**self._messages, "servers": 1}

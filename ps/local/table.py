@@ -236,6 +236,26 @@ def coalesce(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torc
     return uniq, summed
 
 
+def coalesce_counted(
+    ids: torch.Tensor, grads: torch.Tensor, counts: torch.Tensor, stats: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`coalesce` of a counted push: the counts ``[N]`` and statistics ``[N, Q]`` of
+    repeated ids are summed too (they are updates of one row, each counted)."""
+    a = ids.numpy()
+    if a.size < 2 or bool((a[1:] > a[:-1]).all()):
+        return ids, grads, (counts, stats)
+    uniq, inverse = torch.unique(ids, return_inverse=True)  # [U] sorted, [N]
+    if uniq.numel() == ids.numel():  # no repeats: reorder
+        perm = torch.empty_like(inverse)
+        perm[inverse] = torch.arange(ids.numel())
+        return uniq, take(grads, perm), (counts[perm], stats[perm])
+    u = uniq.numel()
+    summed = torch.zeros(u, grads.shape[1], dtype=torch.float32).index_add_(0, inverse, grads)
+    k = torch.zeros(u, dtype=torch.int64).index_add_(0, inverse, counts)
+    q = torch.zeros(u, stats.shape[1], dtype=torch.float32).index_add_(0, inverse, stats)
+    return uniq, summed, (k, q)
+
+
 class LocalTable:
     """Rows, optimizer state and clocks of one table in local memory (fixed or dynamic)."""
 
@@ -368,22 +388,36 @@ class LocalTable:
 
     # ------------------------------------------------------------ writes
 
-    def push(self, ids: torch.Tensor, grads: torch.Tensor, *, checked: bool = False) -> None:
-        """Apply a validated push: ``ids`` int64 ``[N]``, ``grads`` float32 ``[N, D]``.
+    def push(
+        self,
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        *,
+        checked: bool = False,
+        counted: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Apply a validated push: ``ids`` int64 ``[N]``, ``grads`` float32 ``[N, D]``;
+        ``counted``: the ``(counts [N], stats [N, Q])`` of a counted push
+        (:class:`ps.PushRequest`).
 
         ``checked``: the caller already checked every row of ``grads`` finite (a
         store's request check with ``nan_policy="raise"``), so rows that need no
         summing are not checked again.
 
-        Gradients of repeated ids are summed; rows whose summed gradient is not
-        finite are dropped with ``nan_policy="skip"``, and with "raise" (where the
-        request was checked already, so only a sum of huge values overflowing can
-        get here) a ValueError is raised before anything changes. The optimizer
-        runs once per unique row and each updated row's clock goes up by one.
+        Gradients of repeated ids are summed (their counts and statistics too); rows
+        whose summed gradient is not finite are dropped with ``nan_policy="skip"``, and
+        with "raise" (where the request was checked already, so only a sum of huge
+        values overflowing can get here) a ValueError is raised before anything
+        changes. The optimizer runs once per unique row (a counted row: its count of
+        sub-steps, :meth:`ps.Optimizer.apply_counted`) and each updated row's clock
+        goes up by one.
         """
         uniq, summed = ids, grads
         if ids.numel() > 0:
-            uniq, summed = coalesce(ids, grads)  # [U], [U, D]
+            if counted is None:
+                uniq, summed = coalesce(ids, grads)  # [U], [U, D]
+            else:
+                uniq, summed, counted = coalesce_counted(ids, grads, *counted)
         # Sums of checked rows are finite unless they overflow; checked rows that were
         # not summed (no repeats: at most reordered) need no second pass.
         summing = summed.shape[0] != grads.shape[0]
@@ -399,25 +433,45 @@ class LocalTable:
                     )
                 self.counters["rows_skipped_nan"] += int((~ok).sum())
                 uniq, summed = uniq[ok], summed[ok]
+                if counted is not None:
+                    counted = (counted[0][ok], counted[1][ok])
         self.counters["push_requests"] += 1
         if self.dynamic:
             self.step += 1
         if uniq.numel() > 0:
             slots = self._create(uniq) if self.dynamic else uniq
-            if not self.dynamic and self._push_in_place(slots, summed):
-                self.counters["rows_pushed"] += int(uniq.numel())
-                return
-            rows = take(self.weights, slots)  # [U, D] copies
-            state = take(self.state, slots)  # [U, S] copies
-            self.spec.optimizer.apply(rows, state, summed)
-            put(self.weights, slots, rows)
-            put(self.state, slots, state)
-            self.clocks.numpy()[slots.numpy()] += 1  # slots are distinct
             self.counters["rows_pushed"] += int(uniq.numel())
-            if self.dynamic:
-                self.last_touch.index_fill_(0, slots, self.step)
+            if counted is not None and bool((counted[0] > 1).any()):
+                # Rows of several updates take their sub-steps here; the rest (count 1)
+                # the plain push below, bit for bit.
+                many = counted[0] > 1
+                at, rest = torch.nonzero(many).squeeze(1), torch.nonzero(~many).squeeze(1)
+                self._apply(slots[at], summed[at], (counted[0][at], counted[1][at]))
+                slots, summed = slots[rest], summed[rest]
+            if slots.numel() > 0 and (self.dynamic or not self._push_in_place(slots, summed)):
+                self._apply(slots, summed, None)
         if self.dynamic:
             self._evict()
+
+    def _apply(
+        self,
+        slots: torch.Tensor,
+        summed: torch.Tensor,
+        counted: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """The optimizer on copies of the rows at distinct ``slots`` ``[U]``, written back;
+        their clocks up by one (and their last touch, on a dynamic table)."""
+        rows = take(self.weights, slots)  # [U, D] copies
+        state = take(self.state, slots)  # [U, S] copies
+        if counted is None:
+            self.spec.optimizer.apply(rows, state, summed)
+        else:
+            self.spec.optimizer.apply_counted(rows, state, summed, *counted)
+        put(self.weights, slots, rows)
+        put(self.state, slots, state)
+        self.clocks.numpy()[slots.numpy()] += 1  # slots are distinct
+        if self.dynamic:
+            self.last_touch.index_fill_(0, slots, self.step)
 
     def _push_in_place(self, slots: torch.Tensor, summed: torch.Tensor) -> bool:
         """Row-wise Adagrad on a fixed table in the C kernel (one pass per row, no copies).

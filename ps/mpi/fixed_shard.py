@@ -71,8 +71,15 @@ class FixedShard:
     def pull(self, ids: torch.Tensor, clocks: torch.Tensor | None, bound: int | None) -> PullResult:
         return self.table.pull(self._rows(ids), clocks, bound)
 
-    def push(self, ids: torch.Tensor, grads: torch.Tensor, *, checked: bool = False) -> None:
-        self.table.push(self._rows(ids), grads, checked=checked)
+    def push(
+        self,
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        *,
+        checked: bool = False,
+        counted: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        self.table.push(self._rows(ids), grads, checked=checked, counted=counted)
 
     def read_clocks(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table.read_clocks(self._rows(ids))

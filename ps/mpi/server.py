@@ -64,7 +64,14 @@ from ps.mpi.fixed_shard import FixedShard
 from ps.mpi.wire import HEADER_LEN, Op
 from ps.routing import shard_of
 from ps.table import TableSpec
-from ps.validate import all_finite, check_grads, check_ids, check_pull_bound, unknown_table
+from ps.validate import (
+    all_finite,
+    check_counted,
+    check_grads,
+    check_ids,
+    check_pull_bound,
+    unknown_table,
+)
 
 _EMPTY_F32 = np.empty(0, dtype=np.float32)
 Shard = LocalTable | FixedShard  # a server's part of one table
@@ -596,8 +603,10 @@ class ShardServer:
         is checked (ids, shapes, finite gradients) before any table changes."""
         k = wire.check_parts(int(meta[wire.W_TABLE]), "push_many")
         rid = int(meta[wire.W_ID])
-        sequenced = bool(int(meta[wire.W_FLAGS]) & wire.FLAG_SEQ)
-        if self.batched.can_push(k, payload, data, sequenced):
+        flags = int(meta[wire.W_FLAGS])
+        sequenced = bool(flags & wire.FLAG_SEQ)
+        counted, wide = bool(flags & wire.FLAG_COUNTED), bool(flags & wire.FLAG_WIDE_COUNTS)
+        if not counted and self.batched.can_push(k, payload, data, sequenced):
             if sequenced and self.repeated(src, payload, meta, k):
                 return _duplicate(rid)
             self.batched.push(k, payload, data, sequenced)
@@ -605,20 +614,38 @@ class ShardServer:
         toc = _toc(payload, k, wire.PUSH_PART_WORDS, "push_many")
         n_ids = int(toc[:, 1].sum())
         floats = int((toc[:, 1] * toc[:, 2]).sum())
-        _expect_batch(meta, payload, data, n_ids + int(sequenced), k, floats, "push_many")
+        specs = [self.table_at(index, dim, "push") for index, dim in toc[:, [0, 2]].tolist()]
+        words = n_ids + int(sequenced)
+        if counted:  # the counts after the ids, the statistics after the gradients
+            words += wire.count_words(n_ids, wide)
+            sizes = toc[:, 1].tolist()
+            floats += sum(
+                n * s.optimizer.stat_dim(s.dim) for (s, _), n in zip(specs, sizes, strict=True)
+            )
+        _expect_batch(meta, payload, data, words, k, floats, "push_many")
         at, fat = k * wire.PUSH_PART_WORDS, 0
+        counts = sat = None
+        if counted:
+            counts = wire.unpack_counts(payload[at + n_ids :], n_ids, wide)
+            sat = int((toc[:, 1] * toc[:, 2]).sum())
         parts = []
-        for index, n, dim in toc.tolist():
-            spec, table = self.table_at(index, dim, "push")
+        for (spec, table), (_index, n, dim) in zip(specs, toc.tolist(), strict=True):
             ids = self.check_ids(spec, payload[at : at + n], "push")
             grads = torch.from_numpy(data[fat : fat + n * dim]).view(n, dim)
             check_push_grads(spec, ids, grads)
-            parts.append((spec, table, ids, grads))
+            part_counted = None
+            if counts is not None and sat is not None:
+                q = spec.optimizer.stat_dim(dim)
+                k_part = torch.from_numpy(counts[at - k * wire.PUSH_PART_WORDS :][:n])
+                stats = torch.from_numpy(data[sat : sat + n * q]).view(n, q)
+                part_counted = check_counted(spec, ids, k_part, stats, takes=True, where="MPI")
+                sat += n * q
+            parts.append((spec, table, ids, grads, part_counted))
             at, fat = at + n, fat + n * dim
         if sequenced and self.repeated(src, payload, meta, k):
             return _duplicate(rid)
-        for spec, table, ids, grads in parts:  # back to back, each in its C kernel
-            table.push(ids, grads, checked=spec.nan_policy == "raise")
+        for spec, table, ids, grads, part_counted in parts:  # back to back
+            table.push(ids, grads, checked=spec.nan_policy == "raise", counted=part_counted)
         return self.push_applied(Op.PUSH_MANY, src, rid)
 
     def repeated(self, src: int, payload: np.ndarray, meta: np.ndarray, k: int) -> bool:

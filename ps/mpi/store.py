@@ -85,7 +85,7 @@ from ps.mpi.wire import HEADER_LEN, Op
 from ps.routing import group_by_shard
 from ps.store import PullRequest, PullResult, PushRequest, Store, check_requests, first_of
 from ps.table import TableSpec
-from ps.validate import check_ids, check_pull_bound, unknown_table
+from ps.validate import check_counted, check_ids, check_pull_bound, unknown_table
 
 _EMPTY_F32 = np.empty(0, dtype=np.float32)
 
@@ -158,6 +158,7 @@ class MPIStore(Store):
     # Pushes carry sequence numbers (exactly-once). Only a test subclass turns them off,
     # to show what a resend does without them.
     _sequenced = True
+    counted_pushes = True
 
     def __init__(
         self,
@@ -535,15 +536,22 @@ class MPIStore(Store):
             t = self._table(r.table)
             ids = check_ids(t.spec, r.ids, "push")
             grads = check_push_grads(t.spec, ids, r.grads)
+            counted = check_counted(t.spec, ids, r.counts, r.stats, takes=True, where="MPI")
             order, counts = self._split(ids)
             g = grads.detach().cpu()
             g = g if order is None else g.index_select(0, order)  # [N, D] shard order
-            plans.append((r.table, t, _sorted_np(ids, order), g.numpy().reshape(-1), counts))
+            if counted is not None:
+                k, q = counted if order is None else (counted[0][order], counted[1][order])
+                counted = (k, q)
+            plans.append(
+                (r.table, t, _sorted_np(ids, order), g.numpy().reshape(-1), counts, counted)
+            )
+        any_counted = any(p[5] is not None for p in plans)
         calls: list[_Call] = []
         for s in range(len(self._servers)):
             parts = [
                 (i, sum(counts[:s]), counts[s])
-                for i, (_, t, _, _, counts) in enumerate(plans)
+                for i, (_, t, _, _, counts, _) in enumerate(plans)
                 if counts[s] > 0 or t.spec.max_age_steps is not None  # every shard counts
             ]
             if not parts:
@@ -552,17 +560,32 @@ class MPIStore(Store):
             words: list[np.ndarray] = [toc]
             data = []
             for j, (i, a, c) in enumerate(parts):
-                name, t, ids_np, g_np, _ = plans[i]
+                name, t, ids_np, g_np, _, _ = plans[i]
                 dim = t.spec.dim
                 toc[j] = (t.index[s], c, dim)
                 words.append(ids_np[a : a + c])
                 data.append(g_np[a * dim : (a + c) * dim])
                 self._count(name, "worker_push_calls")
             flags = seq = 0
+            if any_counted:  # every part's counts, then (data) every part's statistics
+                k_parts, q_parts = [], []
+                for i, a, c in parts:
+                    spec, counted = plans[i][1].spec, plans[i][5]
+                    if counted is None:  # a plain part: one update per row
+                        width = spec.optimizer.stat_dim(spec.dim)
+                        k_parts.append(np.ones(c, dtype=np.int64))
+                        q_parts.append(np.zeros(c * width, dtype=np.float32))
+                    else:
+                        k_parts.append(counted[0][a : a + c].numpy())
+                        q_parts.append(counted[1][a : a + c].numpy().reshape(-1))
+                packed, wide = wire.pack_counts(np.concatenate(k_parts))
+                words.append(packed)
+                data += q_parts
+                flags = wire.FLAG_COUNTED | (wire.FLAG_WIDE_COUNTS if wide else 0)
             if self._sequenced:
                 seq = self._seq.get(s, 0) + 1
                 self._seq[s] = seq
-                flags = wire.FLAG_SEQ
+                flags |= wire.FLAG_SEQ
                 words.append(np.array([self._session], dtype=np.int64))
             call = self._start(
                 s,

@@ -15,7 +15,7 @@ import numpy as np
 
 from ps.errors import TableExistsError, TableSpecMismatch
 
-PROTOCOL = 4
+PROTOCOL = 5
 MAGIC = 0x48525053  # "HRPS"
 MAGIC_VERSION = (MAGIC << 16) | PROTOCOL
 HEADER_LEN = 8
@@ -45,6 +45,8 @@ FLAG_POSITIONS = 2  # PULL reply: positions follow the clocks
 FLAG_SEQ = 4  # PUSH request: arg is the sequence number, the session follows the ids
 FLAG_DUPLICATE = 8  # PUSH reply: a repeat of an applied push, acknowledged, not applied
 FLAG_EXIST_OK = 16  # CREATE request: an existing table with an equal spec is opened
+FLAG_COUNTED = 32  # PUSH_MANY request: update counts and statistics follow (counted_words)
+FLAG_WIDE_COUNTS = 64  # with FLAG_COUNTED: counts as int64 words (else one byte each)
 
 
 class Op(enum.IntEnum):
@@ -190,3 +192,25 @@ def raise_if_error(meta: np.ndarray, what: str) -> None:
     except ValueError:
         kind = ErrorKind.RUNTIME
     raise kind.exception(f"{what}: {text}" if what else text)
+
+
+def count_words(n: int, wide: bool) -> int:
+    """Payload words of a counted ``PUSH_MANY``'s ``n`` update counts: one byte each,
+    padded to whole words (``wide``: one word each, for counts above 255)."""
+    return n if wide else -(-n // 8)
+
+
+def pack_counts(counts: np.ndarray) -> tuple[np.ndarray, bool]:
+    """``counts`` int64 ``[n]`` (>= 1) as payload words, and whether they are wide."""
+    if counts.size == 0 or int(counts.max()) <= 255:
+        b = np.zeros(count_words(counts.size, False) * 8, dtype=np.uint8)
+        b[: counts.size] = counts
+        return b.view(np.int64), False
+    return counts.astype(np.int64), True
+
+
+def unpack_counts(words: np.ndarray, n: int, wide: bool) -> np.ndarray:
+    """The ``n`` counts (int64) from :func:`pack_counts`'s words."""
+    if wide:
+        return words[:n].astype(np.int64)
+    return words.view(np.uint8)[:n].astype(np.int64)

@@ -118,7 +118,7 @@ from ps.redis.snapshot import table_parts, write_rows
 from ps.routing import shard_of
 from ps.store import PullRequest, PullResult, PushRequest, Store, check_requests
 from ps.table import TableSpec
-from ps.validate import check_grads, check_ids, check_pull_bound, unknown_table
+from ps.validate import check_counted, check_grads, check_ids, check_pull_bound, unknown_table
 
 __all__ = ["RedisAuthError", "RedisDataLossError", "RedisStore", "RedisUnavailableError"]
 
@@ -802,6 +802,7 @@ class RedisStore(Store):
         ids = check_ids(t.spec, r.ids, "push").cpu()
         finite = t.spec.nan_policy == "raise"
         grads = check_grads(t.spec, ids, r.grads, finite=finite).detach().cpu()
+        check_counted(t.spec, ids, r.counts, r.stats, takes=False, where="the Redis store")
         uniq, summed = coalesce(ids, grads) if ids.numel() else (ids, grads)  # [U], [U, D]
         skipped = 0
         if summed.numel():

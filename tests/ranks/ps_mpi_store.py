@@ -40,6 +40,7 @@ from ps.mpi import wire
 from ps.mpi.server import serve_mpi
 from ps.mpi.store import MPIStore
 from tests.ps_batched import check_batched, check_whole_batches
+from tests.ps_counted import check_counted_pushes
 from tests.ps_lifecycle import check_lifecycle
 from tests.ps_reference import WHY as REPLAY
 from tests.ps_reference import RecordingStore, state_blocks
@@ -605,6 +606,7 @@ def phase_main(store: MPIStore, workers: comm.ProcessGroup, folder: Path, num_se
     if workers.rank == 1 % workers.size:
         n += bad_input_checks(store, ref)
     whole_batch_checks(store, f"whole{workers.rank}_", num_servers, alone=False)
+    n += check_counted_pushes(store, f"counted{workers.rank}_")
     workers.barrier()  # the others are idle: request counts are this worker's alone
     if workers.rank == 0:
         check_batched(store, "batch_", servers=num_servers)
@@ -659,11 +661,15 @@ def phase_single(store: MPIStore) -> str:
     n += bad_input_checks(store, ref)
     check_batched(store, "batch_", servers=1)
     whole_batch_checks(store, "whole_", 1, alone=True)
-    # A worker of an older protocol (3) asking this server (4): a clear error naming both.
+    n += check_counted_pushes(store, "counted_")
+    # A worker of an older protocol asking this server: a clear error naming both.
     new = wire.PROTOCOL, wire.MAGIC_VERSION
-    wire.PROTOCOL, wire.MAGIC_VERSION = 3, (wire.MAGIC << 16) | 3
+    old = new[0] - 1
+    wire.PROTOCOL, wire.MAGIC_VERSION = old, (wire.MAGIC << 16) | old
     try:
-        expect_error("old protocol", ValueError, store.tables, "protocol 4", "protocol 3")
+        expect_error(
+            "old protocol", ValueError, store.tables, f"protocol {new[0]}", f"protocol {old}"
+        )
     finally:
         wire.PROTOCOL, wire.MAGIC_VERSION = new
     assert store.tables(), "the server serves on after a request of another version"
