@@ -68,13 +68,20 @@ Stores: in-process, MPI (``mpirun -n 2``) and Redis (its own ``redis-server`` on
 loopback port as the tests start it, or ``--redis-url``; 8 tables x 100 k rows in both
 modes, since a row moved through Redis costs ~10 us).
 
+DLRM (``benchmarks/_dlrm_bounds.py``; ``--no-dlrm`` skips it): the DLRM job on hot
+synthetic ids (Zipf 1.2) with row-wise Adagrad behind a 10 % cache at bounds (0, 0),
+(4, 4) with counted pushes and (4, 4) without (``--no-counted-pushes``), ``--dlrm-seeds``
+seeds: the training loss each reaches.
+
 Targets: ``rows_moved_reduction`` = 1 - cached / uncached rows moved (0.90),
 ``cached_vs_uncached_step`` = uncached / cached step time over the MPI store (1.15),
 ``cached_vs_uncached_step_inprocess`` (0.9) and ``cached_vs_uncached_step_redis`` (3.0)
 the same over the other stores, ``cache_ns_per_id`` (at most 225, in-process),
 ``batched_vs_per_table`` = per-table / batched uncached step time over the MPI store
 (1.0), ``requests_per_server_step`` of the cached MPI step (1 pull + 1 push = 2),
-``rows_moved_vs_ceiling`` of the best policy (0.95). The last line is one JSON object
+``rows_moved_vs_ceiling`` of the best policy (0.95), ``dlrm_bounds_loss_gap`` = the
+DLRM part's relative training-loss gap of (4, 4) to (0, 0) (0.002). The last line is one
+JSON object
 (benchmarks/README.md).
 """
 
@@ -99,6 +106,7 @@ sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 from _bench_util import ZipfDraws  # noqa: E402
+from _dlrm_bounds import dlrm_bounds  # noqa: E402
 from _timed_store import TimedStore  # noqa: E402
 
 import cache  # noqa: E402
@@ -686,6 +694,8 @@ def main() -> None:
     p.add_argument("--no-redis", action="store_true", help="skip the Redis store")
     p.add_argument("--redis-url", default=None, help="a Redis server to use (default: start one)")
     p.add_argument("--no-groups", action="store_true", help="one cache per table")
+    p.add_argument("--no-dlrm", action="store_true", help="skip the DLRM bounds part")
+    p.add_argument("--dlrm-seeds", type=int, default=3, help="seeds of the DLRM bounds part")
     p.add_argument("--mpi-part", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     kw = dict(
@@ -804,6 +814,9 @@ def main() -> None:
             if k in figures
         ),
     }
+    if not args.no_dlrm:
+        seeds, steps = (1, 40) if args.quick else (args.dlrm_seeds, 600)
+        figures["dlrm_bounds"], targets["dlrm_bounds_loss_gap"] = dlrm_bounds(seeds, steps, _say)
     targets["requests_per_server_step"] = {
         "value": per_server,
         "target": 2.0,

@@ -18,8 +18,8 @@ from hybridrec.config import option
 HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("data", ("data", "data_path", "data_val_path", "data_test_path", "schema",
               "skip_bad_lines", "criteo_path", "criteo_val_path", "criteo_rows",
-              "synthetic_rows", "synthetic_samples", "text_dir", "max_bytes", "tokenizer",
-              "bpe_file", "block_size")),
+              "synthetic_rows", "synthetic_samples", "synthetic_zipf", "text_dir", "max_bytes",
+              "tokenizer", "bpe_file", "block_size")),
     ("training", ("epochs", "max_steps", "batch_size", "lr", "weight_decay", "dense_optimizer",
                   "seed", "eval_every", "eval_batch_size", "eval_batches", "keep_best",
                   "patience", "precision")),
@@ -28,8 +28,8 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tables and store", ("ps", "placement", "placement_of", "existing_tables", "emb_lr",
                           "emb_optimizer", "ngram", "ngram_rows", "ngram_splits",
                           "ngram_placement", "ngram_capacity", "ngram_max_age")),
-    ("cache", ("cache_rows", "cache_fraction", "read_bound", "write_bound", "cache_policy",
-               "cache_groups", "cache_memory", "cache_on", "sparse_pipeline")),
+    ("cache", ("cache_rows", "cache_fraction", "read_bound", "write_bound", "counted_pushes",
+               "cache_policy", "cache_groups", "cache_memory", "cache_on", "sparse_pipeline")),
     ("dense parallelism", ("compression", "zero_stage", "bucket_mb", "tp", "pp",
                            "microbatches", "schedule")),
     ("checkpoints", ("checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume",
@@ -50,6 +50,12 @@ class RunOptions:
     cache_fraction: float = option(0.0, help="cache size as a fraction of each table's rows")
     read_bound: int = option(0, help="cache read staleness bound s_r (PS updates a copy may miss)")
     write_bound: int = option(0, help="cache write bound s_w (updates a row may hold unpushed)")
+    counted_pushes: bool = option(
+        True,
+        help="the cache pushes a row with the count of the updates it sums (and their squares), "
+        "so the store's optimizer applies each of them (Adam, Adagrad: as without a write "
+        "bound); --no-counted-pushes: one update per push (in-process and MPI stores)",
+    )
     cache_policy: Literal["lru", "lfu", "tinylfu"] = option(
         "lru", help="cache eviction policy (tinylfu: frequency-aware admission, LFU eviction)"
     )

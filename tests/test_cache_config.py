@@ -31,6 +31,7 @@ pytestmark = pytest.mark.timeout(60)
         (dict(capacity_rows=5, local_lr=-0.1), ValueError, "local_lr must be .* >= 0, got -0.1"),
         (dict(capacity_rows=5, evict_chunk=0), ValueError, "evict_chunk must be >= 1, got 0"),
         (dict(capacity_rows=5, exact_staleness=1), TypeError, "exact_staleness must be a bool"),
+        (dict(capacity_rows=5, counted_pushes="yes"), TypeError, "counted_pushes must be a bool"),
     ],
 )
 def test_bad_config(kw: dict[str, object], exc: type[Exception], pattern: str) -> None:

@@ -206,6 +206,10 @@ def test_cache_on_host_is_the_cpu_cache() -> None:
     for on in ("host", "auto"):
         cfg = TrainConfig(cache_rows=7, cache_on=on)  # type: ignore[arg-type]
         assert cache_config(cfg, [], CPU) == CacheConfig(capacity_rows=7, group_tables=True)
+        plain = TrainConfig(cache_rows=7, cache_on=on, counted_pushes=False)  # type: ignore[arg-type]
+        assert cache_config(plain, [], CPU) == CacheConfig(
+            capacity_rows=7, group_tables=True, counted_pushes=False
+        )
         cached = with_cache(cfg, store, comm.LocalGroup(), CPU)
         assert cached is not None
         assert cached.device is None  # records in host memory

@@ -138,6 +138,32 @@ def test_every_optimizer_matches_inprocess(store: RedisStore, opt: ps.Optimizer,
     _assert_same(store, ref, "t", torch.arange(rows))
 
 
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: str(o.to_json()))
+@pytest.mark.parametrize("dim", [5, 64])
+def test_counted_pushes_match_inprocess(store: RedisStore, opt: ps.Optimizer, dim: int) -> None:
+    """Counted pushes (counts 1 to 5, repeated ids, plain pushes between) as the in-process
+    store applies them (``ps.Optimizer.apply_counted``), within the replay tolerances:
+    Redis runs the sub-steps in doubles, rounding every stored value to float32 after each,
+    as separate pushes would; rows of one update take the plain script."""
+    rows = 40
+    spec = ps.TableSpec(name="t", num_rows=rows, dim=dim, optimizer=opt)
+    ref = RecordingStore()
+    ref.create_table(spec)
+    store.create_table(spec)
+    gen = torch.Generator().manual_seed(dim)
+    q = opt.stat_dim(dim)
+    for step, (ids, grads) in enumerate(_pushes(rows, dim, steps=5, seed=dim)):
+        req = ps.PushRequest("t", ids, grads)
+        if step % 2 == 0:
+            counts = torch.randint(1, 6, (ids.numel(),), generator=gen)
+            stats = (grads * grads)[:, :q] if q > 1 else grads.square().mean(1, keepdim=True)[:, :q]
+            req = ps.PushRequest("t", ids, grads * counts.unsqueeze(1), counts,
+                                 stats * counts.unsqueeze(1))  # fmt: skip
+        store.push_many([req])
+        ref.push_many([req])
+    _assert_same(store, ref, "t", torch.arange(rows))
+
+
 REF_OPTIMIZERS = [
     *OPTIMIZERS,
     ps.Adam(lr=0.05, betas=(0.9, 0.99), eps=1e-6),

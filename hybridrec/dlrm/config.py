@@ -6,6 +6,7 @@ key of a ``--config run.toml`` file; see :mod:`hybridrec.config`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -71,6 +72,9 @@ class TrainConfig(RunOptions):
     )
     synthetic_rows: int = option(10_000, help="rows per table of the synthetic data")
     synthetic_samples: int = option(200_000, help="samples of the synthetic data")
+    synthetic_zipf: float = option(
+        1.05, help="synthetic data: the Zipf exponent of each table's ids (larger: hotter rows)"
+    )
     # ---- schedule
     epochs: int | None = option(
         None,
@@ -192,6 +196,8 @@ class TrainConfig(RunOptions):
             )
         if self.synthetic_samples < 10:
             raise ValueError(f"synthetic_samples must be >= 10, got {self.synthetic_samples}")
+        if not (math.isfinite(self.synthetic_zipf) and self.synthetic_zipf > 0):
+            raise ValueError(f"synthetic_zipf must be a number > 0, got {self.synthetic_zipf}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         self.placement_overrides()  # checks the TABLE=PLACEMENT syntax

@@ -283,7 +283,10 @@ def open_source(cfg: TrainConfig, group: ProcessGroup) -> Source:
         data = load_movielens(seed=cfg.seed)
     else:
         data = make_synthetic(
-            num_samples=cfg.synthetic_samples, num_rows=cfg.synthetic_rows, seed=cfg.seed
+            num_samples=cfg.synthetic_samples,
+            num_rows=cfg.synthetic_rows,
+            seed=cfg.seed,
+            zipf_a=cfg.synthetic_zipf,
         )
     return InMemorySource(data, cfg, group)
 

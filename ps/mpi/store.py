@@ -540,13 +540,14 @@ class MPIStore(Store):
             order, counts = self._split(ids)
             g = grads.detach().cpu()
             g = g if order is None else g.index_select(0, order)  # [N, D] shard order
+            if counted is not None and bool((counted[0] == 1).all()):
+                counted = None  # one update a row: a plain push (the servers' C pass takes it)
             if counted is not None:
                 k, q = counted if order is None else (counted[0][order], counted[1][order])
                 counted = (k, q)
             plans.append(
                 (r.table, t, _sorted_np(ids, order), g.numpy().reshape(-1), counts, counted)
             )
-        any_counted = any(p[5] is not None for p in plans)
         calls: list[_Call] = []
         for s in range(len(self._servers)):
             parts = [
@@ -567,7 +568,8 @@ class MPIStore(Store):
                 data.append(g_np[a * dim : (a + c) * dim])
                 self._count(name, "worker_push_calls")
             flags = seq = 0
-            if any_counted:  # every part's counts, then (data) every part's statistics
+            if any(plans[i][5] is not None for i, _, _ in parts):
+                # Every part's counts, then (data) every part's statistics.
                 k_parts, q_parts = [], []
                 for i, a, c in parts:
                     spec, counted = plans[i][1].spec, plans[i][5]
@@ -682,13 +684,19 @@ class MPIStore(Store):
         return out
 
     def stats(self) -> dict[str, dict[str, int | float]]:
-        """Per table, the servers' counters summed (``rows`` of a fixed table: ``num_rows``)."""
+        """Per table, the servers' counters summed (``rows`` of a fixed table: ``num_rows``).
+        A table another worker is creating (or dropping) meanwhile, held by only some of
+        the servers, is left out."""
         total: dict[str, dict[str, int | float]] = {}
-        for call in self._all(Op.STATS, what="stats"):
+        held: dict[str, int] = {}
+        calls = self._all(Op.STATS, what="stats")
+        for call in calls:
             for table, counters in json.loads(call.text())["tables"].items():
                 acc = total.setdefault(table, {})
+                held[table] = held.get(table, 0) + 1
                 for key, value in counters.items():
                     acc[key] = acc.get(key, 0) + value
+        total = {t: acc for t, acc in total.items() if held[t] == len(calls)}
         for table, acc in total.items():
             num_rows = self.spec(table).num_rows
             if num_rows is not None:  # shards hold only the rows they touched

@@ -72,6 +72,8 @@ class RedisTable:
     step_key: bytes
     push_src: str
     push_sha: str
+    counted_src: str  # the push script of counted pushes (ps.redis.lua.counted_push_script)
+    counted_sha: str
     state0: bytes  # float32[S] of a fresh row
     token: bytes  # the incarnation token every bucket's marker must hold
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLIENT_COUNTERS, 0))

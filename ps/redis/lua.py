@@ -557,3 +557,137 @@ redis.call('HINCRBY', KEYS[4], '@applied', 1)
 def sha1(script: str) -> str:
     """The SHA1 Redis names a script by (EVALSHA)."""
     return hashlib.sha1(script.encode("utf-8")).hexdigest()
+
+
+# ---------------------------------------------------------------- counted pushes
+
+
+def _substep(opt: Optimizer, dim: int) -> list[str]:
+    """Lua statements of one sub-step of a counted push on the tables ``W`` (weights),
+    ``G`` (the mean gradient), ``Q`` (the mean statistic) and the state (``B``; ``acc``;
+    ``S``; ``M``, ``V``, ``t``; ``Z``, ``N``), every stored value rounded to float32 after
+    it (``r32``), as ``k`` separate pushes would round it (ps.optimizers)."""
+    d = str(dim)
+    if isinstance(opt, SGD):  # momentum (plain SGD is never counted: the sum is exact)
+        mom, lr = _num(opt.momentum), _num(opt.lr)
+        return [f"for j = 1, {d} do", f"B[j] = r32({mom} * B[j] + G[j])",
+                f"W[j] = r32(W[j] - {lr} * B[j]) end"]  # fmt: skip
+    if isinstance(opt, RowWiseAdagrad):
+        lr, eps = _num(opt.lr), _num(opt.eps)
+        return ["acc = r32(acc + Q[1])", f"local a = {lr} / (msqrt(acc) + {eps})",
+                f"for j = 1, {d} do W[j] = r32(W[j] - a * G[j]) end"]  # fmt: skip
+    if isinstance(opt, Adagrad):
+        lr, eps = _num(opt.lr), _num(opt.eps)
+        return [f"for j = 1, {d} do", "S[j] = r32(S[j] + Q[j])",
+                f"W[j] = r32(W[j] - {lr} * G[j] / (msqrt(S[j]) + {eps})) end"]  # fmt: skip
+    if isinstance(opt, Adam):
+        b1, b2 = float(opt.betas[0]), float(opt.betas[1])
+        lines = ["t = t + 1",
+                 f"local a = {_num(opt.lr)} * msqrt(1 - {_num(b2)} ^ t) / (1 - {_num(b1)} ^ t)",
+                 f"for j = 1, {d} do", "local g, q = G[j], Q[j]"]  # fmt: skip
+        if opt.weight_decay > 0:  # E[(g + c)^2] = E[g^2] + 2 c E[g] + c^2, c = wd * w
+            lines += [f"local c = {_num(opt.weight_decay)} * W[j]", "q = q + c * (2 * g + c)",
+                      "g = g + c"]  # fmt: skip
+        lines += [f"M[j] = r32({_num(b1)} * M[j] + {_num(1.0 - b1)} * g)",
+                  f"V[j] = r32({_num(b2)} * V[j] + {_num(1.0 - b2)} * q)",
+                  f"W[j] = r32(W[j] - a * M[j] / (msqrt(V[j]) + {_num(opt.eps)})) end"]  # fmt: skip
+        return lines
+    if isinstance(opt, FTRL):
+        al, be, l1, l2 = _num(opt.alpha), _num(opt.beta), _num(opt.l1), _num(opt.l2)
+        return [
+            f"for j = 1, {d} do",
+            "local t1 = N[j] + Q[j]",
+            "local t2 = msqrt(t1)",
+            f"Z[j] = r32(Z[j] + G[j] - (t2 - msqrt(N[j])) / {al} * W[j])",
+            "N[j] = r32(t1)",
+            "local z = Z[j]",
+            f"if z <= {l1} and z >= -{l1} then W[j] = 0",
+            f"elseif z > 0 then W[j] = r32(-(z - {l1}) / (({be} + msqrt(N[j])) / {al} + {l2}))",
+            f"else W[j] = r32(-(z + {l1}) / (({be} + msqrt(N[j])) / {al} + {l2})) end end",
+        ]
+    raise NotImplementedError(f"no counted update for {type(opt).__name__}")
+
+
+#: (state vectors in layout order, scalars after them) of each optimizer's counted update.
+def _state_names(opt: Optimizer) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    if isinstance(opt, SGD):
+        return ("B",), ()
+    if isinstance(opt, RowWiseAdagrad):
+        return (), ("acc",)
+    if isinstance(opt, Adagrad):
+        return ("S",), ()
+    if isinstance(opt, Adam):
+        return ("M", "V"), ("t",)
+    if isinstance(opt, FTRL):
+        return ("Z", "N"), ()
+    raise NotImplementedError(type(opt).__name__)
+
+
+def counted_push_script(opt: Optimizer, dim: int) -> str:
+    """The push script of a counted push: :func:`push_script`'s, with ``ARGV[12]`` every
+    row's update count (int32 LE each) and ``ARGV[13]`` its statistic (float32 LE,
+    ``Q = opt.stat_dim(dim)`` each). A row of one update takes the plain update, bit for
+    bit; a row of ``k`` takes ``k`` sub-steps of its mean gradient with its mean
+    statistic in place of the gradient's square (:meth:`ps.Optimizer.apply_counted`),
+    written with plain Lua tables (a counted row is a hot row: few per call)."""
+    plain = push_script(opt, dim)
+    q = opt.stat_dim(dim)
+    vectors, scalars = _state_names(opt)
+    d4 = 4 * dim
+    fmt = f"'<{'f' * dim}'"
+    sub = [
+        "local function r32(x) return (sunpack('<f', spack('<f', x))) end",
+        "local function counted_row(row, st, gofs, kc, i)",
+        f"  local W = {{sunpack({fmt}, row, 1)}}",
+        f"  local clk = sunpack('<i8', row, {d4} + 1)",
+        f"  local G = {{sunpack({fmt}, gb, gofs + 1)}}",
+        f"  local Q = {{sunpack('<{'f' * max(q, 1)}', ARGV[13], (i - 1) * {4 * q} + 1)}}"
+        if q
+        else "  local Q = {}",
+        f"  for j = 1, {dim} do G[j] = G[j] / kc end",
+        f"  for j = 1, {q} do Q[j] = Q[j] / kc end",
+    ]
+    for vi, vec in enumerate(vectors):
+        sub.append(f"  local {vec} = {{sunpack({fmt}, st, {vi * d4} + 1)}}")
+    base = len(vectors) * d4
+    for si, sc in enumerate(scalars):
+        sub.append(f"  local {sc} = sunpack('<f', st, {base + 4 * si} + 1)")
+    sub += ["  for _ = 1, kc do", *("    " + x for x in _substep(opt, dim)), "  end"]
+    sub.append(f"  W[{dim + 1}] = clk + 1")
+    sub.append(f"  local nr = spack('<{'f' * dim}i8', unpack(W, 1, {dim + 1}))")
+    parts = [f"spack({fmt}, unpack({vec}, 1, {dim}))" for vec in vectors]
+    if scalars:
+        parts.append(f"spack('<{'f' * len(scalars)}', {', '.join(scalars)})")
+    sub.append(f"  return nr, {' .. '.join(parts) if parts else 'nil'}")
+    sub.append("end")
+    # Splice: the helper before the row loop; in the loop, counted rows take it.
+    head, sep, rest = plain.partition("for i = 1, n do\nlocal row = rows[i]\nif row then\n")
+    assert sep, "push_script's row loop changed"
+    body, sep2, tail = rest.partition("z[2 * nw - 1] = step")
+    assert sep2, "push_script's row loop changed"
+    has_state = opt.state_dim(dim) > 0
+    counted = [
+        "local kc = sunpack('<i4', ARGV[12], 4 * i - 3)",
+        "if kc > 1 then",
+        "nw = nw + 1",
+        f"local nr, ns = counted_row(row, {'sts[i] or STATE0' if has_state else 'nil'}, "
+        f"(i - 1) * {d4}, kc, i)",
+        "wout[2 * nw - 1] = f[i]",
+        "wout[2 * nw] = nr",
+    ]
+    if has_state:
+        counted += ["sout[2 * nw - 1] = f[i]", "sout[2 * nw] = ns"]
+    counted += ["else"]
+    src = (
+        head.replace("-- hybridrec push:", "-- hybridrec counted push:")
+        + "\n".join(sub)
+        + "\n"
+        + sep
+        + "\n".join(counted)
+        + "\n"
+        + body
+        + "end\n"
+        + sep2
+        + tail
+    )
+    return src

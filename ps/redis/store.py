@@ -80,7 +80,8 @@ import torch
 from comm import Handle
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
 from ps.errors import check_existing
-from ps.local.table import coalesce
+from ps.local.table import coalesce, coalesce_counted
+from ps.optimizers import SGD
 from ps.redis.conn import (
     Batch,
     Command,
@@ -111,6 +112,7 @@ from ps.redis.lua import (
     RESET_BUCKET,
     SNAPSHOT,
     TOUCH_PULL,
+    counted_push_script,
     push_script,
 )
 from ps.redis.sequencing import PushSettle, mark_answered, next_numbers
@@ -151,6 +153,7 @@ class _Push:
     uniq: torch.Tensor
     summed: torch.Tensor
     skipped: int
+    counted: tuple[torch.Tensor, torch.Tensor] | None = None  # counts [U], stats [U, Q]
     step: bytes = b""  # the table step of this push (tables with eviction), else b""
     calls: list[tuple[int, int, int]] = field(default_factory=list)  # (bucket, lo, hi)
     seqs: list[tuple[int, int]] = field(default_factory=list)  # per call (number, watermark)
@@ -173,6 +176,8 @@ class RedisStore(Store):
     ``worker_id``, ``max_retries`` and ``retry_backoff_s``: see the module docstring
     (exactly-once pushes).
     """
+
+    counted_pushes = True
 
     def __init__(
         self,
@@ -290,6 +295,7 @@ class RedisStore(Store):
     def _make_table(self, spec: TableSpec, buckets: int, token: bytes) -> RedisTable:
         keys = bucket_keys(self._prefix, spec.name, buckets)
         src = push_script(spec.optimizer, spec.dim)
+        counted = counted_push_script(spec.optimizer, spec.dim)
         s = spec.state_dim
         state0 = spec.initial_state().numpy().astype("<f4").tobytes() if s else b""
         return RedisTable(
@@ -302,6 +308,8 @@ class RedisStore(Store):
             step_key=step_key(self._prefix, spec.name),
             push_src=src,
             push_sha=self._link.register_script(src),
+            counted_src=counted,
+            counted_sha=self._link.register_script(counted),
             state0=state0,
             token=token,
             seq_next=[0] * buckets,
@@ -802,15 +810,26 @@ class RedisStore(Store):
         ids = check_ids(t.spec, r.ids, "push").cpu()
         finite = t.spec.nan_policy == "raise"
         grads = check_grads(t.spec, ids, r.grads, finite=finite).detach().cpu()
-        check_counted(t.spec, ids, r.counts, r.stats, takes=False, where="the Redis store")
-        uniq, summed = coalesce(ids, grads) if ids.numel() else (ids, grads)  # [U], [U, D]
+        counted = check_counted(t.spec, ids, r.counts, r.stats, takes=True, where="Redis")
+        opt = t.spec.optimizer
+        if counted is not None and isinstance(opt, SGD) and opt.momentum == 0:
+            counted = None  # plain SGD: the step of the sum is the k steps
+        uniq, summed = ids, grads
+        if ids.numel() and counted is None:
+            uniq, summed = coalesce(ids, grads)  # [U], [U, D]
+        elif ids.numel() and counted is not None:
+            uniq, summed, counted = coalesce_counted(ids, grads, *counted)
         skipped = 0
         if summed.numel():
             ok = torch.isfinite(summed).all(dim=1)  # [U]
             if not bool(ok.all()):
                 skipped = int((~ok).sum())
                 uniq, summed = uniq[ok], summed[ok]
-        return _Push(t, uniq, summed, skipped)
+                if counted is not None:
+                    counted = (counted[0][ok], counted[1][ok])
+        if counted is not None and bool((counted[0] == 1).all()):
+            counted = None  # one update a row: the plain push
+        return _Push(t, uniq, summed, skipped, counted)
 
     def _push(self, pushes: list[_Push], what: str) -> Handle:
         """Send ``pushes`` as one batch (each table's calls in the order given); the
@@ -873,6 +892,11 @@ class RedisStore(Store):
         g_bytes = p.summed[order].numpy().astype("<f4").tobytes()
         id_bytes = sorted_ids.tobytes()
         d4 = t.d4
+        k_bytes = s_bytes = b""  # counted: int32 [U] counts, float32 [U, Q] statistics
+        q4 = 4 * t.spec.optimizer.stat_dim(t.spec.dim)
+        if p.counted is not None:
+            k_bytes = p.counted[0][order].numpy().astype("<i4").tobytes()
+            s_bytes = p.counted[1][order].numpy().astype("<f4").tobytes()
         with self._lock:
             seqs = next_numbers(t, [b for b, _lo, _hi in calls])  # [calls] (number, watermark)
             t.push_epoch += 1
@@ -890,6 +914,7 @@ class RedisStore(Store):
             b, lo, hi = calls[k]
             if rows is None:
                 ids_b, g_b = id_bytes[8 * lo : 8 * hi], g_bytes[d4 * lo : d4 * hi]
+                k_b, s_b = k_bytes[4 * lo : 4 * hi], s_bytes[q4 * lo : q4 * hi]
                 a, z = np.searchsorted(hinted, [lo, hi]).tolist()
                 init = init_rows[d4 * a : d4 * z]
                 init_pos = (hinted[a:z] - (lo - 1)).astype("<i4").tobytes()
@@ -897,6 +922,8 @@ class RedisStore(Store):
                 at = lo + rows
                 ids_b = sorted_ids[at].tobytes()
                 g_b = b"".join(g_bytes[d4 * j : d4 * (j + 1)] for j in at.tolist())
+                k_b = b"".join(k_bytes[4 * j : 4 * (j + 1)] for j in at.tolist())
+                s_b = b"".join(s_bytes[q4 * j : q4 * (j + 1)] for j in at.tolist())
                 first = torch.from_numpy(sorted_ids[at].astype(np.int64))
                 init = t.spec.initial_rows(first).numpy().astype("<f4").tobytes()
                 init_pos = np.arange(1, rows.size + 1, dtype="<i4").tobytes()
@@ -914,7 +941,9 @@ class RedisStore(Store):
                 numbers[1],
                 done or b"",
             ]
-            return evalsha(t.push_sha, t.push_src, keys, args)
+            if p.counted is None:
+                return evalsha(t.push_sha, t.push_src, keys, args)
+            return evalsha(t.counted_sha, t.counted_src, keys, [*args, k_b, s_b])
 
         p.calls, p.seqs, p.command = calls, seqs, command
         p.first = [command(k, None, seqs[k], 0) for k in range(len(calls))]
