@@ -5,9 +5,11 @@ asks :func:`cache_bytes` with the tables it will cache. Per cached row of a ``D`
 table (layouts in :mod:`cache.table_cache`):
 
 * records in host memory (``device=None``): one ``W``-float record (row, pending sum,
-  64 bytes of metadata, rounded up to 64-byte lines) on the host;
-* rows on a device: the row and the pending sum, ``2 x D`` float32, on the device, and a
-  64-byte metadata record on the host;
+  64 bytes of metadata, with counted pushes of an element-wise optimizer ``D`` floats of
+  statistics, rounded up to 64-byte lines) on the host;
+* rows on a device: the row and the pending sum, ``2 x D`` float32 (with counted pushes
+  plus the ``Q`` statistic floats), on the device, and a 64-byte metadata record on the
+  host;
 * either way on the host: the slot's row id, eviction key and free-stack entry (24
   bytes), the id -> slot map (4 bytes per *table* row for a fixed table of at most
   :data:`cache.config.DENSE_INDEX_MAX_ROWS` rows, else about 64 bytes per cached id),
@@ -36,9 +38,19 @@ class CacheBytes:
     host: int
 
 
-def record_floats(dim: int) -> int:
-    """Floats of one host record holding row, pending sum and metadata (64-byte lines)."""
-    return -(-(2 * dim + META_BYTES // 4) // 16) * 16
+def stat_floats(config: CacheConfig, spec: TableSpec) -> int:
+    """Floats of the counted pushes' statistic per cached row of ``spec`` (``Q``; 0 where
+    pushes are not counted: ``counted_pushes`` off or no write bound)."""
+    if not (config.counted_pushes and config.write_bound > 0):
+        return 0
+    return spec.optimizer.stat_dim(spec.dim)
+
+
+def record_floats(dim: int, stat: int = 0) -> int:
+    """Floats of one host record holding row, pending sum, metadata and a statistic of
+    ``stat`` floats (one lives in the metadata's spare word), in whole 64-byte lines."""
+    extra = stat if stat > 1 else 0
+    return -(-(2 * dim + META_BYTES // 4 + extra) // 16) * 16
 
 
 def cache_bytes(config: CacheConfig, specs: Sequence[TableSpec], *, on_device: bool) -> CacheBytes:
@@ -47,11 +59,12 @@ def cache_bytes(config: CacheConfig, specs: Sequence[TableSpec], *, on_device: b
     device = host = 0
     for spec in specs:
         rows = config.capacity(spec)
+        q = stat_floats(config, spec)
         if on_device:
-            device += rows * 2 * spec.dim * 4
+            device += rows * (2 * spec.dim + q) * 4
             host += rows * META_BYTES
         else:
-            host += rows * record_floats(spec.dim) * 4
+            host += rows * record_floats(spec.dim, q) * 4
         host += rows * SLOT_BYTES
         if spec.num_rows is not None and spec.num_rows <= DENSE_INDEX_MAX_ROWS:
             host += spec.num_rows * 4
@@ -63,10 +76,14 @@ def cache_bytes(config: CacheConfig, specs: Sequence[TableSpec], *, on_device: b
     return CacheBytes(device=device, host=host)
 
 
-def rows_fitting(specs: Sequence[TableSpec], device_bytes: int) -> int:
-    """The most rows per table whose caches of ``specs`` (rows on a device) take at most
-    ``device_bytes`` there: ``device_bytes // sum(2 x D x 4)``."""
-    per_row = sum(2 * spec.dim * 4 for spec in specs)
+def rows_fitting(
+    specs: Sequence[TableSpec], device_bytes: int, config: CacheConfig | None = None
+) -> int:
+    """The most rows per table whose caches of ``specs`` (rows on a device, under
+    ``config``'s bounds) take at most ``device_bytes`` there:
+    ``device_bytes // sum((2 x D + Q) x 4)``."""
+    cfg = CacheConfig(capacity_rows=1) if config is None else config
+    per_row = sum((2 * spec.dim + stat_floats(cfg, spec)) * 4 for spec in specs)
     if per_row == 0:
         raise ValueError("rows_fitting: no tables to cache")
     return max(0, int(device_bytes) // per_row)

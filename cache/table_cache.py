@@ -85,6 +85,7 @@ from cache.kernels.records import (
     sole_writer_asks,
     update_rows,
 )
+from cache.memory import record_floats
 from cache.policy import EvictionPolicy
 from cache.sketch import FrequencySketch
 from cache.slot_index import make_slot_index
@@ -227,8 +228,7 @@ class TableCache:
         self.chunk = config.chunk(cap)
         q = self.push_q if self.data is None else 0
         self.stat_dim, self.stat_at = q, 2 * sd + (_META_WORDS - 2 if q == 1 else _META_WORDS)
-        extra = q if q > 1 else 0
-        self.width = -(-(2 * sd + _META_WORDS + extra) // 16) * 16  # W: whole 64-byte lines
+        self.width = record_floats(sd, q)  # W: whole 64-byte lines
         self.slab = _aligned_records(cap, self.width)  # [C, W]
         self._void = np.dtype((np.void, 4 * self.width))
         self.vslab = self.slab.view(self._void).reshape(cap)  # [C] one item per record

@@ -179,7 +179,12 @@ def cache_config(cfg: Any, specs: Sequence[TableSpec], device: torch.device) -> 
                 "--cache-fraction)"
             )
         budget = int(cfg.cache_memory * device_memory(on))
-        size: dict[str, Any] = cache_size_fitting(specs, budget)
+        bounds = CacheConfig(
+            capacity_rows=1,
+            write_bound=cfg.write_bound,
+            counted_pushes=getattr(cfg, "counted_pushes", True),
+        )  # what decides the bytes per cached row besides its width
+        size: dict[str, Any] = cache_size_fitting(specs, budget, bounds)
     else:
         size = {
             "capacity_rows": cfg.cache_rows or None,

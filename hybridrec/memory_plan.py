@@ -29,6 +29,7 @@ On a CPU worker the "device" parts are in host memory and nothing is checked.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,16 +76,27 @@ def describe_where(device: torch.device) -> str:
 # ---------------------------------------------------------------- sizing a GPU cache
 
 
-def cache_size_fitting(specs: Sequence[TableSpec], budget: int) -> dict[str, Any]:
+def cache_size_fitting(
+    specs: Sequence[TableSpec], budget: int, config: CacheConfig | None = None
+) -> dict[str, Any]:
     """The cache size whose rows and pending sums on a device (caches of every table of
-    ``specs``) take at most ``budget`` bytes there, as :class:`cache.CacheConfig`
-    keywords: ``{"capacity_fraction": f}`` when every table is fixed (each caches the
-    same share of its rows, at most all of them), else ``{"capacity_rows": r}`` (the
-    same rows for every table, :func:`cache.rows_fitting`, at most the smallest fixed
-    table's rows). ValueError when the budget holds less than one row per table."""
+    ``specs``; ``config``: the cache's other settings, whose bounds decide whether it
+    holds counted pushes' statistics too) take at most ``budget`` bytes there, as
+    :class:`cache.CacheConfig` keywords: ``{"capacity_fraction": f}`` when every table
+    is fixed (each caches the same share of its rows, at most all of them), else
+    ``{"capacity_rows": r}`` (the same rows for every table, :func:`cache.rows_fitting`,
+    at most the smallest fixed table's rows). ValueError when the budget holds less than
+    one row per table."""
     if not specs:
         raise ValueError("sizing a cache by memory: no tables to cache")
-    one_row = cache_bytes(CacheConfig(capacity_rows=1), specs, on_device=True).device
+    base = CacheConfig(capacity_rows=1) if config is None else config
+
+    def sized(**size: Any) -> CacheConfig:
+        return dataclasses.replace(
+            base, **{"capacity_rows": None, "capacity_fraction": None, **size}
+        )
+
+    one_row = cache_bytes(sized(capacity_rows=1), specs, on_device=True).device
     if budget < one_row:
         names = ", ".join(s.name for s in specs)
         raise ValueError(
@@ -93,15 +105,15 @@ def cache_size_fitting(specs: Sequence[TableSpec], budget: int) -> dict[str, Any
         )
     fixed = [s.num_rows for s in specs if s.num_rows is not None]
     if len(fixed) < len(specs):
-        rows = rows_fitting(specs, budget)
+        rows = rows_fitting(specs, budget, base)
         return {"capacity_rows": min([rows, *fixed])}
-    whole = cache_bytes(CacheConfig(capacity_fraction=1.0), specs, on_device=True).device
+    whole = cache_bytes(sized(capacity_fraction=1.0), specs, on_device=True).device
     if whole <= budget:
         return {"capacity_fraction": 1.0}
     # ceil(f x N) <= f x N + 1 rows per table: f = (budget - one_row) / whole fits.
     fraction = (budget - one_row) / whole
     while fraction > 0:
-        taken = cache_bytes(CacheConfig(capacity_fraction=fraction), specs, on_device=True)
+        taken = cache_bytes(sized(capacity_fraction=fraction), specs, on_device=True)
         if taken.device <= budget:
             break
         fraction = math.nextafter(fraction, 0.0) * (1 - 1e-9)  # float rounding only

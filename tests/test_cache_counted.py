@@ -161,3 +161,24 @@ def test_plain_pushes_where_counts_cannot_go(why: str) -> None:
         write_bound=0 if why == "no write bound" else 3,
     )
     assert store.requests and all(r.counts is None and r.stats is None for r in store.requests)
+
+
+@pytest.mark.parametrize("opt", [ps.SGD(lr=0.1), ps.RowWiseAdagrad(lr=0.1), ps.Adam(lr=0.01)])
+@pytest.mark.parametrize("write_bound", [0, 2])
+def test_the_memory_plan_counts_the_statistics(opt: ps.Optimizer, write_bound: int) -> None:
+    """``cache.cache_bytes`` as the caches allocate: a host record grows by ``D`` floats
+    for an element-wise optimizer's statistic (row-wise: the spare metadata word), rows
+    on a device by ``Q`` floats."""
+    from cache.memory import record_floats, stat_floats
+
+    spec = ps.TableSpec(name="t", num_rows=1000, dim=DIM, optimizer=opt)
+    cfg = cache.CacheConfig(capacity_rows=10, write_bound=write_bound)
+    q = stat_floats(cfg, spec)
+    assert q == (opt.stat_dim(DIM) if write_bound else 0)
+    host = table_cache.TableCache(spec, cfg, ps.InProcessStore(), counted=True)
+    assert host.width == record_floats(DIM, q) and host.stat_dim == q
+    on = table_cache.TableCache(
+        spec, cfg, ps.InProcessStore(), counted=True, device=torch.device("cpu")
+    )
+    assert on.data is not None
+    assert on.data.nbytes == cache.cache_bytes(cfg, [spec], on_device=True).device
