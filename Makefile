@@ -77,10 +77,11 @@ lint: $(STAMP)
 # comparison that holds on this CPU's instruction set only fails here too (docs/numerics.md).
 NUMERIC_CAPABILITIES := default avx2
 test: lint
-	HYBRIDREC_REQUIRE_TRITON=1 $(BIN)/pytest
+	HYBRIDREC_REQUIRE_TRITON=1 HYBRIDREC_REQUIRE_MPI=1 $(BIN)/pytest
 	for cap in $(NUMERIC_CAPABILITIES); do \
 	  echo "== the numerics tests with ATEN_CPU_CAPABILITY=$$cap"; \
-	  ATEN_CPU_CAPABILITY=$$cap HYBRIDREC_REQUIRE_TRITON=1 $(BIN)/pytest -m numerics -q \
+	  ATEN_CPU_CAPABILITY=$$cap HYBRIDREC_REQUIRE_TRITON=1 HYBRIDREC_REQUIRE_MPI=1 \
+	    $(BIN)/pytest -m numerics -q \
 	    -p no:cacheprovider --durations=5 || exit 1; \
 	done
 

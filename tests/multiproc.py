@@ -22,6 +22,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 RANKS_DIR = Path(__file__).resolve().parent / "ranks"
 
@@ -33,11 +35,16 @@ def free_port() -> int:
 
 
 def mpirun_path() -> str:
-    """The mpirun beside this interpreter (the `mpich` wheel), else one on PATH."""
+    """The mpirun beside this interpreter (the `mpich` wheel), else one on PATH. Without
+    one the test is skipped, naming what is missing; ``make test`` sets
+    ``HYBRIDREC_REQUIRE_MPI=1``, so there a missing mpirun fails instead."""
     here = Path(sys.executable).parent / "mpirun"
     found = str(here) if here.exists() else shutil.which("mpirun")
     if found is None:
-        raise RuntimeError("mpirun not found: install the test extra (`make test` does)")
+        why = "mpirun not found (the mpich wheel of the test extra; `make test` installs it)"
+        if os.environ.get("HYBRIDREC_REQUIRE_MPI"):
+            raise RuntimeError(why)
+        pytest.skip(why)
     return found
 
 
