@@ -187,7 +187,12 @@ def _init_torch(
             # agent hosts the store, not rank 0).
             store = _loopback_store(port, launch, timeout)
             dist.init_process_group(
-                backend, store=store, rank=launch.rank, world_size=launch.size, timeout=timeout
+                backend,
+                store=store,
+                rank=launch.rank,
+                world_size=launch.size,
+                timeout=timeout,
+                device_id=device,  # NCCL: its communicators for this rank's GPU
             )
         else:
             dist.init_process_group(
@@ -196,6 +201,7 @@ def _init_torch(
                 rank=launch.rank,
                 world_size=launch.size,
                 timeout=timeout,
+                device_id=device,  # NCCL: its communicators for this rank's GPU
             )
     return TorchGroup(None, device=device, timeout_s=timeout_s, validate=validate)
 

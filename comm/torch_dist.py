@@ -217,7 +217,11 @@ class TorchGroup(ProcessGroup):
         return self._run(tensor, run)
 
     def _barrier_async(self) -> Handle:
-        work = dist.barrier(group=self._pg, async_op=True)
+        # NCCL: name this rank's GPU, or a group whose first op is a barrier guesses one
+        # (on a multi-GPU host, possibly another rank's).
+        on_gpu = self._device_backend and self.device.index is not None
+        ids = [self.device.index] if on_gpu else None
+        work = dist.barrier(group=self._pg, async_op=True, device_ids=ids)
         return self._handle(work, lambda: None, "barrier")
 
     def _send_async(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle:
