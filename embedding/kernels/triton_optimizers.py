@@ -173,7 +173,9 @@ def _grad_block(
             q = c + tl.arange(0, BLOCK_N)  # [BLOCK_N] sorted positions
             m = q < hi
             src = tl.load(order_ptr + q, mask=m, other=0)  # position in the batch
-            bag = tl.load(bag_ptr + src, mask=m, other=0)
+            # int64: a bag index times the row stride passes 2**31 on large batches
+            # (26 tables x 655 k bags x 128 columns).
+            bag = tl.load(bag_ptr + src, mask=m, other=0).to(tl.int64)
             tile = tl.load(
                 grad_ptr + bag[:, None] * stride_g + cols[None, :],
                 mask=m[:, None] & col_mask[None, :],
