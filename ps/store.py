@@ -240,11 +240,16 @@ class Store(ABC):
     def push_many_async(self, requests: Sequence[PushRequest]) -> Handle:
         """Start the pushes of several tables at once; ``wait()`` returns None once
         every one is applied, in order. The stores here check them all before any is
-        sent; the base class pushes one table at a time."""
-        handles = [
-            self.push_async(r.table, r.ids, r.grads)
-            for r in check_requests(requests, PushRequest, "push_many")
-        ]
+        sent; the base class pushes one table at a time (and refuses counted pushes,
+        which ``push_async`` cannot carry)."""
+        reqs = check_requests(requests, PushRequest, "push_many")
+        for r in reqs:
+            if r.counts is not None or r.stats is not None:
+                raise ValueError(
+                    f"push table {r.table!r}: {type(self).__name__} does not take counted "
+                    "pushes (counts, stats)"
+                )
+        handles = [self.push_async(r.table, r.ids, r.grads) for r in reqs]
         return _all_of(handles, "push_many", result=False)
 
     def push_many(self, requests: Sequence[PushRequest]) -> None:

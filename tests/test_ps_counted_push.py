@@ -196,3 +196,18 @@ def test_bad_counts_or_statistics_are_refused_and_change_nothing(
     assert message in str(err.value), err.value
     assert torch.equal(store.pull("t", ids).rows, before)
     assert torch.equal(store.clocks("t", ids), torch.zeros(2, dtype=torch.int64))
+
+
+def test_a_store_that_cannot_carry_counts_refuses_them() -> None:
+    """A store on the base class's batched push (one ``push_async`` per table) would
+    drop the counts: it refuses a counted push, and changes nothing."""
+    from wrapped_store import WrappedStore
+
+    store = WrappedStore()
+    store.create_table(ps.TableSpec(name="t", num_rows=10, dim=DIM, optimizer=OPTIMIZERS["adam"]))
+    assert not store.counted_pushes
+    req = ps.PushRequest("t", torch.tensor([1]), torch.ones(1, DIM), torch.tensor([2]),
+                         torch.ones(1, DIM))  # fmt: skip
+    with pytest.raises(ValueError, match="'t'.*does not take counted pushes"):
+        store.push_many([req])
+    assert torch.equal(store.clocks("t", torch.tensor([1])), torch.zeros(1, dtype=torch.int64))
