@@ -149,6 +149,31 @@ int hr_sort_ids(int64_t n, const int64_t* ids, int64_t* sorted, int64_t* perm) {
     return 0;
 }
 
+/* A counted push of distinct rows [n] (ps.Optimizer.apply_counted): row i stands for
+   counts[i] updates whose gradients sum to grad[i] [d] and whose mean squares sum to
+   stats[i]; it takes counts[i] sub-steps of the mean gradient, each adding
+   stats[i] / counts[i] to the accumulator. Clocks + 1 (one push). */
+void hr_rowwise_adagrad_counted(int64_t n, int64_t d, int64_t s_stride, const int64_t* rows,
+                                const int64_t* counts, const float* stats, const float* grad,
+                                float* weight, float* state, int64_t* clocks, float lr,
+                                float eps) {
+    for (int64_t i = 0; i < n; ++i) {
+        int64_t r = rows[i];
+        float k = (float)counts[i];
+        float q = stats[i] / k;
+        const float* g = grad + i * d;
+        float* row = weight + r * d;
+        float acc = state[r * s_stride];
+        for (int64_t s = 0; s < counts[i]; ++s) {
+            acc = acc + q;
+            float denom = sqrtf(acc) + eps;
+            for (int64_t j = 0; j < d; ++j) row[j] += -lr * ((g[j] / k) / denom);
+        }
+        state[r * s_stride] = acc;
+        clocks[r] += 1;
+    }
+}
+
 /* Row-wise Adagrad on every run of equal ids in sorted_ids [n]. Occurrence i (in
    sorted order) is original position perm[i] (identity if NULL), whose gradient is
    w[p] * grad[bag_of[p]] (w NULL: 1; bag_of NULL: bag p). Returns 0, or 1 when a

@@ -53,6 +53,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     fn.restype = ctypes.c_int
     fn.argtypes = [i64] * 3 + [ptr] * 8 + [f32, f32, ctypes.c_int]
+    lib.hr_rowwise_adagrad_counted.restype = None
+    lib.hr_rowwise_adagrad_counted.argtypes = [i64] * 3 + [ptr] * 7 + [f32, f32]
     lib.hr_sort_ids.restype = ctypes.c_int
     lib.hr_sort_ids.argtypes = [i64, ptr, ptr, ptr]
     parts = lib.hr_rowwise_adagrad_parts
@@ -72,6 +74,42 @@ def available() -> bool:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def rowwise_adagrad_counted_(
+    weight: torch.Tensor,
+    state: torch.Tensor,
+    clocks: torch.Tensor,
+    rows: torch.Tensor,
+    grad: torch.Tensor,
+    counts: torch.Tensor,
+    stats: torch.Tensor,
+    *,
+    lr: float,
+    eps: float,
+) -> bool:
+    """A counted push of distinct ``rows`` int64 ``[N]`` in place (the C form of
+    :meth:`ps.Optimizer.apply_counted`'s sub-steps for row-wise Adagrad): ``grad``
+    ``[N, D]`` the sums, ``counts`` int64 ``[N]``, ``stats`` ``[N, 1]`` the sums of
+    ``mean(g ** 2)``; clocks + 1. False (nothing changed) where the kernel is not
+    available or the tensors do not fit it."""
+    lib = load()
+    if lib is None:
+        return False
+    d = weight.shape[1]
+    tensors = (weight, state, clocks, rows, grad, counts, stats)
+    if any(not t.is_cpu or not t.is_contiguous() for t in tensors):
+        return False
+    floats = (weight, state, grad, stats)
+    if any(t.dtype != torch.float32 for t in floats) or state.shape[1] < 1:
+        return False
+    if any(t.dtype != torch.int64 for t in (clocks, rows, counts)) or grad.shape[1] != d:
+        return False
+    lib.hr_rowwise_adagrad_counted(
+        rows.numel(), d, state.stride(0), _ptr(rows), _ptr(counts), _ptr(stats), _ptr(grad),
+        _ptr(weight), _ptr(state), _ptr(clocks), float(lr), float(eps),
+    )  # fmt: skip
+    return True
 
 
 def rowwise_adagrad_(

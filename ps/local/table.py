@@ -244,11 +244,12 @@ def coalesce_counted(
     a = ids.numpy()
     if a.size < 2 or bool((a[1:] > a[:-1]).all()):
         return ids, grads, (counts, stats)
+    perm_np = np.argsort(a, kind="stable")  # [N]
+    srt_np = a.take(perm_np)
+    if bool((srt_np[1:] != srt_np[:-1]).all()):  # no repeats (a cache's push): reorder
+        perm = torch.from_numpy(perm_np)
+        return torch.from_numpy(srt_np), take(grads, perm), (counts[perm], take(stats, perm))
     uniq, inverse = torch.unique(ids, return_inverse=True)  # [U] sorted, [N]
-    if uniq.numel() == ids.numel():  # no repeats: reorder
-        perm = torch.empty_like(inverse)
-        perm[inverse] = torch.arange(ids.numel())
-        return uniq, take(grads, perm), (counts[perm], stats[perm])
     u = uniq.numel()
     summed = torch.zeros(u, grads.shape[1], dtype=torch.float32).index_add_(0, inverse, grads)
     k = torch.zeros(u, dtype=torch.int64).index_add_(0, inverse, counts)
@@ -461,6 +462,15 @@ class LocalTable:
     ) -> None:
         """The optimizer on copies of the rows at distinct ``slots`` ``[U]``, written back;
         their clocks up by one (and their last touch, on a dynamic table)."""
+        opt = self.spec.optimizer
+        if counted is not None and not self.dynamic and isinstance(opt, RowWiseAdagrad):
+            counts, stats = counted  # the sub-steps in C, in place, where it builds
+            grads = summed.contiguous()
+            if rowwise_adagrad.rowwise_adagrad_counted_(
+                self.weights, self.state, self.clocks, slots.contiguous(), grads,
+                counts.contiguous(), stats.contiguous(), lr=opt.lr, eps=opt.eps,
+            ):  # fmt: skip
+                return
         rows = take(self.weights, slots)  # [U, D] copies
         state = take(self.state, slots)  # [U, S] copies
         if counted is None:
