@@ -87,6 +87,11 @@ class Optimizer(ABC):
         (``sum_i g_i ** 2``). See the module docstring."""
         return dim
 
+    def sums_exactly(self) -> bool:
+        """Whether one update with the sum of ``k`` gradients is the ``k`` updates (plain
+        SGD): a counted push then needs no count, and every store takes it plain."""
+        return False
+
     def apply_counted(
         self,
         rows: torch.Tensor,
@@ -100,8 +105,11 @@ class Optimizer(ABC):
         the statistic (module docstring). Rows with a count of 1 take :meth:`apply`
         itself, bit for bit; the others ``k`` sub-steps of the mean gradient."""
         one = counts == 1
-        if bool(one.all()):
+        if self.sums_exactly() or bool(one.all()):
             self.apply(rows, state, grads)
+            return
+        if not bool(one.any()):  # every row counted: no split
+            self._substeps(rows, state, grads, counts, stats)
             return
         for sel, counted in ((torch.nonzero(one).squeeze(1), False),
                              (torch.nonzero(~one).squeeze(1), True)):  # fmt: skip
@@ -254,18 +262,8 @@ class SGD(Optimizer):
     def stat_dim(self, dim: int) -> int:
         return 0
 
-    def apply_counted(
-        self,
-        rows: torch.Tensor,
-        state: torch.Tensor,
-        grads: torch.Tensor,
-        counts: torch.Tensor,
-        stats: torch.Tensor,
-    ) -> None:
-        if self.momentum > 0:  # k sub-steps of the mean gradient
-            Optimizer.apply_counted(self, rows, state, grads, counts, stats)  # slots: no super()
-        else:  # k steps of g_i move the row by lr * sum_i g_i: the sum's step, exactly
-            self.apply(rows, state, grads)
+    def sums_exactly(self) -> bool:
+        return self.momentum == 0  # k steps of g_i move the row by lr * sum_i g_i
 
     def _substep(
         self, rows: torch.Tensor, state: torch.Tensor, grads: torch.Tensor, squares: torch.Tensor

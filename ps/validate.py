@@ -136,8 +136,9 @@ def check_counted(
     spec: TableSpec, ids: torch.Tensor, counts: object, stats: object, *, takes: bool, where: str
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A push's ``counts`` int64 ``[N]`` (>= 1) and ``stats`` float32 ``[N, Q]`` (``Q`` =
-    the optimizer's ``stat_dim``; finite, >= 0), or None for a push that is not counted.
-    ``takes``: whether the store (named ``where``) takes counted pushes."""
+    the optimizer's ``stat_dim``; finite, >= 0), or None for a push that is not counted
+    or is the same as a plain push (:func:`plain_counted`). ``takes``: whether the store
+    (named ``where``) takes counted pushes."""
     if counts is None and stats is None:
         return None
     what = f"push table {spec.name!r}"
@@ -166,4 +167,15 @@ def check_counted(
     stats = stats.detach().cpu()
     if stats.numel() and not bool(((stats >= 0) & torch.isfinite(stats)).all()):
         raise ValueError(f"{what}: stats must be finite and >= 0 (sums of squares)")
-    return counts, stats
+    return None if plain_counted(spec, ids, counts) else (counts, stats)
+
+
+def plain_counted(spec: TableSpec, ids: torch.Tensor, counts: torch.Tensor) -> bool:
+    """Whether a counted push of ``ids`` ``[N]`` with ``counts`` ``[N]`` is a plain one:
+    the optimizer sums exactly (plain SGD), or every row is one update and no id repeats
+    (ids strictly increasing: a repeated id's counts would add up)."""
+    if spec.optimizer.sums_exactly():
+        return True
+    a = ids.detach().cpu().numpy()
+    distinct = a.size < 2 or bool((a[1:] > a[:-1]).all())
+    return distinct and bool((counts == 1).all())

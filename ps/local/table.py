@@ -474,9 +474,9 @@ class LocalTable:
         rows = take(self.weights, slots)  # [U, D] copies
         state = take(self.state, slots)  # [U, S] copies
         if counted is None:
-            self.spec.optimizer.apply(rows, state, summed)
+            opt.apply(rows, state, summed)
         else:
-            self.spec.optimizer.apply_counted(rows, state, summed, *counted)
+            opt.apply_counted(rows, state, summed, *counted)
         put(self.weights, slots, rows)
         put(self.state, slots, state)
         self.clocks.numpy()[slots.numpy()] += 1  # slots are distinct

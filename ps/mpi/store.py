@@ -540,8 +540,6 @@ class MPIStore(Store):
             order, counts = self._split(ids)
             g = grads.detach().cpu()
             g = g if order is None else g.index_select(0, order)  # [N, D] shard order
-            if counted is not None and bool((counted[0] == 1).all()):
-                counted = None  # one update a row: a plain push (the servers' C pass takes it)
             if counted is not None:
                 k, q = counted if order is None else (counted[0][order], counted[1][order])
                 counted = (k, q)
@@ -697,8 +695,14 @@ class MPIStore(Store):
                 for key, value in counters.items():
                     acc[key] = acc.get(key, 0) + value
         total = {t: acc for t, acc in total.items() if held[t] == len(calls)}
-        for table, acc in total.items():
-            num_rows = self.spec(table).num_rows
+        for table, acc in list(total.items()):
+            try:
+                num_rows = self.spec(table).num_rows
+            except ValueError:  # dropped by another worker since its counters came
+                if table in self.tables():
+                    raise
+                del total[table]
+                continue
             if num_rows is not None:  # shards hold only the rows they touched
                 acc["rows"] = num_rows
             acc.update(

@@ -631,7 +631,7 @@ def counted_push_script(opt: Optimizer, dim: int) -> str:
     statistic in place of the gradient's square (:meth:`ps.Optimizer.apply_counted`),
     written with plain Lua tables (a counted row is a hot row: few per call)."""
     plain = push_script(opt, dim)
-    if isinstance(opt, SGD) and opt.momentum == 0:
+    if opt.sums_exactly():
         return plain  # the step of the sum is the k steps; the client sends it plain
     q = opt.stat_dim(dim)
     vectors, scalars = _state_names(opt)

@@ -81,7 +81,6 @@ from comm import Handle
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
 from ps.errors import check_existing
 from ps.local.table import coalesce, coalesce_counted
-from ps.optimizers import SGD
 from ps.redis.conn import (
     Batch,
     Command,
@@ -120,7 +119,14 @@ from ps.redis.snapshot import table_parts, write_rows
 from ps.routing import shard_of
 from ps.store import PullRequest, PullResult, PushRequest, Store, check_requests
 from ps.table import TableSpec
-from ps.validate import check_counted, check_grads, check_ids, check_pull_bound, unknown_table
+from ps.validate import (
+    check_counted,
+    check_grads,
+    check_ids,
+    check_pull_bound,
+    plain_counted,
+    unknown_table,
+)
 
 __all__ = ["RedisAuthError", "RedisDataLossError", "RedisStore", "RedisUnavailableError"]
 
@@ -811,9 +817,6 @@ class RedisStore(Store):
         finite = t.spec.nan_policy == "raise"
         grads = check_grads(t.spec, ids, r.grads, finite=finite).detach().cpu()
         counted = check_counted(t.spec, ids, r.counts, r.stats, takes=True, where="Redis")
-        opt = t.spec.optimizer
-        if counted is not None and isinstance(opt, SGD) and opt.momentum == 0:
-            counted = None  # plain SGD: the step of the sum is the k steps
         uniq, summed = ids, grads
         if ids.numel() and counted is None:
             uniq, summed = coalesce(ids, grads)  # [U], [U, D]
@@ -827,8 +830,8 @@ class RedisStore(Store):
                 uniq, summed = uniq[ok], summed[ok]
                 if counted is not None:
                     counted = (counted[0][ok], counted[1][ok])
-        if counted is not None and bool((counted[0] == 1).all()):
-            counted = None  # one update a row: the plain push
+        if counted is not None and plain_counted(t.spec, uniq, counted[0]):
+            counted = None  # coalesced to one update a row: the plain push
         return _Push(t, uniq, summed, skipped, counted)
 
     def _push(self, pushes: list[_Push], what: str) -> Handle:
