@@ -136,20 +136,22 @@ class CachedStore(Store):
     def _ensure(self, tables: Sequence[str]) -> None:
         """Make the caches of ``tables`` (one request's) that have none yet. With
         ``group_tables`` those of them that are fixed and share a dim and a local step
-        size (and pushed statistic) share one cache: tables first requested together are
-        cached together."""
+        (size, or optimizer; and pushed statistic) share one cache: tables first
+        requested together are cached together."""
         with self._lock:
             new: list[str] = []
             for t in tables:
                 if (not isinstance(t, str) or t not in self._members) and t not in new:
                     new.append(t)
             specs = [self.inner.spec(t) for t in new]  # raises for an unknown table
-            groups: dict[tuple[int, float, int], list[TableSpec]] = {}
+            groups: dict[tuple[object, ...], list[TableSpec]] = {}
             for spec in specs:
                 if self.config.group_tables and spec.num_rows is not None:
-                    # One record layout: the same pushed statistic (counted pushes).
+                    # One record layout and local step: the same pushed statistic
+                    # (counted pushes) and the same optimizer stepping the copies.
                     stat = spec.optimizer.stat_dim(spec.dim)
-                    key = (spec.dim, self.config.lr_for(spec), stat)
+                    step = self.config.local_optimizer(spec)
+                    key = (spec.dim, self.config.lr_for(spec), stat, step)
                     groups.setdefault(key, []).append(spec)
                 else:
                     self._register([spec])

@@ -10,9 +10,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from ps import SGD, Adagrad, Adam, RowWiseAdagrad, TableSpec
+from ps import SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad, TableSpec
 
 POLICIES = ("lru", "lfu", "tinylfu")
+LOCAL_STEPS = ("optimizer", "sgd")
 
 #: TinyLFU defaults: sketch counters per cached row (rounded up to a power of 2), hash
 #: rows, and ids added between halvings per cached row.
@@ -65,10 +66,17 @@ class CacheConfig:
       then learn under a write bound as without one; ``docs/cache.md``). Where the
       store does not take counted pushes (``ps.Store.counted_pushes``) or the rows
       are on a device, the PS applies one update per push, as with False.
-    * ``local_lr``: step size of the SGD step applied to the cached copy for each
-      local update (``copy -= local_lr * grad``). None: the table optimizer's
-      ``lr`` (SGD, RowWiseAdagrad, Adagrad, Adam; 0 for FTRL). 0: a copy changes
-      only when it is refreshed from the PS.
+    * ``local_step``: how a cached copy moves with each local update between its
+      refreshes. ``"optimizer"`` (the default): the table's own optimizer steps the
+      copy, with the row's optimizer state as pulled with the row (one more float32
+      per state column in each record), and a refreshed row with pending updates is
+      the PS row advanced by them as the PS will apply them; so with one worker and
+      no write bound the copy is the PS row. ``"sgd"``: a plain SGD step,
+      ``copy -= local_lr * grad`` (HET's rule; no state). None: ``"sgd"`` when
+      ``local_lr`` is given, else ``"optimizer"``.
+    * ``local_lr`` (``local_step="sgd"`` only): the SGD step size. None: the table
+      optimizer's ``lr`` (SGD, RowWiseAdagrad, Adagrad, Adam; 0 for FTRL). 0: a copy
+      changes only when it is refreshed from the PS.
     * ``verify_prefetched``: True (default): the pull of a prefetched batch still
       sends one conditional pull with the clocks of all cached ids, so the read
       bound holds exactly when a row is used; only rows that went past it since
@@ -106,6 +114,7 @@ class CacheConfig:
     read_bound: int = 0
     write_bound: int = 0
     counted_pushes: bool = True
+    local_step: Literal["optimizer", "sgd"] | None = None
     local_lr: float | None = None
     verify_prefetched: bool = True
     sole_writer: bool = False
@@ -137,6 +146,17 @@ class CacheConfig:
             raise ValueError(f"CacheConfig: policy must be one of {POLICIES}, got {self.policy!r}")
         _int("read_bound", self.read_bound, 0)
         _int("write_bound", self.write_bound, 0)
+        if self.local_step is None:
+            self.local_step = "sgd" if self.local_lr is not None else "optimizer"
+        if self.local_step not in LOCAL_STEPS:
+            raise ValueError(
+                f"CacheConfig: local_step must be one of {LOCAL_STEPS}, got {self.local_step!r}"
+            )
+        if self.local_step == "optimizer" and self.local_lr is not None:
+            raise ValueError(
+                f"CacheConfig: local_lr={self.local_lr!r} sets the step of local_step='sgd', "
+                "got local_step='optimizer' (the table's optimizer sets its own step)"
+            )
         if self.local_lr is not None:
             lr = self.local_lr
             if not isinstance(lr, int | float) or isinstance(lr, bool):
@@ -204,8 +224,20 @@ class CacheConfig:
             period = SKETCH_PERIOD_PER_ROW * max(capacity, 1)
         return width, depth, period
 
+    def local_optimizer(self, spec: TableSpec) -> Optimizer | None:
+        """The optimizer that steps cached copies of ``spec``'s rows, or None where the
+        copies take a plain SGD step of :meth:`lr_for` (``local_step="sgd"``, and plain
+        SGD, whose optimizer step is that step)."""
+        opt = spec.optimizer
+        if self.local_step != "optimizer" or (isinstance(opt, SGD) and opt.momentum == 0):
+            return None
+        return opt
+
     def lr_for(self, spec: TableSpec) -> float:
-        """The step size of the local SGD step on cached copies of ``spec``'s rows."""
+        """The step size of the local SGD step on cached copies of ``spec``'s rows (0
+        where the table's optimizer steps them: :meth:`local_optimizer`)."""
+        if self.local_optimizer(spec) is not None:
+            return 0.0
         if self.local_lr is not None:
             return float(self.local_lr)
         opt = spec.optimizer

@@ -9,6 +9,8 @@ with a row width of 0), and the ``D``-wide data lives here::
     pend  float32 [C, D]   the sum of the gradients not pushed yet (0 if COUNT = 0)
     stat  float32 [C, Q]   counted pushes: the statistic of `pend` (Q = 1: sum of
                            mean(g^2); Q = D: sums of g^2; Q = 0 otherwise)
+    opt   float32 [C, S]   the optimizer's local step: the row's optimizer state
+                           (S = 0 for an SGD step; :mod:`cache.local_step`)
 
 The host decides every step from the metadata alone (which ids hit, which rows are
 refreshed, admitted, evicted or due), so the device only receives index arrays and the
@@ -33,22 +35,32 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from cache.local_step import LocalStep
+
 
 class DeviceRows:
-    """``rows`` and ``pend`` ``[capacity, dim]`` and ``stat`` ``[capacity, stat_dim]``
-    float32 on ``device`` (zeros)."""
+    """``rows`` and ``pend`` ``[capacity, dim]``, ``stat`` ``[capacity, stat_dim]`` and
+    ``opt`` ``[capacity, state_dim]`` float32 on ``device`` (zeros)."""
 
-    def __init__(self, capacity: int, dim: int, device: torch.device, stat_dim: int = 0) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        dim: int,
+        device: torch.device,
+        stat_dim: int = 0,
+        state_dim: int = 0,
+    ) -> None:
         self.device = device
         self.dim = dim
         self.rows = torch.zeros(capacity, dim, dtype=torch.float32, device=device)  # [C, D]
         self.pend = torch.zeros(capacity, dim, dtype=torch.float32, device=device)  # [C, D]
         self.stat = torch.zeros(capacity, stat_dim, dtype=torch.float32, device=device)  # [C, Q]
+        self.opt = torch.zeros(capacity, state_dim, dtype=torch.float32, device=device)  # [C, S]
         self._copies = device.type != "cpu"
 
     @property
     def nbytes(self) -> int:
-        return (2 * self.rows.numel() + self.stat.numel()) * 4
+        return (2 * self.rows.numel() + self.stat.numel() + self.opt.numel()) * 4
 
     # ------------------------------------------------------------ transfers
 
@@ -86,17 +98,72 @@ class DeviceRows:
 
     # ------------------------------------------------------------ slot operations
 
-    def install(self, slots: torch.Tensor, fresh: torch.Tensor, sel: torch.Tensor) -> None:
-        """New copies: ``rows[slots] = fresh[sel]``, nothing pending (``[n]`` each)."""
+    def install(
+        self,
+        slots: torch.Tensor,
+        fresh: torch.Tensor,
+        sel: torch.Tensor,
+        fresh_state: torch.Tensor | None = None,
+    ) -> None:
+        """New copies: ``rows[slots] = fresh[sel]``, nothing pending (``[n]`` each), and
+        ``opt[slots] = fresh_state[sel]`` (``[M, S]`` on the device) when given."""
         if slots.numel() == 0:
             return
         self.rows.index_copy_(0, slots, fresh.index_select(0, sel))
         self.pend.index_fill_(0, slots, 0.0)
         self.stat.index_fill_(0, slots, 0.0)
+        if fresh_state is not None and self.opt.shape[1]:
+            self.opt.index_copy_(0, slots, fresh_state.index_select(0, sel))
 
-    def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """``rows[slots] = rows`` (host ``[n, D]``), nothing pending (a loaded cache)."""
-        self.install(slots, self.upload(rows), torch.arange(rows.shape[0], device=self.device))
+    def write(
+        self, slots: torch.Tensor, rows: torch.Tensor, state: torch.Tensor | None = None
+    ) -> None:
+        """``rows[slots] = rows`` (host ``[n, D]``) and their optimizer state (host
+        ``[n, S]``), nothing pending (a loaded cache)."""
+        at = torch.arange(rows.shape[0], device=self.device)
+        self.install(slots, self.upload(rows), at, None if state is None else self.upload(state))
+
+    def refresh_ahead(
+        self,
+        slots: torch.Tensor,
+        fresh: torch.Tensor,
+        sel: torch.Tensor,
+        fresh_state: torch.Tensor,
+        counts: torch.Tensor,
+        local: LocalStep,
+        *,
+        counted: bool,
+    ) -> None:
+        """Cached rows past the read bound, with the optimizer's local step: the PS rows
+        ``fresh[sel]`` and state ``fresh_state[sel]`` advanced by the pending updates
+        (``counts`` ``[R]`` on the host; with ``counted``, the statistics) as the PS will
+        apply them (:meth:`cache.local_step.LocalStep.ahead`)."""
+        if slots.numel() == 0:
+            return
+        rows = fresh.index_select(0, sel)  # [R, D]
+        state = fresh_state.index_select(0, sel)  # [R, S]
+        stats = self.stat.index_select(0, slots) if counted else None
+        k = counts.to(self.device)
+        local.ahead(rows, state, self.pend.index_select(0, slots), k, stats)
+        self.rows.index_copy_(0, slots, rows)
+        self.opt.index_copy_(0, slots, state)
+
+    def step_local(
+        self, cached_at: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor, local: LocalStep
+    ) -> None:
+        """The optimizer's local step of the cached rows ``slots`` ``[S]`` with gradients
+        ``grads[cached_at]``: rows and state gathered, stepped, scattered back."""
+        if slots.numel() == 0:
+            return
+        rows, state = self.rows.index_select(0, slots), self.opt.index_select(0, slots)
+        local.step(rows, state, grads.index_select(0, cached_at))
+        self.rows.index_copy_(0, slots, rows)
+        self.opt.index_copy_(0, slots, state)
+
+    def read_state(self, slots: np.ndarray) -> torch.Tensor:
+        """Host copies of the optimizer state of ``slots`` (a checkpoint of the cache)."""
+        (at,) = self.indices(slots)
+        return self.opt.index_select(0, at).cpu()
 
     def refresh(
         self, slots: torch.Tensor, fresh: torch.Tensor, sel: torch.Tensor, lr: float

@@ -6,10 +6,11 @@ table (layouts in :mod:`cache.table_cache`):
 
 * records in host memory (``device=None``): one ``W``-float record (row, pending sum,
   64 bytes of metadata, with counted pushes of an element-wise optimizer ``D`` floats of
-  statistics, rounded up to 64-byte lines) on the host;
-* rows on a device: the row and the pending sum, ``2 x D`` float32 (with counted pushes
-  plus the ``Q`` statistic floats), on the device, and a 64-byte metadata record on the
-  host;
+  statistics, with the optimizer's local step its ``S`` state floats, rounded up to
+  64-byte lines) on the host;
+* rows on a device: the row and the pending sum, ``2 x D`` float32 (plus the ``Q``
+  statistic floats of counted pushes and the ``S`` state floats of the optimizer's local
+  step), on the device, and a 64-byte metadata record on the host;
 * either way on the host: the slot's row id, eviction key and free-stack entry (24
   bytes), the id -> slot map (4 bytes per *table* row for a fixed table of at most
   :data:`cache.config.DENSE_INDEX_MAX_ROWS` rows, else about 64 bytes per cached id),
@@ -46,10 +47,18 @@ def stat_floats(config: CacheConfig, spec: TableSpec) -> int:
     return spec.optimizer.stat_dim(spec.dim)
 
 
-def record_floats(dim: int, stat: int = 0) -> int:
-    """Floats of one host record holding row, pending sum, metadata and a statistic of
-    ``stat`` floats (one lives in the metadata's spare word), in whole 64-byte lines."""
-    extra = stat if stat > 1 else 0
+def state_floats(config: CacheConfig, spec: TableSpec) -> int:
+    """Floats of optimizer state per cached row of ``spec`` (``S``: the state its local
+    step uses, :meth:`cache.CacheConfig.local_optimizer`; 0 for an SGD step)."""
+    opt = config.local_optimizer(spec)
+    return 0 if opt is None else opt.state_dim(spec.dim)
+
+
+def record_floats(dim: int, stat: int = 0, state: int = 0) -> int:
+    """Floats of one host record holding row, pending sum, metadata, a statistic of
+    ``stat`` floats (one lives in the metadata's spare word) and ``state`` floats of
+    optimizer state, in whole 64-byte lines."""
+    extra = (stat if stat > 1 else 0) + state
     return -(-(2 * dim + META_BYTES // 4 + extra) // 16) * 16
 
 
@@ -59,12 +68,12 @@ def cache_bytes(config: CacheConfig, specs: Sequence[TableSpec], *, on_device: b
     device = host = 0
     for spec in specs:
         rows = config.capacity(spec)
-        q = stat_floats(config, spec)
+        q, s = stat_floats(config, spec), state_floats(config, spec)
         if on_device:
-            device += rows * (2 * spec.dim + q) * 4
+            device += rows * (2 * spec.dim + q + s) * 4
             host += rows * META_BYTES
         else:
-            host += rows * record_floats(spec.dim, q) * 4
+            host += rows * record_floats(spec.dim, q, s) * 4
         host += rows * SLOT_BYTES
         if spec.num_rows is not None and spec.num_rows <= DENSE_INDEX_MAX_ROWS:
             host += spec.num_rows * 4
@@ -81,9 +90,11 @@ def rows_fitting(
 ) -> int:
     """The most rows per table whose caches of ``specs`` (rows on a device, under
     ``config``'s bounds) take at most ``device_bytes`` there:
-    ``device_bytes // sum((2 x D + Q) x 4)``."""
+    ``device_bytes // sum((2 x D + Q + S) x 4)``."""
     cfg = CacheConfig(capacity_rows=1) if config is None else config
-    per_row = sum((2 * spec.dim + stat_floats(cfg, spec)) * 4 for spec in specs)
+    per_row = sum(
+        (2 * spec.dim + stat_floats(cfg, spec) + state_floats(cfg, spec)) * 4 for spec in specs
+    )
     if per_row == 0:
         raise ValueError("rows_fitting: no tables to cache")
     return max(0, int(device_bytes) // per_row)

@@ -19,6 +19,9 @@ aligned to cache lines)::
         (spare)  counted pushes of row-wise Adagrad: float32 sum of mean(g^2) of `pend`
     slab[s, 2D+16:3D+16]  float32  counted pushes of element-wise optimizers (Adagrad,
                                    Adam, FTRL): the sums of g^2 of `pend`
+    then S floats          float32  the optimizer's local step (:mod:`cache.local_step`):
+                                    the row's optimizer state, as pulled plus the
+                                    local updates since
 
 The statistics exist only where pushes are counted (``CacheConfig.counted_pushes`` and a
 store that takes them, :attr:`ps.Store.counted_pushes`): a due row is then pushed with
@@ -85,13 +88,14 @@ from cache.kernels.records import (
     sole_writer_asks,
     update_rows,
 )
+from cache.local_step import LocalStep
 from cache.memory import record_floats
 from cache.policy import EvictionPolicy
 from cache.sketch import FrequencySketch
 from cache.slot_index import make_slot_index
 from cache.stats import CacheStats
 from comm import Handle
-from ps import PullRequest, PullResult, Store, TableSpec
+from ps import PullRequest, PullResult, RowWiseAdagrad, Store, TableSpec
 from ps.local.table import coalesce
 
 CLOCK, OWN, COUNT, FREQ, PF, CHECKED, PUSHED = range(7)
@@ -102,9 +106,13 @@ _NO_ROWS = np.empty((0, 0), dtype=np.float32)  # the rows of a record slab of ro
 
 
 class ClockSource(Protocol):
+    """What a cache asks of its store besides requests (a group's: per packed id)."""
+
     """Where a cache reads PS clocks (``exact_staleness``): the store, or a group's router."""
 
     def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def state(self, table: str, ids: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -212,7 +220,13 @@ class TableCache:
         # word; Q = D: after the metadata), else on the rows' device.
         self.counted = counted and config.counted_pushes and self.write_bound > 0
         self.push_q = spec.optimizer.stat_dim(d) if self.counted else 0
-        self.data = None if device is None else DeviceRows(cap, d, device, self.push_q)
+        # The optimizer's local step (None: an SGD step of `lr`): S state floats per row.
+        opt = config.local_optimizer(spec)
+        self.local = None if opt is None else LocalStep(opt, d)
+        self.opt_dim = 0 if self.local is None else self.local.state_dim
+        self.data = (
+            None if device is None else DeviceRows(cap, d, device, self.push_q, self.opt_dim)
+        )
         sd = d if self.data is None else 0  # floats of row (and of pend) in a record
         self.sd = sd
         self.store = store
@@ -228,7 +242,10 @@ class TableCache:
         self.chunk = config.chunk(cap)
         q = self.push_q if self.data is None else 0
         self.stat_dim, self.stat_at = q, 2 * sd + (_META_WORDS - 2 if q == 1 else _META_WORDS)
-        self.width = record_floats(sd, q)  # W: whole 64-byte lines
+        # Host records: the optimizer state after the statistics, at float `state_at`.
+        self.state_dim = self.opt_dim if self.data is None else 0
+        self.state_at = 2 * sd + _META_WORDS + (q if q > 1 else 0)
+        self.width = record_floats(sd, q, self.state_dim)  # W: whole 64-byte lines
         self.slab = _aligned_records(cap, self.width)  # [C, W]
         self._void = np.dtype((np.void, 4 * self.width))
         self.vslab = self.slab.view(self._void).reshape(cap)  # [C] one item per record
@@ -320,7 +337,9 @@ class TableCache:
         * ``meta`` int64 ``[K, 8]``: CLOCK, OWN, COUNT, FREQ, PF, CHECKED, PUSHED, spare;
         * ``keys`` int64 ``[K]``: their eviction keys (:mod:`cache.policy`);
         * ``counters`` int64 ``[2]``: the table's ``tick`` and ``seq`` (PF, CHECKED and
-          PUSHED are counted in them).
+          PUSHED are counted in them);
+        * with the optimizer's local step, ``opt_state`` float32 ``[K, S]``: the state
+          the copies step with.
         """
         if self.inflight is not None or self.evicted or self.pending_rows:
             raise RuntimeError(
@@ -343,6 +362,12 @@ class TableCache:
             "keys": torch.from_numpy(self.policy.key[slots].copy()),
             "counters": torch.tensor([self.tick, self.seq], dtype=torch.int64),
         }
+        if self.local is not None:
+            if self.data is not None:
+                out["opt_state"] = self.data.read_state(slots)
+            else:
+                sa = self.state_at
+                out["opt_state"] = torch.from_numpy(rec[:, sa : sa + self.state_dim].copy())
         if self.sketch is not None:  # TinyLFU: the frequencies it admits by
             sk = self.sketch.state()
             out["sketch_counters"], out["sketch_added"] = sk["counters"], sk["added"]
@@ -380,14 +405,31 @@ class TableCache:
         self._meta(rec)[:, COUNT] = 0  # a saved cache was flushed: nothing pending
         rec[:, sd : 2 * sd] = 0.0
         self._scatter(slots, rec)
+        opt_state = self._saved_state(state.get("opt_state"), keep, ids_np)
+        if self.state_dim and opt_state is not None:
+            self.slab[slots, self.state_at : self.state_at + self.state_dim] = opt_state.numpy()
         if self.data is not None:
             (at,) = self.data.indices(slots)
-            self.data.write(at, rows[keep].to(torch.float32))
+            self.data.write(at, rows[keep].to(torch.float32), opt_state)
         self.policy.key[slots] = keys[keep].numpy()
         self.tick, self.seq = (int(v) for v in state["counters"].tolist())
         if self.sketch is not None and "sketch_counters" in state:
             self.sketch.load({"counters": state["sketch_counters"], "added": state["sketch_added"]})
         self.touched = slots.size  # an upper bound of the slots in use (see _admittable)
+
+    def _saved_state(
+        self, saved: torch.Tensor | None, keep: slice, ids: np.ndarray
+    ) -> torch.Tensor | None:
+        """The optimizer state ``[K', S]`` of the loaded copies of ``ids`` ``[K']``: as
+        saved, or read from the store where the saved cache has none (it stepped its
+        copies by SGD, or had another optimizer); None without the optimizer's step."""
+        if self.local is None:
+            return None
+        if saved is not None and saved.dim() == 2 and saved.shape[1] == self.opt_dim:
+            return saved[keep].to(torch.float32).contiguous()
+        if ids.size == 0 or self.opt_dim == 0:
+            return torch.zeros(ids.size, self.opt_dim, dtype=torch.float32)
+        return self.store.state(self.name, torch.from_numpy(ids))
 
     # ------------------------------------------------------------ fetch
 
@@ -586,6 +628,7 @@ class TableCache:
             fresh, fresh_clock = self._fresh(res.rows), res.clocks.numpy()  # [A, D], [A]
             self.stats.pulled(asked.size, asked.size, 0)
             ids = uniq.take(asked)  # [A]
+            fresh_state = self._pulled_state(ids)  # [A, S] or None
             take = np.arange(asked.size)  # [A] rows of the reply to install, in order
             freq = np.zeros(asked.size, np.int64) if self.lfu else None
             if self.sketch is not None:  # decide again: the serving pull took victims since
@@ -600,8 +643,9 @@ class TableCache:
             if n > 0:
                 sel = take[:n]
                 self._install(
-                    new_slots, fresh, sel, fresh_clock.take(sel), f.seq, f.tick * 4 + _MISS
-                )
+                    new_slots, fresh, sel, fresh_clock.take(sel), f.seq, fresh_state,
+                    pf=f.tick * 4 + _MISS,
+                )  # fmt: skip
                 self.policy.use(new_slots, None if freq is None else freq.take(sel), f.tick)
                 self.touched += n
                 final = slots.copy()
@@ -655,6 +699,7 @@ class TableCache:
         ref_sel = np.flatnonzero(got_hit)  # [R] indices into got
         miss_sel = np.flatnonzero(~got_hit)  # [K] indices into got
         ref_u, miss_u = got.take(ref_sel), got.take(miss_sel)  # indices into uniq
+        fresh_state = self._pulled_state(uniq.take(got))  # [M, S] or None
         asked_hit = hit if f.asked is None else np.zeros_like(hit)
         if f.asked is not None:
             asked_hit[f.asked] = hit.take(f.asked)
@@ -666,9 +711,13 @@ class TableCache:
             self.meta[slots[asked_hit], CHECKED] = f.seq
 
         # Cached rows past the bound: copy := PS row minus the unpushed local delta.
+        # With the optimizer's local step: the PS row and state advanced by the pending
+        # updates as the PS will apply them (cache.local_step).
         ref_slots = slots.take(ref_u)  # [R]
         if ref_u.size > 0:
-            if self.data is None:
+            if self.local is not None:
+                self._refresh_ahead(ref_slots, fresh, ref_sel, fresh_state)
+            elif self.data is None:
                 rows = fresh.take(ref_sel, axis=0)  # [R, D]
                 if self.lr != 0.0:  # pend is zero for rows without pending updates: exact
                     rows -= self.lr * self.slab[ref_slots, d : 2 * d]
@@ -701,7 +750,7 @@ class TableCache:
         if n_adm > 0:
             final[adm_u] = new_slots
             adm = miss_sel[:n_adm]
-            self._install(new_slots, fresh, adm, fresh_clock.take(adm), f.seq)
+            self._install(new_slots, fresh, adm, fresh_clock.take(adm), f.seq, fresh_state)
             self.touched += n_adm
 
         if f.prefetch:
@@ -756,6 +805,43 @@ class TableCache:
         cache's device in one copy."""
         return rows.numpy() if self.data is None else self.data.upload(rows)
 
+    def _pulled_state(self, ids: np.ndarray) -> torch.Tensor | None:
+        """With the optimizer's local step, the PS's optimizer state of ``ids`` ``[M]``
+        (rows a pull just returned): float32 ``[M, S]`` (on the rows' device), else
+        None. It matches the rows: the owner sent nothing of this table since the pull,
+        and the store applies this worker's requests in order."""
+        if self.local is None:
+            return None
+        if ids.size == 0 or self.opt_dim == 0:
+            state = torch.zeros(ids.size, self.opt_dim, dtype=torch.float32)
+        else:
+            state = self.store.state(self.name, torch.from_numpy(ids))
+        return state if self.data is None else self.data.upload(state)
+
+    def _refresh_ahead(
+        self, slots: np.ndarray, fresh: Any, sel: np.ndarray, fresh_state: Any
+    ) -> None:
+        """Cached ``slots`` ``[R]`` past the bound, with the optimizer's local step: the
+        PS rows ``fresh[sel]`` and their state ``fresh_state[sel]`` advanced by each
+        row's pending updates as the PS will apply them (:meth:`LocalStep.ahead`)."""
+        assert self.local is not None
+        counts = torch.from_numpy(self.meta[slots, COUNT].copy())  # [R]
+        if self.data is not None:
+            at, at_sel = self.data.indices(slots, sel)
+            self.data.refresh_ahead(at, fresh, at_sel, fresh_state, counts, self.local,
+                                    counted=self.counted)  # fmt: skip
+            return
+        d, sa, sn = self.dim, self.state_at, self.state_dim
+        rows = torch.from_numpy(fresh.take(sel, axis=0))  # [R, D]
+        state = fresh_state.index_select(0, torch.from_numpy(sel))  # [R, S]
+        pend = torch.from_numpy(self.slab[slots, d : 2 * d])  # [R, D]
+        stats = None
+        if self.counted:
+            stats = torch.from_numpy(self.slab[slots, self.stat_at : self.stat_at + self.stat_dim])
+        self.local.ahead(rows, state, pend, counts, stats)
+        self.slab[slots, :d] = rows.numpy()
+        self.slab[slots, sa : sa + sn] = state.numpy()
+
     def _install(
         self,
         slots: np.ndarray,
@@ -763,27 +849,31 @@ class TableCache:
         sel: np.ndarray,
         clocks: np.ndarray,
         seq: int,
+        fresh_state: Any = None,
         pf: int = 0,
     ) -> None:
         """Fresh records in ``slots`` ``[n]``: PS rows ``fresh[sel]`` (``fresh`` from
         :meth:`_fresh`, ``[M, D]``) read at ``clocks`` ``[n]`` by request ``seq``, nothing
-        pending, no uses yet, prefetch mark ``pf``."""
+        pending, no uses yet, prefetch mark ``pf``; with the optimizer's local step their
+        state ``fresh_state[sel]`` (``[M, S]``, from :meth:`_pulled_state`)."""
         n = slots.size
         if self.data is not None:
             at, at_sel = self.data.indices(slots, sel)
-            self.data.install(at, fresh, at_sel)
+            self.data.install(at, fresh, at_sel, fresh_state)
         host_rows = fresh if self.data is None else _NO_ROWS
         sel, clocks = sel.astype(np.int64, copy=False), clocks.astype(np.int64, copy=False)
-        if install_rows(self.slab, self.sd, slots, host_rows, sel, clocks, seq=seq, pf=pf):
-            return
-        rec = np.zeros((n, self.width), dtype=np.float32)  # [n, W]
-        if self.data is None:
-            rec[:, : self.dim] = fresh.take(sel, axis=0)
-        meta = self._meta(rec)
-        meta[:, CLOCK] = clocks
-        meta[:, CHECKED] = seq
-        meta[:, PF] = pf
-        self._scatter(slots, rec)
+        if not install_rows(self.slab, self.sd, slots, host_rows, sel, clocks, seq=seq, pf=pf):
+            rec = np.zeros((n, self.width), dtype=np.float32)  # [n, W]
+            if self.data is None:
+                rec[:, : self.dim] = fresh.take(sel, axis=0)
+            meta = self._meta(rec)
+            meta[:, CLOCK] = clocks
+            meta[:, CHECKED] = seq
+            meta[:, PF] = pf
+            self._scatter(slots, rec)
+        if self.state_dim and fresh_state is not None:
+            sa = self.state_at
+            self.slab[slots, sa : sa + self.state_dim] = fresh_state.numpy().take(sel, axis=0)
 
     def _serve_numpy(
         self, final: np.ndarray, old: np.ndarray, uses: np.ndarray | None, tick: int
@@ -964,7 +1054,8 @@ class TableCache:
         ``grads`` on the rows' device when they are on one).
 
         Repeated ids are summed first (as a store does). Cached rows: the copy takes
-        an SGD step of ``lr``, the gradient joins the row's pending sum, and rows
+        the local step (the table optimizer's with the row's state, or an SGD step of
+        ``lr``), the gradient joins the row's pending sum, and rows
         with more than ``write_bound`` pending updates are pushed (their sum) now.
         Rows not cached are pushed at once. Everything due goes in one push.
         """
@@ -1002,6 +1093,8 @@ class TableCache:
             cached, slots.take(cached), due_at, slots.take(due_at), uncached
         )
         self.data.update(at_c, s_c, grads, self.lr, accumulate=self.write_bound > 0)
+        if self.local is not None:
+            self.data.step_local(at_c, s_c, grads, self.local)
         if self.write_bound == 0:  # every update is due as it is
             due = grads.index_select(0, at_due)
         else:
@@ -1015,6 +1108,20 @@ class TableCache:
         stats = torch.cat([through.stats, self.data.take_stats(s_due)])
         self._push(_Due(push_ids, rows, counts, stats))
 
+    def _step_local(self, slots: np.ndarray, g: np.ndarray) -> None:
+        """The optimizer's local step of the cached ``slots`` ``[U]`` (-1: not cached)
+        with gradients ``g`` ``[U, D]``: rows and state gathered, stepped, written back."""
+        assert self.local is not None
+        c_sel = np.flatnonzero(slots >= 0)  # [S]
+        if c_sel.size == 0:
+            return
+        s, d, sa, sn = slots.take(c_sel), self.dim, self.state_at, self.state_dim
+        rows = torch.from_numpy(self.slab[s, :d])  # [S, D] copies
+        state = torch.from_numpy(self.slab[s, sa : sa + sn])  # [S, S_opt]
+        self.local.step(rows, state, torch.from_numpy(g.take(c_sel, axis=0)))
+        self.slab[s, :d] = rows.numpy()
+        self.slab[s, sa : sa + sn] = state.numpy()
+
     def _update_records(
         self, slots: np.ndarray, g: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
@@ -1025,12 +1132,22 @@ class TableCache:
         q, at = self.stat_dim, self.stat_at
         if slots.size == 0:
             return self._counted(_EMPTY_I64, np.empty((0, self.sd), np.float32), _EMPTY_I64, None)
+        # Row-wise Adagrad's local step is the C pass's own (its accumulator in the record).
+        opt = self.spec.optimizer
+        lr, acc_at, eps = self.lr, -1, 0.0
+        if self.state_dim > 0 and isinstance(opt, RowWiseAdagrad):
+            lr, acc_at, eps = opt.lr, self.state_at, opt.eps
+        rowwise = acc_at >= 0
         got = update_rows(
-            self.slab, self.sd, slots, g, lr=self.lr, write_bound=self.write_bound,
-            seq=self.seq, stat_dim=q, stat_at=at,
+            self.slab, self.sd, slots, g, lr=lr, write_bound=self.write_bound, seq=self.seq,
+            stat_dim=q, stat_at=at, acc_at=acc_at, eps=eps,
         )  # fmt: skip
         if got is not None:
+            if self.local is not None and self.data is None and not rowwise:
+                self._step_local(slots, g)
             return self._counted(*got)
+        if self.local is not None and self.data is None:
+            self._step_local(slots, g)
         d = self.sd
         c_sel = np.flatnonzero(slots >= 0)  # [S] positions of the cached rows
         s, gc = slots.take(c_sel), g.take(c_sel, axis=0)  # [S], [S, D]

@@ -16,6 +16,7 @@ its requests back into per-table requests for the store and their replies into o
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -128,19 +129,32 @@ class TableGroup:
 
 
 class GroupClocks:
-    """What a group's cache asks of the store besides requests: PS clocks of packed ids."""
+    """What a group's cache asks of the store besides requests, for packed ids: PS
+    clocks (one store call per member table among the ids) and optimizer state (one
+    batched read, :meth:`ps.Store.state_many`)."""
 
     def __init__(self, group: TableGroup, store: Store) -> None:
         self.group, self.store = group, store
 
     def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        def read(parts: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+            return [self.store.clocks(t, i) for t, i in parts]
+
+        return self._per_table(ids, read, torch.empty(0, dtype=torch.int64))
+
+    def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        width = self.group.spec.state_dim
+        return self._per_table(ids, self.store.state_many, torch.empty(0, width))
+
+    def _per_table(self, ids: torch.Tensor, read: Any, empty: torch.Tensor) -> torch.Tensor:
+        """``read([(table, ids), ...])`` of every member's ids among the packed ``ids``
+        ``[N]``, in their order: ``[N, ...]``."""
         packed = ids.numpy()
         order = np.argsort(packed, kind="stable")
         sorted_ids = torch.from_numpy(packed[order])
-        out = torch.empty(ids.numel(), dtype=torch.int64)
-        got = []
-        for a, r in self.group.split_pull(PullRequest(table, sorted_ids)):
-            got.append((a, self.store.clocks(r.table, r.ids)))
-        flat = torch.cat([c for _, c in got]) if got else torch.empty(0, dtype=torch.int64)
+        parts = self.group.split_pull(PullRequest("", sorted_ids))
+        got = read([(r.table, r.ids) for _, r in parts])
+        flat = torch.cat(got) if got else empty
+        out = torch.empty_like(flat)
         out[torch.from_numpy(order)] = flat
         return out

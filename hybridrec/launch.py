@@ -166,8 +166,9 @@ def cache_config(cfg: Any, specs: Sequence[TableSpec], device: torch.device) -> 
     ``device``; None without one. ``cfg``: a job config with the fields of
     :class:`hybridrec.run_options.RunOptions` (``cache_rows``, ``cache_fraction``,
     ``cache_memory``, ``cache_on``, ``cache_policy``, ``read_bound``, ``write_bound``,
-    ``counted_pushes``, ``cache_groups``). ``--cache-memory F`` sizes the cache's rows on
-    the GPU to at most ``F`` of its memory (:func:`hybridrec.memory_plan.cache_size_fitting`)."""
+    ``counted_pushes``, ``local_step``, ``cache_groups``). ``--cache-memory F`` sizes the
+    cache's rows on the GPU to at most ``F`` of its memory
+    (:func:`hybridrec.memory_plan.cache_size_fitting`)."""
     if not cfg.wants_cache:
         return None
     on = cache_device(cfg, device)
@@ -183,6 +184,7 @@ def cache_config(cfg: Any, specs: Sequence[TableSpec], device: torch.device) -> 
             capacity_rows=1,
             write_bound=cfg.write_bound,
             counted_pushes=getattr(cfg, "counted_pushes", True),
+            local_step=getattr(cfg, "local_step", "optimizer"),
         )  # what decides the bytes per cached row besides its width
         size: dict[str, Any] = cache_size_fitting(specs, budget, bounds)
     else:
@@ -196,6 +198,7 @@ def cache_config(cfg: Any, specs: Sequence[TableSpec], device: torch.device) -> 
         read_bound=cfg.read_bound,
         write_bound=cfg.write_bound,
         counted_pushes=getattr(cfg, "counted_pushes", True),
+        local_step=getattr(cfg, "local_step", "optimizer"),
         group_tables=getattr(cfg, "cache_groups", False),
     )
 

@@ -29,7 +29,8 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                           "emb_optimizer", "ngram", "ngram_rows", "ngram_splits",
                           "ngram_placement", "ngram_capacity", "ngram_max_age")),
     ("cache", ("cache_rows", "cache_fraction", "read_bound", "write_bound", "counted_pushes",
-               "cache_policy", "cache_groups", "cache_memory", "cache_on", "sparse_pipeline")),
+               "local_step", "cache_policy", "cache_groups", "cache_memory", "cache_on",
+               "sparse_pipeline")),
     ("dense parallelism", ("compression", "zero_stage", "bucket_mb", "tp", "pp",
                            "microbatches", "schedule")),
     ("checkpoints", ("checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume",
@@ -55,6 +56,13 @@ class RunOptions:
         help="the cache pushes a row with the count of the updates it sums (and their squares), "
         "so the store's optimizer applies each of them (Adam, Adagrad: as without a write "
         "bound); --no-counted-pushes: one update per push (in-process and MPI stores)",
+    )
+    local_step: Literal["optimizer", "sgd"] = option(
+        "optimizer",
+        help="how a cached copy moves with each local update until it is refreshed: "
+        "optimizer (the table's optimizer, with the row's state as pulled: one worker "
+        "without a write bound serves exactly the store's rows) or sgd (HET's plain SGD "
+        "step of the table's lr)",
     )
     cache_policy: Literal["lru", "lfu", "tinylfu"] = option(
         "lru", help="cache eviction policy (tinylfu: frequency-aware admission, LFU eviction)"

@@ -275,6 +275,12 @@ class Store(ABC):
         the initial state.
         """
 
+    def state_many(self, requests: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """:meth:`state` of every ``(table, ids)``, in order; a store whose requests can
+        be in flight together sends them all before it waits (the base reads them one by
+        one)."""
+        return [self.state(table, ids) for table, ids in requests]
+
     @abstractmethod
     def stats(self) -> dict[str, dict[str, int | float]]:
         """Per table, at least the counters of :data:`STAT_KEYS` (a snapshot)."""

@@ -43,11 +43,24 @@ def test_capacity_and_local_lr() -> None:
     fixed = ps.TableSpec(name="f", num_rows=1001, dim=2, optimizer=ps.Adam(lr=0.003))
     dyn = ps.TableSpec(name="d", num_rows=None, dim=2, optimizer=ps.FTRL(alpha=0.1))
     cfg = cache.CacheConfig(capacity_fraction=0.1)
-    assert cfg.capacity(fixed) == 101 and cfg.chunk(101) == 6 and cfg.lr_for(fixed) == 0.003
-    assert cfg.lr_for(dyn) == 0.0
+    assert cfg.capacity(fixed) == 101 and cfg.chunk(101) == 6
+    # The default local step is the table's optimizer (no SGD step size), but for plain
+    # SGD, whose optimizer step is the SGD step.
+    assert cfg.local_step == "optimizer" and cfg.local_optimizer(fixed) == fixed.optimizer
+    assert cfg.lr_for(fixed) == 0.0 and cfg.lr_for(dyn) == 0.0
+    sgd = ps.TableSpec(name="s", num_rows=10, dim=2, optimizer=ps.SGD(lr=0.25))
+    assert cfg.local_optimizer(sgd) is None and cfg.lr_for(sgd) == 0.25
     with pytest.raises(ValueError, match="table 'd' is dynamic .* use capacity_rows"):
         cfg.capacity(dyn)
-    assert cache.CacheConfig(capacity_rows=7, local_lr=0.5).lr_for(fixed) == 0.5
+    by_sgd = cache.CacheConfig(capacity_fraction=0.1, local_step="sgd")
+    assert by_sgd.local_optimizer(fixed) is None and by_sgd.lr_for(fixed) == 0.003
+    assert by_sgd.lr_for(dyn) == 0.0
+    given = cache.CacheConfig(capacity_rows=7, local_lr=0.5)  # an SGD step size: "sgd"
+    assert given.local_step == "sgd" and given.lr_for(fixed) == 0.5
+    with pytest.raises(ValueError, match="local_lr=0.5 sets the step of local_step='sgd'"):
+        cache.CacheConfig(capacity_rows=7, local_lr=0.5, local_step="optimizer")
+    with pytest.raises(ValueError, match="local_step must be one of"):
+        cache.CacheConfig(capacity_rows=7, local_step="adam")  # type: ignore[arg-type]
 
 
 def _cached(**kw: object) -> tuple[cache.CachedStore, ps.InProcessStore]:

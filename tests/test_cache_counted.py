@@ -167,16 +167,18 @@ def test_plain_pushes_where_counts_cannot_go(why: str) -> None:
 @pytest.mark.parametrize("write_bound", [0, 2])
 def test_the_memory_plan_counts_the_statistics(opt: ps.Optimizer, write_bound: int) -> None:
     """``cache.cache_bytes`` as the caches allocate: a host record grows by ``D`` floats
-    for an element-wise optimizer's statistic (row-wise: the spare metadata word), rows
-    on a device by ``Q`` floats."""
-    from cache.memory import record_floats, stat_floats
+    for an element-wise optimizer's statistic (row-wise: the spare metadata word) and by
+    the optimizer's ``S`` state floats of the local step, rows on a device by ``Q + S``
+    floats."""
+    from cache.memory import record_floats, stat_floats, state_floats
 
     spec = ps.TableSpec(name="t", num_rows=1000, dim=DIM, optimizer=opt)
     cfg = cache.CacheConfig(capacity_rows=10, write_bound=write_bound)
-    q = stat_floats(cfg, spec)
+    q, s = stat_floats(cfg, spec), state_floats(cfg, spec)
     assert q == (opt.stat_dim(DIM) if write_bound else 0)
+    assert s == (0 if isinstance(opt, ps.SGD) else opt.state_dim(DIM))
     host = table_cache.TableCache(spec, cfg, ps.InProcessStore(), counted=True)
-    assert host.width == record_floats(DIM, q) and host.stat_dim == q
+    assert host.width == record_floats(DIM, q, s) and host.stat_dim == q
     on = table_cache.TableCache(
         spec, cfg, ps.InProcessStore(), counted=True, device=torch.device("cpu")
     )

@@ -29,6 +29,7 @@ ROWS = 40
 class _Entry:
     row: torch.Tensor  # [D]
     clock: int
+    state: torch.Tensor | None = None  # the optimizer's local step: the row's state [S]
     pend: torch.Tensor | None = None  # [D]
     sq: torch.Tensor | None = None  # the counted push's statistic of `pend` [Q]
     count: int = 0
@@ -37,10 +38,19 @@ class _Entry:
 
 
 class ReplayCache:
-    """The documented cache rules, one id at a time (docs/cache.md), over ``store``."""
+    """The documented cache rules, one id at a time (docs/cache.md), over ``store``; the
+    copies take an SGD step of ``lr``, or with ``opt`` that optimizer's step with the
+    row's state (read from the store with the row)."""
 
     def __init__(
-        self, store: ps.Store, cap: int, s_r: int, s_w: int, lr: float, policy: str
+        self,
+        store: ps.Store,
+        cap: int,
+        s_r: int,
+        s_w: int,
+        lr: float,
+        policy: str,
+        opt: ps.Optimizer | None = None,
     ) -> None:
         self.store, self.cap, self.s_r, self.s_w, self.lr, self.policy = (
             store,
@@ -50,6 +60,7 @@ class ReplayCache:
             lr,
             policy,
         )
+        self.opt = opt
         self.e: dict[int, _Entry] = {}
         self.tick = 0
         spec = store.spec("t")
@@ -94,6 +105,14 @@ class ReplayCache:
                 continue
             if c > e.clock + self.s_r:  # refresh; re-apply unpushed local updates
                 fresh = self.store.pull("t", torch.tensor([i])).rows[0]
+                if self.opt is not None:  # the PS row and state, advanced as the PS will
+                    e.row, e.state = fresh.clone(), self._state(i)
+                    if e.count > 0:
+                        assert e.pend is not None
+                        self._ahead(e)
+                    e.clock = c
+                    e.last_use, e.freq = self.tick, e.freq + 1
+                    continue
                 if e.count > 0 and self.lr != 0:
                     assert e.pend is not None
                     fresh = fresh - self.lr * e.pend
@@ -113,6 +132,8 @@ class ReplayCache:
             got = self.store.pull("t", torch.tensor([i]))
             if n < free:
                 self.e[i] = _Entry(got.rows[0], int(got.clocks[0]), last_use=self.tick, freq=1)
+                if self.opt is not None:
+                    self.e[i].state = self._state(i)
             else:
                 out[i] = got.rows[0]  # passed through
         return torch.stack([out[i] if i in out else self.e[i].row for i in ids])
@@ -129,7 +150,12 @@ class ReplayCache:
             e.pend = g.clone() if e.count == 0 else e.pend + g  # type: ignore[operator]
             sq = self._square(g)
             e.sq = sq if e.count == 0 or e.sq is None else e.sq + sq
-            if self.lr != 0:
+            if self.opt is not None:
+                assert e.state is not None
+                row, state = e.row.clone().unsqueeze(0), e.state.clone().unsqueeze(0)
+                self.opt.apply(row, state, g.unsqueeze(0))
+                e.row, e.state = row[0], state[0]
+            elif self.lr != 0:
                 e.row = e.row - self.lr * g
             e.count += 1
             if e.count > self.s_w:
@@ -138,6 +164,21 @@ class ReplayCache:
                 owners.append(_Entry(e.row, e.clock, count=e.count, sq=e.sq))
                 e.pend, e.sq, e.count = None, None, 0
         self._send(push_ids, push_g, owners)
+
+    def _state(self, i: int) -> torch.Tensor:
+        return self.store.state("t", torch.tensor([i]))[0]
+
+    def _ahead(self, e: _Entry) -> None:
+        """``e``'s row and state (the PS's) advanced by its pending updates."""
+        assert self.opt is not None and e.state is not None and e.pend is not None
+        row, state = e.row.clone().unsqueeze(0), e.state.clone().unsqueeze(0)
+        if self.counted:
+            sq = e.sq if e.sq is not None else torch.zeros(self.q)
+            counts, stats = torch.tensor([e.count]), sq.reshape(1, -1)
+            self.opt.apply_counted(row, state, e.pend.unsqueeze(0), counts, stats)
+        else:
+            self.opt.apply(row, state, e.pend.unsqueeze(0))
+        e.row, e.state = row[0], state[0]
 
     def flush(self) -> None:
         pending = sorted(i for i, e in self.e.items() if e.count > 0)
@@ -187,15 +228,26 @@ SERVED = (
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize(("s_r", "s_w"), [(0, 0), (2, 3), (4, 1)])
 @pytest.mark.parametrize("opt", list(OPTS))
+@pytest.mark.parametrize("local_step", ["optimizer", "sgd"])
 def test_matches_sequential_replay(
-    policy: Literal["lru", "lfu"], s_r: int, s_w: int, opt: str
+    policy: Literal["lru", "lfu"],
+    s_r: int,
+    s_w: int,
+    opt: str,
+    local_step: Literal["optimizer", "sgd"],
 ) -> None:
     inner, ref_store = _stores(OPTS[opt])
     cfg = cache.CacheConfig(
-        capacity_rows=8, policy=policy, read_bound=s_r, write_bound=s_w, evict_chunk=1
+        capacity_rows=8,
+        policy=policy,
+        read_bound=s_r,
+        write_bound=s_w,
+        evict_chunk=1,
+        local_step=local_step,
     )
     store = cache.CachedStore(inner, cfg)
-    ref = ReplayCache(ref_store, 8, s_r, s_w, cfg.lr_for(inner.spec("t")), policy)
+    spec = inner.spec("t")
+    ref = ReplayCache(ref_store, 8, s_r, s_w, cfg.lr_for(spec), policy, cfg.local_optimizer(spec))
     g = torch.Generator().manual_seed(7)
     exact = (s_r, s_w) == (0, 0)
     every = torch.arange(ROWS)
@@ -216,8 +268,10 @@ def test_matches_sequential_replay(
         assert store.cached_ids("t").tolist() == sorted(ref.e), f"step {step}: cached ids"
         grads = torch.randn(len(ids), DIM, generator=g)
         store.push("t", torch.tensor(ids), grads)
+        before = torch.stack([ref.e[i].row if i in ref.e else torch.zeros(DIM) for i in ids])
         ref.push(ids, grads)
-        moved[torch.tensor(ids)] += ref.lr * grads.abs().amax(dim=1)  # ids distinct
+        after = torch.stack([ref.e[i].row if i in ref.e else torch.zeros(DIM) for i in ids])
+        moved[torch.tensor(ids)] += (after - before).abs().amax(dim=1)  # ids distinct
         touched[torch.tensor(ids)] += 1
     store.flush()
     ref.flush()

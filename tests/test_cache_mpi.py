@@ -52,3 +52,14 @@ def test_read_bound_respected_over_mpi(
     workers = nprocs - servers
     assert _oks(outs, "worker") == list(range(workers)), outs
     assert _oks(outs, "server") == list(range(workers, nprocs)), outs
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("nprocs", [2, 3, 4], ids=["1server", "2servers", "3servers"])
+def test_the_copy_is_the_servers_row_over_mpi(nprocs: int) -> None:
+    """``tests/ranks/cache_mpi_local_step.py``: one worker, row-wise Adagrad and Adam
+    tables, bounds (3, 0): every served copy (stepped by the optimizer with the state
+    read from the servers) equals the servers' row right then; the SGD step does not."""
+    outs = run_ranks("cache_mpi_local_step.py", nprocs, "mpi", [], timeout=130)
+    assert _oks(outs, "worker") == [0], outs
+    assert _oks(outs, "server") == list(range(1, nprocs)), outs

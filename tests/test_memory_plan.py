@@ -2,10 +2,11 @@
 sizing options (``--cache-on``, ``--cache-memory``).
 
 The plan's numbers are checked against arithmetic written out here (float32 weights and
-optimizer state plus an int64 clock per row; a device cache's rows and pending sums,
-``2 x D`` float32 per cached row), on a DLRM job with local, hybrid + cache and sharded
-tables. The CUDA variants (``gpu``) put the cache on the GPU, size it by ``--cache-memory``
-and refuse tables that cannot fit before allocating them.
+optimizer state plus an int64 clock per row; a device cache's rows, pending sums and the
+optimizer state its copies step with, ``2 x D + S`` float32 per cached row), on a DLRM
+job with local, hybrid + cache and sharded tables. The CUDA variants (``gpu``) put the
+cache on the GPU, size it by ``--cache-memory`` and refuse tables that cannot fit before
+allocating them.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def test_plan_of_every_placement_against_arithmetic() -> None:
     assert parts["hybrid_tables"].bytes == (1000 + 4000) * (16 * 4 + 4 + 8)
     assert parts["hybrid_tables"].place == "remote"
     assert plan.dynamic_tables == ("dyn",)
-    assert parts["cache_device"].bytes == 3 * 64 * 2 * 16 * 4  # three tables' rows and sums
+    # Three tables' rows, sums and row-wise Adagrad state (1 float: the local step's).
+    assert parts["cache_device"].bytes == 3 * 64 * (2 * 16 + 1) * 4
     specs = [t.to_spec() for t in tables if t.placement == "hybrid"]
     assert parts["cache_host"].bytes == cache_bytes(cache, specs, on_device=True).host
     assert parts["local_tables"].bytes == 500 * _row(4, 2 * 4 + 1)  # Adam: m, v, step
@@ -152,19 +154,23 @@ def _spec(name: str, rows: int | None, dim: int) -> TableSpec:
 
 def test_cache_memory_sizes_each_table_within_the_budget() -> None:
     specs = [_spec("a", 10_000, 16), _spec("b", 3, 16), _spec("c", 50_000, 32)]
-    whole = (10_000 * 16 + 3 * 16 + 50_000 * 32) * 2 * 4  # every row of every table
+
+    def per_row(s: TableSpec) -> int:  # row, pending sum, row-wise Adagrad's state float
+        return (2 * s.dim + 1) * 4
+
+    whole = sum(int(s.num_rows or 0) * per_row(s) for s in specs)  # every row of every table
     for budget in (whole // 10, whole // 2, whole - 1):
         size = cache_size_fitting(specs, budget)
         fraction = size["capacity_fraction"]
         rows = [math.ceil(fraction * s.num_rows) for s in specs]  # type: ignore[operator]
-        used = sum(r * s.dim * 2 * 4 for r, s in zip(rows, specs, strict=True))
+        used = sum(r * per_row(s) for r, s in zip(rows, specs, strict=True))
         assert used <= budget
-        assert used > budget - sum(s.dim * 2 * 4 for s in specs)  # within a row per table
+        assert used > budget - sum(per_row(s) for s in specs)  # within a row per table
         assert all(r <= s.num_rows for r, s in zip(rows, specs, strict=True))  # type: ignore[operator]
     assert cache_size_fitting(specs, whole) == {"capacity_fraction": 1.0}
     # A dynamic table: the same rows for every table, at most the smallest fixed table's.
     mixed = [_spec("a", 10_000, 16), _spec("d", None, 16)]
-    assert cache_size_fitting(mixed, 100 * 2 * 2 * 16 * 4 + 5) == {"capacity_rows": 100}
+    assert cache_size_fitting(mixed, 100 * 2 * per_row(mixed[0]) + 5) == {"capacity_rows": 100}
     assert cache_size_fitting(mixed, 10**12) == {"capacity_rows": 10_000}
     with pytest.raises(ValueError, match="less than one cached row of each table"):
         cache_size_fitting(specs, 100)
@@ -210,6 +216,10 @@ def test_cache_on_host_is_the_cpu_cache() -> None:
         assert cache_config(plain, [], CPU) == CacheConfig(
             capacity_rows=7, group_tables=True, counted_pushes=False
         )
+        by_sgd = TrainConfig(cache_rows=7, cache_on=on, local_step="sgd")  # type: ignore[arg-type]
+        assert cache_config(by_sgd, [], CPU) == CacheConfig(
+            capacity_rows=7, group_tables=True, local_step="sgd"
+        )
         cached = with_cache(cfg, store, comm.LocalGroup(), CPU)
         assert cached is not None
         assert cached.device is None  # records in host memory
@@ -241,9 +251,10 @@ def test_dlrm_job_prints_its_memory_and_reports_it(capsys: pytest.CaptureFixture
     assert parts["local_tables"] == 2 * ROWS * row
     assert parts["sharded_tables"] == ROWS * row
     assert "cache_device" not in parts  # a CPU worker: the host cache
-    # A host record per cached row (row, pending sum, 64 bytes of metadata, whole 64-byte
-    # lines), the slot's 24 bytes, and a 4-byte id -> slot entry per table row.
-    record = math.ceil((2 * DIM * 4 + 64) / 64) * 64
+    # A host record per cached row (row, pending sum, 64 bytes of metadata, the row-wise
+    # Adagrad state its copy steps with, whole 64-byte lines), the slot's 24 bytes, and a
+    # 4-byte id -> slot entry per table row.
+    record = math.ceil((2 * DIM * 4 + 64 + 4) / 64) * 64
     assert parts["cache_host"] == 23 * (capacity * (record + 24) + ROWS * 4)
     weights = sum(p.numel() for p in job.model.dense.parameters()) * 4
     assert parts["dense"] == 4 * weights  # weights, gradients, Adam's two moments

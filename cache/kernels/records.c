@@ -1,5 +1,6 @@
 /* No fused multiply-add (see ps/kernels/rowwise_adagrad.c): the same bits on every CPU. */
 #pragma GCC optimize ("fp-contract=off")
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -72,15 +73,18 @@ void hr_cache_serve(int64_t n, int64_t d, int64_t w, const int64_t* slots, float
     }
 }
 
-/* The push's pass over the records: a cached row's copy takes an SGD step of lr, its
-   gradient joins the pending sum (and, q > 0, the statistic of a counted push at float
-   stat_at of the record: q = 1 the sum of mean(g^2), q = d the sums of g^2) and rows
-   with more than write_bound pending updates are due: index into due_idx, sum into
-   due_g [k, d], update count into due_k and statistic into due_s [k, q]; returns k. */
+/* The push's pass over the records: a cached row's copy takes its local step (acc_at < 0:
+   an SGD step of lr; else row-wise Adagrad's with the row's accumulator at float acc_at
+   of the record, acc += mean(g^2), row -= lr * g / (sqrt(acc) + eps), as
+   ps.RowWiseAdagrad.apply), its gradient joins the pending sum (and, q > 0, the
+   statistic of a counted push at float stat_at of the record: q = 1 the sum of
+   mean(g^2), q = d the sums of g^2) and rows with more than write_bound pending updates
+   are due: index into due_idx, sum into due_g [k, d], update count into due_k and
+   statistic into due_s [k, q]; returns k. */
 int64_t hr_cache_update(int64_t n, int64_t d, int64_t w, const int64_t* slots,
                         const float* grads, float* slab, float lr, int64_t write_bound,
-                        int64_t seq, int64_t q, int64_t stat_at, int64_t* due_idx,
-                        float* due_g, int64_t* due_k, float* due_s) {
+                        int64_t seq, int64_t q, int64_t stat_at, int64_t acc_at, float eps,
+                        int64_t* due_idx, float* due_g, int64_t* due_k, float* due_s) {
     int64_t k = 0;
     for (int64_t i = 0; i < n; ++i) {
         int64_t s = slots[i];
@@ -91,7 +95,17 @@ int64_t hr_cache_update(int64_t n, int64_t d, int64_t w, const int64_t* slots,
         int64_t* meta = META(slab, s, d, w);
         const float* g = grads + i * d;
         if (i + 4 < n && slots[i + 4] >= 0) __builtin_prefetch(slab + slots[i + 4] * w, 1, 0);
-        if (lr != 0.0f) {
+        if (acc_at >= 0) {
+            float sq = 0.0f;
+            for (int64_t j = 0; j < d; ++j) sq += g[j] * g[j];
+            float* acc = row + acc_at;
+            acc[0] += sq / (float)d;
+            float den = sqrtf(acc[0]) + eps;
+            for (int64_t j = 0; j < d; ++j) {
+                float t = lr * (g[j] / den);
+                row[j] = row[j] - t;
+            }
+        } else if (lr != 0.0f) {
             for (int64_t j = 0; j < d; ++j) {
                 float t = lr * g[j];
                 row[j] = row[j] - t;

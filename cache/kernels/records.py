@@ -68,7 +68,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_cache_serve.argtypes += [ptr] * 5
     lib.hr_cache_update.restype = i64
     lib.hr_cache_update.argtypes = [i64, i64, i64, ptr, ptr, ptr, ctypes.c_float, i64, i64]
-    lib.hr_cache_update.argtypes += [i64, i64, ptr, ptr, ptr, ptr]
+    lib.hr_cache_update.argtypes += [i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ptr]
     lib.hr_cache_install.restype = None
     lib.hr_cache_install.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr]
 
@@ -196,11 +196,15 @@ def update_rows(
     seq: int,
     stat_dim: int = 0,
     stat_at: int = 0,
+    acc_at: int = -1,
+    eps: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """Apply ``grads`` float32 ``[S, D]`` to the records of ``slots`` int64 ``[S]`` (-1:
     skipped) of ``slab`` float32 ``[C, W]`` in place (see the module docstring); with
     ``stat_dim`` ``Q`` > 0 each record also sums the statistic of a counted push at
-    float ``stat_at`` (``Q`` = 1: ``mean(g ** 2)``; ``Q`` = ``D``: ``g ** 2``).
+    float ``stat_at`` (``Q`` = 1: ``mean(g ** 2)``; ``Q`` = ``D``: ``g ** 2``). The copy's
+    step: SGD of ``lr``, or with ``acc_at`` >= 0 row-wise Adagrad's (``lr``, ``eps``) with
+    the row's accumulator at float ``acc_at`` of the record.
 
     Returns ``(due, due_grads, due_counts, due_stats)``: positions int64 ``[K]`` into
     ``slots`` of the rows to push now, their gradients float32 ``[K, D]``, update counts
@@ -218,7 +222,7 @@ def update_rows(
     due_s = np.empty((n, stat_dim), dtype=np.float32)
     k = lib.hr_cache_update(
         n, dim, slab.shape[1], slots.ctypes.data, grads.ctypes.data, slab.ctypes.data,
-        lr, write_bound, seq, stat_dim, stat_at, due.ctypes.data, due_g.ctypes.data,
+        lr, write_bound, seq, stat_dim, stat_at, acc_at, eps, due.ctypes.data, due_g.ctypes.data,
         due_k.ctypes.data, due_s.ctypes.data,
     )  # fmt: skip
     return due[:k], due_g[:k], due_k[:k], due_s[:k]

@@ -617,6 +617,15 @@ class MPIStore(Store):
 
     def _gather(self, table: str, ids: torch.Tensor, op: int, what: str) -> torch.Tensor:
         """Clocks (int64 ``[N]``) or state (float32 ``[N, S]``) of rows ``ids``, from servers."""
+        calls, result = self._start_gather(table, ids, op, what)
+        self._handle(calls, lambda: None, f"{what} {table!r}").wait()
+        return result()
+
+    def _start_gather(
+        self, table: str, ids: torch.Tensor, op: int, what: str
+    ) -> tuple[list[_Call], Callable[[], torch.Tensor]]:
+        """The calls of :meth:`_gather`, sent, and what builds its result once they have
+        their replies."""
         t = self._table(table)
         ids = check_ids(t.spec, ids, what)
         n = int(ids.numel())
@@ -644,21 +653,33 @@ class MPIStore(Store):
                 )
                 starts.append(a)
             a += c
-        self._handle(calls, lambda: None, f"{what} {table!r}").wait()
-        if op == Op.CLOCKS:
-            out = torch.empty(n, dtype=torch.int64)
-            for call, a in zip(calls, starts, strict=True):
-                k = int(call.reply[wire.W_N])
-                out[a : a + k] = torch.from_numpy(call.reply[HEADER_LEN : HEADER_LEN + k])
-        else:
-            out = state
-        return out if order is None else torch.empty_like(out).index_copy_(0, order, out)
+
+        def result() -> torch.Tensor:
+            if op == Op.CLOCKS:
+                out = torch.empty(n, dtype=torch.int64)
+                for call, a in zip(calls, starts, strict=True):
+                    k = int(call.reply[wire.W_N])
+                    out[a : a + k] = torch.from_numpy(call.reply[HEADER_LEN : HEADER_LEN + k])
+            else:
+                out = state
+            return out if order is None else torch.empty_like(out).index_copy_(0, order, out)
+
+        return calls, result
 
     def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         return self._gather(table, ids, Op.CLOCKS, "clocks")
 
     def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         return self._gather(table, ids, Op.STATE, "state")
+
+    def state_many(self, requests: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Every table's state requests sent before any reply is awaited, so their round
+        trips overlap (one message per table and server)."""
+        started = [self._start_gather(t, ids, Op.STATE, "state") for t, ids in requests]
+        calls = [c for cs, _ in started for c in cs]
+        names = ", ".join(repr(t) for t, _ in requests)
+        self._handle(calls, lambda: None, f"state of {names}").wait()
+        return [result() for _, result in started]
 
     def request_counts(self) -> dict[str, int]:
         """Pull and push messages the servers received (from every worker), summed."""
