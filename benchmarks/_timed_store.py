@@ -2,7 +2,8 @@
 step into "the store's work" and "ours" (cache_bench: the cache's own time per id).
 
 ``TimedStore(inner)`` hands every call to ``inner`` (``tests/wrapped_store.py``) and adds
-the seconds spent inside its requests to ``seconds[phase]`` (``phase`` is set by the
+the seconds spent inside its requests (and its clocks and state reads) to
+``seconds[phase]`` (``phase`` is set by the
 caller, e.g. "plan", "serve", "push"): the calls themselves, and waiting on the handles
 they return (an MPI or Redis store's network and server time is spent there). Batched
 requests go to ``inner`` as they are, so it still sends one message per server.
@@ -66,6 +67,18 @@ class TimedStore(WrappedStore):
 
     def push_many_async(self, requests: Sequence[ps.PushRequest]) -> Handle:
         return self._wrap(self._timed(self.inner.push_many_async, requests))
+
+    def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self._timed(self.inner.clocks, table, ids)
+        return out
+
+    def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self._timed(self.inner.state, table, ids)
+        return out
+
+    def state_many(self, requests: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = self._timed(self.inner.state_many, requests)
+        return out
 
     def request_counts(self) -> dict[str, int]:
         return self.inner.request_counts()

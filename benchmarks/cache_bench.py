@@ -143,6 +143,7 @@ class Sizes:
     compute_ms: float = 0.0
     max_fill: int = 2000  # warm-up steps at most while the caches fill
     sketch_period: int | None = None  # TinyLFU: ids between halvings (None: the default)
+    local_step: Literal["optimizer", "sgd"] = "optimizer"  # how the cached copies move
 
     @staticmethod
     def of(
@@ -462,6 +463,7 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
         policy=z.policy,
         group_tables=z.groups,
         sole_writer=True,  # one worker, as hybridrec.launch.with_cache sets it
+        local_step=z.local_step,
     )
     timed = TimedStore(store_c)  # the store's share of the cached step, per phase
     cached = cache.CachedStore(timed, cfg)
@@ -604,7 +606,7 @@ def _config(z: Sizes) -> dict[str, Any]:
         "settle_steps": z.settle, "block_steps": z.block, "rounds": z.rounds,
         "compute_ms": z.compute_ms, "optimizer": "rowwise_adagrad", "policy": z.policy,
         "prefetch": z.prefetch, "groups": z.groups, "sketch_period": z.sketch_period,
-        "zipf_a": 1.05,
+        "zipf_a": 1.05, "local_step": z.local_step,
     }  # fmt: skip
 
 
@@ -616,6 +618,7 @@ def run_mpi(
     groups: bool,
     settle: int | None,
     tables: int | None,
+    local_step: str = "optimizer",
 ) -> dict[str, Any]:
     mpirun = Path(sys.executable).parent / "mpirun"
     cmd = [str(mpirun if mpirun.exists() else "mpirun"), "-n", "2", sys.executable, __file__]
@@ -624,6 +627,7 @@ def run_mpi(
     cmd += [] if groups else ["--no-groups"]
     cmd += [] if settle is None else ["--settle", str(settle)]
     cmd += [] if tables is None else ["--tables", str(tables)]
+    cmd += ["--local-step", local_step]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, check=False)
@@ -694,6 +698,10 @@ def main() -> None:
     p.add_argument("--no-redis", action="store_true", help="skip the Redis store")
     p.add_argument("--redis-url", default=None, help="a Redis server to use (default: start one)")
     p.add_argument("--no-groups", action="store_true", help="one cache per table")
+    p.add_argument(
+        "--local-step", choices=["optimizer", "sgd"], default="optimizer",
+        help="how the cached copies move between refreshes (CacheConfig.local_step)",
+    )  # fmt: skip
     p.add_argument("--no-dlrm", action="store_true", help="skip the DLRM bounds part")
     p.add_argument("--dlrm-seeds", type=int, default=3, help="seeds of the DLRM bounds part")
     p.add_argument("--mpi-part", action="store_true", help=argparse.SUPPRESS)
@@ -703,6 +711,7 @@ def main() -> None:
         policy=args.policy,
         prefetch=not args.no_prefetch,
         groups=not args.no_groups,
+        local_step=args.local_step,
     )
     if args.mpi_part:
         mpi_part(args.quick, settle=args.settle, tables=args.tables, **kw)
@@ -742,6 +751,7 @@ def main() -> None:
             not args.no_groups,
             args.settle,
             args.tables,
+            args.local_step,
         )
         _show("mpi", mpi["figures"])
         figures["mpi"] = mpi["figures"]

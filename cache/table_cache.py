@@ -224,6 +224,7 @@ class TableCache:
         opt = config.local_optimizer(spec)
         self.local = None if opt is None else LocalStep(opt, d)
         self.opt_dim = 0 if self.local is None else self.local.state_dim
+        self.with_state = self.opt_dim > 0  # pulls bring the rows' state (PullRequest)
         self.data = (
             None if device is None else DeviceRows(cap, d, device, self.push_q, self.opt_dim)
         )
@@ -484,7 +485,9 @@ class TableCache:
             assert asked is not None
             request = None
             if asked.size > 0:
-                request = PullRequest(self.name, torch.from_numpy(uniq.take(asked)))
+                request = PullRequest(
+                    self.name, torch.from_numpy(uniq.take(asked)), with_state=self.with_state
+                )
             return Fetch(
                 uniq, counts, inverse, slots, hit, True, asked, request, self.seq, tick, True
             )
@@ -510,6 +513,7 @@ class TableCache:
                 torch.from_numpy(ask_ids),
                 clocks=torch.from_numpy(ask_clock),
                 bound=self.read_bound,
+                with_state=self.with_state,
             )
         return Fetch(
             uniq, counts, inverse, slots, hit, False, asked, request, self.seq, tick, prefetch
@@ -542,6 +546,7 @@ class TableCache:
                 torch.from_numpy(uniq.take(asked)),
                 clocks=torch.from_numpy(clock),
                 bound=self.read_bound,
+                with_state=self.with_state,
             )
         return Fetch(
             uniq, counts, inverse, slots, hit, False, asked, request, self.seq, tick, False
@@ -628,7 +633,7 @@ class TableCache:
             fresh, fresh_clock = self._fresh(res.rows), res.clocks.numpy()  # [A, D], [A]
             self.stats.pulled(asked.size, asked.size, 0)
             ids = uniq.take(asked)  # [A]
-            fresh_state = self._pulled_state(ids)  # [A, S] or None
+            fresh_state = self._pulled_state(ids, res.state)  # [A, S] or None
             take = np.arange(asked.size)  # [A] rows of the reply to install, in order
             freq = np.zeros(asked.size, np.int64) if self.lfu else None
             if self.sketch is not None:  # decide again: the serving pull took victims since
@@ -691,15 +696,16 @@ class TableCache:
             pos = res.positions.numpy()
             got = pos if f.asked is None else f.asked.take(pos)  # [M] indices into uniq
             fresh, fresh_clock = self._fresh(res.rows), res.clocks.numpy()  # [M, D], [M]
+            fresh_state = self._pulled_state(uniq.take(got), res.state)  # [M, S] or None
         else:
             got = _EMPTY_I64
             fresh = self._fresh(torch.empty(0, d, dtype=torch.float32))
             fresh_clock = _EMPTY_I64
+            fresh_state = self._pulled_state(_EMPTY_I64)
         got_hit = hit.take(got)  # [M]
         ref_sel = np.flatnonzero(got_hit)  # [R] indices into got
         miss_sel = np.flatnonzero(~got_hit)  # [K] indices into got
         ref_u, miss_u = got.take(ref_sel), got.take(miss_sel)  # indices into uniq
-        fresh_state = self._pulled_state(uniq.take(got))  # [M, S] or None
         asked_hit = hit if f.asked is None else np.zeros_like(hit)
         if f.asked is not None:
             asked_hit[f.asked] = hit.take(f.asked)
@@ -805,14 +811,20 @@ class TableCache:
         cache's device in one copy."""
         return rows.numpy() if self.data is None else self.data.upload(rows)
 
-    def _pulled_state(self, ids: np.ndarray) -> torch.Tensor | None:
+    def _pulled_state(
+        self, ids: np.ndarray, pulled: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """With the optimizer's local step, the PS's optimizer state of ``ids`` ``[M]``
         (rows a pull just returned): float32 ``[M, S]`` (on the rows' device), else
-        None. It matches the rows: the owner sent nothing of this table since the pull,
-        and the store applies this worker's requests in order."""
+        None. ``pulled``: the state the pull brought (``PullRequest.with_state``); a
+        store that did not bring it is asked now, which matches the rows too (the owner
+        sent nothing of this table since the pull, and the store applies this worker's
+        requests in order)."""
         if self.local is None:
             return None
-        if ids.size == 0 or self.opt_dim == 0:
+        if pulled is not None and pulled.shape == (ids.size, self.opt_dim):
+            state = pulled
+        elif ids.size == 0 or self.opt_dim == 0:
             state = torch.zeros(ids.size, self.opt_dim, dtype=torch.float32)
         else:
             state = self.store.state(self.name, torch.from_numpy(ids))

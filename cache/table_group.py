@@ -81,7 +81,9 @@ class TableGroup:
         for i, a, b in self._segments(packed):
             ids = request.ids[a:b] - int(self.bases[i])
             clocks = None if request.clocks is None else request.clocks[a:b]
-            out.append((a, PullRequest(self.names[i], ids, clocks, request.bound)))
+            out.append(
+                (a, PullRequest(self.names[i], ids, clocks, request.bound, request.with_state))
+            )
         return out
 
     def merge_pull(self, parts: list[tuple[int, PullResult]], dim: int) -> PullResult:
@@ -91,10 +93,12 @@ class TableGroup:
             return PullResult(torch.empty(0, dim), empty, empty)
         rows = torch.cat([r.rows for _, r in parts])
         clocks = torch.cat([r.clocks for _, r in parts])
+        states = [r.state for _, r in parts if r.state is not None]
+        state = torch.cat(states) if len(states) == len(parts) else None
         if parts[0][1].positions is None:
-            return PullResult(rows, clocks)
+            return PullResult(rows, clocks, None, state)
         pos = [r.positions + a for a, r in parts if r.positions is not None]
-        return PullResult(rows, clocks, torch.cat(pos))
+        return PullResult(rows, clocks, torch.cat(pos), state)
 
     def split_push(
         self,

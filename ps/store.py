@@ -33,6 +33,12 @@ Pull semantics (all stores):
   increasing order) says which entries of ``ids`` they are;
 * a pull never creates rows: an id of a dynamic table without a row reads as
   its initial row with clock 0 (what a push would start it from);
+* a :class:`PullRequest` with ``with_state`` also returns the optimizer state of
+  the rows it returns (``PullResult.state``), as of the same moment: what a cache
+  whose copies step by the table's optimizer installs with the rows. The in-process
+  and Redis stores read it with the rows (Redis: in the same pipelined round trip);
+  the others read it right after the pull (:meth:`Store.state_many`), before
+  anything else is sent;
 * on a dynamic table a pull *touches* every requested row that exists (returned
   or not): it counts as recent use for LRU (``capacity``) and age
   (``max_age_steps``) eviction, see :class:`ps.table.TableSpec`.
@@ -66,6 +72,7 @@ in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -98,23 +105,28 @@ class PullResult:
     ``rows`` float32 ``[M, D]`` and ``clocks`` int64 ``[M]``. A plain pull
     returns all ``M = N`` requested rows in order and ``positions`` is None; a
     conditional pull returns only the stale rows and ``positions`` int64 ``[M]``
-    (increasing) are their indices into the request's ``ids``.
+    (increasing) are their indices into the request's ``ids``. ``state`` float32
+    ``[M, state_dim]``: the returned rows' optimizer state, for a request
+    ``with_state`` (else None).
     """
 
     rows: torch.Tensor
     clocks: torch.Tensor
     positions: torch.Tensor | None = None
+    state: torch.Tensor | None = None
 
 
 @dataclass(slots=True, frozen=True)
 class PullRequest:
     """One table's part of a batched pull: ``ids`` int64 ``[N]``; with ``clocks``
-    int64 ``[N]`` and ``bound`` a conditional pull (see :meth:`Store.pull_async`)."""
+    int64 ``[N]`` and ``bound`` a conditional pull (see :meth:`Store.pull_async`);
+    ``with_state``: the returned rows' optimizer state too (``PullResult.state``)."""
 
     table: str
     ids: torch.Tensor
     clocks: torch.Tensor | None = None
     bound: int | None = None
+    with_state: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -226,11 +238,9 @@ class Store(ABC):
         before it were sent); the stores here check them all first and send each
         server its share of all of them in one message (see the module docstring).
         """
-        handles = [
-            self.pull_async(r.table, r.ids, clocks=r.clocks, bound=r.bound)
-            for r in check_requests(requests, PullRequest, "pull_many")
-        ]
-        return _all_of(handles, "pull_many")
+        reqs = check_requests(requests, PullRequest, "pull_many")
+        handles = [self.pull_async(r.table, r.ids, clocks=r.clocks, bound=r.bound) for r in reqs]
+        return with_state_after(self, reqs, _all_of(handles, "pull_many"))
 
     def pull_many(self, requests: Sequence[PullRequest]) -> list[PullResult]:
         """``pull_many_async(...).wait()``."""
@@ -328,6 +338,37 @@ def check_requests(requests: Sequence[object], kind: type, what: str) -> list[An
                 f"{what}: request {i} is a {type(r).__name__}, expected a ps.{kind.__name__}"
             )
     return out
+
+
+def with_state_after(store: Store, requests: Sequence[PullRequest], batch: Handle) -> Handle:
+    """``batch`` (the pulls of ``requests``), whose results gain the optimizer state of
+    the rows they return where a request asks ``with_state``: read by ONE
+    :meth:`Store.state_many` once the pulls have their replies (nothing else of those
+    tables is sent in between, and a store applies one worker's requests in order, so
+    the state matches the rows). ``batch`` itself where no request asks."""
+    if not any(r.with_state for r in requests):
+        return batch
+
+    def finish() -> list[PullResult]:
+        results: list[PullResult] = batch.wait()
+        asks = [
+            (i, r.table, r.ids if res.positions is None else r.ids[res.positions])
+            for i, (r, res) in enumerate(zip(requests, results, strict=True))
+            if r.with_state
+        ]
+        states = store.state_many([(table, ids) for _, table, ids in asks])
+        out = list(results)
+        for (i, _, _), state in zip(asks, states, strict=True):
+            out[i] = dataclasses.replace(results[i], state=state)
+        return out
+
+    return Handle(
+        batch.is_completed,
+        finish,
+        what="pull with state",
+        timeout_s=math.inf,  # the batch's own handle applies its timeout
+        block=lambda limit: batch.wait(None if math.isinf(limit) else limit),
+    )
 
 
 def first_of(batch: Handle, what: str) -> Handle:

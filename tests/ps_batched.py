@@ -70,15 +70,22 @@ def check_batched(store: ps.Store, prefix: str, *, servers: int, steps: int = 4)
         assert len(got) == len(specs)
         for spec, i, g in zip(specs, ids, got, strict=True):
             same(g, ref.pull(spec.name, i), spec.name, i, f"step {step} pull {spec.name}")
-        # Conditional pulls: callers' clocks one behind for half the ids.
+        # Conditional pulls: callers' clocks one behind for half the ids; on odd steps
+        # with the returned rows' optimizer state (what a cache installs with them).
         conds = []
         for spec, i in zip(specs, ids, strict=True):
             c = ref.clocks(spec.name, i) - (torch.arange(i.numel()) % 2)
-            conds.append(PullRequest(spec.name, i, c, 0))
+            conds.append(PullRequest(spec.name, i, c, 0, with_state=step % 2 == 1))
         got = store.pull_many(conds)
         for r, g in zip(conds, got, strict=True):
             want = ref.pull(r.table, r.ids, clocks=r.clocks, bound=r.bound)
             same(g, want, r.table, r.ids, f"step {step} conditional pull {r.table}")
+            assert (g.state is not None) == r.with_state, (step, r.table)
+            if g.state is not None:
+                assert g.positions is not None
+                now = store.state(r.table, r.ids[g.positions])  # nothing pushed since
+                assert_same(g.state, now, what=f"step {step} state of {r.table}",
+                            why="the same rows' state read twice, nothing changed between")  # fmt: skip
         grads = [
             torch.randn(i.numel(), s.dim, generator=gen) for s, i in zip(specs, ids, strict=True)
         ]

@@ -164,6 +164,35 @@ def test_counted_pushes_match_inprocess(store: RedisStore, opt: ps.Optimizer, di
     _assert_same(store, ref, "t", torch.arange(rows))
 
 
+def test_state_many_reads_every_table_in_one_round(store: RedisStore) -> None:
+    """``state_many`` (what a cache reads for the rows it installs, all tables at once)
+    returns what ``state`` returns table by table: a stateful table with rows written and
+    rows never written (the initial state), a stateless table, and no ids."""
+    specs = [
+        ps.TableSpec(name="a", num_rows=50, dim=4, optimizer=ps.Adam(lr=0.01)),
+        ps.TableSpec(
+            name="r",
+            num_rows=30,
+            dim=3,
+            optimizer=ps.RowWiseAdagrad(lr=0.1, initial_accumulator=0.5),
+        ),  # fmt: skip
+        ps.TableSpec(name="s", num_rows=20, dim=2, optimizer=ps.SGD(lr=0.1)),
+    ]
+    for spec in specs:
+        store.create_table(spec)
+    gen = torch.Generator().manual_seed(2)
+    for spec in specs:
+        ids = torch.randint(0, int(spec.num_rows or 0), (12,), generator=gen)
+        store.push(spec.name, ids, torch.randn(12, spec.dim, generator=gen))
+    asks = [("a", torch.tensor([7, 0, 49, 7, 3])), ("r", torch.arange(30)),
+            ("s", torch.tensor([1, 2])), ("a", torch.empty(0, dtype=torch.int64))]  # fmt: skip
+    got = store.state_many(asks)
+    for (name, ids), state in zip(asks, got, strict=True):
+        assert torch.equal(state, store.state(name, ids)), name
+    assert got[1].shape == (30, 1) and bool((got[1] >= 0.5).all())  # from the initial value
+    assert got[2].shape == (2, 0) and got[3].shape == (0, 9)
+
+
 REF_OPTIMIZERS = [
     *OPTIMIZERS,
     ps.Adam(lr=0.05, betas=(0.9, 0.99), eps=1e-6),

@@ -9,6 +9,7 @@ nothing loops over ids in Python.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -137,17 +138,25 @@ class InProcessStore(Store):
 
     def _checked_pull(
         self, r: PullRequest
-    ) -> tuple[LocalTable, torch.Tensor, torch.Tensor | None, int | None]:
+    ) -> tuple[LocalTable, torch.Tensor, torch.Tensor | None, int | None, bool]:
         t = self._get(r.table)
         ids = check_ids(t.spec, r.ids, "pull").cpu()
-        return t, ids, check_pull_bound(t.spec, ids, r.clocks, r.bound), r.bound
+        return t, ids, check_pull_bound(t.spec, ids, r.clocks, r.bound), r.bound, r.with_state
 
     @staticmethod
     def _apply_pull(
-        t: LocalTable, ids: torch.Tensor, clocks: torch.Tensor | None, bound: int | None
+        t: LocalTable,
+        ids: torch.Tensor,
+        clocks: torch.Tensor | None,
+        bound: int | None,
+        with_state: bool = False,
     ) -> PullResult:
-        with t.lock:  # rows and clocks of one consistent moment
-            return t.pull(ids, clocks, bound)
+        with t.lock:  # rows, clocks (and state) of one consistent moment
+            got = t.pull(ids, clocks, bound)
+            if not with_state:
+                return got
+            back = ids if got.positions is None else ids[got.positions]
+            return dataclasses.replace(got, state=t.read_state(back))
 
     def _checked_push(self, r: PushRequest) -> tuple[LocalTable, torch.Tensor, torch.Tensor, Any]:
         t = self._get(r.table)

@@ -83,7 +83,15 @@ from ps.mpi import wire
 from ps.mpi.server import check_mpi_topology, check_push_grads
 from ps.mpi.wire import HEADER_LEN, Op
 from ps.routing import group_by_shard
-from ps.store import PullRequest, PullResult, PushRequest, Store, check_requests, first_of
+from ps.store import (
+    PullRequest,
+    PullResult,
+    PushRequest,
+    Store,
+    check_requests,
+    first_of,
+    with_state_after,
+)
 from ps.table import TableSpec
 from ps.validate import check_counted, check_ids, check_pull_bound, unknown_table
 
@@ -476,9 +484,11 @@ class MPIStore(Store):
     def pull_many_async(self, requests: Sequence[PullRequest]) -> Handle:
         """Every table's pull checked, then ONE ``PULL_MANY`` message per server that
         holds any of the ids (its share of every table, back to back); ``wait()``
-        gives one :class:`ps.PullResult` per request, in order."""
+        gives one :class:`ps.PullResult` per request, in order (``with_state``: the
+        state read by :meth:`state_many` once the replies are in)."""
         plans = []
-        for r in check_requests(requests, PullRequest, "pull_many"):
+        reqs = check_requests(requests, PullRequest, "pull_many")
+        for r in reqs:
             t = self._table(r.table)
             ids = check_ids(t.spec, r.ids, "pull")
             caller = check_pull_bound(t.spec, ids, r.clocks, r.bound)
@@ -525,7 +535,8 @@ class MPIStore(Store):
                 _split_pull_reply(call, parts, plans, got)
             return [p.merge(g) for p, g in zip(plans, got, strict=True)]
 
-        return self._handle(calls, finish, "pull_many " + _names(plans))
+        batch = self._handle(calls, finish, "pull_many " + _names(plans))
+        return with_state_after(self, reqs, batch)
 
     def push_many_async(self, requests: Sequence[PushRequest]) -> Handle:
         """Every table's push checked (all rows, before any server changes anything),

@@ -65,6 +65,7 @@ noeviction``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import secrets
@@ -141,12 +142,14 @@ class RedisDataLossError(RuntimeError):
 @dataclass(slots=True)
 class _Pull:
     """One table's pull, checked: ``ids`` int64 ``[N]``; ``caller`` the caller's clocks
-    ``[N]`` of a conditional pull (with ``bound``), else None."""
+    ``[N]`` of a conditional pull (with ``bound``), else None; ``with_state``: the
+    returned rows' optimizer state too."""
 
     t: RedisTable
     ids: torch.Tensor
     caller: torch.Tensor | None
     bound: int | None
+    with_state: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -600,7 +603,8 @@ class RedisStore(Store):
     def _checked_pull(self, r: PullRequest) -> _Pull:
         t = self._get(r.table)
         ids = check_ids(t.spec, r.ids, "pull").cpu()
-        return _Pull(t, ids, check_pull_bound(t.spec, ids, r.clocks, r.bound), r.bound)
+        caller = check_pull_bound(t.spec, ids, r.clocks, r.bound)
+        return _Pull(t, ids, caller, r.bound, r.with_state)
 
     def _pull(self, pulls: list[_Pull], what: str, result: Any) -> Handle:
         """Send ``pulls`` as one batch; ``wait()`` gives ``result([PullResult per pull])``."""
@@ -612,7 +616,7 @@ class RedisStore(Store):
         earlier = self._unsettled_of(tables)  # before the pull is sent (see _handle)
         steps = self._steps(tables, "GET", what, PULL)
         plans = [
-            self._pull_commands(p, step, epoch)
+            self._with_state(p, *self._pull_commands(p, step, epoch))
             for p, step, epoch in zip(pulls, steps, epochs, strict=True)
         ]
         cmds = [c for part, _finish in plans for c in part]
@@ -692,6 +696,52 @@ class RedisStore(Store):
             return result
 
         return cmds, finish
+
+    def _with_state(
+        self, p: _Pull, cmds: list[Command], decode: Callable[[list[Any]], PullResult]
+    ) -> tuple[list[Command], Callable[[list[Any]], PullResult]]:
+        """A pull ``with_state``: HMGETs of every requested row's state after its
+        commands, in the same pipelined round trip, and its result with the state of
+        the rows it returns (the pull's own commands and decoding otherwise)."""
+        if not p.with_state:
+            return cmds, decode
+        reads, states = self._state_reads(p.t, p.ids)
+        k = len(cmds)
+
+        def finish(replies: list[Any]) -> PullResult:
+            result = decode(replies[:k])
+            state = states(replies[k:])  # [N, S] in request order
+            if result.positions is not None:
+                state = state[result.positions]
+            return dataclasses.replace(result, state=state)
+
+        return cmds + reads, finish
+
+    def _state_reads(
+        self, t: RedisTable, ids: torch.Tensor
+    ) -> tuple[list[Command], Callable[[list[Any]], torch.Tensor]]:
+        """The HMGETs of the optimizer state of ``ids`` ``[N]`` (none for a stateless
+        table or no ids), and what decodes their replies: float32 ``[N, S]`` in request
+        order, the initial state for rows not in Redis."""
+        n, s = int(ids.shape[0]), t.spec.state_dim
+        if n == 0 or s == 0:
+            return [], lambda _replies: t.spec.initial_state().unsqueeze(0).repeat(n, 1)
+        order, calls = self._split(t, ids)
+        sorted_ids = ids[order].numpy().astype("<i8")
+        fields = bulk_rows([sorted_ids.view(np.uint8).reshape(-1, 8)])
+        cmds = [
+            raw(t.s_keys[b], pack_fixed(["HMGET", t.s_keys[b]], fields[lo:hi], 1))
+            for b, lo, hi in calls
+        ]
+
+        def decode(replies: list[Any]) -> torch.Tensor:
+            flat = [v if v is not None else t.state0 for r in replies for v in r]
+            got = np.frombuffer(b"".join(flat), dtype="<f4").reshape(n, s)
+            state = torch.empty(n, s, dtype=torch.float32)
+            state[order] = torch.from_numpy(got.copy())
+            return state
+
+        return cmds, decode
 
     def _split_bounded(
         self, p: _Pull, always: torch.Tensor, step: bytes, epoch: int
@@ -1029,22 +1079,30 @@ class RedisStore(Store):
     ) -> tuple[np.ndarray, list[Any], torch.Tensor]:
         """HMGET ``ids`` from the bucket hashes ``keys`` (the rows hashes: their markers are
         checked too). This client's pushes on ``t`` are settled first (issue order)."""
-        self._settle(self._unsettled(t))
-        order, calls = self._split(t, ids)
-        sorted_ids = ids[order].numpy().astype("<i8")
-        fields = bulk_rows([sorted_ids.view(np.uint8).reshape(-1, 8)])
+        sorted_ids, calls, cmds, order = self._fetch_cmds(t, ids, keys)
         marked = keys is t.w_keys
-        cmds = []
-        for b, lo, hi in calls:
-            head: list[bytes | str | int] = ["HMGET", keys[b]]
-            if marked:
-                head.append(MARKER)
-            cmds.append(raw(keys[b], pack_fixed(head, fields[lo:hi], 1)))
         replies = self._replies(None, cmds, what, self._timeout_s)
         if marked:
             self._check_markers(t, calls, [r[0] for r in replies])
             replies = [r[1:] for r in replies]
         return sorted_ids, replies, order
+
+    def _fetch_cmds(
+        self, t: RedisTable, ids: torch.Tensor, keys: list[bytes]
+    ) -> tuple[np.ndarray, list[tuple[int, int, int]], list[Command], torch.Tensor]:
+        """The HMGETs of :meth:`_fetch` (after settling this client's pushes on ``t``):
+        ``(sorted ids, (bucket, lo, hi) per command, commands, order)``."""
+        self._settle(self._unsettled(t))
+        order, calls = self._split(t, ids)
+        sorted_ids = ids[order].numpy().astype("<i8")
+        fields = bulk_rows([sorted_ids.view(np.uint8).reshape(-1, 8)])
+        cmds = []
+        for b, lo, hi in calls:
+            head: list[bytes | str | int] = ["HMGET", keys[b]]
+            if keys is t.w_keys:
+                head.append(MARKER)
+            cmds.append(raw(keys[b], pack_fixed(head, fields[lo:hi], 1)))
+        return sorted_ids, calls, cmds, order
 
     def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Clocks of rows ``ids`` ``[N]`` (0 for rows not in Redis); touches nothing."""
@@ -1057,17 +1115,22 @@ class RedisStore(Store):
 
     def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Optimizer state of rows ``ids`` ``[N, S]`` (initial state for rows not in Redis)."""
-        t = self._get(table)
-        ids = check_ids(t.spec, ids, "state").cpu()
-        n, s = int(ids.shape[0]), t.spec.state_dim
-        if n == 0 or s == 0:
-            return t.spec.initial_state().unsqueeze(0).repeat(n, 1)
-        _sorted, replies, order = self._fetch(t, ids, t.s_keys, f"state of {table!r}")
-        flat = [v if v is not None else t.state0 for r in replies for v in r]
-        got = torch.from_numpy(np.frombuffer(b"".join(flat), dtype="<f4").reshape(n, s).copy())
-        out = torch.empty_like(got)
-        out[order] = got
-        return out
+        return self.state_many([(table, ids)])[0]
+
+    def state_many(self, requests: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Every table's state HMGETs in one pipelined round trip per node (after this
+        client's pushes on those tables are settled: issue order)."""
+        parts: list[tuple[Callable[[list[Any]], torch.Tensor], int, int]] = []
+        cmds: list[Command] = []
+        for table, ids in requests:
+            t = self._get(table)
+            self._settle(self._unsettled(t))
+            reads, decode = self._state_reads(t, check_ids(t.spec, ids, "state").cpu())
+            parts.append((decode, len(cmds), len(cmds) + len(reads)))
+            cmds += reads
+        names = ", ".join(repr(t) for t, _ in requests)
+        replies = self._replies(None, cmds, f"state of {names}", self._timeout_s) if cmds else []
+        return [decode(replies[lo:hi]) for decode, lo, hi in parts]
 
     def stats(self) -> dict[str, dict[str, int | float]]:
         """Per table: ``rows`` (fixed: num_rows; dynamic: rows in Redis), ``rows_stored``,
