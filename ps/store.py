@@ -36,9 +36,9 @@ Pull semantics (all stores):
 * a :class:`PullRequest` with ``with_state`` also returns the optimizer state of
   the rows it returns (``PullResult.state``), as of the same moment: what a cache
   whose copies step by the table's optimizer installs with the rows. The in-process
-  and Redis stores read it with the rows (Redis: in the same pipelined round trip);
-  the others read it right after the pull (:meth:`Store.state_many`), before
-  anything else is sent;
+  store reads it with the rows, Redis in the same pipelined round trip, the MPI
+  store by state messages sent right behind the pull's; the base class reads it
+  right after the pull (:meth:`Store.state_many`), before anything else is sent;
 * on a dynamic table a pull *touches* every requested row that exists (returned
   or not): it counts as recent use for LRU (``capacity``) and age
   (``max_age_steps``) eviction, see :class:`ps.table.TableSpec`.

@@ -84,8 +84,8 @@ def check_batched(store: ps.Store, prefix: str, *, servers: int, steps: int = 4)
             if g.state is not None:
                 assert g.positions is not None
                 now = store.state(r.table, r.ids[g.positions])  # nothing pushed since
-                assert_same(g.state, now, what=f"step {step} state of {r.table}",
-                            why="the same rows' state read twice, nothing changed between")  # fmt: skip
+                why = "the same rows' state read twice, nothing changed between"
+                assert_same(g.state, now, what=f"step {step} state of {r.table}", why=why)
         grads = [
             torch.randn(i.numel(), s.dim, generator=gen) for s, i in zip(specs, ids, strict=True)
         ]

@@ -61,6 +61,7 @@ every server.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import math
 import os
@@ -90,7 +91,6 @@ from ps.store import (
     Store,
     check_requests,
     first_of,
-    with_state_after,
 )
 from ps.table import TableSpec
 from ps.validate import check_counted, check_ids, check_pull_bound, unknown_table
@@ -484,8 +484,10 @@ class MPIStore(Store):
     def pull_many_async(self, requests: Sequence[PullRequest]) -> Handle:
         """Every table's pull checked, then ONE ``PULL_MANY`` message per server that
         holds any of the ids (its share of every table, back to back); ``wait()``
-        gives one :class:`ps.PullResult` per request, in order (``with_state``: the
-        state read by :meth:`state_many` once the replies are in)."""
+        gives one :class:`ps.PullResult` per request, in order. ``with_state``: one
+        ``STATE`` message per table and server for every requested id, sent right after
+        the pulls (a server answers one worker's messages in order, so it reads the
+        state the pull's rows have); the result keeps the returned rows' state."""
         plans = []
         reqs = check_requests(requests, PullRequest, "pull_many")
         for r in reqs:
@@ -527,16 +529,28 @@ class MPIStore(Store):
             )
             layout.append(parts)
 
+        # The state reads, in flight beside the pulls: [(request index, result())].
+        states = [
+            (i, self._start_gather(r.table, r.ids, Op.STATE, "state"))
+            for i, r in enumerate(reqs)
+            if r.with_state
+        ]
+
         def finish() -> list[PullResult]:
             got: list[list[tuple[int, int, np.ndarray, np.ndarray | None, np.ndarray]]] = [
                 [] for _ in plans
             ]  # per plan: (start, asked, clocks [m], positions [m] | None, rows [m, D])
             for call, parts in zip(calls, layout, strict=True):
                 _split_pull_reply(call, parts, plans, got)
-            return [p.merge(g) for p, g in zip(plans, got, strict=True)]
+            out = [p.merge(g) for p, g in zip(plans, got, strict=True)]
+            for i, (_calls, result) in states:
+                state = result()  # [N, S], every requested id
+                back = out[i].positions
+                out[i] = dataclasses.replace(out[i], state=state if back is None else state[back])
+            return out
 
-        batch = self._handle(calls, finish, "pull_many " + _names(plans))
-        return with_state_after(self, reqs, batch)
+        every = calls + [c for _, (cs, _) in states for c in cs]
+        return self._handle(every, finish, "pull_many " + _names(plans))
 
     def push_many_async(self, requests: Sequence[PushRequest]) -> Handle:
         """Every table's push checked (all rows, before any server changes anything),
