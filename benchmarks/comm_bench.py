@@ -1,6 +1,6 @@
 """comm vs raw mpi4py on the same buffers: allreduce and alltoallv bandwidth.
 
-Run under MPI (any even number of ranks; the figures in the README use 2)::
+Run under MPI (any even number of ranks; the figures in benchmarks/README.md use 2)::
 
     mpirun -n 2 python benchmarks/comm_bench.py [--quick]
 

@@ -329,7 +329,7 @@ def _criteo_rows(n: int, seed: int) -> list[list[str]]:
 
 
 def criteo_schema(rows: int) -> dict[str, Any]:
-    """The Criteo reader's decoding written as a schema (as the README shows it)."""
+    """The Criteo reader's decoding written as a schema (as docs/usage.md shows it)."""
     return {
         "label": {"column": "label"},
         "dense": [{"column": c, "log": True} for c in INT_NAMES],

@@ -168,15 +168,10 @@ def test_state_many_reads_every_table_in_one_round(store: RedisStore) -> None:
     """``state_many`` (what a cache reads for the rows it installs, all tables at once)
     returns what ``state`` returns table by table: a stateful table with rows written and
     rows never written (the initial state), a stateless table, and no ids."""
+    rowwise = ps.RowWiseAdagrad(lr=0.1, initial_accumulator=0.5)
+    shapes = {"a": (50, 4, ps.Adam(lr=0.01)), "r": (30, 3, rowwise), "s": (20, 2, ps.SGD(lr=0.1))}
     specs = [
-        ps.TableSpec(name="a", num_rows=50, dim=4, optimizer=ps.Adam(lr=0.01)),
-        ps.TableSpec(
-            name="r",
-            num_rows=30,
-            dim=3,
-            optimizer=ps.RowWiseAdagrad(lr=0.1, initial_accumulator=0.5),
-        ),  # fmt: skip
-        ps.TableSpec(name="s", num_rows=20, dim=2, optimizer=ps.SGD(lr=0.1)),
+        ps.TableSpec(name=n, num_rows=r, dim=d, optimizer=o) for n, (r, d, o) in shapes.items()
     ]
     for spec in specs:
         store.create_table(spec)

@@ -259,11 +259,6 @@ def test_documented_example_runs_learns_and_stays_finished(
     assert again["result"].already_finished and again["result"].steps_run == 0
 
 
-def test_readme_shows_the_same_trainer_example() -> None:
-    readme = DOC.parent.parent / "README.md"
-    assert code_after(readme, "<!-- trainer-example:") == doc_example()
-
-
 def test_package_names_load_their_modules_on_first_use() -> None:
     import subprocess
     import sys
