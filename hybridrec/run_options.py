@@ -41,16 +41,26 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 @dataclass(kw_only=True, slots=True)
-class RunOptions:
-    max_zero_stage: ClassVar[int] = 2  # a job that shards parameters (ZeRO-3) raises it
-    #: How ``--help`` groups the options of every job (one name means one thing in all of
-    #: them), the common groups first; an option listed nowhere goes to "other options".
-    help_groups: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]] = HELP_GROUPS
-    # ---- the hot-row cache in front of the --ps store (hybrid tables)
+class CacheOptions:
+    """The hot-row cache's size, bounds and policy: one definition for the jobs
+    (:class:`RunOptions`) and the planner (``hybridrec.plan.options.PlanOptions``)."""
+
     cache_rows: int = option(0, help="hot-row cache in front of the store: rows per table")
     cache_fraction: float = option(0.0, help="cache size as a fraction of each table's rows")
     read_bound: int = option(0, help="cache read staleness bound s_r (PS updates a copy may miss)")
     write_bound: int = option(0, help="cache write bound s_w (updates a row may hold unpushed)")
+    cache_policy: Literal["lru", "lfu", "tinylfu"] = option(
+        "lru", help="cache eviction policy (tinylfu: frequency-aware admission, LFU eviction)"
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class RunOptions(CacheOptions):
+    max_zero_stage: ClassVar[int] = 2  # a job that shards parameters (ZeRO-3) raises it
+    #: How ``--help`` groups the options of every job (one name means one thing in all of
+    #: them), the common groups first; an option listed nowhere goes to "other options".
+    help_groups: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]] = HELP_GROUPS
+    # ---- the hot-row cache in front of the --ps store (hybrid tables): also CacheOptions
     counted_pushes: bool = option(
         True,
         help="the cache pushes a row with the count of the updates it sums (and their squares), "
@@ -63,9 +73,6 @@ class RunOptions:
         "optimizer (the table's optimizer, with the row's state as pulled: one worker "
         "without a write bound serves exactly the store's rows) or sgd (HET's plain SGD "
         "step of the table's lr)",
-    )
-    cache_policy: Literal["lru", "lfu", "tinylfu"] = option(
-        "lru", help="cache eviction policy (tinylfu: frequency-aware admission, LFU eviction)"
     )
     cache_groups: bool = option(
         True, help="tables of one dim share one cache: one cache pass per step for all of them"

@@ -18,12 +18,13 @@ from hybridrec.plan.spec import (
     Plan,
     TablePlan,
 )
+from hybridrec.run_options import CacheOptions
 
 DEFAULT_SWEEP = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
 
 @dataclass(kw_only=True, slots=True)
-class PlanOptions:
+class PlanOptions(CacheOptions):
     # ---- calibration
     calibrate: bool = option(False, help="measure this machine's costs and write them to --out")
     quick: bool = option(False, help="with --calibrate: fewer sizes and repeats (seconds)")
@@ -80,13 +81,7 @@ class PlanOptions:
         help="the hybrid tables' sparse step runs on a second thread beside the dense step "
         "(the jobs' --sparse-pipeline on); it hides time where that thread has a core",
     )
-    cache_fraction: float = option(0.0, help="hot-row cache: fraction of each table's rows")
-    cache_rows: int = option(0, help="hot-row cache: rows per table")
-    read_bound: int = option(0, help="cache read bound s_r")
-    write_bound: int = option(0, help="cache write bound s_w")
-    cache_policy: Literal["lfu", "lru", "tinylfu"] = option(
-        "lfu", help="cache eviction policy (tinylfu: LFU plus frequency-based admission)"
-    )
+    # ---- the cache: CacheOptions (the jobs' flags, with their defaults)
     # ---- network and device
     bandwidth_gbps: float = option(0.0, help="link bandwidth, Gbit/s (0: this machine's)")
     latency_us: float = option(0.0, help="one-way link latency, microseconds")
