@@ -11,7 +11,8 @@ stores and servers, so the product constructors carry no test switches.
   every push but does not send the reply of every ``drop_reply_every``-th one (at most
   once per request: a resend is answered).
 
-Everything else is the real code; only the marked hooks are overridden.
+Everything else is the real code: the subclasses override the stores' own methods (the
+Redis store's reply loop, the MPI server loop), no hook kept for tests.
 """
 
 from __future__ import annotations
@@ -43,17 +44,44 @@ class LossyRedisStore(RedisStore):
         if not exactly_once:
             self._wid = b""  # the push scripts then record and check no numbers
 
-    def _push_replies_arrived(self, what: str) -> None:
-        if not self._drop_every:
-            return
-        with self._lock:
-            self._batches += 1
-            drop = self._batches % self._drop_every == 0
-        if drop:
-            raise RedisUnavailableError(
-                f"{what}: reply dropped on purpose after the scripts ran "
-                f"(LossyRedisStore drop_reply_every={self._drop_every})"
-            )
+    def _replies(
+        self,
+        batch: Any,
+        cmds: list[Any],
+        what: str,
+        limit: float | None,
+        push: list[Any] | None = None,
+        label: str | None = None,
+    ) -> list[Any]:
+        """The store's own reply loop; every ``drop_reply_every``-th push batch (a first
+        send or a second round; resends start their own batch and are answered) loses its
+        replies once the scripts ran, so the loop's resend path runs."""
+        if push is not None and self._drop_every:
+            with self._lock:
+                self._batches += 1
+                drop = self._batches % self._drop_every == 0
+            if drop:
+                try:
+                    written = batch if batch is not None else self._link.start(cmds, what, label)
+                except RedisUnavailableError:
+                    written = None  # not written: the loop writes it (no reply to lose)
+                if written is not None:
+                    batch = _LostReplies(written, what, self._drop_every)
+        return super()._replies(batch, cmds, what, limit, push, label)
+
+
+class _LostReplies:
+    """A written batch whose replies are read (so its scripts ran) and then lost."""
+
+    def __init__(self, batch: Any, what: str, every: int) -> None:
+        self.batch, self.what, self.every = batch, what, every
+
+    def finish(self, limit_s: float | None = None) -> list[Any]:
+        self.batch.finish(limit_s)
+        raise RedisUnavailableError(
+            f"{self.what}: reply dropped on purpose after the scripts ran "
+            f"(LossyRedisStore drop_reply_every={self.every})"
+        )
 
 
 def _mpi() -> tuple[Any, Any]:

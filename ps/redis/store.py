@@ -490,8 +490,8 @@ class RedisStore(Store):
         batch, unchanged, after a pause of ``retry_backoff_s`` (doubling), at most
         ``max_retries`` times and not past ``limit`` seconds from now. Pushes carry
         their sequence numbers, so a call that did run is not applied again.
-        ``push``: the tables of a push batch (their retry counters, the lost-reply
-        hook); ``label``: what the round trips count as (:meth:`request_counts`).
+        ``push``: the tables of a push batch (their retry counters); ``label``: what
+        the round trips count as (:meth:`request_counts`).
         """
         deadline = None if limit is None else time.monotonic() + limit
         tries = 0
@@ -500,10 +500,7 @@ class RedisStore(Store):
                 if batch is None:
                     batch = self._link.start(cmds, what, label)
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                replies = batch.finish(left)
-                if push is not None and tries == 0:  # resends are always answered
-                    self._push_replies_arrived(what)
-                return replies
+                return batch.finish(left)
             except RedisUnavailableError:
                 pause = self._backoff_s * 2**tries
                 late = deadline is not None and time.monotonic() + pause >= deadline
@@ -518,11 +515,6 @@ class RedisStore(Store):
                     with self._lock:
                         for t in push:
                             t.counters["push_retries"] += 1
-
-    def _push_replies_arrived(self, what: str) -> None:
-        """Called once the replies of a push batch (first send) are read, before they are
-        used. Nothing here; a test subclass raises :class:`RedisUnavailableError` to act
-        as if the replies were lost after the scripts ran, so the resend path runs."""
 
     def _gone(self, t: RedisTable, bucket: int | None, marker: object) -> RedisDataLossError:
         if bucket is None:
