@@ -67,13 +67,6 @@ def check_splits(
     return out
 
 
-def dtype_code(dtype: torch.dtype) -> int:
-    try:
-        return _DTYPES.index(dtype)
-    except ValueError:
-        raise TypeError(f"dtype {dtype} is not supported by comm") from None
-
-
 def _signature(tensor: torch.Tensor | None, skip_first_dim: bool) -> list[int]:
     if tensor is None:  # this rank failed its own checks; its row only carries the flag
         return [0] * (2 + _MAX_DIMS + 1)

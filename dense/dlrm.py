@@ -286,15 +286,6 @@ def pairwise_interaction(features: torch.Tensor) -> torch.Tensor:
     return _interact(features, with_first=False, width=n * (n - 1) // 2)
 
 
-def naive_pairwise_interaction(features: torch.Tensor) -> torch.Tensor:
-    """The textbook form of :func:`pairwise_interaction` (full ``bmm`` plus
-    advanced indexing, autograd's backward): the reference the fast one must equal."""
-    n = features.shape[1]
-    z = torch.bmm(features, features.transpose(1, 2))  # [B, N, N]
-    rows, cols = torch.tril_indices(n, n, offset=-1, device=features.device)
-    return z[:, rows, cols]  # [B, N(N-1)/2]
-
-
 class DLRMDense(nn.Module):
     """Bottom MLP, interaction (pairwise dot products or a DCN-v2 cross network) and
     top MLP of DLRM.

@@ -178,18 +178,6 @@ def name_parts(
     return out
 
 
-def feature_outputs(
-    pooled: torch.Tensor, kjt: KeyedJaggedIds, feats: Sequence[tuple[TableConfig, str]]
-) -> dict[str, torch.Tensor]:
-    """Split a group's ``[nbags, D]`` lookup (bags laid out by :func:`group_batch`) into
-    ``{feature: [B, D]}`` (``[B, T, D]`` for unpooled features, checking that every
-    sample has ``T`` ids). One ``split`` (its backward is one concatenation), not a
-    slice per feature, whose backward would build a zero tensor the size of ``pooled``."""
-    seq, sizes = feature_sizes(kjt, feats)
-    parts = pooled.split(sizes) if sizes else ()
-    return name_parts(parts, kjt, feats, seq)
-
-
 def lookup(weight: torch.Tensor, batch: GroupBatch) -> torch.Tensor:
     """``[nbags, D]``: the weighted sum of each bag's rows (zeros for empty bags).
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from criteo_fixture import write_criteo_fixture
 from hybridrec.datasets.criteo import (
     CAT_NAMES,
     NUM_CAT,
@@ -17,7 +18,6 @@ from hybridrec.datasets.criteo import (
     CriteoReader,
     ReaderPosition,
     hash_categorical,
-    write_criteo_fixture,
 )
 from ps.routing import splitmix64
 

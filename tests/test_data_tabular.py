@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import comm
+from criteo_fixture import write_criteo_fixture
 from hybridrec.datasets.criteo import (
     CAT_NAMES,
     INT_NAMES,
@@ -29,7 +30,6 @@ from hybridrec.datasets.criteo import (
     NUM_INT,
     CriteoConfig,
     CriteoReader,
-    write_criteo_fixture,
 )
 from hybridrec.datasets.schema import (
     DenseColumn,

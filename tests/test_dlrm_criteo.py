@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 import comm
-from hybridrec.datasets.criteo import NUM_CAT, NUM_INT, write_criteo_fixture
+from criteo_fixture import write_criteo_fixture
+from hybridrec.datasets.criteo import NUM_CAT, NUM_INT
 from hybridrec.dlrm.config import TrainConfig
 from hybridrec.dlrm.job import train
 from multiproc import ROOT, run_ranks

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dense import DLRMConfig, DLRMDense, pairwise_interaction
-from dense.dlrm import AlignedLinear, _interact, naive_pairwise_interaction
+from dense.dlrm import AlignedLinear, _interact
 from dense.kernels import interaction as interaction_kernel
 from tolerance import assert_close, assert_same, gamma, sum_tol
 
@@ -16,6 +16,15 @@ pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
 
 F64 = torch.float64
 BOUND = "Higham's worst case for the roundings on each path, scaled by the |.| replay"
+
+
+def naive_pairwise_interaction(features: torch.Tensor) -> torch.Tensor:
+    """The textbook form of :func:`dense.pairwise_interaction` (full ``bmm`` plus
+    advanced indexing, autograd's backward): the reference the fast one must equal."""
+    n = features.shape[1]
+    z = torch.bmm(features, features.transpose(1, 2))  # [B, N, N]
+    rows, cols = torch.tril_indices(n, n, offset=-1, device=features.device)
+    return z[:, rows, cols]  # [B, N(N-1)/2]
 
 
 def _config(**kw: object) -> DLRMConfig:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import comm
+from criteo_fixture import write_criteo_fixture
 from hybridrec.checkpoint import (
     flatten,
     latest_checkpoint,
@@ -30,7 +31,7 @@ from hybridrec.checkpoint import (
     unflatten,
     write_state,
 )
-from hybridrec.datasets.criteo import NUM_CAT, NUM_INT, write_criteo_fixture
+from hybridrec.datasets.criteo import NUM_CAT, NUM_INT
 from hybridrec.dlrm.config import TrainConfig
 from hybridrec.dlrm.job import main as dlrm_main
 from hybridrec.dlrm.job import train

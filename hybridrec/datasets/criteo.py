@@ -29,7 +29,6 @@ naming the file and line number, or is counted and skipped with ``skip_bad_lines
 
 from __future__ import annotations
 
-import gzip
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -179,14 +178,3 @@ class CriteoReader:
             sparse=KeyedJaggedIds(CAT_NAMES, torch.cat(ids), lengths),
             labels=torch.tensor(labels, dtype=torch.float32),
         )
-
-
-def write_criteo_fixture(path: str | Path, rows: list[list[str]]) -> None:
-    """Write ``rows`` (40 strings each) as a Criteo TSV file (gzip if ``path`` ends in .gz)."""
-    text = "".join("\t".join(r) + "\n" for r in rows).encode()
-    p = Path(path)
-    if p.suffix == ".gz":
-        with gzip.open(p, "wb") as f:
-            f.write(text)
-    else:
-        p.write_bytes(text)

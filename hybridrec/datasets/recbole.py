@@ -195,10 +195,6 @@ def _default_label(fields: list[_Field]) -> LabelColumn:
     )
 
 
-def _floats(values: list[str]) -> list[list[float]]:
-    return [[float(x) for x in v.split(SEQ_SEPARATOR) if x] for v in values]
-
-
 def load_recbole(
     root: str | Path,
     schema: Schema | None = None,
