@@ -28,6 +28,7 @@ import torch
 from comm.handle import Handle
 from comm.staging import Alloc, PinnedPool, StagedOp, host_empty
 from comm.validate import (
+    check_avg_dtype,
     check_contiguous,
     check_rank,
     check_recv_splits,
@@ -133,11 +134,8 @@ class ProcessGroup(ABC):
 
         def local() -> None:
             check_contiguous(self, "allreduce", "tensor", tensor)
-            if rop is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
-                raise TypeError(
-                    f"allreduce: op 'avg' needs a floating-point tensor, rank {self.rank} "
-                    f"passed {tensor.dtype}"
-                )
+            if rop is ReduceOp.AVG:
+                check_avg_dtype(self, "allreduce", tensor)
 
         rop = ReduceOp.parse(op)
         self._agree("allreduce", tensor, local)
@@ -212,11 +210,8 @@ class ProcessGroup(ABC):
                     f"{tuple(tensor.shape)}; its first dimension must be a multiple of the "
                     f"group size {self.size}"
                 )
-            if rop is ReduceOp.AVG and not tensor.is_floating_point():
-                raise TypeError(
-                    f"reduce_scatter: op 'avg' needs a floating-point tensor, rank {self.rank} "
-                    f"passed {tensor.dtype}"
-                )
+            if rop is ReduceOp.AVG:
+                check_avg_dtype(self, "reduce_scatter", tensor)
 
         rop = ReduceOp.parse(op)
         self._agree("reduce_scatter", tensor, local)

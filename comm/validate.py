@@ -28,6 +28,15 @@ _ZEROS = [0] * _MAX_DIMS
 _CODES = {dt: i for i, dt in enumerate(_DTYPES)}
 
 
+def check_avg_dtype(group: ProcessGroup, op: str, tensor: torch.Tensor) -> None:
+    """An average over ranks needs a floating-point or complex tensor (the one check of
+    every collective that averages)."""
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(
+            f"{op}: op 'avg' needs a floating-point tensor, rank {group.rank} passed {tensor.dtype}"
+        )
+
+
 def check_contiguous(group: ProcessGroup, op: str, arg: str, tensor: object) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(

@@ -125,12 +125,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_field(p: Any, f: dataclasses.Field[Any], tp: Any) -> None:
     help_text = f.metadata.get("help", "")
-    if f.default is not dataclasses.MISSING:
-        default = f.default
-    elif f.default_factory is not dataclasses.MISSING:
-        default = f.default_factory()
-    else:
-        default = None
+    default = _default_of(f)
     help_text = f"{help_text} (default: {default!r})" if help_text else f"default: {default!r}"
     base, _ = _unwrap_optional(tp)  # None comes from the default or a JSON null
     kw: dict[str, Any] = {"dest": f.name, "help": help_text, "default": argparse.SUPPRESS}
@@ -154,6 +149,54 @@ def _add_field(p: Any, f: dataclasses.Field[Any], tp: Any) -> None:
         raise TypeError(f"option {f.name!r}: unsupported type {tp!r} for the command line")
 
 
+def _grouped(cls: type) -> list[tuple[str, list[dataclasses.Field[Any]]]]:
+    """``cls``'s fields by its ``help_groups`` (in their order; the rest last, as "other")."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    groups: tuple[tuple[str, tuple[str, ...]], ...] = getattr(cls, "help_groups", ())
+    out: list[tuple[str, list[dataclasses.Field[Any]]]] = []
+    placed: set[str] = set()
+    for title, names in groups:
+        mine = [fields[n] for n in names if n in fields and n not in placed]
+        if mine:
+            out.append((title, mine))
+            placed.update(f.name for f in mine)
+    rest = [f for f in fields.values() if f.name not in placed]
+    if rest:
+        out.append(("other" if groups else "", rest))
+    return out
+
+
+def _default_of(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def options_markdown(cls: type, title: str) -> str:
+    """The reference of ``cls``'s options as Markdown (a table per help group: flag,
+    values, default, help), from the same fields the command line is built from."""
+    hints = typing.get_type_hints(cls)
+    lines = [f"## {title}", ""]
+    for group, fields in _grouped(cls):
+        if group:
+            lines += [f"### {group} options", ""]
+        lines += ["| option | values | default | what it does |", "| --- | --- | --- | --- |"]
+        for f in fields:
+            base, _ = _unwrap_optional(hints[f.name])
+            if base is bool:
+                name = f"`{flag(f.name)}` / `--no-{flag(f.name)[2:]}`"
+            else:
+                name = f"`{flag(f.name)}`"
+            values = _expected(hints[f.name]).replace("|", "\\|")
+            default = json.dumps(_default_of(f))
+            text = str(f.metadata.get("help", "")).replace("|", "\\|")
+            lines.append(f"| {name} | {values} | `{default}` | {text} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def build_parser(cls: type, description: str) -> argparse.ArgumentParser:
     p = _Parser(
         prog=_prog.get(),
@@ -168,20 +211,10 @@ def build_parser(cls: type, description: str) -> argparse.ArgumentParser:
         help="a TOML or JSON file of option = value pairs; command-line options override it",
     )
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    groups: tuple[tuple[str, tuple[str, ...]], ...] = getattr(cls, "help_groups", ())
-    placed: set[str] = set()
-    for title, names in groups:  # --help lists the options by group, in this order
-        mine = [n for n in names if n in fields and n not in placed]
-        if mine:
-            section = p.add_argument_group(f"{title} options")
-            for name in mine:
-                _add_field(section, fields[name], hints[name])
-            placed.update(mine)
-    rest = [f for f in fields.values() if f.name not in placed]
-    target: Any = p.add_argument_group("other options") if groups and rest else p
-    for f in rest:
-        _add_field(target, f, hints[f.name])
+    for title, fields in _grouped(cls):  # --help lists the options by group, in this order
+        target: Any = p.add_argument_group(f"{title} options") if title else p
+        for f in fields:
+            _add_field(target, f, hints[f.name])
     return p
 
 
