@@ -106,9 +106,8 @@ _NO_ROWS = np.empty((0, 0), dtype=np.float32)  # the rows of a record slab of ro
 
 
 class ClockSource(Protocol):
-    """What a cache asks of its store besides requests (a group's: per packed id)."""
-
-    """Where a cache reads PS clocks (``exact_staleness``): the store, or a group's router."""
+    """What a cache asks of its store besides requests: PS clocks (``exact_staleness``)
+    and optimizer state (a loaded checkpoint without it); the store, or a group's router."""
 
     def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor: ...
 
@@ -822,7 +821,7 @@ class TableCache:
         requests in order)."""
         if self.local is None:
             return None
-        if pulled is not None and pulled.shape == (ids.size, self.opt_dim):
+        if pulled is not None:
             state = pulled
         elif ids.size == 0 or self.opt_dim == 0:
             state = torch.zeros(ids.size, self.opt_dim, dtype=torch.float32)
@@ -1149,17 +1148,15 @@ class TableCache:
         lr, acc_at, eps = self.lr, -1, 0.0
         if self.state_dim > 0 and isinstance(opt, RowWiseAdagrad):
             lr, acc_at, eps = opt.lr, self.state_at, opt.eps
-        rowwise = acc_at >= 0
         got = update_rows(
             self.slab, self.sd, slots, g, lr=lr, write_bound=self.write_bound, seq=self.seq,
             stat_dim=q, stat_at=at, acc_at=acc_at, eps=eps,
         )  # fmt: skip
+        stepped = got is not None and acc_at >= 0  # the C pass took row-wise Adagrad's step
+        if self.local is not None and self.data is None and not stepped:
+            self._step_local(slots, g)  # before the numpy path below reads the records
         if got is not None:
-            if self.local is not None and self.data is None and not rowwise:
-                self._step_local(slots, g)
             return self._counted(*got)
-        if self.local is not None and self.data is None:
-            self._step_local(slots, g)
         d = self.sd
         c_sel = np.flatnonzero(slots >= 0)  # [S] positions of the cached rows
         s, gc = slots.take(c_sel), g.take(c_sel, axis=0)  # [S], [S, D]

@@ -240,7 +240,7 @@ class Store(ABC):
         """
         reqs = check_requests(requests, PullRequest, "pull_many")
         handles = [self.pull_async(r.table, r.ids, clocks=r.clocks, bound=r.bound) for r in reqs]
-        return with_state_after(self, reqs, _all_of(handles, "pull_many"))
+        return _with_state_after(self, reqs, _all_of(handles, "pull_many"))
 
     def pull_many(self, requests: Sequence[PullRequest]) -> list[PullResult]:
         """``pull_many_async(...).wait()``."""
@@ -340,7 +340,7 @@ def check_requests(requests: Sequence[object], kind: type, what: str) -> list[An
     return out
 
 
-def with_state_after(store: Store, requests: Sequence[PullRequest], batch: Handle) -> Handle:
+def _with_state_after(store: Store, requests: Sequence[PullRequest], batch: Handle) -> Handle:
     """``batch`` (the pulls of ``requests``), whose results gain the optimizer state of
     the rows they return where a request asks ``with_state``: read by ONE
     :meth:`Store.state_many` once the pulls have their replies (nothing else of those

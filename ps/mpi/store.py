@@ -84,14 +84,7 @@ from ps.mpi import wire
 from ps.mpi.server import check_mpi_topology, check_push_grads
 from ps.mpi.wire import HEADER_LEN, Op
 from ps.routing import group_by_shard
-from ps.store import (
-    PullRequest,
-    PullResult,
-    PushRequest,
-    Store,
-    check_requests,
-    first_of,
-)
+from ps.store import PullRequest, PullResult, PushRequest, Store, check_requests, first_of
 from ps.table import TableSpec
 from ps.validate import check_counted, check_ids, check_pull_bound, unknown_table
 

@@ -718,13 +718,7 @@ class RedisStore(Store):
         n, s = int(ids.shape[0]), t.spec.state_dim
         if n == 0 or s == 0:
             return [], lambda _replies: t.spec.initial_state().unsqueeze(0).repeat(n, 1)
-        order, calls = self._split(t, ids)
-        sorted_ids = ids[order].numpy().astype("<i8")
-        fields = bulk_rows([sorted_ids.view(np.uint8).reshape(-1, 8)])
-        cmds = [
-            raw(t.s_keys[b], pack_fixed(["HMGET", t.s_keys[b]], fields[lo:hi], 1))
-            for b, lo, hi in calls
-        ]
+        _sorted, _calls, cmds, order = self._hmgets(t, ids, t.s_keys)
 
         def decode(replies: list[Any]) -> torch.Tensor:
             flat = [v if v is not None else t.state0 for r in replies for v in r]
@@ -1071,7 +1065,8 @@ class RedisStore(Store):
     ) -> tuple[np.ndarray, list[Any], torch.Tensor]:
         """HMGET ``ids`` from the bucket hashes ``keys`` (the rows hashes: their markers are
         checked too). This client's pushes on ``t`` are settled first (issue order)."""
-        sorted_ids, calls, cmds, order = self._fetch_cmds(t, ids, keys)
+        self._settle(self._unsettled(t))
+        sorted_ids, calls, cmds, order = self._hmgets(t, ids, keys)
         marked = keys is t.w_keys
         replies = self._replies(None, cmds, what, self._timeout_s)
         if marked:
@@ -1079,12 +1074,11 @@ class RedisStore(Store):
             replies = [r[1:] for r in replies]
         return sorted_ids, replies, order
 
-    def _fetch_cmds(
+    def _hmgets(
         self, t: RedisTable, ids: torch.Tensor, keys: list[bytes]
     ) -> tuple[np.ndarray, list[tuple[int, int, int]], list[Command], torch.Tensor]:
-        """The HMGETs of :meth:`_fetch` (after settling this client's pushes on ``t``):
-        ``(sorted ids, (bucket, lo, hi) per command, commands, order)``."""
-        self._settle(self._unsettled(t))
+        """One HMGET of ``ids`` per bucket hash of ``keys`` (the rows hashes: with their
+        marker first): ``(sorted ids, (bucket, lo, hi) per command, commands, order)``."""
         order, calls = self._split(t, ids)
         sorted_ids = ids[order].numpy().astype("<i8")
         fields = bulk_rows([sorted_ids.view(np.uint8).reshape(-1, 8)])
