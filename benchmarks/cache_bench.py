@@ -462,7 +462,7 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
         write_bound=z.write_bound,
         policy=z.policy,
         group_tables=z.groups,
-        sole_writer=True,  # one worker, as hybridrec.launch.with_cache sets it
+        sole_writer=True,  # one worker, as the jobs' with_cache sets it
         local_step=z.local_step,
     )
     timed = TimedStore(store_c)  # the store's share of the cached step, per phase

@@ -274,7 +274,7 @@ class HybridrecVariant(Variant):
                     capacity_fraction=cfg.cache_fraction,
                     read_bound=cfg.read_bound,
                     write_bound=cfg.write_bound,
-                    sole_writer=True,  # one worker, as hybridrec.launch.with_cache sets it
+                    sole_writer=True,  # one worker, as the jobs' with_cache sets it
                     group_tables=True,  # the jobs' default (--cache-groups)
                 ),
             )

@@ -85,7 +85,7 @@ from cache.stats import COUNTERS  # noqa: E402
 from comm import resolve_device  # noqa: E402
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig  # noqa: E402
 from hybridrec.dlrm.model import DLRM  # noqa: E402
-from hybridrec.precision import autocast  # noqa: E402
+from hybridrec.train.precision import autocast  # noqa: E402
 from ps import Store  # noqa: E402
 
 PEAK_NAME = "H200 SXM bf16 dense 989 TFLOP/s"

@@ -85,7 +85,7 @@ class CacheConfig:
       trip; with several workers, other workers' pushes during one step may then
       add to ``s_r``).
     * ``sole_writer``: this cache is the only writer of its tables (one worker; what
-      :func:`hybridrec.launch.with_cache` sets for a job of one worker). The PS then
+      :func:`hybridrec.launch.job_cache.with_cache` sets for a job of one worker). The PS then
       applies only this cache's pushes, in order, so a cached row's PS clock is
       exactly its copy clock plus its ``own`` pushes since, and a serving pull asks
       the PS only about the misses and the rows pushed more than ``s_r`` times since

@@ -8,34 +8,18 @@
     python examples/train_dlrm.py --config run.toml --checkpoint-dir ckpt --resume
 
 The same job as the installed ``hybridrec train-dlrm``; ``--help`` lists every option.
-Each step below is a library call (``hybridrec.dlrm.job``, ``hybridrec.launch``,
-``hybridrec.trainer``); this script only shows their order.
+``run_job`` does what every job does, in this order: the config (defaults < ``--config
+run.toml`` < command line, checked on every rank); the launch (the world, the worker and
+PS-server roles, the ``--ps`` store); on a worker, :class:`DLRMJob` builds the data
+source, the embedding tables (placed per table), the dense part, the optimizer, the cache
+and the Trainer; then training (epochs or ``--max-steps``, resumed with ``--resume``) and
+the close (test AUC beside the popularity baseline, the summary line, metrics and plot).
 """
 
 from __future__ import annotations
 
-from hybridrec.dlrm.job import DLRMJob, parse_args
-from hybridrec.errors import reported_errors
-from hybridrec.launch import Launch
-
-
-@reported_errors()  # a user error is one line on stderr (--debug: the traceback)
-def main(argv: list[str] | None = None) -> None:
-    # Config: defaults < --config run.toml < command line, checked on every rank.
-    cfg = parse_args(argv)
-    # Launch: the world, the worker / PS-server roles and the --ps store; the roles are
-    # checked before anything starts, and leaving the block closes store and world.
-    with Launch.for_run(cfg) as launch:
-        if not launch.is_worker:
-            return  # a PS server rank served the rows until every worker closed its store
-        # Build: data source, embedding tables (placed per table), dense part, optimizer,
-        # cache, and the Trainer with its evaluation, checkpoint and metrics hooks.
-        job = DLRMJob(cfg, launch.group, launch.store, roles=launch.topology)
-        # Train: epochs / --max-steps, resumed from --checkpoint-dir with --resume.
-        run = job.trainer.fit()
-        # Close: test AUC next to the popularity baseline, the summary line, metrics + plot.
-        job.close(run)
-
+from hybridrec.cli.run_job import run_job
+from hybridrec.dlrm.job import DLRMJob
 
 if __name__ == "__main__":
-    main()
+    run_job(DLRMJob)

@@ -7,34 +7,18 @@
     python examples/train_lm.py --checkpoint-dir ckpt --checkpoint-every 100 --resume
 
 The same job as the installed ``hybridrec train-lm``; ``--help`` lists every option.
-Each step below is a library call (``hybridrec.lm.job``, ``hybridrec.launch``,
-``hybridrec.trainer``); this script only shows their order.
+``run_job`` does what every job does, in this order: the config (defaults < ``--config
+run.toml`` < command line, checked on every rank); the launch (the world, the worker and
+PS-server roles, the ``--ps`` store); on a worker, :class:`LMJob` builds the corpus and
+tokenizer, the token table (hybrid, sharded or local), the GPT under DataParallel or ZeRO
+and the Trainer; then ``--max-steps`` steps, evaluating every ``--eval-every``, resumed
+with ``--resume``, and the close (test loss, the summary line, metrics and plot).
 """
 
 from __future__ import annotations
 
-from hybridrec.errors import reported_errors
-from hybridrec.launch import Launch
-from hybridrec.lm.job import LMJob, parse_args
-
-
-@reported_errors()  # a user error is one line on stderr (--debug: the traceback)
-def main(argv: list[str] | None = None) -> None:
-    # Config: defaults < --config run.toml < command line, checked on every rank.
-    cfg = parse_args(argv)
-    # Launch: the world, the worker / PS-server roles and the --ps store; the roles are
-    # checked before anything starts, and leaving the block closes store and world.
-    with Launch.for_run(cfg) as launch:
-        if not launch.is_worker:
-            return  # a PS server rank served the rows until every worker closed its store
-        # Build: corpus and tokenizer, the token table (hybrid, sharded or local), the GPT
-        # under DataParallel or ZeRO, and the Trainer with its evaluation and checkpoints.
-        job = LMJob(cfg, launch.group, launch.store, roles=launch.topology)
-        # Train: --max-steps steps, evaluating every --eval-every; --resume continues a run.
-        run = job.trainer.fit()
-        # Close: the final validation loss, tokens/s of this run, metrics file + plot.
-        job.close(run)
-
+from hybridrec.cli.run_job import run_job
+from hybridrec.lm.job import LMJob
 
 if __name__ == "__main__":
-    main()
+    run_job(LMJob)

@@ -16,16 +16,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hybridrec.launch import Launch
-    from hybridrec.model_state import load_model, save_model
-    from hybridrec.trainer import Trainer, TrainerConfig
+    from hybridrec.checkpoint.model_state import load_model, save_model
+    from hybridrec.launch.roles import Launch
+    from hybridrec.train.loop import Trainer, TrainerConfig
 
 _HOMES = {
-    "Trainer": "hybridrec.trainer",
-    "TrainerConfig": "hybridrec.trainer",
-    "save_model": "hybridrec.model_state",
-    "load_model": "hybridrec.model_state",
-    "Launch": "hybridrec.launch",
+    "Trainer": "hybridrec.train.loop",
+    "TrainerConfig": "hybridrec.train.loop",
+    "save_model": "hybridrec.checkpoint.model_state",
+    "load_model": "hybridrec.checkpoint.model_state",
+    "Launch": "hybridrec.launch.roles",
 }
 
 __all__ = ["Launch", "Trainer", "TrainerConfig", "load_model", "save_model"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import comm
-from hybridrec.dlrm.job import TrainConfig, parse_args, train
+from hybridrec.dlrm.job import DLRMJobConfig, parse_args, train
 
 
 def test_cache_options_fill_the_config() -> None:
@@ -20,16 +20,16 @@ def test_cache_options_fill_the_config() -> None:
     )
     assert parse_args(["--cache-rows", "100"]).cache_rows == 100
     with pytest.raises(ValueError, match="cache_rows or cache_fraction, not both"):
-        TrainConfig(cache_rows=10, cache_fraction=0.1)
+        DLRMJobConfig(cache_rows=10, cache_fraction=0.1)
     with pytest.raises(ValueError, match="read_bound must be >= 0, got -1"):
-        TrainConfig(read_bound=-1)
+        DLRMJobConfig(read_bound=-1)
 
 
 @pytest.mark.timeout(600)
 def test_bounded_staleness_matches_synchronous_auc() -> None:
     aucs, stats = {}, {}
     for bounds in ((0, 0), (4, 4)):
-        cfg = TrainConfig(
+        cfg = DLRMJobConfig(
             data="movielens",
             epochs=1,
             interaction="dot",  # the smaller dot model (dim 16), not MovieLens's default

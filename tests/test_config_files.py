@@ -12,8 +12,8 @@ from typing import Literal
 
 import pytest
 
-from hybridrec.config import ConfigError, option, parse_config
-from hybridrec.dlrm.config import TrainConfig
+from hybridrec.cli.options import ConfigError, option, parse_config
+from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.lm.config import LMConfig
 
 
@@ -50,7 +50,7 @@ def test_every_bad_toml_value_names_its_key_flag_value_and_type(
     tmp_path: Path, line: str, words: list[str]
 ) -> None:
     with pytest.raises(ConfigError) as info:
-        parse_config(TrainConfig, _toml(tmp_path, line + "\n"), "t")
+        parse_config(DLRMJobConfig, _toml(tmp_path, line + "\n"), "t")
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith(f"config file {tmp_path / 'run.toml'}: "), msg
     for word in words:
@@ -63,13 +63,13 @@ def test_good_values_keep_their_types(tmp_path: Path) -> None:
         'lr = 1\nbucket-mb = 4\nbatch-size = 64\nbottom-mlp = [32, 16]\ndata = "synthetic"\n'
         'resume = false\ncompression = "fp16"\nplacement-of = ["C1=sharded"]\n',
     )
-    cfg = parse_config(TrainConfig, argv, "t")
+    cfg = parse_config(DLRMJobConfig, argv, "t")
     # an int where a float is expected is a float, as "--lr 1" gives
     assert (cfg.lr, type(cfg.lr), cfg.bucket_mb, type(cfg.bucket_mb)) == (1.0, float, 4.0, float)
     assert (cfg.batch_size, cfg.bottom_mlp, cfg.data) == (64, [32, 16], "synthetic")
     assert (cfg.resume, cfg.compression, cfg.placement_of) == (False, "fp16", ["C1=sharded"])
     assert cfg == parse_config(
-        TrainConfig,
+        DLRMJobConfig,
         shlex.split(
             "--lr 1 --bucket-mb 4 --batch-size 64 --bottom-mlp 32 16 --data synthetic "
             "--no-resume --compression fp16 --placement-of C1=sharded"
@@ -81,11 +81,11 @@ def test_good_values_keep_their_types(tmp_path: Path) -> None:
 def test_json_null_is_none_only_where_the_option_may_be_none(tmp_path: Path) -> None:
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"compression": None, "checkpoint_dir": None}))
-    cfg = parse_config(TrainConfig, ["--config", str(path)], "t")
+    cfg = parse_config(DLRMJobConfig, ["--config", str(path)], "t")
     assert (cfg.compression, cfg.checkpoint_dir) == (None, None)
     path.write_text(json.dumps({"batch-size": None}))
     with pytest.raises(ConfigError, match=r"'batch-size' \(--batch-size\): expected an integer"):
-        parse_config(TrainConfig, ["--config", str(path)], "t")
+        parse_config(DLRMJobConfig, ["--config", str(path)], "t")
     path.write_text(json.dumps({"max_bytes": 1.5}))
     with pytest.raises(ConfigError, match=r"'max_bytes' \(--max-bytes\).*got 1.5 \(a float\)"):
         parse_config(LMConfig, ["--config", str(path)], "t")
@@ -93,20 +93,20 @@ def test_json_null_is_none_only_where_the_option_may_be_none(tmp_path: Path) -> 
 
 def test_unknown_repeated_and_unreadable_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"unknown option 'batch-sise' \(did you mean 'batch-s"):
-        parse_config(TrainConfig, _toml(tmp_path, "batch-sise = 3\n"), "t")
+        parse_config(DLRMJobConfig, _toml(tmp_path, "batch-sise = 3\n"), "t")
     with pytest.raises(ConfigError, match="'batch-size' and 'batch_size' are the same option"):
-        parse_config(TrainConfig, _toml(tmp_path, "batch-size = 3\nbatch_size = 4\n"), "t")
+        parse_config(DLRMJobConfig, _toml(tmp_path, "batch-size = 3\nbatch_size = 4\n"), "t")
     with pytest.raises(ConfigError, match=r"run.toml: not valid TOML: .*line 1"):
-        parse_config(TrainConfig, _toml(tmp_path, "batch-size = \n"), "t")
+        parse_config(DLRMJobConfig, _toml(tmp_path, "batch-size = \n"), "t")
     bad_json = tmp_path / "run.json"
     bad_json.write_text('{"lr": 0.1,}')
     with pytest.raises(ConfigError, match=r"run.json: not valid JSON: .*line 1, column 12"):
-        parse_config(TrainConfig, ["--config", str(bad_json)], "t")
+        parse_config(DLRMJobConfig, ["--config", str(bad_json)], "t")
     bad_json.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="expected a table of options, got a list"):
-        parse_config(TrainConfig, ["--config", str(bad_json)], "t")
+        parse_config(DLRMJobConfig, ["--config", str(bad_json)], "t")
     with pytest.raises(FileNotFoundError, match="config file .*nope.toml does not exist"):
-        parse_config(TrainConfig, ["--config", str(tmp_path / "nope.toml")], "t")
+        parse_config(DLRMJobConfig, ["--config", str(tmp_path / "nope.toml")], "t")
 
 
 @pytest.mark.parametrize(
@@ -123,10 +123,10 @@ def test_unknown_repeated_and_unreadable_files_are_named(tmp_path: Path) -> None
 )
 def test_dataclass_checks_name_flags_not_fields(argv: str, message: str) -> None:
     with pytest.raises(ValueError) as info:
-        parse_config(TrainConfig, argv.split(), "t")
+        parse_config(DLRMJobConfig, argv.split(), "t")
     msg = str(info.value)
     assert message in msg, msg
-    assert not [f for f in TrainConfig.__dataclass_fields__ if "_" in f and f in msg], msg
+    assert not [f for f in DLRMJobConfig.__dataclass_fields__ if "_" in f and f in msg], msg
 
 
 def test_lm_checks_and_file_values_name_flags_too(tmp_path: Path) -> None:
@@ -180,7 +180,7 @@ def test_command_line_errors_are_one_line_config_errors() -> None:
     ]
     for argv, message in cases:
         with pytest.raises(ConfigError) as info:
-            parse_config(TrainConfig, argv.split(), "t")
+            parse_config(DLRMJobConfig, argv.split(), "t")
         assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
         assert "--help lists the options" in str(info.value)
 

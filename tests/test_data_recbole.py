@@ -17,7 +17,7 @@ from hybridrec.datasets import load_movielens, movielens_dir
 from hybridrec.datasets.movielens import MOVIELENS_SCHEMA
 from hybridrec.datasets.recbole import load_recbole, read_atomic
 from hybridrec.datasets.schema import load_schema, schema_from_dict
-from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.dlrm.data import InMemorySource
 from hybridrec.dlrm.job import train
 from multiproc import ROOT
@@ -169,7 +169,7 @@ def test_movielens_reads_through_the_atomic_reader() -> None:
 @pytest.mark.timeout(120)
 def test_recbole_job_trains_and_ranks_agree(tmp_path: Path) -> None:
     """--data recbole runs the DLRM job; 2 ranks' slices make the 1-rank batches."""
-    cfg = TrainConfig(
+    cfg = DLRMJobConfig(
         data="recbole", data_path=[str(_folder(tmp_path))], batch_size=4, epochs=1,
         dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1], verbose=False, progress=False,
     )  # fmt: skip
@@ -206,7 +206,7 @@ def test_recbole_with_the_movielens_schema_trains_as_movielens(tmp_path: Path) -
                         schema=str(ROOT / "docs" / "movielens_schema.toml")),
     }.items():  # fmt: skip
         out = tmp_path / f"{name}.jsonl"
-        train(TrainConfig(**base, **extra, metrics_out=str(out)), comm.LocalGroup())  # type: ignore[arg-type]
+        train(DLRMJobConfig(**base, **extra, metrics_out=str(out)), comm.LocalGroup())  # type: ignore[arg-type]
         runs[name] = losses(out)
     # Bit for bit: the same reader with the same schema builds the same tensors, and the
     # same job runs the same operations on them in the same order.

@@ -44,7 +44,7 @@ from hybridrec.datasets.tabular import (
     TabularReader,
     fit_tabular,
 )
-from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.dlrm.job import train
 from ps.routing import splitmix64
 from test_resume import DLRM, SMALLER, interrupted_equals_uninterrupted, losses
@@ -367,7 +367,7 @@ def test_a_criteo_csv_read_by_schema_matches_the_criteo_reader(tmp_path: Path) -
                         schema=str(tmp_path / "criteo.json")),
     }.items():  # fmt: skip
         out = tmp_path / f"{name}.jsonl"
-        train(TrainConfig(**{**base, **extra, "metrics_out": str(out)}), comm.LocalGroup())
+        train(DLRMJobConfig(**{**base, **extra, "metrics_out": str(out)}), comm.LocalGroup())
         runs[name] = losses(out)
     # Bit for bit: the same batches through the same job, so the same operations in order.
     assert len(runs["criteo"]) == 12 and runs["tabular"] == runs["criteo"]
@@ -384,10 +384,10 @@ def test_tabular_resumes_mid_file(tmp_path: Path) -> None:
     base = {**DLRM, "data": "tabular", "data_path": [str(path)],
             "schema": str(tmp_path / "s.toml"), "batch_size": 40}  # fmt: skip
 
-    def run(cfg: TrainConfig) -> dict[str, Any]:
+    def run(cfg: DLRMJobConfig) -> dict[str, Any]:
         return train(cfg, comm.LocalGroup())
 
-    interrupted_equals_uninterrupted(run, TrainConfig, base, tmp_path, dict(max_steps=9), SMALLER)
+    interrupted_equals_uninterrupted(run, DLRMJobConfig, base, tmp_path, dict(max_steps=9), SMALLER)
 
 
 def _toml(spec: dict[str, Any]) -> str:
@@ -501,8 +501,8 @@ def _split(v: str, c: SparseColumn) -> list[str]:
 
 def test_job_options_are_checked() -> None:
     with pytest.raises(ValueError, match=r"data 'tabular' needs data_path FILE .* and schema FILE"):
-        TrainConfig(data="tabular", data_path=["a.csv"])
+        DLRMJobConfig(data="tabular", data_path=["a.csv"])
     with pytest.raises(ValueError, match=r"data 'recbole' needs data_path DIR \(one folder\)"):
-        TrainConfig(data="recbole", data_path=["a", "b"])
+        DLRMJobConfig(data="recbole", data_path=["a", "b"])
     with pytest.raises(ValueError, match=r"data_val_path is read with data 'tabular' only"):
-        TrainConfig(data="movielens", data_val_path=["v.csv"])
+        DLRMJobConfig(data="movielens", data_val_path=["v.csv"])

@@ -13,7 +13,7 @@ from torch import nn
 
 import comm
 from dense import CrossNetwork, DLRMConfig, DLRMDense
-from hybridrec.dlrm.job import TrainConfig, parse_args, train
+from hybridrec.dlrm.job import DLRMJobConfig, parse_args, train
 from tolerance import assert_close, sum_tol
 
 pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
@@ -188,9 +188,9 @@ def test_job_options_and_their_errors() -> None:
     )
     assert parse_args(["--no-keep-best"]).patience == 0
     with pytest.raises(ValueError, match="dcn_rank must be >= 1, got 0"):
-        TrainConfig(interaction="dcn", dcn_rank=0)
+        DLRMJobConfig(interaction="dcn", dcn_rank=0)
     with pytest.raises(ValueError, match="interaction must be 'dot' or 'dcn', got 'mlp'"):
-        TrainConfig(interaction="mlp")  # type: ignore[arg-type]
+        DLRMJobConfig(interaction="mlp")  # type: ignore[arg-type]
 
 
 SMALL: dict[str, Any] = dict(
@@ -202,14 +202,14 @@ SMALL: dict[str, Any] = dict(
 @pytest.mark.timeout(120)
 def test_dcn_job_trains_and_a_resume_names_the_changed_interaction(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ckpt")
-    cfg = TrainConfig(**SMALL, interaction="dcn", dcn_layers=2, dcn_rank=4, max_steps=40,
+    cfg = DLRMJobConfig(**SMALL, interaction="dcn", dcn_layers=2, dcn_rank=4, max_steps=40,
                       checkpoint_dir=ckpt)  # fmt: skip
     metrics = train(cfg, comm.LocalGroup())
     assert metrics["steps"] == 40
     assert metrics["test_auc"] > 0.55, metrics["test_auc"]  # learned something
     losses = [r["train_loss"] for r in metrics["epochs"]]
     assert all(loss == loss for loss in losses), losses  # finite
-    resumed = TrainConfig(**SMALL, interaction="dot", max_steps=60, checkpoint_dir=ckpt,
+    resumed = DLRMJobConfig(**SMALL, interaction="dot", max_steps=60, checkpoint_dir=ckpt,
                           resume=True)  # fmt: skip
     with pytest.raises(ValueError, match="interaction: 'dcn' in the checkpoint, 'dot' now"):
         train(resumed, comm.LocalGroup())

@@ -20,12 +20,12 @@ import torch
 
 import comm
 from embedding import KeyedJaggedIds
-from hybridrec.device_data import DeviceBatches, DeviceEpochData, to_device
 from hybridrec.dlrm.job import parse_args as dlrm_args
 from hybridrec.dlrm.job import train as train_dlrm
 from hybridrec.lm.job import parse_args as lm_args
 from hybridrec.lm.job import train as train_lm
-from hybridrec.loss_sums import LossSums
+from hybridrec.train.device_batches import DeviceBatches, DeviceEpochData, to_device
+from hybridrec.train.loss_sums import LossSums
 from multiproc import ROOT, free_port, rank_env
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

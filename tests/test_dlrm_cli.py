@@ -1,4 +1,4 @@
-"""The DLRM example's command line: options fill TrainConfig (also from TOML/JSON files),
+"""The DLRM example's command line: options fill DLRMJobConfig (also from TOML/JSON files),
 --help explains every option, and the script runs as a file, writing metrics and a plot."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridrec.config import build_parser
-from hybridrec.dlrm.config import TrainConfig
+from hybridrec.cli.options import build_parser
+from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.dlrm.job import main, parse_args
 from multiproc import rank_env
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_defaults_and_every_option() -> None:
-    assert parse_args([]) == TrainConfig()
+    assert parse_args([]) == DLRMJobConfig()
     argv = (
         "--data synthetic --epochs 2 --batch-size 64 --lr 0.01 --dense-optimizer adagrad "
         "--emb-lr 0.2 --dim 8 --bottom-mlp 32 8 --top-mlp 8 1 --seed 3 --synthetic-rows 50 "
@@ -30,7 +30,7 @@ def test_defaults_and_every_option() -> None:
         "--log-every 2 --no-progress --no-verbose --eval-every 9 --eval-batch-size 100"
     )
     cfg = parse_args(argv.split())
-    assert cfg == TrainConfig(
+    assert cfg == DLRMJobConfig(
         data="synthetic", epochs=2, batch_size=64, lr=0.01, dense_optimizer="adagrad",
         emb_lr=0.2, dim=8, bottom_mlp=[32, 8], top_mlp=[8, 1], seed=3, synthetic_rows=50,
         synthetic_samples=500, max_steps=7, backend="local", validate_comm=True, threads=2,
@@ -44,10 +44,10 @@ def test_defaults_and_every_option() -> None:
 
 
 def test_help_explains_every_option() -> None:
-    parser = build_parser(TrainConfig, "t")
+    parser = build_parser(DLRMJobConfig, "t")
     for action in parser._actions:
         if action.dest not in ("help", "config"):
-            assert action.dest in TrainConfig.__dataclass_fields__, action.dest
+            assert action.dest in DLRMJobConfig.__dataclass_fields__, action.dest
             assert action.help and len(action.help.split("(default")[0].strip()) > 8, action.dest
 
 
@@ -82,14 +82,14 @@ def test_config_file_then_command_line(tmp_path: Path) -> None:
 )
 def test_config_validation(kw: dict[str, object], pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
-        TrainConfig(**kw)  # type: ignore[arg-type]
+        DLRMJobConfig(**kw)  # type: ignore[arg-type]
 
 
 def test_bad_placement_table_and_rank_count_are_named(capsys: pytest.CaptureFixture[str]) -> None:
     from comm import LocalGroup
     from hybridrec.dlrm.job import train
 
-    cfg = TrainConfig(data="synthetic", synthetic_samples=100, placement_of=["nope=sharded"])
+    cfg = DLRMJobConfig(data="synthetic", synthetic_samples=100, placement_of=["nope=sharded"])
     with pytest.raises(ValueError, match="placement_of: no table 'nope'; the tables are"):
         train(cfg, LocalGroup())
     with pytest.raises(SystemExit) as exit_info:  # a user error: one line, exit status 2
@@ -149,11 +149,11 @@ def test_the_console_shows_the_cache_hit_rate(tmp_path: Path) -> None:
 def test_help_groups_the_options_the_same_way_in_both_jobs() -> None:
     """``--help`` lists the options by group, the common ones first, every option in a
     named group (none left to "other options"), for the DLRM and the LM job alike."""
+    from hybridrec.cli.job_options import HELP_GROUPS
     from hybridrec.lm.config import LMConfig
-    from hybridrec.run_options import HELP_GROUPS
 
     titles = [f"{title} options:" for title, _ in HELP_GROUPS]
-    for cls in (TrainConfig, LMConfig):
+    for cls in (DLRMJobConfig, LMConfig):
         text = build_parser(cls, "x").format_help()
         seen = [line for line in text.splitlines() if line.endswith(" options:")]
         assert seen == titles, seen

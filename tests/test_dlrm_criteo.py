@@ -15,7 +15,7 @@ import pytest
 import comm
 from criteo_fixture import write_criteo_fixture
 from hybridrec.datasets.criteo import NUM_CAT, NUM_INT
-from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.dlrm.job import train
 from multiproc import ROOT, run_ranks
 
@@ -49,14 +49,14 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"train": str(d / "train.tsv.gz"), "val": str(d / "val.tsv")}
 
 
-def _cfg(files: dict[str, str], **kw: object) -> TrainConfig:
+def _cfg(files: dict[str, str], **kw: object) -> DLRMJobConfig:
     base: dict[str, object] = dict(
         data="criteo", criteo_path=[files["train"]], criteo_val_path=[files["val"]],
         batch_size=64, epochs=2, dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1], lr=0.01, emb_lr=0.1,
         verbose=False, progress=False, log_every=5, eval_batch_size=256,
     )  # fmt: skip
     base.update(kw)
-    return TrainConfig(**base)  # type: ignore[arg-type]
+    return DLRMJobConfig(**base)  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(180)

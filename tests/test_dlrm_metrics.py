@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.metrics import average_ranks, log_loss, popularity_scores, roc_auc
+from hybridrec.train.click_metrics import average_ranks, log_loss, popularity_scores, roc_auc
 from tolerance import assert_close, sum_tol
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 import comm
-from hybridrec.dlrm.job import TrainConfig, train
+from hybridrec.dlrm.job import DLRMJobConfig, train
 
 
 @pytest.mark.timeout(240)
 def test_dlrm_beats_popularity_on_movielens() -> None:
-    cfg = TrainConfig(data="movielens", epochs=1, verbose=False)
+    cfg = DLRMJobConfig(data="movielens", epochs=1, verbose=False)
     try:
         metrics = train(cfg, comm.LocalGroup())
     except FileNotFoundError as e:  # `make test` installs recbole: missing data is a failure

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import comm
-from hybridrec.dlrm.job import TrainConfig, train
-from hybridrec.trainer import Trainer, TrainerConfig, TrainResult
+from hybridrec.dlrm.job import DLRMJobConfig, train
+from hybridrec.train.loop import Trainer, TrainerConfig, TrainResult
 
 pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
 
@@ -103,7 +103,7 @@ def test_bad_settings_are_named() -> None:
     with pytest.raises(ValueError, match=r"best_metric 'auc' is not in the epoch row .*'score'"):
         fit(model(), [1.0], best_metric="auc")
     with pytest.raises(ValueError, match="patience 1 needs keep_best"):
-        TrainConfig(patience=1, keep_best=False)
+        DLRMJobConfig(patience=1, keep_best=False)
 
 
 # ---------------------------------------------------------------- the DLRM job
@@ -117,7 +117,7 @@ OVERFIT: dict[str, Any] = dict(
 
 
 def run(**kw: Any) -> dict[str, Any]:
-    return train(TrainConfig(**{**OVERFIT, **kw}), comm.LocalGroup())
+    return train(DLRMJobConfig(**{**OVERFIT, **kw}), comm.LocalGroup())
 
 
 @pytest.mark.timeout(120)

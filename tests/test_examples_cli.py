@@ -10,8 +10,8 @@ from typing import Literal
 
 import pytest
 
-from hybridrec.config import ConfigError, build_parser, option, parse_config
-from hybridrec.plot import metrics_figure, plot_metrics, read_metrics, run_title
+from hybridrec.cli.options import ConfigError, build_parser, option, parse_config
+from hybridrec.train.metrics_plot import metrics_figure, plot_metrics, read_metrics, run_title
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,7 +58,7 @@ def test_help_explains_every_option() -> None:
 
 
 def test_debug_is_taken_off_the_command_line() -> None:
-    from hybridrec.errors import show_tracebacks, tracebacks_shown
+    from hybridrec.cli.errors import show_tracebacks, tracebacks_shown
 
     try:
         assert parse_config(_Cfg, ["--steps", "3", "--debug"], "t") == _Cfg(steps=3)

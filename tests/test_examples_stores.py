@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from comm import LocalGroup, Role, Topology
-from hybridrec.launch import (
+from hybridrec.launch.roles import (
     Launch,
     PSChoice,
     check_batch_size,

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import comm
-from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.dlrm.job import train
-from hybridrec.tables import ExistingTablesError
+from hybridrec.launch.existing_tables import ExistingTablesError
 from ps import InProcessStore, Store
 
 RUN: dict[str, Any] = dict(
@@ -26,7 +26,7 @@ RUN: dict[str, Any] = dict(
 
 
 def run(store: Store, **kw: Any) -> dict[str, Any]:
-    return train(TrainConfig(**{**RUN, **kw}), comm.LocalGroup(), store)
+    return train(DLRMJobConfig(**{**RUN, **kw}), comm.LocalGroup(), store)
 
 
 def rows(store: Store) -> torch.Tensor:

@@ -36,8 +36,8 @@ from hypothesis import strategies as st
 
 import ps
 from embedding import TableConfig
-from hybridrec.config import ConfigError, parse_config
-from hybridrec.dlrm.config import TrainConfig
+from hybridrec.cli.options import ConfigError, parse_config
+from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.lm.config import LMConfig
 
 pytestmark = pytest.mark.timeout(120)
@@ -280,7 +280,7 @@ def _well_typed(tp: Any) -> list[Any]:
     return [None, *_well_typed(inner)]
 
 
-@pytest.mark.parametrize("cls", [TrainConfig, LMConfig])
+@pytest.mark.parametrize("cls", [DLRMJobConfig, LMConfig])
 def test_config_files(cls: type, tmp_path: Path) -> None:
     hints = typing.get_type_hints(cls)
     names = sorted(f.name for f in dataclasses.fields(cls))

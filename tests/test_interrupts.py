@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM end a job cleanly (``hybridrec/interrupts.py``), on real launchers.
+"""Ctrl-C and SIGTERM end a job cleanly (``hybridrec/train/interrupts.py``), on real launchers.
 
 A job is signalled once it has trained a few steps (its metrics file says so): the
 first signal finishes the step, writes a checkpoint, prints ``interrupted at step N;

@@ -123,10 +123,20 @@ def check_tree(root: Path) -> tuple[int, list[str]]:
         ("comm.codec", "def f():\n    import cache\n", 2, "comm imports cache"),
         ("comm.group", "from tests.multiproc import run\n", 1, "comm imports 'tests.multiproc'"),
         ("dense.gpt", "import hybridrec.dlrm.job\n", 1, "dense imports hybridrec"),
-        ("ps.store", "from hybridrec import launch\n", 1, "ps imports hybridrec"),
+        ("ps.store", "from hybridrec.launch import roles\n", 1, "ps imports hybridrec"),
         ("embedding.hybrid", "import hybridrec\n", 1, "embedding imports hybridrec"),
-        ("hybridrec.launch", "import examples.train_dlrm\n", 1, "hybridrec imports 'examples"),
-        ("hybridrec.trainer", "from tests.multiproc import run\n", 1, "imports 'tests.multiproc'"),
+        (
+            "hybridrec.launch.roles",
+            "import examples.train_dlrm\n",
+            1,
+            "hybridrec imports 'examples",
+        ),
+        (
+            "hybridrec.train.loop",
+            "from tests.multiproc import run\n",
+            1,
+            "imports 'tests.multiproc'",
+        ),
         ("ps.__init__", "from .. import embedding\n", 1, "relative import climbs above package"),
         ("ps.store", "from ..embedding import x\n", 1, "relative import climbs above package"),
         ("comm.init", "import importlib\nimportlib.import_module('ps.x')\n", 2, "comm imports ps"),
@@ -151,7 +161,10 @@ def test_checker_flags_bad_import(module: str, source: str, line: int, expected:
         ("dense.ddp", "import comm\nimport torch.distributed as dist\n"),
         ("comm.init", "import importlib\nimportlib.import_module('mpi4py.MPI')\n"),
         ("hybridrec.dlrm.job", "import comm\nimport ps\nimport cache\nimport embedding\n"),
-        ("hybridrec.trainer", "from dense import DataParallel\nfrom hybridrec import launch\n"),
+        (
+            "hybridrec.train.loop",
+            "from dense import DataParallel\nfrom hybridrec.launch import roles\n",
+        ),
     ],
 )
 def test_checker_accepts_allowed_imports(module: str, source: str) -> None:

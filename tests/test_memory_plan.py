@@ -1,4 +1,4 @@
-"""Where a job's memory goes (``hybridrec/memory_plan.py``) and the cache's placement and
+"""Where a job's memory goes (``hybridrec/launch/memory_plan.py``) and the cache's placement and
 sizing options (``--cache-on``, ``--cache-memory``).
 
 The plan's numbers are checked against arithmetic written out here (float32 weights and
@@ -21,12 +21,11 @@ from torch import nn
 import comm
 from cache import CacheConfig, cache_bytes
 from embedding import Adam, RowWiseAdagrad, TableConfig
-from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.dlrm.job import DLRMJob
 from hybridrec.dlrm.job import parse_args as dlrm_args
-from hybridrec.launch import cache_config, cache_device, store_location, with_cache
-from hybridrec.lm.job import parse_args as lm_args
-from hybridrec.memory_plan import (
+from hybridrec.launch.job_cache import cache_config, cache_device, with_cache
+from hybridrec.launch.memory_plan import (
     DEVICE,
     HOST,
     MemoryPart,
@@ -36,6 +35,8 @@ from hybridrec.memory_plan import (
     human_bytes,
     plan_memory,
 )
+from hybridrec.launch.roles import store_location
+from hybridrec.lm.job import parse_args as lm_args
 from ps import InProcessStore, TableSpec
 
 CPU = torch.device("cpu")
@@ -190,33 +191,33 @@ def test_cache_options_are_checked() -> None:
     with pytest.raises(ValueError, match="invalid choice: 'gpu'"):
         dlrm_args(["--cache-on", "gpu"])
     specs = [_spec("a", 100, 8)]
-    cfg = TrainConfig(cache_memory=0.1)
+    cfg = DLRMJobConfig(cache_memory=0.1)
     with pytest.raises(ValueError, match="--cache-memory 0.1 sizes a cache whose rows are on "
                        "the GPU, but this worker trains on cpu"):  # fmt: skip
         cache_config(cfg, specs, CPU)
     with pytest.raises(ValueError, match="--cache-on device keeps the cache's rows on the "
                        "worker's GPU, but this worker trains on cpu"):  # fmt: skip
-        cache_config(TrainConfig(cache_rows=5, cache_on="device"), specs, CPU)
-    assert cache_config(TrainConfig(), specs, CPU) is None
+        cache_config(DLRMJobConfig(cache_rows=5, cache_on="device"), specs, CPU)
+    assert cache_config(DLRMJobConfig(), specs, CPU) is None
     # The placement alone needs no GPU to decide: auto and device put a GPU worker's cache
     # rows on its GPU, host keeps them in host records; a CPU worker always has those.
     gpu = torch.device("cuda", 1)
     for on, want in (("auto", gpu), ("device", gpu), ("host", None)):
-        assert cache_device(TrainConfig(cache_rows=5, cache_on=on), gpu) == want  # type: ignore[arg-type]
+        assert cache_device(DLRMJobConfig(cache_rows=5, cache_on=on), gpu) == want  # type: ignore[arg-type]
         if on != "device":
-            assert cache_device(TrainConfig(cache_rows=5, cache_on=on), CPU) is None  # type: ignore[arg-type]
+            assert cache_device(DLRMJobConfig(cache_rows=5, cache_on=on), CPU) is None  # type: ignore[arg-type]
 
 
 def test_cache_on_host_is_the_cpu_cache() -> None:
     store = InProcessStore()
     for on in ("host", "auto"):
-        cfg = TrainConfig(cache_rows=7, cache_on=on)  # type: ignore[arg-type]
+        cfg = DLRMJobConfig(cache_rows=7, cache_on=on)  # type: ignore[arg-type]
         assert cache_config(cfg, [], CPU) == CacheConfig(capacity_rows=7, group_tables=True)
-        plain = TrainConfig(cache_rows=7, cache_on=on, counted_pushes=False)  # type: ignore[arg-type]
+        plain = DLRMJobConfig(cache_rows=7, cache_on=on, counted_pushes=False)  # type: ignore[arg-type]
         assert cache_config(plain, [], CPU) == CacheConfig(
             capacity_rows=7, group_tables=True, counted_pushes=False
         )
-        by_sgd = TrainConfig(cache_rows=7, cache_on=on, local_step="sgd")  # type: ignore[arg-type]
+        by_sgd = DLRMJobConfig(cache_rows=7, cache_on=on, local_step="sgd")  # type: ignore[arg-type]
         assert cache_config(by_sgd, [], CPU) == CacheConfig(
             capacity_rows=7, group_tables=True, local_step="sgd"
         )

@@ -1,4 +1,4 @@
-"""One save for a whole model (hybridrec.model_state): what it restores and how it checks.
+"""One save for a whole model (hybridrec.checkpoint.model_state): what it restores, what it checks.
 
 * At N -> M workers (tests/ranks/model_checkpoint.py under mpirun, a shared MPI store):
   saved at 2 workers, loaded at 1, 2 and 4, every placement in one model.
@@ -25,7 +25,7 @@ import ps
 from dense import DataParallel, ZeroOptimizer
 from embedding import EmbeddingCollection, KeyedJaggedIds, RowWiseAdagrad, TableConfig
 from embedding.hybrid import create_table_once, create_tables
-from hybridrec.model_state import load_model, save_model
+from hybridrec.checkpoint.model_state import load_model, save_model
 from multiproc import run_ranks
 from tolerance import assert_same
 

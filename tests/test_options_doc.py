@@ -1,5 +1,5 @@
 """``docs/options.md`` is the reference of every job's and the planner's options, generated
-from the option dataclasses (:func:`hybridrec.config.options_markdown`), so it cannot drift
+from the option dataclasses (:func:`hybridrec.cli.options.options_markdown`), so it cannot drift
 from ``--help``: this test fails when it is not current. ``python tests/test_options_doc.py``
 writes it anew."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridrec.config import options_markdown
-from hybridrec.dlrm.config import TrainConfig
+from hybridrec.cli.options import options_markdown
+from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.lm.config import LMConfig
 from hybridrec.plan.options import PlanOptions
 
@@ -28,7 +28,7 @@ value must be. How the options fit together: [usage.md](usage.md).
 def generated() -> str:
     parts = [
         INTRO,
-        options_markdown(TrainConfig, "`hybridrec train-dlrm` (`examples/train_dlrm.py`)"),
+        options_markdown(DLRMJobConfig, "`hybridrec train-dlrm` (`examples/train_dlrm.py`)"),
         options_markdown(LMConfig, "`hybridrec train-lm` (`examples/train_lm.py`)"),
         options_markdown(PlanOptions, "`python -m hybridrec.plan` (the capacity planner)"),
     ]
@@ -47,10 +47,10 @@ def test_the_options_reference_is_current() -> None:
 def test_every_flag_of_the_parsers_is_in_the_reference() -> None:
     """The reference lists exactly the flags ``--help`` shows (an independent view: the
     argparse parser the jobs build)."""
-    from hybridrec.config import build_parser
+    from hybridrec.cli.options import build_parser
 
     text = DOC.read_text(encoding="utf-8")
-    for cls in (TrainConfig, LMConfig, PlanOptions):
+    for cls in (DLRMJobConfig, LMConfig, PlanOptions):
         parser = build_parser(cls, "")
         for action in parser._actions:  # noqa: SLF001 - argparse keeps its options here
             for opt in action.option_strings:

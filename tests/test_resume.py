@@ -22,7 +22,7 @@ import torch
 
 import comm
 from criteo_fixture import write_criteo_fixture
-from hybridrec.checkpoint import (
+from hybridrec.checkpoint.run_checkpoint import (
     flatten,
     latest_checkpoint,
     load_checkpoint,
@@ -32,7 +32,7 @@ from hybridrec.checkpoint import (
     write_state,
 )
 from hybridrec.datasets.criteo import NUM_CAT, NUM_INT
-from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.dlrm.job import main as dlrm_main
 from hybridrec.dlrm.job import train
 from hybridrec.lm.config import LMConfig
@@ -105,10 +105,10 @@ def interrupted_equals_uninterrupted(
     ],
 )
 def test_dlrm_resume_one_rank(extra: dict[str, Any], tmp_path: Path) -> None:
-    def run(cfg: TrainConfig) -> dict[str, Any]:
+    def run(cfg: DLRMJobConfig) -> dict[str, Any]:
         return train(cfg, comm.LocalGroup())
 
-    interrupted_equals_uninterrupted(run, TrainConfig, {**DLRM, **extra}, tmp_path,
+    interrupted_equals_uninterrupted(run, DLRMJobConfig, {**DLRM, **extra}, tmp_path,
                                      dict(max_steps=11), SMALLER)  # fmt: skip
 
 
@@ -129,10 +129,10 @@ def test_criteo_resumes_mid_file(tmp_path: Path) -> None:
     base = {**DLRM, "data": "criteo", "criteo_path": [str(path)], "criteo_rows": 0,
             "batch_size": 40}  # fmt: skip
 
-    def run(cfg: TrainConfig) -> dict[str, Any]:
+    def run(cfg: DLRMJobConfig) -> dict[str, Any]:
         return train(cfg, comm.LocalGroup())
 
-    interrupted_equals_uninterrupted(run, TrainConfig, base, tmp_path, dict(max_steps=9), SMALLER)
+    interrupted_equals_uninterrupted(run, DLRMJobConfig, base, tmp_path, dict(max_steps=9), SMALLER)
 
 
 @pytest.mark.timeout(300)

@@ -1,4 +1,4 @@
-"""``hybridrec.trainer.Trainer`` with a user's own models (neither DLRM nor GPT), each
+"""``hybridrec.train.loop.Trainer`` with a user's own models (neither DLRM nor GPT), each
 against a plain torch loop written out by hand: the same losses step by step and the
 same weights; its checkpoints resume exactly, a finished run stays finished, epoch
 losses and rates count the right steps, and a resume with other shapes names them.
@@ -19,8 +19,8 @@ from torch import nn
 import ps
 from doc_blocks import code_after
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
-from hybridrec.batches import epoch_data
-from hybridrec.trainer import Trainer, TrainerConfig, TrainResult
+from hybridrec.train.batches import epoch_data
+from hybridrec.train.loop import Trainer, TrainerConfig, TrainResult
 from tolerance import assert_close, assert_same, replay_tol
 
 pytestmark = pytest.mark.numerics  # rerun under each ATEN_CPU_CAPABILITY
@@ -264,11 +264,12 @@ def test_package_names_load_their_modules_on_first_use() -> None:
     import sys
 
     import hybridrec
-    from hybridrec import model_state, trainer
+    from hybridrec.checkpoint import model_state
+    from hybridrec.train import loop
     from multiproc import rank_env
 
     assert hybridrec.save_model is model_state.save_model
-    assert hybridrec.Trainer is trainer.Trainer
+    assert hybridrec.Trainer is loop.Trainer
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = hybridrec.nope  # type: ignore[attr-defined]
     code = (

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from comm import CommTimeoutError
-from hybridrec import commands
-from hybridrec.errors import (
+from hybridrec.cli import commands
+from hybridrec.cli.errors import (
     DEBUG_ENV,
     describe,
     is_user_error,

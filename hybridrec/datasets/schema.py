@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridrec.config import type_mismatch
+from hybridrec.cli.options import type_mismatch
 
 RULES: dict[str, Callable[[float, float], bool]] = {
     ">=": operator.ge,

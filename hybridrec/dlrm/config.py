@@ -1,7 +1,7 @@
 """The options of the DLRM job (``examples/train_dlrm.py --help`` prints them all).
 
 Every field is one command-line option (``batch_size`` -> ``--batch-size``) and one
-key of a ``--config run.toml`` file; see :mod:`hybridrec.config`.
+key of a ``--config run.toml`` file; see :mod:`hybridrec.cli.options`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from hybridrec.config import option
-from hybridrec.launch import parse_ps
-from hybridrec.run_options import RunOptions
+from hybridrec.cli.job_options import RunOptions
+from hybridrec.cli.options import option
+from hybridrec.launch.roles import parse_ps
 
 PLACEMENTS = ("auto", "local", "hybrid", "sharded")
 
@@ -31,7 +31,7 @@ def check_mlp(name: str, widths: list[int], last: int, what: str) -> None:
 
 
 @dataclass(kw_only=True, slots=True)
-class TrainConfig(RunOptions):
+class DLRMJobConfig(RunOptions):
     # ---- data
     data: Literal["movielens", "synthetic", "criteo", "tabular", "recbole"] = option(
         "movielens",
@@ -144,7 +144,7 @@ class TrainConfig(RunOptions):
     placement_of: list[str] = option(
         [], help="per-table overrides TABLE=PLACEMENT, e.g. --placement-of user=sharded item=hybrid"
     )
-    # ---- metrics (dense parallelism, checkpoints, runtime: hybridrec.run_options)
+    # ---- metrics (dense parallelism, checkpoints, runtime: hybridrec.cli.job_options)
     log_every: int = option(50, help="steps between training-loss lines in the metrics file")
     verbose: bool = option(True, help="print epoch and final results (rank 0)")
 

@@ -37,8 +37,8 @@ from hybridrec.datasets.ctr import Batch
 from hybridrec.datasets.recbole import load_recbole
 from hybridrec.datasets.schema import load_schema
 from hybridrec.datasets.tabular import TabularConfig, TabularReader, fit_tabular
-from hybridrec.dlrm.config import TrainConfig
-from hybridrec.metrics import log_loss, popularity_scores, roc_auc
+from hybridrec.dlrm.config import DLRMJobConfig
+from hybridrec.train.click_metrics import log_loss, popularity_scores, roc_auc
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +50,7 @@ class Feature:
     multi: bool = False  # several ids per sample: mean pooling, else sum
 
 
-def per_rank_batch(cfg: TrainConfig, group: ProcessGroup) -> int:
+def per_rank_batch(cfg: DLRMJobConfig, group: ProcessGroup) -> int:
     if cfg.batch_size % group.size != 0:
         raise ValueError(
             f"--batch-size {cfg.batch_size} must be a multiple of the number of worker ranks "
@@ -62,7 +62,7 @@ def per_rank_batch(cfg: TrainConfig, group: ProcessGroup) -> int:
 class InMemorySource:
     """MovieLens-100k or the synthetic data set, held whole by every rank."""
 
-    def __init__(self, data: CTRData, cfg: TrainConfig, group: ProcessGroup) -> None:
+    def __init__(self, data: CTRData, cfg: DLRMJobConfig, group: ProcessGroup) -> None:
         self.data, self.cfg, self.group = data, cfg, group
         self.per_rank = per_rank_batch(cfg, group)
         self.features = [Feature(f.name, f.num_rows, multi=f.ids.shape[1] > 1) for f in data.sparse]
@@ -128,7 +128,7 @@ class StreamSource:
     """Files streamed and dealt to ranks by line (see the module docstring); a subclass
     says how to open a reader over some files."""
 
-    def __init__(self, cfg: TrainConfig, group: ProcessGroup) -> None:
+    def __init__(self, cfg: DLRMJobConfig, group: ProcessGroup) -> None:
         self.cfg, self.group = cfg, group
         self.per_rank = per_rank_batch(cfg, group)
         self.steps_per_epoch: int | None = None  # a stream: unknown
@@ -184,7 +184,7 @@ class StreamSource:
 class CriteoSource(StreamSource):
     """Criteo TSV files, streamed."""
 
-    def __init__(self, cfg: TrainConfig, group: ProcessGroup) -> None:
+    def __init__(self, cfg: DLRMJobConfig, group: ProcessGroup) -> None:
         super().__init__(cfg, group)
         rows = cfg.criteo_rows or None
         self.features = [Feature(name, rows) for name in CAT_NAMES]
@@ -222,7 +222,7 @@ class TabularSource(StreamSource):
     streamed. Vocabularies and standardization come from one pass over the training
     files (every rank makes the same; a resumed run makes them again)."""
 
-    def __init__(self, cfg: TrainConfig, group: ProcessGroup) -> None:
+    def __init__(self, cfg: DLRMJobConfig, group: ProcessGroup) -> None:
         super().__init__(cfg, group)
         self.schema = load_schema(cfg.schema)
         if self.schema.label is None:
@@ -269,7 +269,7 @@ class TabularSource(StreamSource):
 Source = InMemorySource | CriteoSource | TabularSource
 
 
-def open_source(cfg: TrainConfig, group: ProcessGroup) -> Source:
+def open_source(cfg: DLRMJobConfig, group: ProcessGroup) -> Source:
     if cfg.data == "criteo":
         return CriteoSource(cfg, group)
     if cfg.data == "tabular":

@@ -7,8 +7,8 @@
     python examples/train_dlrm.py --data criteo --criteo-path day_0.gz --criteo-rows 0
     python examples/train_dlrm.py --config run.toml --checkpoint-dir ckpt --resume
 
-Config -> build -> train -> close, on :class:`hybridrec.trainer.Trainer` and
-:class:`hybridrec.launch.Launch`. Every worker trains on its slice of each global
+Config -> build -> train -> close, on :class:`hybridrec.train.loop.Trainer` and
+:class:`hybridrec.launch.roles.Launch`. Every worker trains on its slice of each global
 batch: dense weights start equal (broadcast from rank 0) and their gradients are
 averaged every step (``dense.DataParallel``, optionally compressed, or
 ``dense.ZeroOptimizer``); the embedding collection keeps its tables consistent
@@ -29,34 +29,35 @@ import torch.nn.functional as F
 from cache import CachedStore
 from comm import ProcessGroup, Topology, worker_device
 from dense import DataParallel, DLRMConfig, DLRMDense, ZeroOptimizer
-from hybridrec.batches import agreed
-from hybridrec.checkpoint import DenseOptimizer
-from hybridrec.config import config_dict, parse_config
+from hybridrec.checkpoint.run_checkpoint import DenseOptimizer
+from hybridrec.cli.options import config_dict
+from hybridrec.cli.run_job import parse_job_args, run_job
 from hybridrec.datasets.ctr import Batch
-from hybridrec.device_data import DeviceBatches, DeviceEpochData
-from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.dlrm.data import Feature, Source, StreamSource, auc_logloss, open_source
 from hybridrec.dlrm.model import DLRM, build_dlrm, dlrm_tables
-from hybridrec.errors import reported_errors
-from hybridrec.job_main import run_job
-from hybridrec.launch import (
-    check_batch_size,
-    describe_device,
-    describe_roles,
+from hybridrec.launch.existing_tables import prepare_tables
+from hybridrec.launch.job_cache import (
     init_rows_on,
     job_memory_plan,
-    torch_threads,
     wants_sparse_pipeline,
     with_cache,
 )
-from hybridrec.memory_plan import MemoryPlan, dense_bytes
-from hybridrec.metrics_log import cache_metrics, store_metrics
-from hybridrec.precision import autocast
-from hybridrec.tables import prepare_tables
-from hybridrec.trainer import Trainer, TrainerConfig, TrainResult
+from hybridrec.launch.memory_plan import MemoryPlan, dense_bytes
+from hybridrec.launch.roles import (
+    check_batch_size,
+    describe_device,
+    describe_roles,
+    torch_threads,
+)
+from hybridrec.train.batches import agreed
+from hybridrec.train.device_batches import DeviceBatches, DeviceEpochData
+from hybridrec.train.loop import Trainer, TrainerConfig, TrainResult
+from hybridrec.train.metrics_file import cache_metrics, store_metrics
+from hybridrec.train.precision import autocast
 from ps import InProcessStore, Store
 
-__all__ = ["DLRMJob", "TrainConfig", "main", "parse_args", "train", "train_step"]
+__all__ = ["DLRMJob", "DLRMJobConfig", "main", "parse_args", "train", "train_step"]
 
 # Options that change the shapes a checkpoint holds: a resume names those that differ.
 SHAPE_OPTIONS = (
@@ -64,15 +65,17 @@ SHAPE_OPTIONS = (
     "dense_optimizer", "zero_stage", "interaction", "dcn_layers", "dcn_rank",
 )  # fmt: skip
 
+DESCRIPTION = __doc__.split("\n")[0]
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    return parse_config(TrainConfig, argv, __doc__.split("\n")[0])
+
+def parse_args(argv: list[str] | None = None) -> DLRMJobConfig:
+    return parse_job_args(DLRMJob, argv)
 
 
 # ---------------------------------------------------------------- build
 
 
-def resolve_placements(cfg: TrainConfig, features: list[Feature]) -> dict[str, str]:
+def resolve_placements(cfg: DLRMJobConfig, features: list[Feature]) -> dict[str, str]:
     """``{table: placement}`` from ``--placement`` and ``--placement-of``."""
     default: str = cfg.placement
     if default == "auto":
@@ -86,7 +89,7 @@ def resolve_placements(cfg: TrainConfig, features: list[Feature]) -> dict[str, s
     return out
 
 
-def make_optimizer(cfg: TrainConfig, model: DLRM, group: ProcessGroup) -> DenseOptimizer:
+def make_optimizer(cfg: DLRMJobConfig, model: DLRM, group: ProcessGroup) -> DenseOptimizer:
     """The dense optimizer; wraps ``model.dense`` in ``DataParallel`` at ZeRO stage 0.
 
     Embedding rows are updated inside backward by their tables' optimizers."""
@@ -103,7 +106,7 @@ def make_optimizer(cfg: TrainConfig, model: DLRM, group: ProcessGroup) -> DenseO
 
 
 def build(
-    cfg: TrainConfig,
+    cfg: DLRMJobConfig,
     source: Source,
     group: ProcessGroup,
     store: Store,
@@ -112,8 +115,8 @@ def build(
 ) -> tuple[DLRM, DenseOptimizer, CachedStore | None]:
     """The model on ``device`` (default: ``--device``), its dense optimizer and the cache
     (if any: its rows on a GPU worker's GPU unless ``--cache-on host``, else in host
-    memory; :func:`hybridrec.launch.with_cache`). Hybrid tables the store already holds are
-    handled by ``--existing-tables`` (:func:`prepare_tables`)."""
+    memory; :func:`hybridrec.launch.job_cache.with_cache`). Hybrid tables the store
+    already holds are handled by ``--existing-tables`` (:func:`prepare_tables`)."""
     device = device if device is not None else worker_device(cfg.device, group)
     placements = placements or resolve_placements(cfg, source.features)
     assert cfg.dim is not None and cfg.top_mlp is not None and cfg.interaction is not None
@@ -142,12 +145,12 @@ def build(
     return model, make_optimizer(cfg, model, group), cached
 
 
-def check_cache_serves(cfg: TrainConfig, placements: dict[str, str]) -> None:
+def check_cache_serves(cfg: DLRMJobConfig, placements: dict[str, str]) -> None:
     if cfg.wants_cache and "hybrid" not in placements.values():
         raise ValueError(f"the cache serves hybrid tables, but the placements are {placements}")
 
 
-def dense_model(cfg: TrainConfig, num_dense: int, num_sparse: int) -> DLRMDense:
+def dense_model(cfg: DLRMJobConfig, num_dense: int, num_sparse: int) -> DLRMDense:
     """The dense part :func:`build_dlrm` builds, on the meta device (shapes, no memory)."""
     assert cfg.dim is not None and cfg.top_mlp is not None and cfg.interaction is not None
     config = DLRMConfig(
@@ -161,13 +164,13 @@ def dense_model(cfg: TrainConfig, num_dense: int, num_sparse: int) -> DLRMDense:
 
 
 def memory_plan(
-    cfg: TrainConfig,
+    cfg: DLRMJobConfig,
     source: Source,
     placements: dict[str, str],
     group: ProcessGroup,
     device: torch.device,
 ) -> MemoryPlan:
-    """Where this worker's run keeps its memory (:mod:`hybridrec.memory_plan`), before
+    """Where this worker's run keeps its memory (:mod:`hybridrec.launch.memory_plan`), before
     anything is allocated: the tables by placement, the cache, the dense part."""
     assert cfg.dim is not None
     check_cache_serves(cfg, placements)
@@ -179,7 +182,7 @@ def memory_plan(
         group.size if cfg.zero_stage else 1,
     )
     return job_memory_plan(
-        cfg, tables, device, workers=group.size, rank=group.rank, world_size=group.size,
+        cfg, cfg.ps, tables, device, workers=group.size, rank=group.rank, world_size=group.size,
         dense=dense,
         dense_note=f"weights, gradients, {cfg.dense_optimizer} state"
         + (f" over {group.size} ranks" if cfg.zero_stage and group.size > 1 else ""),
@@ -246,7 +249,7 @@ def evaluate(
 
 
 def train(
-    cfg: TrainConfig,
+    cfg: DLRMJobConfig,
     group: ProcessGroup,
     store: Store | None = None,
     *,
@@ -261,7 +264,7 @@ def train(
 
 
 def trainer_config(
-    cfg: TrainConfig, lookahead: bool, lockstep: bool, select_best: bool = False
+    cfg: DLRMJobConfig, lookahead: bool, lockstep: bool, select_best: bool = False
 ) -> TrainerConfig:
     """``select_best``: keep the epoch of the best validation AUC (and stop early)."""
     assert cfg.epochs is not None and cfg.patience is not None  # resolved in __post_init__
@@ -280,8 +283,16 @@ class DLRMJob:
     """A built DLRM run on the workers ``group``: data, model, optimizer, cache and its
     :class:`Trainer`. ``result = job.close(job.trainer.fit())``."""
 
+    config_class = DLRMJobConfig
+    description = DESCRIPTION
+
     def __init__(
-        self, cfg: TrainConfig, group: ProcessGroup, store: Store, *, roles: Topology | None = None
+        self,
+        cfg: DLRMJobConfig,
+        group: ProcessGroup,
+        store: Store,
+        *,
+        roles: Topology | None = None,
     ) -> None:
         check_batch_size(cfg.batch_size, Topology.of(group))
         self.cfg, self.group = cfg, group
@@ -379,7 +390,7 @@ class DLRMJob:
 
 
 def finish(
-    cfg: TrainConfig,
+    cfg: DLRMJobConfig,
     group: ProcessGroup,
     model: DLRM,
     source: Source,
@@ -457,8 +468,6 @@ def summary_line(result: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- main
 
 
-@reported_errors()
 def main(argv: list[str] | None = None) -> None:
-    """Config -> launch (roles, store) -> build -> train -> close; a user error (bad
-    option, missing file, unreachable store) is one line on stderr, exit status 2."""
-    run_job(parse_args(argv), DLRMJob)
+    """The job from the command line (:func:`hybridrec.cli.run_job.run_job`)."""
+    run_job(DLRMJob, argv)

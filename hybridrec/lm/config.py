@@ -1,7 +1,7 @@
 """The options of the language-model job (``examples/train_lm.py --help`` prints them all).
 
 Every field is one command-line option (``d_model`` -> ``--d-model``) and one key of
-a ``--config run.toml`` file; see :mod:`hybridrec.config`.
+a ``--config run.toml`` file; see :mod:`hybridrec.cli.options`.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from hybridrec.config import option
-from hybridrec.launch import parse_ps
-from hybridrec.run_options import RunOptions
+from hybridrec.cli.job_options import RunOptions
+from hybridrec.cli.options import option
+from hybridrec.launch.roles import parse_ps
 
 
 @dataclass(kw_only=True, slots=True)
@@ -109,7 +109,7 @@ class LMConfig(RunOptions):
         "one backward: at most pp micro-batches in flight), bidirectional (Chimera: two "
         "pipelines in opposite directions, pp 2 or 4)",
     )
-    # ---- metrics (dense parallelism, checkpoints, runtime: hybridrec.run_options)
+    # ---- metrics (dense parallelism, checkpoints, runtime: hybridrec.cli.job_options)
     log_every: int = option(10, help="steps between training-loss lines in the metrics file")
     verbose: bool = option(True, help="print validation results (rank 0)")
 

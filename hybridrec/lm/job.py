@@ -6,8 +6,8 @@
     python examples/train_lm.py --tokenizer gpt2 --d-model 128 --max-steps 1000
     python examples/train_lm.py --checkpoint-dir ckpt --checkpoint-every 100 --resume
 
-Config -> build -> train -> close, on :class:`hybridrec.trainer.Trainer` and
-:class:`hybridrec.launch.Launch`. The model (``hybridrec/lm/model.py``) is a token
+Config -> build -> train -> close, on :class:`hybridrec.train.loop.Trainer` and
+:class:`hybridrec.launch.roles.Launch`. The model (``hybridrec/lm/model.py``) is a token
 table in an ``embedding.EmbeddingCollection`` (hybrid: rows in the ``--ps`` store,
 only a batch's rows move; sharded; or local) feeding ``dense.GPT`` under
 ``dense.DataParallel`` (optionally compressed) or ``dense.ZeroOptimizer``.
@@ -34,8 +34,9 @@ from dense import apply_tensor_parallel
 from dense.gpt import GPT, GPTConfig, gpt_loss
 from embedding import EmbeddingCollection, TableConfig
 from embedding.hybrid import store_is_replicated
-from hybridrec.config import build_parser as build_config_parser
-from hybridrec.config import config_dict, parse_config
+from hybridrec.cli.options import build_parser as build_config_parser
+from hybridrec.cli.options import config_dict
+from hybridrec.cli.run_job import parse_job_args, run_job
 from hybridrec.datasets.text import (
     eval_batches,
     get_batch,
@@ -44,18 +45,19 @@ from hybridrec.datasets.text import (
     split_tokens,
     tokenize,
 )
-from hybridrec.device_data import DeviceBatches, DeviceEpochData
-from hybridrec.errors import reported_errors
-from hybridrec.job_main import run_job
-from hybridrec.launch import (
+from hybridrec.launch.existing_tables import prepare_tables
+from hybridrec.launch.job_cache import (
+    init_rows_on,
+    job_memory_plan,
+    wants_sparse_pipeline,
+    with_cache,
+)
+from hybridrec.launch.memory_plan import MemoryPlan, dense_bytes
+from hybridrec.launch.roles import (
     check_batch_size,
     describe_device,
     describe_roles,
-    init_rows_on,
-    job_memory_plan,
     torch_threads,
-    wants_sparse_pipeline,
-    with_cache,
 )
 from hybridrec.lm.config import LMConfig
 from hybridrec.lm.model import (
@@ -66,16 +68,15 @@ from hybridrec.lm.model import (
     token_table,
 )
 from hybridrec.lm.parallel import build_dense, model_parallel, pipeline_loss, pipeline_step
-from hybridrec.memory_plan import MemoryPlan, dense_bytes
-from hybridrec.metrics_log import cache_metrics, store_metrics
-from hybridrec.precision import autocast
-from hybridrec.tables import prepare_tables
-from hybridrec.trainer import (
+from hybridrec.train.device_batches import DeviceBatches, DeviceEpochData
+from hybridrec.train.loop import (
     Trainer,
     TrainerConfig,
     TrainResult,
     plain_step,
 )
+from hybridrec.train.metrics_file import cache_metrics, store_metrics
+from hybridrec.train.precision import autocast
 from ps import InProcessStore, Store
 
 __all__ = ["LMConfig", "LMJob", "build_parser", "embed_tokens", "main", "parse_args", "train"]
@@ -93,7 +94,7 @@ def build_parser() -> Any:
 
 
 def parse_args(argv: list[str] | None = None) -> LMConfig:
-    return parse_config(LMConfig, argv, DESCRIPTION)
+    return parse_job_args(LMJob, argv)
 
 
 @torch.no_grad()
@@ -187,6 +188,9 @@ def check_replica_store(cfg: LMConfig, replica_ranks: int, store: Store) -> None
 class LMJob:
     """A built language-model run on the workers ``group``: corpus, tokenizer, model,
     optimizer and its :class:`Trainer`. ``result = job.close(job.trainer.fit())``."""
+
+    config_class = LMConfig
+    description = DESCRIPTION
 
     def __init__(
         self, cfg: LMConfig, group: ProcessGroup, store: Store, *, roles: Topology | None = None
@@ -306,14 +310,14 @@ class LMJob:
             print(text, flush=True)
 
     def memory_plan(self, tables: list[TableConfig], trained: nn.Module) -> MemoryPlan:
-        """Where this rank's run keeps its memory (:mod:`hybridrec.memory_plan`): the
+        """Where this rank's run keeps its memory (:mod:`hybridrec.launch.memory_plan`): the
         tables it holds (none on a rank that runs no first pipeline stage), the cache,
         its part of the GPT (AdamW: two moments per weight, sharded over dp with ZeRO)."""
         cfg, par, device = self.cfg, self.par, self.device
         assert par.tables is not None
         shards = par.dp.size if cfg.zero_stage else 1
         return job_memory_plan(
-            cfg, tables, device, workers=self.group.size, rank=par.tables.rank,
+            cfg, cfg.ps, tables, device, workers=self.group.size, rank=par.tables.rank,
             world_size=par.tables.size, dense=dense_bytes(trained, 2, shards),
             dense_note="weights, gradients, AdamW state" + (
                 f" over {shards} ranks" if shards > 1 else ""
@@ -443,8 +447,6 @@ class LMJob:
         return result
 
 
-@reported_errors()
 def main(argv: list[str] | None = None) -> None:
-    """Config -> launch (roles, store) -> build -> train -> close; a user error (bad
-    option, missing file, unreachable store) is one line on stderr, exit status 2."""
-    run_job(parse_args(argv), LMJob)
+    """The job from the command line (:func:`hybridrec.cli.run_job.run_job`)."""
+    run_job(LMJob, argv)

@@ -28,7 +28,7 @@ from comm import ProcessGroup
 from dense import DataParallel, Zero3, ZeroOptimizer
 from dense.gpt import GPT
 from embedding import EmbeddingCollection, KeyedJaggedIds, NGramConfig, TableConfig
-from hybridrec.checkpoint import DenseOptimizer
+from hybridrec.checkpoint.run_checkpoint import DenseOptimizer
 from hybridrec.lm.config import LMConfig
 
 TOKENS = "tokens"  # the token ids of a window; the n-gram features are named by NGramConfig

@@ -32,7 +32,7 @@ from comm import DeviceMesh, ProcessGroup
 from dense import GPT, Pipeline, ZeroOptimizer, allreduce_gradients, stages_for_rank
 from dense.gpt import gpt_loss
 from dense.vocab_parallel import tp_gpt_loss
-from hybridrec.checkpoint import DenseOptimizer
+from hybridrec.checkpoint.run_checkpoint import DenseOptimizer
 from hybridrec.lm.config import LMConfig
 from hybridrec.lm.model import LanguageModel, adamw_options, make_dense_optimizer
 

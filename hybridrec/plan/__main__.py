@@ -20,8 +20,8 @@ import json
 import sys
 from typing import Any
 
-from hybridrec.config import parse_config, program_name
-from hybridrec.errors import reported_errors
+from hybridrec.cli.errors import reported_errors
+from hybridrec.cli.options import parse_config, program_name
 from hybridrec.plan.costs import load_costs, save_costs
 from hybridrec.plan.idlaw import TrafficModel
 from hybridrec.plan.model import Prediction, predict

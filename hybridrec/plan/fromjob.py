@@ -12,7 +12,7 @@ Zipf(1.05), or the one given for Criteo files (their skew is not known up front)
 
 from __future__ import annotations
 
-from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.plan.spec import (
     CachePlan,
     ClusterPlan,
@@ -28,7 +28,7 @@ SYNTHETIC_ZIPF = 1.05  # hybridrec.datasets.synthetic's default law
 NUM_SPARSE, NUM_DENSE = 26, 13
 
 
-def dense_shape(cfg: TrainConfig, num_sparse: int, num_dense: int) -> tuple[float, int]:
+def dense_shape(cfg: DLRMJobConfig, num_sparse: int, num_dense: int) -> tuple[float, int]:
     """``(FLOPs per sample forward + backward, parameters)`` of the job's dense model."""
     from dense import DLRMConfig
     from hybridrec.plan.calibrate import dense_work
@@ -43,7 +43,7 @@ def dense_shape(cfg: TrainConfig, num_sparse: int, num_dense: int) -> tuple[floa
 
 
 def plan_from_dlrm(
-    cfg: TrainConfig,
+    cfg: DLRMJobConfig,
     *,
     workers: int,
     zipf_a: float | None = None,
@@ -54,7 +54,7 @@ def plan_from_dlrm(
     """The plan of ``cfg`` run on ``workers`` worker ranks (plus ``--ps mpi:S`` servers)."""
     from hybridrec.dlrm.data import Feature
     from hybridrec.dlrm.job import resolve_placements
-    from hybridrec.launch import parse_ps
+    from hybridrec.launch.roles import parse_ps
 
     if cfg.data == "synthetic":
         rows, law = cfg.synthetic_rows, IdLaw(zipf_a=SYNTHETIC_ZIPF if zipf_a is None else zipf_a)

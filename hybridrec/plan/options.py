@@ -7,7 +7,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Literal
 
-from hybridrec.config import option
+from hybridrec.cli.job_options import CacheOptions
+from hybridrec.cli.options import option
 from hybridrec.plan.spec import (
     CachePlan,
     ClusterPlan,
@@ -18,7 +19,6 @@ from hybridrec.plan.spec import (
     Plan,
     TablePlan,
 )
-from hybridrec.run_options import CacheOptions
 
 DEFAULT_SWEEP = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 

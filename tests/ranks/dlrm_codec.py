@@ -24,12 +24,12 @@ import torch
 
 import comm
 from comm.compression import CODECS
-from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.dlrm.job import train
 
 # The dot-interaction DLRM (dim 16, top MLP 64-32-1: 6417 dense parameters), not
 # MovieLens's default model: the byte counts and the measured AUCs are for this one.
-CFG = TrainConfig(data="movielens", epochs=1, verbose=False, progress=False, log_every=10_000,
+CFG = DLRMJobConfig(data="movielens", epochs=1, verbose=False, progress=False, log_every=10_000,
                   interaction="dot", dim=16, top_mlp=[64, 32, 1])  # fmt: skip
 # Not a codec: dense layers that never train. Shows how much of the AUC the dense
 # gradients carry, i.e. that "within 0.01 of uncompressed" has teeth.

@@ -37,7 +37,7 @@ import comm
 from comm import ProcessGroup
 from dense import DataParallel, allreduce_gradients, broadcast_parameters
 from hybridrec.datasets.ctr import Batch, gather_batch
-from hybridrec.dlrm.config import TrainConfig
+from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.dlrm.data import InMemorySource, open_source
 from hybridrec.dlrm.job import make_optimizer, train, train_step
 from hybridrec.dlrm.model import DLRM, build_dlrm
@@ -45,7 +45,7 @@ from ps import RowWiseAdagrad
 from tests.tolerance import assert_close, assert_same, replay_tol, sum_tol
 
 STEPS = 6
-CFG = TrainConfig(
+CFG = DLRMJobConfig(
     data="synthetic",
     synthetic_samples=3_000,
     synthetic_rows=300,
@@ -239,7 +239,7 @@ def check_broadcast_parameters(group: ProcessGroup) -> None:
 
 
 def check_train_end_to_end(group: ProcessGroup) -> None:
-    cfg = TrainConfig(**{**{f: getattr(CFG, f) for f in CFG.__slots__}, "max_steps": 40})
+    cfg = DLRMJobConfig(**{**{f: getattr(CFG, f) for f in CFG.__slots__}, "max_steps": 40})
     metrics = train(cfg, group)
     assert metrics["steps"] == 40 and metrics["world_size"] == group.size
     values = torch.tensor(

@@ -45,9 +45,9 @@ import comm
 import ps
 from dense import DataParallel, ZeroOptimizer
 from embedding import EmbeddingCollection, KeyedJaggedIds, RowWiseAdagrad, TableConfig
-from hybridrec.checkpoint import load_checkpoint, save_checkpoint
-from hybridrec.model_state import load_model, save_model
-from hybridrec.state_files import read_state
+from hybridrec.checkpoint.model_state import load_model, save_model
+from hybridrec.checkpoint.run_checkpoint import load_checkpoint, save_checkpoint
+from hybridrec.checkpoint.state_folder import read_state
 from ps.mpi.server import serve_mpi
 from ps.mpi.store import MPIStore
 from tests.tolerance import assert_close, assert_same, sum_tol

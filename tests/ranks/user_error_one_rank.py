@@ -1,5 +1,5 @@
 """Rank script: a user error on one rank after communication started, inside
-``hybridrec.errors.reported_errors``, while the other ranks wait for it in a collective.
+``hybridrec.cli.errors.reported_errors``, while the other ranks wait for it in a collective.
 
 Usage: ``python user_error_one_rank.py FAILING_RANK``. The job must end (exit status 2)
 with the failing rank's one line, not wait out the collective's timeout.
@@ -12,7 +12,7 @@ import sys
 import torch
 
 import comm
-from hybridrec.errors import reported_errors
+from hybridrec.cli.errors import reported_errors
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """What the trainer iterates: a job's batches per epoch, restartable at a saved position.
 
-A data source for :class:`hybridrec.trainer.Trainer` is anything with
+A data source for :class:`hybridrec.train.loop.Trainer` is anything with
 
 * ``steps_per_epoch``: an int, or None for a stream of unknown length;
 * ``train_batches(epoch, skip, position)``: an iterator of ``(batch, position)``

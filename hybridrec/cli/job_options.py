@@ -2,7 +2,7 @@
 
 :class:`RunOptions` is the base of each job's config dataclass
 (``hybridrec/dlrm/config.py``, ``hybridrec/lm/config.py``); each field is one
-command-line option and one key of a ``--config`` file (:mod:`hybridrec.config`).
+command-line option and one key of a ``--config`` file (:mod:`hybridrec.cli.options`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 
 from comm import DEVICE_CHOICES
 from comm.compression import CODECS
-from hybridrec.config import option
+from hybridrec.cli.options import option
 
 HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("data", ("data", "data_path", "data_val_path", "data_test_path", "schema",
@@ -162,7 +162,7 @@ class RunOptions(CacheOptions):
     def check_cache_memory(self) -> None:
         """``cache_memory`` is a share of the GPU, exclusive of the other cache sizes, and
         sizes a cache whose rows are on the device (the worker's device is checked later,
-        by :func:`hybridrec.launch.cache_config`)."""
+        by :func:`hybridrec.launch.job_cache.cache_config`)."""
         if self.cache_on not in ("auto", "host", "device"):
             raise ValueError(f"cache_on must be 'auto', 'host' or 'device', got {self.cache_on!r}")
         if not self.cache_memory:

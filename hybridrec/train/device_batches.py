@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from embedding import KeyedJaggedIds
-from hybridrec.batches import EpochData
+from hybridrec.train.batches import EpochData
 
 
 def map_batch(batch: Any, fn: Callable[[Any], Any]) -> Any:
@@ -130,7 +130,7 @@ class DeviceBatches:
 
 
 class DeviceEpochData:
-    """An :class:`~hybridrec.batches.EpochData` whose training batches arrive on a device
+    """An :class:`~hybridrec.train.batches.EpochData` whose training batches arrive on a device
     (the data positions stay host tensors)."""
 
     def __init__(self, data: EpochData, feed: DeviceBatches) -> None:

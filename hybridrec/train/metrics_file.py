@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hybridrec.plot import plot_metrics
+from hybridrec.train.metrics_plot import plot_metrics
 
 
 class MetricsLog:

@@ -1,6 +1,6 @@
 """Resumable training checkpoints: no pickle, atomic, any placement, any worker count.
 
-``save_model`` / ``load_model`` (from :mod:`hybridrec.model_state`, re-exported here)
+``save_model`` / ``load_model`` (from :mod:`hybridrec.checkpoint.model_state`, re-exported here)
 save and load one whole model; ``save_checkpoint`` / ``load_checkpoint`` add what a
 run needs to resume (step, the job's meta, per-rank RNG and data position, rotation).
 
@@ -9,7 +9,7 @@ A checkpoint is one folder per saved step under ``--checkpoint-dir``::
     <dir>/latest                    the name of the newest complete checkpoint ("step-00000120")
     <dir>/step-00000120/
       meta.json                     written last: format, step, world_size, the job's own state
-      model/                        the whole model (hybridrec.model_state.save_model):
+      model/                        the whole model (hybridrec.checkpoint.model_state.save_model):
         model.json                  what was found: collections, placements, stores, caches
         dense/                      the dense modules' state_dict (DataParallel's ``module.``
                                     dropped), index.json + *.npy
@@ -23,14 +23,15 @@ A checkpoint is one folder per saved step under ``--checkpoint-dir``::
       ranks/  index.json + *.npy    per rank: torch RNG state and the job's int64 vector
                                     (e.g. a Criteo reader position)
 
-Nested state is a JSON skeleton plus one ``.npy`` per tensor (:mod:`hybridrec.state_files`,
-``allow_pickle=False`` both ways). Rank 0 makes ``step-N.tmp-<random>`` (every rank
-learns its name), every rank writes its own ``ranks`` folders in it, rank 0 the rest,
-then renames it into place and rewrites ``latest`` with ``os.replace``: a crash leaves
+Nested state is a JSON skeleton plus one ``.npy`` per tensor
+(:mod:`hybridrec.checkpoint.state_folder`, ``allow_pickle=False`` both ways). Rank 0
+makes ``step-N.tmp-<random>`` (every rank learns its name), every rank writes its own
+``ranks`` folders in it, rank 0 the rest, then renames it into place and rewrites
+``latest`` with ``os.replace``: a crash leaves
 either the old or the new checkpoint, never half of one. Every rank must see the folder
 (one machine or a shared filesystem).
 
-Worker count: the model loads at any count (see :mod:`hybridrec.model_state` for the
+Worker count: the model loads at any count (see :mod:`hybridrec.checkpoint.model_state` for the
 rule of each part). The torch RNG and the job's per-rank vector belong to a rank of
 the saving run: at the same count each rank gets its own back; at another count
 (``resize=True``) no rank restores an RNG (each keeps the stream it was seeded with)
@@ -53,7 +54,7 @@ from torch import nn
 from comm import ProcessGroup
 from embedding import EmbeddingCollection
 from embedding.checkpoint_io import run_on_rank0
-from hybridrec.model_state import (
+from hybridrec.checkpoint.model_state import (
     DenseOptimizer,
     load_model,
     read_model_doc,
@@ -62,7 +63,7 @@ from hybridrec.model_state import (
     swap_in,
     write_model,
 )
-from hybridrec.state_files import flatten, read_state, unflatten, write_state
+from hybridrec.checkpoint.state_folder import flatten, read_state, unflatten, write_state
 
 FORMAT = "hybridrec-run/2"
 LATEST = "latest"
@@ -181,7 +182,7 @@ def load_checkpoint(
 
     At the saving worker count each rank gets its RNG and ``rank_state`` back. At
     another count ``resize=True`` is needed: the model reshards (every placement, see
-    :mod:`hybridrec.model_state`), no RNG is restored and ``rank_state`` is None."""
+    :mod:`hybridrec.checkpoint.model_state`), no RNG is restored and ``rank_state`` is None."""
     folder = Path(path)
     meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
     if meta.get("format") != FORMAT:

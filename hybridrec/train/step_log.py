@@ -1,6 +1,6 @@
 """The per-step bookkeeping of the trainer's loop: progress bar, loss lines, cadences.
 
-:class:`hybridrec.trainer.Trainer` calls :meth:`StepLog.step` after every step
+:class:`hybridrec.train.loop.Trainer` calls :meth:`StepLog.step` after every step
 (a hand-written loop may too); every ``log_every`` steps that writes one ``"step"`` line to
 the metrics file with the global-batch loss (the mean of every rank's local mean
 loss, one allreduce per line, none per step), samples/s and the job's extra
@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 
 from comm import ProcessGroup
-from hybridrec.loss_sums import Loss, LossSums
-from hybridrec.metrics_log import MetricsLog
-from hybridrec.progress import Progress
+from hybridrec.train.loss_sums import Loss, LossSums
+from hybridrec.train.metrics_file import MetricsLog
+from hybridrec.train.progress_bar import Progress
 
 
 def due(step: int, every: int) -> bool:

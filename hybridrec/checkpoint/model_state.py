@@ -78,7 +78,7 @@ from dense import DataParallel, Zero3, ZeroOptimizer, load_zero_state, save_zero
 from embedding import EmbeddingCollection
 from embedding.checkpoint_io import agree, run_on_rank0
 from embedding.hybrid import backing_store
-from hybridrec.state_files import read_state, write_state
+from hybridrec.checkpoint.state_folder import read_state, write_state
 from ps import Store
 from ps.checkpoint import write_checkpoint
 

@@ -4,7 +4,7 @@ Each subcommand takes exactly the options of its job, the same as the example
 scripts (``hybridrec train-dlrm --help``). ``hybridrec --version`` prints the
 installed version. A user error (a bad option, a missing file, an unreachable
 store) prints one line and exits with status 2; ``--debug`` anywhere on the command
-line, or ``HYBRIDREC_DEBUG=1``, shows the traceback instead (:mod:`hybridrec.errors`).
+line, or ``HYBRIDREC_DEBUG=1``, shows the traceback instead (:mod:`hybridrec.cli.errors`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
-from hybridrec.config import DEBUG_FLAG, ConfigError, program_name
-from hybridrec.errors import reported_errors, show_tracebacks
+from hybridrec.cli.errors import reported_errors, show_tracebacks
+from hybridrec.cli.options import DEBUG_FLAG, ConfigError, program_name
 
 PROG = "hybridrec"
 

@@ -30,7 +30,7 @@ Once per job, under ``mpirun`` or ``torchrun`` too:
   rank 0's abort ends it if rank 0 hit the same error, and then prints its line
   (labelled ``[rank R]``) and aborts.
 
-A ``KeyboardInterrupt`` that reaches it (a second Ctrl-C, :mod:`hybridrec.interrupts`)
+A ``KeyboardInterrupt`` that reaches it (a second Ctrl-C, :mod:`hybridrec.train.interrupts`)
 is one line too, ``hybridrec: interrupted ...``, and exit status 130 (under ``mpirun``
 every rank ends); with ``--debug`` it keeps its traceback.
 
@@ -179,7 +179,7 @@ def report_user_error(err: BaseException) -> NoReturn:
 
 def report_interrupt(err: KeyboardInterrupt) -> NoReturn:
     """A Ctrl-C that stopped the job at once (a second one, or one where no job watches,
-    :mod:`hybridrec.interrupts`): one line, exit status 130 on every rank."""
+    :mod:`hybridrec.train.interrupts`): one line, exit status 130 on every rank."""
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     rank, size = launch_rank()

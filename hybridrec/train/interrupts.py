@@ -9,9 +9,9 @@ stops after the same step), writes a checkpoint when it has a checkpoint folder,
 (exit status 130, as a shell reports a job ended by SIGINT) on every rank. A PS server
 rank serves on until its workers said goodbye and then exits 130 too
 (:func:`exit_if_asked`). A second signal raises ``KeyboardInterrupt`` where the process
-is; :func:`hybridrec.errors.reported_errors` turns that into one line and exit status
+is; :func:`hybridrec.cli.errors.reported_errors` turns that into one line and exit status
 130 (under ``mpirun`` ending every rank). Once a process exits for a stop request,
-:func:`hybridrec.errors.reported_errors` ignores further signals: the exit is already
+:func:`hybridrec.cli.errors.reported_errors` ignores further signals: the exit is already
 under way, and a signal that lands while the interpreter shuts down would end it with a
 signal's status (or worse, where a thread without Python's lock checks for signals).
 
@@ -31,7 +31,7 @@ from types import FrameType
 import torch
 
 from comm import ProcessGroup
-from hybridrec.errors import EXIT_INTERRUPTED, launch_rank
+from hybridrec.cli.errors import EXIT_INTERRUPTED, launch_rank
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

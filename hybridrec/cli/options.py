@@ -10,7 +10,7 @@ their help text (:func:`option`). :func:`parse_config` turns that into
   (dashes or underscores), unknown keys rejected by name, every value checked
   against the field's type as strictly as the command line checks it (``512.0``
   or ``"512"`` is not an int; an int is a float);
-* ``--debug``: a user error shows its full traceback (:mod:`hybridrec.errors`);
+* ``--debug``: a user error shows its full traceback (:mod:`hybridrec.cli.errors`);
 
 with the precedence ``defaults < config file < command line``. Every mistake is a
 :class:`ConfigError` (a ``ValueError``) on one line that names the option as the
@@ -36,7 +36,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar, get_args, get_origin
 
-from hybridrec.errors import show_tracebacks
+from hybridrec.cli.errors import show_tracebacks
 from ps.redact import redact_values
 
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""Plot a run's metrics (JSON lines, :mod:`hybridrec.metrics_log`) into a PNG next to them.
+"""Plot a run's metrics (JSON lines, :mod:`hybridrec.train.metrics_file`) into a PNG next to them.
 
 What the picture shows depends on what the run logged:
 

@@ -2,8 +2,7 @@
 
 :class:`Launch` is what a job's ``main()`` opens: it starts the world, checks the
 roles, opens ``--ps`` (server ranks serve there) and always closes store and world.
-:func:`hybridrec.tables.prepare_tables` (re-exported here) readies the hybrid tables
-in a store that may outlive the job.
+The cache a job's hybrid tables get is :mod:`hybridrec.launch.job_cache`.
 
 ``--ps`` says which parameter server holds the embedding rows:
 
@@ -23,8 +22,7 @@ every rank with the numbers in the message.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
@@ -32,17 +30,8 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import torch
 
 import comm
-from cache import CacheConfig, CachedStore
 from comm import ProcessGroup, Role, Topology
-from embedding import EmbeddingCollection, TableConfig
-from embedding.hybrid import store_is_replicated
-from hybridrec.memory_plan import MemoryPlan, cache_size_fitting, device_memory, plan_memory
-from hybridrec.tables import (  # noqa: F401 - re-exported: the jobs' launch helpers
-    EXISTING_TABLES,
-    ExistingTablesError,
-    prepare_tables,
-)
-from ps import InProcessStore, Store, TableSpec
+from ps import InProcessStore, Store
 from ps.redact import redact_url
 
 
@@ -147,143 +136,6 @@ def store_location(value: str, workers: int = 1) -> tuple[str, bool]:
     return ("Redis Cluster" if choice.cluster else "Redis"), True
 
 
-def cache_device(cfg: Any, device: torch.device) -> torch.device | None:
-    """Where the cache keeps its rows (``cfg.cache_on``): the worker's GPU, or None for
-    records in host memory. On a CPU worker always None (the host cache, as ever);
-    ``--cache-on device`` there is an error."""
-    if device.type != "cuda":
-        if cfg.cache_on == "device":
-            raise ValueError(
-                f"--cache-on device keeps the cache's rows on the worker's GPU, but this worker "
-                f"trains on {device} (use --cache-on auto or host, or --device cuda)"
-            )
-        return None
-    return None if cfg.cache_on == "host" else device
-
-
-def cache_config(cfg: Any, specs: Sequence[TableSpec], device: torch.device) -> CacheConfig | None:
-    """The cache ``cfg`` asks for in front of the hybrid tables ``specs`` on a worker on
-    ``device``; None without one. ``cfg``: a job config with the fields of
-    :class:`hybridrec.run_options.RunOptions` (``cache_rows``, ``cache_fraction``,
-    ``cache_memory``, ``cache_on``, ``cache_policy``, ``read_bound``, ``write_bound``,
-    ``counted_pushes``, ``local_step``, ``cache_groups``). ``--cache-memory F`` sizes the
-    cache's rows on the GPU to at most ``F`` of its memory
-    (:func:`hybridrec.memory_plan.cache_size_fitting`)."""
-    if not cfg.wants_cache:
-        return None
-    on = cache_device(cfg, device)
-    if cfg.cache_memory:
-        if on is None:
-            raise ValueError(
-                f"--cache-memory {cfg.cache_memory} sizes a cache whose rows are on the GPU, "
-                f"but this worker trains on {device} (size a host cache with --cache-rows or "
-                "--cache-fraction)"
-            )
-        budget = int(cfg.cache_memory * device_memory(on))
-        bounds = CacheConfig(
-            capacity_rows=1,
-            write_bound=cfg.write_bound,
-            counted_pushes=getattr(cfg, "counted_pushes", True),
-            local_step=getattr(cfg, "local_step", "optimizer"),
-        )  # what decides the bytes per cached row besides its width
-        size: dict[str, Any] = cache_size_fitting(specs, budget, bounds)
-    else:
-        size = {
-            "capacity_rows": cfg.cache_rows or None,
-            "capacity_fraction": cfg.cache_fraction or None,
-        }
-    return CacheConfig(
-        **size,
-        policy=cfg.cache_policy,
-        read_bound=cfg.read_bound,
-        write_bound=cfg.write_bound,
-        counted_pushes=getattr(cfg, "counted_pushes", True),
-        local_step=getattr(cfg, "local_step", "optimizer"),
-        group_tables=getattr(cfg, "cache_groups", False),
-    )
-
-
-def with_cache(
-    cfg: Any,
-    store: Store,
-    group: ProcessGroup,
-    device: torch.device,
-    *,
-    specs: Sequence[TableSpec] = (),
-) -> CachedStore | None:
-    """The hot-row cache in front of ``store`` when ``cfg`` asks for one
-    (:func:`cache_config`; ``specs``, the hybrid tables it will serve, size a
-    ``--cache-memory`` cache); None otherwise. On a GPU worker (``device``) its rows
-    are on the GPU unless ``--cache-on host``; on a CPU worker it is the host cache."""
-    config = cache_config(cfg, specs, device)
-    if config is None:
-        return None
-    if group.size > 1 and store_is_replicated(store):
-        raise ValueError(
-            f"the embedding cache needs one store shared by all ranks; with --ps local and "
-            f"{group.size} ranks each would cache its own replica (use --ps mpi or redis://, "
-            "or one rank)"
-        )
-    # One worker is its tables' only writer: rows it provably holds fresh (pushed at most
-    # read_bound times since their read) cost no request (CacheConfig.sole_writer).
-    config = dataclasses.replace(config, sole_writer=group.size == 1)
-    # device None: the host cache, the CPU path unchanged
-    return CachedStore(store, config, device=cache_device(cfg, device))
-
-
-def wants_sparse_pipeline(cfg: Any, embeddings: EmbeddingCollection, device: torch.device) -> bool:
-    """Whether ``--sparse-pipeline`` (``cfg.sparse_pipeline``) turns the pipelined
-    sparse step on for ``embeddings``. auto: hybrid tables over a store the ranks share
-    (or one rank), and a core free to run it beside the dense step -- a GPU worker (the
-    dense step runs on the GPU), or more cores than this host's ranks take for their torch
-    threads. Measured on 2 cores (``docs/embedding.md``): with both cores computing the
-    dense step, the thread only slows it; with one free, the sparse step hides behind it."""
-    hybrid = embeddings.hybrid
-    if hybrid is None or cfg.sparse_pipeline == "off":
-        return False
-    if cfg.sparse_pipeline == "on":
-        return True  # set_sparse_pipeline refuses per-rank replicas, saying why
-    if hybrid.group.size > 1 and not hybrid.store_is_shared:
-        return False
-    if device.type == "cuda":
-        return True
-    return comm.usable_cores() > comm.detect_launch().local_size * torch.get_num_threads()
-
-
-def job_memory_plan(
-    cfg: Any,
-    tables: Sequence[TableConfig],
-    device: torch.device,
-    *,
-    workers: int,
-    rank: int,
-    world_size: int,
-    dense: int,
-    dense_note: str,
-) -> MemoryPlan:
-    """Where a job's worker keeps its memory (:func:`hybridrec.memory_plan.plan_memory`):
-    ``tables`` by placement, the hybrid ones in the ``--ps`` store of ``workers`` and
-    behind the cache ``cfg`` asks for (:func:`cache_config`), ``rank`` of the
-    ``world_size`` ranks the sharded ones are split over, and ``dense`` bytes."""
-    hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
-    where, remote = store_location(cfg.ps, workers)
-    return plan_memory(
-        tables, device=device, store_where=where, store_remote=remote,
-        cache=cache_config(cfg, hybrid, device) if hybrid else None,
-        cache_on_device=cache_device(cfg, device) is not None, rank=rank,
-        world_size=world_size, dense=dense, dense_note=dense_note,
-    )  # fmt: skip
-
-
-def init_rows_on(store: Store, device: torch.device) -> None:
-    """A GPU worker's in-process store hashes the initial rows of the tables it creates
-    on that GPU (:class:`ps.InProcessStore` ``init_device``: the same bits as on the
-    host, minutes sooner for tables of millions of rows); the rows stay in host memory.
-    Any other store, a store already given a device, or a CPU worker: unchanged."""
-    if device.type == "cuda" and isinstance(store, InProcessStore) and store.init_device is None:
-        store.init_device = device
-
-
 def describe_roles(topology: Topology, backend: str) -> str:
     """``"3 ranks: 2 workers + 1 PS server (mpi)"``: the job's header."""
     n, w, s = topology.world_size, topology.num_workers, topology.num_servers
@@ -376,7 +228,7 @@ class Launch:
     def for_run(cls, cfg: Any) -> Launch:
         """The launch a job config asks for: its ``backend``, ``ps``, ``batch_size``,
         ``validate_comm`` and ``threads`` (every job's config has them), and
-        ``ranks_per_replica`` (:class:`hybridrec.run_options.RunOptions`; 1 without it)."""
+        ``ranks_per_replica`` (:class:`hybridrec.cli.job_options.RunOptions`; 1 without it)."""
         return cls(
             cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size,
             ranks_per_replica=getattr(cfg, "ranks_per_replica", 1), validate=cfg.validate_comm,
@@ -446,22 +298,15 @@ class Launch:
 
 
 __all__ = [
-    "EXISTING_TABLES",
-    "ExistingTablesError",
     "Launch",
     "PSChoice",
     "PSRole",
+    "check_batch_size",
+    "describe_device",
+    "describe_roles",
     "open_ps",
     "parse_ps",
-    "topology_for",
-    "with_cache",
-    "cache_config",
-    "cache_device",
-    "init_rows_on",
-    "job_memory_plan",
     "store_location",
-    "check_batch_size",
-    "describe_roles",
-    "prepare_tables",
-    "wants_sparse_pipeline",
+    "topology_for",
+    "torch_threads",
 ]

@@ -15,10 +15,10 @@ which runs the steps on the workers' ``comm.ProcessGroup`` and does the rest:
   held-out metrics of that epoch; ``patience`` epochs without improvement end the run
   (complete epochs only: one cut short by ``max_steps`` competes once it is resumed);
 * checkpoints every ``checkpoint_every`` steps and at the end, and an exact resume
-  (:mod:`hybridrec.checkpoint`): the data position, the RNG, the epoch's running
+  (:mod:`hybridrec.checkpoint.run_checkpoint`): the data position, the RNG, the epoch's running
   loss; a finished run stays finished; a resume with other model options names them;
 * the progress bar, the metrics file (``"step"``, ``"eval"``, ``"epoch"`` lines,
-  :class:`hybridrec.step_log.StepLog`) and rates over this run's steps only.
+  :class:`hybridrec.train.step_log.StepLog`) and rates over this run's steps only.
 
 The step itself is the job's (``step(batch, next_batch) -> local mean loss``), or
 built from a model and a loss for ``(inputs, targets)`` batches::
@@ -50,8 +50,7 @@ from torch import nn
 from comm import LocalGroup, ProcessGroup
 from dense import DataParallel
 from embedding import EmbeddingCollection
-from hybridrec.batches import EpochData, agreed, epoch_data, with_next
-from hybridrec.checkpoint import (
+from hybridrec.checkpoint.run_checkpoint import (
     DenseOptimizer,
     RunModel,
     latest_checkpoint,
@@ -60,10 +59,11 @@ from hybridrec.checkpoint import (
     save_checkpoint,
     save_model,
 )
-from hybridrec.interrupts import Interrupted, stop_agreed
-from hybridrec.loss_sums import Loss, LossSums
-from hybridrec.metrics_log import MetricsLog
-from hybridrec.step_log import StepLog, due
+from hybridrec.train.batches import EpochData, agreed, epoch_data, with_next
+from hybridrec.train.interrupts import Interrupted, stop_agreed
+from hybridrec.train.loss_sums import Loss, LossSums
+from hybridrec.train.metrics_file import MetricsLog
+from hybridrec.train.step_log import StepLog, due
 
 # (batch, next batch or None) -> this rank's mean loss: a float, or a 0-d tensor that the
 # trainer reads only when it reports (on a GPU, a float per step would wait for the step).
@@ -152,7 +152,7 @@ def plain_step(
     backward (waiting for every ``DataParallel`` inside ``model``), optimizer step.
     ``prefetch(next_batch)`` runs before the forward when a next batch is given (a
     cache sends it with this batch's pull). The forward and the loss run inside
-    ``forward_context()`` (e.g. bf16 autocast, :func:`hybridrec.precision.autocast`).
+    ``forward_context()`` (e.g. bf16 autocast, :func:`hybridrec.train.precision.autocast`).
     Returns the loss as a 0-d tensor (the trainer reads it when it reports)."""
     parallel = [m for m in model.modules() if isinstance(m, DataParallel)]
 
@@ -206,7 +206,7 @@ def _change(name: str, saved: Any, now: Any) -> str:
 class Trainer:
     """Runs the steps of one job on the workers ``group`` (see the module docstring).
 
-    ``data``: :class:`hybridrec.batches.EpochData`, a list of batches or a function
+    ``data``: :class:`hybridrec.train.batches.EpochData`, a list of batches or a function
     ``epoch -> batches``. Either ``step`` or ``model`` and ``loss``. ``dense`` is the
     module whose weights a checkpoint holds (default ``model``; a ``DataParallel``
     wrapper as it is); ``embeddings`` the model's embedding collection, if any.
@@ -529,7 +529,7 @@ class Trainer:
                 saved = bool(cfg.checkpoint_dir) and due(step, cfg.checkpoint_every)
                 if saved:
                     self.save(step, e, in_epoch, pos)
-                if stop_agreed(group):  # a rank got Ctrl-C or SIGTERM (hybridrec.interrupts)
+                if stop_agreed(group):  # a rank got Ctrl-C or SIGTERM (hybridrec.train.interrupts)
                     self._interrupted(steps, step, e, in_epoch, pos, saved)
                 if cfg.max_steps and step >= cfg.max_steps:
                     stopped = True
@@ -566,7 +566,7 @@ class Trainer:
         saved: bool,
     ) -> NoReturn:
         """Collective, after the step a stop request was agreed at: a checkpoint there
-        (with a checkpoint folder), one line, :class:`hybridrec.interrupts.Interrupted`."""
+        (with a checkpoint folder), one line, :class:`hybridrec.train.interrupts.Interrupted`."""
         steps.flush(step)
         steps.close()
         if self.config.checkpoint_dir:
