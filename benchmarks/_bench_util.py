@@ -1,15 +1,21 @@
-"""Helpers shared by the benchmarks: Zipf id batches, a timer, a CPU job beside a bench."""
+"""Helpers shared by the benchmarks: Zipf id batches, the interleaved timing loop, a CPU
+job beside a bench."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
+
+R = TypeVar("R")
+T = TypeVar("T")
 
 
 def zipf_unique_batches(
@@ -75,11 +81,139 @@ class ZipfDraws:
         return float(seen.sum()), float(seen[top:].sum())
 
 
-def time_call(fn: Callable[[], object]) -> float:
-    """Seconds one call of ``fn`` takes."""
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+# ---------------------------------------------------------------- the timing loop
+#
+# Every benchmark that compares variants times them in turns, round after round, so that
+# the machine's load drifting (other jobs, clock speed, caches) hits every variant alike,
+# and reports medians of the rounds; a ratio of two variants can be taken per round (the
+# two blocks ran back to back) and then the median. :func:`interleaved` is that loop.
+
+#: How the variants take turns: ``"rotate"`` starts round ``r`` at variant ``r % n``
+#: (A B C, B C A, C A B: every variant runs in every position, after every other one);
+#: ``"alternate"`` reverses every other round (A B C, C B A); ``"fixed"`` keeps one order.
+Order = Literal["rotate", "alternate", "fixed"]
+
+
+def seconds_per_call(
+    fn: Callable[[], object],
+    calls: int = 1,
+    *,
+    sync: Callable[[], object] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Seconds per call over ``calls`` calls of ``fn`` on ``clock``. ``sync`` (a device's
+    synchronize) runs before the clock starts and before it stops, so work queued on the
+    device counts in the block that queued it."""
+    if sync is not None:
+        sync()
+    t0 = clock()
+    for _ in range(calls):
+        fn()
+    if sync is not None:
+        sync()
+    return (clock() - t0) / calls
+
+
+def reported(fn: Callable[[], R], calls: int) -> R:
+    """A timer for variants that measure themselves (a block timed inside, a job's own step
+    time, a counter's change): what one call returns."""
+    if calls != 1:
+        raise ValueError(f"reported: a self-measuring variant is called once, not {calls} times")
+    return fn()
+
+
+def round_order(names: Sequence[str], r: int, order: Order) -> list[str]:
+    """The variants of round ``r`` in the order they run (see :data:`Order`)."""
+    names = list(names)
+    if order == "rotate":
+        k = r % len(names) if names else 0
+        return names[k:] + names[:k]
+    if order == "alternate":
+        return names if r % 2 == 0 else names[::-1]
+    if order == "fixed":
+        return names
+    raise ValueError(f"round_order: unknown order {order!r}")
+
+
+@overload
+def interleaved(
+    variants: Mapping[str, Callable[[], object]],
+    rounds: int,
+    *,
+    calls: int = ...,
+    warmup: int = ...,
+    order: Order = ...,
+    before_round: Callable[[int], object] | None = ...,
+    after_round: Callable[[int, dict[str, list[float]]], object] | None = ...,
+) -> dict[str, list[float]]: ...
+
+
+@overload
+def interleaved(
+    variants: Mapping[str, Callable[[], R]],
+    rounds: int,
+    *,
+    timer: Callable[[Callable[[], R], int], T],
+    calls: int = ...,
+    warmup: int = ...,
+    order: Order = ...,
+    before_round: Callable[[int], object] | None = ...,
+    after_round: Callable[[int, dict[str, list[T]]], object] | None = ...,
+) -> dict[str, list[T]]: ...
+
+
+def interleaved(
+    variants: Mapping[str, Callable[[], Any]],
+    rounds: int,
+    *,
+    timer: Callable[[Callable[[], Any], int], Any] = seconds_per_call,
+    calls: int = 1,
+    warmup: int = 1,
+    order: Order = "rotate",
+    before_round: Callable[[int], object] | None = None,
+    after_round: Callable[[int, dict[str, list[Any]]], object] | None = None,
+) -> dict[str, list[Any]]:
+    """``{name: [one figure per round]}``: the variants timed in turns for ``rounds``
+    rounds, ``calls`` calls of a variant per timed block.
+
+    ``timer(fn, calls)`` measures one block; the default is :func:`seconds_per_call`
+    (seconds per call on the host clock). A benchmark passes its own for a barrier and
+    the max over ranks, CUDA events, a device synchronize, or :func:`reported` for
+    variants that measure themselves. First every variant runs one block of ``warmup``
+    calls through the same timer, in the order given, its figure dropped (through the
+    timer so that ranks stay matched in their collectives and work in flight is waited
+    for); ``warmup=0`` skips it. ``before_round(r)`` runs untimed before round ``r``
+    (e.g. to build its batches), ``after_round(r, times)`` after it (e.g. a progress line).
+    """
+    if rounds < 0 or calls < 1 or warmup < 0:
+        raise ValueError(
+            "interleaved: needs rounds >= 0, calls >= 1, warmup >= 0; "
+            f"got {rounds}, {calls}, {warmup}"
+        )
+    if warmup:
+        for fn in variants.values():
+            timer(fn, warmup)
+    times: dict[str, list[Any]] = {name: [] for name in variants}
+    for r in range(rounds):
+        if before_round is not None:
+            before_round(r)
+        for name in round_order(list(variants), r, order):
+            times[name].append(timer(variants[name], calls))
+        if after_round is not None:
+            after_round(r, times)
+    return times
+
+
+def medians(times: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """The median of each variant's rounds."""
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    """The median over rounds of ``num[r] / den[r]``. Both blocks of a round ran back to
+    back under the same load, so the median of per-round ratios is steadier on a shared
+    machine than a ratio of medians."""
+    return statistics.median(n / d for n, d in zip(num, den, strict=True))
 
 
 # What --under-load runs beside a bench: another user's CPU job, two torch threads of

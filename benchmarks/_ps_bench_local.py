@@ -25,7 +25,6 @@ figure's rows/s is total rows over the median repeat time.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 import ps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
-from _bench_util import time_call, zipf_unique_batches  # noqa: E402
+from _bench_util import interleaved, medians, zipf_unique_batches  # noqa: E402
 
 
 def bench_local(
@@ -103,16 +102,9 @@ def _bench(
         "dynamic_pull": over_batches(lambda i: store.pull("dyn", batches[i])),
         "dynamic_push": over_batches(lambda i: store.push("dyn", batches[i], grads[i])),
     }
-    names = list(figures)
-    for fn in figures.values():  # warm-up
-        fn()
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(repeats):
-        k = r % len(names)
-        for n in names[k:] + names[:k]:
-            times[n].append(time_call(figures[n]))
+    times = interleaved(figures, repeats, warmup=1, order="rotate")
     total = batch * len(batches)
-    rows_s = {n: total / statistics.median(ts) for n, ts in times.items()}
+    rows_s = {n: total / t for n, t in medians(times).items()}
     ceiling = max(rows_s["numpy_gather"], rows_s["numpy_take"])
     return {
         "config": {

@@ -53,7 +53,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -68,7 +67,7 @@ from ps.mpi.server import check_mpi_topology, serve_mpi
 from ps.mpi.store import MPIStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
-from _bench_util import zipf_unique_batches  # noqa: E402
+from _bench_util import interleaved, medians, reported, zipf_unique_batches  # noqa: E402
 
 DIM = 64
 BATCH = 10_000
@@ -76,27 +75,27 @@ TARGETS = {"mpi_pull_rows_s": 5e6, "mpi_push_rows_s": 2e6}
 OVERHEAD_TARGET_US = 20.0  # server_overhead_us_per_message: at most
 
 
-def _timed(step: Callable[[int], None], iters: int, drain: Callable[[], None]) -> float:
-    """Seconds for ``iters`` steps plus the drain of what is still in flight."""
-    t0 = time.perf_counter()
-    for i in range(iters):
-        step(i)
-    drain()
-    return time.perf_counter() - t0
+def _block(
+    step: Callable[[int], None], iters: int, drain: Callable[[], None]
+) -> Callable[[], None]:
+    """One timed block: ``iters`` steps (step ``i`` picks its batch) plus the drain of what
+    is still in flight."""
+
+    def run() -> None:
+        for i in range(iters):
+            step(i)
+        drain()
+
+    return run
 
 
-def _interleaved(
+def _block_times(
     ops: dict[str, Callable[[int], None]], iters: int, repeats: int, drain: Callable[[], None]
 ) -> dict[str, list[float]]:
-    """Block times per op, the ops taking turns (A B C A B C ...), after a warm-up round."""
-    times: dict[str, list[float]] = {name: [] for name in ops}
-    for r in range(repeats + 1):
-        names = list(ops) if r % 2 else list(reversed(ops))  # alternate the order too
-        for name in names:
-            t = _timed(ops[name], iters, drain)
-            if r:
-                times[name].append(t)
-    return times
+    """Block seconds per op, the ops taking turns (A B C, C B A, ...), after a warm-up block
+    of each."""
+    blocks = {name: _block(op, iters, drain) for name, op in ops.items()}
+    return interleaved(blocks, repeats, warmup=1, order="alternate")
 
 
 def run(
@@ -158,8 +157,8 @@ def run(
             "push_pipelined": pipelined(lambda i: store.push_async("bench", batches[i % 8], grads)),
             "inprocess_push": push(local),
         }
-        for name, times in _interleaved(ops, iters, repeats, drain).items():
-            figures[name] = batch * iters / statistics.median(times)
+        for name, t in medians(_block_times(ops, iters, repeats, drain)).items():
+            figures[name] = batch * iters / t
         steps = _steps(store, rows, iters, repeats)
         server = _server_cost(store, rows, iters, repeats)
     raw.Free()
@@ -214,8 +213,8 @@ def _steps(
         after = store.request_counts()
         sent = sum(after[k] - before[k] for k in ("pull_messages", "push_messages"))
         messages[kind] = sent / after["servers"] / 8
-    times = _interleaved(kinds, iters, repeats, lambda: None)
-    per_s = {kind: iters / statistics.median(t) for kind, t in times.items()}
+    times = _block_times(kinds, iters, repeats, lambda: None)
+    per_s = {kind: iters / t for kind, t in medians(times).items()}
     return {
         "config": {"tables": tables, "ids": ids, "dim": DIM, "optimizer": "sgd"},
         "steps_per_s": per_s,
@@ -267,29 +266,40 @@ def _server_cost(
             if not rowwise_adagrad_(w, a, c, t, g[: t.numel()], lr=lr, eps=eps):
                 raise RuntimeError("the row-wise Adagrad C kernel is not available here")
 
-    for i in range(8):  # rows created, kernels built
-        pull(i), push(i), kernel_pull(i), kernel_push(i)
-    busy: dict[str, list[float]] = {"pull": [], "push": []}
-    ops = {"pull": pull, "push": push}
-    first = store.server_busy()[0]
-    for _ in range(repeats):
-        for kind, fn in ops.items():
+    def busy_per_message(kind: str, fn: Callable[[int], None]) -> Callable[[], float]:
+        """A block of ``iters`` messages; the server's busy seconds per message in it."""
+
+        def run() -> float:
             before = store.server_busy()[0]
             for i in range(iters):
                 fn(i)
             after = store.server_busy()[0]
             n = after[f"{kind}_messages"] - before[f"{kind}_messages"]
-            busy[kind].append((after[f"{kind}_s"] - before[f"{kind}_s"]) / n)
+            return (after[f"{kind}_s"] - before[f"{kind}_s"]) / n
+
+        return run
+
+    for i in range(8):  # rows created, kernels built
+        pull(i), push(i), kernel_pull(i), kernel_push(i)
+    ops = {"pull": pull, "push": push}
+    first = store.server_busy()[0]
+    busy = interleaved(
+        {kind: busy_per_message(kind, fn) for kind, fn in ops.items()},
+        repeats,
+        timer=reported,  # the server's clock, read from its counters
+        warmup=0,
+        order="fixed",
+    )
     kernel = {
-        kind: statistics.median(t) / iters
-        for kind, t in _interleaved(
-            {"pull": kernel_pull, "push": kernel_push}, iters, repeats, lambda: None
+        kind: t / iters
+        for kind, t in medians(
+            _block_times({"pull": kernel_pull, "push": kernel_push}, iters, repeats, lambda: None)
         ).items()
     }
     last = store.server_busy()[0]
     sent = sum(last[f"{k}_messages"] - first[f"{k}_messages"] for k in ops)
     whole = last.get("batched_pass_messages", 0.0) - first.get("batched_pass_messages", 0.0)
-    busy_us = {k: 1e6 * statistics.median(v) for k, v in busy.items()}
+    busy_us = {k: 1e6 * v for k, v in medians(busy).items()}
     kernel_us = {k: 1e6 * v for k, v in kernel.items()}
     overhead = {k: busy_us[k] - kernel_us[k] for k in busy_us}
     return {
@@ -320,8 +330,9 @@ def _raw_worker(raw: Any, batch: int, iters: int, repeats: int) -> float:
     def step(i: int) -> None:
         raw.Recv([buf, MPI.FLOAT], source=1, tag=7)
 
-    times = [_timed(step, iters, lambda: None) for _ in range(repeats + 1)][1:]
-    return batch * iters / statistics.median(times)
+    # the warm-up block and the timed ones receive the iters * (repeats + 1) sends
+    times = interleaved({"raw": _block(step, iters, lambda: None)}, repeats, warmup=1)
+    return batch * iters / statistics.median(times["raw"])
 
 
 def targets(figures: dict[str, float], server: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -57,7 +57,7 @@ from ps.redis.conn import pack
 from ps.redis.store import RedisStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
-from _bench_util import time_call, zipf_unique_batches  # noqa: E402
+from _bench_util import interleaved, medians, paired_ratio, zipf_unique_batches  # noqa: E402
 
 RAW_LUA_COPY = """
 for i = 1, #KEYS do
@@ -90,7 +90,7 @@ def _server(url: str | None) -> Iterator[str]:
     root = str(Path(__file__).resolve().parent.parent)
     if root not in sys.path:
         sys.path.insert(0, root)
-    from tests.redis_server import redis_server
+    from tests.support.redis_server import redis_server
 
     with redis_server() as srv:
         yield srv.url
@@ -146,7 +146,6 @@ def bench_steps(
                 )
 
         kinds = {"per_table": per_table, "batched": batched}
-        times: dict[str, list[float]] = {k: [] for k in kinds}
         trips: dict[str, float] = {}
         for kind, fn in kinds.items():  # warm-up, and the round trips of one pass
             before = store.request_counts()
@@ -154,21 +153,17 @@ def bench_steps(
             after = store.request_counts()
             sent = sum(after[k] - before[k] for k in ("pull_messages", "push_messages"))
             trips[kind] = sent / after["servers"] / n_steps
-        for r in range(repeats):
-            for kind in list(kinds)[r % 2 :] + list(kinds)[: r % 2]:
-                times[kind].append(time_call(kinds[kind]))
+        times = interleaved(kinds, repeats, warmup=0, order="rotate")  # warmed up above
     finally:
         with contextlib.suppress(Exception):
             for name in names:
                 store.drop_table(name)
         store.close()
-    speedup = statistics.median(
-        p / b for p, b in zip(times["per_table"], times["batched"], strict=True)
-    )
+    speedup = paired_ratio(times["per_table"], times["batched"])
     return {
         "config": {"tables": tables, "rows": rows, "ids": ids, "dim": dim, "steps": n_steps,
                    "repeats": repeats, "buckets": buckets},
-        "steps_per_s": {k: n_steps / statistics.median(ts) for k, ts in times.items()},
+        "steps_per_s": {k: n_steps / t for k, t in medians(times).items()},
         "requests_per_server_step": trips,
         "batched_vs_per_table": speedup,
     }  # fmt: skip
@@ -275,14 +270,7 @@ def bench_redis(
                 "redis_pull_bounded": pull_bounded,
                 "redis_push_adagrad": push_adagrad,
             }
-            for fn in figures.values():  # warm-up
-                fn()
-            names = list(figures)
-            times: dict[str, list[float]] = {n: [] for n in names}
-            for r in range(repeats):
-                rot = names[r % len(names) :] + names[: r % len(names)]
-                for n in rot:
-                    times[n].append(time_call(figures[n]))
+            times = interleaved(figures, repeats, warmup=1, order="rotate")
             steps = bench_steps(
                 server_url,
                 tables=step_tables,
@@ -303,14 +291,13 @@ def bench_redis(
             store.close()
             client.close()
     total = batch * n_batches
-    med = {n: statistics.median(ts) for n, ts in times.items()}
-    out_figures = {n: total / t for n, t in med.items()}
+    out_figures = {n: total / t for n, t in medians(times).items()}
 
-    def best(a: str, b: str) -> list[float]:
+    def best(a: str, b: str) -> list[float]:  # per round: the faster of two ways
         return [min(x, y) for x, y in zip(times[a], times[b], strict=True)]
 
     def ratio(ceiling: list[float], ours: str) -> float:
-        return statistics.median(c / o for c, o in zip(ceiling, times[ours], strict=True))
+        return paired_ratio(ceiling, times[ours])
 
     best_mget = best("raw_mget_redispy", "raw_mget_packed")
     best_lua = best("raw_lua_one_call", "raw_lua_chunked")

@@ -1,7 +1,7 @@
 """A ``ps.Store`` that times what another store spends, for benchmarks that split a
 step into "the store's work" and "ours" (cache_bench: the cache's own time per id).
 
-``TimedStore(inner)`` hands every call to ``inner`` (``tests/wrapped_store.py``) and adds
+``TimedStore(inner)`` hands every call to ``inner`` (``tests/support/wrapped_store.py``) and adds
 the seconds spent inside its requests (and its clocks and state reads) to
 ``seconds[phase]`` (``phase`` is set by the
 caller, e.g. "plan", "serve", "push"): the calls themselves, and waiting on the handles
@@ -21,7 +21,7 @@ import torch
 
 import ps
 from comm import Handle
-from tests.wrapped_store import WrappedStore  # the repository root is on the path
+from tests.support.wrapped_store import WrappedStore  # the repository root is on the path
 
 
 class TimedStore(WrappedStore):

@@ -90,10 +90,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -105,7 +105,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
-from _bench_util import ZipfDraws  # noqa: E402
+from _bench_util import ZipfDraws, interleaved, medians, reported  # noqa: E402
 from _dlrm_bounds import dlrm_bounds  # noqa: E402
 from _timed_store import TimedStore  # noqa: E402
 
@@ -526,14 +526,26 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
     before = cached.cache_stats()
     for ph in PHASES:  # count the timed blocks only
         spent[ph], timed.seconds[ph] = 0.0, 0.0
-    times: dict[str, list[float]] = {"u": [], "p": [], "c": []}
+    now: dict[str, Any] = {}  # the round's first step and batches, drawn before it
     distinct = 0
-    for r in range(z.rounds):
-        first = s + r * z.block
-        steps = [batch(first + i) for i in range(z.block + 1)]
-        for which in ("u", "p", "c"):
-            times[which].append(run(which, first, z.block, steps))
+
+    def draw(r: int) -> None:
+        nonlocal distinct
+        now["first"] = first = s + r * z.block
+        now["steps"] = steps = [batch(first + i) for i in range(z.block + 1)]
         distinct += sum(int(i.numel()) for b in steps[: z.block] for i in b)
+
+    def block(which: str) -> Callable[[], float]:
+        return lambda: run(which, now["first"], z.block, now["steps"])
+
+    times = interleaved(
+        {which: block(which) for which in ("u", "p", "c")},
+        z.rounds,
+        timer=reported,  # run() times the steps alone, not its counters
+        warmup=0,  # warmed up above
+        order="fixed",
+        before_round=draw,
+    )
     after = cached.cache_stats()
     n_steps = z.rounds * z.block
 
@@ -544,8 +556,8 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
     rows_u = 2 * distinct / n_steps
     pulled, pushed = delta("rows_pulled") / n_steps, delta("rows_pushed") / n_steps
     lookups, hits = delta("lookups"), delta("hits")
-    step_u, step_c = statistics.median(times["u"]), statistics.median(times["c"])
-    step_p = statistics.median(times["p"])
+    step_s = medians(times)
+    step_u, step_c, step_p = step_s["u"], step_s["c"], step_s["p"]
     servers = store_u.request_counts()["servers"]
     per_server_step = {
         label: {key.split("_")[0]: messages[w][key] / n_steps / servers for key in messages[w]}

@@ -34,18 +34,22 @@ Only rank 0 prints: human-readable lines, then one JSON line last
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import statistics
-import time
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
 import comm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
+from _bench_util import interleaved, medians, paired_ratio, seconds_per_call  # noqa: E402
 
 ROW_DIM = 64  # float32 per alltoallv row
 MB = 1 << 20
@@ -94,12 +98,10 @@ def figures(quick: bool) -> list[Figure]:
 
 
 def block_time(world: MPI.Comm, fn: Callable[[], object], iters: int) -> float:
-    """Seconds for ``iters`` calls of ``fn``, max over ranks (no pickle: a typed buffer)."""
+    """Seconds per call over ``iters`` calls of ``fn`` after a barrier, max over ranks
+    (no pickle: a typed buffer)."""
     world.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    dt = np.array([time.perf_counter() - t0])
+    dt = np.array([seconds_per_call(fn, iters)])
     world.Allreduce(MPI.IN_PLACE, [dt, MPI.DOUBLE], MPI.MAX)
     return float(dt[0])
 
@@ -107,25 +109,11 @@ def block_time(world: MPI.Comm, fn: Callable[[], object], iters: int) -> float:
 def measure(
     world: MPI.Comm, impls: dict[str, Callable[[], object]], iters: int, repeats: int
 ) -> dict[str, list[float]]:
-    """Seconds per call of each implementation, one entry per repeat, blocks interleaved."""
-    names = list(impls)
-    for name in names:  # warm-up: buffers touched, protocols set up, caches filled
-        block_time(world, impls[name], max(1, iters // 2))
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for rep in range(repeats):
-        k = rep % len(names)
-        for name in names[k:] + names[:k]:  # rotate the order so no one always goes first
-            times[name].append(block_time(world, impls[name], iters) / iters)
-    return times
-
-
-def paired_ratio(ours: list[float], raw: list[float]) -> float:
-    """Median over repeats of raw/ours time, each pair measured back to back.
-
-    On a shared, noisy machine the load drifts between repeats; a pair sees the same
-    load, so the median of per-pair ratios is steadier than a ratio of medians.
-    """
-    return statistics.median(r / o for o, r in zip(ours, raw, strict=True))
+    """Seconds per call of each implementation, one entry per repeat, blocks interleaved
+    (the order rotated so that no one always goes first), after a warm-up block of each
+    (buffers touched, protocols set up, caches filled)."""
+    timer = functools.partial(block_time, world)
+    return interleaved(impls, repeats, calls=iters, warmup=max(1, iters // 2), timer=timer)
 
 
 # -------------------------------------------------------------- operations
@@ -224,14 +212,14 @@ def main() -> None:
         else:
             impls = alltoallv_impls(world, ours, fast, fig.size)
         times = measure(world, impls, fig.iters, repeats)
-        sec = {k: statistics.median(v) for k, v in times.items()}
+        sec = medians(times)
         gbps = {k: fig.bytes / s / 1e9 for k, s in sec.items()}
         results[fig.name] = {
             "ours_GBps": round(gbps["ours"], 3),
             "raw_GBps": round(gbps["raw"], 3),
-            "ratio": round(paired_ratio(times["ours"], times["raw"]), 3),
+            "ratio": round(paired_ratio(times["raw"], times["ours"]), 3),
             "novalidate_GBps": round(gbps["novalidate"], 3),
-            "novalidate_ratio": round(paired_ratio(times["novalidate"], times["raw"]), 3),
+            "novalidate_ratio": round(paired_ratio(times["raw"], times["novalidate"]), 3),
             "ours_ms": round(sec["ours"] * 1e3, 4),
             "raw_ms": round(sec["raw"] * 1e3, 4),
             "novalidate_ms": round(sec["novalidate"] * 1e3, 4),

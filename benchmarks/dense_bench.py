@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,9 @@ from torch import nn
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))  # this folder's helper modules
+from _bench_util import interleaved, medians, paired_ratio, seconds_per_call  # noqa: E402
+
 RESULT = "DENSE_BENCH_RESULT "
 BUCKET_MB = 25.0
 TARGETS = {"dp_vs_ddp_gloo": 0.9, "zero2_state_bytes_fraction": 0.55}
@@ -97,27 +99,20 @@ def cases(quick: bool, size: int) -> dict[str, tuple[nn.Module, Callable[[nn.Mod
 
 
 def block_time(group: Any, fn: Callable[[], None], iters: int) -> float:
+    """Seconds per call over ``iters`` calls of ``fn`` after a barrier, max over ranks."""
     group.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dt = torch.tensor([seconds_per_call(fn, iters)], dtype=torch.float64)
     group.allreduce(dt, op="max")
-    return float(dt[0]) / iters
+    return float(dt[0])
 
 
 def measure(
     group: Any, impls: dict[str, Callable[[], None]], iters: int, repeats: int
 ) -> dict[str, list[float]]:
-    names = list(impls)
-    for name in names:  # warm-up
-        block_time(group, impls[name], max(1, iters // 2))
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for rep in range(repeats):
-        k = rep % len(names)
-        for name in names[k:] + names[:k]:
-            times[name].append(block_time(group, impls[name], iters))
-    return times
+    """Seconds per step of each implementation, one entry per repeat, blocks rotated
+    (A B C, B C A, ...), after a warm-up block of each."""
+    timer = functools.partial(block_time, group)
+    return interleaved(impls, repeats, calls=iters, warmup=max(1, iters // 2), timer=timer)
 
 
 def step_fn(
@@ -132,11 +127,6 @@ def step_fn(
         opt.zero_grad(set_to_none=False)
 
     return step
-
-
-def paired(a: list[float], b: list[float]) -> float:
-    """Median over repeats of a/b, each pair measured back to back."""
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 # ------------------------------------------------------------------ workers
@@ -167,10 +157,10 @@ def worker(kind: str, quick: bool) -> None:
             ddp = DDP(copy.deepcopy(model), bucket_cap_mb=BUCKET_MB)
             impls["ddp"] = step_fn(ddp, loss_fn, lambda: None)
         times = measure(group, impls, iters, repeats)
-        out["step_ms"][name] = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-        out["ratio"][name] = {"flat_vs_ours": paired(times["flat"], times["ours"])}
+        out["step_ms"][name] = {k: 1e3 * v for k, v in medians(times).items()}
+        out["ratio"][name] = {"flat_vs_ours": paired_ratio(times["flat"], times["ours"])}
         if kind == "gloo":
-            out["ratio"][name]["ddp_vs_ours"] = paired(times["ddp"], times["ours"])
+            out["ratio"][name]["ddp_vs_ours"] = paired_ratio(times["ddp"], times["ours"])
         out.setdefault("buckets", {})[name] = len(dp.buckets)
         out.setdefault("params", {})[name] = sum(p.numel() for p in model.parameters())
         if group.rank == 0:

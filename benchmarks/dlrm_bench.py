@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -63,6 +62,9 @@ from torch import nn
 from dense import DLRMConfig, DLRMDense
 from embedding import EmbeddingCollection, KeyedJaggedIds, RowWiseAdagrad, TableConfig
 from ps import InProcessStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
+from _bench_util import cpu_load, interleaved, medians, seconds_per_call  # noqa: E402
 
 VARIANTS = (
     "local",
@@ -475,25 +477,28 @@ def measure_parts(variants: list[Variant], steps: int) -> dict[str, dict[str, fl
 
 
 def time_windows(
-    variants: list[Variant], cfg: BenchConfig, log: Callable[[str], None]
+    variants: list[Variant],
+    cfg: BenchConfig,
+    log: Callable[[str], None],
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
-    """Seconds per step of each window, variants in turns with the order rotated."""
-    for v in variants:
-        for _ in range(cfg.warmup):
-            v.step()
-    per_step: dict[str, list[float]] = {v.name: [] for v in variants}
-    for w in range(cfg.windows):
-        order = variants[w % len(variants) :] + variants[: w % len(variants)]
-        for v in order:
-            t0 = v.clock()
-            for _ in range(cfg.steps):
-                v.step()
-            per_step[v.name].append((v.clock() - t0) / cfg.steps)
+    """Seconds per step (on ``clock``) of each window, variants in turns with the order
+    rotated, after ``cfg.warmup`` steps of each."""
+
+    def logged(w: int, per_step: dict[str, list[float]]) -> None:
         log(
             f"window {w + 1}/{cfg.windows}: "
             + ", ".join(f"{n} {s[-1] * 1e3:.1f} ms" for n, s in per_step.items())
         )
-    return per_step
+
+    return interleaved(
+        {v.name: v.step for v in variants},
+        cfg.windows,
+        calls=cfg.steps,
+        warmup=cfg.warmup,
+        timer=lambda fn, calls: seconds_per_call(fn, calls, clock=clock),
+        after_round=logged,
+    )
 
 
 # ------------------------------------------------------------------ main
@@ -573,17 +578,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             variants.append(built)
     log(f"built {[v.name for v in variants]} in {time.perf_counter() - t0:.1f} s")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for v in variants:
-        v.clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    per_step = time_windows(variants, cfg, log)
+        v.clock = clock
+    per_step = time_windows(variants, cfg, log, clock)
     loaded: dict[str, list[float]] = {}
     if args.under_load:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from _bench_util import cpu_load
-
         log("under load: the same windows beside a 2-thread CPU job")
         with cpu_load(threads=2):
-            loaded = time_windows(variants, cfg, log)
+            loaded = time_windows(variants, cfg, log, clock)
     n_parts = (1 if args.quick else 5) if args.parts is None else args.parts
     parts = measure_parts(variants, n_parts) if n_parts else {}
     # Each variant's step split into its sparse part (the embeddings' forward and
@@ -598,7 +601,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, row in parts.items():
         log(f"parts {name} (ms/step): " + ", ".join(f"{k} {row.get(k, 0.0):.1f}" for k in PARTS))
 
-    ms = {n: statistics.median(s) * 1e3 for n, s in per_step.items()}
+    ms = {n: s * 1e3 for n, s in medians(per_step).items()}
     sps = {n: cfg.batch / (m / 1e3) for n, m in ms.items()}
 
     def over(a: str, b: str, field: dict[str, float]) -> float | None:
@@ -626,7 +629,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     under_load: dict[str, Any] = {}
     if loaded:
-        ms_l = {n: statistics.median(x) * 1e3 for n, x in loaded.items()}
+        ms_l = {n: x * 1e3 for n, x in medians(loaded).items()}
         sps_l = {n: cfg.batch / (m / 1e3) for n, m in ms_l.items()}
         for key, pick in (("hybrid_cache_vs_local", cached_pick), ("hybrid_vs_local", plain_pick)):
             quiet, busy = over(pick, "local", sps), over(pick, "local", sps_l)

@@ -81,6 +81,8 @@ if str(HERE) not in sys.path:  # triton_bench is a sibling script, not a package
 if str(HERE.parent) not in sys.path:
     sys.path.insert(0, str(HERE.parent))
 
+from _bench_util import interleaved, medians, seconds_per_call  # noqa: E402
+
 from cache.stats import COUNTERS  # noqa: E402
 from comm import resolve_device  # noqa: E402
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig  # noqa: E402
@@ -187,25 +189,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def seconds_per_call(fn: Callable[[], object], calls: int, device: torch.device) -> float:
-    """Seconds per call of ``fn`` over ``calls`` calls: CUDA events on a GPU (the
-    device's time from the first launch to the end of the last), else the host clock."""
-    if device.type == "cuda":
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / calls
-    t0 = time.perf_counter()
+def cuda_seconds_per_call(fn: Callable[[], object], calls: int) -> float:
+    """Seconds per call of ``fn`` over ``calls`` calls from CUDA events: the device's time
+    from the first launch to the end of the last."""
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - t0) / calls
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
 
 
-def interleaved(
+def windows_timed(
     variants: dict[str, Callable[[], object]],
     device: torch.device,
     *,
@@ -213,18 +210,14 @@ def interleaved(
     windows: int,
     steps: int,
 ) -> dict[str, float]:
-    """Median seconds per step of each variant: all warm up, then ``windows`` windows of
-    ``steps`` steps each, the variants taking turns (order reversed every other window)."""
-    for fn in variants.values():
-        for _ in range(warmup):
-            fn()
-    sync(device)
-    names = list(variants)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for w in range(windows):
-        for name in names if w % 2 == 0 else names[::-1]:
-            times[name].append(seconds_per_call(variants[name], steps, device))
-    return {n: statistics.median(t) for n, t in times.items()}
+    """Median seconds per step of each variant: a warm-up block of ``warmup`` steps each,
+    then ``windows`` windows of ``steps`` steps, the variants taking turns (order reversed
+    every other window); CUDA events on a GPU, else the host clock."""
+    timer = cuda_seconds_per_call if device.type == "cuda" else seconds_per_call
+    times = interleaved(
+        variants, windows, calls=steps, warmup=warmup, order="alternate", timer=timer
+    )
+    return medians(times)
 
 
 def free_memory(device: torch.device) -> None:
@@ -496,7 +489,7 @@ def dlrm_part(
     with tf32(False):
         for precision in ("fp32", "bf16"):
             try:
-                s = interleaved(
+                s = windows_timed(
                     {"hybridrec": hybridrec_step(precision), "torch": torch_step(precision)},
                     device,
                     warmup=shape.warmup,
@@ -849,7 +842,7 @@ def _gpu_cache_run(
     first = variants["uncached"].count
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    s = interleaved(
+    s = windows_timed(
         {n: v.step for n, v in variants.items()}, device, warmup=0, windows=windows, steps=steps_per
     )
     timed = windows * steps_per
@@ -981,7 +974,7 @@ def gpt_part(
             step()
         sync(device)
         first_s = time.perf_counter() - t0
-        s = interleaved(
+        s = windows_timed(
             {"gpt": step}, device, warmup=shape.warmup, windows=shape.windows, steps=shape.steps
         )["gpt"]
     tokens_s = shape.batch * shape.block / s

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check, under 7 minutes on one GPU, every part bounded by `timeout`:
 #   1. the machine: GPU, torch, CUDA, triton;
-#   2. the Triton kernels' correctness cases compiled on CUDA (tests/triton_cases.py);
+#   2. the Triton kernels' correctness cases compiled on CUDA (tests/support/triton_cases.py);
 #   3. the tests marked gpu (pytest -m gpu, over the test files that have such tests);
 #   4. benchmarks/gpu_bench.py: kernels, DLRM and GPT vs plain PyTorch, the embedding
 #      cache on the GPU vs tables in HBM and vs uncached host tables (last line JSON);
@@ -63,15 +63,15 @@ PY
 nvidia-smi -L 2>/dev/null | tee -a "$DEST/machine.log" || true
 
 if [[ ${STATUS[machine]} == ok ]]; then
-  run_part cases "$(cap 60 330)" "$DEST/cases.jsonl" "$PY" tests/triton_cases.py --device cuda
+  run_part cases "$(cap 60 330)" "$DEST/cases.jsonl" "$PY" tests/support/triton_cases.py --device cuda
 
   # In-process checks first (every placement and optimizer, state dicts, kernels), then
   # the jobs, then the files that launch ranks (mpirun, gloo, nccl): a run cut short by
   # its timeout has then answered the most.
-  FIRST=(tests/test_embedding_device.py tests/test_embedding_state_dict.py
-         tests/test_cache_device.py tests/test_ps_inprocess.py tests/test_ps_init_device.py
-         tests/test_triton_kernels.py tests/test_device_jobs.py)
-  mapfile -t MARKED < <(grep -l "mark.gpu" tests/test_*.py)
+  FIRST=(tests/embedding/test_embedding_device.py tests/embedding/test_embedding_state_dict.py
+         tests/cache/test_cache_device.py tests/ps/test_ps_inprocess.py tests/ps/test_ps_init_device.py
+         tests/embedding/test_triton_kernels.py tests/jobs/test_device_jobs.py)
+  mapfile -t MARKED < <(grep -l "mark.gpu" tests/*/test_*.py)
   GPU_TESTS=()
   for f in "${FIRST[@]}"; do [[ " ${MARKED[*]} " == *" $f "* ]] && GPU_TESTS+=("$f"); done
   for f in "${MARKED[@]}"; do [[ " ${FIRST[*]} " == *" $f "* ]] || GPU_TESTS+=("$f"); done
@@ -83,7 +83,7 @@ if [[ ${STATUS[machine]} == ok ]]; then
     run_part gpu_tests "$(cap 140 190)" "$DEST/pytest_gpu.log" \
       env HYBRIDREC_REQUIRE_TRITON=1 "$PY" -m pytest -m gpu -v -p no:cacheprovider \
       --continue-on-collection-errors \
-      --deselect tests/test_triton_kernels.py::test_triton_cases_on_cuda "${GPU_TESTS[@]}"
+      --deselect tests/embedding/test_triton_kernels.py::test_triton_cases_on_cuda "${GPU_TESTS[@]}"
   else
     STATUS[gpu_tests]="none: no test file has a gpu mark"; SECS[gpu_tests]=0
   fi

@@ -58,12 +58,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # this folder's helper modules
+from _bench_util import interleaved, reported  # noqa: E402
+
 KiB = 1024
 
 # The runs compared: name -> options beyond the common ones.
@@ -184,15 +188,23 @@ def figures_of(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 def timing_pairs(pairs: int, base: list[str], mpi: bool) -> list[float]:
     """``pairs`` back-to-back (baseline, rows_1m) runs of 150 steps: step-time ratios."""
     steps = ["--steps", "150", "--eval-every", "150", "--eval-batches", "1"]
-    ratios = []
-    for i in range(pairs):
-        t = [
-            launch([*job_cmd(mpi), *base, *CONFIGS[name], *steps], name)["step_seconds"]
-            for name in ("baseline", "rows_1m")
-        ]
-        ratios.append(t[1] / t[0])
-        _say(f"{'mpi ' if mpi else ''}timing pair {i}: {t[0] * 1e3:.1f} -> {t[1] * 1e3:.1f} ms")
-    return ratios
+
+    def job(name: str) -> Callable[[], float]:  # the job's own step time
+        return lambda: launch([*job_cmd(mpi), *base, *CONFIGS[name], *steps], name)["step_seconds"]
+
+    def logged(i: int, t: dict[str, list[float]]) -> None:
+        before, after = t["baseline"][-1], t["rows_1m"][-1]
+        _say(f"{'mpi ' if mpi else ''}timing pair {i}: {before * 1e3:.1f} -> {after * 1e3:.1f} ms")
+
+    t = interleaved(
+        {name: job(name) for name in ("baseline", "rows_1m")},
+        pairs,
+        timer=reported,
+        warmup=0,
+        order="fixed",
+        after_round=logged,
+    )
+    return [r / b for b, r in zip(t["baseline"], t["rows_1m"], strict=True)]
 
 
 def targets_of(fig: dict[str, Any], prefix: str = "") -> dict[str, Any]:

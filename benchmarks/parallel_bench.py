@@ -42,7 +42,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,9 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # this folder's helper modules
+from _bench_util import interleaved, seconds_per_call  # noqa: E402
+
 BATCH, SEQ, MICRO = 16, 64, 8
 
 
@@ -80,16 +82,15 @@ def data(quick: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def timed(group: Any, steps: int, one: Callable[[], None]) -> list[float]:
-    """Seconds of each measured step (one warm-up first), every rank in step."""
-    out = []
-    for i in range(steps + 1):
-        group.barrier()
-        t0 = time.perf_counter()
-        one()
-        group.barrier()
-        if i:
-            out.append(time.perf_counter() - t0)
-    return out
+    """Seconds of each measured step (one warm-up first), every rank in step: a barrier
+    before the step and one before its clock stops."""
+    times = interleaved(
+        {"step": one},
+        steps,
+        warmup=1,
+        timer=lambda fn, calls: seconds_per_call(fn, calls, sync=group.barrier),
+    )
+    return times["step"]
 
 
 class ByteCounter:

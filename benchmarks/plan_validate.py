@@ -44,7 +44,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from hybridrec.dlrm.job import parse_args  # noqa: E402
-from hybridrec.plan.calibrate import calibrate, mpirun_path  # noqa: E402
+from hybridrec.plan.calibrate import calibrate  # noqa: E402
+from hybridrec.plan.calibrate_mpi import mpirun_path  # noqa: E402
 from hybridrec.plan.costs import Costs, load_costs, save_costs  # noqa: E402
 from hybridrec.plan.fromjob import plan_from_dlrm  # noqa: E402
 from hybridrec.plan.idlaw import TrafficModel  # noqa: E402

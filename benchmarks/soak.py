@@ -12,7 +12,7 @@ gradients (multiples of 1/8) through it; lost replies are injected all along:
 
 * MPI: ``mpirun -n 6`` (4 workers + 2 servers), started by this script; the
   servers drop the reply of every ``--drop``-th applied push
-  (``tests/ps_faults.py``), the workers resend after 0.2 s;
+  (``tests/support/ps_faults.py``), the workers resend after 0.2 s;
 * Redis: a ``redis-server`` this script starts on a free loopback port and
   stops, 4 worker processes whose ``LossyRedisStore(drop_reply_every=...)`` treat
   the reply of every ``--drop``-th push batch as lost after the scripts ran.

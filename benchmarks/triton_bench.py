@@ -39,12 +39,16 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ps.optimizers import FTRL, SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
+from _bench_util import interleaved, seconds_per_call  # noqa: E402
 
 LR, EPS = 0.01, 1e-8
 
@@ -230,32 +234,28 @@ def measure(
     repeats: int,
 ) -> dict[str, dict[str, float]]:
     """``{name: {"ms", "host_ms"}}``: median ms per call (device done) and to enqueue one,
-    over ``repeats`` windows of ``iters`` calls, the functions interleaved."""
-    for fn in fns.values():
-        for _ in range(warmup):
+    over ``repeats`` windows of ``iters`` calls, the functions interleaved (A B C, C B A, ...)
+    after a warm-up block of ``warmup`` calls each."""
+
+    def device_and_host_ms(fn: Callable[[], object], calls: int) -> tuple[float, float]:
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
             fn()
-    sync(device)
-    ms: dict[str, list[float]] = {n: [] for n in fns}
-    host: dict[str, list[float]] = {n: [] for n in fns}
-    names = list(fns)
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            fn = fns[name]
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            t1 = time.perf_counter()
-            sync(device)
-            t2 = time.perf_counter()
-            host[name].append((t1 - t0) * 1e3 / iters)
-            ms[name].append((t2 - t0) * 1e3 / iters)
+        t1 = time.perf_counter()
+        sync(device)
+        t2 = time.perf_counter()
+        return (t2 - t0) * 1e3 / calls, (t1 - t0) * 1e3 / calls
+
+    times = interleaved(
+        fns, repeats, calls=iters, warmup=warmup, order="alternate", timer=device_and_host_ms
+    )
     return {
         n: {
-            "ms": round(statistics.median(ms[n]), 5),
-            "host_ms": round(statistics.median(host[n]), 5),
+            "ms": round(statistics.median(t[0] for t in ts), 5),
+            "host_ms": round(statistics.median(t[1] for t in ts), 5),
         }
-        for n in names
+        for n, ts in times.items()
     }
 
 
@@ -264,17 +264,14 @@ def copy_bandwidth_gbps(device: torch.device, nbytes: int, *, repeats: int) -> f
     of ``repeats`` timed ``dst.copy_(src)`` of ``nbytes``."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(5):
-            dst.copy_(src)
-        sync(device)
-        times.append((time.perf_counter() - t0) / 5)
-    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
+    times = interleaved(
+        {"copy": lambda: dst.copy_(src)},
+        repeats,
+        calls=5,
+        warmup=3,
+        timer=lambda fn, calls: seconds_per_call(fn, calls, sync=lambda: sync(device)),
+    )
+    return 2 * src.numel() * 4 / statistics.median(times["copy"]) / 1e9
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -18,6 +18,7 @@ traceback and ends the whole job (see comm/failures.py); ``comm.abort(code)``
 does the same on purpose.
 """
 
+from comm.agreement import agree, run_on_rank0, shared_token
 from comm.device import (
     DEVICE_CHOICES,
     cuda_available,
@@ -44,7 +45,10 @@ __all__ = [
     "Role",
     "Topology",
     "abort",
+    "agree",
+    "run_on_rank0",
     "running_job",
+    "shared_token",
     "DEVICE_CHOICES",
     "cuda_available",
     "default_device",

@@ -34,8 +34,8 @@ from comm.validate import (
     check_recv_splits,
     check_signatures,
     check_splits,
-    exchange_splits,
-    gather_signatures,
+    signature_row,
+    signature_rows,
 )
 
 
@@ -69,10 +69,6 @@ class ProcessGroup(ABC):
     backend: str
     # Where this group's tensors live; only nccl groups use CUDA.
     device: torch.device = torch.device("cpu")
-    #: Route CPU tensors through the host staging of device tensors as well (mpi and
-    #: gloo), so that path runs on a machine without a GPU. Off: CPU tensors go to the
-    #: library directly. Only tests turn it on; sub-groups from ``split`` inherit it.
-    stage_cpu_tensors: bool = False
     _pool: PinnedPool | None = None  # created on the first staged operation
 
     def __init__(self, rank: int, size: int, *, timeout_s: float, validate: bool) -> None:
@@ -121,10 +117,11 @@ class ProcessGroup(ABC):
             error = e
         ok_tensor = tensor if error is None and isinstance(tensor, torch.Tensor) else None
         tail = extra() if (error is None and extra is not None) else [0] * extra_len
-        table = gather_signatures(self, ok_tensor, error is not None, skip_first_dim, tail)
+        row = signature_row(ok_tensor, error is not None, skip_first_dim, tail)
+        table = signature_rows(self.rank, self._allgather_ints(row), error is not None)
         if error is not None:
             raise error
-        check_signatures(self, op, "tensor", table)
+        check_signatures(op, "tensor", table)
         return table
 
     # ------------------------------------------------------------------ public API
@@ -133,9 +130,9 @@ class ProcessGroup(ABC):
         """In place: every rank ends with the elementwise reduction over ranks."""
 
         def local() -> None:
-            check_contiguous(self, "allreduce", "tensor", tensor)
+            check_contiguous(self.rank, "allreduce", "tensor", tensor)
             if rop is ReduceOp.AVG:
-                check_avg_dtype(self, "allreduce", tensor)
+                check_avg_dtype(self.rank, "allreduce", tensor)
 
         rop = ReduceOp.parse(op)
         self._agree("allreduce", tensor, local)
@@ -148,8 +145,8 @@ class ProcessGroup(ABC):
         """In place: every rank ends with ``root``'s tensor."""
 
         def local() -> None:
-            check_rank(self, "broadcast", "root", root)
-            check_contiguous(self, "broadcast", "tensor", tensor)
+            check_rank(self.rank, self.size, "broadcast", "root", root)
+            check_contiguous(self.rank, "broadcast", "tensor", tensor)
 
         table = self._agree("broadcast", tensor, local, extra=lambda: [root], extra_len=1)
         if table is not None and any(row[-1] != root for row in table):
@@ -163,7 +160,7 @@ class ProcessGroup(ABC):
     def allgather_async(self, tensor: torch.Tensor) -> Handle:
         """Every rank's tensor (same shape everywhere), stacked: ``[size, *tensor.shape]``."""
         self._agree(
-            "allgather", tensor, lambda: check_contiguous(self, "allgather", "tensor", tensor)
+            "allgather", tensor, lambda: check_contiguous(self.rank, "allgather", "tensor", tensor)
         )
         return self._allgather_async(tensor)
 
@@ -179,7 +176,7 @@ class ProcessGroup(ABC):
         """
 
         def local() -> None:
-            check_contiguous(self, "allgatherv", "tensor", tensor)
+            check_contiguous(self.rank, "allgatherv", "tensor", tensor)
             if tensor.dim() == 0:
                 raise ValueError(f"allgatherv: rank {self.rank} passed a 0-d tensor; it needs rows")
 
@@ -203,7 +200,7 @@ class ProcessGroup(ABC):
         """Reduce ``[size * n, *tail]`` over ranks; rank ``r`` gets rows ``[r*n, (r+1)*n)``."""
 
         def local() -> None:
-            check_contiguous(self, "reduce_scatter", "tensor", tensor)
+            check_contiguous(self.rank, "reduce_scatter", "tensor", tensor)
             if tensor.dim() == 0 or tensor.shape[0] % self.size != 0:
                 raise ValueError(
                     f"reduce_scatter: rank {self.rank} passed a tensor of shape "
@@ -211,7 +208,7 @@ class ProcessGroup(ABC):
                     f"group size {self.size}"
                 )
             if rop is ReduceOp.AVG:
-                check_avg_dtype(self, "reduce_scatter", tensor)
+                check_avg_dtype(self.rank, "reduce_scatter", tensor)
 
         rop = ReduceOp.parse(op)
         self._agree("reduce_scatter", tensor, local)
@@ -242,14 +239,16 @@ class ProcessGroup(ABC):
 
         def local() -> None:
             nonlocal send, recv
-            check_contiguous(self, "alltoallv", "tensor", tensor)
+            check_contiguous(self.rank, "alltoallv", "tensor", tensor)
             if tensor.dim() == 0:
                 raise ValueError(
                     f"alltoallv: rank {self.rank} passed a 0-d tensor; it needs rows to split"
                 )
-            send = check_splits(self, "alltoallv", "send_splits", send_splits, int(tensor.shape[0]))
+            send = check_splits(
+                self.rank, n, "alltoallv", "send_splits", send_splits, int(tensor.shape[0])
+            )
             if recv_splits is not None:
-                recv = check_splits(self, "alltoallv", "recv_splits", recv_splits, None)
+                recv = check_splits(self.rank, n, "alltoallv", "recv_splits", recv_splits, None)
 
         table = self._agree(
             "alltoallv", tensor, local, skip_first_dim=True,
@@ -260,10 +259,10 @@ class ProcessGroup(ABC):
         if table is not None:
             # Row q's columns [-2n, -n) are what q sends to each peer; [-n:] what q expects.
             sends = [row[len(row) - 2 * n : len(row) - n] for row in table]
-            check_recv_splits(self, "alltoallv", sends, [row[len(row) - n :] for row in table])
+            check_recv_splits(self.rank, "alltoallv", sends, [row[len(row) - n :] for row in table])
             learned = [sends[p][self.rank] for p in range(n)]
         elif recv is None:
-            learned = exchange_splits(self, send)
+            learned = self._exchange_splits(send)
         else:
             learned = recv
         return self._alltoallv_async(tensor, send, learned)
@@ -284,8 +283,8 @@ class ProcessGroup(ABC):
 
     def send_async(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         """Point-to-point send; the peer must post a matching ``recv`` of the same size."""
-        check_rank(self, "send", "dst", dst)
-        check_contiguous(self, "send", "tensor", tensor)
+        check_rank(self.rank, self.size, "send", "dst", dst)
+        check_contiguous(self.rank, "send", "tensor", tensor)
         if dst == self.rank:
             raise ValueError(f"send: rank {self.rank} cannot send to itself (dst={dst})")
         return self._send_async(tensor, dst, tag)
@@ -295,8 +294,8 @@ class ProcessGroup(ABC):
 
     def recv_async(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
         """Point-to-point receive into ``tensor`` (in place)."""
-        check_rank(self, "recv", "src", src)
-        check_contiguous(self, "recv", "tensor", tensor)
+        check_rank(self.rank, self.size, "recv", "src", src)
+        check_contiguous(self.rank, "recv", "tensor", tensor)
         if src == self.rank:
             raise ValueError(f"recv: rank {self.rank} cannot receive from itself (src={src})")
         return self._recv_async(tensor, src, tag)
@@ -338,13 +337,24 @@ class ProcessGroup(ABC):
     ) -> Handle:
         """Run ``host_op(host_tensor, alloc)`` (a host-memory collective) on ``tensor``.
 
-        A CPU tensor goes as it is. A device tensor is staged: copied to a pinned block
-        when the operation reads it (``read``), outputs allocated in pinned blocks, and at
-        wait the result copied back into ``tensor`` (``in_place``) or to a new tensor on
-        its device (a None result stays None).
+        A CPU tensor goes as it is. A device tensor is staged (:meth:`_staged`).
         """
-        if tensor.is_cpu and not self.stage_cpu_tensors:  # (is_cpu: 0.1 us, .device: 0.7)
+        if tensor.is_cpu:  # (is_cpu: 0.1 us, .device: 0.7)
             return host_op(tensor, host_empty)
+        return self._staged(tensor, host_op, read=read, in_place=in_place)
+
+    def _staged(
+        self,
+        tensor: torch.Tensor,
+        host_op: Callable[[torch.Tensor, Alloc], Handle],
+        *,
+        read: bool,
+        in_place: bool,
+    ) -> Handle:
+        """``host_op`` on a pinned host copy of ``tensor``: copied to a pinned block when the
+        operation reads it (``read``), outputs allocated in pinned blocks, and at wait the
+        result copied back into ``tensor`` (``in_place``) or to a new tensor on its device
+        (a None result stays None)."""
         if self._pool is None:
             self._pool = PinnedPool()
         st = StagedOp(self._pool, tensor.device, self.timeout_s)
@@ -366,6 +376,13 @@ class ProcessGroup(ABC):
         """
         out: torch.Tensor = self._allgather_async(torch.tensor(row, dtype=torch.int64)).wait()
         return out.tolist()  # type: ignore[no-any-return]
+
+    def _exchange_splits(self, send: list[int]) -> list[int]:
+        """Alltoall of the counts: element ``p`` of the result is what peer ``p`` sends here."""
+        counts = torch.tensor(send, dtype=torch.int64)  # [size]
+        ones = [1] * self.size
+        got: torch.Tensor = self._alltoallv_async(counts, ones, ones).wait()
+        return [int(x) for x in got.tolist()]
 
     @abstractmethod
     def _allreduce_async(self, tensor: torch.Tensor, op: ReduceOp) -> Handle: ...

@@ -203,11 +203,9 @@ class MPIGroup(ProcessGroup):
         return self._handle(req, lambda: tensor, f"recv from rank {src}")
 
     def _split(self, color: int, key: int) -> ProcessGroup:
-        sub = MPIGroup(
+        return MPIGroup(
             self._comm.Split(color, key), timeout_s=self.timeout_s, validate=self.validate
         )
-        sub.stage_cpu_tensors = self.stage_cpu_tensors
-        return sub
 
     def close(self) -> None:
         if not exception_in_flight():  # on the way out of a failure the hook must stay

@@ -25,8 +25,8 @@ grows to the largest set of blocks in flight at once (one per bucket a
 that locks every page, so it is done once per block, not per operation.
 
 CPU tensors never come here: the backends call their host path directly, with no copy
-and no pinned allocation (unless a test sets the group's ``stage_cpu_tensors``, which
-sends them through this path so it runs without a GPU).
+and no pinned allocation (``ProcessGroup._on_host`` decides; ``ProcessGroup._staged`` is
+this path, which a test may call for CPU tensors to run it without a GPU).
 """
 
 from __future__ import annotations

@@ -276,7 +276,6 @@ class TorchGroup(ProcessGroup):
                     pg, global_ranks=ranks, device=self.device,
                     timeout_s=self.timeout_s, validate=self.validate,
                 )  # fmt: skip
-                result.stage_cpu_tensors = self.stage_cpu_tensors
         assert result is not None
         return result
 

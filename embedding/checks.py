@@ -1,4 +1,5 @@
-"""Input checks shared by every placement: ids in range, sequence lengths, weights.
+"""Input checks shared by every placement: features of known tables, ids in range,
+sequence lengths, weights.
 
 Every error names the feature, the table and the offending numbers, so a bad
 batch is found without a debugger.
@@ -6,12 +7,47 @@ batch is found without a debugger.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 
 from embedding.config import TableConfig
 from embedding.jagged import KeyedJaggedIds
+
+T = TypeVar("T", bound=Hashable)
+
+
+def table_of_features(configs: Sequence[TableConfig], who: str) -> dict[str, int]:
+    """Feature -> the position of its table in ``configs``; ValueError naming a feature
+    that two tables list (``who``: the caller)."""
+    table_of: dict[str, int] = {}
+    for i, cfg in enumerate(configs):
+        for feat in cfg.feature_names:
+            if feat in table_of:
+                raise ValueError(
+                    f"{who}: feature {feat!r} is mapped to two tables, "
+                    f"{configs[table_of[feat]].name!r} and {cfg.name!r}"
+                )
+            table_of[feat] = i
+    return table_of
+
+
+def features_by_table(
+    keys: Sequence[str], table_of: Mapping[str, T], who: str, tables: str = "table"
+) -> dict[T, list[str]]:
+    """The batch's features (``keys``) grouped by their table (``table_of``: feature ->
+    table), each table's in key order, the tables in the order their first feature comes.
+    ValueError for a feature of no table, naming the known ones (``who``: the caller,
+    ``tables``: what kind of table it holds)."""
+    per_table: dict[T, list[str]] = {}
+    for key in keys:
+        if key not in table_of:
+            raise ValueError(
+                f"{who}: feature {key!r} is not in any {tables}; known features: {list(table_of)}"
+            )
+        per_table.setdefault(table_of[key], []).append(key)
+    return per_table
 
 
 def check_ids(cfg: TableConfig, feats: Sequence[str], ids: Sequence[torch.Tensor]) -> None:

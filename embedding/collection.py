@@ -48,8 +48,9 @@ import torch
 from torch import nn
 
 from comm import LocalGroup, ProcessGroup
+from comm.agreement import agree, run_on_rank0
 from comm.device import module_device
-from embedding.checkpoint_io import agree, run_on_rank0
+from embedding.checks import features_by_table, table_of_features
 from embedding.config import TableConfig
 from embedding.hybrid import HybridTables, backing_store
 from embedding.jagged import KeyedJaggedIds
@@ -100,7 +101,6 @@ class EmbeddingCollection(nn.Module):
         if not tables:
             raise ValueError("EmbeddingCollection: needs at least one TableConfig")
         self._configs: dict[str, TableConfig] = {}
-        self._table_of: dict[str, str] = {}  # feature -> table
         for cfg in tables:
             if not isinstance(cfg, TableConfig):
                 raise TypeError(
@@ -108,14 +108,11 @@ class EmbeddingCollection(nn.Module):
                 )
             if cfg.name in self._configs:
                 raise ValueError(f"EmbeddingCollection: table name {cfg.name!r} appears twice")
-            for feat in cfg.feature_names:
-                if feat in self._table_of:
-                    raise ValueError(
-                        f"EmbeddingCollection: feature {feat!r} is mapped to two tables, "
-                        f"{self._table_of[feat]!r} and {cfg.name!r}"
-                    )
-                self._table_of[feat] = cfg.name
             self._configs[cfg.name] = cfg
+        self._table_of: dict[str, str] = {  # feature -> table
+            feat: tables[i].name
+            for feat, i in table_of_features(tables, "EmbeddingCollection").items()
+        }
         self.group: ProcessGroup = LocalGroup() if group is None else group
         self.store: Store = InProcessStore() if store is None else store
         try:
@@ -325,15 +322,7 @@ class EmbeddingCollection(nn.Module):
 
     def _group_keys(self, kjt: KeyedJaggedIds) -> list[tuple[TableConfig, list[str]]]:
         """Tables touched by the batch (in table order) with their features (in key order)."""
-        per_table: dict[str, list[str]] = {}
-        for key in kjt.keys:
-            table = self._table_of.get(key)
-            if table is None:
-                raise ValueError(
-                    f"EmbeddingCollection: feature {key!r} is not in any table; known "
-                    f"features: {self.feature_names}"
-                )
-            per_table.setdefault(table, []).append(key)
+        per_table = features_by_table(kjt.keys, self._table_of, "EmbeddingCollection")
         return [(cfg, per_table[name]) for name, cfg in self._configs.items() if name in per_table]
 
     # ------------------------------------------------------------ checkpoints

@@ -184,7 +184,7 @@ def lookup(weight: torch.Tensor, batch: GroupBatch) -> torch.Tensor:
     On CUDA with triton installed, the Triton gather+pool kernel
     (:mod:`embedding.kernels.triton_pool`); elsewhere ``F.embedding_bag``.
     """
-    if weight.is_cuda and use_triton(weight):
+    if use_triton(weight):
         from embedding.kernels.triton_pool import pooled_lookup
 
         return pooled_lookup(
@@ -383,7 +383,7 @@ def _cpu_rowwise_adagrad_rows(g: FusedGroup, rows: torch.Tensor, grads: torch.Te
 def _use_triton_update(g: FusedGroup) -> bool:
     """The Triton fused backward (:mod:`embedding.kernels.triton_optimizers`) updates CUDA
     tables for every ps optimizer; CPU tables keep the C kernel and the torch path."""
-    return g.weight.is_cuda and g.optimizer.kind in FUSED_OPTIMIZERS and use_triton(g.weight)
+    return g.optimizer.kind in FUSED_OPTIMIZERS and use_triton(g.weight)
 
 
 def _combine_ranks(

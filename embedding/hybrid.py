@@ -49,8 +49,8 @@ import torch
 from torch import nn
 
 from comm import ProcessGroup
+from comm.agreement import run_on_rank0
 from comm.device import module_device
-from embedding.checkpoint_io import run_on_rank0
 from embedding.checks import check_batch_ids, check_ids, check_weights
 from embedding.config import TableConfig
 from embedding.fused_ops import (

@@ -68,7 +68,13 @@ from torch import nn
 from comm import ProcessGroup
 from comm.device import module_device
 from embedding.checkpoint_io import write_from_rank0
-from embedding.checks import check_weights, first_out_of_range, sequence_length
+from embedding.checks import (
+    check_weights,
+    features_by_table,
+    first_out_of_range,
+    sequence_length,
+    table_of_features,
+)
 from embedding.config import TableConfig
 from embedding.fused_ops import FusedGroup, apply_optimizer, segment_sum
 from embedding.jagged import KeyedJaggedIds, offsets_from_lengths
@@ -140,21 +146,14 @@ class ShardedTables(nn.Module):
         if not isinstance(group, ProcessGroup):
             raise TypeError(f"ShardedTables: group must be a comm.ProcessGroup, got {group!r}")
         self._configs: list[TableConfig] = []
-        self._table_of: dict[str, int] = {}  # feature -> table index
         for cfg in configs:
             if not isinstance(cfg, TableConfig):
                 raise TypeError(f"ShardedTables: expected TableConfig, got {type(cfg).__name__}")
             if any(c.name == cfg.name for c in self._configs):
                 raise ValueError(f"ShardedTables: table name {cfg.name!r} appears twice")
-            for feat in cfg.feature_names:
-                if feat in self._table_of:
-                    other = self._configs[self._table_of[feat]].name
-                    raise ValueError(
-                        f"ShardedTables: feature {feat!r} is mapped to two tables, "
-                        f"{other!r} and {cfg.name!r}"
-                    )
-                self._table_of[feat] = len(self._configs)
             self._configs.append(cfg)
+        # feature -> table index
+        self._table_of: dict[str, int] = table_of_features(self._configs, "ShardedTables")
         self._features = list(self._table_of)  # error codes name features by this index
         self.group = group
         if plan is None:
@@ -496,15 +495,7 @@ class ShardedTables(nn.Module):
         """Group this rank's batch by table and dedup it; ``code`` flags an id out of range."""
         if not isinstance(kjt, KeyedJaggedIds):
             raise TypeError(f"ShardedTables: expected a KeyedJaggedIds, got {type(kjt).__name__}")
-        per_table: dict[int, list[str]] = {}
-        for key in kjt.keys:
-            t = self._table_of.get(key)
-            if t is None:
-                raise ValueError(
-                    f"ShardedTables: feature {key!r} is not in any sharded table; known "
-                    f"features: {self._features}"
-                )
-            per_table.setdefault(t, []).append(key)
+        per_table = features_by_table(kjt.keys, self._table_of, "ShardedTables", "sharded table")
         batches: list[_TableBatch] = []
         b = kjt.batch_size
         kjt = kjt.to(self.device)  # a no-op behind the collection, which moved it already

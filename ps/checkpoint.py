@@ -30,12 +30,12 @@ with ``numpy.lib.format.read_array(..., allow_pickle=False)`` after checking the
 unpickled; files not named by the manifest are never opened, and manifest paths
 must stay inside the checkpoint directory.
 
-Atomicity: everything is written into a sibling ``<path>.tmp-<random>``; every
-file and folder is fsynced, the manifest is written last, then the folder is
-renamed into place (the previous checkpoint is first renamed to ``<path>.prev``
-and deleted after the swap; if a crash lands between those two renames,
-:func:`read_checkpoint` finds the previous checkpoint at ``<path>.prev``). A crash
-at any point leaves a loadable checkpoint, the previous or the new one. Two
+Atomicity (:mod:`ps.atomic_save`): everything is written into a sibling
+``<path>.tmp-<random>``; every file and folder is fsynced, the manifest is written
+last, then the folder is renamed into place (the previous checkpoint is first renamed
+to ``<path>.prev`` and deleted after the swap; if a crash lands between those two
+renames, :func:`read_checkpoint` finds the previous checkpoint at ``<path>.prev``). A
+crash at any point leaves a loadable checkpoint, the previous or the new one. Two
 saves to one path at the same time are not supported.
 
 Writing, for one process::
@@ -61,8 +61,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
-import shutil
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -72,6 +70,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import ps.atomic_save as atomic_save
 from ps.table import TableSpec
 
 FORMAT = "hybridrec-ps/1"
@@ -180,14 +179,6 @@ def check_row_ids(spec: TableSpec, ids: torch.Tensor, where: str = "") -> None:
 # ---------------------------------------------------------------- writing
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _save_array(file: Path, array: np.ndarray) -> None:
     """Write one ``.npy`` (no pickle) and fsync it."""
     with open(file, "xb") as f:
@@ -203,12 +194,8 @@ def begin_checkpoint(path: PathLike) -> Path:
     folder, or a checkpoint (it is replaced only by :func:`finish_checkpoint`).
     """
     final = Path(path)
-    if not final.parent.is_dir():
-        raise FileNotFoundError(f"checkpoint {str(final)!r}: parent folder does not exist")
-    _check_replaceable(final)
-    tmp = final.with_name(f"{final.name}.tmp-{secrets.token_hex(6)}")
-    tmp.mkdir()
-    return tmp
+    _check_parent(final)
+    return atomic_save.begin(final, _check_replaceable)
 
 
 def write_part(tmp_dir: PathLike, table_index: int, name: str, part: TablePart) -> dict[str, Any]:
@@ -229,7 +216,7 @@ def write_part(tmp_dir: PathLike, table_index: int, name: str, part: TablePart) 
         rel = f"t{table_index:04d}/{name}.{key}.npy"
         _save_array(Path(tmp_dir) / rel, getattr(part, key).detach().cpu().contiguous().numpy())
         files[key] = rel
-    _fsync_dir(folder)
+    atomic_save.fsync_dir(folder)
     return {"name": name, "rows": part.num_rows, "files": files}
 
 
@@ -245,7 +232,14 @@ def finish_checkpoint(
     ``tables`` lists each table's spec with the entries :func:`write_part`
     returned for it; table ``i`` must be the one written with ``table_index=i``.
     """
-    tmp, final = Path(tmp_dir), Path(path)
+    _write_manifest(Path(tmp_dir), tables, writer)
+    atomic_save.swap_in(Path(tmp_dir), Path(path), _check_replaceable)
+
+
+def _write_manifest(
+    tmp: Path, tables: Sequence[tuple[TableSpec, Sequence[dict[str, Any]]]], writer: str
+) -> None:
+    """The manifest of the parts in ``tmp`` (see :func:`finish_checkpoint`), fsynced."""
     entries = []
     names: set[str] = set()
     for i, (spec, parts) in enumerate(tables):
@@ -271,13 +265,12 @@ def finish_checkpoint(
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    _swap_in(tmp, final)
+    atomic_save.fsync_dir(tmp)
 
 
 def abort_checkpoint(tmp_dir: PathLike) -> None:
     """Remove an unfinished ``tmp_dir`` (best effort); the checkpoint at ``path`` is untouched."""
-    shutil.rmtree(tmp_dir, ignore_errors=True)
+    atomic_save.abort(Path(tmp_dir))
 
 
 def write_checkpoint(
@@ -293,8 +286,9 @@ def write_checkpoint(
     spec. On any error the temporary folder is removed and ``path`` keeps the
     previous checkpoint.
     """
-    tmp = begin_checkpoint(path)
-    try:
+    final = Path(path)
+    _check_parent(final)
+    with atomic_save.saving(final, _check_replaceable) as tmp:
         listed: list[tuple[TableSpec, list[dict[str, Any]]]] = []
         for i, (spec, parts) in enumerate(tables):
             entries = []
@@ -302,14 +296,12 @@ def write_checkpoint(
                 part.check_spec(spec, f"part {k}")
                 entries.append(write_part(tmp, i, f"p{k:05d}", part))
             listed.append((spec, entries))
-        finish_checkpoint(tmp, path, listed, writer=writer)
-    except BaseException:
-        abort_checkpoint(tmp)
-        raise
+        _write_manifest(tmp, listed, writer)
 
 
-def _prev(final: Path) -> Path:
-    return final.with_name(final.name + ".prev")
+def _check_parent(final: Path) -> None:
+    if not final.parent.is_dir():
+        raise FileNotFoundError(f"checkpoint {str(final)!r}: parent folder does not exist")
 
 
 def _is_checkpoint(folder: Path) -> bool:
@@ -328,22 +320,6 @@ def _check_replaceable(final: Path) -> None:
             f"checkpoint {str(final)!r} is a non-empty folder without a {FORMAT} "
             f"{MANIFEST}; refusing to replace it"
         )
-
-
-def _swap_in(tmp: Path, final: Path) -> None:
-    """Make ``tmp`` the folder at ``final``; at every instant it or its ``.prev`` is whole."""
-    _check_replaceable(final)
-    prev = _prev(final)
-    if final.is_dir() and not any(final.iterdir()):
-        final.rmdir()
-    if final.exists():
-        if prev.exists():  # left by a crash after an earlier swap: final is whole, prev is stale
-            shutil.rmtree(prev)
-        os.rename(final, prev)
-    os.rename(tmp, final)
-    _fsync_dir(final.parent)
-    if prev.exists():
-        shutil.rmtree(prev, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- reading
@@ -481,13 +457,14 @@ def read_checkpoint(path: PathLike) -> Checkpoint:
     between the two renames of a save), that one is read, with a warning.
     """
     folder = Path(path)
-    if not (folder / MANIFEST).is_file() and (_prev(folder) / MANIFEST).is_file():
+    prev = atomic_save.previous(folder)
+    if not (folder / MANIFEST).is_file() and (prev / MANIFEST).is_file():
         warnings.warn(
             f"checkpoint {str(folder)!r} is missing; reading the previous one at "
-            f"{str(_prev(folder))!r} (a save was interrupted)",
+            f"{str(prev)!r} (a save was interrupted)",
             stacklevel=2,
         )
-        folder = _prev(folder)
+        folder = prev
     try:
         with open(folder / MANIFEST, encoding="utf-8") as f:
             manifest = json.load(f)

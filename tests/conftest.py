@@ -1,13 +1,20 @@
 """Shared pytest setup.
 
-Imports: the repository root is on ``sys.path`` through ``pythonpath = ["."]`` in
-pyproject.toml, so tests import the packages (and ``benchmarks`` modules) of this checkout;
-pytest puts this folder on ``sys.path`` too (it holds this conftest.py and no
-``__init__.py``), and the test helpers here are imported by their bare module name,
-always: ``from multiproc import run_ranks``, ``from redis_server import redis_server``,
-``from rank_battery import RankBattery`` (never ``from tests.multiproc import ...``: two
-names for one file would load it twice). Rank scripts run from ``tests/ranks``, which
-is their own first ``sys.path`` entry.
+The tests live by package: ``tests/comm/``, ``ps/``, ``cache/``, ``embedding/``, ``dense/``,
+``datasets/``, ``jobs/`` (the ``hybridrec`` jobs, trainer, checkpoints and planner) and
+``project/`` (layering, docs, options reference, kernel sources); the helpers they share
+are in ``tests/support/``. A multi-rank test's rank scripts are in the ``ranks/`` folder
+beside it (``tests/dense/ranks/dense_dp.py``), found by name with
+``multiproc.rank_script``.
+
+Imports: ``pythonpath = [".", "tests/support"]`` in pyproject.toml puts the repository
+root (the packages of this checkout, and ``benchmarks`` modules) and the helpers on
+``sys.path``. Tests import the helpers by their bare module name, always: ``from
+multiproc import run_ranks``, ``from redis_server import redis_server`` (never ``from
+tests.support.multiproc import ...`` in a test: two names for one file would load it
+twice). Rank scripts run in their own processes with the repository root on
+``PYTHONPATH`` and import helpers and each other by full name
+(``tests.support.tolerance``, ``tests.embedding.ranks.embedding_sharded``).
 
 The default per-test timeout (300 s) is set in pyproject.toml; mark slower tests with
 ``@pytest.mark.timeout(N)``. ``--durations=15`` there prints the 15 slowest tests of

@@ -35,7 +35,7 @@ and runs ~10 calls per pass, and on this 2-core machine the copies are what cost
 (~5 GB/s). These passes read and write the words they need, once. The numpy path in
 :class:`cache.table_cache.TableCache` does the same with the same float32 operations in
 the same order (FMA contraction off here), so both give identical bits;
-``tests/test_cache_kernel.py`` compares them. Built and loaded by :mod:`comm.native`
+``tests/cache/test_cache_kernel.py`` compares them. Built and loaded by :mod:`comm.native`
 (system C compiler, ctypes); every function returns None where that is not possible
 and the caller takes the numpy path.
 """

@@ -4,7 +4,7 @@ minimum, one pass over the ids with the counters of the ids ahead prefetched.
 The numpy/torch path materialises ``[depth, N]`` hashes and positions, then scatters or
 gathers them; the counters are larger than the CPU caches (``4 * depth * width`` bytes),
 so what costs is the random counter accesses, which this pass overlaps. Integer
-arithmetic: both paths give the same counts (``tests/test_cache_kernel.py``). Built by
+arithmetic: both paths give the same counts (``tests/cache/test_cache_kernel.py``). Built by
 :mod:`comm.native`; each function returns False/None where that is not possible and the
 caller takes its torch path.
 """

@@ -52,17 +52,15 @@ rank that took rank 0's replica would continue from other bits.
 Everything but the per-rank folders is written by rank 0; every rank writes its own
 ``ranks/`` folder, so all ranks must see ``path`` (one machine or a shared
 filesystem). ``save_model`` writes into ``<path>.tmp-<random>`` and renames it into
-place (a previous save is first renamed to ``<path>.old-<random>`` and deleted after):
-a crash leaves a whole previous or new save, never half of one. A folder at ``path``
-that is not a save is never replaced. No pickle anywhere.
+place (:mod:`ps.atomic_save`: a previous save is first renamed to ``<path>.prev`` and
+deleted after): a crash leaves a whole previous or new save, never half of one. A
+folder at ``path`` that is not a save is never replaced. No pickle anywhere.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -74,12 +72,13 @@ from torch import nn
 
 from cache import CachedStore
 from comm import LocalGroup, ProcessGroup
+from comm.agreement import agree, run_on_rank0
 from dense import DataParallel, Zero3, ZeroOptimizer, load_zero_state, save_zero_state
 from embedding import EmbeddingCollection
-from embedding.checkpoint_io import agree, run_on_rank0
 from embedding.hybrid import backing_store
 from hybridrec.checkpoint.state_folder import read_state, write_state
 from ps import Store
+from ps.atomic_save import saving
 from ps.checkpoint import write_checkpoint
 
 FORMAT = "hybridrec-model/2"
@@ -234,22 +233,6 @@ def _dense_state(
 # ---------------------------------------------------------------- save
 
 
-def shared_tmp(group: ProcessGroup, final: Path) -> Path:
-    """Collective: a fresh sibling folder ``<final>.tmp-<random>`` made by rank 0, its
-    name known to every rank (rank 0's random token is broadcast)."""
-    token = torch.tensor([secrets.randbits(48) if group.rank == 0 else 0], dtype=torch.int64)
-    if group.size > 1:
-        group.broadcast(token, root=0)
-    tmp = final.with_name(f"{final.name}.tmp-{int(token):012x}")
-
-    def make() -> None:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-
-    run_on_rank0(group, make, f"creating {tmp}")
-    return tmp
-
-
 def write_model(
     folder: Path, model: nn.Module, optimizer: DenseOptimizer | None, group: ProcessGroup
 ) -> None:
@@ -317,20 +300,10 @@ def _write_shared(
     (folder / "model.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
 
 
-def swap_in(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final``; an existing ``final`` is moved aside first and
-    deleted after (a crash between the renames leaves it beside, whole)."""
-    old = None
-    if final.exists() and not any((final / f).is_file() for f in ("model.json", "meta.json")):
-        raise FileExistsError(
-            f"{final} exists and is not a saved model or checkpoint; not replacing it"
-        )
-    if final.exists():
-        old = final.with_name(f"{final.name}.old-{secrets.token_hex(6)}")
-        os.rename(final, old)
-    os.rename(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _replaceable_model(folder: Path) -> None:
+    """FileExistsError unless ``folder`` is a saved model (a save replaces only those)."""
+    if not (folder / "model.json").is_file():
+        raise FileExistsError(f"{folder} exists and is not a saved model; not replacing it")
 
 
 def save_model(
@@ -345,14 +318,8 @@ def save_model(
     the module docstring for what is saved and how it loads at another rank count."""
     group = LocalGroup() if group is None else group
     final = Path(path)
-    tmp = shared_tmp(group, final)
-    try:
+    with saving(final, _replaceable_model, group=group, parents=True) as tmp:
         write_model(tmp, model, optimizer, group)
-        run_on_rank0(group, lambda: swap_in(tmp, final), f"renaming {tmp} to {final}")
-    except BaseException:
-        if group.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 

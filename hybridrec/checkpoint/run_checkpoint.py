@@ -27,9 +27,9 @@ Nested state is a JSON skeleton plus one ``.npy`` per tensor
 (:mod:`hybridrec.checkpoint.state_folder`, ``allow_pickle=False`` both ways). Rank 0
 makes ``step-N.tmp-<random>`` (every rank learns its name), every rank writes its own
 ``ranks`` folders in it, rank 0 the rest, then renames it into place and rewrites
-``latest`` with ``os.replace``: a crash leaves
-either the old or the new checkpoint, never half of one. Every rank must see the folder
-(one machine or a shared filesystem).
+``latest`` with a rename over it (:mod:`ps.atomic_save`): a crash leaves either the old
+or the new checkpoint, never half of one. Every rank must see the folder (one machine
+or a shared filesystem).
 
 Worker count: the model loads at any count (see :mod:`hybridrec.checkpoint.model_state` for the
 rule of each part). The torch RNG and the job's per-rank vector belong to a rank of
@@ -52,18 +52,17 @@ import torch
 from torch import nn
 
 from comm import ProcessGroup
+from comm.agreement import run_on_rank0
 from embedding import EmbeddingCollection
-from embedding.checkpoint_io import run_on_rank0
 from hybridrec.checkpoint.model_state import (
     DenseOptimizer,
     load_model,
     read_model_doc,
     save_model,
-    shared_tmp,
-    swap_in,
     write_model,
 )
 from hybridrec.checkpoint.state_folder import flatten, read_state, unflatten, write_state
+from ps import atomic_save
 
 FORMAT = "hybridrec-run/2"
 LATEST = "latest"
@@ -123,47 +122,40 @@ def save_checkpoint(
     states = group.allgather(mine.to(torch.int64).contiguous())  # [size, k]
     rngs = group.allgather(torch.get_rng_state().contiguous())  # [size, n] uint8
     final = Path(root) / f"step-{step:08d}"
-    tmp = shared_tmp(group, final)
-    try:
+    what = f"saving checkpoint {final}"
+    # A checkpoint saved at this step before (e.g. by the final save) is replaced.
+    with atomic_save.saving(final, _replaceable_step, group=group, parents=True) as tmp:
         write_model(tmp / "model", RunModel(dense, embeddings), optimizer, group)
-        run_on_rank0(
-            group,
-            lambda: _finish(tmp, final, step, meta, states, rngs, keep),
-            f"saving checkpoint {final}",
-        )
-    except BaseException:
-        if group.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        run_on_rank0(group, lambda: _write_rank0(tmp, step, meta, states, rngs), what)
+    run_on_rank0(group, lambda: _point_latest(final, keep), what)
     return final
 
 
-def _finish(
-    tmp: Path,
-    final: Path,
-    step: int,
-    meta: dict[str, Any],
-    states: torch.Tensor,
-    rngs: torch.Tensor,
-    keep: int,
+def _replaceable_step(folder: Path) -> None:
+    """FileExistsError unless ``folder`` is a complete checkpoint (the only kind replaced)."""
+    if not (folder / "meta.json").is_file():
+        raise FileExistsError(f"{folder} exists and is not a checkpoint; not replacing it")
+
+
+def _write_rank0(
+    tmp: Path, step: int, meta: dict[str, Any], states: torch.Tensor, rngs: torch.Tensor
 ) -> None:
-    """Rank 0: the per-rank vectors, ``meta.json`` last, the rename, ``latest``, pruning."""
+    """Rank 0: the per-rank vectors (``states`` int64 ``[size, k]``, ``rngs`` uint8
+    ``[size, n]``), then ``meta.json``, which marks the checkpoint complete."""
     write_state(tmp / "ranks", {"state": states, "rng": rngs})
     doc = {"format": FORMAT, "step": step, "world_size": int(states.shape[0]), **meta}
     (tmp / "meta.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
-    swap_in(tmp, final)  # saved at this step before (e.g. the final save): replaced
-    pointer = final.parent / f"{LATEST}.tmp-{os.urandom(4).hex()}"
-    pointer.write_text(final.name + "\n", encoding="utf-8")
-    os.replace(pointer, final.parent / LATEST)
+
+
+def _point_latest(final: Path, keep: int) -> None:
+    """Rank 0, once ``final`` is in place: ``latest`` names it, older checkpoints beyond
+    the newest ``keep`` go."""
+    atomic_save.write_file(final.parent / LATEST, final.name + "\n")
     _prune(final.parent, keep)
 
 
 def _prune(root: Path, keep: int) -> None:
-    steps = sorted(
-        p
-        for p in root.glob("step-*")
-        if p.is_dir() and ".tmp-" not in p.name and ".old-" not in p.name
-    )
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir() and not atomic_save.is_leftover(p))
     for old in steps[: max(0, len(steps) - keep)]:
         shutil.rmtree(old, ignore_errors=True)
 

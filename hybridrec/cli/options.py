@@ -31,7 +31,7 @@ import sys
 import tomllib
 import types
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar, get_args, get_origin
@@ -101,6 +101,11 @@ def program_name(name: str) -> Iterator[None]:
         yield
     finally:
         _prog.reset(token)
+
+
+def program() -> str | None:
+    """The name parsers call themselves (:func:`program_name`); None: the script's."""
+    return _prog.get()
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
@@ -417,12 +422,19 @@ def _debug_flag_taken(argv: list[str]) -> list[str]:
     return [a for a in argv if a != DEBUG_FLAG]
 
 
-def parse_config(cls: type[T], argv: Sequence[str] | None, description: str) -> T:
-    """Defaults, then ``--config`` file values, then command-line values -> ``cls(...)``."""
+def parse_config(
+    cls: type[T],
+    argv: Sequence[str] | None,
+    description: str,
+    base: Mapping[str, Any] | None = None,
+) -> T:
+    """Defaults, then ``base`` (e.g. a saved run's options), then ``--config`` file values,
+    then command-line values -> ``cls(...)``."""
     args_in = _debug_flag_taken(list(sys.argv[1:] if argv is None else argv))
     args = vars(build_parser(cls, description).parse_args(args_in))
     path = args.pop("config")
-    values = load_config_file(path, cls) if path else {}
+    values = dict(base or {})
+    values.update(load_config_file(path, cls) if path else {})
     values.update(args)  # only options given on the command line (defaults are SUPPRESSed)
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]
     for f in fields:

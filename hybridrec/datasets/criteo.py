@@ -1,4 +1,4 @@
-"""A streaming reader for the Criteo display-advertising TSV format.
+"""The Criteo display-advertising TSV format: its lines parsed into rows, streamed.
 
 Each line is one impression, 40 tab-separated fields::
 
@@ -20,27 +20,28 @@ that the same hex value in two features lands on unrelated rows:
 
 A missing categorical is an empty bag (no id): pooled, it contributes zeros.
 
-Files are read line by line (plain or ``.gz``), never whole, and lines are dealt
-to ranks round robin (rank ``r`` of ``n`` reads lines ``r, r + n, ...``) so every
-rank sees a disjoint ``1/n`` of each file without any coordination (the loop is
-:mod:`hybridrec.datasets.stream`'s). A malformed line raises ``ValueError``
-naming the file and line number, or is counted and skipped with ``skip_bad_lines=True``.
+This file parses the format; the encoding above is :func:`criteo_encoders`' (the
+encoders of :mod:`hybridrec.datasets.encode`, the same ones a schema with ``log = true``
+and ``encoding = "hex"`` builds), and the files are read line by line (plain or
+``.gz``), never whole, through :mod:`hybridrec.datasets.stream`, which deals lines to
+ranks round robin (rank ``r`` of ``n`` reads lines ``r, r + n, ...``) so every rank sees
+a disjoint ``1/n`` of each file without any coordination. A malformed line raises
+``ValueError`` naming the file and line number, or is counted and skipped with
+``skip_bad_lines=True``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from embedding import KeyedJaggedIds
 from hybridrec.datasets.ctr import Batch
-from hybridrec.datasets.stream import ReaderPosition, RecordStream, decode_line, open_lines
-from ps.routing import splitmix64
+from hybridrec.datasets.encode import DenseEncoder, Encoders, HashEncoder
+from hybridrec.datasets.stream import ReaderPosition, RecordStream, decode_line
 
 NUM_INT = 13
 NUM_CAT = 26
@@ -78,14 +79,23 @@ class CriteoConfig:
             )
 
 
-@contextmanager
-def _criteo_lines(path: str) -> Iterator[Iterator[tuple[int, bytes]]]:
-    with open_lines(path, "Criteo data") as f:
-        yield ((i + 1, raw) for i, raw in enumerate(f))
+def criteo_encoders(num_rows: int | None) -> Encoders:
+    """The encoders of the Criteo features: ``log1p`` counts, hashed hex categoricals."""
+    return Encoders(
+        dense=[DenseEncoder(name=name, log=True) for name in INT_NAMES],
+        sparse=[
+            HashEncoder(name=name, salt=j, rows=num_rows, encoding="hex")
+            for j, name in enumerate(CAT_NAMES)
+        ],
+    )
 
 
-def _parse_line(raw: bytes, where: str) -> tuple[int, list[int], list[int | None]]:
-    """One line -> (label, 13 ints (missing = 0), 26 categorical values or None)."""
+# A parsed line: (label, 13 counts (missing: NaN), 26 raw categorical values (None: missing)).
+Line = tuple[float, list[float], list[int | None]]
+
+
+def parse_line(raw: bytes, where: str) -> Line:
+    """One line -> its label, counts and categorical values (see :data:`Line`)."""
     fields = decode_line(raw, where).split("\t")
     if len(fields) != NUM_FIELDS:
         raise ValueError(
@@ -94,10 +104,10 @@ def _parse_line(raw: bytes, where: str) -> tuple[int, list[int], list[int | None
         )
     if fields[0] not in ("0", "1"):
         raise ValueError(f"{where}: label must be 0 or 1, got {fields[0]!r}")
-    ints: list[int] = []
+    ints: list[float] = []
     for name, f in zip(INT_NAMES, fields[1 : 1 + NUM_INT], strict=True):
         try:
-            ints.append(int(f) if f else 0)
+            ints.append(int(f) if f else math.nan)
         except ValueError:
             raise ValueError(f"{where}: field {name} must be an integer, got {f!r}") from None
     cats: list[int | None] = []
@@ -112,15 +122,21 @@ def _parse_line(raw: bytes, where: str) -> tuple[int, list[int], list[int | None
         if not 0 <= v < 2**32:
             raise ValueError(f"{where}: field {name} must be a 32-bit hex value, got {f!r}")
         cats.append(v)
-    return int(fields[0]), ints, cats
+    return float(fields[0]), ints, cats
 
 
-def hash_categorical(values: torch.Tensor, feature: int, num_rows: int | None) -> torch.Tensor:
-    """Raw 32-bit values int64 ``[N]`` of categorical ``feature`` -> ids int64 ``[N]``."""
-    mixed = splitmix64(values * 32 + feature)  # int64, any sign
-    if num_rows is None:
-        return mixed & 0x7FFF_FFFF_FFFF_FFFF
-    return torch.remainder(mixed, num_rows)
+def encode_lines(encoders: Encoders, lines: list[Line]) -> Batch:
+    """Parsed lines -> their columns -> the encoders' :class:`Batch`."""
+    b = len(lines)
+    cats = [r[2] for r in lines]
+    present = np.array([[v is not None for v in row] for row in cats], dtype=bool)  # [B, 26]
+    raw = np.array([[0 if v is None else v for v in row] for row in cats], dtype=np.int64)
+    sparse = [(raw[present[:, j], j], present[:, j].astype(np.int64)) for j in range(NUM_CAT)]
+    return encoders.encode(
+        np.asarray([r[0] for r in lines], dtype=np.float32),
+        np.asarray([r[1] for r in lines], dtype=np.float64).reshape(b, NUM_INT),  # [B, 13]
+        sparse,
+    )
 
 
 class CriteoReader:
@@ -135,6 +151,7 @@ class CriteoReader:
     def __init__(self, config: CriteoConfig, start: ReaderPosition | None = None) -> None:
         self.config = config
         self.position = ReaderPosition() if start is None else start
+        self.encoders = criteo_encoders(config.num_rows)
         for p in config.paths:
             if not Path(p).is_file():
                 raise FileNotFoundError(f"Criteo data: {p} does not exist or is not a file")
@@ -145,36 +162,22 @@ class CriteoReader:
 
     def __iter__(self) -> Iterator[Batch]:
         cfg = self.config
-        stream = RecordStream(
-            cfg.paths,
-            _criteo_lines,
-            _parse_line,
-            batch_size=cfg.batch_size,
-            rank=cfg.rank,
-            world_size=cfg.world_size,
-            skip_bad_lines=cfg.skip_bad_lines,
-            drop_last=cfg.drop_last,
-            what="Criteo data",
+        stream: RecordStream[Line] = RecordStream(
+            cfg.paths, "lines", batch_size=cfg.batch_size, rank=cfg.rank,
+            world_size=cfg.world_size, drop_last=cfg.drop_last, what="Criteo data",
             start=self.position,
-        )
-        for rows in stream.batches():
-            yield self._to_batch(rows)
-
-    def _to_batch(self, rows: list[tuple[int, list[int], list[int | None]]]) -> Batch:
-        b = len(rows)
-        labels = [r[0] for r in rows]
-        cats = [r[2] for r in rows]
-        counts = np.maximum(np.asarray([r[1] for r in rows], dtype=np.float64), 0.0)  # [B, 13]
-        dense = torch.from_numpy(np.log1p(counts).astype(np.float32))
-        present = np.array([[v is not None for v in row] for row in cats], dtype=bool)  # [B, 26]
-        raw = np.array([[0 if v is None else v for v in row] for row in cats], dtype=np.int64)
-        ids: list[torch.Tensor] = []
-        for j in range(NUM_CAT):
-            col = torch.from_numpy(raw[present[:, j], j])  # ids of samples that have C{j+1}
-            ids.append(hash_categorical(col, j, self.config.num_rows))
-        lengths = torch.from_numpy(present.T.reshape(-1).astype(np.int64))  # [26 * B] key-major
-        return Batch(
-            dense=dense.reshape(b, NUM_INT),
-            sparse=KeyedJaggedIds(CAT_NAMES, torch.cat(ids), lengths),
-            labels=torch.tensor(labels, dtype=torch.float32),
-        )
+        )  # fmt: skip
+        for rec in stream.records():
+            try:
+                row = parse_line(rec.raw, rec.where)
+            except ValueError:
+                if not cfg.skip_bad_lines:
+                    raise
+                stream.position.skipped += 1
+                continue
+            lines = stream.add(row)
+            if lines is not None:
+                yield encode_lines(self.encoders, lines)
+        lines = stream.rest()
+        if lines is not None:
+            yield encode_lines(self.encoders, lines)

@@ -1,4 +1,4 @@
-"""In-memory click-through-rate data sets and vectorized batch gathering.
+"""What the readers hand the model: batches, and whole in-memory data sets with their splits.
 
 A data set is ``N`` samples held as whole tensors:
 
@@ -162,11 +162,3 @@ def split_indices(
     n_val = int(round(fractions[1] * n))
     parts = perm[:n_train], perm[n_train : n_train + n_val], perm[n_train + n_val :]
     return tuple(torch.from_numpy(np.sort(p)).to(torch.int64) for p in parts)  # type: ignore[return-value]
-
-
-def standardize_(dense: torch.Tensor, train_idx: torch.Tensor) -> None:
-    """In place: zero mean, unit variance per column, with train-split statistics only."""
-    train = dense[train_idx]  # [N_train, num_dense]
-    mean = train.mean(dim=0)
-    std = train.std(dim=0).clamp_min(1e-6)
-    dense.sub_(mean).div_(std)

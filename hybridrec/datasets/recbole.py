@@ -1,4 +1,4 @@
-"""Any data set in RecBole's atomic-file format, as in-memory click data.
+"""Any data set in RecBole's atomic-file format read, joined and split into in-memory click data.
 
 A data set is a folder holding ``NAME.inter`` (one interaction a line) and
 optionally ``NAME.user`` and ``NAME.item`` (one user or item a line). Files are
@@ -23,22 +23,41 @@ not one counting as missing). The schema's columns come first, in its order,
 then the fields it does not name, by type; ``name``, ``of`` (``length`` of a
 token list, ``train_count`` of a value's training interactions), ``fill``
 (``median`` of the field's own file), ``prefix`` and ``buckets`` derive features
-(``hybridrec/datasets/movielens.toml`` builds MovieLens's that way). The samples are
+(``docs/movielens_schema.toml`` builds MovieLens's that way). The samples are
 split train/validation/test at random (seeded).
+
+This file reads the files, joins them and turns the types and the schema into one
+encoder per feature; the encoders (:mod:`hybridrec.datasets.encode`) learn their
+vocabularies, counts, fill values and statistics from the columns and encode them,
+each distinct value once. A hashed field's values are hashed as text.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from hybridrec.datasets.criteo import hash_categorical
-from hybridrec.datasets.ctr import CTRData, SparseFeature, split_indices, standardize_
+from hybridrec.datasets.ctr import CTRData, split_indices
+from hybridrec.datasets.encode import (
+    BucketEncoder,
+    Column,
+    DenseEncoder,
+    Encoders,
+    HashEncoder,
+    LabelEncoder,
+    SparseEncoder,
+    VocabEncoder,
+    dense_matrix,
+    fill_value,
+    fit_standardization,
+    sparse_feature,
+    train_counts,
+)
 from hybridrec.datasets.schema import DenseColumn, LabelColumn, Schema, SparseColumn
-from hybridrec.datasets.tabular import string_id
 
 TYPES = ("token", "token_seq", "float", "float_seq")
 SEQ_SEPARATOR = " "
@@ -125,12 +144,6 @@ def _is_numbers(value: str) -> bool:
     return True
 
 
-def token_vocab(tokens: list[str]) -> dict[str, int]:
-    """Contiguous ids from 1 in sorted token order (numbers numerically); 0 is unknown."""
-    order = sorted(set(tokens), key=lambda t: (not t.isdigit(), int(t) if t.isdigit() else 0, t))
-    return {t: i + 1 for i, t in enumerate(order)}
-
-
 def atomic_files(root: Path) -> dict[str, Path]:
     """The ``inter`` (required), ``user`` and ``item`` files of the data set in ``root``."""
     if not root.is_dir():
@@ -157,6 +170,10 @@ class _Field:
     kind: str
     values: list[str]  # [N]
     own: list[str] | None = None  # the values in the field's own file (.user/.item), one per row
+    column: Column = field(init=False)  # the values with their distinct ones
+
+    def __post_init__(self) -> None:
+        self.column = Column(self.values)
 
 
 def joined_fields(root: Path, *, skip_bad_lines: bool = False) -> tuple[list[_Field], int]:
@@ -204,19 +221,34 @@ def load_recbole(
     skip_bad_lines: bool = False,
 ) -> CTRData:
     """The data set in ``root`` as click data (see the module docstring)."""
+    return read_recbole(
+        root, schema, seed=seed, fractions=fractions, skip_bad_lines=skip_bad_lines
+    )[0]
+
+
+def read_recbole(
+    root: str | Path,
+    schema: Schema | None = None,
+    *,
+    seed: int = 0,
+    fractions: tuple[float, float, float] = (0.8, 0.1, 0.1),
+    skip_bad_lines: bool = False,
+) -> tuple[CTRData, Encoders]:
+    """The data set in ``root`` as click data, and the encoders fitted to build it."""
     schema = schema or Schema()
     fields, _ = joined_fields(Path(root), skip_bad_lines=skip_bad_lines)
     names = [f.name for f in fields]
     schema.check_columns(names, f"RecBole data {root}")
-    label = schema.label or _default_label(fields)
+    label_col = schema.label or _default_label(fields)
+    label = LabelEncoder(column=label_col.column, rule=label_col.rule)
     by_name = {f.name: f for f in fields}
     n = len(fields[0].values)
     if n == 0:
         raise ValueError(f"RecBole data {root}: the .inter file has no interactions")
     where = f"RecBole data {root}: field {label.column!r}"
     try:
-        uniq, inv = _unique(by_name[label.column].values)
-        labels = torch.tensor([label.clicked(v) for v in uniq])[torch.from_numpy(inv)]  # [N]
+        uniq, inv = by_name[label.column].column.distinct
+        labels = np.asarray([label.clicked(v) for v in uniq], dtype=np.float32)[inv]  # [N]
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     train_idx, val_idx, test_idx = split_indices(n, fractions, seed)
@@ -236,44 +268,41 @@ def load_recbole(
         SparseColumn(column=f.name, vocab=True) for f in auto if f.kind.startswith("token")
     ]
     train_np = train_idx.numpy()
-    dense_cols: list[np.ndarray] = []  # [N] float64 each
-    dense_names: list[str] = []
-    scaled: list[int] = []  # the dense features to standardize
-    for opt in dense_plan:
-        for name, col in _dense(by_name[opt.column], opt, train_np, str(root)):
-            if opt.standardize:
-                scaled.append(len(dense_cols))
-            dense_cols.append(col)
-            dense_names.append(name)
-    dense = (
-        torch.from_numpy(np.stack(dense_cols, axis=1).astype(np.float32))
-        if dense_cols
-        else torch.zeros((n, 0), dtype=torch.float32)
-    )  # [N, D]
-    if scaled and scaled == list(range(len(dense_names))):
-        standardize_(dense, train_idx)
-    elif scaled:
-        part = dense[:, scaled].contiguous()
-        standardize_(part, train_idx)
-        dense[:, scaled] = part
-    sparse = [
-        _sparse(by_name[opt.column], opt, [c.column for c in sparse_plan].index(opt.column))
-        for opt in sparse_plan
-    ]
+    dense_enc: list[DenseEncoder] = []
+    numbers: list[np.ndarray] = []  # [N] float64 each, NaN: missing
+    for dcol in dense_plan:
+        for denc, x in _dense(by_name[dcol.column], dcol, train_np, str(root)):
+            dense_enc.append(denc)
+            numbers.append(x)
+    dense_enc = fit_standardization(dense_enc, numbers, train_idx)
+    sparse_enc: list[SparseEncoder] = []
+    sparse = []
+    columns = [c.column for c in sparse_plan]
+    for opt in sparse_plan:
+        f = by_name[opt.column]
+        enc = _sparse_encoder(f, opt, columns.index(opt.column))
+        try:
+            sparse.append(sparse_feature(enc, f.column))
+        except ValueError as e:
+            if not isinstance(enc, BucketEncoder):
+                raise
+            raise ValueError(f"field {f.name!r}: {e}") from None
+        sparse_enc.append(enc)
     if not sparse:
         raise ValueError(f"RecBole data {root}: no sparse (token) fields left; fields: {names}")
     item_key = next((f.name for f in fields if f.name == "item_id"), None)
     item = next((o.feature for o in sparse_plan if o.column == item_key), sparse[0].name)
-    return CTRData(
-        dense=dense,
-        dense_names=dense_names,
+    data = CTRData(
+        dense=dense_matrix(dense_enc, numbers, n),
+        dense_names=[e.name for e in dense_enc],
         sparse=sparse,
-        labels=labels.float(),
+        labels=torch.from_numpy(labels),
         train_idx=train_idx,
         val_idx=val_idx,
         test_idx=test_idx,
         item_feature=item,
     )
+    return data, Encoders(label=label, dense=dense_enc, sparse=sparse_enc)
 
 
 def _number_or_none(t: str) -> list[float]:
@@ -294,97 +323,53 @@ def _numbers(values: list[str], where: str, lenient: bool = False) -> list[list[
         raise ValueError(f"{where}: must be numbers") from None
 
 
-def _unique(values: list[str]) -> tuple[list[str], np.ndarray]:
-    """The distinct values and, per row, the index ``[N]`` of its value among them
-    (features are worked out once per distinct value, then gathered)."""
-    uniq, inverse = np.unique(np.asarray(values, dtype=str), return_inverse=True)
-    return [str(u) for u in uniq.tolist()], inverse.reshape(-1).astype(np.int64)
-
-
 def _dense(
     f: _Field, opt: DenseColumn, train: np.ndarray, root: str
-) -> list[tuple[str, np.ndarray]]:
-    """The dense feature(s) ``[N]`` float64 of field ``f`` (standardized later)."""
+) -> list[tuple[DenseEncoder, np.ndarray]]:
+    """The dense feature(s) of field ``f``: each one's encoder (its fill and counts
+    fitted, not yet its standardization) and numbers ``[N]`` float64 (NaN: missing)."""
     where = f"RecBole data {root}: field {f.name!r}"
-    uniq, inv = _unique(f.values)
+    enc = DenseEncoder(name=opt.feature, log=opt.log, standardize=opt.standardize)
+    if opt.of == "train_count":
+        enc.counts = train_counts(f.column, train)
+        uniq, inv = f.column.distinct
+        return [(enc, enc.count(uniq)[inv])]
+    uniq, inv = f.column.distinct
     if opt.of == "length":
-        counted = [[float(len([t for t in v.split(SEQ_SEPARATOR) if t]))] for v in uniq]
-        block = np.asarray(counted, dtype=np.float64)[inv]  # [N, 1]
-    elif opt.of == "train_count":
-        counts = np.bincount(inv[train], minlength=len(uniq))  # [U]
-        block = counts[inv].astype(np.float64).reshape(-1, 1)  # [N, 1]
-    else:
-        seqs = _numbers(uniq, where, lenient=f.kind == "token")
-        width = max(1, max(len(q) for q in seqs))
-        per_value = np.full((len(uniq), width), np.nan)  # [U, W]
-        for i, q in enumerate(seqs):
-            per_value[i, : len(q)] = q
-        block = per_value[inv]  # [N, W]
-        fill = opt.fill or ("zero" if f.kind == "float_seq" else "mean")
-        for j in range(width):
-            col = block[:, j]
-            if fill == "zero":
-                value = 0.0
-            elif fill == "median":
-                own = _numbers(
-                    f.own if f.own is not None else f.values, where, lenient=f.kind == "token"
-                )
-                have = [q[j] for q in own if len(q) > j]
-                value = float(np.median(have)) if have else 0.0
-            else:
-                seen = col[train][~np.isnan(col[train])]
-                value = float(seen.mean()) if len(seen) else 0.0
-            col[np.isnan(col)] = value
+        counted = [float(len([t for t in v.split(SEQ_SEPARATOR) if t])) for v in uniq]
+        return [(enc, np.asarray(counted, dtype=np.float64)[inv])]
+    seqs = _numbers(uniq, where, lenient=f.kind == "token")
+    width = max(1, max(len(q) for q in seqs))
+    per_value = np.full((len(uniq), width), np.nan)  # [U, W]
+    for i, q in enumerate(seqs):
+        per_value[i, : len(q)] = q
+    block = per_value[inv]  # [N, W]
+    fill = opt.fill or ("zero" if f.kind == "float_seq" else "mean")
+    own: list[list[float]] = []
+    if fill == "median":
+        own = _numbers(f.own if f.own is not None else f.values, where, lenient=f.kind == "token")
     out = []
-    for j in range(block.shape[1]):
+    for j in range(width):
         col = block[:, j]
-        if opt.log:
-            col = np.log1p(np.maximum(col, 0.0))
-        out.append((opt.feature if block.shape[1] == 1 else f"{opt.feature}_{j}", col))
+        value = fill_value(fill, col, train, [q[j] for q in own if len(q) > j])
+        name = opt.feature if width == 1 else f"{opt.feature}_{j}"
+        out.append((dataclasses.replace(enc, name=name, fill=value), col))
     return out
 
 
-def _sparse(f: _Field, opt: SparseColumn, k: int) -> SparseFeature:
-    """The sparse feature of field ``f``; ``k`` its place among the sparse columns (hashing)."""
+def _sparse_encoder(f: _Field, opt: SparseColumn, k: int) -> SparseEncoder:
+    """The encoder of field ``f``'s sparse feature, fitted; ``k`` its place among the
+    sparse columns (the hash's salt)."""
     sep = (
         opt.separator
         if opt.separator is not None
         else (SEQ_SEPARATOR if f.kind == "token_seq" else None)
     )
-    uniq, inv = _unique(f.values)
-    bags = [
-        ([t for t in v.split(sep) if t] if sep is not None else ([v] if v else [])) for v in uniq
-    ]  # per distinct value
-    if opt.prefix is not None:
-        bags = [[t[: opt.prefix] for t in b] for b in bags]
+    name, prefix = opt.feature, opt.prefix
     if opt.buckets is not None:
-        edges = np.array(sorted(opt.buckets), dtype=np.float64)
-        try:
-            flat_num = np.array([float(t) for b in bags for t in b], dtype=np.float64)
-        except ValueError:
-            raise ValueError(f"field {f.name!r}: buckets need numbers") from None
-        ids_flat = (np.searchsorted(edges, flat_num, side="right") + 1).tolist()
-        rows = len(edges) + 2
-    elif not opt.vocab:
-        rows = opt.hash_rows
-        flat = torch.tensor([string_id(t) for b in bags for t in b], dtype=torch.int64)
-        ids_flat = hash_categorical(flat, k, rows).tolist()
-    else:
-        vocab = token_vocab([t for b in bags for t in b])
-        rows = len(vocab) + 1
-        ids_flat = [vocab[t] for b in bags for t in b]
-    width = max(1, max(len(b) for b in bags))
-    ids = np.zeros((len(uniq), width), dtype=np.int64)  # [U, L], 0-padded
-    lengths = np.array([len(b) for b in bags], dtype=np.int64)  # [U]
-    pos = 0
-    for i, b in enumerate(bags):
-        ids[i, : len(b)] = ids_flat[pos : pos + len(b)]
-        pos += len(b)
-    if sep is None:
-        lengths[:] = 1  # a missing token is id 0 (unknown)
-    return SparseFeature(
-        name=opt.feature,
-        ids=torch.from_numpy(ids[inv]),  # [N, L]
-        lengths=torch.from_numpy(lengths[inv]),  # [N]
-        num_rows=rows,
-    )
+        return BucketEncoder(name=name, separator=sep, prefix=prefix, edges=list(opt.buckets))
+    if not opt.vocab:
+        return HashEncoder(name=name, separator=sep, prefix=prefix, salt=k, rows=opt.hash_rows)
+    vocab = VocabEncoder(name=name, separator=sep, prefix=prefix)
+    uniq, _ = f.column.distinct
+    return vocab.fitted([t for v in uniq for t in vocab.bag(v)], numbers_first=True)

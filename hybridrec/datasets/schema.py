@@ -1,4 +1,5 @@
-"""What the columns of a user's data mean: the schema of the tabular and RecBole readers.
+"""What the columns of a user's data mean: the schema that the tabular and RecBole readers
+follow, read from a TOML or JSON file and checked.
 
 A schema is a TOML or JSON file (``--schema FILE``)::
 
@@ -26,30 +27,21 @@ A schema is a TOML or JSON file (``--schema FILE``)::
 A missing dense value is 0 (before ``log``/``standardize``); a missing sparse
 value is an empty bag. ``encoding = "hex"`` on a hashed column reads its values
 as hex integers, which the Criteo reader also does (so a Criteo file read
-through a schema gives the Criteo reader's ids).
+through a schema gives the Criteo reader's ids and values: the encoders of
+:mod:`hybridrec.datasets.encode` do what these options say, for every reader).
 """
 
 from __future__ import annotations
 
 import json
-import operator
 import tomllib
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hybridrec.cli.options import type_mismatch
-
-RULES: dict[str, Callable[[float, float], bool]] = {
-    ">=": operator.ge,
-    ">": operator.gt,
-    "<=": operator.le,
-    "<": operator.lt,
-    "==": operator.eq,
-    "!=": operator.ne,
-}
+from hybridrec.datasets.encode import LabelEncoder
 
 
 @dataclass(kw_only=True, slots=True)
@@ -60,36 +52,7 @@ class LabelColumn:
     rule: str = "0/1"  # "0/1": the value is 0 or 1; else "OP NUMBER", e.g. ">= 4"
 
     def __post_init__(self) -> None:
-        self.clicked(None)  # checks the rule
-
-    def clicked(self, value: str | None) -> float:
-        """``value`` (the column's text) -> 1.0 or 0.0; ``ValueError`` if it does not fit."""
-        rule = self.rule.strip()
-        if rule == "0/1":
-            if value is None:
-                return 0.0
-            if value.strip() not in ("0", "1"):
-                raise ValueError(f"label {self.column!r} must be 0 or 1, got {value!r}")
-            return float(value.strip())
-        for op in sorted(RULES, key=len, reverse=True):
-            if rule.startswith(op):
-                try:
-                    threshold = float(rule[len(op) :])
-                except ValueError:
-                    break
-                if value is None:
-                    return 0.0
-                try:
-                    x = float(value)
-                except ValueError:
-                    raise ValueError(
-                        f"label {self.column!r} must be a number, got {value!r}"
-                    ) from None
-                return 1.0 if RULES[op](x, threshold) else 0.0
-        raise ValueError(
-            f"label rule {self.rule!r}: expected '0/1' or a comparison such as '>= 4' "
-            f"(one of {', '.join(RULES)} then a number)"
-        )
+        LabelEncoder(column=self.column, rule=self.rule)  # checks the rule
 
 
 @dataclass(kw_only=True, slots=True)
@@ -147,10 +110,6 @@ class SparseColumn:
     @property
     def feature(self) -> str:
         return self.name or self.column
-
-    @property
-    def multi(self) -> bool:
-        return self.separator is not None
 
 
 @dataclass(kw_only=True, slots=True)

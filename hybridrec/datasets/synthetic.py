@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hybridrec.datasets.ctr import CTRData, SparseFeature, split_indices, standardize_
+from hybridrec.datasets.ctr import CTRData, SparseFeature, split_indices
+from hybridrec.datasets.encode import DenseEncoder, dense_matrix, fit_standardization
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -69,12 +70,14 @@ def make_synthetic(
     labels = (rng.random(num_samples) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
 
     train_idx, val_idx, test_idx = split_indices(num_samples, fractions, seed)
-    dense = torch.from_numpy(dense_np.astype(np.float32))
-    standardize_(dense, train_idx)
+    names = [f"int{i}" for i in range(NUM_DENSE)]
+    columns = [dense_np[:, j] for j in range(NUM_DENSE)]  # [N] float64 each
+    encoders = [DenseEncoder(name=name, standardize=True) for name in names]
+    dense = dense_matrix(fit_standardization(encoders, columns, train_idx), columns, num_samples)
     sparse = [SparseFeature.single(f"cat{f}", ids[:, f], num_rows) for f in range(NUM_SPARSE)]
     return CTRData(
         dense=dense,
-        dense_names=[f"int{i}" for i in range(NUM_DENSE)],
+        dense_names=names,
         sparse=sparse,
         labels=torch.from_numpy(labels),
         train_idx=train_idx,

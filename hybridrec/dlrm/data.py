@@ -25,17 +25,13 @@ import numpy as np
 import torch
 
 from comm import ProcessGroup
-from hybridrec.datasets import CTRData, gather_batch, load_movielens, make_synthetic
-from hybridrec.datasets.criteo import (
-    CAT_NAMES,
-    NUM_INT,
-    CriteoConfig,
-    CriteoReader,
-    ReaderPosition,
-)
-from hybridrec.datasets.ctr import Batch
+from hybridrec.datasets.criteo import CAT_NAMES, NUM_INT, CriteoConfig, CriteoReader
+from hybridrec.datasets.ctr import Batch, CTRData, gather_batch
+from hybridrec.datasets.movielens import load_movielens
 from hybridrec.datasets.recbole import load_recbole
 from hybridrec.datasets.schema import load_schema
+from hybridrec.datasets.stream import ReaderPosition
+from hybridrec.datasets.synthetic import make_synthetic
 from hybridrec.datasets.tabular import TabularConfig, TabularReader, fit_tabular
 from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.train.click_metrics import log_loss, popularity_scores, roc_auc
@@ -230,10 +226,9 @@ class TabularSource(StreamSource):
         self.fitted = fit_tabular(
             list(cfg.data_path), self.schema, skip_bad_lines=cfg.skip_bad_lines
         )
-        rows = self.fitted.num_rows(self.schema)
         self.features = [
-            Feature(c.column, n, multi=c.multi)
-            for c, n in zip(self.schema.sparse, rows, strict=True)
+            Feature(c.column, n, multi=c.separator is not None)
+            for c, n in zip(self.schema.sparse, self.fitted.num_rows(), strict=True)
         ]
         self.num_dense = len(self.schema.dense)
 
@@ -256,7 +251,7 @@ class TabularSource(StreamSource):
         cfg = TabularConfig(
             paths=paths,
             schema=self.schema,
-            fitted=self.fitted,
+            encoders=self.fitted.encoders,
             batch_size=batch,
             rank=self.group.rank,
             world_size=self.group.size,

@@ -34,7 +34,7 @@ from hybridrec.cli.options import config_dict
 from hybridrec.cli.run_job import parse_job_args, run_job
 from hybridrec.datasets.ctr import Batch
 from hybridrec.dlrm.config import DLRMJobConfig
-from hybridrec.dlrm.data import Feature, Source, StreamSource, auc_logloss, open_source
+from hybridrec.dlrm.data import Feature, Source, StreamSource, open_source
 from hybridrec.dlrm.model import DLRM, build_dlrm, dlrm_tables
 from hybridrec.launch.existing_tables import prepare_tables
 from hybridrec.launch.job_cache import (
@@ -51,6 +51,7 @@ from hybridrec.launch.roles import (
     torch_threads,
 )
 from hybridrec.train.batches import agreed
+from hybridrec.train.click_metrics import click_report
 from hybridrec.train.device_batches import DeviceBatches, DeviceEpochData
 from hybridrec.train.loop import Trainer, TrainerConfig, TrainResult
 from hybridrec.train.metrics_file import cache_metrics, store_metrics
@@ -66,6 +67,11 @@ SHAPE_OPTIONS = (
 )  # fmt: skip
 
 DESCRIPTION = __doc__.split("\n")[0]
+
+# What evaluation reports (validation rows as val_<name>, the result as test_<name>):
+# ROC AUC, log loss (nats per sample), normalized entropy (log loss over the entropy of
+# the base rate) and calibration (mean predicted over observed click rate).
+CLICK_METRICS = ("auc", "logloss", "ne", "calibration")
 
 
 def parse_args(argv: list[str] | None = None) -> DLRMJobConfig:
@@ -226,9 +232,10 @@ def evaluate(
     lockstep: bool,
     feed: DeviceBatches | None = None,
     precision: str = "fp32",
-) -> tuple[float, float]:
-    """AUC and log loss over every rank's ``batches`` (collective); ``feed`` moves
-    them to the model's device. The scores stay on the device until the end."""
+) -> dict[str, float]:
+    """:data:`CLICK_METRICS` over every rank's ``batches`` (collective; NaN where one
+    has no value: AUC and NE of a one-class set); ``feed`` moves them to the model's
+    device. The scores stay on the device until the end."""
     model.eval()
     device = feed.device if feed is not None else torch.device("cpu")
     probs = [torch.empty(0, device=device)]
@@ -242,7 +249,8 @@ def evaluate(
     model.train()
     p = group.allgatherv(torch.cat(probs).cpu().contiguous())  # [n] over all ranks
     y = group.allgatherv(torch.cat(labels).cpu().contiguous())
-    return auc_logloss(y, p)
+    report = click_report(y, p)
+    return {k: float("nan") if report[k] is None else float(report[k]) for k in CLICK_METRICS}
 
 
 # ---------------------------------------------------------------- train
@@ -343,10 +351,8 @@ class DLRMJob:
         if not self.source.has_split("val"):
             return None
         val = self.source.eval_batches("val")
-        auc, logloss = evaluate(
-            self.model, val, self.group, self.lockstep, self.feed, self.cfg.precision
-        )
-        row = {"val_auc": auc, "val_logloss": logloss}
+        scores = evaluate(self.model, val, self.group, self.lockstep, self.feed, self.cfg.precision)
+        row: dict[str, Any] = {f"val_{k}": v for k, v in scores.items()}
         self.model.embeddings.drain()  # the pipeline's pushes are in the counters
         if self.cached is not None:
             row["cache_hit_rate"] = cache_metrics(self.cached.cache_stats())["cache_hit_rate"]
@@ -410,14 +416,13 @@ def finish(
         "device": str(feed.device if feed is not None else "cpu"),
         "train_seconds": run.train_seconds,
         "samples_per_s": run.samples_per_s,
-        "test_auc": None,
-        "test_logloss": None,
+        **{f"test_{k}": None for k in CLICK_METRICS},
     }
     # The model evaluated on the test split is the best validation epoch's when the
     # trainer kept one (it restored it at the end of fit), else the last.
     chosen = run.best if run.best is not None else (run.epochs[-1] if run.epochs else None)
     if chosen is not None and "val_auc" in chosen:
-        result["val_auc"], result["val_logloss"] = chosen["val_auc"], chosen["val_logloss"]
+        result.update({f"val_{k}": chosen.get(f"val_{k}") for k in CLICK_METRICS})
         result["chosen_epoch"] = chosen["epoch"]
     # the step of the model the test split sees (the plot marks the test result there)
     result["tested_step"] = int(chosen["step"]) if chosen is not None else run.step
@@ -425,8 +430,8 @@ def finish(
     result["stopped_early"] = run.stopped_early
     if source.has_split("test"):
         test = source.eval_batches("test")
-        auc, logloss = evaluate(model, test, group, lockstep, feed, cfg.precision)
-        result["test_auc"], result["test_logloss"] = auc, logloss
+        scores = evaluate(model, test, group, lockstep, feed, cfg.precision)
+        result.update({f"test_{k}": v for k, v in scores.items()})
     baseline = source.baseline()
     if baseline is not None:
         result["popularity_auc"], result["popularity_logloss"] = baseline
@@ -439,6 +444,7 @@ def finish(
 def summary_line(result: dict[str, Any]) -> str:
     test = (
         f"test AUC {result['test_auc']:.4f}  logloss {result['test_logloss']:.4f}"
+        f"  NE {result['test_ne']:.4f}  calibration {result['test_calibration']:.3f}"
         if result.get("test_auc") is not None
         else "no test split"
     )

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from comm import ProcessGroup
-from embedding.checkpoint_io import agree
+from comm.agreement import agree
 from embedding.hybrid import store_is_replicated
 from ps import Store, TableSpec
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from hybridrec.cli.errors import reported_errors
 from hybridrec.cli.options import parse_config, program_name
+from hybridrec.plan.calibrate import calibrate
 from hybridrec.plan.costs import load_costs, save_costs
 from hybridrec.plan.idlaw import TrafficModel
 from hybridrec.plan.model import Prediction, predict
@@ -53,8 +54,6 @@ def sweep(plan: Plan, costs: Any, traffic: TrafficModel, o: PlanOptions) -> list
 def run(o: PlanOptions) -> dict[str, Any]:
     """What the command prints (as JSON with ``--json``)."""
     if o.calibrate:
-        from hybridrec.plan.calibrate import calibrate
-
         costs = calibrate(quick=o.quick, mpi=o.mpi, optimizers=o.optimizers or None, say=_say)
         path = save_costs(costs, o.out)
         return {"calibrated": str(path)}

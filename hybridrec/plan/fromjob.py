@@ -12,7 +12,12 @@ Zipf(1.05), or the one given for Criteo files (their skew is not known up front)
 
 from __future__ import annotations
 
+from dense import DLRMConfig
 from hybridrec.dlrm.config import DLRMJobConfig
+from hybridrec.dlrm.data import Feature
+from hybridrec.dlrm.job import resolve_placements
+from hybridrec.launch.roles import parse_ps
+from hybridrec.plan.dense_work import dense_work
 from hybridrec.plan.spec import (
     CachePlan,
     ClusterPlan,
@@ -30,9 +35,6 @@ NUM_SPARSE, NUM_DENSE = 26, 13
 
 def dense_shape(cfg: DLRMJobConfig, num_sparse: int, num_dense: int) -> tuple[float, int]:
     """``(FLOPs per sample forward + backward, parameters)`` of the job's dense model."""
-    from dense import DLRMConfig
-    from hybridrec.plan.calibrate import dense_work
-
     assert cfg.dim is not None and cfg.top_mlp is not None and cfg.interaction is not None
     config = DLRMConfig(
         num_dense=num_dense, num_sparse=num_sparse, embedding_dim=cfg.dim,
@@ -52,10 +54,6 @@ def plan_from_dlrm(
     protocol: str = "auto",
 ) -> Plan:
     """The plan of ``cfg`` run on ``workers`` worker ranks (plus ``--ps mpi:S`` servers)."""
-    from hybridrec.dlrm.data import Feature
-    from hybridrec.dlrm.job import resolve_placements
-    from hybridrec.launch.roles import parse_ps
-
     if cfg.data == "synthetic":
         rows, law = cfg.synthetic_rows, IdLaw(zipf_a=SYNTHETIC_ZIPF if zipf_a is None else zipf_a)
         names = [f"cat{i}" for i in range(NUM_SPARSE)]

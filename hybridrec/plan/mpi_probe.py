@@ -1,5 +1,5 @@
 """The MPI part of the planner's calibration, run as ``mpirun -n 2 python -m
-hybridrec.plan.mpi_probe [--quick]`` by :func:`hybridrec.plan.calibrate.run_mpi_probe`.
+hybridrec.plan.mpi_probe [--quick]`` by :func:`hybridrec.plan.calibrate_mpi.run_mpi_probe`.
 
 Rank 1 serves a :class:`ps.mpi.store.MPIStore` shard; rank 0 times ``pull_many``,
 conditional ``pull_many`` and ``push_many`` of several tables through it (counting the
@@ -21,14 +21,18 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 import comm
-from hybridrec.plan.calibrate import make_tables, store_grid, time_store, timed
+import ps
+from embedding import EmbeddingCollection, KeyedJaggedIds, RowWiseAdagrad, TableConfig
+from hybridrec.plan.calibrate_store import make_tables, store_grid, time_store
+from hybridrec.plan.timing import DIM, ids_of, timed
 from ps.mpi.server import serve_mpi
 from ps.mpi.store import MPIStore
 
-CROSS = 0.25  # quantile of cross-process timings (see hybridrec.plan.calibrate.timed)
+CROSS = 0.25  # quantile of cross-process timings (see hybridrec.plan.timing.timed)
 
 
 def message_counts(store: MPIStore) -> dict[str, int]:
@@ -46,8 +50,6 @@ def message_counts(store: MPIStore) -> dict[str, int]:
 
 def probe_store(group: comm.ProcessGroup, topology: comm.Topology, quick: bool) -> dict[str, Any]:
     """On the worker: seconds and messages per batched request, per size of the grid."""
-    import ps
-
     rows = 20_000
     points = []
     per_batch = 1.0
@@ -136,11 +138,6 @@ def probe_sharded(group: comm.ProcessGroup, quick: bool) -> list[dict[str, float
     """Forward + backward of 26 sharded tables (the DLRM job's count) on both ranks, at
     two batch sizes per rank and two id laws: seconds, lookups and distinct ids of
     this rank."""
-    import numpy as np
-
-    from embedding import EmbeddingCollection, KeyedJaggedIds, RowWiseAdagrad, TableConfig
-    from hybridrec.plan.calibrate import DIM, ids_of
-
     tables, rows = 26, 20_000
     cfgs = [
         TableConfig(name=f"s{i}", num_rows=rows, dim=DIM, feature_names=[f"s{i}"],

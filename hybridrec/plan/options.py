@@ -7,8 +7,12 @@ import shlex
 from dataclasses import dataclass
 from typing import Literal
 
+from dense import DLRMConfig
 from hybridrec.cli.job_options import CacheOptions
 from hybridrec.cli.options import option
+from hybridrec.dlrm.job import parse_args
+from hybridrec.plan.dense_work import dense_work
+from hybridrec.plan.fromjob import plan_from_dlrm
 from hybridrec.plan.spec import (
     CachePlan,
     ClusterPlan,
@@ -136,9 +140,6 @@ def parse_table(text: str, default_optimizer: str = "rowwise_adagrad") -> TableP
 
 
 def dense_of(o: PlanOptions, num_sparse: int, dim: int) -> tuple[float, int]:
-    from dense import DLRMConfig
-    from hybridrec.plan.calibrate import dense_work
-
     if o.dense_flops and o.dense_params:
         return o.dense_flops, o.dense_params
     bottom = list(o.bottom_mlp)
@@ -158,9 +159,6 @@ def plan_of(o: PlanOptions) -> Plan:
     network = NetworkPlan(bandwidth_gbps=o.bandwidth_gbps or None, latency_us=o.latency_us)
     device = DevicePlan(kind=o.device, shared_cores=o.shared_cores or None)
     if o.dlrm:
-        from hybridrec.dlrm.job import parse_args
-        from hybridrec.plan.fromjob import plan_from_dlrm
-
         cfg = parse_args(shlex.split(o.dlrm))
         plan = plan_from_dlrm(cfg, workers=o.workers, network=network, device=device,
                               protocol=o.protocol)  # fmt: skip

@@ -1,6 +1,19 @@
-"""Click-prediction metrics in plain numpy: ROC AUC and log loss."""
+"""Click-prediction metrics in plain numpy: what recommender teams report.
+
+* :func:`roc_auc`: the ranking quality (0.5 chance, 1 perfect);
+* :func:`log_loss`: mean binary cross-entropy in nats per sample;
+* :func:`normalized_entropy`: log loss over the entropy of the base rate (NE, as in
+  "Practical Lessons from Predicting Clicks on Ads at Facebook", He et al. 2014): 1 is
+  what always predicting the observed click rate scores, lower is better; unlike log
+  loss it compares across data sets with other click rates;
+* :func:`calibration`: mean predicted over observed click rate (1 is calibrated);
+* :func:`click_report`: all of them on one set of predictions, also per value of a
+  slice column (``{"auc", "logloss", "ne", "calibration", "count", "positives"}``).
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,3 +88,76 @@ def popularity_scores(
     clicks = np.bincount(ti, weights=ty, minlength=size)
     rate = float(ty.mean()) if len(ty) else 0.5
     return ((clicks + smoothing * rate) / (views + smoothing))[q]
+
+
+def _binary_entropy(rate: float) -> float:
+    """Entropy in nats of a Bernoulli(``rate``) label."""
+    return float(-(rate * np.log(rate) + (1.0 - rate) * np.log(1.0 - rate)))
+
+
+def normalized_entropy(
+    labels: np.ndarray | torch.Tensor, probs: np.ndarray | torch.Tensor, eps: float = 1e-7
+) -> float:
+    """Log loss (:func:`log_loss`, the same clipping) over the entropy of the labels'
+    base rate; ValueError when the labels hold one class only (zero entropy)."""
+    y = _np(labels)
+    rate = float(y.mean()) if len(y) else 0.0
+    if not 0.0 < rate < 1.0:
+        raise ValueError(
+            f"normalized_entropy needs both classes, got a base rate of {rate} over {len(y)} labels"
+        )
+    return log_loss(y, probs, eps) / _binary_entropy(rate)
+
+
+def calibration(labels: np.ndarray | torch.Tensor, probs: np.ndarray | torch.Tensor) -> float:
+    """Mean predicted probability over the observed click rate; ValueError without
+    positives (the observed rate is 0)."""
+    y, p = _np(labels), _np(probs)
+    if y.shape != p.shape:
+        raise ValueError(f"calibration: {y.shape[0]} labels but {p.shape[0]} probabilities")
+    clicks = float(y.sum())
+    if clicks <= 0.0:
+        raise ValueError(f"calibration needs positives, got none in {len(y)} labels")
+    return float(p.sum() / clicks)  # (sum p / n) / (sum y / n): the n cancels
+
+
+def _report(y: np.ndarray, p: np.ndarray) -> dict[str, float | int | None]:
+    """The metrics of one set; those a one-class set has no value for are None."""
+    positives = int((y > 0.5).sum())
+    both = 0 < positives < len(y)
+    return {
+        "count": len(y),
+        "positives": positives,
+        "auc": roc_auc(y, p) if both else None,
+        "logloss": log_loss(y, p) if len(y) else None,
+        "ne": normalized_entropy(y, p) if both else None,
+        "calibration": calibration(y, p) if positives else None,
+    }
+
+
+def click_report(
+    labels: np.ndarray | torch.Tensor,
+    probs: np.ndarray | torch.Tensor,
+    slices: np.ndarray | torch.Tensor | None = None,
+) -> dict[str, Any]:
+    """Every metric of this module on ``probs`` (``[n]``, probabilities) against
+    ``labels`` (``[n]``, 0/1); with ``slices`` (``[n]``, a column's value per sample), the
+    same per distinct value under ``"slices"`` (``{str(value): metrics}``, values in
+    ascending order). A slice with one class has ``auc`` and ``ne`` None, not an error: a
+    small slice of a held-out set often has no click."""
+    y, p = _np(labels), _np(probs)
+    if y.shape != p.shape:
+        raise ValueError(f"click_report: {y.shape[0]} labels but {p.shape[0]} probabilities")
+    report: dict[str, Any] = dict(_report(y, p))
+    if slices is not None:
+        s = slices.detach().cpu().numpy().reshape(-1) if isinstance(slices, torch.Tensor) else (
+            np.asarray(slices).reshape(-1)
+        )  # fmt: skip
+        if s.shape != y.shape:
+            raise ValueError(f"click_report: {y.shape[0]} labels but {s.shape[0]} slice values")
+        values, which = np.unique(s, return_inverse=True)
+        report["slices"] = {
+            str(v.item() if hasattr(v, "item") else v): _report(y[which == i], p[which == i])
+            for i, v in enumerate(values)
+        }
+    return report

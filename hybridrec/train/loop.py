@@ -34,7 +34,6 @@ Every method is collective over ``group``: all ranks make the same calls.
 from __future__ import annotations
 
 import json
-import secrets
 import shutil
 import tempfile
 import time
@@ -47,7 +46,7 @@ from typing import Any, NoReturn, cast
 import torch
 from torch import nn
 
-from comm import LocalGroup, ProcessGroup
+from comm import LocalGroup, ProcessGroup, shared_token
 from dense import DataParallel
 from embedding import EmbeddingCollection
 from hybridrec.checkpoint.run_checkpoint import (
@@ -357,11 +356,9 @@ class Trainer:
         if self._best_dir is None:
             if self.config.checkpoint_dir:
                 self._best_dir = Path(self.config.checkpoint_dir) / "best"
-            else:  # rank 0's random name, broadcast: every rank sees the folder (one machine)
-                token = torch.tensor([secrets.randbits(48) if self.group.rank == 0 else 0])
-                if self.group.size > 1:
-                    self.group.broadcast(token, root=0)
-                self._best_tmp = Path(tempfile.gettempdir()) / f"hybridrec-best-{int(token):012x}"
+            else:  # rank 0's random name: every rank sees the folder (one machine)
+                token = shared_token(self.group)
+                self._best_tmp = Path(tempfile.gettempdir()) / f"hybridrec-best-{token:012x}"
                 self._best_dir = self._best_tmp / "model"
         return self._best_dir
 

@@ -31,14 +31,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ps.local.table import COUNTERS
 from ps.redis.hints import AbsentHints
+from ps.redis.sequencing import PushNumbers, PushSettle
 from ps.table import TableSpec
-
-if TYPE_CHECKING:
-    from ps.redis.sequencing import PushSettle
 
 META_FORMAT = "hybridrec-redis/2"
 
@@ -76,9 +73,8 @@ class RedisTable:
     counted_sha: str
     state0: bytes  # float32[S] of a fresh row
     token: bytes  # the incarnation token every bucket's marker must hold
+    numbers: PushNumbers  # exactly-once numbers of this client's pushes, per bucket
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLIENT_COUNTERS, 0))
-    seq_next: list[int] = field(default_factory=list)  # [B] last number given out
-    unanswered: list[set[int]] = field(default_factory=list)  # [B] numbers without an answer
     # Pushes of this client whose replies were not processed yet, in issue order (see
     # RedisStore._settle): each one's completion (replies, second round, eviction).
     pending: list[PushSettle] = field(default_factory=list)
@@ -88,6 +84,12 @@ class RedisTable:
     # (RedisStore._note_absent).
     absent: AbsentHints = field(default_factory=AbsentHints)
     push_epoch: int = 0
+
+    def next_numbers(self, buckets: list[int]) -> list[tuple[int, int]]:
+        """Numbers and watermarks of calls to ``buckets`` (:meth:`PushNumbers.take`),
+        counted in ``push_calls``. The caller holds the store's lock."""
+        self.counters["push_calls"] += len(buckets)
+        return self.numbers.take(buckets)
 
     @property
     def evicts(self) -> bool:

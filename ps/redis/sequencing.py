@@ -4,9 +4,9 @@ The protocol (numbers per (table, bucket), the watermark, what the push script r
 and how a repeat is acknowledged) is described in ``docs/ps_protocol.md``; this module
 holds the client's side of it:
 
-* :func:`next_numbers` / :func:`mark_answered` - the numbers of a push's calls and the
-  watermark sent with each (every call numbered up to it has been answered, so the
-  script may forget them);
+* :class:`PushNumbers` - one table's numbers: those of a push's calls and the watermark
+  sent with each (every call numbered up to it has been answered, so the script may
+  forget them);
 * :class:`PushSettle` - completes one push exactly once (its replies, its second round
   for rows missing from Redis, eviction, counters), from its own ``wait()`` or from a
   later request of the same client, so that one client's requests apply in issue order.
@@ -15,31 +15,38 @@ holds the client's side of it:
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
-from ps.redis.layout import RedisTable
 
+@dataclass(slots=True)
+class PushNumbers:
+    """One table's push numbers at this client, per bucket: the last number given out
+    (``last``, ``[B]``) and the numbers whose calls have no answer yet (``unanswered``,
+    ``[B]`` sets). The caller of each method holds the store's lock."""
 
-def next_numbers(t: RedisTable, buckets: list[int]) -> list[tuple[int, int]]:
-    """A sequence number per call to ``buckets``, each with its watermark (every call
-    of this client to the bucket numbered up to it has been answered). The caller holds
-    the store's lock."""
-    out = []
-    for b in buckets:
-        seq = t.seq_next[b] = t.seq_next[b] + 1
-        t.unanswered[b].add(seq)
-        out.append((seq, min(t.unanswered[b]) - 1))
-    t.counters["push_calls"] += len(buckets)
-    return out
+    last: list[int]
+    unanswered: list[set[int]]
 
+    @classmethod
+    def fresh(cls, buckets: int) -> PushNumbers:
+        return cls(last=[0] * buckets, unanswered=[set() for _ in range(buckets)])
 
-def mark_answered(
-    t: RedisTable, calls: list[tuple[int, int, int]], seqs: list[tuple[int, int]]
-) -> None:
-    """Calls ``(bucket, lo, hi)`` numbered ``seqs`` have their answers (or failed for
-    good). The caller holds the store's lock."""
-    for (b, _lo, _hi), (seq, _mark) in zip(calls, seqs, strict=True):
-        t.unanswered[b].discard(seq)
+    def take(self, buckets: list[int]) -> list[tuple[int, int]]:
+        """A sequence number per call to ``buckets``, each with its watermark (every call
+        of this client to the bucket numbered up to it has been answered)."""
+        out = []
+        for b in buckets:
+            seq = self.last[b] = self.last[b] + 1
+            self.unanswered[b].add(seq)
+            out.append((seq, min(self.unanswered[b]) - 1))
+        return out
+
+    def answered(self, calls: list[tuple[int, int, int]], seqs: list[tuple[int, int]]) -> None:
+        """Calls ``(bucket, lo, hi)`` numbered ``seqs`` have their answers (or failed for
+        good)."""
+        for (b, _lo, _hi), (seq, _mark) in zip(calls, seqs, strict=True):
+            self.unanswered[b].discard(seq)
 
 
 class PushSettle:

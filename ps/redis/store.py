@@ -115,7 +115,7 @@ from ps.redis.lua import (
     counted_push_script,
     push_script,
 )
-from ps.redis.sequencing import PushSettle, mark_answered, next_numbers
+from ps.redis.sequencing import PushNumbers, PushSettle
 from ps.redis.snapshot import table_parts, write_rows
 from ps.routing import shard_of
 from ps.store import PullRequest, PullResult, PushRequest, Store, check_requests
@@ -321,8 +321,7 @@ class RedisStore(Store):
             counted_sha=self._link.register_script(counted),
             state0=state0,
             token=token,
-            seq_next=[0] * buckets,
-            unanswered=[set() for _ in range(buckets)],
+            numbers=PushNumbers.fresh(buckets),
         )
 
     def _parse_meta(self, name: str, text: bytes) -> tuple[TableSpec, int, bytes]:
@@ -937,7 +936,7 @@ class RedisStore(Store):
             k_bytes = p.counted[0][order].numpy().astype("<i4").tobytes()
             s_bytes = p.counted[1][order].numpy().astype("<f4").tobytes()
         with self._lock:
-            seqs = next_numbers(t, [b for b, _lo, _hi in calls])  # [calls] (number, watermark)
+            seqs = t.next_numbers([b for b, _lo, _hi in calls])  # [calls] (number, watermark)
             t.push_epoch += 1
             hinted = t.absent.take(sorted_ids)  # positions in sorted_ids [H]
         init_rows = b""  # float32 [H, D] of the hinted ids
@@ -989,13 +988,13 @@ class RedisStore(Store):
 
     def _numbers(self, t: RedisTable, buckets: list[int]) -> list[tuple[int, int]]:
         with self._lock:
-            return next_numbers(t, buckets)
+            return t.next_numbers(buckets)
 
     def _answered(
         self, t: RedisTable, calls: list[tuple[int, int, int]], seqs: list[tuple[int, int]]
     ) -> None:
         with self._lock:
-            mark_answered(t, calls, seqs)
+            t.numbers.answered(calls, seqs)
 
     def _second_round(self, pushes: list[_Push], replies: list[Any], what: str) -> bool:
         """Count the rows the first calls created; send the rows they skipped (missing from

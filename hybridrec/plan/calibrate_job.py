@@ -1,0 +1,96 @@
+"""The DLRM job's part of the calibration: its steps on one process
+(:func:`hybridrec.dlrm.measure.step_seconds`), less the parts timed on their own, fitted
+to the job's own embedding work and the cache's."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hybridrec.dlrm.config import DLRMJobConfig
+from hybridrec.dlrm.measure import step_seconds
+from hybridrec.plan.calibrate_store import store_share
+from hybridrec.plan.costs import CacheCosts, DenseCosts, EmbeddingCosts, Linear, StoreCosts
+from hybridrec.plan.fromjob import plan_from_dlrm
+from hybridrec.plan.idlaw import TrafficModel
+from hybridrec.plan.timing import fit
+
+JOB_ROWS = 20_000  # rows per table of the synthetic data the job steps are timed on
+
+
+def job_step_seconds(options: list[str], quick: bool) -> tuple[DLRMJobConfig, list[float]]:
+    """The job's config and steady-state step seconds (one per logged block) on 26
+    synthetic tables with ``options``."""
+    steps, every, warm = (20, 4, 8) if quick else (30, 5, 10)
+    data = ["--data", "synthetic", "--synthetic-rows", str(JOB_ROWS), "--synthetic-samples",
+            "50000"]  # fmt: skip
+    return step_seconds([*data, *options], steps=steps, log_every=every, warm_steps=warm)
+
+
+def calibrate_job(
+    quick: bool, data: Linear, dense: DenseCosts, server: dict[str, StoreCosts]
+) -> tuple[dict[str, EmbeddingCosts], CacheCosts]:
+    """The job's own embedding work (local and hybrid placement) and the cache's, from
+    the DLRM job's steps on one process (an in-process store) at several batch sizes:
+    what is left of a step after the batch assembly, the dense part and the store's
+    share (the sampled traffic on the fitted shard costs) is fitted per step, per id
+    looked up and per distinct id (the cache: per table step, per distinct id, per row
+    fetched, beyond the uncached hybrid step)."""
+
+    def cache_opts(fraction: float) -> list[str]:
+        return ["--cache-fraction", str(fraction), "--cache-policy", "lfu", "--read-bound", "4",
+                "--write-bound", "4"]  # fmt: skip
+
+    batches = (128, 1024) if quick else (128, 512, 1024)
+    # the cached runs vary the cache size too, so that rows fetched and distinct ids
+    # do not grow together (the fit tells them apart)
+    cached_runs = [(128, 0.2), (1024, 0.02)] if quick else [(128, 0.2), (512, 0.02),
+                                                             (1024, 0.2), (1024, 0.02)]  # fmt: skip
+    shard = server["dense"]
+    traffic = TrafficModel()
+    emb: dict[str, EmbeddingCosts] = {}
+    fits: dict[str, tuple[list[list[float]], list[float]]] = {}
+
+    def options(variant: str, b: int, fraction: float) -> list[str]:
+        opts = ["--batch-size", str(b), "--placement", "local" if variant == "local" else "hybrid"]
+        return opts + (cache_opts(fraction) if fraction else [])
+
+    configs = [("local", b, 0.0) for b in batches] + [("hybrid", b, 0.0) for b in batches]
+    configs += [("cached", b, f) for b, f in cached_runs]
+    # every configuration once per round, the rounds one after the other: a burst of
+    # other work on the machine then slows one run of each, not all runs of one
+    blocks: dict[tuple[str, int, float], list[float]] = {c: [] for c in configs}
+    job_configs: dict[tuple[str, int, float], DLRMJobConfig] = {}
+    for _ in range(1 if quick else 2):
+        for c in configs:
+            job_configs[c], seconds = job_step_seconds(options(*c), quick)
+            blocks[c] += seconds
+    for variant in ("local", "hybrid", "cached"):
+        placement = "local" if variant == "local" else "hybrid"
+        runs = cached_runs if variant == "cached" else [(b, 0.0) for b in batches]
+        for b, fraction in runs:
+            step = float(np.median(blocks[(variant, b, fraction)]))
+            plan = plan_from_dlrm(job_configs[(variant, b, fraction)], workers=1)
+            tr = traffic.traffic(plan)
+            model = plan.model
+            rest = step - data(1, b) - dense.alpha_s - dense.s_per_param * model.dense_params
+            rest -= dense.s_per_flop * model.dense_flops_per_sample * b
+            lookups = sum(t.lookups for t in tr.values())
+            unique = sum(t.unique for t in tr.values())
+            if placement == "hybrid":
+                rest -= sum(store_share(shard, t) for t in tr.values())
+            if variant == "cached":
+                h = emb["hybrid"]
+                rest -= h.alpha_s + h.per_lookup_s * lookups + h.per_unique_s * unique
+                row = [float(len(tr)), unique, sum(t.returned for t in tr.values())]
+            else:
+                row = [1.0, lookups, unique]
+            fits.setdefault(variant, ([], []))
+            fits[variant][0].append(row)
+            fits[variant][1].append(max(rest, 0.0))
+        coef = fit(*fits[variant])
+        if variant != "cached":
+            emb[variant] = EmbeddingCosts(
+                alpha_s=coef[0], per_lookup_s=coef[1], per_unique_s=coef[2]
+            )
+    per_table, per_id, per_admit = fit(*fits["cached"])
+    return emb, CacheCosts(per_table_s=per_table, per_id_s=per_id, per_admit_s=per_admit)
