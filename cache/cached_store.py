@@ -540,6 +540,15 @@ class CachedStore(Store):
         with self._lock:
             self._forget()
 
+    def clear(self) -> None:
+        """Flush, then empty every cache: the next reads pull the store's rows. What
+        scoring the model the store holds wants (a held-out split, an evaluation of a
+        checkpoint), where copies within the read bound would give values that depend
+        on when each was read."""
+        self.flush()
+        with self._lock:
+            self._forget()
+
     def _forget(self) -> None:
         """Drop every cache (their copies are void)."""
         self._caches.clear()

@@ -32,6 +32,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "hybridrec.lm.job",
         "train a GPT language model with a sparse token table (Shakespeare, or your text files)",
     ),
+    "evaluate": (
+        "hybridrec.cli.evaluate",
+        "evaluate a saved run (DLRM or GPT) on its own or new data: test AUC, log loss, NE, "
+        "calibration, per slice",
+    ),
 }
 
 

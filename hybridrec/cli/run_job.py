@@ -27,10 +27,10 @@ from typing import Any, Protocol
 from comm import ProcessGroup, Topology
 from hybridrec.cli.errors import reported_errors
 from hybridrec.cli.options import parse_config
-from hybridrec.launch.roles import Launch
+from hybridrec.launch.roles import Launch, torch_threads
 from hybridrec.train.interrupts import exit_if_asked, watching
 from hybridrec.train.loop import check_checkpoint_dir
-from ps import Store
+from ps import InProcessStore, Store
 
 
 class BuiltJob(Protocol):
@@ -75,3 +75,20 @@ def run_job(job: JobClass, argv: Sequence[str] | None = None) -> None:
                     built = job(cfg, launch.group, launch.store, roles=launch.topology)
                     built.close(built.trainer.fit())
             exit_if_asked()  # a PS server rank, or a stop request at the last step
+
+
+def train_in_group(
+    job: JobClass,
+    cfg: Any,
+    group: ProcessGroup,
+    store: Store | None = None,
+    *,
+    roles: Topology | None = None,
+) -> Any:
+    """Build ``job`` on the workers ``group`` already running (a test, a notebook, the
+    planner), train, close; returns what ``close`` returns. ``store`` holds the hybrid
+    tables (default: a fresh in-process store); ``roles``, the whole job's (for the
+    header; default: ``group`` alone)."""
+    with torch_threads(cfg.threads):
+        built = job(cfg, group, InProcessStore() if store is None else store, roles=roles)
+        return built.close(built.trainer.fit())

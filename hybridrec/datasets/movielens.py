@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridrec.datasets.ctr import CTRData
-from hybridrec.datasets.recbole import load_recbole
+from hybridrec.datasets.encode import Encoders
+from hybridrec.datasets.recbole import read_recbole
 from hybridrec.datasets.schema import schema_from_dict
 
 INSTALL_HINT = "pip install --no-deps recbole==1.2.1"
@@ -86,7 +87,17 @@ def load_movielens(
     path: Path | None = None,
 ) -> CTRData:
     """Read MovieLens-100k, split it (seeded) and build features (see the module doc)."""
+    return read_movielens(seed=seed, fractions=fractions, path=path)[0]
+
+
+def read_movielens(
+    *,
+    seed: int = 0,
+    fractions: tuple[float, float, float] = (0.8, 0.1, 0.1),
+    path: Path | None = None,
+) -> tuple[CTRData, Encoders]:
+    """:func:`load_movielens`, and the encoders that built its features."""
     root = movielens_dir() if path is None else Path(path)
     if not (root / "ml-100k.inter").is_file():
         raise FileNotFoundError(f"MovieLens-100k: {root / 'ml-100k.inter'} does not exist")
-    return load_recbole(root, schema_from_dict(MOVIELENS_SCHEMA), seed=seed, fractions=fractions)
+    return read_recbole(root, schema_from_dict(MOVIELENS_SCHEMA), seed=seed, fractions=fractions)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,12 +28,13 @@ import torch
 from comm import ProcessGroup
 from hybridrec.datasets.criteo import CAT_NAMES, NUM_INT, CriteoConfig, CriteoReader
 from hybridrec.datasets.ctr import Batch, CTRData, gather_batch
-from hybridrec.datasets.movielens import load_movielens
-from hybridrec.datasets.recbole import load_recbole
-from hybridrec.datasets.schema import load_schema
+from hybridrec.datasets.encode import Encoders, VocabEncoder
+from hybridrec.datasets.movielens import read_movielens
+from hybridrec.datasets.recbole import read_recbole
+from hybridrec.datasets.schema import Schema, load_schema
 from hybridrec.datasets.stream import ReaderPosition
 from hybridrec.datasets.synthetic import make_synthetic
-from hybridrec.datasets.tabular import TabularConfig, TabularReader, fit_tabular
+from hybridrec.datasets.tabular import TabularConfig, TabularFit, TabularReader, fit_tabular
 from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.train.click_metrics import log_loss, popularity_scores, roc_auc
 
@@ -58,8 +60,15 @@ def per_rank_batch(cfg: DLRMJobConfig, group: ProcessGroup) -> int:
 class InMemorySource:
     """MovieLens-100k or the synthetic data set, held whole by every rank."""
 
-    def __init__(self, data: CTRData, cfg: DLRMJobConfig, group: ProcessGroup) -> None:
+    def __init__(
+        self,
+        data: CTRData,
+        cfg: DLRMJobConfig,
+        group: ProcessGroup,
+        encoders: Encoders | None = None,
+    ) -> None:
         self.data, self.cfg, self.group = data, cfg, group
+        self.encoders = encoders  # those that built ``data`` (RecBole, MovieLens); None: synthetic
         self.per_rank = per_rank_batch(cfg, group)
         self.features = [Feature(f.name, f.num_rows, multi=f.ids.shape[1] > 1) for f in data.sparse]
         self.num_dense = len(data.dense_names)
@@ -106,6 +115,14 @@ class InMemorySource:
 
     def has_split(self, split: str) -> bool:
         return True
+
+    def encoder_state(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps to encode new data: nothing for a data set read whole
+        (its split and features come from the same files and seed again)."""
+        return None
+
+    def value_names(self, feature: str) -> list[str] | None:
+        return value_names(self.encoders, feature)
 
     def baseline(self) -> tuple[float, float] | None:
         """AUC and log loss on the test split of each item's smoothed training click rate."""
@@ -176,6 +193,13 @@ class StreamSource:
     def baseline(self) -> tuple[float, float] | None:
         return None
 
+    def encoder_state(self) -> dict[str, Any] | None:
+        """Criteo's hashing is all in the options: nothing to keep."""
+        return None
+
+    def value_names(self, feature: str) -> list[str] | None:
+        return None
+
 
 class CriteoSource(StreamSource):
     """Criteo TSV files, streamed."""
@@ -216,16 +240,23 @@ class CriteoSource(StreamSource):
 class TabularSource(StreamSource):
     """The user's CSV/TSV/Parquet files read through a schema (``--data tabular``),
     streamed. Vocabularies and standardization come from one pass over the training
-    files (every rank makes the same; a resumed run makes them again)."""
+    files (every rank makes the same; a resumed run makes them again), or from a saved
+    run (``encoders``, the state :meth:`encoder_state` gave): then files the run never
+    saw encode as the run encoded its own, and the training files are not read."""
 
-    def __init__(self, cfg: DLRMJobConfig, group: ProcessGroup) -> None:
+    def __init__(
+        self, cfg: DLRMJobConfig, group: ProcessGroup, encoders: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(cfg, group)
         self.schema = load_schema(cfg.schema)
         if self.schema.label is None:
             raise ValueError(f"schema {cfg.schema}: --data tabular needs a [label] table")
-        self.fitted = fit_tabular(
-            list(cfg.data_path), self.schema, skip_bad_lines=cfg.skip_bad_lines
-        )
+        if encoders is None:
+            self.fitted = fit_tabular(
+                list(cfg.data_path), self.schema, skip_bad_lines=cfg.skip_bad_lines
+            )
+        else:
+            self.fitted = TabularFit(encoders=saved_encoders(encoders, self.schema, cfg.schema))
         self.features = [
             Feature(c.column, n, multi=c.separator is not None)
             for c, n in zip(self.schema.sparse, self.fitted.num_rows(), strict=True)
@@ -233,10 +264,19 @@ class TabularSource(StreamSource):
         self.num_dense = len(self.schema.dense)
 
     def describe(self) -> str:
-        return (
-            f"tabular: {len(self.cfg.data_path)} file(s), {self.fitted.rows} training rows, "
-            f"{len(self.features)} sparse + {self.num_dense} dense features"
+        train = (
+            f"{len(self.cfg.data_path)} file(s), {self.fitted.rows} training rows"
+            if self.fitted.rows
+            else "encoded as the saved run encoded"
         )
+        return f"tabular: {train}, {len(self.features)} sparse + {self.num_dense} dense features"
+
+    def encoder_state(self) -> dict[str, Any] | None:
+        """The fitted vocabularies and statistics, as JSON data (a checkpoint keeps them)."""
+        return self.fitted.encoders.to_state()
+
+    def value_names(self, feature: str) -> list[str] | None:
+        return value_names(self.fitted.encoders, feature)
 
     def _split_paths(self, split: str) -> list[str]:
         return list(
@@ -264,18 +304,23 @@ class TabularSource(StreamSource):
 Source = InMemorySource | CriteoSource | TabularSource
 
 
-def open_source(cfg: DLRMJobConfig, group: ProcessGroup) -> Source:
+def open_source(
+    cfg: DLRMJobConfig, group: ProcessGroup, encoders: dict[str, Any] | None = None
+) -> Source:
+    """The job's data; ``encoders``: a saved run's (:meth:`TabularSource.encoder_state`),
+    so that new files encode as that run's did."""
     if cfg.data == "criteo":
         return CriteoSource(cfg, group)
     if cfg.data == "tabular":
-        return TabularSource(cfg, group)
+        return TabularSource(cfg, group, encoders)
+    fitted: Encoders | None = None
     if cfg.data == "recbole":
         schema = load_schema(cfg.schema) if cfg.schema else None
-        data = load_recbole(
+        data, fitted = read_recbole(
             cfg.data_path[0], schema, seed=cfg.seed, skip_bad_lines=cfg.skip_bad_lines
         )
     elif cfg.data == "movielens":
-        data = load_movielens(seed=cfg.seed)
+        data, fitted = read_movielens(seed=cfg.seed)
     else:
         data = make_synthetic(
             num_samples=cfg.synthetic_samples,
@@ -283,7 +328,31 @@ def open_source(cfg: DLRMJobConfig, group: ProcessGroup) -> Source:
             seed=cfg.seed,
             zipf_a=cfg.synthetic_zipf,
         )
-    return InMemorySource(data, cfg, group)
+    return InMemorySource(data, cfg, group, fitted)
+
+
+def saved_encoders(state: dict[str, Any], schema: Schema, schema_path: str | None) -> Encoders:
+    """A saved run's encoders, checked against the schema of this run: the same sparse
+    columns in the same order (each is a table of the saved model)."""
+    encoders = Encoders.from_state(state)
+    saved = [e.name for e in encoders.sparse]
+    now = [c.column for c in schema.sparse]
+    if saved != now:
+        raise ValueError(
+            f"schema {schema_path}: sparse columns {now}, but the saved run encoded {saved} "
+            "(evaluate with the schema the run trained with)"
+        )
+    return encoders
+
+
+def value_names(encoders: Encoders | None, feature: str) -> list[str] | None:
+    """What each row of ``feature``'s table stands for, where a vocabulary says
+    (``names[row]``; row 0 is a value the vocabulary does not hold); None for hashed,
+    bucketed or unknown features."""
+    for e in encoders.sparse if encoders is not None else []:
+        if e.name == feature and isinstance(e, VocabEncoder):
+            return ["(other)", *e.vocab]
+    return None
 
 
 def auc_logloss(labels: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:

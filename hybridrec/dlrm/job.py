@@ -21,7 +21,7 @@ and its plot. ``--help`` lists every option.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +31,11 @@ from comm import ProcessGroup, Topology, worker_device
 from dense import DataParallel, DLRMConfig, DLRMDense, ZeroOptimizer
 from hybridrec.checkpoint.run_checkpoint import DenseOptimizer
 from hybridrec.cli.options import config_dict
-from hybridrec.cli.run_job import parse_job_args, run_job
+from hybridrec.cli.run_job import parse_job_args, run_job, train_in_group
 from hybridrec.datasets.ctr import Batch
 from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.dlrm.data import Feature, Source, StreamSource, open_source
+from hybridrec.dlrm.evaluate import CLICK_METRICS, click_metrics, evaluate_saved, predictions
 from hybridrec.dlrm.model import DLRM, build_dlrm, dlrm_tables
 from hybridrec.launch.existing_tables import prepare_tables
 from hybridrec.launch.job_cache import (
@@ -48,15 +49,13 @@ from hybridrec.launch.roles import (
     check_batch_size,
     describe_device,
     describe_roles,
-    torch_threads,
 )
-from hybridrec.train.batches import agreed
 from hybridrec.train.click_metrics import click_report
 from hybridrec.train.device_batches import DeviceBatches, DeviceEpochData
 from hybridrec.train.loop import Trainer, TrainerConfig, TrainResult
 from hybridrec.train.metrics_file import cache_metrics, store_metrics
 from hybridrec.train.precision import autocast
-from ps import InProcessStore, Store
+from ps import Store
 
 __all__ = ["DLRMJob", "DLRMJobConfig", "main", "parse_args", "train", "train_step"]
 
@@ -67,11 +66,6 @@ SHAPE_OPTIONS = (
 )  # fmt: skip
 
 DESCRIPTION = __doc__.split("\n")[0]
-
-# What evaluation reports (validation rows as val_<name>, the result as test_<name>):
-# ROC AUC, log loss (nats per sample), normalized entropy (log loss over the entropy of
-# the base rate) and calibration (mean predicted over observed click rate).
-CLICK_METRICS = ("auc", "logloss", "ne", "calibration")
 
 
 def parse_args(argv: list[str] | None = None) -> DLRMJobConfig:
@@ -224,7 +218,6 @@ def train_step(
     return loss.detach()
 
 
-@torch.no_grad()
 def evaluate(
     model: DLRM,
     batches: Iterable[Batch],
@@ -234,23 +227,9 @@ def evaluate(
     precision: str = "fp32",
 ) -> dict[str, float]:
     """:data:`CLICK_METRICS` over every rank's ``batches`` (collective; NaN where one
-    has no value: AUC and NE of a one-class set); ``feed`` moves them to the model's
-    device. The scores stay on the device until the end."""
-    model.eval()
-    device = feed.device if feed is not None else torch.device("cpu")
-    probs = [torch.empty(0, device=device)]
-    labels = [torch.empty(0, device=device)]
-    rows = agreed(batches, group, lockstep)
-    for b in feed.batches(rows) if feed is not None else rows:
-        with autocast(device, precision):
-            logits = model(b)
-        probs.append(torch.sigmoid(logits.float()))
-        labels.append(b.labels.float())
-    model.train()
-    p = group.allgatherv(torch.cat(probs).cpu().contiguous())  # [n] over all ranks
-    y = group.allgatherv(torch.cat(labels).cpu().contiguous())
-    report = click_report(y, p)
-    return {k: float("nan") if report[k] is None else float(report[k]) for k in CLICK_METRICS}
+    has no value: AUC and NE of a one-class set)."""
+    probs, labels, _ = predictions(model, batches, group, lockstep, feed, precision)
+    return click_metrics(click_report(labels, probs))
 
 
 # ---------------------------------------------------------------- train
@@ -263,12 +242,9 @@ def train(
     *,
     roles: Topology | None = None,
 ) -> dict[str, Any]:
-    """Train and evaluate on the workers ``group``; ``store`` holds the hybrid tables
-    (default: a fresh in-process store); ``roles``, the whole job's (for the header;
-    default: ``group`` alone). Returns the metrics (equal on every rank but for timings)."""
-    with torch_threads(cfg.threads):
-        job = DLRMJob(cfg, group, InProcessStore() if store is None else store, roles=roles)
-        return job.close(job.trainer.fit())
+    """Train and evaluate on the workers ``group``; the metrics, equal on every rank but
+    for timings (:func:`hybridrec.cli.run_job.train_in_group`)."""
+    return cast(dict[str, Any], train_in_group(DLRMJob, cfg, group, store, roles=roles))
 
 
 def trainer_config(
@@ -301,10 +277,14 @@ class DLRMJob:
         store: Store,
         *,
         roles: Topology | None = None,
+        saved_config: dict[str, Any] | None = None,
     ) -> None:
+        """``saved_config``: the run configuration of a checkpoint this job evaluates (its
+        data encoders encode this job's files)."""
         check_batch_size(cfg.batch_size, Topology.of(group))
         self.cfg, self.group = cfg, group
-        self.source = open_source(cfg, group)
+        encoders = (saved_config or {}).get("data_encoders")
+        self.source = open_source(cfg, group, encoders)
         placements = resolve_placements(cfg, self.source.features)
         self.device = worker_device(cfg.device, group)
         # Where the memory goes, checked against the GPU before a table is allocated.
@@ -339,12 +319,37 @@ class DLRMJob:
             step=lambda batch, nxt: train_step(model, opt, batch, nxt, cfg.precision),
             dense=model.dense, embeddings=model.embeddings, evaluate=self.validate,
             extras=self.extras, on_row=self.show,
-            run_config={**config_dict(cfg), "placements": placements}, shape_options=SHAPE_OPTIONS,
+            run_config={
+                "job": "dlrm", **config_dict(cfg), "placements": placements,
+                "data_encoders": self.source.encoder_state(),
+            },
+            shape_options=SHAPE_OPTIONS,
         )  # fmt: skip
 
     def say(self, text: str) -> None:
         if self.cfg.verbose and self.group.rank == 0:
             print(text, flush=True)
+
+    def evaluate_saved(self, evaluation: Any) -> dict[str, Any]:
+        """Collective: a saved model's metrics on the splits ``evaluation`` names
+        (``hybridrec evaluate``, :mod:`hybridrec.dlrm.evaluate`)."""
+        return evaluate_saved(
+            self, evaluation, features=[f.name for f in self.source.features], settle=self.settle
+        )
+
+    def settle(self) -> dict[str, dict[str, Any]] | None:
+        """The tables final before scoring held-out data: the sparse pipeline's pushes
+        applied and its thread gone, the cache's pending updates in the store and its
+        copies dropped, so the scores are those of the rows the store holds (the same
+        after a checkpoint is loaded, whatever the cache held). Returns the cache's
+        statistics up to here (None without a cache): its counters start again empty."""
+        self.model.embeddings.set_sparse_pipeline(False)
+        if self.cached is None:
+            return None
+        self.cached.flush()
+        stats = self.cached.cache_stats()
+        self.cached.clear()
+        return stats
 
     def validate(self) -> dict[str, Any] | None:
         """Validation AUC and log loss (collective); None without a validation split."""
@@ -378,15 +383,13 @@ class DLRMJob:
 
     def close(self, run: TrainResult) -> dict[str, Any]:
         """Collective: test metrics and the summary, written to the metrics file; returns it."""
-        self.model.embeddings.set_sparse_pipeline(False)  # every push applied, thread gone
-        if self.cached is not None:
-            self.cached.flush()  # every pending row update reaches the store
+        cache_stats = self.settle()  # the training's traffic, before the test pass
         model = self.model
         result = finish(self.cfg, self.group, model, self.source, self.lockstep, run, self.feed)
         result["memory"] = self.memory.to_json()
-        if self.cached is not None:
-            result["cache"] = self.cached.cache_stats()
-            result.update(cache_metrics(result["cache"]))
+        if cache_stats is not None:
+            result["cache"] = cache_stats
+            result.update(cache_metrics(cache_stats))
         if isinstance(model.dense, DataParallel) and model.dense.codec is not None:
             result["codec_stats"] = dict(model.dense.codec.stats)
         self.say(summary_line(result))

@@ -24,7 +24,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from embedding import EmbeddingCollection, TableConfig
 from embedding.hybrid import store_is_replicated
 from hybridrec.cli.options import build_parser as build_config_parser
 from hybridrec.cli.options import config_dict
-from hybridrec.cli.run_job import parse_job_args, run_job
+from hybridrec.cli.run_job import parse_job_args, run_job, train_in_group
 from hybridrec.datasets.text import (
     eval_batches,
     get_batch,
@@ -57,7 +57,6 @@ from hybridrec.launch.roles import (
     check_batch_size,
     describe_device,
     describe_roles,
-    torch_threads,
 )
 from hybridrec.lm.config import LMConfig
 from hybridrec.lm.model import (
@@ -77,7 +76,7 @@ from hybridrec.train.loop import (
 )
 from hybridrec.train.metrics_file import cache_metrics, store_metrics
 from hybridrec.train.precision import autocast
-from ps import InProcessStore, Store
+from ps import Store
 
 __all__ = ["LMConfig", "LMJob", "build_parser", "embed_tokens", "main", "parse_args", "train"]
 
@@ -151,12 +150,9 @@ def train(
     *,
     roles: Topology | None = None,
 ) -> dict[str, Any]:
-    """Train and evaluate on the workers ``group``; ``store`` holds a hybrid token table
-    (default: a fresh in-process store); ``roles``, the whole job's (for the header;
-    default: ``group`` alone). Returns the metrics (equal on every rank but for timings)."""
-    with torch_threads(cfg.threads):
-        job = LMJob(cfg, group, InProcessStore() if store is None else store, roles=roles)
-        return job.close(job.trainer.fit())
+    """Train and evaluate on the workers ``group``; the metrics, equal on every rank but
+    for timings (:func:`hybridrec.cli.run_job.train_in_group`)."""
+    return cast(dict[str, Any], train_in_group(LMJob, cfg, group, store, roles=roles))
 
 
 def describe_mesh(shape: dict[str, int]) -> str:
@@ -193,8 +189,17 @@ class LMJob:
     description = DESCRIPTION
 
     def __init__(
-        self, cfg: LMConfig, group: ProcessGroup, store: Store, *, roles: Topology | None = None
+        self,
+        cfg: LMConfig,
+        group: ProcessGroup,
+        store: Store,
+        *,
+        roles: Topology | None = None,
+        saved_config: dict[str, Any] | None = None,
     ) -> None:
+        """``saved_config``: the run configuration of a checkpoint this job evaluates (the
+        corpus and tokenizer come from the options alone, so nothing of it is needed)."""
+        del saved_config
         check_batch_size(cfg.batch_size, Topology.of(group), cfg.ranks_per_replica)
         self.cfg, self.group = cfg, group
         self.corpus = load_corpus(cfg.text_dir, max_bytes=cfg.max_bytes)
@@ -302,7 +307,8 @@ class LMJob:
             ),
             dense=trained,
             embeddings=embeddings, evaluate=self.validate, on_row=self.show, extras=self.extras,
-            run_config={**config_dict(cfg), "vocab_size": vocab}, shape_options=SHAPE_OPTIONS,
+            run_config={"job": "lm", **config_dict(cfg), "vocab_size": vocab},
+            shape_options=SHAPE_OPTIONS,
         )  # fmt: skip
 
     def say(self, text: str) -> None:
@@ -358,6 +364,36 @@ class LMJob:
         stats = (self.cached if self.cached is not None else self.store).stats()
         names = self.ngram_tables
         return int(sum(s["rows_pulled"] + s["rows_pushed"] for n, s in stats.items() if n in names))
+
+    def evaluate_saved(self, evaluation: Any) -> dict[str, Any]:
+        """Collective: a saved model's validation loss, perplexity and bits per byte
+        (``hybridrec evaluate``; the GPT's corpus has a validation split only)."""
+        for split in evaluation.splits:
+            if split != "val":
+                raise ValueError(
+                    f"--split {split}: the language model's corpus has a val split only"
+                )
+        if evaluation.slice_by is not None:
+            raise ValueError("--slice-by: the language model has no features to slice by")
+        if self.model.embeddings is not None:  # nothing in flight while rows are replaced
+            self.model.embeddings.set_sparse_pipeline(False)
+        self.trainer.load_saved_model(evaluation.model)
+        if self.cached is not None:  # the store's rows are scored, not restored copies
+            self.cached.clear()
+        self.say(f"evaluating {evaluation.model} (step {evaluation.meta.get('step')})")
+        row = self.validate()
+        loss = row["val_loss"]
+        result = {
+            "kind": "evaluate", "checkpoint": str(evaluation.checkpoint),
+            "model": str(evaluation.model), "step": evaluation.meta.get("step"), **row,
+            "val_nats_per_byte": loss / self.bytes_per_token,
+            "val_bits_per_byte": loss / self.bytes_per_token / math.log(2),
+        }  # fmt: skip
+        self.say(
+            f"val loss {loss:.4f}  ppl {row['val_ppl']:.2f}  "
+            f"{result['val_bits_per_byte']:.3f} bits/byte"
+        )
+        return result
 
     def validate(self) -> dict[str, Any]:
         """Validation loss (nats per token) and perplexity (collective)."""

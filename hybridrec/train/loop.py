@@ -365,6 +365,12 @@ class Trainer:
     def _run_model(self) -> nn.Module:
         return RunModel(self.dense, self._embeddings())
 
+    def load_saved_model(self, folder: str | Path) -> None:
+        """Collective: the model saved in ``folder`` (a checkpoint's ``model/`` or a run's
+        ``best/``) into this trainer's dense part and tables, at any worker count; the
+        optimizer is left as it is (evaluation, prediction and export need none)."""
+        load_model(folder, self._run_model(), group=self.group)
+
     def _restore_best(self, step: int) -> None:
         """Collective: load the best epoch's model unless it is the one trained last."""
         if self.best is None or int(self.best["step"]) == step:

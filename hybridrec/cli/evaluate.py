@@ -1,0 +1,152 @@
+"""``hybridrec evaluate --checkpoint DIR [--split test|val|all] [--slice-by COL] [options]``.
+
+A saved run's model on any data: the job (DLRM or the GPT) is rebuilt from the options
+the checkpoint recorded, with every option given here on top (``--data-test-path
+new.csv``, ``--batch-size``, ``--device``, ...), its model loaded at any worker count,
+and its metrics printed the way the training run printed them. ``DIR`` is a run's
+``--checkpoint-dir`` (its newest checkpoint) or one ``step-N`` folder in it.
+
+* The model evaluated is the one the training run tested: the best validation epoch's
+  (``best/``, when the run kept one and ``DIR`` is its newest checkpoint), else the
+  checkpoint's own.
+* The rows are read into an in-process store (``--ps local``) unless ``--ps`` is given:
+  evaluation never writes into the store a run trained in (a shared Redis keeps its
+  rows), and needs no PS server ranks.
+* Nothing is trained, no checkpoint is written; ``--out FILE`` writes the metrics as one
+  JSON object (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from hybridrec.cli.errors import reported_errors
+from hybridrec.cli.options import ConfigError, parse_config, program
+from hybridrec.launch.roles import Launch
+
+# The job each checkpoint's config names (``config["job"]``) -> its class, imported when used.
+JOBS = {"dlrm": "hybridrec.dlrm.job:DLRMJob", "lm": "hybridrec.lm.job:LMJob"}
+SPLITS = ("test", "val", "all")
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What to evaluate: the checkpoint's step folder, the splits, the slice column."""
+
+    checkpoint: Path  # a step-N folder (meta.json, model/)
+    model: Path  # the saved model to evaluate (the step's model/ or the run's best/)
+    meta: dict[str, Any]
+    splits: tuple[str, ...]  # () means the job's default
+    slice_by: str | None
+
+
+def step_folder(path: str | Path) -> Path:
+    """The checkpoint folder ``path`` names: a step folder itself, or the newest one of
+    a run's checkpoint folder; FileNotFoundError saying which, otherwise."""
+    folder = Path(path)
+    if (folder / "meta.json").is_file():
+        return folder
+    latest = folder / "latest"
+    if latest.is_file():
+        step = folder / latest.read_text(encoding="utf-8").strip()
+        if (step / "meta.json").is_file():
+            return step
+        raise FileNotFoundError(f"--checkpoint {folder}: 'latest' names {step.name}, not found")
+    raise FileNotFoundError(
+        f"--checkpoint {folder}: neither a checkpoint (no meta.json) nor a checkpoint folder "
+        "(no 'latest'); give a run's --checkpoint-dir or one of its step-N folders"
+    )
+
+
+def job_name(config: dict[str, Any]) -> str:
+    """Which job saved ``config``: its ``job`` key (the DLRM job's options have an
+    ``interaction``, the GPT's a ``block_size``, in checkpoints without one)."""
+    if "job" in config:
+        return str(config["job"])
+    return "dlrm" if "interaction" in config else "lm"
+
+
+def job_class(name: str) -> Any:
+    module, cls = JOBS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def saved_options(config: dict[str, Any], config_class: type) -> dict[str, Any]:
+    """The run's options as the base of the evaluation's: the job's own fields, without
+    what belongs to the training run (its checkpoints, metrics file, resume) and with the
+    in-process store (a password-free ``--ps`` is given again when wanted)."""
+    known = {f.name for f in fields(config_class)}
+    base = {k: v for k, v in config.items() if k in known}
+    base.update(
+        checkpoint_dir=None, resume=False, metrics_out=None, ps="local", existing_tables="fail"
+    )
+    return base
+
+
+def _own_parser() -> argparse.ArgumentParser:
+    own = argparse.ArgumentParser(
+        prog=program(),
+        add_help=False,
+        description="Evaluate a saved run on any data; every other option is the job's "
+        "(--checkpoint DIR --help lists them).",
+    )
+    own.add_argument("--checkpoint", help="a run's --checkpoint-dir, or one step-N folder in it")
+    own.add_argument(
+        "--split", choices=SPLITS, default=None, help="what to evaluate (default: the job's)"
+    )
+    own.add_argument("--slice-by", default=None, help="metrics per value of this feature too")
+    own.add_argument("--out", default=None, help="write the metrics here as JSON (rank 0)")
+    return own
+
+
+def parse_evaluation(argv: Sequence[str] | None) -> tuple[Evaluation, Any, Any, str | None]:
+    """``(evaluation, job class, job config, --out)`` from the command line."""
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    own = _own_parser()
+    args, rest = own.parse_known_args(args_in)
+    if args.checkpoint is None:
+        if "-h" in rest or "--help" in rest:
+            own.print_help()
+            raise SystemExit(0)
+        raise ConfigError("--checkpoint is required (a run's --checkpoint-dir or a step folder)")
+    folder = step_folder(args.checkpoint)
+    meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+    config = meta.get("config") or {}
+    name = job_name(config)
+    if name not in JOBS:
+        raise ConfigError(f"--checkpoint {folder}: saved by an unknown job {name!r}")
+    cls = job_class(name)
+    description = f"{own.description} This checkpoint is the {name} job's."
+    cfg = parse_config(
+        cls.config_class, rest, description, base=saved_options(config, cls.config_class)
+    )
+    latest = folder.parent / "latest"
+    newest = latest.is_file() and latest.read_text(encoding="utf-8").strip() == folder.name
+    best = folder.parent / "best"
+    kept_best = meta.get("best") and newest and (best / "model.json").is_file()
+    model = best if kept_best else folder / "model"
+    splits = () if args.split is None else ("test", "val") if args.split == "all" else (args.split,)
+    return Evaluation(folder, model, meta, splits, args.slice_by), cls, cfg, args.out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Launch the saved job's roles, build it on the workers, evaluate, write ``--out``."""
+    with reported_errors():
+        evaluation, cls, cfg, out = parse_evaluation(argv)
+        with Launch.for_run(cfg) as launch:
+            if not launch.is_worker:
+                return
+            job = cls(
+                cfg, launch.group, launch.store, roles=launch.topology,
+                saved_config=evaluation.meta.get("config"),
+            )  # fmt: skip
+            result = job.evaluate_saved(evaluation)
+            if out is not None and launch.group.rank == 0:
+                Path(out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
