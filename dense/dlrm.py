@@ -266,7 +266,10 @@ class _InteractionRows(torch.autograd.Function):
 
 
 def _interact(t: torch.Tensor, *, with_first: bool, width: int) -> torch.Tensor:
-    pairs, sym = _pair_indices(t.shape[1], t.device)
+    # Traced (torch.export, torch.compile), the indices are built inside the trace: its
+    # tensors are fake ones, which the cache would hand to later real calls.
+    build = _pair_indices.__wrapped__ if torch.compiler.is_compiling() else _pair_indices
+    pairs, sym = build(t.shape[1], t.device)
     out: torch.Tensor = _Interaction.apply(t, pairs, sym, with_first, width)
     return out
 

@@ -44,8 +44,15 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def usable(t: torch.Tensor) -> bool:
-    """Whether the kernel handles tensors like ``t``: float32, CPU, library built here."""
-    return t.dtype == torch.float32 and t.device.type == "cpu" and _load() is not None
+    """Whether the kernel handles tensors like ``t``: float32, CPU, library built here,
+    and not being traced (``torch.export`` / ``torch.compile`` see fake tensors with no
+    memory for the kernel to read, and record the torch path instead)."""
+    return (
+        t.dtype == torch.float32
+        and t.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and _load() is not None
+    )
 
 
 Rows = torch.Tensor | Sequence[torch.Tensor]

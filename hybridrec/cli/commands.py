@@ -37,6 +37,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "evaluate a saved run (DLRM or GPT) on its own or new data: test AUC, log loss, NE, "
         "calibration, per slice",
     ),
+    "predict": (
+        "hybridrec.dlrm.predict_command",
+        "score every row of tabular files with a saved DLRM run (csv, jsonl or parquet out)",
+    ),
+    "export": (
+        "hybridrec.cli.export",
+        "export a saved DLRM run for serving: compact tables (fp32, fp16, int8), the dense "
+        "part, encoders, checksums",
+    ),
 }
 
 

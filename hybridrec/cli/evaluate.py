@@ -106,34 +106,50 @@ def _own_parser() -> argparse.ArgumentParser:
     return own
 
 
-def parse_evaluation(argv: Sequence[str] | None) -> tuple[Evaluation, Any, Any, str | None]:
-    """``(evaluation, job class, job config, --out)`` from the command line."""
-    args_in = list(sys.argv[1:] if argv is None else argv)
-    own = _own_parser()
-    args, rest = own.parse_known_args(args_in)
-    if args.checkpoint is None:
+@dataclass(frozen=True)
+class SavedRun:
+    """A checkpoint as the after-training commands open it."""
+
+    folder: Path  # the step-N folder
+    meta: dict[str, Any]
+    job: str  # "dlrm" or "lm"
+    model: Path  # the model the run tested: its best/ (kept, newest checkpoint) or model/
+
+
+def saved_run(checkpoint: str | None, own: argparse.ArgumentParser, rest: list[str]) -> SavedRun:
+    """The checkpoint ``--checkpoint`` names (``--help`` without one prints ``own``'s)."""
+    if checkpoint is None:
         if "-h" in rest or "--help" in rest:
             own.print_help()
             raise SystemExit(0)
         raise ConfigError("--checkpoint is required (a run's --checkpoint-dir or a step folder)")
-    folder = step_folder(args.checkpoint)
+    folder = step_folder(checkpoint)
     meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
-    config = meta.get("config") or {}
-    name = job_name(config)
+    name = job_name(meta.get("config") or {})
     if name not in JOBS:
         raise ConfigError(f"--checkpoint {folder}: saved by an unknown job {name!r}")
-    cls = job_class(name)
-    description = f"{own.description} This checkpoint is the {name} job's."
-    cfg = parse_config(
-        cls.config_class, rest, description, base=saved_options(config, cls.config_class)
-    )
     latest = folder.parent / "latest"
     newest = latest.is_file() and latest.read_text(encoding="utf-8").strip() == folder.name
     best = folder.parent / "best"
-    kept_best = meta.get("best") and newest and (best / "model.json").is_file()
-    model = best if kept_best else folder / "model"
+    kept_best = bool(meta.get("best")) and newest and (best / "model.json").is_file()
+    return SavedRun(folder, meta, name, best if kept_best else folder / "model")
+
+
+def job_config(run: SavedRun, rest: list[str], description: str) -> tuple[Any, Any]:
+    """``(job class, job config)``: the saved run's options under the command line's."""
+    cls = job_class(run.job)
+    base = saved_options(run.meta.get("config") or {}, cls.config_class)
+    return cls, parse_config(cls.config_class, rest, f"{description} (a {run.job} run)", base)
+
+
+def parse_evaluation(argv: Sequence[str] | None) -> tuple[Evaluation, Any, Any, str | None]:
+    """``(evaluation, job class, job config, --out)`` from the command line."""
+    own = _own_parser()
+    args, rest = own.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    run = saved_run(args.checkpoint, own, rest)
+    cls, cfg = job_config(run, rest, str(own.description))
     splits = () if args.split is None else ("test", "val") if args.split == "all" else (args.split,)
-    return Evaluation(folder, model, meta, splits, args.slice_by), cls, cfg, args.out
+    return Evaluation(run.folder, run.model, run.meta, splits, args.slice_by), cls, cfg, args.out
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -49,6 +49,8 @@ class Record(NamedTuple):
     where: str  # "path:line", for error messages
     header: Any  # "header": the first line's text; "parquet": the column names; else None
     raw: Any  # "lines"/"header": the line's bytes (decode_line); "parquet": the row's values
+    line: int = 0  # its line (row) number in the file, as ``where`` says it
+    file_index: int = 0  # which of the stream's files
 
 
 def open_lines(path: str, what: str) -> io.BufferedIOBase:
@@ -158,7 +160,7 @@ class RecordStream(Generic[T]):
                     pos.line = index + 1
                     if index % self.world_size != self.rank:
                         continue
-                    yield Record(path, f"{path}:{lineno}", header, raw)
+                    yield Record(path, f"{path}:{lineno}", header, raw, lineno, pos.file_index)
                 if in_file == 0:
                     raise ValueError(f"{self.what}: {path} is empty (expected data rows)")
             pos.file_index += 1

@@ -28,7 +28,7 @@ as the Criteo reader does.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,23 +82,44 @@ def _text(v: Any) -> str | None:
     return None if v is None else v if isinstance(v, str) else str(v)
 
 
+# Where a row is and its key columns: (file index, line in the file, the columns' texts).
+KeyRow = tuple[int, int, list[str]]
+
+
 class _Parser:
     """One file's records -> :data:`~hybridrec.datasets.encode.Row` s, the header's
     column positions looked up once per header."""
 
-    def __init__(self, schema: Schema, encoders: Encoders, delimiter: str | None) -> None:
+    def __init__(
+        self, schema: Schema, encoders: Encoders, delimiter: str | None, keys: Sequence[str] = ()
+    ) -> None:
         self.schema, self.encoders, self.delimiter = schema, encoders, delimiter
+        self.keys = list(keys)
         self._header: Any = None
         self._names: list[str] = []
         self._where: list[int] = []
+        self._key_at: list[int] = []
 
     def _columns(self, header: Any, path: str) -> list[int]:
         if header is not self._header:
             names = header if self.delimiter is None else header.split(self.delimiter)
             self.schema.check_columns(names, path)
+            missing = [k for k in self.keys if k not in names]
+            if missing:
+                raise ValueError(f"{path}: key column(s) {missing} not in its columns {names}")
             self._header, self._names = header, names
             self._where = [names.index(c) for c in self.schema.used_columns()]
+            self._key_at = [names.index(k) for k in self.keys]
         return self._where
+
+    def keys_of(self, rec: Record) -> KeyRow:
+        """``(file index, line, key column texts)`` of a record :meth:`__call__` parsed."""
+        values = (
+            rec.raw
+            if self.delimiter is None
+            else decode_line(rec.raw, rec.where).split(self.delimiter)
+        )
+        return rec.file_index, rec.line, [_text(values[i]) or "" for i in self._key_at]
 
     def __call__(self, rec: Record) -> Row:
         where = rec.where
@@ -152,27 +173,32 @@ def _batches(
     skip_bad_lines: bool,
     drop_last: bool,
     start: ReaderPosition,
-) -> Iterator[list[Row]]:
-    """This rank's parsed rows of ``paths`` in batches; ``start`` advances."""
+    keys: Sequence[str] | None = None,
+) -> Iterator[list[tuple[Row, KeyRow | None]]]:
+    """This rank's parsed rows of ``paths`` in batches, each with where it is and its
+    ``keys`` columns when ``keys`` is given (else None); ``start`` advances."""
     formats = {p: file_format(p, schema) for p in paths}
     parsers = {
-        p: _Parser(schema, encoders, None if f == "parquet" else "\t" if f == "tsv" else ",")
+        p: _Parser(
+            schema, encoders, None if f == "parquet" else "\t" if f == "tsv" else ",", keys or ()
+        )
         for p, f in formats.items()
     }
-    stream: RecordStream[Row] = RecordStream(
+    stream: RecordStream[tuple[Row, KeyRow | None]] = RecordStream(
         paths, ["parquet" if formats[p] == "parquet" else "header" for p in paths],
         batch_size=batch_size, rank=rank, world_size=world_size, drop_last=drop_last,
         what="tabular data", start=start,
     )  # fmt: skip
     for rec in stream.records():
+        parser = parsers[rec.path]
         try:
-            row = parsers[rec.path](rec)
+            row = parser(rec)
         except ValueError:
             if not skip_bad_lines:
                 raise
             stream.position.skipped += 1
             continue
-        rows = stream.add(row)
+        rows = stream.add((row, None if keys is None else parser.keys_of(rec)))
         if rows is not None:
             yield rows
     rows = stream.rest()
@@ -212,7 +238,7 @@ def fit_tabular(paths: list[str], schema: Schema, *, skip_bad_lines: bool = Fals
         paths, schema, encoders, batch_size=4096, rank=0, world_size=1,
         skip_bad_lines=skip_bad_lines, drop_last=False, start=position,
     ):  # fmt: skip
-        fit.add(rows)
+        fit.add([row for row, _ in rows])
     if fit.rows == 0:
         raise ValueError(
             f"tabular data: the training split {paths} has no data rows"
@@ -264,4 +290,18 @@ class TabularReader:
             world_size=cfg.world_size, skip_bad_lines=cfg.skip_bad_lines,
             drop_last=cfg.drop_last, start=self.position,
         ):  # fmt: skip
-            yield cfg.encoders.batch(rows)
+            yield cfg.encoders.batch([row for row, _ in rows])
+
+    def keyed(self, keys: Sequence[str]) -> Iterator[tuple[Batch, list[KeyRow]]]:
+        """Batches as :meth:`__iter__` gives them, each with its rows' ``(file index,
+        line, key column texts)``: what scores written beside their rows need."""
+        cfg = self.config
+        for rows in _batches(
+            cfg.paths, cfg.schema, cfg.encoders, batch_size=cfg.batch_size, rank=cfg.rank,
+            world_size=cfg.world_size, skip_bad_lines=cfg.skip_bad_lines,
+            drop_last=cfg.drop_last, start=self.position, keys=list(keys),
+        ):  # fmt: skip
+            yield (
+                cfg.encoders.batch([row for row, _ in rows]),
+                [k for _, k in rows if k is not None],
+            )

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import torch
@@ -190,6 +190,19 @@ def torch_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+class LaunchOptions(Protocol):
+    """What a job config tells :meth:`Launch.for_run` (both jobs' configs have these)."""
+
+    backend: str
+    ps: str
+    batch_size: int
+    validate_comm: bool
+    threads: int
+
+    @property
+    def ranks_per_replica(self) -> int: ...
+
+
 class Launch:
     """The process roles of one job, opened and always closed::
 
@@ -225,13 +238,13 @@ class Launch:
         self.role: PSRole | None = None
 
     @classmethod
-    def for_run(cls, cfg: Any) -> Launch:
+    def for_run(cls, cfg: LaunchOptions) -> Launch:
         """The launch a job config asks for: its ``backend``, ``ps``, ``batch_size``,
-        ``validate_comm`` and ``threads`` (every job's config has them), and
-        ``ranks_per_replica`` (:class:`hybridrec.cli.job_options.RunOptions`; 1 without it)."""
+        ``validate_comm``, ``threads`` and ``ranks_per_replica`` (every job's config has
+        them: :class:`hybridrec.cli.job_options.RunOptions` and the job's own fields)."""
         return cls(
             cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size,
-            ranks_per_replica=getattr(cfg, "ranks_per_replica", 1), validate=cfg.validate_comm,
+            ranks_per_replica=cfg.ranks_per_replica, validate=cfg.validate_comm,
             threads=cfg.threads,
         )  # fmt: skip
 

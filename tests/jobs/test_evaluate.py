@@ -17,10 +17,8 @@ on files the run never saw they use the run's own encoding, at any worker count.
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +34,7 @@ from hybridrec.lm.config import LMConfig
 from hybridrec.lm.job import train as train_lm
 from hybridrec.train.click_metrics import click_report
 from multiproc import ROOT, mpirun_path, rank_env
+from tabular_clicks import CLICKS_SCHEMA, write_clicks
 from tolerance import assert_close
 
 SMALL = dict(
@@ -107,34 +106,14 @@ def test_slice_report_groups_by_the_features_first_id() -> None:
     assert report["slices"]["3"]["auc"] == 1.0
 
 
-def _tabular(path: Path, rows: int, seed: int, users: list[str]) -> None:
-    rng = random.Random(seed)
-    lines = ["label,age,user,item"]
-    for _ in range(rows):
-        user = rng.choice(users)
-        item = f"i{int(rng.paretovariate(1.2)) % 50}"
-        age = rng.uniform(18, 70)
-        clicks = (zlib.crc32(user.encode()) + zlib.crc32(item.encode())) % 3 == 0
-        click = int(clicks) if rng.random() < 0.8 else rng.randint(0, 1)
-        lines.append(f"{click},{age:.1f},{user},{item}")
-    path.write_text("\n".join(lines) + "\n")
-
-
-SCHEMA = {
-    "label": {"column": "label"},
-    "dense": [{"column": "age", "standardize": True}],
-    "sparse": [{"column": "user", "vocab": True}, {"column": "item", "vocab": True}],
-}
-
-
 @pytest.mark.timeout(240)
 def test_tabular_evaluation_encodes_new_files_as_the_run_did(tmp_path: Path) -> None:
     users = [f"u{i}" for i in range(40)]
     train_p, test_p, other_p = tmp_path / "train.csv", tmp_path / "test.csv", tmp_path / "o.csv"
-    _tabular(train_p, 1_200, 1, users)
-    _tabular(test_p, 300, 2, users)
-    _tabular(other_p, 400, 3, [f"new{i}" for i in range(15)])  # values the run never saw
-    (tmp_path / "schema.json").write_text(json.dumps(SCHEMA))
+    write_clicks(train_p, 1_200, 1, users)
+    write_clicks(test_p, 300, 2, users)
+    write_clicks(other_p, 400, 3, [f"new{i}" for i in range(15)])  # values the run never saw
+    (tmp_path / "schema.json").write_text(json.dumps(CLICKS_SCHEMA))
     ckpt = tmp_path / "ckpt"
     cfg = DLRMJobConfig(
         **{**SMALL, "data": "tabular"}, data_path=[str(train_p)], data_test_path=[str(test_p)],

@@ -93,7 +93,7 @@ def max_abs_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``max |actual - expected|`` in float64 (0 for empty tensors)."""
     if actual.numel() == 0:
         return 0.0
-    return float((actual.double() - expected.double()).abs().max())
+    return float((actual.detach().double() - expected.detach().double()).abs().max())
 
 
 def assert_close(

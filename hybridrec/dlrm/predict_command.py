@@ -1,0 +1,89 @@
+"""``hybridrec predict --checkpoint DIR --input FILE [FILE ...] --out scores.csv [--key COL ...]``.
+
+A saved DLRM run's score for every row of tabular files it never saw, written beside the
+row's key columns (``.csv``, ``.jsonl`` or ``.parquet``), under python, mpirun or
+torchrun: every rank scores its share of each file and rank 0 writes all rows in file
+and line order, each once (:mod:`hybridrec.dlrm.predict`). The files are encoded with the
+vocabularies and statistics the run saved. The model is the one ``hybridrec evaluate``
+evaluates (the best validation epoch's when the run kept one), its rows in an
+in-process store unless ``--ps`` is given.
+
+The files to score are ``--input``, not ``--data``: ``--data`` is the job's own option
+(which reader, ``tabular``), taken from the checkpoint with every other one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from hybridrec.cli.errors import reported_errors
+from hybridrec.cli.evaluate import job_config, saved_run
+from hybridrec.cli.options import ConfigError, program
+from hybridrec.dlrm.predict import gather_scores, output_format, score, scored_rows, write_scores
+from hybridrec.launch.roles import Launch
+
+
+def _own_parser() -> argparse.ArgumentParser:
+    own = argparse.ArgumentParser(
+        prog=program(),
+        add_help=False,
+        description="Score every row of tabular files with a saved DLRM run; every other "
+        "option is the job's (--checkpoint DIR --help lists them).",
+    )
+    own.add_argument("--checkpoint", help="a run's --checkpoint-dir, or one step-N folder in it")
+    own.add_argument("--input", nargs="+", default=None, help="the CSV/TSV/Parquet files to score")
+    own.add_argument("--out", default=None, help="scores.csv, scores.jsonl or scores.parquet")
+    own.add_argument(
+        "--key",
+        nargs="+",
+        default=[],
+        help="columns written beside each score (default: file, line)",
+    )
+    return own
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    with reported_errors():
+        own = _own_parser()
+        args, rest = own.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+        run = saved_run(args.checkpoint, own, rest)
+        if run.job != "dlrm":
+            raise ConfigError(
+                f"--checkpoint {run.folder}: predict scores DLRM runs, not {run.job!r}"
+            )
+        if not args.input or args.out is None:
+            raise ConfigError(
+                "predict needs --input FILE [FILE ...] and --out scores.csv|jsonl|parquet"
+            )
+        output_format(args.out)
+        cls, cfg = job_config(run, rest, str(own.description))
+        if cfg.data != "tabular":
+            raise ConfigError(
+                f"--checkpoint {run.folder}: a --data {cfg.data} run; predict reads tabular "
+                "files (train with --data tabular and a schema, or score a held-out split "
+                "with hybridrec evaluate)"
+            )
+        with Launch.for_run(cfg) as launch:
+            if not launch.is_worker:
+                return
+            group = launch.group
+            job = cls(cfg, group, launch.store, roles=launch.topology,
+                      saved_config=run.meta.get("config"))  # fmt: skip
+            if job.lockstep:
+                raise ConfigError(
+                    "predict: this run's sharded tables need every rank in each forward; "
+                    "predict with --placement local or hybrid (the checkpoint loads into either)"
+                )
+            job.settle()
+            job.trainer.load_saved_model(run.model)
+            job.settle()
+            keys, probs = score(
+                job.model, scored_rows(job.source, args.input, args.key, group), job.feed,
+                cfg.precision,
+            )  # fmt: skip
+            rows = gather_scores(keys, probs, group, len(args.key))
+            if rows is not None:
+                write_scores(args.out, rows, args.key, args.input)
+                job.say(f"scored {len(rows)} rows of {len(args.input)} file(s) into {args.out}")

@@ -1,0 +1,9 @@
+"""Serving a trained DLRM: ``hybridrec export`` writes a self-contained folder
+(:mod:`hybridrec.serving.export`), :class:`Predictor` scores batches from it with no
+process group, no store and no pickle."""
+
+from hybridrec.serving.artefact import ChecksumError
+from hybridrec.serving.export import export_dlrm
+from hybridrec.serving.predictor import Predictor
+
+__all__ = ["ChecksumError", "Predictor", "export_dlrm"]
