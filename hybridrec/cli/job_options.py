@@ -35,7 +35,7 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                            "microbatches", "schedule")),
     ("checkpoints", ("checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume",
                      "overwrite_checkpoints")),
-    ("output", ("metrics_out", "log_every", "progress", "verbose")),
+    ("output", ("metrics_out", "log_every", "metrics_window", "progress", "verbose")),
     ("launch", ("device", "backend", "threads", "validate_comm")),
 )  # fmt: skip
 

@@ -161,8 +161,23 @@ class CriteoReader:
         return self.position.skipped
 
     def __iter__(self) -> Iterator[Batch]:
+        for lines in self._lines(False):
+            yield encode_lines(self.encoders, [line for line, _ in lines])
+
+    def keyed(self) -> Iterator[tuple[Batch, list[tuple[int, int, list[str]]]]]:
+        """Batches as :meth:`__iter__` gives them, each with its rows' ``(file index,
+        line, [])`` (a Criteo line has no named columns): what scores written beside
+        their rows need."""
+        for lines in self._lines(True):
+            keys = [k for _, k in lines if k is not None]
+            yield encode_lines(self.encoders, [line for line, _ in lines]), keys
+
+    def _lines(
+        self, with_keys: bool
+    ) -> Iterator[list[tuple[Line, tuple[int, int, list[str]] | None]]]:
+        """This rank's parsed lines in batches, each with where it is if ``with_keys``."""
         cfg = self.config
-        stream: RecordStream[Line] = RecordStream(
+        stream: RecordStream[tuple[Line, tuple[int, int, list[str]] | None]] = RecordStream(
             cfg.paths, "lines", batch_size=cfg.batch_size, rank=cfg.rank,
             world_size=cfg.world_size, drop_last=cfg.drop_last, what="Criteo data",
             start=self.position,
@@ -175,9 +190,9 @@ class CriteoReader:
                     raise
                 stream.position.skipped += 1
                 continue
-            lines = stream.add(row)
+            lines = stream.add((row, (rec.file_index, rec.line, []) if with_keys else None))
             if lines is not None:
-                yield encode_lines(self.encoders, lines)
+                yield lines
         lines = stream.rest()
         if lines is not None:
-            yield encode_lines(self.encoders, lines)
+            yield lines

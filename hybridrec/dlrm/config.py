@@ -146,6 +146,11 @@ class DLRMJobConfig(RunOptions):
     )
     # ---- metrics (dense parallelism, checkpoints, runtime: hybridrec.cli.job_options)
     log_every: int = option(50, help="steps between training-loss lines in the metrics file")
+    metrics_window: int = option(
+        100,
+        help="steps whose training predictions each metrics line scores (train_auc, "
+        "train_ne, train_calibration over every rank's samples); 0: none",
+    )
     verbose: bool = option(True, help="print epoch and final results (rank 0)")
 
     def __post_init__(self) -> None:
@@ -173,7 +178,7 @@ class DLRMJobConfig(RunOptions):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
             "max_steps", "threads", "criteo_rows", "patience",
-            "eval_every", "checkpoint_every", "seed",
+            "eval_every", "checkpoint_every", "seed", "metrics_window",
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -132,7 +132,13 @@ def evaluate_saved(
     settle()  # nothing in flight while the rows are replaced
     job.trainer.load_saved_model(evaluation.model)
     settle()  # the restored cache's copies dropped too: the store's rows are scored
-    job.say(f"evaluating {evaluation.model} (step {evaluation.meta.get('step')})")
+    best = evaluation.meta.get("best") if evaluation.model.name == "best" else None
+    which = (
+        f"the best validation epoch, {best['row']['epoch']}, at step {best['row']['step']}"
+        if best
+        else f"step {evaluation.meta.get('step')}"
+    )
+    job.say(f"evaluating {evaluation.model} ({which})")
     result: dict[str, Any] = {
         "kind": "evaluate",
         "checkpoint": str(evaluation.checkpoint),

@@ -53,6 +53,7 @@ from hybridrec.launch.roles import (
 from hybridrec.train.click_metrics import click_report
 from hybridrec.train.device_batches import DeviceBatches, DeviceEpochData
 from hybridrec.train.loop import Trainer, TrainerConfig, TrainResult
+from hybridrec.train.metric_window import ClickWindow
 from hybridrec.train.metrics_file import cache_metrics, store_metrics
 from hybridrec.train.precision import autocast
 from ps import Store
@@ -198,9 +199,11 @@ def train_step(
     batch: Batch,
     next_batch: Batch | None = None,
     precision: str = "fp32",
+    window: ClickWindow | None = None,
 ) -> torch.Tensor:
     """One synchronous step on this rank's ``batch``; returns its local mean loss (a 0-d
-    tensor on the model's device, read by the trainer only when it reports).
+    tensor on the model's device, read by the trainer only when it reports). ``window``
+    keeps the step's predictions for the windowed training metrics.
 
     With ``next_batch``, its ids go to the embedding cache first: they ride on this
     batch's pull (one request per server for both), so its missing rows are in the
@@ -210,6 +213,8 @@ def train_step(
     with autocast(batch.labels.device, precision):
         logits = model(batch)  # [b]
     loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+    if window is not None:
+        window.add(logits, batch.labels)
     opt.zero_grad(set_to_none=True)
     loss.backward()  # rows updated here; DataParallel buckets allreduced meanwhile
     if isinstance(model.dense, DataParallel):
@@ -305,6 +310,8 @@ class DLRMJob:
         self.say(self.memory.describe())
         stream = isinstance(self.source, StreamSource)  # ranks may hold one batch more or less
         model, opt = self.model, self.optimizer
+        # the last --metrics-window steps' predictions, scored at every step line
+        window = ClickWindow(cfg.metrics_window) if cfg.metrics_window else None
         select_best = cfg.keep_best and self.source.has_split("val")
         if cfg.patience and not select_best:
             raise ValueError(
@@ -316,9 +323,10 @@ class DLRMJob:
                 cfg, self.cached is not None or embeddings.sparse_pipelined, stream, select_best
             ),
             group=group, optimizer=opt, data=DeviceEpochData(self.source, self.feed),
-            step=lambda batch, nxt: train_step(model, opt, batch, nxt, cfg.precision),
+            step=lambda batch, nxt: train_step(model, opt, batch, nxt, cfg.precision, window),
             dense=model.dense, embeddings=model.embeddings, evaluate=self.validate,
             extras=self.extras, on_row=self.show,
+            collective_extras=None if window is None else lambda: window.report(group),
             run_config={
                 "job": "dlrm", **config_dict(cfg), "placements": placements,
                 "data_encoders": self.source.encoder_state(),

@@ -1,12 +1,12 @@
-"""Scores of a saved DLRM for every row of tabular files (``hybridrec predict``).
+"""Scores of a saved DLRM for every row of tabular or Criteo files (``hybridrec predict``).
 
 Every rank reads its share of the files (record ``i`` of a file goes to rank ``i mod
 n``, as in training), encodes it with the saved run's encoders, scores it, and sends
 ``(file, line, key columns, score)`` to rank 0, which writes one line per scored row in
 file and line order: every row that parses is scored exactly once, whatever the rank
-count. The files need no label column (it is ignored when present); a row that does
-not parse stops the run naming ``file:line``, or with ``--skip-bad-lines`` is counted
-and left out.
+count. Tabular files need no label column (it is ignored when present); Criteo lines
+are the training format (the label field is read and ignored). A row that does not
+parse stops the run naming ``file:line``, or with ``--skip-bad-lines`` is left out.
 
 Output by the name's suffix: ``.csv`` (a header, then the key columns and ``score``),
 ``.jsonl`` (one object per row) or ``.parquet`` (needs pyarrow). Without ``--key`` the
@@ -25,9 +25,11 @@ from typing import Any
 import torch
 
 from comm import ProcessGroup
+from hybridrec.datasets.criteo import CriteoConfig, CriteoReader
 from hybridrec.datasets.ctr import Batch
 from hybridrec.datasets.stream import PARQUET_HINT
 from hybridrec.datasets.tabular import KeyRow, TabularConfig, TabularReader
+from hybridrec.dlrm.data import CriteoSource
 from hybridrec.dlrm.model import DLRM
 from hybridrec.train.device_batches import DeviceBatches
 from hybridrec.train.precision import autocast
@@ -53,16 +55,28 @@ def output_format(path: str | Path) -> str:
 def scored_rows(
     source: Any, paths: Sequence[str], keys: Sequence[str], group: ProcessGroup
 ) -> Iterator[tuple[Batch, list[KeyRow]]]:
-    """This rank's rows of ``paths`` as batches with their keys, encoded as the saved run
-    encoded its own (``source``: the job's tabular source, built from the run's encoders).
-    The label is not read: the files to score need not have one."""
+    """This rank's rows of ``paths`` as batches with where they are and their ``keys``
+    columns, encoded as the saved run encoded its own (``source``: the job's tabular
+    source, built from the run's encoders, or its Criteo source). A tabular file's label
+    is not read: the files to score need not have one."""
+    cfg = source.cfg
+    if isinstance(source, CriteoSource):
+        if keys:
+            raise ValueError(
+                f"--key {' '.join(keys)}: Criteo lines have no named columns; their rows "
+                "are named by file and line"
+            )
+        config = CriteoConfig(
+            paths=list(paths), batch_size=cfg.eval_batch_size, num_rows=cfg.criteo_rows or None,
+            rank=group.rank, world_size=group.size, skip_bad_lines=cfg.skip_bad_lines,
+        )  # fmt: skip
+        return CriteoReader(config).keyed()
     schema = dataclasses.replace(source.schema, label=None)
     encoders = dataclasses.replace(source.fitted.encoders, label=None)
     reader = TabularReader(
         TabularConfig(
-            paths=list(paths), schema=schema, encoders=encoders,
-            batch_size=source.cfg.eval_batch_size, rank=group.rank, world_size=group.size,
-            skip_bad_lines=source.cfg.skip_bad_lines,
+            paths=list(paths), schema=schema, encoders=encoders, batch_size=cfg.eval_batch_size,
+            rank=group.rank, world_size=group.size, skip_bad_lines=cfg.skip_bad_lines,
         )
     )  # fmt: skip
     return reader.keyed(keys)

@@ -1,6 +1,6 @@
 """``hybridrec predict --checkpoint DIR --input FILE [FILE ...] --out scores.csv [--key COL ...]``.
 
-A saved DLRM run's score for every row of tabular files it never saw, written beside the
+A saved DLRM run's score for every row of tabular (or Criteo) files it never saw, written beside the
 row's key columns (``.csv``, ``.jsonl`` or ``.parquet``), under python, mpirun or
 torchrun: every rank scores its share of each file and rank 0 writes all rows in file
 and line order, each once (:mod:`hybridrec.dlrm.predict`). The files are encoded with the
@@ -59,11 +59,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
         output_format(args.out)
         cls, cfg = job_config(run, rest, str(own.description))
-        if cfg.data != "tabular":
+        if cfg.data not in ("tabular", "criteo"):
             raise ConfigError(
-                f"--checkpoint {run.folder}: a --data {cfg.data} run; predict reads tabular "
-                "files (train with --data tabular and a schema, or score a held-out split "
-                "with hybridrec evaluate)"
+                f"--checkpoint {run.folder}: a --data {cfg.data} run; predict reads the files "
+                "of streamed readers (tabular, criteo); score a RecBole, MovieLens or "
+                "synthetic run's held-out split with hybridrec evaluate"
             )
         with Launch.for_run(cfg) as launch:
             if not launch.is_worker:

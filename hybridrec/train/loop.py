@@ -210,7 +210,8 @@ class Trainer:
     module whose weights a checkpoint holds (default ``model``; a ``DataParallel``
     wrapper as it is); ``embeddings`` the model's embedding collection, if any.
     ``evaluate() -> {metric: value}`` (collective; None: nothing to report).
-    ``extras() -> {counter: value}`` adds to every "step" line (rank 0).
+    ``extras() -> {counter: value}`` adds to every "step" line (rank 0);
+    ``collective_extras()`` too, called on every rank (e.g. a windowed metric's gather).
     ``on_row(row)`` sees every "eval" and "epoch" row (to print them).
     ``run_config`` goes into each checkpoint; a resume whose ``run_config`` differs
     from the checkpoint's in one of ``shape_options`` stops with their names.
@@ -230,6 +231,7 @@ class Trainer:
         embeddings: EmbeddingCollection | None = None,
         evaluate: Callable[[], dict[str, Any] | None] | None = None,
         extras: Callable[[], dict[str, float]] | None = None,
+        collective_extras: Callable[[], dict[str, float]] | None = None,
         on_row: Callable[[dict[str, Any]], None] | None = None,
         run_config: dict[str, Any] | None = None,
         shape_options: Sequence[str] = (),
@@ -251,6 +253,7 @@ class Trainer:
         self.embeddings = embeddings
         self.evaluate = evaluate
         self.extras = extras
+        self.collective_extras = collective_extras
         self.on_row = on_row
         self.run_config = dict(run_config or {})
         self.shape_options = list(shape_options)
@@ -505,7 +508,7 @@ class Trainer:
         steps = StepLog(
             group=group, log=self.log, log_every=cfg.log_every,
             samples_per_step=cfg.samples_per_step, total_steps=total, start_step=step,
-            progress=cfg.progress, extras=self.extras,
+            progress=cfg.progress, extras=self.extras, collective_extras=self.collective_extras,
         )  # fmt: skip
         if cfg.eval_at_start and step == 0:
             self._eval(0)

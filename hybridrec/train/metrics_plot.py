@@ -2,11 +2,11 @@
 
 What the picture shows depends on what the run logged:
 
-* a click model (``val_auc`` / ``val_logloss`` / ``test_auc``): left, log loss in
-  nats per sample (the training loss of each logged stretch of steps as a line,
-  validation as dots, the test result as a star, the popularity baseline dashed);
-  right, ROC AUC (unitless; 0.5 is chance, 1 a perfect ranking) on its own axis,
-  with the same marks;
+* a click model (``val_auc`` / ``val_logloss`` / ``test_auc``): left, log loss in nats
+  per sample (the training loss of each logged stretch of steps as a line, validation
+  as dots, the test result as a star, the popularity baseline dashed); right, ROC AUC
+  (unitless; 0.5 is chance, 1 a perfect ranking) on its own axis, with the same marks
+  and the training AUC over the recent steps' window (``train_auc``) as a line;
 * a language model (``val_loss`` / ``val_ppl``): left, cross-entropy in nats per
   token (training line, validation dots); right, validation perplexity on a log
   scale;
@@ -137,6 +137,9 @@ def metrics_figure(rows: list[dict[str, Any]], title: str = "") -> Any:
               label="validation")  # fmt: skip
         _final_marks(ax_loss, final, "test_logloss", "popularity_logloss")
         _finish(ax_loss, "log loss (nats per sample)", "log loss (lower is better)")
+        # training AUC over the last --metrics-window steps, at each step line
+        _line(ax_auc, series(rows, ("step",), "train_auc"), lw=0.9, color=TRAIN,
+              label="training (window)")  # fmt: skip
         _line(ax_auc, series(rows, evals, "val_auc"), marker="o", color=VAL, label="validation")
         _final_marks(ax_auc, final, "test_auc", "popularity_auc")
         _finish(ax_auc, "ROC AUC (0.5 = chance, 1 = perfect)", "AUC (higher is better)")

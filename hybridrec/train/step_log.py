@@ -37,12 +37,16 @@ class StepLog:
         start_step: int = 0,
         progress: bool = True,
         extras: Callable[[], dict[str, float]] | None = None,
+        collective_extras: Callable[[], dict[str, float]] | None = None,
     ) -> None:
+        """``extras``: counters read on rank 0 for each step line; ``collective_extras``:
+        figures every rank computes together for it (a windowed metric's gather)."""
         self.group = group
         self.log = log
         self.log_every = log_every
         self.samples_per_step = samples_per_step  # global: every rank's samples together
         self.extras = extras
+        self.collective_extras = collective_extras
         self.bar = Progress(total_steps, rank=group.rank, enabled=progress, initial=start_step)
         self._acc = LossSums()  # [sum of local mean losses, steps]
         self._since = time.perf_counter()
@@ -73,6 +77,10 @@ class StepLog:
             / max(now - self._since, 1e-9),
         }
         self.last_loss = float(row["loss"])
+        if self.collective_extras is not None:
+            shared = self.collective_extras()  # every rank, every line: it is collective
+            if self.group.rank == 0:
+                row.update(shared)
         if self.extras is not None and self.group.rank == 0:
             row.update(self.extras())
         self.log.write(row)

@@ -4,6 +4,7 @@ baseline against brute-force definitions."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -126,3 +127,52 @@ def test_click_report_per_slice_equals_each_slice_alone() -> None:
     assert isinstance(ints, dict) and list(ints) == ["0", "1"]
     with pytest.raises(ValueError, match="300 labels but 2 slice values"):
         click_report(y, p, np.zeros(2))
+
+
+@pytest.mark.timeout(120)
+def test_the_window_scores_the_last_steps_of_every_rank(tmp_path: Path) -> None:
+    """The metrics file's windowed training AUC is the AUC of the last N steps' samples:
+    replayed here from the same predictions, through a window that drops older steps."""
+    from comm import LocalGroup
+    from hybridrec.train.metric_window import ClickWindow
+
+    window = ClickWindow(3)
+    gen = torch.Generator().manual_seed(0)
+    steps = [(torch.randn(50, generator=gen), torch.randint(0, 2, (50,), generator=gen).float())
+             for _ in range(5)]  # fmt: skip
+    for logits, labels in steps:
+        window.add(logits, labels)
+    got = window.report(LocalGroup())
+    probs = torch.cat([torch.sigmoid(lg) for lg, _ in steps[2:]])
+    labels = torch.cat([y for _, y in steps[2:]])
+    assert got["window_samples"] == 150.0
+    assert got["train_auc"] == roc_auc(labels, probs)
+    assert got["train_ne"] == normalized_entropy(labels, probs)
+    assert got["train_calibration"] == calibration(labels, probs)
+    with pytest.raises(ValueError, match="needs >= 1 step, got 0"):
+        ClickWindow(0)
+
+
+@pytest.mark.timeout(240)
+def test_step_lines_carry_the_windowed_metrics(tmp_path: Path) -> None:
+    import json
+
+    import comm
+    from hybridrec.dlrm.config import DLRMJobConfig
+    from hybridrec.dlrm.job import train
+
+    out = tmp_path / "m.jsonl"
+    train(DLRMJobConfig(data="synthetic", synthetic_samples=2_000, synthetic_rows=200,
+                        batch_size=100, epochs=1, dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1],
+                        verbose=False, progress=False, log_every=5, metrics_window=4,
+                        metrics_out=str(out)), comm.LocalGroup())  # fmt: skip
+    lines = [json.loads(s) for s in out.read_text().splitlines()]
+    steps = [r for r in lines if r["kind"] == "step"]
+    assert steps and all(r["window_samples"] == 400 for r in steps)  # 4 steps x 100
+    assert all(0.0 <= r["train_auc"] <= 1.0 and r["train_ne"] > 0 for r in steps)
+    train(DLRMJobConfig(data="synthetic", synthetic_samples=2_000, synthetic_rows=200,
+                        batch_size=100, epochs=1, dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1],
+                        verbose=False, progress=False, log_every=5, metrics_window=0,
+                        metrics_out=str(tmp_path / "off.jsonl")), comm.LocalGroup())  # fmt: skip
+    off = [json.loads(s) for s in (tmp_path / "off.jsonl").read_text().splitlines()]
+    assert not any("train_auc" in r for r in off)

@@ -157,3 +157,50 @@ def test_unlabelled_files_bad_rows_and_formats(trained: Path, tmp_path: Path) ->
     predict_main(["--checkpoint", str(trained / "ckpt"), "--input", str(trained / "score.csv"),
                   "--out", str(pq_out), "--no-progress"])  # fmt: skip
     assert pq.read_table(pq_out).num_rows == 257
+
+
+@pytest.mark.timeout(240)
+def test_criteo_lines_scored_once_in_order(tmp_path: Path) -> None:
+    """A Criteo run's scores for a new TSV file: each line once, named by file and line,
+    the same probabilities as the evaluation's path gives its validation split."""
+    import random
+
+    from criteo_fixture import write_criteo_fixture
+    from hybridrec.cli.evaluate import job_config, saved_run
+    from hybridrec.datasets.criteo import NUM_CAT, NUM_INT
+    from hybridrec.dlrm.evaluate import predictions
+    from ps import InProcessStore
+
+    rng = random.Random(3)
+
+    def rows(n: int) -> list[list[str]]:
+        def line() -> list[str]:
+            ints = [str(rng.randint(0, 40)) for _ in range(NUM_INT)]
+            return [
+                str(rng.randint(0, 1)),
+                *ints,
+                *(f"{rng.getrandbits(6):08x}" for _ in range(NUM_CAT)),
+            ]
+
+        return [line() for _ in range(n)]
+
+    write_criteo_fixture(tmp_path / "day0.tsv", rows(600))
+    write_criteo_fixture(tmp_path / "day1.tsv", rows(133))
+    cfg = DLRMJobConfig(data="criteo", criteo_path=[str(tmp_path / "day0.tsv")], criteo_rows=300,
+                        checkpoint_dir=str(tmp_path / "ckpt"), keep_best=False, **SMALL)  # type: ignore[arg-type]  # fmt: skip
+    train(cfg, comm.LocalGroup())
+    out = tmp_path / "s.jsonl"
+    predict_main(["--checkpoint", str(tmp_path / "ckpt"), "--input", str(tmp_path / "day1.tsv"),
+                  "--out", str(out), "--no-progress"])  # fmt: skip
+    got = [json.loads(s) for s in out.read_text().splitlines()]
+    assert [r["line"] for r in got] == list(range(1, 134))
+    run = saved_run(str(tmp_path / "ckpt"), None, [])  # type: ignore[arg-type]
+    cls, job_cfg = job_config(run, ["--criteo-val-path", str(tmp_path / "day1.tsv")], "test")
+    job = cls(job_cfg, comm.LocalGroup(), InProcessStore(), saved_config=run.meta["config"])
+    job.trainer.load_saved_model(run.model)
+    probs, _, _ = predictions(job.model, job.source.eval_batches("val"), job.group, False,
+                              job.feed)  # fmt: skip
+    assert torch.equal(torch.tensor([r["score"] for r in got], dtype=torch.float64), probs.double())
+    with pytest.raises(SystemExit):
+        predict_main(["--checkpoint", str(tmp_path / "ckpt"), "--input", str(tmp_path / "day1.tsv"),
+                      "--out", str(out), "--key", "C1"])  # fmt: skip
