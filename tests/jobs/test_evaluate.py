@@ -8,9 +8,9 @@ on files the run never saw they use the run's own encoding, at any worker count.
 * Tabular files: the evaluation encodes with the vocabularies and statistics the run
   saved, not ones fitted again, so a test file whose values the training files do not
   hold (or another --data-path) still scores as the run scored it.
-* Under ``mpirun -n 2`` and ``-n 4`` the evaluation of a one-worker checkpoint reshards
-  it and scores every test sample once: the AUC equals the one-process evaluation within
-  the rounding of differently sized batches.
+* Under ``mpirun -n 2``, ``-n 4`` and torchrun (gloo, 2 ranks) the evaluation of a
+  one-worker checkpoint reshards it and scores every test sample once: the AUC equals the
+  one-process evaluation within the rounding of differently sized batches.
 * The GPT: the evaluation's validation loss equals the final one of the run.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from hybridrec.dlrm.job import train
 from hybridrec.lm.config import LMConfig
 from hybridrec.lm.job import train as train_lm
 from hybridrec.train.click_metrics import click_report
-from multiproc import ROOT, mpirun_path, rank_env
+from multiproc import EXIT_ABORT, ROOT, free_port, mpirun_path, rank_env
 from tabular_clicks import CLICKS_SCHEMA, write_clicks
 from tolerance import assert_close
 
@@ -134,9 +135,9 @@ def test_tabular_evaluation_encodes_new_files_as_the_run_did(tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("launcher", ["mpirun-2", "mpirun-4", "torchrun-2"])
 def test_evaluation_under_mpirun_reshards_and_scores_every_sample_once(
-    tmp_path: Path, ranks: int
+    tmp_path: Path, launcher: str
 ) -> None:
     ckpt = tmp_path / "ckpt"
     train(
@@ -145,10 +146,26 @@ def test_evaluation_under_mpirun_reshards_and_scores_every_sample_once(
     )
     one = _evaluate(tmp_path, "--checkpoint", str(ckpt))
     out = tmp_path / "two.json"
-    cmd = [mpirun_path(), "-n", str(ranks), sys.executable, "-m", "hybridrec", "evaluate",
+    kind, ranks = launcher.split("-")
+    start = (
+        [mpirun_path(), "-n", ranks, sys.executable, "-m"]
+        if kind == "mpirun"
+        else [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", ranks,
+              "--master-port", str(free_port()), "-m"]
+    )  # fmt: skip
+    cmd = [*start, "hybridrec", "evaluate",
            "--checkpoint", str(ckpt), "--no-progress", "--verbose", "--out", str(out)]  # fmt: skip
     done = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=240,
                           cwd=ROOT)  # fmt: skip
+    if done.returncode != 0 and out.is_file() and EXIT_ABORT in done.stdout + done.stderr:
+        # rank 0 wrote the result, then a rank aborted in torch's teardown at exit: the
+        # rare upstream race tests/support/multiproc.py reruns once for too
+        warnings.warn(
+            f"{launcher}: a rank aborted at exit after its work; rerun once", stacklevel=1
+        )
+        out.unlink()
+        done = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=240,
+                              cwd=ROOT)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     two = json.loads(out.read_text())
     assert two["test_count"] == one["test_count"] == 300

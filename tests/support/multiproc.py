@@ -133,7 +133,7 @@ def _run_torch_ranks(
     return _collect(procs, timeout, what)
 
 
-_EXIT_ABORT = "terminate called without an active exception"
+EXIT_ABORT = "terminate called without an active exception"
 
 
 def _exit_abort_only(report: str) -> bool:
@@ -146,7 +146,7 @@ def _exit_abort_only(report: str) -> bool:
     aborted = [r for r in ranks if "(exit -6)" in r.splitlines()[0]]
     others_ok = all("(exit 0)" in r.splitlines()[0] for r in ranks if r not in aborted)
     last_lines = [r.strip().splitlines()[-1] for r in aborted]
-    return bool(aborted) and others_ok and all(line == _EXIT_ABORT for line in last_lines)
+    return bool(aborted) and others_ok and all(line == EXIT_ABORT for line in last_lines)
 
 
 def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
