@@ -29,9 +29,8 @@ import numpy as np
 import torch
 
 import comm
-from hybridrec.cli.evaluate import saved_options, step_folder
+from hybridrec.cli.evaluate import saved_options, saved_run
 from hybridrec.cli.export import main as export_main
-from hybridrec.cli.export import saved_model
 from hybridrec.cli.options import parse_config
 from hybridrec.datasets.ctr import Batch, gather_batch
 from hybridrec.dlrm.config import DLRMJobConfig
@@ -53,12 +52,11 @@ def _say(text: str) -> None:
 
 def training_job(ckpt: Path) -> DLRMJob:
     """The job ``hybridrec evaluate`` builds for ``ckpt`` with its saved model loaded."""
-    folder = step_folder(ckpt)
-    meta = json.loads((folder / "meta.json").read_text())
-    cfg = parse_config(DLRMJobConfig, [], "", base=saved_options(meta["config"], DLRMJobConfig))
-    job = DLRMJob(cfg, comm.LocalGroup(), InProcessStore(), saved_config=meta["config"])
+    run = saved_run(str(ckpt), None, [])  # type: ignore[arg-type]  # a checkpoint is given
+    cfg = parse_config(DLRMJobConfig, [], "", base=saved_options(run.meta["config"], DLRMJobConfig))
+    job = DLRMJob(cfg, comm.LocalGroup(), InProcessStore(), saved_config=run.meta["config"])
     job.settle()
-    job.trainer.load_saved_model(saved_model(folder, meta))
+    job.trainer.load_saved_model(run.model)
     job.settle()
     job.model.eval()
     return job

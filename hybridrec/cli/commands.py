@@ -38,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "calibration, per slice",
     ),
     "predict": (
-        "hybridrec.dlrm.predict_command",
+        "hybridrec.cli.predict",
         "score every row of tabular files with a saved DLRM run (csv, jsonl or parquet out)",
     ),
     "export": (

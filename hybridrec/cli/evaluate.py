@@ -135,10 +135,13 @@ def saved_run(checkpoint: str | None, own: argparse.ArgumentParser, rest: list[s
     return SavedRun(folder, meta, name, best if kept_best else folder / "model")
 
 
-def job_config(run: SavedRun, rest: list[str], description: str) -> tuple[Any, Any]:
-    """``(job class, job config)``: the saved run's options under the command line's."""
+def job_config(
+    run: SavedRun, rest: list[str], description: str, overrides: dict[str, Any] | None = None
+) -> tuple[Any, Any]:
+    """``(job class, job config)``: the saved run's options, then ``overrides`` (what the
+    command needs, e.g. every table in this process), then the command line's."""
     cls = job_class(run.job)
-    base = saved_options(run.meta.get("config") or {}, cls.config_class)
+    base = saved_options(run.meta.get("config") or {}, cls.config_class) | (overrides or {})
     return cls, parse_config(cls.config_class, rest, f"{description} (a {run.job} run)", base)
 
 

@@ -25,8 +25,8 @@ from typing import Any
 
 from comm import LocalGroup
 from hybridrec.cli.errors import reported_errors
-from hybridrec.cli.evaluate import job_class, job_name, saved_options, step_folder
-from hybridrec.cli.options import ConfigError, parse_config, program
+from hybridrec.cli.evaluate import job_config, saved_run
+from hybridrec.cli.options import ConfigError, program
 from hybridrec.serving.export import export_dlrm
 from hybridrec.serving.quantize import TABLE_DTYPES
 from ps import InProcessStore
@@ -65,46 +65,20 @@ def _own_parser() -> argparse.ArgumentParser:
     return own
 
 
-def saved_model(folder: Path, meta: dict[str, Any]) -> Path:
-    """The model ``hybridrec evaluate`` scores in step folder ``folder``: the run's
-    ``best/`` when it kept one and ``folder`` is its newest checkpoint, else ``model/``."""
-    latest = folder.parent / "latest"
-    newest = latest.is_file() and latest.read_text(encoding="utf-8").strip() == folder.name
-    best = folder.parent / "best"
-    return (
-        best
-        if meta.get("best") and newest and (best / "model.json").is_file()
-        else folder / "model"
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Build the saved job in this process, load its model, write the export."""
     with reported_errors():
-        args_in = list(sys.argv[1:] if argv is None else argv)
         own = _own_parser()
-        args, rest = own.parse_known_args(args_in)
-        if args.checkpoint is None:
-            if "-h" in rest or "--help" in rest:
-                own.print_help()
-                raise SystemExit(0)
+        args, rest = own.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+        run = saved_run(args.checkpoint, own, rest)
+        if run.job != "dlrm":
             raise ConfigError(
-                "--checkpoint is required (a run's --checkpoint-dir or a step folder)"
+                f"--checkpoint {run.folder}: export serves DLRM runs; this is a {run.job} run"
             )
-        folder = step_folder(args.checkpoint)
-        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+        folder, meta, model_dir = run.folder, run.meta, run.model
         config = meta.get("config") or {}
-        name = job_name(config)
-        if name != "dlrm":
-            raise ConfigError(
-                f"--checkpoint {folder}: export serves DLRM runs; this is a {name} run"
-            )
-        cls = job_class(name)
-        model_dir = saved_model(folder, meta)
-        base = saved_options(config, cls.config_class) | IN_PROCESS
-        base |= in_process_placements(model_dir)
-        description = f"{own.description} This checkpoint is the {name} job's."
-        cfg = parse_config(cls.config_class, rest, description, base=base)
+        overrides = IN_PROCESS | in_process_placements(model_dir)
+        cls, cfg = job_config(run, rest, str(own.description), overrides)
         if args.out is None:
             raise ConfigError("--out is required (the new folder to write the export into)")
         job = cls(cfg, LocalGroup(), InProcessStore(), saved_config=config)

@@ -1,17 +1,22 @@
-"""``Predictor(MODEL_DIR)``: click probabilities from an export, without a process group,
-a store or any pickle.
+"""``Predictor(MODEL_DIR)``: click probabilities from an export, without a process group
+or any pickle.
 
-Loading checks every file's size and sha256 against the manifest, memory-maps the row
-files and rebuilds the dense part from its config and ``.npy`` weights. ``predict``
-looks up and dequantizes only the rows a batch names, pools them per feature as the
-training model does and runs the dense part::
+Loading checks every file's size and sha256 against the manifest, reads the tables into
+memory when they fit (else memory-maps the row files, optionally behind a hot-row cache;
+or pulls rows from Redis) and rebuilds the dense part from its config and ``.npy``
+weights. ``predict`` looks up and pools the fixed tables of one dim and row format
+together, as the training model's fused local tables do (one gather and one
+``embedding_bag`` for all their features, :class:`hybridrec.serving.tables.TableGroup`),
+and runs the dense part::
 
-    batch.sparse (K features, B samples) --lookup + pool--> K x [B, D]
+    batch.sparse (K features, B samples) --one lookup + pool per group--> [K * B, D]
+        --split per feature--> K x [B, D]
     batch.dense [B, num_dense] ---------------------------> DLRMDense -> logits [B] -> sigmoid
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +27,60 @@ from embedding import KeyedJaggedIds
 from hybridrec.datasets.ctr import Batch
 from hybridrec.datasets.encode import Encoders, Row
 from hybridrec.serving.artefact import ExportReader
-from hybridrec.serving.tables import ServingTable
+from hybridrec.serving.redis_rows import PREFIX, RedisRows
+from hybridrec.serving.tables import ServingTable, TableGroup
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine can give without swapping (``MemAvailable``), or its
+    physical memory where ``/proc/meminfo`` is not there."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+# A feature as the predictor serves it: (index in the dense part's order, name, table,
+# pooling).
+Entry = tuple[int, str, ServingTable, str]
 
 
 class Predictor:
     """A loaded export. ``predict(batch)`` -> probabilities float32 ``[B]``.
 
     ``device``: where the dense part runs (rows are looked up on the host and moved in
-    one copy per feature). ``verify``: check every file's sha256 (the sizes are always
-    checked); off, loading reads nothing of the row files but their headers."""
+    one copy per group). ``verify``: check every file's sha256 (the sizes are always
+    checked); off, loading reads nothing of the row files but their headers.
 
-    def __init__(self, folder: str | Path, device: str | torch.device = "cpu", verify: bool = True):
+    Where the rows are read from:
+
+    * ``tables_in_memory=True``: every table's rows copied once into one tensor per
+      group (stored dtype: fp16 and int8 stay compact); ``False``: the row files
+      memory-mapped, so tables larger than memory serve from the page cache; ``None``
+      (default): in memory when the row files fit ``memory_budget`` bytes (default half
+      the memory available at load), else mapped.
+    * ``hot_rows=N`` (mapped tables): a direct-mapped cache of N decoded rows per table
+      (:class:`hybridrec.serving.tables.HotRows`); unused when the tables are in memory.
+    * ``redis_url``: rows pulled from Redis under ``redis_prefix``, written there once by
+      :func:`hybridrec.serving.load_into_redis` (float32; fp16 and int8 decoded on load).
+    """
+
+    def __init__(
+        self,
+        folder: str | Path,
+        device: str | torch.device = "cpu",
+        verify: bool = True,
+        *,
+        tables_in_memory: bool | None = None,
+        memory_budget: int | None = None,
+        hot_rows: int | None = None,
+        redis_url: str | None = None,
+        redis_prefix: str = PREFIX,
+    ):
         self.reader = ExportReader.open(folder, verify=verify)
         m = self.reader.manifest
         if m.get("kind") != "dlrm":
@@ -49,6 +97,41 @@ class Predictor:
         self.encoders = (
             Encoders.from_state(self.reader.json(m["encoders"])) if m.get("encoders") else None
         )
+        self.redis: RedisRows | None = None
+        if redis_url is not None:
+            self.redis = RedisRows(redis_url, redis_prefix, list(self.tables.values()))
+        plan, self.singles = self._plan()
+        grouped = {t.name: t for feats in plan for _, _, t, _ in feats}
+        need = sum(t.nbytes for t in grouped.values())
+        if tables_in_memory is None:
+            budget = available_memory() // 2 if memory_budget is None else memory_budget
+            tables_in_memory = self.redis is None and need <= budget
+        self.tables_in_memory = bool(tables_in_memory) and self.redis is None
+        self.groups: list[TableGroup] = [
+            TableGroup.build(
+                feats,
+                in_memory=self.tables_in_memory,
+                hot_rows=hot_rows,
+                source=self.redis,
+            )
+            for feats in plan
+        ]
+
+    def _plan(self) -> tuple[list[list[Entry]], list[Entry]]:
+        """The features of each group (``(index, feature, table, pooling)`` lists, one per
+        dim and row format: fixed tables pooled "sum" or "mean"; with Redis every table,
+        by dim), and the features served one by one (dynamic tables read from files)."""
+        groups: dict[tuple[int, str], list[Entry]] = {}
+        singles: list[Entry] = []
+        for i, f in enumerate(self.features):
+            t = self.tables[f["table"]]
+            entry = (i, f["name"], t, f["pooling"])
+            if f["pooling"] in ("sum", "mean") and (t.num_rows is not None or self.redis):
+                key = (t.dim, "fp32" if self.redis else t.dtype)
+                groups.setdefault(key, []).append(entry)
+            else:
+                singles.append(entry)
+        return list(groups.values()), singles
 
     def _dense(self, files: dict[str, str]) -> DLRMDense:
         """The dense part rebuilt from its config, its weights from the ``.npy`` files."""
@@ -66,6 +149,18 @@ class Predictor:
     def table_bytes(self) -> int:
         """Bytes of every table's row files (what a row format changes)."""
         return sum(t.nbytes for t in self.tables.values())
+
+    def cache_stats(self) -> dict[str, dict[str, int]]:
+        """Hits, misses and slots of each table's hot-row cache (empty without one)."""
+        out: dict[str, dict[str, int]] = {}
+        for g in self.groups:
+            out.update(g.cache_stats())
+        return out
+
+    def close(self) -> None:
+        """Close the Redis connection (the only resource a predictor holds)."""
+        if self.redis is not None:
+            self.redis.close()
 
     # ------------------------------------------------------------ scoring
 
@@ -105,13 +200,23 @@ class Predictor:
             if dense is None:
                 raise TypeError("predict: give a Batch, or sparse ids and dense features")
         self._check(sparse, dense)
-        pooled = []  # per feature, in the dense part's order: [B, D]
-        for f in self.features:
-            table = self.tables[f["table"]]
-            bag = sparse.key_slice(f["name"])
-            table.check_ids(f["name"], bag.ids)
-            pooled.append(table.pool(bag, f["pooling"]).to(self.device))
-        return self.dense(dense.to(self.device), pooled)
+        sparse = sparse.to("cpu")  # rows are looked up on the host
+        b = sparse.batch_size
+        pooled: list[torch.Tensor | None] = [None] * len(self.features)  # [B, D] each
+        for g in self.groups:
+            sub = sparse if g.names == sparse.keys else sparse.select(g.names)
+            out = g.pool(sub)  # [K_g * B, D], feature-major
+            # Contiguous [B, D] views, as the training forward splits its lookup.
+            for f, part in zip(
+                g.features, out.view(len(g.features), b, g.dim).unbind(0), strict=True
+            ):
+                pooled[f.index] = part
+        for i, name, table, pooling in self.singles:
+            bag = sparse.key_slice(name)
+            table.check_ids(name, bag.ids)
+            pooled[i] = table.pool(bag, pooling)
+        parts = [p.to(self.device) for p in pooled if p is not None]
+        return self.dense(dense.to(self.device), parts)
 
     def predict(
         self, batch: Batch | KeyedJaggedIds, dense: torch.Tensor | None = None

@@ -8,6 +8,9 @@
 * fp16 within 1e-3 of fp32's probabilities; int8 tables in at most 0.3x the bytes, test
   AUC within 0.003 of fp32's.
 * A hybrid-placement run behind a cache exports too (its rows read from the store).
+* Memory-mapped tables, with and without a hot-row cache, and rows loaded into a real
+  redis-server score as the in-memory tables bit for bit: the same float32 rows (fp16
+  and int8 decoded by one formula), summed per bag in the same order.
 * Tampered or truncated files, unknown features, ids out of a table's range and dense
   features of the wrong dtype or shape are refused with errors naming them.
 """
@@ -25,16 +28,16 @@ import torch
 import comm
 from embedding import KeyedJaggedIds
 from hybridrec.cli import commands
-from hybridrec.cli.evaluate import saved_options, step_folder
+from hybridrec.cli.evaluate import saved_options, saved_run
 from hybridrec.cli.export import main as export_main
-from hybridrec.cli.export import saved_model
 from hybridrec.cli.options import parse_config
 from hybridrec.datasets.ctr import Batch
 from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.dlrm.job import DLRMJob, train
-from hybridrec.serving import ChecksumError, Predictor
+from hybridrec.serving import ChecksumError, Predictor, load_into_redis
 from hybridrec.train.click_metrics import roc_auc
 from ps import InProcessStore
+from redis_server import redis_server
 from tolerance import assert_same
 
 # dim 64: an int8 row (D codes + 8 bytes of scale and bias) is 0.28 of a float32 row.
@@ -52,13 +55,11 @@ def _export(ckpt: Path, out: Path, tables: str = "fp32") -> Predictor:
 
 def _training_model(ckpt: Path) -> DLRMJob:
     """The job ``hybridrec evaluate`` builds for ``ckpt``, its saved model loaded."""
-    folder = step_folder(ckpt)
-    meta = json.loads((folder / "meta.json").read_text())
-    config = meta["config"]
-    cfg = parse_config(DLRMJobConfig, [], "", base=saved_options(config, DLRMJobConfig))
-    job = DLRMJob(cfg, comm.LocalGroup(), InProcessStore(), saved_config=config)
+    run = saved_run(str(ckpt), None, [])  # type: ignore[arg-type]  # a checkpoint is given
+    cfg = parse_config(DLRMJobConfig, [], "", base=saved_options(run.meta["config"], DLRMJobConfig))
+    job = DLRMJob(cfg, comm.LocalGroup(), InProcessStore(), saved_config=run.meta["config"])
     job.settle()
-    job.trainer.load_saved_model(saved_model(folder, meta))
+    job.trainer.load_saved_model(run.model)
     job.settle()
     job.model.eval()
     return job
@@ -220,3 +221,56 @@ def test_export_help_and_errors(capsys: pytest.CaptureFixture[str], tmp_path: Pa
         commands.main(["export", "--checkpoint", str(tmp_path)])
     assert info.value.code == 2
     assert "neither a checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_mapped_tables_and_hot_rows_score_as_in_memory(run: dict[str, Any]) -> None:
+    batches = run["batches"]
+    for t in ("fp32", "int8"):
+        folder = run["tmp"] / t
+        in_memory = run["preds"][t]
+        assert in_memory.tables_in_memory  # 26 x 200 rows fit any budget
+        want = _scores(in_memory, batches)
+        mapped = Predictor(folder, memory_budget=0)  # over the budget: memory-mapped
+        assert not mapped.tables_in_memory
+        assert torch.equal(_scores(mapped, batches), want), t
+        hot = Predictor(folder, tables_in_memory=False, hot_rows=32)
+        assert torch.equal(_scores(hot, batches), want), t
+        assert torch.equal(_scores(hot, batches), want), t  # the second pass: mostly hits
+        stats = hot.cache_stats()
+        assert len(stats) == len(in_memory.tables)
+        assert sum(s["hits"] for s in stats.values()) > 0
+        assert all(s["slots"] == 32 for s in stats.values())
+    with pytest.raises(ValueError, match="hot_rows must be an int > 0"):
+        Predictor(run["tmp"] / "fp32", tables_in_memory=False, hot_rows=0)
+
+
+@pytest.mark.timeout(300)
+def test_rows_from_redis_score_as_in_memory(run: dict[str, Any]) -> None:
+    batches = run["batches"]
+    secret = "s3rv1ng-pw"
+    with redis_server(password=secret) as srv:
+        url = f"redis://:{secret}@{srv.host}:{srv.port}/0"
+        with pytest.raises(ValueError, match="no table .* under prefix 'serving'") as info:
+            Predictor(run["tmp"] / "fp32", redis_url=url)
+        assert secret not in str(info.value) and "***" in str(info.value)
+        for t in ("fp32", "int8"):  # int8: decoded into float32 rows on the way in
+            folder = run["tmp"] / t
+            names = load_into_redis(folder, url, prefix=f"serving-{t}")
+            assert names == list(run["preds"][t].tables)
+            pred = Predictor(folder, redis_url=url, redis_prefix=f"serving-{t}")
+            try:
+                assert not pred.tables_in_memory and pred.redis is not None
+                got = _scores(pred, batches)
+            finally:
+                pred.close()
+            assert torch.equal(got, _scores(run["preds"][t], batches)), t
+        # Another model's tables under the prefix: refused, naming the table.
+        small = dict(SMALL, synthetic_rows=100, synthetic_samples=1_000, epochs=1)
+        other = run["tmp"] / "other"
+        train(DLRMJobConfig(**small, checkpoint_dir=str(other / "ckpt")), comm.LocalGroup())
+        _export(other / "ckpt", other / "fp32")
+        load_into_redis(other / "fp32", url, prefix="serving-other")
+        with pytest.raises(ValueError, match="has 100 rows of dim 64, the export 200") as info:
+            Predictor(run["tmp"] / "fp32", redis_url=url, redis_prefix="serving-other")
+        assert secret not in str(info.value)

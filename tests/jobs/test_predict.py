@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import comm
+from hybridrec.cli.predict import main as predict_main
 from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.dlrm.job import train
-from hybridrec.dlrm.predict_command import main as predict_main
 from multiproc import ROOT, mpirun_path, rank_env
 from tabular_clicks import CLICKS_SCHEMA, write_clicks
 from tolerance import assert_close
