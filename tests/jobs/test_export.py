@@ -274,3 +274,78 @@ def test_rows_from_redis_score_as_in_memory(run: dict[str, Any]) -> None:
         with pytest.raises(ValueError, match="has 100 rows of dim 64, the export 200") as info:
             Predictor(run["tmp"] / "fp32", redis_url=url, redis_prefix="serving-other")
         assert secret not in str(info.value)
+
+
+@pytest.mark.timeout(300)
+def test_raw_tabular_rows_score_as_the_run_encodes_them(tmp_path: Path) -> None:
+    """``predict_rows`` on raw rows of a file equals the training model on the reader's
+    batches of it: the same saved encoders, one batch each way, the same model."""
+    from hybridrec.cli.evaluate import job_config
+    from hybridrec.dlrm.evaluate import predictions
+    from tabular_clicks import CLICKS_SCHEMA, write_clicks
+
+    users = [f"u{i}" for i in range(20)]
+    write_clicks(tmp_path / "train.csv", 800, 1, users)
+    write_clicks(tmp_path / "new.csv", 120, 2, [*users, "unseen"])
+    (tmp_path / "schema.json").write_text(json.dumps(CLICKS_SCHEMA))
+    ckpt = tmp_path / "ckpt"
+    cfg = DLRMJobConfig(
+        **{**SMALL, "data": "tabular"}, data_path=[str(tmp_path / "train.csv")],
+        schema=str(tmp_path / "schema.json"), checkpoint_dir=str(ckpt), keep_best=False,
+    )  # fmt: skip
+    train(cfg, comm.LocalGroup())
+    pred = _export(ckpt, tmp_path / "model")
+    lines = (tmp_path / "new.csv").read_text().splitlines()[1:]
+    rows = []
+    for line in lines:
+        label, age, user, item = line.split(",")
+        rows.append((float(label), [float(age)], [[user], [item]]))
+    got = pred.predict_rows(rows)  # [120]
+    run = saved_run(str(ckpt), None, [])  # type: ignore[arg-type]
+    cls, job_cfg = job_config(run, ["--data-test-path", str(tmp_path / "new.csv")], "test")
+    job = cls(job_cfg, comm.LocalGroup(), InProcessStore(), saved_config=run.meta["config"])
+    job.trainer.load_saved_model(run.model)
+    want, _, _ = predictions(job.model, job.source.eval_batches("test"), job.group, False,
+                             job.feed)  # fmt: skip
+    assert_same(got, want, what="raw rows vs the reader's batches",
+                why="the same encoders and model on one batch of the same rows")  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_dynamic_tables_export_their_ids(tmp_path: Path) -> None:
+    """A Criteo run with dynamic tables (rows made on first sight): the export keeps each
+    table's ids, scores the validation lines as the training model does, and an id never
+    trained reads as the table's initial row, as the store would give it."""
+    import random
+
+    from criteo_fixture import write_criteo_fixture
+    from hybridrec.datasets.criteo import NUM_CAT, NUM_INT
+
+    rng = random.Random(5)
+
+    def line() -> list[str]:
+        ints = [str(rng.randint(0, 40)) for _ in range(NUM_INT)]
+        return [
+            str(rng.randint(0, 1)),
+            *ints,
+            *(f"{rng.getrandbits(7):08x}" for _ in range(NUM_CAT)),
+        ]
+
+    write_criteo_fixture(tmp_path / "day0.tsv", [line() for _ in range(500)])
+    write_criteo_fixture(tmp_path / "day1.tsv", [line() for _ in range(150)])
+    ckpt = tmp_path / "ckpt"
+    cfg = DLRMJobConfig(
+        **{**SMALL, "data": "criteo", "epochs": 1}, criteo_path=[str(tmp_path / "day0.tsv")],
+        criteo_val_path=[str(tmp_path / "day1.tsv")], criteo_rows=0, placement="hybrid",
+        checkpoint_dir=str(ckpt), keep_best=False,
+    )  # fmt: skip
+    train(cfg, comm.LocalGroup())
+    pred = _export(ckpt, tmp_path / "model")
+    assert any((tmp_path / "model" / "tables").glob("*.ids.npy"))
+    job = _training_model(ckpt)
+    batches = list(job.source.eval_batches("val"))
+    with torch.no_grad():
+        want = torch.cat([torch.sigmoid(job.model(b)) for b in batches])
+    got = torch.cat([pred.predict(b) for b in batches])
+    why = "the same rows (trained or initial) summed per bag in the same order"
+    assert_same(got, want, what="dynamic tables' export vs training forward", why=why)
