@@ -55,9 +55,7 @@ def training_job(ckpt: Path) -> DLRMJob:
     run = saved_run(str(ckpt), None, [])  # type: ignore[arg-type]  # a checkpoint is given
     cfg = parse_config(DLRMJobConfig, [], "", base=saved_options(run.meta["config"], DLRMJobConfig))
     job = DLRMJob(cfg, comm.LocalGroup(), InProcessStore(), saved_config=run.meta["config"])
-    job.settle()
-    job.trainer.load_saved_model(run.model)
-    job.settle()
+    job.load_saved(run.model)
     job.model.eval()
     return job
 

@@ -83,9 +83,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise ConfigError("--out is required (the new folder to write the export into)")
         job = cls(cfg, LocalGroup(), InProcessStore(), saved_config=config)
         try:
-            job.settle()
-            job.trainer.load_saved_model(model_dir)
-            job.settle()  # nothing pending: the store's rows are the ones exported
+            job.load_saved(model_dir)  # settled: the store's rows are the ones exported
             encoders = config.get("data_encoders")
             if encoders is None and getattr(job.source, "encoders", None) is not None:
                 encoders = job.source.encoders.to_state()  # a data set read whole (MovieLens)

@@ -76,9 +76,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "predict: this run's sharded tables need every rank in each forward; "
                     "predict with --placement local or hybrid (the checkpoint loads into either)"
                 )
-            job.settle()
-            job.trainer.load_saved_model(run.model)
-            job.settle()
+            job.load_saved(run.model)
             keys, probs = score(
                 job.model, scored_rows(job.source, args.input, args.key, group), job.feed,
                 cfg.precision,

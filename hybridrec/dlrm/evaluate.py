@@ -10,7 +10,8 @@ run printed its test split: ``test AUC 0.7788  logloss 0.5600  NE 0.8129  calibr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -21,7 +22,6 @@ from hybridrec.dlrm.model import DLRM
 from hybridrec.train.batches import agreed
 from hybridrec.train.click_metrics import click_report
 from hybridrec.train.device_batches import DeviceBatches
-from hybridrec.train.loop import Trainer
 from hybridrec.train.precision import autocast
 
 # What evaluation reports (validation rows as val_<name>, the result as test_<name>):
@@ -101,9 +101,10 @@ class EvaluatedJob(Protocol):
     feed: DeviceBatches
     source: Any
     cfg: Any
-    trainer: Trainer
 
     def say(self, text: str) -> None: ...
+
+    def load_saved(self, folder: Path) -> None: ...
 
 
 def evaluate_saved(
@@ -111,13 +112,11 @@ def evaluate_saved(
     evaluation: Any,
     *,
     features: Sequence[str],
-    settle: Callable[[], object],
 ) -> dict[str, Any]:
     """Collective: load ``evaluation.model`` (a saved model folder) into ``job``, score
     each split and say it as the training run said its test split, per slice after it.
-    ``features``: the sparse features a ``--slice-by`` may name; ``settle``: what makes
-    the model's tables final before scoring (the sparse pipeline off, the cache's
-    pending updates pushed). Returns ``{"kind": "evaluate", split: report, ...}``."""
+    ``features``: the sparse features a ``--slice-by`` may name. Returns ``{"kind":
+    "evaluate", split: report, ...}``."""
     slice_by = evaluation.slice_by
     if slice_by is not None and slice_by not in features:
         raise ValueError(
@@ -129,9 +128,7 @@ def evaluate_saved(
     for split in splits:
         if not source.has_split(split):
             raise ValueError(f"--split {split}: {source.describe()} has no {split} split")
-    settle()  # nothing in flight while the rows are replaced
-    job.trainer.load_saved_model(evaluation.model)
-    settle()  # the restored cache's copies dropped too: the store's rows are scored
+    job.load_saved(evaluation.model)
     best = evaluation.meta.get("best") if evaluation.model.name == "best" else None
     which = (
         f"the best validation epoch, {best['row']['epoch']}, at step {best['row']['step']}"

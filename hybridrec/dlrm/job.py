@@ -21,6 +21,7 @@ and its plot. ``--help`` lists every option.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -341,9 +342,14 @@ class DLRMJob:
     def evaluate_saved(self, evaluation: Any) -> dict[str, Any]:
         """Collective: a saved model's metrics on the splits ``evaluation`` names
         (``hybridrec evaluate``, :mod:`hybridrec.dlrm.evaluate`)."""
-        return evaluate_saved(
-            self, evaluation, features=[f.name for f in self.source.features], settle=self.settle
-        )
+        return evaluate_saved(self, evaluation, features=[f.name for f in self.source.features])
+
+    def load_saved(self, folder: str | Path) -> None:
+        """Collective: a saved model (a checkpoint's ``model/`` or a run's ``best/``) in
+        place of this job's, its tables settled for scoring (:meth:`settle`)."""
+        self.settle()  # nothing in flight while the rows are replaced
+        self.trainer.load_saved_model(folder)
+        self.settle()  # the restored cache's copies dropped too: the store's rows are scored
 
     def settle(self) -> dict[str, dict[str, Any]] | None:
         """The tables final before scoring held-out data: the sparse pipeline's pushes

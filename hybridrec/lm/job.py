@@ -24,6 +24,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -365,6 +366,18 @@ class LMJob:
         names = self.ngram_tables
         return int(sum(s["rows_pulled"] + s["rows_pushed"] for n, s in stats.items() if n in names))
 
+    def load_saved(self, folder: str | Path) -> None:
+        """Collective: a saved model (a checkpoint's ``model/``) in place of this job's,
+        its token tables settled for scoring: nothing in flight, no cached copies (the
+        store's rows are scored)."""
+        if self.model.embeddings is not None:
+            self.model.embeddings.set_sparse_pipeline(False)
+        if self.cached is not None:
+            self.cached.flush()
+        self.trainer.load_saved_model(folder)
+        if self.cached is not None:
+            self.cached.clear()
+
     def evaluate_saved(self, evaluation: Any) -> dict[str, Any]:
         """Collective: a saved model's validation loss, perplexity and bits per byte
         (``hybridrec evaluate``; the GPT's corpus has a validation split only)."""
@@ -375,11 +388,7 @@ class LMJob:
                 )
         if evaluation.slice_by is not None:
             raise ValueError("--slice-by: the language model has no features to slice by")
-        if self.model.embeddings is not None:  # nothing in flight while rows are replaced
-            self.model.embeddings.set_sparse_pipeline(False)
-        self.trainer.load_saved_model(evaluation.model)
-        if self.cached is not None:  # the store's rows are scored, not restored copies
-            self.cached.clear()
+        self.load_saved(evaluation.model)
         self.say(f"evaluating {evaluation.model} (step {evaluation.meta.get('step')})")
         row = self.validate()
         loss = row["val_loss"]

@@ -58,9 +58,7 @@ def _training_model(ckpt: Path) -> DLRMJob:
     run = saved_run(str(ckpt), None, [])  # type: ignore[arg-type]  # a checkpoint is given
     cfg = parse_config(DLRMJobConfig, [], "", base=saved_options(run.meta["config"], DLRMJobConfig))
     job = DLRMJob(cfg, comm.LocalGroup(), InProcessStore(), saved_config=run.meta["config"])
-    job.settle()
-    job.trainer.load_saved_model(run.model)
-    job.settle()
+    job.load_saved(run.model)
     job.model.eval()
     return job
 
@@ -304,7 +302,7 @@ def test_raw_tabular_rows_score_as_the_run_encodes_them(tmp_path: Path) -> None:
     run = saved_run(str(ckpt), None, [])  # type: ignore[arg-type]
     cls, job_cfg = job_config(run, ["--data-test-path", str(tmp_path / "new.csv")], "test")
     job = cls(job_cfg, comm.LocalGroup(), InProcessStore(), saved_config=run.meta["config"])
-    job.trainer.load_saved_model(run.model)
+    job.load_saved(run.model)
     want, _, _ = predictions(job.model, job.source.eval_batches("test"), job.group, False,
                              job.feed)  # fmt: skip
     assert_same(got, want, what="raw rows vs the reader's batches",

@@ -94,7 +94,7 @@ def test_scores_are_the_models(trained: Path, tmp_path: Path) -> None:
     cls, cfg = job_config(run, ["--data-test-path", str(trained / "score.csv")], "test")
     job = cls(cfg, comm.LocalGroup(), __import__("ps").InProcessStore(),
               saved_config=run.meta["config"])  # fmt: skip
-    job.trainer.load_saved_model(run.model)
+    job.load_saved(run.model)
     probs, _, _ = predictions(job.model, job.source.eval_batches("test"), job.group, False,
                               job.feed)  # fmt: skip
     # Bit for bit: the same float32 probabilities, written with repr (round-trips).
@@ -197,7 +197,7 @@ def test_criteo_lines_scored_once_in_order(tmp_path: Path) -> None:
     run = saved_run(str(tmp_path / "ckpt"), None, [])  # type: ignore[arg-type]
     cls, job_cfg = job_config(run, ["--criteo-val-path", str(tmp_path / "day1.tsv")], "test")
     job = cls(job_cfg, comm.LocalGroup(), InProcessStore(), saved_config=run.meta["config"])
-    job.trainer.load_saved_model(run.model)
+    job.load_saved(run.model)
     probs, _, _ = predictions(job.model, job.source.eval_batches("val"), job.group, False,
                               job.feed)  # fmt: skip
     assert torch.equal(torch.tensor([r["score"] for r in got], dtype=torch.float64), probs.double())
