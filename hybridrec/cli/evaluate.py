@@ -27,6 +27,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from hybridrec.checkpoint.run_checkpoint import latest_checkpoint
 from hybridrec.cli.errors import reported_errors
 from hybridrec.cli.options import ConfigError, parse_config, program
 from hybridrec.launch.roles import Launch
@@ -53,12 +54,9 @@ def step_folder(path: str | Path) -> Path:
     folder = Path(path)
     if (folder / "meta.json").is_file():
         return folder
-    latest = folder / "latest"
-    if latest.is_file():
-        step = folder / latest.read_text(encoding="utf-8").strip()
-        if (step / "meta.json").is_file():
-            return step
-        raise FileNotFoundError(f"--checkpoint {folder}: 'latest' names {step.name}, not found")
+    newest = latest_checkpoint(folder)  # ValueError if 'latest' names an incomplete one
+    if newest is not None:
+        return newest
     raise FileNotFoundError(
         f"--checkpoint {folder}: neither a checkpoint (no meta.json) nor a checkpoint folder "
         "(no 'latest'); give a run's --checkpoint-dir or one of its step-N folders"
@@ -90,14 +88,37 @@ def saved_options(config: dict[str, Any], config_class: type) -> dict[str, Any]:
     return base
 
 
-def _own_parser() -> argparse.ArgumentParser:
+def saved_run_parser(what: str) -> argparse.ArgumentParser:
+    """The options of an after-training command (``evaluate``, ``predict``, ``export``):
+    ``--checkpoint`` here, the command's own added by the caller; every other option is
+    the saved job's. ``what``: the first half of the description."""
     own = argparse.ArgumentParser(
         prog=program(),
         add_help=False,
-        description="Evaluate a saved run on any data; every other option is the job's "
-        "(--checkpoint DIR --help lists them).",
+        description=f"{what}; every other option is the job's (--checkpoint DIR --help lists "
+        "them).",
     )
     own.add_argument("--checkpoint", help="a run's --checkpoint-dir, or one step-N folder in it")
+    return own
+
+
+def open_saved(
+    own: argparse.ArgumentParser, argv: Sequence[str] | None, command: str, jobs: Sequence[str]
+) -> tuple[argparse.Namespace, SavedRun, list[str]]:
+    """``(the command's options, the saved run, the job's options)`` of ``argv``; a run of
+    a job other than ``jobs`` is refused naming both."""
+    args, rest = own.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    run = saved_run(args.checkpoint, own, rest)
+    if run.job not in jobs:
+        raise ConfigError(
+            f"--checkpoint {run.folder}: {command} serves {' and '.join(jobs)} runs; this is "
+            f"a {run.job} run"
+        )
+    return args, run, rest
+
+
+def _own_parser() -> argparse.ArgumentParser:
+    own = saved_run_parser("Evaluate a saved run on any data")
     own.add_argument(
         "--split", choices=SPLITS, default=None, help="what to evaluate (default: the job's)"
     )
@@ -128,8 +149,7 @@ def saved_run(checkpoint: str | None, own: argparse.ArgumentParser, rest: list[s
     name = job_name(meta.get("config") or {})
     if name not in JOBS:
         raise ConfigError(f"--checkpoint {folder}: saved by an unknown job {name!r}")
-    latest = folder.parent / "latest"
-    newest = latest.is_file() and latest.read_text(encoding="utf-8").strip() == folder.name
+    newest = latest_checkpoint(folder.parent) == folder
     best = folder.parent / "best"
     kept_best = bool(meta.get("best")) and newest and (best / "model.json").is_file()
     return SavedRun(folder, meta, name, best if kept_best else folder / "model")
@@ -148,8 +168,7 @@ def job_config(
 def parse_evaluation(argv: Sequence[str] | None) -> tuple[Evaluation, Any, Any, str | None]:
     """``(evaluation, job class, job config, --out)`` from the command line."""
     own = _own_parser()
-    args, rest = own.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    run = saved_run(args.checkpoint, own, rest)
+    args, run, rest = open_saved(own, argv, "evaluate", tuple(JOBS))
     cls, cfg = job_config(run, rest, str(own.description))
     splits = () if args.split is None else ("test", "val") if args.split == "all" else (args.split,)
     return Evaluation(run.folder, run.model, run.meta, splits, args.slice_by), cls, cfg, args.out

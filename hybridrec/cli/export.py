@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from comm import LocalGroup
 from hybridrec.cli.errors import reported_errors
-from hybridrec.cli.evaluate import job_config, saved_run
-from hybridrec.cli.options import ConfigError, program
+from hybridrec.cli.evaluate import job_config, open_saved, saved_run_parser
+from hybridrec.cli.options import ConfigError
 from hybridrec.serving.export import export_dlrm
 from hybridrec.serving.quantize import TABLE_DTYPES
 from ps import InProcessStore
@@ -49,13 +48,7 @@ def in_process_placements(model_dir: Path) -> dict[str, Any]:
 
 
 def _own_parser() -> argparse.ArgumentParser:
-    own = argparse.ArgumentParser(
-        prog=program(),
-        add_help=False,
-        description="Export a saved DLRM run for serving (hybridrec.serving.Predictor); every "
-        "other option is the job's (--checkpoint DIR --help lists them).",
-    )
-    own.add_argument("--checkpoint", help="a run's --checkpoint-dir, or one step-N folder in it")
+    own = saved_run_parser("Export a saved DLRM run for serving (hybridrec.serving.Predictor)")
     own.add_argument("--out", help="the new folder to write the export into")
     own.add_argument(
         "--tables", choices=TABLE_DTYPES, default="fp32",
@@ -69,12 +62,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Build the saved job in this process, load its model, write the export."""
     with reported_errors():
         own = _own_parser()
-        args, rest = own.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-        run = saved_run(args.checkpoint, own, rest)
-        if run.job != "dlrm":
-            raise ConfigError(
-                f"--checkpoint {run.folder}: export serves DLRM runs; this is a {run.job} run"
-            )
+        args, run, rest = open_saved(own, argv, "export", ("dlrm",))
         folder, meta, model_dir = run.folder, run.meta, run.model
         config = meta.get("config") or {}
         overrides = IN_PROCESS | in_process_placements(model_dir)
@@ -84,9 +72,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         job = cls(cfg, LocalGroup(), InProcessStore(), saved_config=config)
         try:
             job.load_saved(model_dir)  # settled: the store's rows are the ones exported
-            encoders = config.get("data_encoders")
-            if encoders is None and getattr(job.source, "encoders", None) is not None:
-                encoders = job.source.encoders.to_state()  # a data set read whole (MovieLens)
+            # the encoders that made the run's batches (a tabular run's the saved ones)
+            encoders = None if job.source.encoders is None else job.source.encoders.to_state()
             export_dlrm(
                 job.model, args.out, tables=args.tables,
                 job_config={k: v for k, v in config.items() if k != "data_encoders"},

@@ -15,24 +15,17 @@ The files to score are ``--input``, not ``--data``: ``--data`` is the job's own 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
 from hybridrec.cli.errors import reported_errors
-from hybridrec.cli.evaluate import job_config, saved_run
-from hybridrec.cli.options import ConfigError, program
+from hybridrec.cli.evaluate import job_config, open_saved, saved_run_parser
+from hybridrec.cli.options import ConfigError
 from hybridrec.dlrm.predict import gather_scores, output_format, score, scored_rows, write_scores
 from hybridrec.launch.roles import Launch
 
 
 def _own_parser() -> argparse.ArgumentParser:
-    own = argparse.ArgumentParser(
-        prog=program(),
-        add_help=False,
-        description="Score every row of tabular files with a saved DLRM run; every other "
-        "option is the job's (--checkpoint DIR --help lists them).",
-    )
-    own.add_argument("--checkpoint", help="a run's --checkpoint-dir, or one step-N folder in it")
+    own = saved_run_parser("Score every row of tabular or Criteo files with a saved DLRM run")
     own.add_argument("--input", nargs="+", default=None, help="the CSV/TSV/Parquet files to score")
     own.add_argument("--out", default=None, help="scores.csv, scores.jsonl or scores.parquet")
     own.add_argument(
@@ -47,12 +40,7 @@ def _own_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     with reported_errors():
         own = _own_parser()
-        args, rest = own.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-        run = saved_run(args.checkpoint, own, rest)
-        if run.job != "dlrm":
-            raise ConfigError(
-                f"--checkpoint {run.folder}: predict scores DLRM runs, not {run.job!r}"
-            )
+        args, run, rest = open_saved(own, argv, "predict", ("dlrm",))
         if not args.input or args.out is None:
             raise ConfigError(
                 "predict needs --input FILE [FILE ...] and --out scores.csv|jsonl|parquet"

@@ -112,20 +112,24 @@ class _Parser:
             self._key_at = [names.index(k) for k in self.keys]
         return self._where
 
-    def keys_of(self, rec: Record) -> KeyRow:
-        """``(file index, line, key column texts)`` of a record :meth:`__call__` parsed."""
-        values = (
-            rec.raw
-            if self.delimiter is None
-            else decode_line(rec.raw, rec.where).split(self.delimiter)
-        )
-        return rec.file_index, rec.line, [_text(values[i]) or "" for i in self._key_at]
+    def _values(self, rec: Record) -> Sequence[Any]:
+        """The record's fields: a Parquet row's values, or a line decoded and split."""
+        if self.delimiter is None:
+            return rec.raw
+        return decode_line(rec.raw, rec.where).split(self.delimiter)
 
     def __call__(self, rec: Record) -> Row:
+        return self._row(rec, self._values(rec))
+
+    def keyed(self, rec: Record) -> tuple[Row, KeyRow]:
+        """The record's row, and ``(file index, line, key column texts)`` from the same
+        fields (the line decoded once)."""
+        values = self._values(rec)
+        row = self._row(rec, values)
+        return row, (rec.file_index, rec.line, [_text(values[i]) or "" for i in self._key_at])
+
+    def _row(self, rec: Record, values: Sequence[Any]) -> Row:
         where = rec.where
-        values = (
-            rec.raw if self.delimiter is None else decode_line(rec.raw, where).split(self.delimiter)
-        )
         cols = self._columns(rec.header, rec.path)
         if len(values) != len(self._names):
             raise ValueError(
@@ -192,13 +196,13 @@ def _batches(
     for rec in stream.records():
         parser = parsers[rec.path]
         try:
-            row = parser(rec)
+            parsed = (parser(rec), None) if keys is None else parser.keyed(rec)
         except ValueError:
             if not skip_bad_lines:
                 raise
             stream.position.skipped += 1
             continue
-        rows = stream.add((row, None if keys is None else parser.keys_of(rec)))
+        rows = stream.add(parsed)
         if rows is not None:
             yield rows
     rows = stream.rest()

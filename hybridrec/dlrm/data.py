@@ -26,7 +26,13 @@ import numpy as np
 import torch
 
 from comm import ProcessGroup
-from hybridrec.datasets.criteo import CAT_NAMES, NUM_INT, CriteoConfig, CriteoReader
+from hybridrec.datasets.criteo import (
+    CAT_NAMES,
+    NUM_INT,
+    CriteoConfig,
+    CriteoReader,
+    criteo_encoders,
+)
 from hybridrec.datasets.ctr import Batch, CTRData, gather_batch
 from hybridrec.datasets.encode import Encoders, VocabEncoder
 from hybridrec.datasets.movielens import read_movielens
@@ -193,12 +199,14 @@ class StreamSource:
     def baseline(self) -> tuple[float, float] | None:
         return None
 
+    encoders: Encoders  # how this source's files turn into batches
+
     def encoder_state(self) -> dict[str, Any] | None:
         """Criteo's hashing is all in the options: nothing to keep."""
         return None
 
     def value_names(self, feature: str) -> list[str] | None:
-        return None
+        return value_names(self.encoders, feature)
 
 
 class CriteoSource(StreamSource):
@@ -209,6 +217,7 @@ class CriteoSource(StreamSource):
         rows = cfg.criteo_rows or None
         self.features = [Feature(name, rows) for name in CAT_NAMES]
         self.num_dense = NUM_INT
+        self.encoders = criteo_encoders(rows)
 
     def describe(self) -> str:
         rows = self.cfg.criteo_rows or "dynamic"
@@ -257,6 +266,7 @@ class TabularSource(StreamSource):
             )
         else:
             self.fitted = TabularFit(encoders=saved_encoders(encoders, self.schema, cfg.schema))
+        self.encoders = self.fitted.encoders
         self.features = [
             Feature(c.column, n, multi=c.separator is not None)
             for c, n in zip(self.schema.sparse, self.fitted.num_rows(), strict=True)
@@ -273,10 +283,7 @@ class TabularSource(StreamSource):
 
     def encoder_state(self) -> dict[str, Any] | None:
         """The fitted vocabularies and statistics, as JSON data (a checkpoint keeps them)."""
-        return self.fitted.encoders.to_state()
-
-    def value_names(self, feature: str) -> list[str] | None:
-        return value_names(self.fitted.encoders, feature)
+        return self.encoders.to_state()
 
     def _split_paths(self, split: str) -> list[str]:
         return list(

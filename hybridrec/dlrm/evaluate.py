@@ -3,9 +3,10 @@ saved run (``hybridrec evaluate``).
 
 :func:`predictions` runs the model over this rank's batches and gathers every rank's
 probabilities and labels (and a feature's value per sample, for per-slice metrics);
-:func:`click_metrics` is what the training run reports of them; :func:`evaluate_saved`
-loads a checkpoint's model into a built job and reports each split the way the training
-run printed its test split: ``test AUC 0.7788  logloss 0.5600  NE 0.8129  calibration 0.965``.
+:func:`hybridrec.train.click_metrics.metric_values` is what the training run reports of
+them; :func:`evaluate_saved` loads a checkpoint's model into a built job and reports each
+split the way the training run printed its test split, e.g. ``test AUC 0.7788  logloss
+0.5600  NE 0.8129  calibration 0.965``.
 """
 
 from __future__ import annotations
@@ -20,14 +21,9 @@ from comm import ProcessGroup
 from hybridrec.datasets.ctr import Batch
 from hybridrec.dlrm.model import DLRM
 from hybridrec.train.batches import agreed
-from hybridrec.train.click_metrics import click_report
+from hybridrec.train.click_metrics import click_report, metric_values
 from hybridrec.train.device_batches import DeviceBatches
 from hybridrec.train.precision import autocast
-
-# What evaluation reports (validation rows as val_<name>, the result as test_<name>):
-# ROC AUC, log loss (nats per sample), normalized entropy (log loss over the entropy of
-# the base rate) and calibration (mean predicted over observed click rate).
-CLICK_METRICS = ("auc", "logloss", "ne", "calibration")
 
 
 def slice_values(batch: Batch, feature: str) -> torch.Tensor:
@@ -71,12 +67,6 @@ def predictions(
     y = group.allgatherv(torch.cat(labels).cpu().contiguous())
     v = group.allgatherv(torch.cat(values).contiguous()) if slice_by is not None else None
     return p, y, v
-
-
-def click_metrics(report: dict[str, Any]) -> dict[str, float]:
-    """:data:`CLICK_METRICS` of a :func:`click_report`, NaN where one has no value (AUC
-    and NE of a one-class set)."""
-    return {k: float("nan") if report[k] is None else float(report[k]) for k in CLICK_METRICS}
 
 
 def metrics_line(name: str, scores: dict[str, Any]) -> str:
@@ -149,7 +139,7 @@ def evaluate_saved(
             job.cfg.precision, slice_by,
         )  # fmt: skip
         report = click_report(labels, probs, values)
-        scores = click_metrics(report)
+        scores = metric_values(report)
         result.update({f"{split}_{k}": v for k, v in scores.items()})
         result[f"{split}_count"] = report["count"]
         job.say(metrics_line(split, scores))

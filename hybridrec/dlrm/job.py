@@ -36,7 +36,7 @@ from hybridrec.cli.run_job import parse_job_args, run_job, train_in_group
 from hybridrec.datasets.ctr import Batch
 from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.dlrm.data import Feature, Source, StreamSource, open_source
-from hybridrec.dlrm.evaluate import CLICK_METRICS, click_metrics, evaluate_saved, predictions
+from hybridrec.dlrm.evaluate import evaluate_saved, predictions
 from hybridrec.dlrm.model import DLRM, build_dlrm, dlrm_tables
 from hybridrec.launch.existing_tables import prepare_tables
 from hybridrec.launch.job_cache import (
@@ -51,7 +51,7 @@ from hybridrec.launch.roles import (
     describe_device,
     describe_roles,
 )
-from hybridrec.train.click_metrics import click_report
+from hybridrec.train.click_metrics import CLICK_METRICS, click_report, metric_values
 from hybridrec.train.device_batches import DeviceBatches, DeviceEpochData
 from hybridrec.train.loop import Trainer, TrainerConfig, TrainResult
 from hybridrec.train.metric_window import ClickWindow
@@ -235,7 +235,7 @@ def evaluate(
     """:data:`CLICK_METRICS` over every rank's ``batches`` (collective; NaN where one
     has no value: AUC and NE of a one-class set)."""
     probs, labels, _ = predictions(model, batches, group, lockstep, feed, precision)
-    return click_metrics(click_report(labels, probs))
+    return metric_values(click_report(labels, probs))
 
 
 # ---------------------------------------------------------------- train

@@ -89,18 +89,19 @@ def score(
     feed: DeviceBatches,
     precision: str,
 ) -> tuple[list[KeyRow], torch.Tensor]:
-    """This rank's keys and probabilities ``[n]`` (float32, on the host)."""
+    """This rank's keys and probabilities ``[n]`` (float32, on the host). ``feed`` copies
+    each batch to the device while the one before is scored (its keys ride along); the
+    scores stay on the device until the end."""
     model.eval()
     keys: list[KeyRow] = []
-    probs = [torch.empty(0)]
-    for batch, batch_keys in rows:
-        (on_device,) = feed.batches([batch])
+    probs = [torch.empty(0, device=feed.device)]
+    for on_device, batch_keys in feed.batches(rows, pairs=True):
         with autocast(feed.device, precision):
             logits = model(on_device)
-        probs.append(torch.sigmoid(logits.float()).cpu())
+        probs.append(torch.sigmoid(logits.float()))
         keys.extend(batch_keys)
     model.train()
-    return keys, torch.cat(probs)
+    return keys, torch.cat(probs).cpu()
 
 
 def _gathered(group: ProcessGroup, rows: torch.Tensor) -> list[torch.Tensor]:

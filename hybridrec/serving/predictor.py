@@ -230,7 +230,7 @@ class Predictor:
         if self.encoders is None:
             raise ValueError(
                 "predict_rows: this export has no data encoders (its run read a data set "
-                "whose ids are made by its reader, e.g. synthetic or Criteo); use predict"
+                "whose ids are made by its reader, e.g. synthetic); use predict"
             )
         names = [e.name for e in self.encoders.sparse]
         if sorted(names) != sorted(self.feature_names):

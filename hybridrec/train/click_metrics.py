@@ -90,6 +90,18 @@ def popularity_scores(
     return ((clicks + smoothing * rate) / (views + smoothing))[q]
 
 
+# The metrics a report gives as numbers (validation rows as val_<name>, the DLRM result
+# as test_<name>, the training window as train_<name>): ROC AUC, log loss (nats per
+# sample), normalized entropy and calibration.
+CLICK_METRICS = ("auc", "logloss", "ne", "calibration")
+
+
+def metric_values(report: dict[str, Any]) -> dict[str, float]:
+    """:data:`CLICK_METRICS` of a :func:`click_report` as floats, NaN where one has no
+    value (AUC and NE of a one-class set, anything of an empty one)."""
+    return {k: float("nan") if report[k] is None else float(report[k]) for k in CLICK_METRICS}
+
+
 def _binary_entropy(rate: float) -> float:
     """Entropy in nats of a Bernoulli(``rate``) label."""
     return float(-(rate * np.log(rate) + (1.0 - rate) * np.log(1.0 - rate)))

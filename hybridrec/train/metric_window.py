@@ -17,7 +17,7 @@ from collections import deque
 import torch
 
 from comm import ProcessGroup
-from hybridrec.train.click_metrics import click_report
+from hybridrec.train.click_metrics import click_report, metric_values
 
 
 class ClickWindow:
@@ -41,14 +41,6 @@ class ClickWindow:
         labels = torch.cat([y.cpu() for _, y in kept] or [torch.empty(0)])
         both = group.allgatherv(torch.stack([probs, labels], dim=1).contiguous())  # [n, 2]
         report = click_report(both[:, 1], both[:, 0])
-
-        def value(key: str) -> float:
-            v = report[key]
-            return float("nan") if v is None else float(v)
-
-        return {
-            "train_auc": value("auc"),
-            "train_ne": value("ne"),
-            "train_calibration": value("calibration"),
-            "window_samples": float(report["count"]),
-        }
+        values = metric_values(report)
+        out = {f"train_{k}": values[k] for k in ("auc", "ne", "calibration")}
+        return {**out, "window_samples": float(report["count"])}
