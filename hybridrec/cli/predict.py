@@ -1,7 +1,8 @@
 """``hybridrec predict --checkpoint DIR --input FILE [FILE ...] --out scores.csv [--key COL ...]``.
 
-A saved DLRM run's score for every row of tabular (or Criteo) files it never saw, written beside the
-row's key columns (``.csv``, ``.jsonl`` or ``.parquet``), under python, mpirun or
+A saved DLRM run's score for every row of tabular or Criteo files it never saw (or of a
+folder of RecBole atomic files, for a RecBole or MovieLens run), written beside the row's
+key columns (``.csv``, ``.jsonl`` or ``.parquet``), under python, mpirun or
 torchrun: every rank scores its share of each file and rank 0 writes all rows in file
 and line order, each once (:mod:`hybridrec.dlrm.predict`). The files are encoded with the
 vocabularies and statistics the run saved. The model is the one ``hybridrec evaluate``
@@ -25,8 +26,13 @@ from hybridrec.launch.roles import Launch
 
 
 def _own_parser() -> argparse.ArgumentParser:
-    own = saved_run_parser("Score every row of tabular or Criteo files with a saved DLRM run")
-    own.add_argument("--input", nargs="+", default=None, help="the CSV/TSV/Parquet files to score")
+    own = saved_run_parser("Score every row of tabular, Criteo or RecBole data with a saved DLRM")
+    own.add_argument(
+        "--input",
+        nargs="+",
+        default=None,
+        help="the CSV/TSV/Parquet or Criteo files to score, or one RecBole folder",
+    )
     own.add_argument("--out", default=None, help="scores.csv, scores.jsonl or scores.parquet")
     own.add_argument(
         "--key",
@@ -47,11 +53,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
         output_format(args.out)
         cls, cfg = job_config(run, rest, str(own.description))
-        if cfg.data not in ("tabular", "criteo"):
+        if cfg.data == "synthetic":
             raise ConfigError(
-                f"--checkpoint {run.folder}: a --data {cfg.data} run; predict reads the files "
-                "of streamed readers (tabular, criteo); score a RecBole, MovieLens or "
-                "synthetic run's held-out split with hybridrec evaluate"
+                f"--checkpoint {run.folder}: a --data synthetic run has no files to score; "
+                "score its held-out split with hybridrec evaluate"
             )
         with Launch.for_run(cfg) as launch:
             if not launch.is_worker:
@@ -65,11 +70,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "predict with --placement local or hybrid (the checkpoint loads into either)"
                 )
             job.load_saved(run.model)
-            keys, probs = score(
-                job.model, scored_rows(job.source, args.input, args.key, group), job.feed,
-                cfg.precision,
-            )  # fmt: skip
+            files, batches = scored_rows(job.source, args.input, args.key, group)
+            keys, probs = score(job.model, batches, job.feed, cfg.precision)
             rows = gather_scores(keys, probs, group, len(args.key))
             if rows is not None:
-                write_scores(args.out, rows, args.key, args.input)
-                job.say(f"scored {len(rows)} rows of {len(args.input)} file(s) into {args.out}")
+                write_scores(args.out, rows, args.key, files)
+                job.say(f"scored {len(rows)} rows of {len(files)} file(s) into {args.out}")

@@ -112,6 +112,10 @@ class CTRData:
         raise KeyError(f"no sparse feature {name!r}; have {self.feature_names}")
 
 
+# Where a row is and its key columns: (file index, line in the file, the columns' texts).
+KeyRow = tuple[int, int, list[str]]
+
+
 @dataclass(kw_only=True, slots=True)
 class Batch:
     """``B`` samples: dense features, sparse ids of every feature, labels.

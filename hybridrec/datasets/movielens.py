@@ -95,9 +95,14 @@ def read_movielens(
     seed: int = 0,
     fractions: tuple[float, float, float] = (0.8, 0.1, 0.1),
     path: Path | None = None,
+    encoders: Encoders | None = None,
 ) -> tuple[CTRData, Encoders]:
-    """:func:`load_movielens`, and the encoders that built its features."""
+    """:func:`load_movielens`, and the encoders that built its features (``encoders``:
+    a saved run's, used as they are)."""
     root = movielens_dir() if path is None else Path(path)
     if not (root / "ml-100k.inter").is_file():
         raise FileNotFoundError(f"MovieLens-100k: {root / 'ml-100k.inter'} does not exist")
-    return read_recbole(root, schema_from_dict(MOVIELENS_SCHEMA), seed=seed, fractions=fractions)
+    return read_recbole(
+        root, schema_from_dict(MOVIELENS_SCHEMA), seed=seed, fractions=fractions,
+        encoders=encoders,
+    )  # fmt: skip

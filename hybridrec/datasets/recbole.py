@@ -35,13 +35,22 @@ each distinct value once. A hashed field's values are hashed as text.
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from hybridrec.datasets.ctr import CTRData, split_indices
+from hybridrec.datasets.ctr import (
+    Batch,
+    CTRData,
+    KeyRow,
+    SparseFeature,
+    gather_batch,
+    split_indices,
+)
 from hybridrec.datasets.encode import (
     BucketEncoder,
     Column,
@@ -71,6 +80,7 @@ class AtomicTable:
     names: list[str]
     types: list[str]
     columns: dict[str, list[str]]
+    lines: list[int]  # the file line of each row (the header is line 1)
 
     def __len__(self) -> int:
         return len(self.columns[self.names[0]]) if self.names else 0
@@ -132,8 +142,9 @@ def read_atomic(path: Path, *, skip_bad_lines: bool = False) -> tuple[AtomicTabl
     if bad_rows:
         skipped += len(bad_rows)
         rows = [r for k, r in enumerate(rows) if k not in bad_rows]
+        linenos = [line for k, line in enumerate(linenos) if k not in bad_rows]
     columns = {n: [r[j] for r in rows] for j, n in enumerate(names)}
-    return AtomicTable(path, names, types, columns), skipped
+    return AtomicTable(path, names, types, columns, linenos), skipped
 
 
 def _is_numbers(value: str) -> bool:
@@ -176,8 +187,11 @@ class _Field:
         self.column = Column(self.values)
 
 
-def joined_fields(root: Path, *, skip_bad_lines: bool = False) -> tuple[list[_Field], int]:
-    """Every field of the interactions, with the user and item fields joined on."""
+def joined_fields(
+    root: Path, *, skip_bad_lines: bool = False
+) -> tuple[list[_Field], int, AtomicTable]:
+    """Every field of the interactions, with the user and item fields joined on; the
+    lines skipped; the interactions' own table (its path and each row's line)."""
     files = atomic_files(root)
     inter, skipped = read_atomic(files["inter"], skip_bad_lines=skip_bad_lines)
     out = [_Field(n, t, inter.columns[n]) for n, t in zip(inter.names, inter.types, strict=True)]
@@ -197,7 +211,7 @@ def joined_fields(root: Path, *, skip_bad_lines: bool = False) -> tuple[list[_Fi
         for name, t in zip(table.names[1:], table.types[1:], strict=True):
             col = table.columns[name]
             out.append(_Field(name, t, [col[r] if r >= 0 else "" for r in rows], col))
-    return out, skipped
+    return out, skipped, inter
 
 
 def _default_label(fields: list[_Field]) -> LabelColumn:
@@ -233,24 +247,15 @@ def read_recbole(
     seed: int = 0,
     fractions: tuple[float, float, float] = (0.8, 0.1, 0.1),
     skip_bad_lines: bool = False,
+    encoders: Encoders | None = None,
 ) -> tuple[CTRData, Encoders]:
-    """The data set in ``root`` as click data, and the encoders fitted to build it."""
-    schema = schema or Schema()
-    fields, _ = joined_fields(Path(root), skip_bad_lines=skip_bad_lines)
-    names = [f.name for f in fields]
-    schema.check_columns(names, f"RecBole data {root}")
-    label_col = schema.label or _default_label(fields)
-    label = LabelEncoder(column=label_col.column, rule=label_col.rule)
-    by_name = {f.name: f for f in fields}
+    """The data set in ``root`` as click data, and the encoders that built it: fitted to
+    its training split, or ``encoders`` (a saved run's) as they are, so that new files
+    encode as that run's did."""
+    fields, _, _ = joined_fields(Path(root), skip_bad_lines=skip_bad_lines)
     n = len(fields[0].values)
     if n == 0:
         raise ValueError(f"RecBole data {root}: the .inter file has no interactions")
-    where = f"RecBole data {root}: field {label.column!r}"
-    try:
-        uniq, inv = by_name[label.column].column.distinct
-        labels = np.asarray([label.clicked(v) for v in uniq], dtype=np.float32)[inv]  # [N]
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
     train_idx, val_idx, test_idx = split_indices(n, fractions, seed)
     for split, idx in (("train", train_idx), ("validation", val_idx), ("test", test_idx)):
         if len(idx) == 0:
@@ -258,8 +263,61 @@ def read_recbole(
                 f"RecBole data {root}: the {split} split is empty ({n} interactions, "
                 f"fractions {fractions})"
             )
+    encoded = encode_fields(fields, schema or Schema(), train_idx, str(root), encoders)
+    data = CTRData(
+        dense=encoded.dense,
+        dense_names=[e.name for e in encoded.encoders.dense],
+        sparse=encoded.sparse,
+        labels=encoded.labels,
+        train_idx=train_idx,
+        val_idx=val_idx,
+        test_idx=test_idx,
+        item_feature=encoded.item_feature,
+    )
+    return data, encoded.encoders
+
+
+@dataclass(slots=True)
+class EncodedFields:
+    """Every interaction's features: dense ``[N, D]`` float32, sparse features ``[N, L]``,
+    labels ``[N]`` float32, the encoders that made them and the popularity feature."""
+
+    dense: torch.Tensor
+    sparse: list[SparseFeature]
+    labels: torch.Tensor
+    encoders: Encoders
+    item_feature: str
+
+
+def encode_fields(
+    fields: list[_Field],
+    schema: Schema,
+    train_idx: torch.Tensor,
+    root: str,
+    saved: Encoders | None = None,
+) -> EncodedFields:
+    """The joined ``fields`` encoded: with encoders fitted to the rows ``train_idx``, or
+    with ``saved`` as they are (``train_idx`` unused; an unseen value is the unknown
+    row, a missing label field labels every row 0: files to score need none)."""
+    names = [f.name for f in fields]
+    schema.check_columns(names, f"RecBole data {root}")
+    by_name = {f.name: f for f in fields}
+    n = len(fields[0].values)
+    if saved is not None:
+        label = saved.label
+    else:
+        label_col = schema.label or _default_label(fields)
+        label = LabelEncoder(column=label_col.column, rule=label_col.rule)
+    labels = np.zeros(n, dtype=np.float32)  # [N]
+    if label is not None and (saved is None or label.column in by_name):
+        where = f"RecBole data {root}: field {label.column!r}"
+        try:
+            uniq, inv = by_name[label.column].column.distinct
+            labels = np.asarray([label.clicked(v) for v in uniq], dtype=np.float32)[inv]
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
     named = schema.named_columns()
-    skip = {label.column, *schema.drop}
+    skip = {*schema.drop, *([label.column] if label is not None else [])}
     auto = [f for f in fields if f.name not in skip and f.name not in named]
     dense_plan = list(schema.dense) + [
         DenseColumn(column=f.name, standardize=True) for f in auto if f.kind.startswith("float")
@@ -267,20 +325,27 @@ def read_recbole(
     sparse_plan = list(schema.sparse) + [
         SparseColumn(column=f.name, vocab=True) for f in auto if f.kind.startswith("token")
     ]
+    if saved is not None:
+        _check_saved(saved, dense_plan, sparse_plan, root)
     train_np = train_idx.numpy()
     dense_enc: list[DenseEncoder] = []
     numbers: list[np.ndarray] = []  # [N] float64 each, NaN: missing
     for dcol in dense_plan:
-        for denc, x in _dense(by_name[dcol.column], dcol, train_np, str(root)):
+        was = None if saved is None else _saved_dense(saved, dcol.feature)
+        for denc, x in _dense(by_name[dcol.column], dcol, train_np, root, was):
             dense_enc.append(denc)
             numbers.append(x)
-    dense_enc = fit_standardization(dense_enc, numbers, train_idx)
+    if saved is None:
+        dense_enc = fit_standardization(dense_enc, numbers, train_idx)
     sparse_enc: list[SparseEncoder] = []
     sparse = []
     columns = [c.column for c in sparse_plan]
-    for opt in sparse_plan:
+    for k, opt in enumerate(sparse_plan):
         f = by_name[opt.column]
-        enc = _sparse_encoder(f, opt, columns.index(opt.column))
+        if saved is None:
+            enc = _sparse_encoder(f, opt, columns.index(opt.column))
+        else:
+            enc = saved.sparse[k]
         try:
             sparse.append(sparse_feature(enc, f.column))
         except ValueError as e:
@@ -292,17 +357,39 @@ def read_recbole(
         raise ValueError(f"RecBole data {root}: no sparse (token) fields left; fields: {names}")
     item_key = next((f.name for f in fields if f.name == "item_id"), None)
     item = next((o.feature for o in sparse_plan if o.column == item_key), sparse[0].name)
-    data = CTRData(
+    return EncodedFields(
         dense=dense_matrix(dense_enc, numbers, n),
-        dense_names=[e.name for e in dense_enc],
         sparse=sparse,
         labels=torch.from_numpy(labels),
-        train_idx=train_idx,
-        val_idx=val_idx,
-        test_idx=test_idx,
+        encoders=Encoders(label=label, dense=dense_enc, sparse=sparse_enc),
         item_feature=item,
     )
-    return data, Encoders(label=label, dense=dense_enc, sparse=sparse_enc)
+
+
+def _check_saved(
+    saved: Encoders, dense: list[DenseColumn], sparse: list[SparseColumn], root: str
+) -> None:
+    """``ValueError`` unless the saved run encoded the features this schema and these
+    fields give, in the same order (each sparse one is a table of the saved model)."""
+    now = [c.feature for c in sparse]
+    was = [e.name for e in saved.sparse]
+    if now != was:
+        raise ValueError(
+            f"RecBole data {root}: sparse features {now}, but the saved run encoded {was} "
+            "(score files with the fields and the schema the run trained with)"
+        )
+    missing = [c.feature for c in dense if not _saved_dense(saved, c.feature)]
+    if missing:
+        raise ValueError(
+            f"RecBole data {root}: dense feature(s) {missing} were not features of the saved "
+            f"run, which has {[e.name for e in saved.dense]}"
+        )
+
+
+def _saved_dense(saved: Encoders, feature: str) -> list[DenseEncoder]:
+    """The saved encoders of dense ``feature``: one, or ``feature_0 ..`` of a sequence."""
+    one = [e for e in saved.dense if e.name == feature]
+    return one or [e for e in saved.dense if re.fullmatch(re.escape(feature) + r"_\d+", e.name)]
 
 
 def _number_or_none(t: str) -> list[float]:
@@ -324,21 +411,33 @@ def _numbers(values: list[str], where: str, lenient: bool = False) -> list[list[
 
 
 def _dense(
-    f: _Field, opt: DenseColumn, train: np.ndarray, root: str
+    f: _Field,
+    opt: DenseColumn,
+    train: np.ndarray,
+    root: str,
+    saved: list[DenseEncoder] | None = None,
 ) -> list[tuple[DenseEncoder, np.ndarray]]:
     """The dense feature(s) of field ``f``: each one's encoder (its fill and counts
-    fitted, not yet its standardization) and numbers ``[N]`` float64 (NaN: missing)."""
+    fitted, not yet its standardization; or ``saved``, a run's, as they are: a sequence
+    then has the saved width) and numbers ``[N]`` float64 (NaN: missing)."""
     where = f"RecBole data {root}: field {f.name!r}"
     enc = DenseEncoder(name=opt.feature, log=opt.log, standardize=opt.standardize)
-    if opt.of == "train_count":
-        enc.counts = train_counts(f.column, train)
-        uniq, inv = f.column.distinct
-        return [(enc, enc.count(uniq)[inv])]
     uniq, inv = f.column.distinct
+    if opt.of == "train_count":
+        if saved is not None:
+            return [(saved[0], saved[0].count(uniq)[inv])]
+        enc.counts = train_counts(f.column, train)
+        return [(enc, enc.count(uniq)[inv])]
     if opt.of == "length":
         counted = [float(len([t for t in v.split(SEQ_SEPARATOR) if t])) for v in uniq]
-        return [(enc, np.asarray(counted, dtype=np.float64)[inv])]
+        return [(saved[0] if saved else enc, np.asarray(counted, dtype=np.float64)[inv])]
     seqs = _numbers(uniq, where, lenient=f.kind == "token")
+    if saved is not None:
+        width = len(saved)
+        per_value = np.full((len(uniq), width), np.nan)  # [U, W], a longer value cut
+        for i, q in enumerate(seqs):
+            per_value[i, : min(len(q), width)] = q[:width]
+        return [(e, per_value[inv][:, j]) for j, e in enumerate(saved)]
     width = max(1, max(len(q) for q in seqs))
     per_value = np.full((len(uniq), width), np.nan)  # [U, W]
     for i, q in enumerate(seqs):
@@ -373,3 +472,47 @@ def _sparse_encoder(f: _Field, opt: SparseColumn, k: int) -> SparseEncoder:
     vocab = VocabEncoder(name=name, separator=sep, prefix=prefix)
     uniq, _ = f.column.distinct
     return vocab.fitted([t for v in uniq for t in vocab.bag(v)], numbers_first=True)
+
+
+def keyed_batches(
+    root: str | Path,
+    schema: Schema | None,
+    encoders: Encoders,
+    keys: Sequence[str],
+    *,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    skip_bad_lines: bool = False,
+) -> tuple[Path, Iterator[tuple[Batch, list[KeyRow]]]]:
+    """The interactions of the data set in ``root`` to score with a saved run's
+    ``encoders``: its ``.inter`` file, and this rank's share (interaction ``i`` goes to
+    rank ``i mod world_size``) in batches, each with its rows' ``(0, line, key field
+    texts)``. ``keys`` are any fields of the joined data (``user_id``, an item field)."""
+    fields, _, inter = joined_fields(Path(root), skip_bad_lines=skip_bad_lines)
+    names = [f.name for f in fields]
+    unknown = [k for k in keys if k not in names]
+    if unknown:
+        raise ValueError(f"--key {' '.join(unknown)}: not fields of {root}; its fields are {names}")
+    share = np.arange(rank, len(inter), world_size)  # [n_rank] this rank's interactions
+    mine = [_Field(f.name, f.kind, [f.values[i] for i in share], f.own) for f in fields]
+    by_name = {f.name: f for f in mine}
+    lines = [inter.lines[i] for i in share]
+
+    def batches() -> Iterator[tuple[Batch, list[KeyRow]]]:
+        if not len(share):
+            return
+        enc = encode_fields(mine, schema or Schema(), torch.empty(0, dtype=torch.int64),
+                            str(root), encoders)  # fmt: skip
+        data = CTRData(
+            dense=enc.dense, dense_names=[e.name for e in enc.encoders.dense], sparse=enc.sparse,
+            labels=enc.labels, train_idx=torch.empty(0, dtype=torch.int64),
+            val_idx=torch.empty(0, dtype=torch.int64), test_idx=torch.arange(len(share)),
+            item_feature=enc.item_feature,
+        )  # fmt: skip
+        for at in range(0, len(share), batch_size):
+            idx = torch.arange(at, min(at + batch_size, len(share)))
+            rows = [(0, lines[i], [by_name[k].values[i] for k in keys]) for i in idx.tolist()]
+            yield gather_batch(data, idx), rows
+
+    return inter.path, batches()

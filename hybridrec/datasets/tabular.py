@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hybridrec.datasets.ctr import Batch
+from hybridrec.datasets.ctr import Batch, KeyRow
 from hybridrec.datasets.encode import (
     DenseEncoder,
     Encoders,
@@ -80,10 +80,6 @@ def tabular_encoders(schema: Schema) -> Encoders:
 
 def _text(v: Any) -> str | None:
     return None if v is None else v if isinstance(v, str) else str(v)
-
-
-# Where a row is and its key columns: (file index, line in the file, the columns' texts).
-KeyRow = tuple[int, int, list[str]]
 
 
 class _Parser:

@@ -35,9 +35,9 @@ from hybridrec.datasets.criteo import (
 )
 from hybridrec.datasets.ctr import Batch, CTRData, gather_batch
 from hybridrec.datasets.encode import Encoders, VocabEncoder
-from hybridrec.datasets.movielens import read_movielens
+from hybridrec.datasets.movielens import MOVIELENS_SCHEMA, read_movielens
 from hybridrec.datasets.recbole import read_recbole
-from hybridrec.datasets.schema import Schema, load_schema
+from hybridrec.datasets.schema import Schema, load_schema, schema_from_dict
 from hybridrec.datasets.stream import ReaderPosition
 from hybridrec.datasets.synthetic import make_synthetic
 from hybridrec.datasets.tabular import TabularConfig, TabularFit, TabularReader, fit_tabular
@@ -123,9 +123,10 @@ class InMemorySource:
         return True
 
     def encoder_state(self) -> dict[str, Any] | None:
-        """What a checkpoint keeps to encode new data: nothing for a data set read whole
-        (its split and features come from the same files and seed again)."""
-        return None
+        """What a checkpoint keeps to encode new data: the RecBole (MovieLens) encoders,
+        so that other files encode as this run's did (the split comes from the seed);
+        nothing for the synthetic data."""
+        return None if self.encoders is None else self.encoders.to_state()
 
     def value_names(self, feature: str) -> list[str] | None:
         return value_names(self.encoders, feature)
@@ -321,13 +322,14 @@ def open_source(
     if cfg.data == "tabular":
         return TabularSource(cfg, group, encoders)
     fitted: Encoders | None = None
+    saved = None if encoders is None else Encoders.from_state(encoders)
     if cfg.data == "recbole":
-        schema = load_schema(cfg.schema) if cfg.schema else None
         data, fitted = read_recbole(
-            cfg.data_path[0], schema, seed=cfg.seed, skip_bad_lines=cfg.skip_bad_lines
-        )
+            cfg.data_path[0], recbole_schema(cfg), seed=cfg.seed,
+            skip_bad_lines=cfg.skip_bad_lines, encoders=saved,
+        )  # fmt: skip
     elif cfg.data == "movielens":
-        data, fitted = read_movielens(seed=cfg.seed)
+        data, fitted = read_movielens(seed=cfg.seed, encoders=saved)
     else:
         data = make_synthetic(
             num_samples=cfg.synthetic_samples,
@@ -336,6 +338,14 @@ def open_source(
             zipf_a=cfg.synthetic_zipf,
         )
     return InMemorySource(data, cfg, group, fitted)
+
+
+def recbole_schema(cfg: DLRMJobConfig) -> Schema | None:
+    """The schema a RecBole-format run reads its folder with: MovieLens's own, the
+    run's ``--schema``, or None (every field by its type)."""
+    if cfg.data == "movielens":
+        return schema_from_dict(MOVIELENS_SCHEMA)
+    return load_schema(cfg.schema) if cfg.schema else None
 
 
 def saved_encoders(state: dict[str, Any], schema: Schema, schema_path: str | None) -> Encoders:

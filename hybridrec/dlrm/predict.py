@@ -1,12 +1,15 @@
-"""Scores of a saved DLRM for every row of tabular or Criteo files (``hybridrec predict``).
+"""Scores of a saved DLRM for every row of tabular, Criteo or RecBole files (``hybridrec predict``).
 
 Every rank reads its share of the files (record ``i`` of a file goes to rank ``i mod
 n``, as in training), encodes it with the saved run's encoders, scores it, and sends
 ``(file, line, key columns, score)`` to rank 0, which writes one line per scored row in
 file and line order: every row that parses is scored exactly once, whatever the rank
 count. Tabular files need no label column (it is ignored when present); Criteo lines
-are the training format (the label field is read and ignored). A row that does not
-parse stops the run naming ``file:line``, or with ``--skip-bad-lines`` is left out.
+are the training format (the label field is read and ignored); a RecBole-format run
+(``--data recbole`` or ``movielens``) scores one folder of atomic files, each
+interaction joined with its user's and item's fields, and needs no rating either. A
+row that does not parse stops the run naming ``file:line``, or with ``--skip-bad-lines``
+is left out.
 
 Output by the name's suffix: ``.csv`` (a header, then the key columns and ``score``),
 ``.jsonl`` (one object per row) or ``.parquet`` (needs pyarrow). Without ``--key`` the
@@ -26,10 +29,11 @@ import torch
 
 from comm import ProcessGroup
 from hybridrec.datasets.criteo import CriteoConfig, CriteoReader
-from hybridrec.datasets.ctr import Batch
+from hybridrec.datasets.ctr import Batch, KeyRow
+from hybridrec.datasets.recbole import keyed_batches
 from hybridrec.datasets.stream import PARQUET_HINT
-from hybridrec.datasets.tabular import KeyRow, TabularConfig, TabularReader
-from hybridrec.dlrm.data import CriteoSource
+from hybridrec.datasets.tabular import TabularConfig, TabularReader
+from hybridrec.dlrm.data import CriteoSource, InMemorySource, recbole_schema
 from hybridrec.dlrm.model import DLRM
 from hybridrec.train.device_batches import DeviceBatches
 from hybridrec.train.precision import autocast
@@ -54,12 +58,30 @@ def output_format(path: str | Path) -> str:
 
 def scored_rows(
     source: Any, paths: Sequence[str], keys: Sequence[str], group: ProcessGroup
-) -> Iterator[tuple[Batch, list[KeyRow]]]:
-    """This rank's rows of ``paths`` as batches with where they are and their ``keys``
-    columns, encoded as the saved run encoded its own (``source``: the job's tabular
-    source, built from the run's encoders, or its Criteo source). A tabular file's label
-    is not read: the files to score need not have one."""
+) -> tuple[list[str], Iterator[tuple[Batch, list[KeyRow]]]]:
+    """The files that name the rows, and this rank's rows of ``paths`` as batches with
+    where they are and their ``keys`` columns, encoded as the saved run encoded its own
+    (``source``: the job's source, built from the run's encoders). A label is not read:
+    the files to score need none. A RecBole-format run (RecBole, MovieLens) scores one
+    folder of atomic files, its rows named by the ``.inter`` file's lines."""
     cfg = source.cfg
+    if isinstance(source, InMemorySource):
+        if source.encoders is None:
+            raise ValueError(
+                f"--data {cfg.data}: a generated data set has no files to score; "
+                "hybridrec evaluate scores its held-out split"
+            )
+        if len(paths) != 1:
+            raise ValueError(
+                f"--input {' '.join(paths)}: a --data {cfg.data} run scores one folder of "
+                "RecBole atomic files (NAME.inter, and NAME.user / NAME.item if any)"
+            )
+        inter, rows = keyed_batches(
+            paths[0], recbole_schema(cfg), source.encoders, keys,
+            batch_size=cfg.eval_batch_size, rank=group.rank, world_size=group.size,
+            skip_bad_lines=cfg.skip_bad_lines,
+        )  # fmt: skip
+        return [str(inter)], rows
     if isinstance(source, CriteoSource):
         if keys:
             raise ValueError(
@@ -70,7 +92,7 @@ def scored_rows(
             paths=list(paths), batch_size=cfg.eval_batch_size, num_rows=cfg.criteo_rows or None,
             rank=group.rank, world_size=group.size, skip_bad_lines=cfg.skip_bad_lines,
         )  # fmt: skip
-        return CriteoReader(config).keyed()
+        return list(paths), CriteoReader(config).keyed()
     schema = dataclasses.replace(source.schema, label=None)
     encoders = dataclasses.replace(source.fitted.encoders, label=None)
     reader = TabularReader(
@@ -79,7 +101,7 @@ def scored_rows(
             rank=group.rank, world_size=group.size, skip_bad_lines=cfg.skip_bad_lines,
         )
     )  # fmt: skip
-    return reader.keyed(keys)
+    return list(paths), reader.keyed(keys)
 
 
 @torch.no_grad()

@@ -6,8 +6,9 @@ Redis holds float32 rows (what a :class:`ps.RedisStore` pulls): fp16 and int8 ex
 are decoded on load (:func:`hybridrec.serving.tables.decode`, the formula every path
 reads with), so a Redis predictor scores as the in-memory predictor of the same export,
 bit for bit: the same float32 rows, summed per bag in the same order. The tables are
-``ps.RedisStore`` tables under ``prefix`` (default ``serving``), with SGD as their
-optimizer (nothing pushes to them) and no eviction; a dynamic table keeps its initial
+``ps.RedisStore`` tables under ``prefix`` (default ``serving``) on a Redis server or a
+Redis Cluster (``?cluster=1``, as ``--ps`` takes it: the rows spread over its masters by
+bucket), with SGD as their optimizer (nothing pushes to them) and no eviction; a dynamic table keeps its initial
 rows, so an id the run never trained pulls as its initial row, as the files read it.
 """
 
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridrec.launch.roles import parse_ps
 from hybridrec.serving.artefact import ExportReader
 from hybridrec.serving.tables import ServingTable
 from ps import SGD, PullRequest, TableSpec
@@ -46,9 +48,14 @@ def serving_spec(table: ServingTable) -> TableSpec:
 
 
 def open_store(url: str, prefix: str) -> RedisStore:
+    """The Redis at ``url`` as ``--ps`` names one: ``redis://`` or ``rediss://``, with
+    ``?cluster=1`` for a Redis Cluster (any node's address)."""
     from ps.redis.store import RedisStore
 
-    return RedisStore(url, prefix=prefix)
+    choice = parse_ps(url)
+    if choice.kind != "redis":
+        raise ValueError(f"serving from Redis: {redact_url(url)!r} is not a redis:// URL")
+    return RedisStore(choice.url, prefix=prefix, cluster=choice.cluster)
 
 
 def load_into_redis(

@@ -37,7 +37,7 @@ from hybridrec.dlrm.job import DLRMJob, train
 from hybridrec.serving import ChecksumError, Predictor, load_into_redis
 from hybridrec.train.click_metrics import roc_auc
 from ps import InProcessStore
-from redis_server import redis_server
+from redis_server import redis_cluster, redis_server
 from tolerance import assert_same
 
 # dim 64: an int8 row (D codes + 8 bytes of scale and bias) is 0.28 of a float32 row.
@@ -272,6 +272,24 @@ def test_rows_from_redis_score_as_in_memory(run: dict[str, Any]) -> None:
         with pytest.raises(ValueError, match="has 100 rows of dim 64, the export 200") as info:
             Predictor(run["tmp"] / "fp32", redis_url=url, redis_prefix="serving-other")
         assert secret not in str(info.value)
+
+
+@pytest.mark.timeout(300)
+def test_rows_from_a_redis_cluster_score_as_in_memory(run: dict[str, Any]) -> None:
+    """The same tables on a 3-master Redis Cluster (``?cluster=1``, as ``--ps`` takes
+    it): the rows spread over the masters, the scores those of the files bit for bit."""
+    with redis_cluster(3) as cluster:
+        url = f"redis://{cluster.host}:{cluster.port}/0?cluster=1"
+        folder = run["tmp"] / "fp16"
+        load_into_redis(folder, url, prefix="serving-c")
+        keys = [n.client().dbsize() for n in cluster.nodes]
+        assert all(k > 0 for k in keys), keys  # every master holds some of the rows
+        pred = Predictor(folder, redis_url=url, redis_prefix="serving-c")
+        try:
+            got = _scores(pred, run["batches"])
+        finally:
+            pred.close()
+        assert torch.equal(got, _scores(run["preds"]["fp16"], run["batches"]))
 
 
 @pytest.mark.timeout(300)
