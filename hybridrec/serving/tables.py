@@ -34,6 +34,7 @@ from embedding.fused_ops import GroupBatch, group_batch
 from embedding.jagged import JaggedIds, offsets_from_lengths
 from hybridrec.serving.artefact import ExportReader
 from ps import TableSpec
+from ps.local.table import table_array
 
 
 def decode(picked: torch.Tensor, scale_bias: torch.Tensor | None) -> torch.Tensor:
@@ -154,6 +155,13 @@ class ServingTable:
             per_sample_weights=weights,
             include_last_offset=True,
         )
+
+
+def _concat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``parts`` (``[r_i, W]`` each, one dtype) stacked into one ``[sum r_i, W]`` table."""
+    rows = sum(int(p.shape[0]) for p in parts)
+    out = table_array((rows, int(parts[0].shape[1])), parts[0].dtype)
+    return torch.cat(list(parts), out=out)
 
 
 def raise_bad_id(
@@ -285,10 +293,12 @@ class TableGroup:
         first = next(iter(tables.values()))
         group = cls(feats, dim=first.dim, dtype=first.dtype, in_memory=in_memory, source=source)
         if source is None and in_memory:
-            # One contiguous copy of every table's rows: [R, D] stored dtype.
-            group.weight = torch.cat([t.weight for t in tables.values()])
+            # One contiguous copy of every table's rows: [R, D] stored dtype, in storage
+            # a training table gets (numpy's, with transparent huge pages: random row
+            # reads miss the TLB far less; torch's allocator asks for none).
+            group.weight = _concat([t.weight for t in tables.values()])
             if first.scale is not None:
-                group.scale = torch.cat([t.scale for t in tables.values() if t.scale is not None])
+                group.scale = _concat([t.scale for t in tables.values() if t.scale is not None])
         elif source is None and hot_rows is not None:
             group.hot = {name: HotRows(hot_rows, first.dim) for name in tables}
         return group
