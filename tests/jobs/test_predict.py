@@ -7,8 +7,8 @@ columns, in file and line order, at 1, 2 and 4 ranks; the scores are the model's
 * Under ``mpirun -n 2`` and ``-n 4`` (each rank scores every n-th row): every key once, the
   scores equal the one-process ones within float32 rounding (batches of another size).
 * A file without a label column scores; a bad row names its line or is skipped with
-  ``--skip-bad-lines``; csv and jsonl hold the same; parquet where pyarrow is installed,
-  else a clear error before anything is scored.
+  ``--skip-bad-lines``; csv, jsonl and parquet hold the same; without pyarrow, parquet
+  is a clear error before anything is scored.
 """
 
 from __future__ import annotations
@@ -145,18 +145,32 @@ def test_unlabelled_files_bad_rows_and_formats(trained: Path, tmp_path: Path) ->
     with pytest.raises(SystemExit):
         predict_main(["--checkpoint", str(trained / "ckpt"), "--input", str(bad),
                       "--out", str(tmp_path / "b.txt")])  # fmt: skip
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:  # the error comes before any scoring, naming what to install
-        with pytest.raises(SystemExit) as info:
-            predict_main(["--checkpoint", str(trained / "ckpt"), "--input", str(bad),
-                          "--out", str(tmp_path / "s.parquet")])  # fmt: skip
-        assert info.value.code == 2
-        return
+    import pyarrow.parquet as pq  # type: ignore[import-not-found,import-untyped,unused-ignore]
+
     pq_out = tmp_path / "s.parquet"
     predict_main(["--checkpoint", str(trained / "ckpt"), "--input", str(trained / "score.csv"),
-                  "--out", str(pq_out), "--no-progress"])  # fmt: skip
-    assert pq.read_table(pq_out).num_rows == 257
+                  "--out", str(pq_out), "--key", "user", "item", "--no-progress"])  # fmt: skip
+    csv_out = tmp_path / "s.csv"
+    predict_main(["--checkpoint", str(trained / "ckpt"), "--input", str(trained / "score.csv"),
+                  "--out", str(csv_out), "--key", "user", "item", "--no-progress"])  # fmt: skip
+    table = pq.read_table(pq_out).to_pydict()
+    want = _read_csv(csv_out)
+    assert list(table) == ["user", "item", "score"] and len(table["score"]) == 257
+    assert table["user"] == [r["user"] for r in want]
+    assert table["score"] == [float(r["score"]) for r in want]  # float64 both, repr round-trips
+
+
+@pytest.mark.timeout(120)
+def test_parquet_without_pyarrow_is_refused_before_scoring(
+    trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("pyarrow", "pyarrow.parquet"):  # a user without the extra
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(SystemExit) as info:
+        predict_main(["--checkpoint", str(trained / "ckpt"), "--input", str(trained / "score.csv"),
+                      "--out", str(tmp_path / "s.parquet")])  # fmt: skip
+    assert info.value.code == 2
+    assert not (tmp_path / "s.parquet").exists()
 
 
 @pytest.mark.timeout(240)
