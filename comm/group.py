@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -53,6 +54,17 @@ class ReduceOp(enum.Enum):
         except ValueError:
             names = ", ".join(repr(o.value) for o in cls)
             raise ValueError(f"unknown reduce op {op!r}; expected one of {names}") from None
+
+
+class P2POp(NamedTuple):
+    """One operation of :meth:`ProcessGroup.p2p_async`: ``"send"`` ``tensor`` to rank
+    ``peer``, or ``"recv"`` into ``tensor`` (in place) from ``peer``. ``tag`` tells
+    messages apart on mpi and gloo; nccl ignores it."""
+
+    kind: Literal["send", "recv"]
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
 
 
 class ProcessGroup(ABC):
@@ -303,6 +315,35 @@ class ProcessGroup(ABC):
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
         return self.recv_async(tensor, src, tag).wait()
 
+    def p2p_async(self, ops: Sequence[P2POp]) -> list[Handle]:
+        """Issue the sends and receives ``ops`` together, as one group; one handle per op,
+        in order (a send's result is None, a receive's its tensor).
+
+        Why a group: nccl ignores tags and runs point-to-point operations in issue order,
+        the k-th send from rank a to rank b meeting the k-th receive on b from a, and a
+        send waits until the peer runs that receive (a rendezvous). Two ranks that each
+        send to the other before receiving from it wait forever; issued as one group on
+        each rank, the four operations run together. Groups still run one after another
+        in issue order, so the peers must issue matching groups in a matching order
+        (``dense.pipeline_schedules.simulate(..., p2p="nccl")`` checks a pipeline's).
+        mpi and gloo match by tag and run the same operations one by one.
+        """
+        for op in ops:
+            if not isinstance(op, P2POp) or op.kind not in ("send", "recv"):
+                raise ValueError(
+                    f"p2p: rank {self.rank} passed {op!r}; expected P2POp('send' | 'recv', ...)"
+                )
+            what = "dst" if op.kind == "send" else "src"
+            check_rank(self.rank, self.size, f"p2p {op.kind}", what, op.peer)
+            check_contiguous(self.rank, f"p2p {op.kind}", "tensor", op.tensor)
+            if op.peer == self.rank:
+                way = "to" if op.kind == "send" else "from"
+                raise ValueError(
+                    f"p2p {op.kind}: rank {self.rank} cannot {op.kind} {way} itself "
+                    f"({what}={op.peer})"
+                )
+        return self._p2p_async(list(ops)) if ops else []
+
     def split(self, color: int, key: int | None = None) -> ProcessGroup:
         """Collective: ranks passing the same ``color`` form a new group.
 
@@ -412,6 +453,15 @@ class ProcessGroup(ABC):
 
     @abstractmethod
     def _recv_async(self, tensor: torch.Tensor, src: int, tag: int) -> Handle: ...
+
+    def _p2p_async(self, ops: list[P2POp]) -> list[Handle]:
+        """The operations one by one, in order: enough for backends that match by tag."""
+        return [
+            self._send_async(op.tensor, op.peer, op.tag)
+            if op.kind == "send"
+            else self._recv_async(op.tensor, op.peer, op.tag)
+            for op in ops
+        ]
 
     @abstractmethod
     def _split(self, color: int, key: int) -> ProcessGroup: ...

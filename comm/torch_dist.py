@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from comm.failures import exception_in_flight, release_abort_hook
-from comm.group import ProcessGroup, ReduceOp
+from comm.group import P2POp, ProcessGroup, ReduceOp
 from comm.handle import Handle, timeout_error
 from comm.staging import Alloc
 
@@ -243,6 +243,39 @@ class TorchGroup(ProcessGroup):
 
         return self._run(tensor, run, read=False, in_place=True)
 
+    def _p2p_async(self, ops: list[P2POp]) -> list[Handle]:
+        # One dist.batch_isend_irecv: on nccl a single coalesced group on the group's
+        # communicator (its one stream), so a send and a receive with the same peer run
+        # together; gloo issues them one by one and matches by tag. Each op is staged
+        # first (its handle is made then), and bound to the work once the batch is issued.
+        pending: list[_BatchWork] = []
+        torch_ops: list[Any] = []
+
+        def prepare(op: P2POp) -> Handle:
+            def run(t: torch.Tensor, _: Alloc) -> Handle:
+                buf = self._stage(t)
+                fn = dist.isend if op.kind == "send" else dist.irecv
+                torch_ops.append(
+                    dist.P2POp(fn, buf, group=self._pg, tag=op.tag, group_peer=op.peer)
+                )
+                work = _BatchWork()
+                pending.append(work)
+                if op.kind == "send":
+                    return self._handle(work, lambda: None, f"send to rank {op.peer}")
+                return self._handle(work, lambda: _unstaged(buf, t), f"recv from rank {op.peer}")
+
+            if op.kind == "send":
+                return self._run(op.tensor, run)  # a staged block is kept until it is sent
+            return self._run(op.tensor, run, read=False, in_place=True)
+
+        handles = [prepare(op) for op in ops]
+        works = dist.batch_isend_irecv(torch_ops)
+        # One work per op (gloo), or one for the whole coalesced group (nccl).
+        per_op = len(works) == len(pending)
+        for i, work in enumerate(pending):
+            work.bind([works[i]] if per_op else list(works))
+        return handles
+
     def _split(self, color: int, key: int) -> ProcessGroup:
         # On the whole world, torch.distributed needs every rank to call new_group for
         # every new group, in the same order: learn all (color, key) pairs, then create
@@ -298,6 +331,29 @@ class TorchGroup(ProcessGroup):
             dist.destroy_process_group()
         else:
             dist.destroy_process_group(self._pg)
+
+
+class _BatchWork:
+    """The torch.distributed work of one op of a :meth:`TorchGroup._p2p_async` batch,
+    bound once the batch is issued: done when every work it is bound to is."""
+
+    __slots__ = ("_works",)
+
+    def __init__(self) -> None:
+        self._works: list[Any] = []
+
+    def bind(self, works: list[Any]) -> None:
+        self._works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self, timeout: timedelta | None = None) -> None:
+        for w in self._works:
+            if timeout is None:
+                w.wait()
+            else:
+                w.wait(timeout=timeout)
 
 
 def _unstaged(work: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

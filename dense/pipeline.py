@@ -8,13 +8,16 @@ GPT they were cut from (no copy), under the same parameter names, so a stage's
 
 :class:`Pipeline` runs one training step of a :class:`~dense.pipeline_schedules.Schedule`
 on this rank: the global batch is cut into ``m`` micro-batches along dim 0; activations
-``[B/m, T, D]`` go forward and their gradients backward between neighbouring stages with
-``send_async`` / ``recv_async`` (receives posted ahead of the action that needs them, sends
-waited at the end of the step); the last stage computes ``loss_fn(output, targets) / m`` per
-micro-batch, so the gradients are those of the mean loss over the GLOBAL batch. After
-``step()`` every local parameter's ``.grad`` is what one process would get for its slice
-of the model, the loss is on every rank, and stage 0's ``inputs.grad`` (or the graph
-upstream of ``inputs``) has the input gradient: call the optimizer next.
+``[B/m, T, D]`` go forward and their gradients backward between neighbouring stages in
+the groups of :func:`~dense.pipeline_schedules.p2p_program` (each one
+``ProcessGroup.p2p_async`` call: the sends and receives of one moment of the schedule,
+issued together, in an order that holds under nccl's untagged, in-order point-to-point
+as well as on mpi and gloo; sends are waited at the end of the step); the last stage
+computes ``loss_fn(output, targets) / m`` per micro-batch, so the gradients are those of
+the mean loss over the GLOBAL batch. After ``step()`` every local parameter's ``.grad``
+is what one process would get for its slice of the model, the loss is on every rank, and
+stage 0's ``inputs.grad`` (or the graph upstream of ``inputs``) has the input gradient:
+call the optimizer next.
 
 Bidirectional schedule: every rank holds two stages (stage ``r`` of the down pipeline and
 stage ``p-1-r`` of the up pipeline); build them with :func:`stages_for_rank`. The two
@@ -50,10 +53,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from comm.group import ProcessGroup
+from comm.group import P2POp, ProcessGroup
 from comm.handle import Handle
 from dense.gpt import GPT, gpt_loss
-from dense.pipeline_schedules import Action, Schedule, make_schedule
+from dense.pipeline_schedules import (
+    Action,
+    Exchange,
+    Message,
+    Schedule,
+    input_of,
+    make_schedule,
+    output_of,
+    p2p_program,
+)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -192,7 +204,6 @@ class Pipeline:
     ``loss_fn(output [b, T, V], targets [b, T])`` is the mean loss of one micro-batch.
     ``tied``: per logical tensor, ``{stage: parameter name in that stage's module}``.
     ``width``: the activation width D (default: the stage module's ``d_model``).
-    ``recv_ahead``: how many actions ahead receives are posted.
     """
 
     def __init__(
@@ -205,14 +216,14 @@ class Pipeline:
         *,
         tied: Sequence[Mapping[int, str]] = (),
         width: int | None = None,
-        recv_ahead: int = 4,
     ) -> None:
         self.group = group
         self.schedule: Schedule = make_schedule(schedule, group.size, microbatches)
         self.m = microbatches
         self.p = group.size
         self.loss_fn = loss_fn
-        self.recv_ahead = max(1, int(recv_ahead))
+        # What this rank issues, actions and point-to-point groups, in order.
+        self.program = p2p_program(self.schedule)[group.rank]
         # Checks that may fail on some ranks only (the modules, the tied names) are
         # agreed on before any sub-group is made, so every rank raises or none does.
         error, sync = "", None
@@ -308,11 +319,11 @@ class Pipeline:
             x = module(inputs)
         else:
             x = torch.empty(batch, seq, self.width, dtype=self.dtype, device=self.device)
-            self.group.recv(x, rank - 1, tag)
+            self.group.p2p_async([P2POp("recv", x, rank - 1, tag)])[0].wait()
             x = module(x)
         loss = torch.zeros((), dtype=torch.float64)
         if rank < self.p - 1:
-            self.group.send(x.contiguous(), rank + 1, tag)
+            self.group.p2p_async([P2POp("send", x.contiguous(), rank + 1, tag)])[0].wait()
         else:
             assert targets is not None
             loss = self.loss_fn(x, targets).to(torch.float64)
@@ -399,8 +410,8 @@ def raise_on_every_rank(group: ProcessGroup, error: str, what: str) -> None:
 
 
 class _StepRun:
-    """The state of one ``Pipeline.step`` on this rank: stored activations, posted
-    receives, sends in flight, timings."""
+    """The state of one ``Pipeline.step`` on this rank: stored activations, outputs
+    waiting for their send, posted receives, sends in flight, timings."""
 
     def __init__(
         self,
@@ -413,71 +424,75 @@ class _StepRun:
         self.pipe = pipe
         self.inputs, self.targets = inputs, targets
         self.b, self.seq = b, seq
-        self.actions = pipe.schedule.actions[pipe.group.rank]
         self.stage_in: dict[tuple[int, int], torch.Tensor] = {}  # (mb, stage) -> input
         self.stage_out: dict[tuple[int, int], torch.Tensor] = {}  # (mb, stage) -> out/loss
-        self.recvs: dict[int, tuple[Handle, torch.Tensor]] = {}  # action index -> recv
+        self.outbox: dict[Message, torch.Tensor] = {}  # made, not sent yet: [b, T, D]
+        self.recvs: dict[Message, tuple[Handle, torch.Tensor]] = {}
         self.sends: list[tuple[Handle, torch.Tensor]] = []
         self.input_grads: dict[int, torch.Tensor] = {}  # mb -> grad of its input rows
-        self.posted = 0
         self.busy_s = self.wait_s = 0.0
         # On the stage's device: the last stage adds its losses (device tensors) in place.
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=pipe.device)
 
     # Tags: unique per (pipe, direction, micro-batch) within a step; every message of a
-    # step completes before the step ends, so steps reuse them.
-    def _tag(self, a: Action, grad: bool) -> int:
-        return (a.pipe * 2 + int(grad)) * self.pipe.m + a.mb
+    # step completes before the step ends, so steps reuse them. nccl ignores them (the
+    # program's order matches its messages there).
+    def _tag(self, msg: Message) -> int:
+        return (msg.pipe * 2 + int(msg.role == "grad")) * self.pipe.m + msg.mb
 
     def _rows(self, mb: int) -> slice:
         return slice(mb * self.b, (mb + 1) * self.b)
 
-    def _post_recvs(self, upto: int) -> None:
-        """Post the receives of actions ``[posted, upto)`` (those that need one)."""
-        sched, p = self.pipe.schedule, self.pipe.p
-        while self.posted < min(upto, len(self.actions)):
-            i, a = self.posted, self.actions[self.posted]
-            self.posted += 1
-            if a.kind == "F" and a.stage > 0:
-                peer, grad = sched.rank_of(a.pipe, a.stage - 1), False
-            elif a.kind == "B" and a.stage < p - 1:
-                peer, grad = sched.rank_of(a.pipe, a.stage + 1), True
+    def _exchange(self, ex: Exchange) -> None:
+        """Issue one group of the program: its sends and receives in one call."""
+        ops = []
+        for op in ex.ops:
+            if op.kind == "send":
+                t = self.outbox.pop(op.msg)
             else:
-                continue
-            buf = torch.empty(
-                self.b, self.seq, self.pipe.width, dtype=self.pipe.dtype, device=self.pipe.device
-            )  # [b, T, D]: an activation, or the gradient of one
-            self.recvs[i] = (self.pipe.group.recv_async(buf, peer, self._tag(a, grad)), buf)
+                pipe = self.pipe
+                t = torch.empty(self.b, self.seq, pipe.width, dtype=pipe.dtype, device=pipe.device)
+            ops.append(P2POp(op.kind, t, op.peer, self._tag(op.msg)))  # t: [b, T, D]
+        handles = self.pipe.group.p2p_async(ops)
+        for op, c, handle in zip(ex.ops, ops, handles, strict=True):
+            if op.kind == "send":
+                self.sends.append((handle, c.tensor))
+            else:
+                self.recvs[op.msg] = (handle, c.tensor)
 
-    def _received(self, i: int) -> torch.Tensor:
-        handle, buf = self.recvs.pop(i)
+    def _received(self, a: Action) -> torch.Tensor:
+        msg = input_of(a, self.pipe.p)
+        assert msg is not None  # internal invariant: only called where a receives
+        handle, buf = self.recvs.pop(msg)
         t0 = time.perf_counter()
         handle.wait()
         self.wait_s += time.perf_counter() - t0
         return buf
 
-    def _send(self, t: torch.Tensor, a: Action, peer_stage: int, grad: bool) -> None:
-        peer = self.pipe.schedule.rank_of(a.pipe, peer_stage)
-        t = t.contiguous()
-        self.sends.append((self.pipe.group.send_async(t, peer, self._tag(a, grad)), t))
+    def _made(self, t: torch.Tensor, a: Action) -> None:
+        """Keep ``a``'s output ``t`` for the group that sends it."""
+        msg = output_of(a, self.pipe.p)
+        assert msg is not None  # internal invariant: only called where a sends
+        self.outbox[msg] = t.contiguous()
 
     def _reap_sends(self) -> None:
         # Testing drives MPI's progress on large sends while this rank computes.
         self.sends = [(h, t) for h, t in self.sends if not h.is_completed()]
 
     def execute(self) -> None:
-        for i, a in enumerate(self.actions):
-            self._post_recvs(i + self.pipe.recv_ahead)
-            if a.kind == "F":
-                self._forward(i, a)
+        for item in self.pipe.program:
+            if isinstance(item, Exchange):
+                self._exchange(item)
+            elif item.kind == "F":
+                self._forward(item)
             else:
-                self._backward(i, a)
+                self._backward(item)
             self._reap_sends()
         for handle, _ in self.sends:
             handle.wait()
         self.sends.clear()
 
-    def _forward(self, i: int, a: Action) -> None:
+    def _forward(self, a: Action) -> None:
         p, module = self.pipe.p, self.pipe.modules[(a.pipe, a.stage)]
         if a.stage == 0:
             assert self.inputs is not None
@@ -485,7 +500,7 @@ class _StepRun:
             if x.is_floating_point() and self.inputs.requires_grad:
                 x.requires_grad_(True)  # a leaf per micro-batch: its .grad is the input grad
         else:
-            x = self._received(i).requires_grad_(True)
+            x = self._received(a).requires_grad_(True)
         t0 = time.perf_counter()
         out = module(x)
         if a.stage == p - 1:
@@ -494,22 +509,22 @@ class _StepRun:
             self.loss_sum += out.detach().double()
         self.busy_s += time.perf_counter() - t0
         if a.stage < p - 1:
-            self._send(out.detach(), a, a.stage + 1, grad=False)
+            self._made(out.detach(), a)
         self.stage_in[(a.mb, a.stage)] = x
         self.stage_out[(a.mb, a.stage)] = out
 
-    def _backward(self, i: int, a: Action) -> None:
+    def _backward(self, a: Action) -> None:
         p = self.pipe.p
         x = self.stage_in.pop((a.mb, a.stage))
         out = self.stage_out.pop((a.mb, a.stage))
-        grad = None if a.stage == p - 1 else self._received(i)  # [b, T, D] d loss / d out
+        grad = None if a.stage == p - 1 else self._received(a)  # [b, T, D] d loss / d out
         t0 = time.perf_counter()
         if x.requires_grad or any(t.requires_grad for t in self._params(a)):
             torch.autograd.backward(out, grad)
         self.busy_s += time.perf_counter() - t0
         if a.stage > 0:
             assert x.grad is not None
-            self._send(x.grad, a, a.stage - 1, grad=True)
+            self._made(x.grad, a)
         elif x.grad is not None:
             self.input_grads[a.mb] = x.grad
 

@@ -15,6 +15,18 @@ consistent with the data dependencies:
 communication time) and raises ``ValueError`` on a deadlock; it also gives the ideal
 idle time of every rank, the "bubble" a measured run is compared with.
 
+Point-to-point order: :func:`p2p_program` turns each rank's actions into what the
+executor issues: the actions, with :class:`Exchange` groups (sends and receives issued
+together) between them, each message sent and received at the moment of the ideal
+timeline when its receiver needs it. nccl ignores tags, matches the k-th send from
+rank a to rank b with the k-th receive on b from a, makes each send wait for that receive
+(a rendezvous) and runs a rank's groups one after another in issue order; an order that
+only works because tags tell messages apart (receives posted ahead of the sends that
+must go first, or two neighbours that each send before receiving) hangs there.
+``simulate(schedule, p2p="nccl")`` replays the program under exactly those rules and
+raises ``ValueError`` naming the ranks and operations stuck, or the first message that
+would land in the wrong buffer.
+
 The schedules (rank ``r``, stage ``s``; with one pipeline stage ``s`` lives on rank ``s``)::
 
     gpipe   all m forwards, then all m backwards.           bubble (p-1)/(m+p-1)
@@ -53,6 +65,34 @@ class Action(NamedTuple):
     pipe: int = 0
 
 
+class Message(NamedTuple):
+    """A tensor an action sends to another rank, of pipeline ``pipe``: ``"act"``, the
+    output of ``F(mb, stage)`` for ``stage + 1``, or ``"grad"``, the input gradient of
+    ``B(mb, stage)`` for ``stage - 1``. Every message of a step is one ``[b, T, D]``
+    tensor, so two operations on the same message have the same size."""
+
+    role: Literal["act", "grad"]
+    mb: int
+    stage: int
+    pipe: int = 0
+
+
+class P2P(NamedTuple):
+    """One point-to-point operation of a rank: ``"send"`` ``msg`` to rank ``peer``, or
+    ``"recv"`` it from rank ``peer``."""
+
+    kind: Literal["send", "recv"]
+    peer: int
+    msg: Message
+
+
+class Exchange(NamedTuple):
+    """Point-to-point operations a rank issues together, as one group (one
+    ``ProcessGroup.p2p_async`` call)."""
+
+    ops: tuple[P2P, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Schedule:
     """A schedule: ``actions[r]`` is rank ``r``'s program.
@@ -79,6 +119,11 @@ class Schedule:
 
     def microbatches_of(self, pipe: int) -> list[int]:
         return [mb for mb in range(self.microbatches) if self.pipe_of(mb) == pipe]
+
+    def ranks_of(self, msg: Message) -> tuple[int, int]:
+        """``(sender, receiver)`` of ``msg``."""
+        to = msg.stage + 1 if msg.role == "act" else msg.stage - 1
+        return self.rank_of(msg.pipe, msg.stage), self.rank_of(msg.pipe, to)
 
 
 def make_schedule(name: str, stages: int, microbatches: int) -> Schedule:
@@ -213,6 +258,81 @@ def dependencies(action: Action, stages: int) -> list[Action]:
     return deps
 
 
+def output_of(action: Action, stages: int) -> Message | None:
+    """What ``action`` sends: a forward's output (not from the last stage) or a
+    backward's input gradient (not from stage 0)."""
+    kind, mb, s, pipe = action
+    if kind == "F":
+        return Message("act", mb, s, pipe) if s < stages - 1 else None
+    return Message("grad", mb, s, pipe) if s > 0 else None
+
+
+def input_of(action: Action, stages: int) -> Message | None:
+    """What ``action`` receives: a forward's input (not on stage 0) or the gradient of a
+    backward's output (not on the last stage)."""
+    kind, mb, s, pipe = action
+    if kind == "F":
+        return Message("act", mb, s - 1, pipe) if s > 0 else None
+    return Message("grad", mb, s + 1, pipe) if s < stages - 1 else None
+
+
+Program = tuple[tuple[Action | Exchange, ...], ...]
+
+
+def p2p_program(schedule: Schedule) -> Program:
+    """What each rank issues, in order (``program[r]``): its actions, and between them
+    :class:`Exchange` groups of sends and receives. :class:`dense.pipeline.Pipeline`
+    runs exactly this.
+
+    Every message is placed at one moment of :func:`simulate`'s ideal timeline (costs
+    :data:`FORWARD_COST` / :data:`BACKWARD_COST`, the same on every rank): the start of
+    the action that needs it. The receiver receives it just before that action; the
+    sender sends it right after the last of its own actions finished by that moment (the
+    one that made it, or a later one). A rank's operations of one moment form one group,
+    issued after only actions that are done by that moment. Every rank then meets its
+    messages in the order of their moments, the k-th send from a to b and the k-th
+    receive on b from a are the same message, and the groups of one moment meet each
+    other: nothing waits for a group its peer issues later, so the program runs under
+    nccl's rules (see :func:`simulate`), and as fast as the ideal timeline allows.
+    1F1B over 2 stages and 2 micro-batches::
+
+        rank 0:  F0 [send act 0]  F1 [recv grad 0, send act 1]  B0 [recv grad 1] B1
+        rank 1:  [recv act 0] F0 B0 [recv act 1, send grad 0] F1 B1 [send grad 1]
+
+    (the steady-state groups are Megatron-LM's ``send_forward_recv_backward``). Issued
+    one by one, rank 0's ``send act 1`` and rank 1's ``send grad 0`` would each wait for
+    a receive the other issues only after its send: a deadlock under nccl.
+    """
+    p = schedule.stages
+    start = simulate(schedule).start
+    cost = {"F": FORWARD_COST, "B": BACKWARD_COST}
+    # Per rank: (moment, operation) of each message it sends or receives.
+    events: list[list[tuple[float, P2P]]] = [[] for _ in range(p)]
+    for acts in schedule.actions:
+        for a in acts:
+            msg = input_of(a, p)
+            if msg is not None:
+                src, dst = schedule.ranks_of(msg)
+                events[src].append((start[a], P2P("send", dst, msg)))
+                events[dst].append((start[a], P2P("recv", src, msg)))
+    programs = []
+    for r, acts in enumerate(schedule.actions):
+        ends = [start[a] + cost[a.kind] for a in acts]
+        by_moment: dict[float, list[P2P]] = {}
+        for t, op in sorted(events[r]):
+            by_moment.setdefault(t, []).append(op)
+        items: list[Action | Exchange] = []
+        k = 0  # actions placed so far
+        for t, ops in sorted(by_moment.items()):
+            while k < len(acts) and ends[k] <= t:  # the actions done by moment t
+                items.append(acts[k])
+                k += 1
+            items.append(Exchange(tuple(ops)))
+        items.extend(acts[k:])
+        programs.append(tuple(items))
+    return tuple(programs)
+
+
 @dataclass(slots=True)
 class Simulation:
     """The replay of a schedule: ``makespan`` and per rank ``busy`` and ``idle`` time
@@ -230,15 +350,41 @@ class Simulation:
 
 
 def simulate(
-    schedule: Schedule, forward_cost: float = FORWARD_COST, backward_cost: float = BACKWARD_COST
+    schedule: Schedule,
+    forward_cost: float = FORWARD_COST,
+    backward_cost: float = BACKWARD_COST,
+    *,
+    p2p: Literal["free", "nccl"] = "free",
+    program: Program | None = None,
 ) -> Simulation:
     """Replay ``schedule``: each rank runs its actions in order, an action starts when its
-    rank is free and its dependencies have finished (communication is free). Checks that
-    every (pipe, micro-batch, stage) runs F and B exactly once on the rank that holds the
-    stage; ``ValueError`` naming the problem, or the ranks stuck if the orders deadlock."""
+    rank is free and its dependencies have finished. Checks that every (pipe,
+    micro-batch, stage) runs F and B exactly once on the rank that holds the stage;
+    ``ValueError`` naming the problem, or the ranks stuck if the orders deadlock.
+
+    ``p2p="free"``: messages need no order (tags tell them apart, as on mpi and gloo).
+    ``p2p="nccl"``: the ranks issue ``program`` (default :func:`p2p_program`, what the
+    executor issues) under nccl's rules: tags ignored, the k-th send from rank a to rank
+    b meets the k-th receive on b from a (``ValueError`` if they are not the same
+    message), each rank's groups run one at a time in issue order, a group starts once
+    the rank's actions before it are done and completes when each of its operations has
+    met its peer's while both groups run (a rendezvous; messages take no time), and an
+    action waits for the group that receives its input. One stream per rank is what
+    grouped operations get (they run on the group's communicator); single sends and
+    receives on nccl get one per peer pair, which only matters with more than one peer.
+    Also checks that ``program`` is ``schedule``'s actions, sends each output once after
+    the action that makes it and receives each input once before the action that needs it.
+    """
     check_coverage(schedule)
-    p = schedule.stages
     cost = {"F": forward_cost, "B": backward_cost}
+    if p2p == "nccl":
+        return _simulate_nccl(schedule, cost, p2p_program(schedule) if program is None else program)
+    if p2p != "free" or program is not None:
+        raise ValueError(
+            f"simulate: p2p must be 'free' or 'nccl' (a program only with 'nccl'), got "
+            f"{p2p!r}{' with a program' if program is not None else ''}"
+        )
+    p = schedule.stages
     finish: dict[Action, float] = {}
     start: dict[Action, float] = {}
     pos = [0] * p
@@ -266,6 +412,190 @@ def simulate(
     makespan = max(free_at)
     busy = [sum(cost[a.kind] for a in acts) for acts in schedule.actions]
     return Simulation(makespan, busy, [makespan - b for b in busy], start)
+
+
+def _simulate_nccl(schedule: Schedule, cost: dict[str, float], program: Program) -> Simulation:
+    """:func:`simulate` with ``p2p="nccl"``: see there."""
+    p, name = schedule.stages, schedule.name
+    groups, before, recv_in = _check_program(schedule, program)
+    # Pair every send with the receive nccl gives it: the k-th of each (sender, receiver).
+    channel: dict[tuple[str, int, int], list[tuple[int, int, P2P]]] = {}
+    for r in range(p):
+        for g, ex in enumerate(groups[r]):
+            for op in ex.ops:
+                src, dst = (r, op.peer) if op.kind == "send" else (op.peer, r)
+                channel.setdefault((op.kind, src, dst), []).append((r, g, op))
+    mates: dict[tuple[int, int, P2P], tuple[int, int, P2P]] = {}
+    for (kind, src, dst), sends in channel.items():
+        if kind != "send":
+            continue
+        recvs = channel.get(("recv", src, dst), [])
+        for k, (send, recv) in enumerate(zip(sends, recvs, strict=True)):
+            if send[2].msg != recv[2].msg:
+                raise ValueError(
+                    f"schedule {name!r} under nccl (tags ignored): send {k} from rank {src} "
+                    f"to rank {dst} is {_say(send[2])}, but receive {k} on rank {dst} is "
+                    f"{_say(recv[2])}: the tensor would land in the wrong buffer"
+                )
+            mates[send] = recv
+            mates[recv] = send
+    acts = schedule.actions
+    started: list[list[float | None]] = [[None] * len(groups[r]) for r in range(p)]
+    done: list[list[float | None]] = [[None] * len(groups[r]) for r in range(p)]
+    ends: list[list[float]] = [[] for _ in range(p)]  # finish time of each action run
+    start: dict[Action, float] = {}
+    gi = [0] * p  # each rank's next group
+    progressed = True
+    while progressed:  # sweep until nothing moves; times never change once set
+        progressed = False
+        for r in range(p):
+            moved = True
+            while moved:
+                moved = False
+                g = gi[r]
+                if g < len(groups[r]) and started[r][g] is None:
+                    prev = done[r][g - 1] if g else 0.0
+                    n = before[r][g]  # actions issued before the group
+                    if prev is not None and len(ends[r]) >= n:
+                        started[r][g] = max(prev, ends[r][n - 1] if n else 0.0)
+                        moved = True
+                t_group = started[r][g] if g < len(groups[r]) else None
+                if t_group is not None:
+                    ts = [
+                        started[q][gq]
+                        for q, gq, _ in (mates[(r, g, op)] for op in groups[r][g].ops)
+                    ]
+                    if all(t is not None for t in ts):
+                        done[r][g] = max([t_group, *(t for t in ts if t is not None)])
+                        gi[r] += 1
+                        moved = True
+                k = len(ends[r])
+                if k < len(acts[r]):
+                    a = acts[r][k]
+                    rg = recv_in[r].get(k)
+                    t_in = 0.0 if rg is None else done[r][rg]
+                    if t_in is not None:
+                        t0 = max(ends[r][-1] if k else 0.0, t_in)
+                        start[a] = t0
+                        ends[r].append(t0 + cost[a.kind])
+                        moved = True
+                progressed = progressed or moved
+    stuck = [r for r in range(p) if gi[r] < len(groups[r]) or len(ends[r]) < len(acts[r])]
+    if stuck:
+        raise ValueError(
+            f"schedule {name!r} deadlocks under nccl point-to-point (tags ignored, each "
+            "send waits for its peer's matching receive, groups run in issue order): "
+            + "; ".join(_stuck(schedule, groups, started, gi, ends, mates, r) for r in stuck)
+        )
+    makespan = max(max([0.0, *ends[r], *(t for t in done[r] if t is not None)]) for r in range(p))
+    busy = [sum(cost[a.kind] for a in acts[r]) for r in range(p)]
+    return Simulation(makespan, busy, [makespan - b for b in busy], start)
+
+
+def _check_program(
+    schedule: Schedule, program: Program
+) -> tuple[list[list[Exchange]], list[list[int]], list[dict[int, int]]]:
+    """Check ``program`` against ``schedule`` (see :func:`simulate`); per rank its groups,
+    how many actions come before each group, and action index -> the group receiving
+    its input."""
+    p, name = schedule.stages, schedule.name
+    if len(program) != p:
+        raise ValueError(f"schedule {name!r}: a program of {len(program)} ranks for {p} stages")
+    groups: list[list[Exchange]] = []
+    before: list[list[int]] = []
+    recv_in: list[dict[int, int]] = []
+    for r, items in enumerate(program):
+        mine: list[Exchange] = []
+        counts: list[int] = []  # per group: the actions before it
+        needs: dict[int, int] = {}  # action index -> the group receiving its input
+        made: set[Message] = set()  # outputs of the actions run so far
+        sent: set[Message] = set()
+        got: dict[Message, int] = {}  # received message -> its group
+        inputs = {input_of(a, p) for a in schedule.actions[r]}
+        n = 0
+        for item in items:
+            if isinstance(item, Exchange):
+                for op in item.ops:
+                    src, dst = schedule.ranks_of(op.msg)
+                    if op.kind == "send":
+                        why = (
+                            f"rank {src} sends it to rank {dst}" if (src, dst) != (r, op.peer)
+                            else "sent twice" if op.msg in sent
+                            else "sent before the action that makes it" if op.msg not in made
+                            else ""
+                        )  # fmt: skip
+                    else:
+                        why = (
+                            "no action of this rank needs it" if op.msg not in inputs
+                            else f"rank {dst} receives it from rank {src}"
+                            if (src, dst) != (op.peer, r)
+                            else "received twice" if op.msg in got
+                            else ""
+                        )  # fmt: skip
+                    if why:
+                        raise ValueError(f"schedule {name!r}: rank {r} cannot {_say(op)}: {why}")
+                    if op.kind == "send":
+                        sent.add(op.msg)
+                    else:
+                        got[op.msg] = len(mine)
+                mine.append(item)
+                counts.append(n)
+                continue
+            if n >= len(schedule.actions[r]) or item != schedule.actions[r][n]:
+                raise ValueError(
+                    f"schedule {name!r}: rank {r}'s program runs {item} as action {n}, the "
+                    "schedule another"
+                )
+            needed = input_of(item, p)
+            if needed is not None:
+                if needed not in got:
+                    raise ValueError(
+                        f"schedule {name!r}: rank {r} runs {item} before receiving its input"
+                    )
+                needs[n] = got[needed]
+            out = output_of(item, p)
+            if out is not None:
+                made.add(out)
+            n += 1
+        if n != len(schedule.actions[r]) or made != sent:
+            raise ValueError(
+                f"schedule {name!r}: rank {r}'s program runs {n} of "
+                f"{len(schedule.actions[r])} actions and leaves {sorted(made - sent)} unsent"
+            )
+        groups.append(mine)
+        before.append(counts)
+        recv_in.append(needs)
+    return groups, before, recv_in
+
+
+def _say(op: P2P) -> str:
+    m = op.msg
+    pipe = f", pipe {m.pipe}" if m.pipe else ""
+    way = "to" if op.kind == "send" else "from"
+    return f"{op.kind} {m.role}(mb {m.mb}, stage {m.stage}{pipe}) {way} rank {op.peer}"
+
+
+def _stuck(
+    schedule: Schedule,
+    groups: list[list[Exchange]],
+    started: list[list[float | None]],
+    gi: list[int],
+    ends: list[list[float]],
+    mates: dict[tuple[int, int, P2P], tuple[int, int, P2P]],
+    r: int,
+) -> str:
+    """Where rank ``r`` waits, for the deadlock message."""
+    g = gi[r]
+    # A stuck rank has started its next group: the action it waits at receives in that
+    # group or a later one, which the program puts before the action.
+    assert g < len(groups[r]) and started[r][g] is not None  # internal invariant
+    ops = groups[r][g].ops
+    waits = []
+    for op in ops:
+        q, gq, other = mates[(r, g, op)]
+        if started[q][gq] is None:
+            waits.append(f"{_say(op)} (rank {q} issues {_say(other)} in a later group)")
+    return f"rank {r} in group [{', '.join(map(_say, ops))}] waits: {', '.join(waits)}"
 
 
 def check_coverage(schedule: Schedule) -> None:

@@ -16,6 +16,10 @@ it, as GPT-2 does: in the reference it is ONE parameter used twice; in the pipel
 copies on stage 0 and the last stage (and their replicas under the bidirectional
 schedule) have their gradients summed.
 
+Every step issues the point-to-point groups of ``p2p_program`` (the order that holds under
+nccl) as one ``group.p2p_async`` call each, and on torch.distributed (gloo here) each is one
+``dist.batch_isend_irecv``, the call that makes them one group on nccl: both are counted.
+
 Then the bad inputs, each a ValueError on every rank: more stages than layers, an
 unknown schedule, the bidirectional schedule on 1 stage, a tied parameter name that
 stage 0 does not have, a batch that the micro-batches do not divide (only the first
@@ -33,8 +37,10 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import comm
@@ -49,6 +55,7 @@ from dense import (
     tp_full_state_dict,
     tp_gpt_loss,
 )
+from dense.pipeline_schedules import Exchange
 from tests.support.tolerance import AdamDrift, assert_close, cross_entropy_tol, replay_tol
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32)
@@ -147,6 +154,34 @@ class Reference:
         return float(loss32), tol, g32, g64
 
 
+class P2PCalls:
+    """Counts, while entered, ``group.p2p_async`` calls and (torch.distributed groups)
+    ``dist.batch_isend_irecv`` calls."""
+
+    def __init__(self, group: comm.ProcessGroup) -> None:
+        self.group, self.grouped, self.batched = group, 0, 0
+
+    def __enter__(self) -> P2PCalls:
+        grouped, batched = self.group.p2p_async, dist.batch_isend_irecv
+
+        def count_grouped(*args: Any, **kwargs: Any) -> Any:
+            self.grouped += 1
+            return grouped(*args, **kwargs)
+
+        def count_batched(*args: Any, **kwargs: Any) -> Any:
+            self.batched += 1
+            return batched(*args, **kwargs)
+
+        self._restore = batched
+        self.group.p2p_async = count_grouped  # type: ignore[method-assign]
+        dist.batch_isend_irecv = count_batched
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.group.p2p_async  # the class's method again
+        dist.batch_isend_irecv = self._restore
+
+
 def close(group: comm.ProcessGroup, what: str, got: torch.Tensor | float,
           want: torch.Tensor | float, atol: float) -> None:  # fmt: skip
     try:
@@ -181,7 +216,16 @@ def check_schedule(group: comm.ProcessGroup, schedule: str, tied: bool) -> None:
         ref_loss, loss_tol, ref_grad, ref_grad64 = ref.step(inputs, targets, grad=not tied)
 
         mine = inputs.clone().requires_grad_(not tied)
-        loss = pipe.step(mine if 0 in held else None, targets if last in held else None)
+        with P2PCalls(group) as calls:
+            loss = pipe.step(mine if 0 in held else None, targets if last in held else None)
+        groups = sum(isinstance(item, Exchange) for item in pipe.program)
+        torch_dist = group.backend in ("gloo", "nccl")
+        if calls.grouped != groups or calls.batched != (groups if torch_dist else 0):
+            fail(
+                group,
+                f"{what} step {step}: {calls.grouped} p2p_async and {calls.batched} "
+                f"batch_isend_irecv calls for the program's {groups} groups",
+            )
         close(group, f"{what} step {step}: loss vs one process", float(loss), ref_loss, loss_tol)
         if 0 in held and not tied:
             assert ref_grad is not None and ref_grad64 is not None
