@@ -8,8 +8,9 @@ reads with), so a Redis predictor scores as the in-memory predictor of the same 
 bit for bit: the same float32 rows, summed per bag in the same order. The tables are
 ``ps.RedisStore`` tables under ``prefix`` (default ``serving``) on a Redis server or a
 Redis Cluster (``?cluster=1``, as ``--ps`` takes it: the rows spread over its masters by
-bucket), with SGD as their optimizer (nothing pushes to them) and no eviction; a dynamic table keeps its initial
-rows, so an id the run never trained pulls as its initial row, as the files read it.
+bucket), with SGD as their optimizer (nothing pushes to them) and no eviction; a
+dynamic table keeps its initial rows, so an id the run never trained pulls as its
+initial row, as the files read it.
 """
 
 from __future__ import annotations
