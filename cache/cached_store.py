@@ -66,10 +66,9 @@ from typing import Any
 import torch
 
 from cache.config import CacheConfig
-from cache.device_rows import to_host
 from cache.table_cache import Fetch, TableCache
 from cache.table_group import GroupClocks, TableGroup
-from comm import Handle
+from comm import Handle, boundary
 from comm.device import exact_device
 from ps import PullRequest, PullResult, PushRequest, Store, TableSpec
 from ps.store import check_requests, first_of
@@ -227,9 +226,12 @@ class CachedStore(Store):
                 senders.append(tc)
         if not pushes:
             return
-        # Rows on a device: every table's pushed rows (and statistics) in one copy.
+        # Rows on a device: every table's pushed rows (and statistics) in one copy (host
+        # records hold host rows on every worker: nothing crosses).
         stats = {k: c[1] for k, (_, _, _, c) in enumerate(pushes) if c is not None}
-        host = to_host([g for _, _, g, _ in pushes] + list(stats.values()))
+        host = [g for _, _, g, _ in pushes] + list(stats.values())
+        if self.device is not None:
+            host = boundary.to_host(host)
         host_stats = dict(zip(stats, host[len(pushes) :], strict=True))
         requests = []
         for k, (tc, ids, _, counted) in enumerate(pushes):
@@ -429,32 +431,41 @@ class CachedStore(Store):
         """Apply several tables' row gradients to the cache (every request is checked
         first); what is due goes to the PS as ONE ``push_many`` of the wrapped store.
         The returned handle is complete: the updates are in the cache."""
+        reqs = check_requests(requests, PushRequest, "push_many")
+        self._ensure([r.table for r in reqs])
+        specs, ids_of, grads_of = [], [], []
+        for r in reqs:
+            spec = self._specs[r.table]
+            ids = check_ids(spec, r.ids, "push").cpu()
+            specs.append(spec)
+            ids_of.append(ids)
+            grads_of.append(check_grads(spec, ids, r.grads, finite=False).detach())
+        grads_of = self._where_rows_are(grads_of)
+        skip = [
+            s.nan_policy == "skip" and g.numel() > 0 for s, g in zip(specs, grads_of, strict=True)
+        ]
+        if self.device is None:
+            kept = [
+                _finite_rows_only(i, g) if k else (i, g)
+                for i, g, k in zip(ids_of, grads_of, skip, strict=True)
+            ]
+        else:  # every table's verdict at once; a non-finite one raises here
+            kept = self._finite_on_device(specs, ids_of, grads_of, skip)
         # Per cache: (packed ids, grads, spec, ids) of each request, in request order.
         checked: dict[str, list[tuple[torch.Tensor, torch.Tensor, TableSpec, torch.Tensor]]]
         checked = {}
-        reqs = check_requests(requests, PushRequest, "push_many")
-        self._ensure([r.table for r in reqs])
-        for r in reqs:
+        for r, spec, (ids, grads) in zip(reqs, specs, kept, strict=True):
             tc, group = self._member(r.table)
-            spec = self._specs[r.table]
-            ids = check_ids(spec, r.ids, "push").cpu()
-            grads = check_grads(spec, ids, r.grads, finite=False).detach()
-            grads = grads.to(self.device or "cpu")  # where the cached rows are
-            if spec.nan_policy == "skip" and grads.numel() > 0:
-                ok = finite_rows(grads)
-                if not bool(ok.all()):
-                    ok_host = ok.cpu()
-                    ids, grads = ids[ok_host], grads[ok]
             packed = ids if group is None else group.pack(r.table, ids)
             checked.setdefault(tc.name, []).append((packed, grads, spec, ids))
-        # Every cache's gradients are checked finite before any is applied, once per cache
-        # (one host sync on a device, not one per table); only a failed check looks for
-        # the table and row to name.
+        # Host records: every cache's gradients are checked finite before any is applied,
+        # once per cache (numpy's test over the concatenation); only a failed check
+        # looks for the table and row to name.
         merged = []
         for name, parts in checked.items():
             ids = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
             grads = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
-            if grads.numel() > 0 and not all_finite(grads):
+            if self.device is None and grads.numel() > 0 and not all_finite(grads):
                 for _, g, spec, raw in parts:  # skip-policy parts were filtered above
                     check_grads(spec, raw, g, finite=True)  # raises, naming the row
             merged.append((name, ids, grads))
@@ -467,6 +478,54 @@ class CachedStore(Store):
             caches.append(tc)
         self._send(caches)
         return Handle.completed(None, what="cached push_many")
+
+    def _where_rows_are(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``grads`` where the cached rows are: the host for host records, else the cache's
+        device. The hybrid tables hand them there already; others cross in one copy."""
+        if self.device is None:
+            if all(g.is_cpu for g in grads):
+                return grads
+            return boundary.to_host(grads)
+        dev = self.device
+        host = [k for k, g in enumerate(grads) if g.is_cpu and g.device != dev]
+        out = [g if g.is_cpu or g.device == dev else g.to(dev) for g in grads]
+        if host:
+            for k, g in zip(host, boundary.to_device([grads[k] for k in host], dev), strict=True):
+                out[k] = g
+        return out
+
+    def _finite_on_device(
+        self,
+        specs: list[TableSpec],
+        ids: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        skip: list[bool],
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every request's ``(ids, grads)`` once checked finite, for gradients on the
+        cache's device: a ``nan_policy="skip"`` table's non-finite rows dropped, any other
+        table's raising, naming the row, before anything is applied. The verdicts (one
+        for all the other tables' gradients together, one per skip table, whose per-row
+        test stays on the device) are read back at once: one host sync on a GPU for
+        every table. Only a non-finite gradient costs more (its table's row mask to the
+        host, or the search for the row to name)."""
+        strict = [g.reshape(-1) for g, dropping in zip(grads, skip, strict=True) if not dropping]
+        rows_ok = {k: torch.isfinite(g).all(dim=1) for k, g in enumerate(grads) if skip[k]}
+        flags = [ok.all() for ok in rows_ok.values()]  # 0-d each
+        if any(g.numel() for g in strict):
+            flags.append(torch.isfinite(torch.cat(strict) if len(strict) > 1 else strict[0]).all())
+        if not flags:
+            return list(zip(ids, grads, strict=True))
+        verdicts = boundary.read(torch.stack(flags))  # [skip tables (+ 1)]
+        if len(verdicts) > len(rows_ok) and not verdicts[-1]:
+            for spec, i, g, dropping in zip(specs, ids, grads, skip, strict=True):
+                if not dropping:
+                    check_grads(spec, i, g, finite=True)  # raises, naming the row
+        out = list(zip(ids, grads, strict=True))
+        for (k, ok), fine in zip(rows_ok.items(), verdicts, strict=False):
+            if not fine:
+                (ok_host,) = boundary.to_host([ok])  # [N] on the host, as the ids are
+                out[k] = (ids[k][ok_host], grads[k][ok])
+        return out
 
     def flush(self) -> None:
         """Push every pending update of every table (one batched push) and wait until
@@ -594,6 +653,13 @@ class CachedStore(Store):
 
     def __enter__(self) -> CachedStore:
         return self
+
+
+def _finite_rows_only(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``nan_policy="skip"`` table's host ``ids`` ``[N]`` and ``grads`` ``[N, D]`` without
+    the rows holding NaN or Inf."""
+    ok = finite_rows(grads)  # [N]
+    return (ids, grads) if bool(ok.all()) else (ids[ok], grads[ok])
 
 
 def _routed_handle(

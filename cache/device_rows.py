@@ -18,8 +18,9 @@ rows the store sent, and does gathers and scatters; it never has to tell the hos
 anything but the rows due to the store. Per step that is:
 
 * host -> device: the rows the store returned (misses and refreshes, ``[M, D]``) in one
-  copy, and the step's slot index arrays packed into one int64 copy (both from pinned
-  memory, ``non_blocking``: no host synchronisation);
+  copy, and each operation's slot index arrays (serve, install, refresh, update) packed
+  into one int64 copy (all from pinned memory, ``non_blocking``: no host
+  synchronisation; :func:`comm.boundary.to_device`);
 * device -> host: the pushed rows (gradients of rows not cached, due pending sums,
   evicted sums; ``[P, D]``) in one copy, which waits for the backward (the one
   synchronisation, made by :class:`cache.CachedStore` for every table at once).
@@ -30,12 +31,11 @@ compare it with the record slab bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
 from cache.local_step import LocalStep
+from comm import boundary
 
 
 class DeviceRows:
@@ -56,7 +56,6 @@ class DeviceRows:
         self.pend = torch.zeros(capacity, dim, dtype=torch.float32, device=device)  # [C, D]
         self.stat = torch.zeros(capacity, stat_dim, dtype=torch.float32, device=device)  # [C, Q]
         self.opt = torch.zeros(capacity, state_dim, dtype=torch.float32, device=device)  # [C, S]
-        self._copies = device.type != "cpu"
 
     @property
     def nbytes(self) -> int:
@@ -65,32 +64,17 @@ class DeviceRows:
     # ------------------------------------------------------------ transfers
 
     def indices(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """int64 numpy arrays as int64 tensors on the device: one packed pinned copy."""
-        if not self._copies:
-            return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
-        sizes = [int(a.size) for a in arrays]
-        host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
-        flat = host.numpy()
-        at = 0
-        for a, n in zip(arrays, sizes, strict=True):
-            flat[at : at + n] = a.reshape(-1)
-            at += n
-        on_device = host.to(self.device, non_blocking=True)
-        out, at = [], 0
-        for n in sizes:
-            out.append(on_device[at : at + n])
-            at += n
-        return out
+        """int64 numpy arrays as int64 tensors on the device: one packed pinned copy
+        (:func:`comm.boundary.to_device`; views of the arrays on the host)."""
+        host = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+        return boundary.to_device(host, self.device)
 
     def upload(self, rows: torch.Tensor) -> torch.Tensor:
-        """Host rows ``[M, D]`` (from the store) on the device, one non-blocking copy."""
-        if not self._copies:
-            return rows
+        """Host rows ``[M, D]`` (from the store) on the device, one non-blocking copy
+        (none for no rows)."""
         if rows.numel() == 0:
             return torch.empty(rows.shape, dtype=torch.float32, device=self.device)
-        staged = torch.empty(rows.shape, dtype=torch.float32, pin_memory=True)
-        staged.copy_(rows)
-        return staged.to(self.device, non_blocking=True)
+        return boundary.to_device([rows.to(torch.float32)], self.device)[0]
 
     def empty(self) -> torch.Tensor:
         """``[0, D]`` on the device (a push with no rows)."""
@@ -143,7 +127,7 @@ class DeviceRows:
         rows = fresh.index_select(0, sel)  # [R, D]
         state = fresh_state.index_select(0, sel)  # [R, S]
         stats = self.stat.index_select(0, slots) if counted else None
-        k = counts.to(self.device)
+        (k,) = boundary.to_device([counts], self.device)
         local.ahead(rows, state, self.pend.index_select(0, slots), k, stats)
         self.rows.index_copy_(0, slots, rows)
         self.opt.index_copy_(0, slots, state)
@@ -252,22 +236,3 @@ class DeviceRows:
         """Host copies of the rows of ``slots`` (a checkpoint of the cache)."""
         (at,) = self.indices(slots)
         return self.rows.index_select(0, at).cpu()
-
-
-def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Device tensors ``[P_i, D_i]`` float32 on the host, in ONE device -> host copy into
-    pinned memory (it waits for the kernels that made them: the step's host sync).
-    Host tensors are returned as they are."""
-    on_device = [i for i, t in enumerate(tensors) if t.device.type != "cpu"]
-    out = list(tensors)
-    if not on_device:
-        return out
-    flat = torch.cat([tensors[i].reshape(-1) for i in on_device])
-    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-    host.copy_(flat)
-    at = 0
-    for i in on_device:
-        n = int(tensors[i].numel())
-        out[i] = host[at : at + n].view(tensors[i].shape)
-        at += n
-    return out

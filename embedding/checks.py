@@ -12,6 +12,7 @@ from typing import TypeVar
 
 import torch
 
+from comm import boundary
 from embedding.config import TableConfig
 from embedding.jagged import KeyedJaggedIds
 
@@ -50,10 +51,13 @@ def features_by_table(
     return per_table
 
 
-def check_ids(cfg: TableConfig, feats: Sequence[str], ids: Sequence[torch.Tensor]) -> None:
+def check_ids(
+    cfg: TableConfig, feats: Sequence[str], ids: Sequence[torch.Tensor], *, on_host: bool = False
+) -> None:
     """Raise ValueError if an id of ``feats`` (``ids[i]`` int64 ``[N_i]``) is outside
-    ``[0, cfg.num_rows)``. Dynamic tables (``num_rows`` None) accept any int64 id."""
-    _check_ranges([(cfg, f, t) for f, t in zip(feats, ids, strict=True)])
+    ``[0, cfg.num_rows)``. Dynamic tables (``num_rows`` None) accept any int64 id.
+    ``on_host``: the ids are host tensors on every worker (see :func:`first_out_of_range`)."""
+    _check_ranges([(cfg, f, t) for f, t in zip(feats, ids, strict=True)], on_host=on_host)
 
 
 def check_batch_ids(
@@ -69,15 +73,17 @@ def check_batch_ids(
 
 
 def first_out_of_range(
-    given: Sequence[tuple[int | None, torch.Tensor]],
+    given: Sequence[tuple[int | None, torch.Tensor]], *, on_host: bool = False
 ) -> tuple[int, int] | None:
     """``(position in given, offending id)`` of the first ``(num_rows, ids)`` with an id
     outside ``[0, num_rows)`` (``num_rows`` None: any id), or None. Every ``(min, max)``
-    is read back at once: one host sync on a GPU."""
+    is read back at once: one host sync on a GPU. ``on_host``: the ids are host tensors
+    on every worker (the store's), so the read is not a device crossing."""
     at = [i for i, (n, t) in enumerate(given) if n is not None and t.numel() > 0]
     if not at:
         return None
-    bounds = torch.stack([torch.stack(torch.aminmax(given[i][1])) for i in at]).tolist()
+    stacked = torch.stack([torch.stack(torch.aminmax(given[i][1])) for i in at])  # [A, 2]
+    bounds = stacked.tolist() if on_host else boundary.read(stacked)
     for i, (lo, hi) in zip(at, bounds, strict=True):
         n = given[i][0]
         assert n is not None
@@ -86,9 +92,11 @@ def first_out_of_range(
     return None
 
 
-def _check_ranges(given: Sequence[tuple[TableConfig, str, torch.Tensor]]) -> None:
+def _check_ranges(
+    given: Sequence[tuple[TableConfig, str, torch.Tensor]], *, on_host: bool = False
+) -> None:
     """Raise naming the first feature with an id outside its table's rows."""
-    found = first_out_of_range([(cfg.num_rows, t) for cfg, _, t in given])
+    found = first_out_of_range([(cfg.num_rows, t) for cfg, _, t in given], on_host=on_host)
     if found is not None:
         i, bad = found
         cfg, feat, _ = given[i]
@@ -113,8 +121,8 @@ def whole_batch_in_range(
     feats = [f for _, fs in tables for f in fs]
     if n is None or len(feats) != len(kjt.keys) or set(feats) != set(kjt.keys):
         return False
-    lo, hi = torch.stack(torch.aminmax(kjt.ids)).tolist()  # one host sync on a GPU
-    return lo >= 0 and hi < n
+    lo, hi = boundary.read(torch.stack(torch.aminmax(kjt.ids)))  # one host sync on a GPU
+    return bool(lo >= 0 and hi < n)
 
 
 def check_weights(cfg: TableConfig, feats: Sequence[str], weighted: bool) -> None:
@@ -134,15 +142,26 @@ def sequence_length(cfg: TableConfig, feat: str, lengths: torch.Tensor) -> int:
     (an unpooled output is a dense ``[B, T, D]`` tensor, so ragged samples have
     no place in it: pad them to one length first).
     """
-    if lengths.numel() == 0:
-        return 0
-    lo, hi = torch.stack(torch.aminmax(lengths)).tolist()  # one host sync on a GPU
-    if lo != hi:
-        seen = sorted(set(lengths.tolist()))
-        shown = seen if len(seen) <= 8 else [*seen[:8], "..."]
-        raise ValueError(
-            f"EmbeddingCollection: feature {feat!r} of table {cfg.name!r} has pooling='none', "
-            f"which needs the same number of ids in every sample, got lengths {shown} "
-            f"(min {lo}, max {hi}); pad the sequences to one length"
-        )
-    return int(lo)
+    return sequence_lengths([(cfg, feat, lengths)])[0]
+
+
+def sequence_lengths(given: Sequence[tuple[TableConfig, str, torch.Tensor]]) -> list[int]:
+    """:func:`sequence_length` of each ``(table, feature, [B] lengths)``, every
+    ``(min, max)`` read back at once (one host sync on a GPU; none for no features)."""
+    at = [i for i, (_, _, lengths) in enumerate(given) if lengths.numel() > 0]
+    out = [0] * len(given)
+    if not at:
+        return out
+    stacked = torch.stack([torch.stack(torch.aminmax(given[i][2])) for i in at])  # [A, 2]
+    for i, (lo, hi) in zip(at, boundary.read(stacked), strict=True):
+        cfg, feat, lengths = given[i]
+        if lo != hi:
+            seen = sorted(set(lengths.tolist()))  # raising: the cost does not matter
+            shown = seen if len(seen) <= 8 else [*seen[:8], "..."]
+            raise ValueError(
+                f"EmbeddingCollection: feature {feat!r} of table {cfg.name!r} has "
+                f"pooling='none', which needs the same number of ids in every sample, got "
+                f"lengths {shown} (min {lo}, max {hi}); pad the sequences to one length"
+            )
+        out[i] = int(lo)
+    return out

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from comm import LocalGroup, ProcessGroup
+from comm import LocalGroup, ProcessGroup, boundary
 from comm.agreement import agree, run_on_rank0
 from comm.device import module_device
 from embedding.checks import features_by_table, table_of_features
@@ -311,14 +311,11 @@ class EmbeddingCollection(nn.Module):
                 f"{who}: per-id weights of features {kjt.keys} are {w.dtype}, expected one of "
                 f"{[str(d) for d in _WEIGHT_DTYPES]}"
             )
-        here = kjt.ids.device == dev and kjt.lengths.device == dev
-        if here and (w is None or w.device == dev):
-            return kjt
         if kjt.lengths.device.type == "cpu":
             kjt.key_starts()  # host ints from host lengths (ids may be on the device already)
-        # Non-blocking only towards a GPU: a non-blocking copy from a GPU to the host
-        # returns before the bytes land, and the host code below would read them.
-        return kjt.to(dev, non_blocking=dev.type == "cuda")
+        # Through the boundary even when the batch is here (returned as it is): a host
+        # batch crosses here on a GPU worker, so a CPU run makes the same calls.
+        return boundary.move(kjt, dev)
 
     def _group_keys(self, kjt: KeyedJaggedIds) -> list[tuple[TableConfig, list[str]]]:
         """Tables touched by the batch (in table order) with their features (in key order)."""

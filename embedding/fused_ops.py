@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from comm import ProcessGroup
-from embedding.checks import sequence_length
+from comm import ProcessGroup, boundary
+from embedding.checks import sequence_lengths
 from embedding.config import TableConfig
 from embedding.jagged import KeyedJaggedIds, offsets_from_lengths
 from embedding.kernels import FUSED_OPTIMIZERS, use_triton
@@ -112,7 +112,7 @@ def group_batch(
     per_key = sub.lengths.view(k, b).sum(dim=1)  # [K] ids per key
     n = sub.ids.numel()
     if any(bases):
-        base = torch.tensor(list(bases), dtype=torch.int64, device=device)  # [K]
+        base = boundary.constant(tuple(bases), device)  # [K], the same every step
         ids = sub.ids + torch.repeat_interleave(base, per_key, output_size=n)  # [N]
     else:
         ids = sub.ids
@@ -155,12 +155,28 @@ def feature_sizes(
     ``seq[k]`` the ids per sample of unpooled feature ``k`` (checked equal for every
     sample; -1 for pooled ones) and ``sizes[k]`` its rows of the lookup (``B`` or
     ``B * T``)."""
+    return groups_feature_sizes(kjt, [feats])[0]
+
+
+def groups_feature_sizes(
+    kjt: KeyedJaggedIds, groups: Sequence[Sequence[tuple[TableConfig, str]]]
+) -> list[tuple[list[int], list[int]]]:
+    """:func:`feature_sizes` of each group, the sequence lengths of every unpooled
+    feature of every group read back at once (one host sync on a GPU, none without
+    unpooled features)."""
     b = kjt.batch_size
-    seq = [
-        sequence_length(cfg, feat, kjt.key_slice(feat).lengths) if cfg.pooling == "none" else -1
+    unpooled = [
+        (cfg, feat, kjt.key_slice(feat).lengths)
+        for feats in groups
         for cfg, feat in feats
+        if cfg.pooling == "none"
     ]
-    return seq, [b if t < 0 else b * t for t in seq]
+    lengths = iter(sequence_lengths(unpooled))
+    out = []
+    for feats in groups:
+        seq = [next(lengths) if cfg.pooling == "none" else -1 for cfg, _ in feats]
+        out.append((seq, [b if t < 0 else b * t for t in seq]))
+    return out
 
 
 def name_parts(

@@ -48,15 +48,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from comm import ProcessGroup
+from comm import ProcessGroup, boundary
 from comm.agreement import run_on_rank0
 from comm.device import module_device
 from embedding.checks import check_batch_ids, check_ids, check_weights
 from embedding.config import TableConfig
 from embedding.fused_ops import (
     GroupBatch,
-    feature_sizes,
     group_batch,
+    groups_feature_sizes,
     kernel_parts,
     lookup,
     name_parts,
@@ -342,7 +342,7 @@ class HybridTables(nn.Module):
                     check_weights(cfg, feats, here.weights is not None)
             except (TypeError, ValueError, IndexError, KeyError):
                 return None
-            groups = [self._dedup(here, tabs) for tabs in _by_dim(plan)]
+            groups = self._dedup(here, plan)
             # one [U, D] per group: a push's rows are pulled again into it in one scatter
             rows = [[p[0] if len(p) == 1 else torch.cat(p)] for p in self._pull(groups)]
             return groups, rows, _used_by(now, groups)
@@ -461,14 +461,18 @@ class HybridTables(nn.Module):
         one = getattr(self.store, "prefetch", None)
         if many is None and one is None:
             return
-        # The store reads host ids: a batch on a device comes to the host once, and the
-        # dedup runs there (no device work, no sync per table).
-        kjt = kjt.to("cpu")
+        # The store reads host ids and the dedup runs there (no device work). The jobs
+        # announce host batches (a hybrid batch stays on the host until the collection
+        # moves it), so nothing crosses; a batch given on a device comes over once.
+        ids = kjt.ids
+        if not ids.is_cpu:
+            (ids,) = boundary.to_host([ids])
+        starts, key = kjt.key_starts(), {k: i for i, k in enumerate(kjt.keys)}
         requests = []
         for cfg, feats in tables:
-            ids = torch.cat([kjt.key_slice(f).ids for f in feats])
-            check_ids(cfg, feats, [kjt.key_slice(f).ids for f in feats])
-            requests.append(PullRequest(cfg.name, torch.unique(ids)))
+            parts = [ids[starts[key[f]] : starts[key[f] + 1]] for f in feats]  # [N_f] each
+            check_ids(cfg, feats, parts, on_host=True)
+            requests.append(PullRequest(cfg.name, torch.unique(torch.cat(parts))))
 
         def announce() -> None:
             if many is not None:
@@ -488,14 +492,14 @@ class HybridTables(nn.Module):
         train = self.training and torch.is_grad_enabled()
         got = self._take_ahead(kjt, tables) if train and self.pipeline is not None else None
         if got is None:
-            groups = [self._dedup(kjt, tabs) for tabs in _by_dim(tables)]
+            groups = self._dedup(kjt, tables)
             pulled = self._store_call(lambda: self._pull(groups))
         else:
             groups, pulled = got
         if train:
             self._pull_ahead(groups)  # the next batch's pull runs beside this dense step
-        rows = _rows_to_device(pulled, self.device)  # per group [U, D]
-        shapes = [feature_sizes(kjt, g.features) for g in groups]  # (seq, sizes)
+        rows = _rows_to_device(pulled, self.device, self.store)  # per group [U, D]
+        shapes = groups_feature_sizes(kjt, [g.features for g in groups])  # (seq, sizes)
         splits = [sizes for _, sizes in shapes]  # every group has features
         if train:
             parts = _HybridLookup.apply(self._anchor, self, groups, rows, splits)
@@ -524,53 +528,84 @@ class HybridTables(nn.Module):
         results = iter(self.store.pull_many(requests))
         return [[next(results).rows for _ in g.tables] for g in groups]
 
-    def _dedup(self, kjt: KeyedJaggedIds, tables: list[tuple[TableConfig, list[str]]]) -> _Group:
-        """One sort for every table of the group: ids are keyed ``(table, id)``.
+    def _dedup(self, kjt: KeyedJaggedIds, plan: Plan) -> list[_Group]:
+        """Every dim group's dedup (:func:`_dedup_on_device`); the unique ids of every
+        group come to the host, where the store takes them, in ONE copy (one read for
+        every group and table, not one per group)."""
+        staged = [_dedup_on_device(kjt, tabs) for tabs in _by_dim(plan)]
+        host = iter(boundary.to_host([u for st in staged for u in st.uniques]))
+        return [st.finish([next(host) for _ in st.uniques]) for st in staged]
 
-        Fixed-size tables are packed into one id space (table ``t`` at base
-        ``sum of the earlier tables' rows``), so a single sort orders the ids by table,
-        then id; a group with a dynamic table (any int64 id) sorts table by table.
-        """
-        feats = [(cfg, f) for cfg, fs in tables for f in fs]
-        cfgs = [cfg for cfg, _ in tables]
-        packed = all(c.num_rows is not None for c in cfgs)
-        starts, base = [], 0
-        for c in cfgs:
-            starts.append(base)
-            base += int(c.num_rows or 0)
-        table_base = {c.name: b for c, b in zip(cfgs, starts, strict=True)}
-        bases = [table_base[c.name] for c, _ in feats] if packed else [0] * len(feats)
-        gb = group_batch(kjt, feats, bases)  # ids: packed keys (or raw ids) [N]
-        if packed:
-            srt, perm = cpu_kernel.sort_ids(gb.ids) if gb.ids.is_cpu else torch.sort(gb.ids)  # [N]
-            keys, counts = torch.unique_consecutive(srt, return_counts=True)  # [U]
-            # The store takes host ids: the one device-to-host copy of the forward (a
-            # host sync on a GPU); the table bounds are then found on the host.
-            keys_cpu = keys.cpu()
-            cut = torch.searchsorted(keys_cpu, torch.tensor([*starts, base])).tolist()
-            unique = [
-                keys_cpu[cut[i] : cut[i + 1]] - starts[i] for i in range(len(cfgs))
-            ]  # [U_t] each
-        else:
-            per_table = [sum(kjt.key_slice(f).ids.numel() for f in fs) for _, fs in tables]
-            perms, all_counts, unique = [], [], []
-            pos = 0
-            for n in per_table:
-                srt, p = torch.sort(gb.ids[pos : pos + n])
-                u, c = torch.unique_consecutive(srt, return_counts=True)
-                perms.append(p + pos)
-                all_counts.append(c)
-                unique.append(u.cpu())
-                pos += n
-            perm, counts = torch.cat(perms), torch.cat(all_counts)
-        index = torch.empty_like(perm)  # [N] each id's unique row
-        index[perm] = torch.repeat_interleave(
-            torch.arange(counts.numel(), device=perm.device), counts, output_size=perm.numel()
-        )
-        batch = GroupBatch(index, gb.offsets, gb.weights)
-        if packed:
-            return _Group(feats, cfgs, batch, perm, counts, unique, keys_cpu, starts)
-        return _Group(feats, cfgs, batch, perm, counts, unique)
+
+@dataclass(slots=True)
+class _Staged:
+    """A group's dedup on the rows' device, before its unique ids come to the host."""
+
+    features: list[tuple[TableConfig, str]]
+    tables: list[TableConfig]
+    batch: GroupBatch  # ids = index into the group's unique rows
+    perm: torch.Tensor  # [N]
+    counts: torch.Tensor  # [U]
+    # Packed: one tensor, the unique keys [U] (table t's id i is key starts[t] + i);
+    # else one per table, its unique ids [U_t].
+    uniques: list[torch.Tensor]
+    starts: list[int] | None  # packed: each table's base, then the sum of their rows
+
+    def finish(self, host: list[torch.Tensor]) -> _Group:
+        """The group, given :attr:`uniques` on the host (``host``, the same order)."""
+        if self.starts is None:
+            return _Group(self.features, self.tables, self.batch, self.perm, self.counts, host)
+        (keys,) = host  # [U] sorted packed keys
+        starts = self.starts
+        cut = torch.searchsorted(keys, torch.tensor(starts)).tolist()  # host: no device read
+        unique = [keys[cut[i] : cut[i + 1]] - starts[i] for i in range(len(self.tables))]
+        return _Group(
+            self.features, self.tables, self.batch, self.perm, self.counts, unique, keys,
+            starts[:-1],
+        )  # fmt: skip
+
+
+def _dedup_on_device(kjt: KeyedJaggedIds, tables: Plan) -> _Staged:
+    """One sort for every table of the group: ids are keyed ``(table, id)``.
+
+    Fixed-size tables are packed into one id space (table ``t`` at base
+    ``sum of the earlier tables' rows``), so a single sort orders the ids by table,
+    then id; a group with a dynamic table (any int64 id) sorts table by table.
+    Everything here stays where the batch is; :meth:`_Staged.finish` takes the unique
+    ids on the host.
+    """
+    feats = [(cfg, f) for cfg, fs in tables for f in fs]
+    cfgs = [cfg for cfg, _ in tables]
+    packed = all(c.num_rows is not None for c in cfgs)
+    starts, base = [], 0
+    for c in cfgs:
+        starts.append(base)
+        base += int(c.num_rows or 0)
+    table_base = {c.name: b for c, b in zip(cfgs, starts, strict=True)}
+    bases = [table_base[c.name] for c, _ in feats] if packed else [0] * len(feats)
+    gb = group_batch(kjt, feats, bases)  # ids: packed keys (or raw ids) [N]
+    if packed:
+        srt, perm = cpu_kernel.sort_ids(gb.ids) if gb.ids.is_cpu else torch.sort(gb.ids)  # [N]
+        keys, counts = torch.unique_consecutive(srt, return_counts=True)  # [U]
+        uniques = [keys]
+    else:
+        per_table = [sum(kjt.key_slice(f).ids.numel() for f in fs) for _, fs in tables]
+        perms, all_counts, uniques = [], [], []
+        pos = 0
+        for n in per_table:
+            srt, p = torch.sort(gb.ids[pos : pos + n])
+            u, c = torch.unique_consecutive(srt, return_counts=True)
+            perms.append(p + pos)
+            all_counts.append(c)
+            uniques.append(u)
+            pos += n
+        perm, counts = torch.cat(perms), torch.cat(all_counts)
+    index = torch.empty_like(perm)  # [N] each id's unique row
+    index[perm] = torch.repeat_interleave(
+        torch.arange(counts.numel(), device=perm.device), counts, output_size=perm.numel()
+    )
+    batch = GroupBatch(index, gb.offsets, gb.weights)
+    return _Staged(feats, cfgs, batch, perm, counts, uniques, [*starts, base] if packed else None)
 
 
 class _HybridLookup(torch.autograd.Function):
@@ -622,7 +657,7 @@ class _HybridLookup(torch.autograd.Function):
             used.append((g, _row_gradients(g, given, sizes)))  # [U, D] on the device
         # The same [U, D] where the store takes them: a cache with rows on this device
         # takes them as they are, any other store on the host.
-        host = _sums_to_store([s for _, s in used], store_device(owner.store))
+        host = _sums_to_store([s for _, s in used], owner.store)
         grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for (g, _), sums in zip(used, host, strict=True):
             at = 0
@@ -670,54 +705,61 @@ def _row_gradients(
     return sorted_segment_sum(g.perm, g.counts, grad, bag_of, b.weights).to(torch.float32)
 
 
-def store_device(store: Store) -> torch.device:
-    """Where ``store`` serves rows and takes gradients: a cache's device
-    (``cache.CachedStore(device=...)``: rows in that device's memory), else the host."""
-    device = getattr(store, "device", None)
-    return device if isinstance(device, torch.device) else torch.device("cpu")
+def device_rows(store: Store) -> bool:
+    """Whether ``store`` serves rows and takes gradients in a device's memory (a cache
+    given a device, ``cuda`` or ``cpu``) rather than as host tensors."""
+    return isinstance(getattr(store, "device", None), torch.device)
 
 
-def _rows_to_device(pulled: list[list[torch.Tensor]], device: torch.device) -> list[torch.Tensor]:
+def _rows_to_device(
+    pulled: list[list[torch.Tensor]], device: torch.device, store: Store
+) -> list[torch.Tensor]:
     """Per group, its tables' pulled rows ``[U_t, D]`` as one ``[U, D]`` on ``device``.
 
-    Rows already there (on the host, or served by a cache on this device): one
-    concatenation per group with more than one table. From the host to a device: every
-    group's rows packed into ONE pinned host buffer and copied with one non-blocking
-    host-to-device copy; the groups are views of the copy."""
-    if all(r.device == device for p in pulled for r in p):
-        return [p[0] if len(p) == 1 else torch.cat(p) for p in pulled]
-    sizes = [sum(int(r.numel()) for r in p) for p in pulled]
-    flat = torch.empty(sum(sizes), dtype=torch.float32, pin_memory=True)  # [sum U_g * D_g]
-    at = 0
-    for p in pulled:
-        for r in p:
-            n = int(r.numel())
-            flat[at : at + n].view_as(r).copy_(r)
-            at += n
-    on_device = flat.to(device, non_blocking=True)
-    out, at = [], 0
-    for p, n in zip(pulled, sizes, strict=True):
-        out.append(on_device[at : at + n].view(-1, p[0].shape[1]))
-        at += n
-    return out
+    A store serving device rows (a cache on this device) has them there: one
+    concatenation per group with more than one table. Host rows cross in ONE
+    non-blocking host-to-device copy (:func:`comm.boundary.to_device`); a group's
+    tables are then adjacent in it, and the group is a view of them."""
+    if device_rows(store):
+        return [
+            (p[0] if len(p) == 1 else torch.cat(p)).to(device) for p in pulled
+        ]  # on the cache's device already: .to() returns them
+    flat = iter(boundary.to_device([r for p in pulled for r in p], device))
+    return [_joined([next(flat) for _ in p]) for p in pulled]
 
 
-def _sums_to_store(sums: list[torch.Tensor], where: torch.device) -> list[torch.Tensor]:
-    """The groups' row gradients ``[U, D]`` where the store takes them (``where``): as
-    they are when they are there; from a device to the host, every group's in ONE
-    device-to-host copy (into pinned memory), which waits for the backward kernels (the
-    push needs the values: a host sync per step)."""
-    if not sums or sums[0].device == where:
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``[U, D]``: the rows ``[U_t, D]`` of ``parts`` one after the other; a view when
+    they lie back to back in one buffer (one copy made them), else a concatenation."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    offset, d = first.storage_offset(), first.shape[1]
+    ptr = first.untyped_storage().data_ptr()
+    adjacent = True
+    for p in parts:
+        if (
+            p.untyped_storage().data_ptr() != ptr
+            or not p.is_contiguous()
+            or p.storage_offset() != offset
+        ):
+            adjacent = False
+            break
+        offset += p.numel()
+    if not adjacent:
+        return torch.cat(parts)
+    rows = sum(int(p.shape[0]) for p in parts)
+    return torch.as_strided(first, (rows, d), (d, 1), first.storage_offset())
+
+
+def _sums_to_store(sums: list[torch.Tensor], store: Store) -> list[torch.Tensor]:
+    """The groups' row gradients ``[U, D]`` where ``store`` takes them: as they are for
+    a store taking device rows; else on the host, every group's in ONE device-to-host
+    copy (:func:`comm.boundary.to_host`), which waits for the backward kernels (the
+    push needs the values: a host sync per step on a GPU)."""
+    if not sums or device_rows(store):
         return sums
-    flat = torch.cat([s.reshape(-1) for s in sums])  # [sum U_g * D_g] on the device
-    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-    host.copy_(flat)
-    out, at = [], 0
-    for s in sums:
-        n = int(s.numel())
-        out.append(host[at : at + n].view(s.shape))
-        at += n
-    return out
+    return boundary.to_host(sums)
 
 
 def _push(
@@ -812,9 +854,13 @@ def _pull_again(owner: HybridTables, pulled: list[list[torch.Tensor]], rows: _Ov
     """Pull ``rows`` again into the rows pulled ahead (``pulled``: per group ONE
     ``[U, D]``), in place."""
     fresh = owner.store.pull_many([PullRequest(name, ids) for name, ids in rows.ids.items()])
-    for (k, pos), got in zip(rows.places, fresh, strict=True):
-        target = pulled[k][0]  # [U, D] of group k
-        target[pos.to(target.device)] = got.rows.to(target.device)
+    targets = [pulled[k][0] for k, _ in rows.places]  # [U, D] of each place's group
+    if not targets:
+        return
+    # The positions (host) where the rows are (a cache's device): one copy for all.
+    places = boundary.to_device([pos for _, pos in rows.places], targets[0].device)
+    for target, pos, got in zip(targets, places, fresh, strict=True):
+        target[pos] = got.rows.to(target.device)  # the store serves them there: no copy
 
 
 def _push_now(owner: HybridTables, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from comm import boundary
 from comm.device import exact_device
 
 if TYPE_CHECKING:  # only for annotations (see the module docstring)
@@ -274,8 +275,10 @@ class KeyedJaggedIds:
         by :meth:`to` and :meth:`pin_memory`, so a batch measured on the host and then
         moved slices its keys on the device without reading device memory."""
         if self._starts is None:
+            per_key = self.ids_per_key()  # [K]
+            counts = per_key.tolist() if per_key.is_cpu else boundary.read(per_key)
             starts = [0]
-            for n in self.ids_per_key().tolist():
+            for n in counts:
                 starts.append(starts[-1] + int(n))
             self._starts = starts
         return self._starts

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from comm import boundary
 from embedding.sharding_plan import ShardingPlan
 
 
@@ -49,8 +50,8 @@ class IdBuckets:
 
     @property
     def send_splits(self) -> list[int]:
-        """Ids per destination rank ``[W]``."""
-        return [int(c) for c in self.counts.sum(dim=1).tolist()]
+        """Ids per destination rank ``[W]`` (a host sync when the counts are on a GPU)."""
+        return [int(c) for c in boundary.read(self.counts.sum(dim=1))]
 
 
 def bucketize(
@@ -66,21 +67,19 @@ def bucketize(
     if t_count == 0:
         empty = torch.empty(0, dtype=torch.int64, device=device)
         return IdBuckets(empty, torch.zeros(w, 0, dtype=torch.int64, device=device))
-    owners, local = [], []
-    for name, u in zip(tables, uniques, strict=True):
+    keys, local = [], []
+    for t, (name, u) in enumerate(zip(tables, uniques, strict=True)):
         o = plan.owner_of(name, u)  # [U_t]
-        owners.append(o)
+        # Destination-major, then table: the table index is a scalar of the kernel (no
+        # per-step tensor of table sizes copied to a device).
+        keys.append(o * t_count + t)  # [U_t]
         local.append(plan.local_rows(name, u, o))
-    sizes = torch.tensor([u.numel() for u in uniques], dtype=torch.int64, device=device)  # [T]
-    total = sum(int(u.numel()) for u in uniques)  # known on the host: no device sync
-    table_idx = torch.repeat_interleave(
-        torch.arange(t_count, device=device), sizes, output_size=total
-    )  # [S]
-    owner = torch.cat(owners)  # [S] in (table, unique) order
-    key = owner * t_count + table_idx  # [S] destination-major, then table
+    key = torch.cat(keys)  # [S] in (table, unique) order
     order = torch.argsort(key, stable=True)  # [S] buffer slot -> (table, unique) item
     send_ids = torch.cat(local)[order]  # [S]
-    counts = torch.bincount(key, minlength=w * t_count).view(w, t_count)  # [W, T]
+    # Counts from the sorted keys (bincount on a GPU reads the largest key back first).
+    cuts = torch.searchsorted(key[order], torch.arange(w * t_count + 1, device=device))  # [W*T+1]
+    counts = (cuts[1:] - cuts[:-1]).view(w, t_count)  # [W, T]
     return IdBuckets(send_ids, counts)
 
 

@@ -35,8 +35,8 @@ from embedding.fused_ops import (
     FusedGroup,
     FusedLookupFunction,
     GroupBatch,
-    feature_sizes,
     group_batch,
+    groups_feature_sizes,
     lookup,
     name_parts,
 )
@@ -236,7 +236,7 @@ class LocalTables(nn.Module):
         active = [gi for gi, fs in enumerate(per_group) if fs or (train and self.group.size > 1)]
         batches = [self._group_batch(kjt, per_group[gi]) for gi in active]
         groups = [self.groups[gi] for gi in active]
-        shapes = [feature_sizes(kjt, per_group[gi]) for gi in active]  # (seq, sizes)
+        shapes = groups_feature_sizes(kjt, [per_group[gi] for gi in active])  # (seq, sizes)
         splits = [sizes or [0] for _, sizes in shapes]  # [0]: a group without features
         if train:
             parts = FusedLookupFunction.apply(self._anchor, groups, batches, self.group, splits)

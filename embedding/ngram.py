@@ -71,8 +71,12 @@ def ngram_ids(tokens: torch.Tensor, n: int, *, rows: int | None, seed: int = 0) 
     b, t = tokens.shape
     pad = torch.zeros(b, n - 1, dtype=torch.int64, device=tokens.device)
     codes = torch.cat([pad, tokens + 1], dim=1)  # [B, n-1+T]: 0 = before the window
-    key = mix(torch.tensor([seed], dtype=torch.int64) ^ mix(torch.tensor([n], dtype=torch.int64)))
-    h = key.to(tokens.device).expand(b, t)  # [B, T]
+    # The hash's start for (seed, n), computed on the host; it reaches the device as the
+    # fill value of a kernel, not as a tensor copied there each step.
+    key = int(
+        mix(torch.tensor([seed], dtype=torch.int64) ^ mix(torch.tensor([n], dtype=torch.int64)))
+    )
+    h = torch.full((b, t), key, dtype=torch.int64, device=tokens.device)  # [B, T]
     for k in range(n):  # the n codes of each position's n-gram, oldest first
         h = mix(h ^ codes[:, k : k + t])
     ids = (h >> 1) & ((1 << 63) - 1)  # [B, T]: the top 63 bits, logical shift, in [0, 2**63)

@@ -65,14 +65,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from comm import ProcessGroup
+from comm import ProcessGroup, boundary
 from comm.device import module_device
 from embedding.checkpoint_io import write_from_rank0
 from embedding.checks import (
     check_weights,
     features_by_table,
     first_out_of_range,
-    sequence_length,
+    sequence_lengths,
     table_of_features,
 )
 from embedding.config import TableConfig
@@ -451,10 +451,11 @@ class ShardedTables(nn.Module):
         buckets = bucketize(self.plan, [c.name for c in self._configs], uniques)
         # [W, T]: what this rank asks of each owner. Every split below is a Python int,
         # so the counts travel on the host (a host sync on a GPU: the device-to-host copy).
-        counts = buckets.counts.cpu()
+        (counts,) = boundary.to_host([buckets.counts])
         # 1) counts + error flag: row p goes to rank p; every rank learns every error.
         head = torch.cat([counts, torch.tensor([code] * w, dtype=torch.int64)], dim=1)
-        got = group.alltoallv(head.contiguous(), [1] * w, [1] * w).cpu()  # [W, T + 3]
+        # [W, T + 3], on the host (a group that moves device tensors, nccl, answers there)
+        (got,) = boundary.to_host([group.alltoallv(head.contiguous(), [1] * w, [1] * w)])
         self._raise_if_bad(got[:, t_count:], error)
         recv_counts = got[:, :t_count].contiguous()  # [W, T]: what each rank asks of me
         # 2) unique ids to their owners (as owner-local rows), device tensors.
@@ -513,12 +514,17 @@ class ShardedTables(nn.Module):
             feat = per_table[t][int(torch.searchsorted(ends, pos, right=True))]
             return [], [_BAD_ID, self._features.index(feat), int(ids[t][pos])]
         for t in order:
+            check_weights(self._configs[t], per_table[t], kjt.weights is not None)
+        unpooled = [
+            (self._configs[t], f, s.lengths)
+            for t in order
+            if self._configs[t].pooling == "none"
+            for f, s in zip(per_table[t], slices[t], strict=True)
+        ]
+        seq_of = iter(sequence_lengths(unpooled))  # every feature's at once: one host sync
+        for t in order:
             cfg, feats = self._configs[t], per_table[t]
-            check_weights(cfg, feats, kjt.weights is not None)
-            seq = [
-                sequence_length(cfg, f, s.lengths) if cfg.pooling == "none" else -1
-                for f, s in zip(feats, slices[t], strict=True)
-            ]
+            seq = [next(seq_of) if cfg.pooling == "none" else -1 for _ in feats]
             unique, inverse = dedup(ids[t])  # [U], [N]
             lengths = torch.cat([s.lengths for s in slices[t]])  # [F * B]
             weights = None
@@ -592,6 +598,7 @@ class ShardedTables(nn.Module):
         )  # ordered like the ids this rank received
         scale = 1.0 / self.group.size  # the DDP average: see the module doc
         grads = unpack_rows(got, ex.recv_counts, self._dims)  # [n_t, D_t] like ex.served
+        on_device: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (table, rows, sums)
         for i, (local, g) in enumerate(zip(ex.served, grads, strict=True)):
             if local is None or local.numel() == 0:
                 continue
@@ -601,39 +608,37 @@ class ShardedTables(nn.Module):
                 with shard.lock:
                     shard.push(local, g)  # sums repeats, optimizer once per row; raises on Inf
                 continue
+            index = torch.arange(local.numel(), device=local.device)
+            on_device.append((i, *segment_sum(local, g, index, None)))  # [U], [U, D]
+        if on_device:
+            self._push_on_device(on_device)
+
+    def _push_on_device(self, sums: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """What :meth:`ps.local.table.LocalTable.push` does, for shards on a device:
+        ``sums`` holds per table ``(index, unique shard rows [U], summed gradients [U, D])``;
+        non-finite sums are refused (as the store's default ``nan_policy="raise"``), every
+        table's checked at once (one host sync on a GPU) before any is applied; then the
+        optimizer runs once per unique row (:func:`embedding.fused_ops.apply_optimizer`,
+        the same math)."""
+        finite = torch.stack([torch.isfinite(s).all() for _, _, s in sums])  # [T_owned]
+        for (i, uniq, summed), ok in zip(sums, boundary.read(finite), strict=True):
+            if not ok:
+                bad = int(uniq[~torch.isfinite(summed).all(dim=1)][0])
+                raise ValueError(
+                    f"sharded table {self._configs[i].name!r}: the summed gradient of shard "
+                    f"row {bad} is not finite; nothing was applied"
+                )
+        for i, uniq, summed in sums:
             rows = self._rows(i)
             assert rows is not None
-            _push_on_device(self._configs[i], rows, local, g)
+            cfg = self._configs[i]
+            apply_optimizer(FusedGroup(cfg.dim, cfg.optimizer, *rows), uniq, summed)
 
 
 def _gather(weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``weights[rows]`` ``[n, D]``: numpy's single-threaded take on the host (see
     :func:`ps.local.table.take`), ``index_select`` on a device."""
     return take(weights, rows) if weights.device.type == "cpu" else weights.index_select(0, rows)
-
-
-def _push_on_device(
-    cfg: TableConfig,
-    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    local: torch.Tensor,
-    grads: torch.Tensor,
-) -> None:
-    """What :meth:`ps.local.table.LocalTable.push` does, for a shard on a device: sum
-    the gradients of repeated rows, refuse non-finite sums (as the store's default
-    ``nan_policy="raise"``: one host sync) and run the optimizer once per unique row
-    (:func:`embedding.fused_ops.apply_optimizer`, the same math)."""
-    weights, state, clocks = rows
-    index = torch.arange(local.numel(), device=local.device)
-    uniq, summed = segment_sum(local, grads, index, None)  # [U], [U, D]
-    ok = torch.isfinite(summed).all(dim=1)  # [U]
-    if not bool(ok.all()):
-        bad = int(uniq[~ok][0])
-        raise ValueError(
-            f"sharded table {cfg.name!r}: the summed gradient of shard row {bad} is not "
-            "finite; nothing was applied"
-        )
-    group = FusedGroup(cfg.dim, cfg.optimizer, weights, state, clocks)
-    apply_optimizer(group, uniq, summed)
 
 
 class _RowExchange(torch.autograd.Function):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from comm import boundary
 from embedding.config import TableConfig
 
 #: Tables with more rows than this are split row-wise by default.
@@ -222,13 +223,13 @@ class ShardingPlan:
 
     def owner_of(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """int64 ``[N]``: the rank owning each id of ``ids`` (int64 ``[N]``, in range)."""
-        b = self.bounds_tensor(name).to(ids.device)
+        b = boundary.constant(tuple(self.table(name).bounds), ids.device)  # [W + 1], kept there
         # Number of upper bounds <= id; empty ranges (equal bounds) are skipped over.
         return torch.searchsorted(b[1:], ids, right=True)
 
     def local_rows(self, name: str, ids: torch.Tensor, owners: torch.Tensor) -> torch.Tensor:
         """int64 ``[N]``: each id's row within its owner's shard (``ids - start``)."""
-        b = self.bounds_tensor(name).to(ids.device)
+        b = boundary.constant(tuple(self.table(name).bounds), ids.device)  # [W + 1]
         return ids - b[owners]
 
     def bytes_per_rank(self, configs: Sequence[TableConfig]) -> list[int]:

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from comm import boundary
 from ps.table import TableSpec
 
 
@@ -75,10 +76,13 @@ def check_pull_bound(
 
 def all_finite(x: torch.Tensor) -> bool:
     """Whether every value of ``x`` is finite: numpy's test on host float32 (several
-    times cheaper than torch's), one reduction and one sync on a device."""
+    times cheaper than torch's), one reduction and one sync on a device (read through
+    :func:`comm.boundary.read`). The stores' gradients are host tensors; a cache on a
+    device checks its own in one read for every table (``cache.CachedStore``)."""
     if x.is_cpu and x.dtype == torch.float32 and not x.requires_grad:
         return bool(np.isfinite(x.numpy()).all())
-    return bool(torch.isfinite(x).all())
+    verdict = torch.isfinite(x).all()
+    return bool(verdict) if x.is_cpu else bool(boundary.read(verdict))
 
 
 def finite_rows(x: torch.Tensor) -> torch.Tensor:
@@ -87,9 +91,12 @@ def finite_rows(x: torch.Tensor) -> torch.Tensor:
     A row with NaN/Inf has a non-finite sum, so the row sums (cheap) settle every
     row whose sum is finite; only rows whose sum is not (NaN/Inf, or an overflow
     of huge finite values) get the exact element-wise test (``torch.isfinite``
-    over the whole ``[N, D]`` is several times slower than a sum).
+    over the whole ``[N, D]`` is several times slower than a sum). On a device: the
+    exact test at once, so nothing is read back.
     """
-    plain = x.is_cpu and not x.requires_grad and x.dtype == torch.float32
+    if not x.is_cpu:  # the exact test, without reading anything back
+        return torch.isfinite(x).all(dim=1)
+    plain = not x.requires_grad and x.dtype == torch.float32
     if plain and all_finite(x):  # the common case, ~4x cheaper
         return torch.ones(x.shape[0], dtype=torch.bool)
     ok = torch.isfinite(x.sum(dim=1))  # [N]
@@ -122,7 +129,7 @@ def check_grads(
         )
     if finite and grads.numel() > 0:
         ok = finite_rows(grads)  # [N]
-        if not bool(ok.all()):
+        if not (bool(ok.all()) if ok.is_cpu else boundary.read(ok.all())):
             pos = int(torch.nonzero(~ok)[0, 0])
             raise ValueError(
                 f"push table {spec.name!r}: gradient of row id {int(ids[pos])} (position "
