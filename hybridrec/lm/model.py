@@ -53,7 +53,18 @@ class LanguageModel(nn.Module):
         self.embeddings = embeddings  # None on pipeline stages that look nothing up
         self.gpt = gpt  # GPT, or DataParallel(GPT); this rank's stages under a pipeline
         self.ngrams = ngrams
-        self.ngram_rows = self.ngram_rows_total = 0
+        # Counts kept where the ids are (0-dim int64): read only when reported, so a GPU
+        # step does not wait for them.
+        self._rows: torch.Tensor | int = 0
+        self._rows_total: torch.Tensor | int = 0
+
+    @property
+    def ngram_rows(self) -> int:
+        return int(self._rows)
+
+    @property
+    def ngram_rows_total(self) -> int:
+        return int(self._rows_total)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.gpt(self.embed(idx))  # [B, T, V] (or the tp rank's [B, T, V / tp])
@@ -70,11 +81,21 @@ class LanguageModel(nn.Module):
         assert self.embeddings is not None, "this pipeline stage holds no input tables"
         features = input_ids(idx, self.ngrams)
         if self.training and self.ngrams is not None:  # one sort of B*T ids per n-gram table
-            self.ngram_rows = sum(
-                int(torch.unique(ids).numel()) for f, ids in features.items() if f != TOKENS
+            self._rows = sum(
+                (distinct_count(ids) for f, ids in features.items() if f != TOKENS),
+                torch.zeros((), dtype=torch.int64, device=idx.device),
             )
-            self.ngram_rows_total += self.ngram_rows
+            self._rows_total = self._rows_total + self._rows
         return embed_ids(self.embeddings, features, self.ngrams)
+
+
+def distinct_count(ids: torch.Tensor) -> torch.Tensor:
+    """The number of distinct values of ``ids`` as a 0-dim int64 tensor on their device
+    (a sort and a compare of neighbours: no read back, unlike ``torch.unique``)."""
+    flat = ids.reshape(-1).sort().values  # [N]
+    if flat.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=ids.device)
+    return (flat[1:] != flat[:-1]).sum() + 1
 
 
 def input_ids(idx: torch.Tensor, ngrams: NGramConfig | None = None) -> dict[str, torch.Tensor]:
