@@ -44,7 +44,18 @@ result is appended to ``DIR/gpu_bench_parts.jsonl`` as it finishes and the final
 object is written to ``DIR/gpu_bench.json``. The last line of output is one JSON
 object (see benchmarks/README.md) with every target, its value and whether it is met.
 
+A run in two halves, so that a short GPU loan still yields the headline figures:
+``--headline`` measures only what the kernel, DLRM and GPT targets read (the kernels'
+forward and row-wise Adagrad step, both DLRM precisions and the eager GPT, fewer timed
+windows; ~1 minute on an H200 with a cold Triton cache) and writes
+``DIR/gpu_bench_headline.json`` (parts in ``DIR/gpu_bench_headline_parts.jsonl``);
+``--after-headline`` then measures the rest (the kernels with every optimizer, the
+cache part, the compiled GPT) and takes the DLRM and GPT figures from that file, so
+its ``gpu_bench.json`` reports every target. ``benchmarks/gpu_check.sh`` runs it so.
+
     python benchmarks/gpu_bench.py                      # the full run, ~3 minutes on an H200
+    python benchmarks/gpu_bench.py --headline --out D   # the headline figures first, ...
+    python benchmarks/gpu_bench.py --after-headline --out D   # ... then the rest
     python benchmarks/gpu_bench.py --quick              # smaller shapes, no compile
     python benchmarks/gpu_bench.py --device cpu --tiny  # seconds on a CPU: keeps it runnable
 """
@@ -299,6 +310,99 @@ def kernels_part(device: torch.device, quick: bool) -> dict[str, Any]:
     if device.type == "cuda":
         return dict(triton_bench.run_kernels(device, quick))
     return dict(triton_bench.run_kernels(device, True, interpret=True))
+
+
+def headline_kernels_part(device: torch.device, quick: bool) -> dict[str, Any]:
+    """The kernel targets alone: ``triton_bench``'s forward and row-wise Adagrad step,
+    Triton vs torch, at its shapes and poolings, and the forward's bandwidth fraction;
+    the same figures as :func:`kernels_part` without the other optimizers' steps (one
+    update kernel compiled instead of six). Each is checked against torch once first."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return {
+            "skipped": "the Triton kernels need CUDA (or TRITON_INTERPRET=1 for a functional run)"
+        }
+    import triton_bench as tb
+
+    from embedding.kernels.triton_pool import tuned_configs
+
+    interpret = device.type != "cuda"
+    plan = tb.sizes(quick or interpret, interpret)
+    reps = {k: plan[k] for k in ("warmup", "iters", "repeats")}
+    name = "rowwise_adagrad"
+    opt = tb.OPTIMIZERS[name]
+    copy_bytes = (1 << 20) if interpret else (256 << 20 if quick else 1 << 30)
+    copy_gbps = tb.copy_bandwidth_gbps(device, copy_bytes, repeats=5)
+    fwd_ratio: dict[str, float] = {}
+    step_ratio: dict[str, float] = {}
+    cases: dict[str, dict[str, Any]] = {}
+    rows_gbps = 0.0
+    for pooling in plan["poolings"]:
+        tag = f"L{pooling}"
+        p = tb.make_problem(**plan["shape"], pooling=pooling, device=device, seed=pooling)
+        weight = torch.randn(p.tables * p.rows, p.dim, device=device) * 0.01  # [T * rows, D]
+        ref = F.embedding_bag(p.ids, weight, p.offsets, mode="sum", include_last_offset=True)
+        fwd_fns = {"triton": tb.triton_fwd(p, weight), "torch": tb.torch_fwd(p, weight)}
+        fwd_diff = tb.max_diff(fwd_fns["triton"](), ref)  # type: ignore[arg-type]
+        if fwd_diff > 1e-4:  # triton_bench's gate: a wrong pooling, not rounding
+            raise RuntimeError(f"triton forward differs from torch by {fwd_diff}")
+        fwd = tb.measure(fwd_fns, device, **reps)
+        fwd_ratio[tag] = fwd["torch"]["ms"] / fwd["triton"]["ms"]
+        rows_gbps = (
+            p.ids.numel() * p.dim * weight.element_size() / (fwd["triton"]["ms"] * 1e-3) / 1e9
+        )
+        w_t, w_ref = weight.clone(), weight.clone()
+        s_t = tb.initial_state(opt, w_t.shape[0], p.dim, device)
+        s_ref = s_t.clone()
+        steps = {"triton": tb.triton_step(p, w_t, s_t, opt),
+                 "torch": tb.torch_step(p, w_ref, s_ref, opt)}  # fmt: skip
+        for fn in steps.values():  # one checked step from the same start
+            fn()
+        diff = max(tb.max_diff(w_t, w_ref), tb.max_diff(s_t, s_ref))
+        if diff > 1e-4:
+            raise RuntimeError(f"{name} step differs from torch by {diff}")
+        ms = tb.measure(steps, device, **reps)
+        step_ratio[tag] = ms["torch"]["ms"] / ms["triton"]["ms"]
+        cases[tag] = {
+            "ids": p.ids.numel(),
+            "forward_max_abs_diff": fwd_diff,
+            "fwd": fwd,
+            "triton_vs_torch_fwd": round(fwd_ratio[tag], 3),
+            "fwd_rows_gbps": round(rows_gbps, 1),
+            "step": {name: ms | {"max_abs_diff_first_step": diff,
+                                 "triton_vs_torch": round(step_ratio[tag], 3)}},
+        }  # fmt: skip
+        del p, weight, ref, fwd_fns, steps, w_t, w_ref, s_t, s_ref
+    return {
+        "triton_fwd_vs_torch_min": round(min(fwd_ratio.values()), 3),
+        "triton_step_vs_torch_min": round(min(step_ratio.values()), 3),
+        "fwd_bandwidth_fraction": round(rows_gbps / copy_gbps, 3),
+        "copy_gbps": round(copy_gbps, 1),
+        "fwd_rows_gbps": round(rows_gbps, 1),
+        "step_vs_torch": {name: {k: round(v, 3) for k, v in step_ratio.items()}},
+        "cases": cases,
+        "config": {
+            **plan["shape"],
+            "poolings": plan["poolings"],
+            "optimizers": [name],
+            **reps,
+            "device": str(device),
+            "interpret": interpret,
+            "bandwidth_pooling": plan["poolings"][-1],
+        },
+        "tuned": tuned_configs(),
+    }
+
+
+def headline_shapes(mode: str) -> tuple[DLRMShape, GPTShape]:
+    """The DLRM and GPT shapes of ``--headline``: those of ``mode`` with fewer warm-up
+    steps and timed windows (a minute, not three; the figures are medians either way)."""
+    dshape, gshape = shapes(mode)
+    if mode == "tiny":
+        return dshape, gshape
+    return (
+        dataclasses.replace(dshape, warmup=3, windows=3, steps=3),
+        dataclasses.replace(gshape, warmup=3, windows=2, steps=3),
+    )
 
 
 # ---------------------------------------------------------------- DLRM
@@ -1024,15 +1128,18 @@ def error_text(e: BaseException) -> str:
 
 
 class Report:
-    """Results by part; each part's result goes to ``out/gpu_bench_parts.jsonl`` at once."""
+    """Results by part; each part's result goes to ``out/<name>_parts.jsonl`` at once
+    (``name``: ``gpu_bench``, or ``gpu_bench_headline`` for ``--headline``)."""
 
-    def __init__(self, out: Path | None) -> None:
+    def __init__(self, out: Path | None, name: str = "gpu_bench") -> None:
         self.out = out
+        self.name = name
         self.parts: dict[str, dict[str, Any]] = {}
         self.errors: dict[str, str] = {}
+        self.result: dict[str, Any] = {}  # the final object, once made
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "gpu_bench_parts.jsonl").write_text("")
+            (out / f"{name}_parts.jsonl").write_text("")
 
     def run(self, name: str, fn: Callable[[], dict[str, Any]], device: torch.device) -> None:
         """``fn()``'s result as part ``name``; an exception becomes its ``error``, and so
@@ -1058,7 +1165,7 @@ class Report:
         line = json.dumps({"part": name, **result}, default=str)
         print(line, file=sys.stderr, flush=True)
         if self.out is not None:
-            with open(self.out / "gpu_bench_parts.jsonl", "a") as f:
+            with open(self.out / f"{self.name}_parts.jsonl", "a") as f:
                 f.write(line + "\n")
 
 
@@ -1154,12 +1261,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the other parts leave",
     )
     parser.add_argument(
+        "--headline",
+        action="store_true",
+        help="only the headline figures (kernels' forward and row-wise Adagrad step, DLRM, "
+        "eager GPT), to OUT/gpu_bench_headline.json",
+    )
+    parser.add_argument(
+        "--after-headline",
+        action="store_true",
+        help="the rest (kernels with every optimizer, the cache part, the compiled GPT); the "
+        "DLRM and GPT figures come from OUT/gpu_bench_headline.json when it has them",
+    )
+    parser.add_argument(
         "--part", choices=["all", "gpt-compiled"], default="all", help=argparse.SUPPRESS
     )
     args = parser.parse_args(argv)
     if args.quick and args.tiny:
         parser.error("--quick and --tiny: choose one")
+    if args.headline and args.after_headline:
+        parser.error("--headline and --after-headline: choose one (run one after the other)")
+    if args.after_headline and not args.out:
+        parser.error("--after-headline reads OUT/gpu_bench_headline.json: give --out (or $OUT)")
     return args
+
+
+def headline_parts(out: Path, notes: list[str]) -> tuple[dict[str, dict[str, Any]], dict]:
+    """The DLRM and GPT parts (and their config) of an earlier ``--headline`` run in
+    ``out`` that measured them without an error; ``({}, {})`` without that file."""
+    file = out / "gpu_bench_headline.json"
+    if not file.is_file():
+        notes.append(f"--after-headline: no {file}; the DLRM and GPT parts ran here")
+        return {}, {}
+    earlier = json.loads(file.read_text())
+    parts = {}
+    for name in ("dlrm", "gpt"):
+        part = earlier["figures"].get(name, {})
+        if part and "error" not in part and "skipped" not in part:
+            parts[name] = part | {"measured_by": "--headline"}
+    notes.extend(f"headline run: {n}" for n in earlier.get("notes", []))
+    return parts, earlier.get("config", {})
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -1181,10 +1321,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(json.dumps(result | {"notes": notes}))
         return result
 
-    report = Report(Path(args.out) if args.out else None)
-    report.run("kernels", lambda: kernels_part(device, mode != "full"), device)
-    report.run("dlrm", lambda: dlrm_part(device, dshape, notes, report.emit), device)
-    report.run("gpt", lambda: gpt_part(device, gshape, False, notes), device)
+    out = Path(args.out) if args.out else None
+    name = "gpu_bench_headline" if args.headline else "gpu_bench"
+    report = Report(out, name)
+    config_of: dict[str, Any] = {}
+    if args.headline:
+        dshape, gshape = headline_shapes(mode)
+        report.run("kernels", lambda: headline_kernels_part(device, mode != "full"), device)
+        report.run("dlrm", lambda: dlrm_part(device, dshape, notes, report.emit), device)
+        report.run("gpt", lambda: gpt_part(device, gshape, False, notes), device)
+        later = {"skipped": "--headline: measured by --after-headline"}
+        report.parts["gpu_cache"] = dict(later)
+        report.parts["gpt_compiled"] = dict(later)
+    else:
+        earlier, config_of = headline_parts(out, notes) if args.after_headline and out else ({}, {})
+        report.run("kernels", lambda: kernels_part(device, mode != "full"), device)
+        if "dlrm" in earlier:
+            report.parts["dlrm"] = earlier["dlrm"]
+        else:
+            report.run("dlrm", lambda: dlrm_part(device, dshape, notes, report.emit), device)
+        if "gpt" in earlier:
+            report.parts["gpt"] = earlier["gpt"]
+        else:
+            report.run("gpt", lambda: gpt_part(device, gshape, False, notes), device)
+        config_of = {k: v for k, v in config_of.items() if k in earlier}
+        _cache_and_compiled_parts(args, mode, device, cshape, start, notes, report)
+    _finish(args, mode, device, machine, dshape, gshape, cshape, start, notes, report, config_of)
+    return report.result
+
+
+def _cache_and_compiled_parts(
+    args: argparse.Namespace,
+    mode: str,
+    device: torch.device,
+    cshape: CacheShape,
+    start: float,
+    notes: list[str],
+    report: Report,
+) -> None:
+    """The cache part and the compiled GPT, each in what ``--budget-s`` leaves."""
     left = args.budget_s - (time.perf_counter() - start) - 5
     if left < CACHE_MIN_S:
         report.parts["gpu_cache"] = {
@@ -1202,6 +1377,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         report.run("gpt_compiled", lambda: gpt_compiled_child(args, left), device)
 
+
+def _finish(
+    args: argparse.Namespace,
+    mode: str,
+    device: torch.device,
+    machine: dict[str, Any],
+    dshape: DLRMShape,
+    gshape: GPTShape,
+    cshape: CacheShape,
+    start: float,
+    notes: list[str],
+    report: Report,
+    config_of: dict[str, Any],
+) -> None:
+    """The final object (``report.result``): printed as the last line, written to
+    ``<out>/<report.name>.json``. ``config_of``: the config of parts an earlier
+    ``--headline`` run measured, by part."""
     parts = report.parts
     figures = {
         "kernels": parts["kernels"],
@@ -1254,7 +1446,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "targets": "the faster cached variant (named in figures.gpu_cache.targets_read)",
         },
         "budget_s": args.budget_s,
+        "run": "headline" if args.headline else "after-headline" if args.after_headline else "all",
     }
+    config |= config_of
     result = {
         "bench": "gpu",
         "machine": machine,
@@ -1267,9 +1461,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     line = json.dumps(result, default=str)
     if report.out is not None:
-        (report.out / "gpu_bench.json").write_text(line + "\n")
+        (report.out / f"{report.name}.json").write_text(line + "\n")
     print(line, flush=True)
-    return result
+    report.result = result
 
 
 if __name__ == "__main__":

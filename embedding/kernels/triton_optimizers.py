@@ -24,7 +24,8 @@ Per call, with no host synchronisation (every size is known on the host)::
                             owns its run; the program sums its leads' runs (one
                             contiguous stretch of sorted positions) BLOCK_N
                             occurrences per step into g [ROWS, BLOCK_D] (scale *
-                            grad_output[bag], routed to lanes by a one-hot dot),
+                            grad_output[bag], routed to lanes by a one-hot dot;
+                            +-Inf and NaN go around the dot, to their own lane),
                             then each lead applies the optimizer to its row and
                             +1 to its clock
 
@@ -56,6 +57,9 @@ OPT_ROWWISE_ADAGRAD: tl.constexpr = tl.constexpr(2)  # hyper: lr, eps
 OPT_ADAGRAD: tl.constexpr = tl.constexpr(3)  # hyper: lr, eps
 OPT_ADAM: tl.constexpr = tl.constexpr(4)  # hyper: lr, eps, b1, 1-b1, b2, 1-b2, wd, log b1, log b2
 OPT_FTRL: tl.constexpr = tl.constexpr(5)  # hyper: alpha, beta, l1, l2
+
+#: The largest finite float32: ``|x| <= FLT_MAX`` is False exactly for +-Inf and NaN.
+FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 
 #: Widest column block; a wider row is handled in several blocks by the same program
 #: (256 would need up to 254 registers per thread for FTRL).
@@ -103,7 +107,7 @@ def hyper_tensor(opt: Optimizer, device: torch.device) -> torch.Tensor:
     return torch.tensor(_hyper_values(opt), dtype=torch.float64, device=device)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_bags"])  # a new value every batch: one compile for all
 def _occurrence_kernel(
     offsets_ptr,
     psw_ptr,
@@ -137,6 +141,35 @@ def _occurrence_kernel(
 
 
 @triton.jit
+def _add_nonfinite(
+    g, grad_ptr, stride_g, order_ptr, bag_ptr, scale_ptr, c, hi, pos, end, cols, col_mask,
+    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``g`` plus the +-Inf and NaN values of the occurrences at sorted positions
+    ``[c, c + BLOCK_N)``, each added to the lane that owns it only.
+
+    The one-hot product took these values as zeros (``0 x Inf`` would be NaN in every
+    lane), so here they are re-read one occurrence at a time and added where they
+    belong: a lane owning +Inf becomes +Inf, +Inf and -Inf (or a NaN) NaN, as its plain
+    sum would; a lane that owns none keeps its finite sum bit for bit. Only a step that
+    saw a non-finite value comes here, so its cost does not matter.
+    """
+    for k in range(BLOCK_N):
+        q = c + k
+        m = q < hi
+        src = tl.load(order_ptr + q, mask=m, other=0)
+        bag = tl.load(bag_ptr + src, mask=m, other=0).to(tl.int64)
+        row = tl.load(grad_ptr + bag * stride_g + cols, mask=m & col_mask, other=0.0)
+        row = row.to(tl.float32)  # [BLOCK_D]
+        if HAS_SCALE:
+            row = row * tl.load(scale_ptr + src, mask=m, other=0.0)
+        bad = (tl.abs(row) > FLT_MAX) | (row != row)  # +-Inf or NaN
+        mine = (q >= pos) & (q < end)  # [ROWS]: the lane that owns q, if any
+        g = tl.where(mine[:, None] & bad[None, :], g + row[None, :], g)
+    return g
+
+
+@triton.jit
 def _grad_block(
     grad_ptr,
     stride_g,
@@ -162,8 +195,11 @@ def _grad_block(
     step whatever the run lengths: a ``[BLOCK_N, BLOCK_D]`` gather of ``grad_output``
     rows (times their scale), summed into each owning lane by a one-hot
     ``[ROWS, BLOCK_N]`` product (``tl.dot`` in IEEE float32: exact products by 1 and 0,
-    a fixed summation order). Otherwise the gradients are already coalesced: row
-    pos[r] of ``grad_ptr``.
+    a fixed summation order). The product takes +-Inf and NaN as zeros, since
+    ``0 x Inf = NaN`` would reach every lane of the program; a step that holds one adds
+    them to their owners afterwards (:func:`_add_nonfinite`), so a non-finite gradient
+    stays in its row as in the plain sum. Otherwise the gradients are already
+    coalesced: row pos[r] of ``grad_ptr``.
     """
     if FROM_RUNS:
         g = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
@@ -184,7 +220,13 @@ def _grad_block(
             if HAS_SCALE:
                 tile = tile * tl.load(scale_ptr + src, mask=m, other=0.0)[:, None]
             own = (q[None, :] >= pos[:, None]) & (q[None, :] < end[:, None])  # [ROWS, BLOCK_N]
-            g += tl.dot(own.to(tl.float32), tile, input_precision="ieee")
+            finite = tl.abs(tile) <= FLT_MAX  # [BLOCK_N, BLOCK_D]; False for +-Inf and NaN
+            g += tl.dot(own.to(tl.float32), tl.where(finite, tile, 0.0), input_precision="ieee")
+            if tl.sum(tl.where(finite, 0, 1), axis=None) > 0:
+                g = _add_nonfinite(
+                    g, grad_ptr, stride_g, order_ptr, bag_ptr, scale_ptr, c, hi, pos, end,
+                    cols, col_mask, HAS_SCALE, BLOCK_N,
+                )  # fmt: skip
     else:
         g = tl.load(
             grad_ptr + pos[:, None] * stride_g + cols[None, :],
@@ -194,7 +236,7 @@ def _grad_block(
     return g
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # ids per batch vary: one compile for every count
 def _update_kernel(
     weight_ptr,
     stride_w,
@@ -337,8 +379,9 @@ def update_config(dim: int, *, from_runs: bool) -> dict[str, int]:
     ``ROWS = 16`` sorted positions per program (``tl.dot`` needs 16); a step gathers
     ``BLOCK_N`` = 32 occurrences at ``BLOCK_D <= 64``, 16 at 128 (a gather tile of
     2048 elements); ``BLOCK_D`` is at least 16 (``tl.dot`` again; masks cover the
-    rest) and at most :data:`MAX_BLOCK_D`. With 8 warps ptxas (sm_90) reports 79-128
-    registers per thread for every optimizer at D = 64 and 128, so two or three
+    rest) and at most :data:`MAX_BLOCK_D`. With 8 warps ptxas (sm_90) reports 80-144
+    registers per thread for every optimizer at D = 64 and 128 (the check for
+    non-finite gradients in each step costs up to 30 of them), so one to three
     programs share an SM.
     """
     bd = max(16, block_d(dim, MAX_BLOCK_D))

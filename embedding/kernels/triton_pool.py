@@ -77,7 +77,10 @@ def default_config(dim: int, pooling: int) -> dict[str, int]:
     return {"BAGS": bags, "BLOCK_N": block_n, "num_warps": 4}
 
 
-@triton.jit
+# num_bags changes with every batch and pooling is only an autotune key: specialising on
+# them (Triton compiles a variant for a value of 1 and for multiples of 16) would compile
+# the same code again per batch size and per pooling bucket.
+@triton.jit(do_not_specialize=["num_bags", "pooling"])
 def _pool_kernel(
     weight_ptr,
     stride_w,

@@ -20,8 +20,9 @@ A checkpoint is one folder per saved step under ``--checkpoint-dir``::
         ranks/<rank>/stores/s001/   per rank: its own replica of hybrid tables in a per-rank store
         ranks/<rank>/codec/         per rank: gradient-codec residuals and generator states
         ranks/<rank>/cache/         per rank: the cache contents (ids, copies, counters)
-      ranks/  index.json + *.npy    per rank: torch RNG state and the job's int64 vector
-                                    (e.g. a Criteo reader position)
+      ranks/  index.json + *.npy    per rank: torch RNG state, the CUDA RNG state of every
+                                    GPU it sees (when CUDA is initialised) and the job's
+                                    int64 vector (e.g. a Criteo reader position)
 
 Nested state is a JSON skeleton plus one ``.npy`` per tensor
 (:mod:`hybridrec.checkpoint.state_folder`, ``allow_pickle=False`` both ways). Rank 0
@@ -32,12 +33,18 @@ or the new checkpoint, never half of one. Every rank must see the folder (one ma
 or a shared filesystem).
 
 Worker count: the model loads at any count (see :mod:`hybridrec.checkpoint.model_state` for the
-rule of each part). The torch RNG and the job's per-rank vector belong to a rank of
+rule of each part). The torch RNGs and the job's per-rank vector belong to a rank of
 the saving run: at the same count each rank gets its own back; at another count
 (``resize=True``) no rank restores an RNG (each keeps the stream it was seeded with)
 and the per-rank vector is None, so the job restarts its data position from the
 global step in ``meta``. Without ``resize`` another count is an error, since a job
 that keeps a per-rank data position would silently start its data over.
+
+CUDA RNG: a rank whose process initialised CUDA saves ``torch.cuda.get_rng_state_all()``
+(one state per visible GPU: dropout on a GPU draws from them), so a resume on the GPU
+repeats the saving run's draws. A rank that sees another number of GPUs than the saving
+rank did restores none of them and warns (its CPU RNG is still restored): which saved
+state would belong to which device is not known.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +128,8 @@ def save_checkpoint(
     ``dense`` may be the ``DataParallel`` wrapper (then its codec state is saved)."""
     mine = torch.empty(0, dtype=torch.int64) if rank_state is None else rank_state
     states = group.allgather(mine.to(torch.int64).contiguous())  # [size, k]
-    rngs = group.allgather(torch.get_rng_state().contiguous())  # [size, n] uint8
+    rngs = {"rng": group.allgather(torch.get_rng_state().contiguous())}  # [size, n] uint8
+    rngs |= _gather_cuda_rngs(group)
     final = Path(root) / f"step-{step:08d}"
     what = f"saving checkpoint {final}"
     # A checkpoint saved at this step before (e.g. by the final save) is replaced.
@@ -137,12 +146,43 @@ def _replaceable_step(folder: Path) -> None:
         raise FileExistsError(f"{folder} exists and is not a checkpoint; not replacing it")
 
 
+def cuda_rng_states() -> torch.Tensor | None:
+    """This process's CUDA RNG states ``[G, m]`` uint8 (one row per visible GPU), or
+    None where CUDA is not initialised (nothing drew from them, and reading them would
+    initialise CUDA on a CPU-only run)."""
+    if not torch.cuda.is_initialized():
+        return None
+    states = torch.cuda.get_rng_state_all()  # G x [m] uint8 on the host
+    return torch.stack([s.contiguous() for s in states]) if states else None
+
+
+def _gather_cuda_rngs(group: ProcessGroup) -> dict[str, torch.Tensor]:
+    """Collective: every rank's CUDA RNG states, for the ``ranks`` folder::
+
+        cuda_rng        [sum G_r, m] uint8   rank r's G_r states, in rank order
+        cuda_rng_count  [size] int64         G_r (0 where a rank did not initialise CUDA)
+
+    Empty (no field saved) where no rank initialised CUDA."""
+    mine = cuda_rng_states()
+    shape = [0, 0] if mine is None else list(mine.shape)
+    shapes = group.allgather(torch.tensor(shape, dtype=torch.int64))  # [size, 2]: G_r, m
+    widths = {int(m) for g, m in shapes.tolist() if g > 0}
+    if not widths:
+        return {}
+    if len(widths) > 1:
+        raise ValueError(f"ranks hold CUDA RNG states of different sizes {sorted(widths)}")
+    width = widths.pop()
+    rows = torch.zeros(0, width, dtype=torch.uint8) if mine is None else mine
+    return {"cuda_rng": group.allgatherv(rows), "cuda_rng_count": shapes[:, 0].contiguous()}
+
+
 def _write_rank0(
-    tmp: Path, step: int, meta: dict[str, Any], states: torch.Tensor, rngs: torch.Tensor
+    tmp: Path, step: int, meta: dict[str, Any], states: torch.Tensor, rngs: dict[str, torch.Tensor]
 ) -> None:
-    """Rank 0: the per-rank vectors (``states`` int64 ``[size, k]``, ``rngs`` uint8
-    ``[size, n]``), then ``meta.json``, which marks the checkpoint complete."""
-    write_state(tmp / "ranks", {"state": states, "rng": rngs})
+    """Rank 0: the per-rank vectors (``states`` int64 ``[size, k]``, ``rngs``: ``rng``
+    uint8 ``[size, n]`` and the CUDA states of :func:`_gather_cuda_rngs`), then
+    ``meta.json``, which marks the checkpoint complete."""
+    write_state(tmp / "ranks", {"state": states, **rngs})
     doc = {"format": FORMAT, "step": step, "world_size": int(states.shape[0]), **meta}
     (tmp / "meta.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
 
@@ -192,5 +232,29 @@ def load_checkpoint(
         return meta, None
     ranks = read_state(folder / "ranks")
     torch.set_rng_state(ranks["rng"][group.rank].clone())
+    if "cuda_rng" in ranks:
+        _restore_cuda_rngs(folder, ranks["cuda_rng"], ranks["cuda_rng_count"], group.rank)
     state = ranks["state"][group.rank]
     return meta, (state if state.numel() else None)
+
+
+def _restore_cuda_rngs(folder: Path, rows: torch.Tensor, counts: torch.Tensor, rank: int) -> None:
+    """Rank ``rank``'s saved CUDA RNG states (``rows`` ``[sum G_r, m]``, ``counts``
+    ``[size]``) back into every visible GPU, when it sees as many as it saved; else a
+    warning naming both counts, and the GPUs keep their seeded streams."""
+    saved = int(counts[rank])
+    if saved == 0:  # the saving rank never initialised CUDA: nothing drew from it
+        return
+    start = int(counts[:rank].sum())
+    here = torch.cuda.device_count()
+    if here != saved:
+        warnings.warn(
+            f"checkpoint {folder}: rank {rank} saved the CUDA RNG states of {saved} GPU(s), "
+            f"this process sees {here}; they are not restored, so random draws on the GPU "
+            "(dropout) will differ from the saving run's (resume with as many visible GPUs, "
+            "e.g. the same CUDA_VISIBLE_DEVICES, for an exact resume)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return
+    torch.cuda.set_rng_state_all(list(rows[start : start + saved].clone()))

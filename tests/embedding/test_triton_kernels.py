@@ -29,6 +29,7 @@ import torch
 import triton_cases
 from embedding.kernels import autotune_enabled, interpreter_enabled, triton_available, use_triton
 from multiproc import rank_env
+from tolerance import assert_same
 
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "triton_cases.py"
 ROOT = SCRIPT.parents[2]
@@ -111,6 +112,99 @@ def test_use_triton_needs_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     assert autotune_enabled(t) is False
     monkeypatch.delenv("TRITON_INTERPRET")
     assert autotune_enabled(t) is False
+
+
+def _collection_steps(steps: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """``steps`` forward + backward steps of a CPU collection with local tables (Adam and
+    SGD with momentum: both reach the fused backward's dispatch): the outputs, the state."""
+    import ps
+    from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
+
+    tables = [
+        TableConfig(name="a", num_rows=11, dim=4, feature_names=["a1", "a2"],
+                    optimizer=ps.Adam(lr=0.05)),
+        TableConfig(name="b", num_rows=7, dim=3, feature_names=["b"], pooling="mean",
+                    optimizer=ps.SGD(lr=0.1, momentum=0.9)),
+    ]  # fmt: skip
+    coll = EmbeddingCollection(tables)
+    gen = torch.Generator().manual_seed(5)
+    outputs = []
+    for _ in range(steps):
+        lists = {
+            f: [torch.randint(0, t.num_rows or 1, (int(n),), generator=gen).tolist()
+                for n in torch.randint(0, 4, (3,), generator=gen)]
+            for t in tables for f in t.feature_names
+        }  # fmt: skip
+        out = coll(KeyedJaggedIds.from_lists(lists))
+        loss = sum((v * torch.randn(v.shape, generator=gen)).sum() for v in out.values())
+        loss.backward()  # type: ignore[union-attr]
+        outputs.extend(v.detach() for v in out.values())
+    return outputs, {k: v.clone() for k, v in coll.state_dict().items()}
+
+
+def test_prerequisites_name_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import embedding.kernels as kernels
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(kernels, "python_include_dir", lambda: tmp_path)
+    missing = kernels.triton_prerequisites()
+    assert len(missing) == 2, missing
+    assert "no-such-cc" in missing[0] and "CC" in missing[0]
+    assert "Python.h" in missing[1] and str(tmp_path) in missing[1]
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither gcc nor clang
+    assert "neither gcc nor clang" in kernels.triton_prerequisites()[0]
+
+
+def test_collection_falls_back_when_triton_cannot_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A machine where the dispatch would pick Triton (a CUDA tensor, triton importing) but
+    # no kernel builds, as without a C compiler: the first use probes once, warns once
+    # naming the missing compiler, and the collection trains on the torch path with the
+    # very results of a collection that never considered Triton.
+    import embedding.kernels as kernels
+
+    expected = _collection_steps(3)
+    calls = []
+
+    def no_compiler(device: torch.device) -> None:
+        calls.append(device)
+        raise RuntimeError(
+            "Failed to find C compiler. Please specify via CC environment variable or set "
+            "triton.knobs.build.impl."
+        )  # Triton's own message (triton/runtime/build.py)
+
+    monkeypatch.setattr(kernels, "_BUILDS", None)
+    monkeypatch.setattr(kernels, "_wants_triton", lambda t: True)
+    monkeypatch.setattr(kernels, "_build_probe_kernel", no_compiler)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.warns(RuntimeWarning) as record:
+        outputs, state = _collection_steps(3)
+    probe = [w for w in record if "cannot be built" in str(w.message)]
+    assert len(probe) == 1, [str(w.message) for w in record]
+    assert len(calls) == 1, "the probe runs once per process"
+    message = str(probe[0].message)
+    assert "CC='/nonexistent/cc' is not found" in message and "torch path" in message
+    assert kernels.use_triton(torch.zeros(1)) is False
+    same = "both runs take the torch path: the same operations on the same inputs"
+    assert len(outputs) == len(expected[0])
+    for k, (a, e) in enumerate(zip(outputs, expected[0], strict=True)):
+        assert_same(a, e, what=f"output {k}", why=same)
+    assert set(state) == set(expected[1])
+    for key, value in state.items():
+        assert_same(value, expected[1][key], what=key, why=same)
+
+
+def test_probe_passes_once_and_for_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    import embedding.kernels as kernels
+
+    calls = []
+    monkeypatch.setattr(kernels, "_BUILDS", None)
+    monkeypatch.setattr(kernels, "_build_probe_kernel", calls.append)
+    assert kernels.triton_builds(torch.device("cpu")) is True
+    assert kernels.triton_builds(torch.device("cpu")) is True
+    assert calls == [torch.device("cpu")]
 
 
 @pytest.mark.timeout(280)

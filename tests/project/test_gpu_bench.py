@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +74,32 @@ def test_tiny_cpu_run_reports_every_target(tmp_path: Path) -> None:
     assert out["errors"] == {}, out["errors"]
     assert out["machine"]["device"] == "cpu" and out["machine"]["torch"] == torch.__version__
 
-    # Every target of the issue, with value, target and met consistent.
+    check_targets(out)
+    check_gpu_cache(out["figures"]["gpu_cache"], out["targets"], out["config"]["gpu_cache"])
+    check_dlrm_and_gpt(out)
+    check_kernels(out)
+
+    # Partial results were written as the parts finished, the final object beside them.
+    parts = [json.loads(line)["part"] for line in (tmp_path / "gpu_bench_parts.jsonl").open()]
+    assert parts == ["kernels", "dlrm.fp32", "dlrm.bf16", "dlrm", "gpt", "gpu_cache"]
+    assert json.loads((tmp_path / "gpu_bench.json").read_text()) == out
+
+
+def run_bench(*args: str) -> dict:
+    """``gpu_bench.py --device cpu --tiny *args`` in a subprocess: its last line's JSON."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", *args],
+        env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=170,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out: dict = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["errors"] == {}, out["errors"]
+    return out
+
+
+def check_targets(out: dict) -> None:
+    """Every target of the issue, with value, target and met consistent; a missing value
+    says why."""
     assert set(out["targets"]) == set(TARGETS)
     for name, t in out["targets"].items():
         assert t["target"] == TARGETS[name], name
@@ -81,9 +107,109 @@ def test_tiny_cpu_run_reports_every_target(tmp_path: Path) -> None:
         if t["value"] is None:
             assert t.get("note"), f"{name}: a missing value says why"
 
-    figures = out["figures"]
-    check_gpu_cache(figures["gpu_cache"], out["targets"], out["config"]["gpu_cache"])
 
+def check_kernels(out: dict) -> None:
+    """Kernels: measured in Triton's interpreter where triton imports, else skipped with
+    why; the targets are the part's figures, rounded."""
+    k = out["figures"]["kernels"]
+    if "skipped" in k:
+        return
+    for name in ("triton_fwd_vs_torch_min", "triton_step_vs_torch_min"):
+        tol = VALUE_HALF_UNIT + sum_tol(torch.float64, 1, abs(k[name]))
+        assert_close(out["targets"][name]["value"], k[name], atol=tol, what=name,
+                     why="the value rounded to 4 decimals")  # fmt: skip
+    # The figure of the step target is row-wise Adagrad's, the worse of the poolings.
+    worst = min(k["step_vs_torch"]["rowwise_adagrad"].values())
+    assert abs(k["triton_step_vs_torch_min"] - worst) <= 0.5e-3 + sum_tol(torch.float64, 1, worst)
+
+
+@pytest.mark.timeout(180)
+def test_headline_first_then_the_rest(tmp_path: Path) -> None:
+    # --headline: the kernel, DLRM and GPT targets alone (the kernels' row-wise Adagrad
+    # step only), the cache targets missing with the reason; --after-headline: the rest,
+    # with the headline's DLRM and GPT parts taken over as they were.
+    head = run_bench("--headline", "--out", str(tmp_path))
+    assert head["config"]["run"] == "headline"
+    check_dlrm_and_gpt(head)
+    check_kernels(head)
+    check_targets(head)
+    k = head["figures"]["kernels"]
+    if "skipped" not in k:
+        assert set(k["step_vs_torch"]) == {"rowwise_adagrad"}
+        assert set(k["cases"]) == {"L1", "L4"}  # the interpreter's poolings
+    for name in ("dlrm_gpu_vs_torch", "gpt_mfu"):
+        assert head["targets"][name]["value"] is not None, name
+    for name in ("gpu_cache_vs_local", "gpu_cache_vs_uncached"):
+        assert head["targets"][name]["value"] is None
+        assert "--after-headline" in head["targets"][name]["note"]
+    parts = [
+        json.loads(line)["part"] for line in (tmp_path / "gpu_bench_headline_parts.jsonl").open()
+    ]
+    assert parts == ["kernels", "dlrm.fp32", "dlrm.bf16", "dlrm", "gpt"]
+    assert json.loads((tmp_path / "gpu_bench_headline.json").read_text()) == head
+
+    rest = run_bench("--after-headline", "--out", str(tmp_path))
+    assert rest["config"]["run"] == "after-headline"
+    check_targets(rest)
+    check_kernels(rest)
+    check_dlrm_and_gpt(rest)
+    check_gpu_cache(rest["figures"]["gpu_cache"], rest["targets"], rest["config"]["gpu_cache"])
+    for name in ("dlrm", "gpt"):
+        taken = dict(rest["figures"][name])
+        assert taken.pop("measured_by") == "--headline"
+        assert taken == head["figures"][name], name
+        assert rest["config"][name] == head["config"][name], name
+    for name in ("dlrm_gpu_vs_torch", "gpt_mfu"):
+        assert rest["targets"][name] == head["targets"][name], name
+    parts = [json.loads(line)["part"] for line in (tmp_path / "gpu_bench_parts.jsonl").open()]
+    assert parts == ["kernels", "gpu_cache"]
+
+
+CHECK = ROOT / "benchmarks" / "gpu_check.sh"
+
+
+def check_plan(env: dict[str, str]) -> tuple[int, list[tuple[str, str, int]]]:
+    """``GPU_CHECK_PLAN=1 bash gpu_check.sh``: the total and (part, kind, cap) in order."""
+    proc = subprocess.run(
+        ["bash", str(CHECK)], env={**rank_env(), **env, "GPU_CHECK_PLAN": "1"},
+        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    total = int(re.fullmatch(r"total (\d+)s; default parts: .*", lines[0]).group(1))  # type: ignore[union-attr]
+    plan = []
+    for line in lines[1:]:
+        m = re.fullmatch(r"part (\w+) (cap|rest, at least) (\d+)s", line)
+        assert m, line
+        plan.append((m.group(1), m.group(2), int(m.group(3))))
+    return total, plan
+
+
+def test_gpu_check_fits_its_total_with_the_headline_first() -> None:
+    # The default run: the machine check, then the headline figures, and caps that sum
+    # within the total (a rest part counts its reserved minimum), so the whole check fits
+    # by construction; `jobs` alone fits too. The budget comment adds up the same caps.
+    assert subprocess.run(["bash", "-n", str(CHECK)], timeout=30).returncode == 0
+    total, plan = check_plan({})
+    names = [p for p, _, _ in plan]
+    assert names[:2] == ["machine", "headline"], names
+    assert set(names) == {"machine", "headline", "cases", "gpu_tests", "bench"}
+    assert sum(cap for _, _, cap in plan) <= total
+    assert [k for _, k, _ in plan].count("rest, at least") == 1 and plan[-1][0] == "bench"
+    jobs_total, jobs = check_plan({"GPU_CHECK_PARTS": "jobs"})
+    assert [p for p, _, _ in jobs] == ["machine", "jobs"]
+    assert sum(cap for _, _, cap in jobs) <= jobs_total == total
+    source = CHECK.read_text()
+    summed = " + ".join(str(cap) for _, _, cap in plan)
+    assert f"#   {summed} = {sum(cap for _, _, cap in plan)} <= TOTAL = {total}" in source
+    # The parts run in the order the plan lists them.
+    calls = re.findall(r"^\s*run_part (\w+) ", source, flags=re.M)
+    assert calls == ["machine", "headline", "cases", "gpu_tests", "bench", "jobs"], calls
+
+
+def check_dlrm_and_gpt(out: dict) -> None:
+    """The DLRM and GPT figures and targets of a run, recomputed from its times and shape."""
+    figures = out["figures"]
     # DLRM: the target is the worse precision's ratio of the measured step times.
     dlrm = figures["dlrm"]
     ratios = {
@@ -119,19 +245,6 @@ def test_tiny_cpu_run_reports_every_target(tmp_path: Path) -> None:
     assert_close(g["mfu"], mfu, atol=sum_tol(torch.float64, 2, mfu), what="mfu",
                  why="two float64 roundings")  # fmt: skip
     assert "989" in shape["peak"] and "scaled_dot_product_attention" in shape["attention"]
-
-    # Kernels: measured in Triton's interpreter where triton imports, else skipped with why.
-    k = figures["kernels"]
-    if "skipped" not in k:
-        for name in ("triton_fwd_vs_torch_min", "triton_step_vs_torch_min"):
-            tol = VALUE_HALF_UNIT + sum_tol(torch.float64, 1, abs(k[name]))
-            assert_close(out["targets"][name]["value"], k[name], atol=tol, what=name,
-                         why="the value rounded to 4 decimals")  # fmt: skip
-
-    # Partial results were written as the parts finished, the final object beside them.
-    parts = [json.loads(line)["part"] for line in (tmp_path / "gpu_bench_parts.jsonl").open()]
-    assert parts == ["kernels", "dlrm.fp32", "dlrm.bf16", "dlrm", "gpt", "gpu_cache"]
-    assert json.loads((tmp_path / "gpu_bench.json").read_text()) == out
 
 
 def check_gpu_cache(c: dict, targets: dict, config: dict) -> None:
