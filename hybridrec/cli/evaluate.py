@@ -23,10 +23,11 @@ import importlib
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from comm import Topology
 from hybridrec.checkpoint.run_checkpoint import latest_checkpoint
 from hybridrec.cli.errors import reported_errors
 from hybridrec.cli.options import ConfigError, parse_config, program
@@ -165,6 +166,19 @@ def job_config(
     return cls, parse_config(cls.config_class, rest, f"{description} (a {run.job} run)", base)
 
 
+def scoring_config(cfg: Any, topology: Topology) -> Any:
+    """``cfg`` with a training batch the workers split evenly, rounded up where the saved
+    one does not (a run trained on 1 rank with batch 50, scored by 4): the job is built
+    for its held-out data, which is read in ``eval_batch_size`` batches, and the
+    training batch only has to pass the job's own checks."""
+    per = cfg.ranks_per_replica
+    workers = topology.num_workers
+    replicas = workers // per if per > 1 and workers % per == 0 else workers
+    if cfg.batch_size % replicas == 0:
+        return cfg
+    return replace(cfg, batch_size=-(-cfg.batch_size // replicas) * replicas)
+
+
 def parse_evaluation(argv: Sequence[str] | None) -> tuple[Evaluation, Any, Any, str | None]:
     """``(evaluation, job class, job config, --out)`` from the command line."""
     own = _own_parser()
@@ -178,9 +192,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Launch the saved job's roles, build it on the workers, evaluate, write ``--out``."""
     with reported_errors():
         evaluation, cls, cfg, out = parse_evaluation(argv)
-        with Launch.for_run(cfg) as launch:
+        with Launch.for_run(cfg, training=False) as launch:
             if not launch.is_worker:
                 return
+            cfg = scoring_config(cfg, launch.topology)
             job = cls(
                 cfg, launch.group, launch.store, roles=launch.topology,
                 saved_config=evaluation.meta.get("config"),

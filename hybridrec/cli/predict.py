@@ -19,7 +19,7 @@ import argparse
 from collections.abc import Sequence
 
 from hybridrec.cli.errors import reported_errors
-from hybridrec.cli.evaluate import job_config, open_saved, saved_run_parser
+from hybridrec.cli.evaluate import job_config, open_saved, saved_run_parser, scoring_config
 from hybridrec.cli.options import ConfigError
 from hybridrec.dlrm.predict import gather_scores, output_format, score, scored_rows, write_scores
 from hybridrec.launch.roles import Launch
@@ -58,9 +58,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 f"--checkpoint {run.folder}: a --data synthetic run has no files to score; "
                 "score its held-out split with hybridrec evaluate"
             )
-        with Launch.for_run(cfg) as launch:
+        with Launch.for_run(cfg, training=False) as launch:
             if not launch.is_worker:
                 return
+            cfg = scoring_config(cfg, launch.topology)
             group = launch.group
             job = cls(cfg, group, launch.store, roles=launch.topology,
                       saved_config=run.meta.get("config"))  # fmt: skip

@@ -238,12 +238,13 @@ class Launch:
         self.role: PSRole | None = None
 
     @classmethod
-    def for_run(cls, cfg: LaunchOptions) -> Launch:
+    def for_run(cls, cfg: LaunchOptions, *, training: bool = True) -> Launch:
         """The launch a job config asks for: its ``backend``, ``ps``, ``batch_size``,
         ``validate_comm``, ``threads`` and ``ranks_per_replica`` (every job's config has
-        them: :class:`hybridrec.cli.job_options.RunOptions` and the job's own fields)."""
+        them: :class:`hybridrec.cli.job_options.RunOptions` and the job's own fields).
+        Not ``training`` (scoring a saved run): the training batch is not checked."""
         return cls(
-            cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size,
+            cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size if training else None,
             ranks_per_replica=cfg.ranks_per_replica, validate=cfg.validate_comm,
             threads=cfg.threads,
         )  # fmt: skip

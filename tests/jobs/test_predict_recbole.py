@@ -9,7 +9,8 @@ the run saved, every interaction once, at 1, 2 and 4 ranks.
   field): the rows it shares with the run's folder score as they did there (within
   float32 rounding: batches of other rows), which needs the saved encoders (refitted on
   the new folder, the vocabularies would number users differently).
-* Under ``mpirun -n 2`` and ``-n 4``: every interaction once, in line order.
+* Under ``mpirun -n 2`` and ``-n 4``: every interaction once, in line order (the run
+  trained with batch 50, which 4 ranks do not split: scoring reads no training batch).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _folder(tmp / "train", _interactions(600, 1))
     cfg = DLRMJobConfig(
         data="recbole", data_path=[str(tmp / "train")], checkpoint_dir=str(tmp / "ckpt"),
-        keep_best=False, batch_size=40, epochs=1, dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1],
+        keep_best=False, batch_size=50, epochs=1, dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1],
         eval_batch_size=64, verbose=False, progress=False,
     )  # fmt: skip
     train(cfg, comm.LocalGroup())
