@@ -13,7 +13,6 @@ columns, in file and line order, at 1, 2 and 4 ranks; the scores are the model's
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from hybridrec.cli.predict import main as predict_main
 from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.dlrm.job import train
 from multiproc import ROOT, mpirun_path, rank_env
-from tabular_clicks import CLICKS_SCHEMA, write_clicks
+from tabular_clicks import CLICKS_SCHEMA, read_scores, write_clicks
 from tolerance import assert_close
 
 SMALL = dict(
@@ -53,17 +52,12 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp
 
 
-def _read_csv(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 @pytest.mark.timeout(240)
 def test_every_row_scored_once_in_order_with_its_keys(trained: Path, tmp_path: Path) -> None:
     out = tmp_path / "scores.csv"
     predict_main(["--checkpoint", str(trained / "ckpt"), "--input", str(trained / "score.csv"),
                   "--out", str(out), "--key", "user", "item", "--no-progress"])  # fmt: skip
-    rows = _read_csv(out)
+    rows = read_scores(out)
     source = (trained / "score.csv").read_text().splitlines()[1:]
     assert len(rows) == len(source) == 257
     for got, line in zip(rows, source, strict=True):
@@ -89,7 +83,7 @@ def test_scores_are_the_models(trained: Path, tmp_path: Path) -> None:
     out = tmp_path / "s.csv"
     predict_main(["--checkpoint", str(trained / "ckpt"), "--input", str(trained / "score.csv"),
                   "--out", str(out), "--no-progress"])  # fmt: skip
-    got = torch.tensor([float(r["score"]) for r in _read_csv(out)], dtype=torch.float64)
+    got = torch.tensor([float(r["score"]) for r in read_scores(out)], dtype=torch.float64)
     run = saved_run(str(trained / "ckpt"), None, [])  # type: ignore[arg-type]
     cls, cfg = job_config(run, ["--data-test-path", str(trained / "score.csv")], "test")
     job = cls(cfg, comm.LocalGroup(), __import__("ps").InProcessStore(),
@@ -113,7 +107,7 @@ def test_under_mpirun_every_row_once(trained: Path, tmp_path: Path, ranks: int) 
     done = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=240,
                           cwd=ROOT)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    a, b = _read_csv(one), _read_csv(many)
+    a, b = read_scores(one), read_scores(many)
     assert [r["user"] for r in b] == [r["user"] for r in a] and len(b) == 257
     # Each rank's batches hold other rows: float32 sums may round differently per batch.
     eps = float(np.finfo(np.float32).eps)
@@ -139,7 +133,7 @@ def test_unlabelled_files_bad_rows_and_formats(trained: Path, tmp_path: Path) ->
     assert info.value.code == 2
     predict_main(["--checkpoint", str(trained / "ckpt"), "--input", str(bad), "--out",
                   str(tmp_path / "b.csv"), "--skip-bad-lines", "--no-progress"])  # fmt: skip
-    kept = _read_csv(tmp_path / "b.csv")
+    kept = read_scores(tmp_path / "b.csv")
     # the header, 4 rows (lines 2-5), the bad one (line 6), 5 more (lines 7-11)
     assert [r["line"] for r in kept] == ["2", "3", "4", "5", "7", "8", "9", "10", "11"]
     with pytest.raises(SystemExit):
@@ -154,7 +148,7 @@ def test_unlabelled_files_bad_rows_and_formats(trained: Path, tmp_path: Path) ->
     predict_main(["--checkpoint", str(trained / "ckpt"), "--input", str(trained / "score.csv"),
                   "--out", str(csv_out), "--key", "user", "item", "--no-progress"])  # fmt: skip
     table = pq.read_table(pq_out).to_pydict()
-    want = _read_csv(csv_out)
+    want = read_scores(csv_out)
     assert list(table) == ["user", "item", "score"] and len(table["score"]) == 257
     assert table["user"] == [r["user"] for r in want]
     assert table["score"] == [float(r["score"]) for r in want]  # float64 both, repr round-trips

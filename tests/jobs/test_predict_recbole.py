@@ -15,7 +15,6 @@ the run saved, every interaction once, at 1, 2 and 4 ranks.
 
 from __future__ import annotations
 
-import csv
 import random
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from hybridrec.datasets.ctr import gather_batch
 from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.dlrm.job import train
 from multiproc import ROOT, mpirun_path, rank_env
+from tabular_clicks import read_scores
 from tolerance import assert_close
 
 USERS = [f"u{i}" for i in range(25)]
@@ -82,15 +82,10 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp
 
 
-def _scores(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def _predict(trained: Path, folder: Path, out: Path, *keys: str) -> list[dict[str, str]]:
     argv = ["--checkpoint", str(trained / "ckpt"), "--input", str(folder), "--out", str(out)]
     predict_main([*argv, *(["--key", *keys] if keys else []), "--no-progress"])
-    return _scores(out)
+    return read_scores(out)
 
 
 @pytest.mark.timeout(240)
@@ -146,7 +141,7 @@ def test_under_mpirun_every_interaction_once(trained: Path, tmp_path: Path, rank
     done = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=240,
                           cwd=ROOT)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    b = _scores(many)
+    b = read_scores(many)
     assert [(r["uid"], r["iid"]) for r in b] == [(r["uid"], r["iid"]) for r in one]
     assert_close(torch.tensor([float(r["score"]) for r in b]),
                  torch.tensor([float(r["score"]) for r in one]), atol=8 * EPS32,

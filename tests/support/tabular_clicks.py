@@ -1,8 +1,10 @@
 """A small tabular click data set for the after-training tests: a label, one dense and
-two vocabulary columns, clicks that depend on the user and the item (so a model learns)."""
+two vocabulary columns, clicks that depend on the user and the item (so a model learns);
+and the scores file predict writes, read back."""
 
 from __future__ import annotations
 
+import csv
 import random
 import zlib
 from pathlib import Path
@@ -27,3 +29,9 @@ CLICKS_SCHEMA = {
     "dense": [{"column": "age", "standardize": True}],
     "sparse": [{"column": "user", "vocab": True}, {"column": "item", "vocab": True}],
 }
+
+
+def read_scores(path: Path) -> list[dict[str, str]]:
+    """The rows of a CSV that ``hybridrec predict`` wrote, as ``{column: text}``."""
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
