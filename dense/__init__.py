@@ -23,6 +23,8 @@
   cut a :class:`GPT` into its stages.
 * :func:`broadcast_parameters` / :func:`allreduce_gradients`: plain data parallelism
   over a ``comm.ProcessGroup`` (no overlap).
+* :class:`SASRec` / :class:`SASRecConfig`, :class:`HSTU` / :class:`HSTUConfig`: sequential
+  recommendation encoders over jagged sequences of item vectors from an embedding collection.
 """
 
 from dense.buckets import Bucket, assign_buckets
@@ -30,8 +32,10 @@ from dense.data_parallel import DataParallel, allreduce_gradients, broadcast_par
 from dense.dcn import CrossLayer, CrossNetwork
 from dense.dlrm import DLRMConfig, DLRMDense, mlp, pairwise_interaction
 from dense.gpt import GPT, GPTConfig, gpt_loss
+from dense.hstu import HSTU, HSTUConfig
 from dense.pipeline import Pipeline, PipelineStats, StageModule, split_gpt, stages_for_rank
 from dense.pipeline_schedules import Action, Schedule, make_schedule, simulate
+from dense.sasrec import SASRec, SASRecConfig
 from dense.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -85,4 +89,8 @@ __all__ = [
     "simulate",
     "split_gpt",
     "stages_for_rank",
+    "HSTU",
+    "HSTUConfig",
+    "SASRec",
+    "SASRecConfig",
 ]

@@ -32,6 +32,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "hybridrec.lm.job",
         "train a GPT language model with a sparse token table (Shakespeare, or your text files)",
     ),
+    "train-seq": (
+        "hybridrec.seq.job",
+        "train a next-item recommender (SASRec or HSTU) on user histories: MovieLens-100k, a "
+        "RecBole data set, your files or synthetic",
+    ),
     "evaluate": (
         "hybridrec.cli.evaluate",
         "evaluate a saved run (DLRM or GPT) on its own or new data: test AUC, log loss, NE, "

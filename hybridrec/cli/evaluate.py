@@ -34,7 +34,11 @@ from hybridrec.cli.options import ConfigError, parse_config, program
 from hybridrec.launch.roles import Launch
 
 # The job each checkpoint's config names (``config["job"]``) -> its class, imported when used.
-JOBS = {"dlrm": "hybridrec.dlrm.job:DLRMJob", "lm": "hybridrec.lm.job:LMJob"}
+JOBS = {
+    "dlrm": "hybridrec.dlrm.job:DLRMJob",
+    "lm": "hybridrec.lm.job:LMJob",
+    "seq": "hybridrec.seq.job:SeqJob",
+}
 SPLITS = ("test", "val", "all")
 
 

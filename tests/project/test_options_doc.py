@@ -13,6 +13,7 @@ import pytest
 from hybridrec.cli.options import options_markdown
 from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.lm.config import LMConfig
+from hybridrec.seq.config import SeqConfig
 from hybridrec.plan.options import PlanOptions
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "options.md"
@@ -30,6 +31,7 @@ def generated() -> str:
         INTRO,
         options_markdown(DLRMJobConfig, "`hybridrec train-dlrm` (`examples/train_dlrm.py`)"),
         options_markdown(LMConfig, "`hybridrec train-lm` (`examples/train_lm.py`)"),
+        options_markdown(SeqConfig, "`hybridrec train-seq` (`examples/train_seq.py`)"),
         options_markdown(PlanOptions, "`python -m hybridrec.plan` (the capacity planner)"),
     ]
     return "\n".join(parts).rstrip("\n") + "\n"
@@ -51,7 +53,7 @@ def test_every_flag_of_the_parsers_is_in_the_reference() -> None:
     from hybridrec.cli.options import build_parser
 
     text = DOC.read_text(encoding="utf-8")
-    for cls in (DLRMJobConfig, LMConfig, PlanOptions):
+    for cls in (DLRMJobConfig, LMConfig, SeqConfig, PlanOptions):
         parser = build_parser(cls, "")
         for action in parser._actions:  # noqa: SLF001 - argparse keeps its options here
             for opt in action.option_strings:

@@ -1,0 +1,1 @@
+"""Next-item recommenders: the sampled softmax loss and full-ranking evaluation."""
