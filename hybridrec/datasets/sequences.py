@@ -408,8 +408,14 @@ class SequenceBatches:
     get one user fewer, a rank may get none: an empty :class:`SeqBatch`). So the ranks'
     batches of step ``k``, concatenated in rank order, are the one-process batch of step ``k``.
 
-    A user's training sample: its training sequence ``s`` cut to the most recent
-    ``max_seq_len + 1`` items, inputs ``s[:-1]``, targets ``s[1:]``. An evaluation
+    A user's training samples (``windows="all"``): its training sequence ``s``, inputs
+    ``s[:-1]`` and targets ``s[1:]``, cut into windows of ``max_seq_len`` inputs counted
+    back from the most recent (the oldest window may be shorter), so every training
+    target is predicted once per epoch, from the window's earlier items;
+    ``windows="last"``: the most recent window only (``s`` cut to its last
+    ``max_seq_len + 1`` items). A user's windows stay together, oldest first, in the
+    user's batch (so a batch has ``batch_size`` users and at least as many samples;
+    ``users`` names each sample's user). An evaluation
     sample: the most recent ``max_seq_len`` items before the target as inputs (the
     training part for "val"; the training part and the validation item for "test").
     """
@@ -423,7 +429,10 @@ class SequenceBatches:
         rank: int,
         size: int,
         seed: int,
+        windows: Literal["all", "last"] = "all",
     ) -> None:
+        if windows not in ("all", "last"):
+            raise ValueError(f"SequenceBatches: windows must be 'all' or 'last', got {windows!r}")
         if max_seq_len < 1:
             raise ValueError(f"SequenceBatches: max_seq_len must be >= 1, got {max_seq_len}")
         if size < 1 or not 0 <= rank < size:
@@ -438,6 +447,7 @@ class SequenceBatches:
         self.split = split
         self.max_seq_len, self.batch_size = max_seq_len, batch_size
         self.rank, self.size, self.seed = rank, size, seed
+        self.windows = windows
         self.train_users = np.flatnonzero(split.train_lengths() >= 2).astype(np.int64)
 
     @property
@@ -465,24 +475,35 @@ class SequenceBatches:
             batch.epoch, batch.step = epoch, step
             yield batch, None
 
-    def _train_window(self, users: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The input positions ``[start, end)`` of each user's training sample."""
+    def _train_window(self, users: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(start, end, user)``: the input positions ``[start, end)`` of each training
+        sample of ``users`` (a user's windows in a row, oldest first) and its user."""
         end = self.split.train_end[users] - 1  # the last training item is only a target
-        start = np.maximum(self.split.data.offsets[users], end - self.max_seq_len)
-        return start, end
+        first = self.split.data.offsets[users]
+        m = self.max_seq_len
+        if self.windows == "last":
+            return np.maximum(first, end - m), end, users
+        count = -(-(end - first) // m)  # [U] windows per user (each has >= 1 input)
+        back = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(
+            np.cumsum(count) - count, count
+        )  # [W] 0 .. count-1 within each user
+        back = np.repeat(count, count) - 1 - back  # oldest window first
+        w_end = np.repeat(end, count) - back * m
+        return np.maximum(np.repeat(first, count), w_end - m), w_end, np.repeat(users, count)
 
     def _train_targets(self, users: np.ndarray) -> int:
-        start, end = self._train_window(users)
+        start, end, _ = self._train_window(users)
         return int((end - start).sum())
 
     def train_batch(self, users: np.ndarray, global_targets: int) -> SeqBatch:
         """The training samples of ``users`` (each with >= 2 training interactions)."""
         d = self.split.data
-        idx, offsets = _ranges(*self._train_window(users))
+        start, end, owner = self._train_window(users)
+        idx, offsets = _ranges(start, end)
         return SeqBatch(
             items=_tensor(d.items[idx]), times=_tensor(d.times[idx]), offsets=_tensor(offsets),
             targets=_tensor(d.items[idx + 1]), target_times=_tensor(d.times[idx + 1]),
-            users=_tensor(users), seen_items=_tensor(_EMPTY), seen_offsets=_tensor(_EMPTY),
+            users=_tensor(owner), seen_items=_tensor(_EMPTY), seen_offsets=_tensor(_EMPTY),
             global_targets=global_targets,
         )  # fmt: skip
 

@@ -44,6 +44,11 @@ class SeqConfig(RunOptions):
     max_seq_len: int = option(
         50, help="longest history the model reads (the most recent interactions are kept)"
     )
+    train_windows: Literal["all", "last"] = option(
+        "all",
+        help="all: a history longer than --max-seq-len trains in windows of that many items, "
+        "every training item predicted once per epoch; last: only its most recent window",
+    )
     # ---- model
     model: Literal["sasrec", "hstu"] = option(
         "sasrec",

@@ -45,13 +45,19 @@ from hybridrec.datasets.sequences import (
 )
 from hybridrec.datasets.synthetic_sequences import synthetic_sequences
 from hybridrec.launch.existing_tables import prepare_tables
-from hybridrec.launch.job_cache import init_rows_on, job_memory_plan, with_cache
+from hybridrec.launch.job_cache import (
+    init_rows_on,
+    job_memory_plan,
+    wants_sparse_pipeline,
+    with_cache,
+)
 from hybridrec.launch.memory_plan import MemoryPlan, dense_bytes
 from hybridrec.launch.roles import check_batch_size, describe_device, describe_roles
 from hybridrec.seq.config import SeqConfig
-from hybridrec.seq.model import SeqModel, build_encoder, item_table
+from hybridrec.seq.model import SeqModel, build_encoder, item_table, lookup_batch
 from hybridrec.seq.ranking import metrics_from_sums, ranking_sums, target_ranks
 from hybridrec.seq.softmax import (
+    Candidates,
     NegativeSampler,
     candidates,
     full_softmax_loss,
@@ -164,7 +170,7 @@ class SeqJob:
         self.split = LeaveOneOut.of(self.data)
         self.source = SequenceBatches(
             self.split, max_seq_len=cfg.max_seq_len, batch_size=cfg.batch_size,
-            rank=group.rank, size=group.size, seed=cfg.seed,
+            rank=group.rank, size=group.size, seed=cfg.seed, windows=cfg.train_windows,
         )  # fmt: skip
         self.num_items = items = self.data.num_items
         self.full_softmax = cfg.uses_full_softmax(items)
@@ -202,6 +208,10 @@ class SeqJob:
         self.optimizer = self.make_optimizer(encoder)
         trained = self.encoder
         self.model = SeqModel(embeddings, trained)
+        # The next batch's sparse step beside this one's dense step, where it can pay.
+        pipelined = wants_sparse_pipeline(cfg, embeddings, device)
+        embeddings.set_sparse_pipeline(pipelined)
+        self._ahead: dict[tuple[int, int], Candidates | None] = {}  # the next batch's
         self.feed = DeviceBatches(device)
         self.trained_targets = 0  # training targets of every rank, this run's steps
         loss = "full softmax" if self.full_softmax else (
@@ -225,7 +235,7 @@ class SeqJob:
                 overwrite_checkpoints=cfg.overwrite_checkpoints, metrics_out=cfg.metrics_out,
                 progress=cfg.progress, verbose=cfg.verbose,
                 best_metric=f"val_{BEST_METRIC}" if cfg.keep_best else None,
-                patience=cfg.patience,
+                patience=cfg.patience, lookahead=self.cached is not None or pipelined,
             ),
             group=group, optimizer=self.optimizer,
             data=DeviceEpochData(self.source, self.feed), step=self.step,
@@ -274,19 +284,18 @@ class SeqJob:
         """One synchronous step on this rank's users; returns this rank's share of the
         global batch's mean loss times the rank count (so the ranks' mean is the global
         mean, and averaged gradients are the global batch's)."""
-        del next_batch
         cfg, group = self.cfg, self.group
         targets = batch.targets
-        if self.full_softmax:
-            cand_ids = torch.arange(self.num_items, dtype=torch.int64)
-            picked = None
-        else:
-            # The global batch's targets are every rank's in-batch negatives: the same
-            # candidates on every rank, as one process would draw them.
-            everyone = group.allgatherv(targets.cpu().contiguous()) if group.size > 1 else targets
-            gen = negatives_generator(cfg.seed, batch.epoch, batch.step)
-            picked = candidates(targets.cpu(), self.sampler, gen, in_batch=everyone.cpu())
-            cand_ids = picked.ids
+        picked = self._ahead.pop((batch.epoch, batch.step), None) or self.candidates_of(batch)
+        cand_ids = torch.arange(self.num_items) if picked is None else picked.ids
+        if next_batch is not None:
+            # The next batch's rows are pulled ahead (riding on this batch's pull into
+            # the cache, or on the sparse pipeline's thread): the very lookup its step
+            # makes, its candidates drawn now (the same draw: a function of its step).
+            ahead = self.candidates_of(next_batch)
+            self._ahead[(next_batch.epoch, next_batch.step)] = ahead
+            ids = torch.arange(self.num_items) if ahead is None else ahead.ids
+            self.model.embeddings.prefetch(lookup_batch(next_batch.items, ids))
         with autocast(self.device, cfg.precision):
             hidden, rows = self.model(batch, cand_ids)
         hidden, rows = hidden.float(), rows.float()
@@ -302,6 +311,19 @@ class SeqJob:
         self.optimizer.step()  # ZeroOptimizer: averages the gradients first
         self.trained_targets += batch.global_targets
         return loss.detach()
+
+    def candidates_of(self, batch: SeqBatch) -> Candidates | None:
+        """The sampled softmax's candidates of ``batch`` (None: the full softmax). The
+        global batch's targets are every rank's in-batch negatives, gathered, and the
+        negatives are drawn from the step's own generator: the same candidates on every
+        rank, as one process would draw them (a collective with several ranks)."""
+        if self.full_softmax:
+            return None
+        targets = batch.targets.cpu().contiguous()
+        group = self.group
+        everyone = group.allgatherv(targets) if group.size > 1 else targets
+        gen = negatives_generator(self.cfg.seed, batch.epoch, batch.step)
+        return candidates(targets, self.sampler, gen, in_batch=everyone)
 
     # ------------------------------------------------------------ evaluate
 

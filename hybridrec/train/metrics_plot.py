@@ -10,6 +10,10 @@ What the picture shows depends on what the run logged:
 * a language model (``val_loss`` / ``val_ppl``): left, cross-entropy in nats per
   token (training line, validation dots); right, validation perplexity on a log
   scale;
+* a next-item recommender (``val_ndcg@10`` / ``val_hr@10``): left, the training
+  cross-entropy in nats per predicted item; right, HR@10 and NDCG@10 of the full
+  ranking (0 to 1, higher is better), validation dots, the test results as stars and
+  the popularity baseline's dashed;
 * anything else: the training loss alone.
 
 The x axis is the training step. A resumed run appends to the same file; a step
@@ -83,8 +87,10 @@ def _finish(ax: Any, ylabel: str, title: str) -> None:
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="best", fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:  # a label drawn twice (two metrics' test marks) listed once
+        unique = dict(zip(labels, handles, strict=True))
+        ax.legend(list(unique.values()), list(unique), loc="best", fontsize=8)
 
 
 def plot_metrics(path: str | Path, out: str | Path | None = None) -> Path | None:
@@ -112,6 +118,10 @@ def run_title(rows: list[dict[str, Any]], name: str) -> str:
     if any(k in r for r in rows for k in ("val_auc", "test_auc")):
         data = config.get("data")
         return f"DLRM on {data} data ({name})" if data else f"DLRM ({name})"
+    if any("val_ndcg@10" in r for r in rows):
+        model = str(config.get("model", "next-item")).upper().replace("SASREC", "SASRec")
+        data = config.get("data")
+        return f"{model} on {data} data ({name})" if data else f"{model} ({name})"
     if any(k in r for r in rows for k in ("val_loss", "val_ppl")):
         tokens = config.get("tokenizer")
         return f"GPT language model, {tokens} tokens ({name})" if tokens else f"GPT ({name})"
@@ -129,6 +139,7 @@ def metrics_figure(rows: list[dict[str, Any]], title: str = "") -> Any:
     train = series(rows, ("step",), "loss")
     click = any(k in r for r in rows for k in ("val_auc", "val_logloss", "test_auc"))
     lm = not click and any(k in r for r in rows for k in ("val_loss", "val_ppl"))
+    ranking = not click and not lm and any("val_ndcg@10" in r for r in rows)
 
     if click:
         fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -160,6 +171,15 @@ def metrics_figure(rows: list[dict[str, Any]], title: str = "") -> Any:
             ax_ppl.yaxis.set_minor_formatter(plain)
             ax_ppl.yaxis.set_minor_locator(LogLocator(subs=(2.0, 3.0, 5.0)))
         _finish(ax_ppl, "perplexity (exp of nats per token)", "perplexity (lower is better)")
+    elif ranking:
+        fig, (ax_loss, ax_rank) = plt.subplots(1, 2, figsize=(11, 4.2))
+        _line(ax_loss, train, lw=0.9, color=TRAIN, label="training")
+        _finish(ax_loss, "cross-entropy (nats per predicted item)", "loss (lower is better)")
+        for key, mark in (("hr@10", "o"), ("ndcg@10", "s")):
+            _line(ax_rank, series(rows, evals, f"val_{key}"), marker=mark, color=VAL,
+                  label=f"validation {key.upper()}")  # fmt: skip
+            _final_marks(ax_rank, final, f"test_{key}", f"popularity_{key}")
+        _finish(ax_rank, "HR@10 (o), NDCG@10 (s) of the full ranking", "ranking (higher is better)")
     else:
         fig, ax_loss = plt.subplots(1, 1, figsize=(6, 4.2))
         _line(ax_loss, train, lw=0.9, color=TRAIN, label="training")

@@ -198,8 +198,9 @@ def _ref_samples(data: SequenceData, max_len: int, split: str) -> dict[int, tupl
 def test_samples_capped_to_the_most_recent(tmp_path: Path, max_len: int) -> None:
     data = read_recbole_sequences(_recbole(tmp_path, ROWS))
     batches = SequenceBatches(
-        LeaveOneOut.of(data), max_seq_len=max_len, batch_size=64, rank=0, size=1, seed=0
-    )
+        LeaveOneOut.of(data), max_seq_len=max_len, batch_size=64, rank=0, size=1, seed=0,
+        windows="last",
+    )  # fmt: skip
     (batch, position), *rest = list(batches.train_batches(0))
     assert not rest and position is None
     got = _samples(batch)
@@ -248,7 +249,8 @@ def test_ranks_concatenated_equal_one_process(batch_size: int) -> None:
     empty_rank_seen = False
     for epoch in (0, 1):
         single = [b for b, _ in one.train_batches(epoch)]
-        assert sorted(u for b in single for u in b.users.tolist()) == one.train_users.tolist()
+        users = [u for b in single for u in dict.fromkeys(b.users.tolist())]
+        assert sorted(users) == one.train_users.tolist()  # each user once, its windows together
         for size in (1, 2, 4):
             per_rank = [[b for b, _ in make(r, size).train_batches(epoch)] for r in range(size)]
             assert {len(b) for b in per_rank} == {one.steps_per_epoch}
@@ -259,7 +261,7 @@ def test_ranks_concatenated_equal_one_process(batch_size: int) -> None:
                 assert {p.global_targets for p in parts} == {whole.num_targets}
                 assert {(p.epoch, p.step) for p in parts} == {(epoch, step)}
                 if step < len(single) - 1:
-                    assert {p.batch_size for p in parts} == {batch_size // size}
+                    assert {len(set(p.users.tolist())) for p in parts} == {batch_size // size}
                 empty_rank_seen |= any(p.batch_size == 0 for p in parts)
     if batch_size == 8:
         assert empty_rank_seen, "size 4 must deal a rank no user in the last batch"
@@ -345,3 +347,47 @@ def test_errors_name_file_field_and_value(tmp_path: Path) -> None:
     split = LeaveOneOut.of(_synthetic())
     with pytest.raises(ValueError, match="batch_size 6 .* multiple of the 4 ranks"):
         SequenceBatches(split, max_seq_len=3, batch_size=6, rank=0, size=4, seed=0)
+
+
+def _ref_windows(data: SequenceData, max_len: int) -> dict[int, list[tuple[list[int], list[int]]]]:
+    """Every training target once: ``{user: [(inputs, targets), ...]}``, windows of
+    ``max_len`` inputs counted back from the most recent, oldest first (plain lists)."""
+    out: dict[int, list[tuple[list[int], list[int]]]] = {}
+    for u in range(data.num_users):
+        items = data.items[data.offsets[u] : data.offsets[u + 1]].tolist()
+        n = len(items)
+        s = items[: n - 2] if n >= 3 else items
+        if len(s) < 2:
+            continue
+        inputs, targets = s[:-1], s[1:]
+        windows = []
+        end = len(inputs)
+        while end > 0:
+            start = max(0, end - max_len)
+            windows.append((inputs[start:end], targets[start:end]))
+            end = start
+        out[u] = windows[::-1]
+    return out
+
+
+@pytest.mark.parametrize("max_len", [1, 2, 3, 10])
+def test_all_windows_predict_every_training_target_once(max_len: int) -> None:
+    """``windows="all"`` (the default): a user's training sequence in windows of
+    ``max_len`` inputs from the most recent back, every target once, the user's
+    windows together and oldest first; ``global_targets`` counts them all."""
+    data = _synthetic(users=30, seed=2)
+    split = LeaveOneOut.of(data)
+    batches = SequenceBatches(split, max_seq_len=max_len, batch_size=30, rank=0, size=1, seed=0)
+    ((batch, _),) = list(batches.train_batches(0))
+    got: dict[int, list[tuple[list[int], list[int]]]] = {}
+    off = batch.offsets.tolist()
+    for b, u in enumerate(batch.users.tolist()):
+        got.setdefault(u, []).append(
+            (batch.items[off[b] : off[b + 1]].tolist(), batch.targets[off[b] : off[b + 1]].tolist())
+        )
+    assert got == _ref_windows(data, max_len)
+    train_targets = sum(max(int(n) - 1, 0) for n in split.train_lengths() if n >= 2)
+    assert batch.global_targets == batch.num_targets == train_targets
+    with pytest.raises(ValueError, match="windows must be 'all' or 'last', got 'some'"):
+        SequenceBatches(split, max_seq_len=2, batch_size=4, rank=0, size=1, seed=0,
+                        windows="some")  # type: ignore[arg-type]  # fmt: skip

@@ -144,6 +144,33 @@ def test_lm_plot_shows_loss_and_perplexity() -> None:
     plt.close(fig)
 
 
+def test_ranking_plot_shows_loss_and_hr_ndcg_with_test_and_popularity() -> None:
+    """A next-item run: the training loss left, validation HR@10 and NDCG@10 right, the
+    test results as stars at the tested step and each popularity baseline once."""
+    import matplotlib.pyplot as plt
+
+    rows: list[dict[str, object]] = [{"kind": "step", "step": s, "loss": 7.0 - s / 10}
+                                     for s in (4, 8)]  # fmt: skip
+    rows += [{"kind": "epoch", "step": s, "val_hr@10": h, "val_ndcg@10": n}
+             for s, h, n in ((4, 0.1, 0.05), (8, 0.2, 0.09))]  # fmt: skip
+    rows += [{"kind": "final", "steps": 8, "tested_step": 8, "test_hr@10": 0.21,
+              "test_ndcg@10": 0.1, "popularity_hr@10": 0.05, "popularity_ndcg@10": 0.02,
+              "config": {"model": "hstu", "data": "movielens"}}]  # fmt: skip
+    fig = metrics_figure(rows)
+    ax_loss, ax_rank = fig.axes
+    assert ax_loss.get_ylabel() == "cross-entropy (nats per predicted item)"
+    lines = [(ln.get_label(), list(ln.get_xdata()), list(ln.get_ydata()))
+             for ln in ax_rank.get_lines()]  # fmt: skip
+    assert ("validation HR@10", [4, 8], [0.1, 0.2]) in lines
+    assert ("validation NDCG@10", [4, 8], [0.05, 0.09]) in lines
+    assert [y for label, _, y in lines if label == "test"] == [[0.21], [0.1]]
+    assert [y[0] for label, _, y in lines if label == "popularity baseline"] == [0.05, 0.02]
+    legend = [t.get_text() for t in ax_rank.get_legend().get_texts()]
+    assert legend.count("test") == 1 and legend.count("popularity baseline") == 1
+    plt.close(fig)
+    assert run_title(rows, "s.jsonl") == "HSTU on movielens data (s.jsonl)"
+
+
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
     rows = [{"kind": "step", "step": i, "loss": 1 / (i + 1)} for i in range(20)]
