@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import comm
+import ps
 from cache import CacheConfig, CachedStore
 from comm import ProcessGroup
 from embedding import EmbeddingCollection, TableConfig
@@ -167,3 +168,15 @@ def init_rows_on(store: Store, device: torch.device) -> None:
     Any other store, a store already given a device, or a CPU worker: unchanged."""
     if device.type == "cuda" and isinstance(store, InProcessStore) and store.init_device is None:
         store.init_device = device
+
+
+def row_optimizer(name: str, lr: float) -> ps.Optimizer:
+    """A job's ``--emb-optimizer NAME`` at ``--emb-lr`` as the ps optimizer its tables
+    apply to touched rows: adam, adagrad (row-wise) or sgd."""
+    if name == "adam":
+        return ps.Adam(lr=lr)
+    if name == "adagrad":
+        return ps.RowWiseAdagrad(lr=lr)
+    if name == "sgd":
+        return ps.SGD(lr=lr)
+    raise ValueError(f"emb_optimizer must be adam, adagrad or sgd, got {name!r}")

@@ -29,6 +29,7 @@ from dense import DataParallel, Zero3, ZeroOptimizer
 from dense.gpt import GPT
 from embedding import EmbeddingCollection, KeyedJaggedIds, NGramConfig, TableConfig
 from hybridrec.checkpoint.run_checkpoint import DenseOptimizer
+from hybridrec.launch.job_cache import row_optimizer
 from hybridrec.lm.config import LMConfig
 
 TOKENS = "tokens"  # the token ids of a window; the n-gram features are named by NGramConfig
@@ -130,15 +131,6 @@ def embed_tokens(
     return embed_ids(tables, input_ids(idx, ngrams), ngrams)
 
 
-def embedding_optimizer(cfg: LMConfig) -> ps.Optimizer:
-    """The token (and n-gram) tables' optimizer: ``--emb-optimizer`` at ``--emb-lr``."""
-    if cfg.emb_optimizer == "adam":
-        return ps.Adam(lr=cfg.emb_lr)
-    if cfg.emb_optimizer == "adagrad":
-        return ps.RowWiseAdagrad(lr=cfg.emb_lr)
-    return ps.SGD(lr=cfg.emb_lr)
-
-
 def token_table(cfg: LMConfig, vocab_size: int) -> TableConfig:
     return TableConfig(
         name="token_embedding",
@@ -147,7 +139,7 @@ def token_table(cfg: LMConfig, vocab_size: int) -> TableConfig:
         feature_names=[TOKENS],
         pooling="none",  # one vector per token: [B, T, D]
         placement=cfg.placement,
-        optimizer=embedding_optimizer(cfg),
+        optimizer=row_optimizer(cfg.emb_optimizer, cfg.emb_lr),
         init=ps.UniformInit(low=-0.035, high=0.035, seed=cfg.seed),  # std 0.02, as GPT-2
     )
 
@@ -163,7 +155,7 @@ def ngram_config(cfg: LMConfig) -> NGramConfig | None:
         dim=cfg.d_model,
         splits=cfg.ngram_splits,
         placement=cfg.ngram_placement,
-        optimizer=embedding_optimizer(cfg),
+        optimizer=row_optimizer(cfg.emb_optimizer, cfg.emb_lr),
         capacity=cfg.ngram_capacity or None,
         max_age_steps=cfg.ngram_max_age or None,
     )

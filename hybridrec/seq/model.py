@@ -26,6 +26,7 @@ import ps
 from dense import HSTU, HSTUConfig, SASRec, SASRecConfig
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
 from hybridrec.datasets.sequences import SeqBatch
+from hybridrec.launch.job_cache import row_optimizer
 from hybridrec.seq.config import SeqConfig
 
 HISTORY, CANDIDATES = "history", "candidates"  # the item table's two features
@@ -42,18 +43,9 @@ def item_table(cfg: SeqConfig, num_items: int) -> TableConfig:
         feature_names=[HISTORY, CANDIDATES],
         pooling="none",
         placement=cfg.table_placement,  # type: ignore[arg-type]  # resolved from auto
-        optimizer=embedding_optimizer(cfg),
+        optimizer=row_optimizer(cfg.emb_optimizer, cfg.emb_lr),
         init=ps.UniformInit(low=-0.0346, high=0.0346, seed=cfg.seed),  # std 0.02
     )
-
-
-def embedding_optimizer(cfg: SeqConfig) -> ps.Optimizer:
-    """The item table's optimizer: ``--emb-optimizer`` at ``--emb-lr`` (lazy: touched rows)."""
-    if cfg.emb_optimizer == "adam":
-        return ps.Adam(lr=cfg.emb_lr)
-    if cfg.emb_optimizer == "adagrad":
-        return ps.RowWiseAdagrad(lr=cfg.emb_lr)
-    return ps.SGD(lr=cfg.emb_lr)
 
 
 def build_encoder(cfg: SeqConfig) -> nn.Module:
