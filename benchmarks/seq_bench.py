@@ -198,10 +198,20 @@ def main() -> None:
     result = {
         "bench": "seq",
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": args.threads},
-        "config": {"quick": args.quick, "seeds": seeds, "epochs": epochs,
-                   "patience": args.patience, "items": catalogue["items"]},  # fmt: skip
-        "figures": {"movielens": med, "runs": runs, "popularity_hr@10": pop_hr,
-                    "popularity_ndcg@10": pop_ndcg, "catalogue": catalogue},  # fmt: skip
+        "config": {
+            "quick": args.quick,
+            "seeds": seeds,
+            "epochs": epochs,
+            "patience": args.patience,
+            "items": catalogue["items"],
+        },  # fmt: skip
+        "figures": {
+            "movielens": med,
+            "runs": runs,
+            "popularity_hr@10": pop_hr,
+            "popularity_ndcg@10": pop_ndcg,
+            "catalogue": catalogue,
+        },  # fmt: skip
         "targets": targets,
     }
     print(json.dumps(result))

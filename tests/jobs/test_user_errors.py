@@ -146,7 +146,8 @@ def test_command_help_version_and_unknown_commands(capsys: pytest.CaptureFixture
     assert info.value.code == 2
     assert capsys.readouterr().err == (
         "hybridrec: error: unknown command 'train-dlr'; did you mean 'train-dlrm'? the "
-        "commands are train-dlrm, train-lm, train-seq, evaluate, predict, export (hybridrec --help)\n"
+        "commands are train-dlrm, train-lm, train-seq, evaluate, predict, export "
+        "(hybridrec --help)\n"
     )
     with pytest.raises(SystemExit) as info:
         commands.main([])

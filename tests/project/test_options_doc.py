@@ -13,8 +13,8 @@ import pytest
 from hybridrec.cli.options import options_markdown
 from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.lm.config import LMConfig
-from hybridrec.seq.config import SeqConfig
 from hybridrec.plan.options import PlanOptions
+from hybridrec.seq.config import SeqConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "options.md"
 INTRO = """# Every option
