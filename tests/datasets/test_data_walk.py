@@ -173,6 +173,16 @@ def test_imports_go_down_the_levels_too() -> None:
                 wrong.append(f"{name} imports {target}")
     # The language-model example's files stand apart: text.py uses bpe.py only.
     assert _imports(DATASETS / "text.py") <= {"bpe.py"} and not _imports(DATASETS / "bpe.py")
+    # The next-item job's histories sit beside dlrm/data.py: sequences.py reads with the
+    # readers below it (never the other way), its synthetic histories build on it alone.
+    for imp in sorted(_imports(DATASETS / "sequences.py")):
+        if LEVELS.get(f"datasets/{imp}", 0) < 1:
+            wrong.append(f"datasets/sequences.py imports datasets/{imp}")
+    assert _imports(DATASETS / "synthetic_sequences.py") == {"sequences.py"}
+    assert not any("sequences" in i for f in LEVELS for i in _imports(ROOT / "hybridrec" / f))
     assert not wrong, wrong
     listed = {f"datasets/{p.name}" for p in DATASETS.glob("*.py")}
-    assert listed - set(LEVELS) == {"datasets/__init__.py", "datasets/text.py", "datasets/bpe.py"}
+    assert listed - set(LEVELS) == {
+        "datasets/__init__.py", "datasets/text.py", "datasets/bpe.py",
+        "datasets/sequences.py", "datasets/synthetic_sequences.py",
+    }  # fmt: skip
