@@ -14,7 +14,8 @@ Runs in-process: RecBole keeps no state between calls that changes a second run
 (it re-seeds everything from ``seed``, its dataloaders seed their own generators, and
 its logger is never given handlers here). Nothing is written to cwd: no logger file,
 no tensorboard writer, checkpoints dir in a temp dir (and the best model kept in memory).
-On a 2-core CPU with threads=1 one epoch takes ~320 s (train) + ~1 s (validation).
+On a 2-core CPU with threads=1 one epoch takes ~320 s at the default batch of 2048
+(435 samples/s) and ~120 s at 256 (823 samples/s), + ~1 s of validation.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import warnings
 
 PEER_PIP = (
     "pip install pandas scipy scikit-learn colorlog colorama tabulate texttable "
-    "thop pyyaml psutil tensorboard"
+    "thop pyyaml psutil tensorboard tqdm"
 )
 KEYS = (
     "test_hr@10", "test_ndcg@10", "test_mrr@10", "test_hr@50", "test_ndcg@50",

@@ -21,7 +21,7 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
               "synthetic_rows", "synthetic_samples", "synthetic_zipf", "text_dir", "max_bytes",
               "tokenizer", "bpe_file", "block_size", "user_field", "item_field", "time_field",
               "synthetic_items", "synthetic_users", "synthetic_length", "max_seq_len",
-              "train_windows")),
+              "train_windows", "train_context")),
     ("training", ("epochs", "max_steps", "batch_size", "lr", "weight_decay", "dense_optimizer",
                   "seed", "eval_every", "eval_batch_size", "eval_batches", "keep_best",
                   "patience", "precision", "loss", "negatives", "negative_sampler",

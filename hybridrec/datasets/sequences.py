@@ -332,11 +332,15 @@ class SeqBatch:
 
         offsets  [0,       3,  4]         B = 2 samples
         items    [a, b, c | x]            [N] inputs, oldest first
-        targets  training: [b, c, d | y]  [N] the next item after each input
+        targets  training: [b, c, d | y]  [T] the next item after each scored input
                  eval:     [d, y]         [B] the held-out item
 
-    ``times`` ``[N]`` are the inputs' timestamps, ``target_times`` the targets' (``[N]``
+    ``times`` ``[N]`` are the inputs' timestamps, ``target_times`` the targets' (``[T]``
     in training, ``[B]`` in evaluation); ``users`` ``[B]`` each sample's user index.
+    ``scored`` (training only): the input positions ``[T]`` (ascending, into ``items``)
+    whose next item is predicted, ``targets`` ``[T]`` theirs; ``None`` when every
+    position is (``T = N``). Positions left out are context: a window's first inputs,
+    read by the model but predicted in the window before it.
     ``seen_items`` ``[M]`` with ``seen_offsets`` ``[B + 1]`` (evaluation only; empty
     ``[0]`` tensors in training): every item of the user before the target (all of
     them, not capped at ``max_seq_len``), to exclude from the ranking: the training
@@ -360,6 +364,7 @@ class SeqBatch:
     global_targets: int
     epoch: int = 0
     step: int = 0
+    scored: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -411,11 +416,16 @@ class SequenceBatches:
     A user's training samples (``windows="all"``): its training sequence ``s``, inputs
     ``s[:-1]`` and targets ``s[1:]``, cut into windows of ``max_seq_len`` inputs counted
     back from the most recent (the oldest window may be shorter), so every training
-    target is predicted once per epoch, from the window's earlier items;
-    ``windows="last"``: the most recent window only (``s`` cut to its last
-    ``max_seq_len + 1`` items). A user's windows stay together, oldest first, in the
-    user's batch (so a batch has ``batch_size`` users and at least as many samples;
-    ``users`` names each sample's user). An evaluation
+    target is predicted once per epoch, from the window's earlier items. With
+    ``context = C > 0`` the windows overlap by ``C`` inputs: the targets are cut into
+    chunks of ``max_seq_len - C`` counted back from the most recent, and each chunk's
+    window also reads the ``C`` inputs before it (fewer at the user's start) without
+    predicting their next items, so every target is still predicted once, from at least
+    ``C`` earlier items where the history has them (an evaluation sample reads up to
+    ``max_seq_len``). ``windows="last"``: the most recent window only (``s`` cut to its
+    last ``max_seq_len + 1`` items), every position scored. A user's windows stay
+    together, oldest first, in the user's batch (so a batch has ``batch_size`` users and
+    at least as many samples; ``users`` names each sample's user). An evaluation
     sample: the most recent ``max_seq_len`` items before the target as inputs (the
     training part for "val"; the training part and the validation item for "test").
     """
@@ -430,11 +440,22 @@ class SequenceBatches:
         size: int,
         seed: int,
         windows: Literal["all", "last"] = "all",
+        context: int = 0,
     ) -> None:
         if windows not in ("all", "last"):
             raise ValueError(f"SequenceBatches: windows must be 'all' or 'last', got {windows!r}")
         if max_seq_len < 1:
             raise ValueError(f"SequenceBatches: max_seq_len must be >= 1, got {max_seq_len}")
+        if not 0 <= context < max_seq_len:
+            raise ValueError(
+                f"SequenceBatches: context must be in [0, max_seq_len = {max_seq_len}), "
+                f"got {context}"
+            )
+        if context and windows != "all":
+            raise ValueError(
+                f"SequenceBatches: context {context} needs windows='all' (the most recent "
+                "window alone scores every position)"
+            )
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"SequenceBatches: need 0 <= rank < size, got rank {rank} of {size}")
         if batch_size < 1 or batch_size % size:
@@ -447,7 +468,7 @@ class SequenceBatches:
         self.split = split
         self.max_seq_len, self.batch_size = max_seq_len, batch_size
         self.rank, self.size, self.seed = rank, size, seed
-        self.windows = windows
+        self.windows, self.context = windows, context
         self.train_users = np.flatnonzero(split.train_lengths() >= 2).astype(np.int64)
 
     @property
@@ -475,36 +496,48 @@ class SequenceBatches:
             batch.epoch, batch.step = epoch, step
             yield batch, None
 
-    def _train_window(self, users: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(start, end, user)``: the input positions ``[start, end)`` of each training
-        sample of ``users`` (a user's windows in a row, oldest first) and its user."""
+    def _train_window(
+        self, users: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(start, scored_from, end, user)`` of each training sample of ``users`` (a
+        user's windows in a row, oldest first): it reads inputs ``[start, end)`` and
+        predicts the next items of ``[scored_from, end)`` (global positions)."""
         end = self.split.train_end[users] - 1  # the last training item is only a target
         first = self.split.data.offsets[users]
         m = self.max_seq_len
         if self.windows == "last":
-            return np.maximum(first, end - m), end, users
-        count = -(-(end - first) // m)  # [U] windows per user (each has >= 1 input)
+            start = np.maximum(first, end - m)
+            return start, start, end, users
+        chunk = m - self.context  # targets per window
+        count = -(-(end - first) // chunk)  # [U] windows per user (each has >= 1 target)
         back = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(
             np.cumsum(count) - count, count
         )  # [W] 0 .. count-1 within each user
         back = np.repeat(count, count) - 1 - back  # oldest window first
-        w_end = np.repeat(end, count) - back * m
-        return np.maximum(np.repeat(first, count), w_end - m), w_end, np.repeat(users, count)
+        w_end = np.repeat(end, count) - back * chunk
+        w_first = np.repeat(first, count)
+        start = np.maximum(w_first, w_end - m)
+        return start, np.maximum(w_first, w_end - chunk), w_end, np.repeat(users, count)
 
     def _train_targets(self, users: np.ndarray) -> int:
-        start, end, _ = self._train_window(users)
-        return int((end - start).sum())
+        _, scored_from, end, _ = self._train_window(users)
+        return int((end - scored_from).sum())
 
     def train_batch(self, users: np.ndarray, global_targets: int) -> SeqBatch:
         """The training samples of ``users`` (each with >= 2 training interactions)."""
         d = self.split.data
-        start, end, owner = self._train_window(users)
+        start, scored_from, end, owner = self._train_window(users)
         idx, offsets = _ranges(start, end)
+        scored = None
+        target_at = idx  # [T] global positions whose next item is predicted
+        if self.context:
+            scored, _ = _ranges(offsets[:-1] + (scored_from - start), offsets[1:])
+            target_at = idx[scored]
         return SeqBatch(
             items=_tensor(d.items[idx]), times=_tensor(d.times[idx]), offsets=_tensor(offsets),
-            targets=_tensor(d.items[idx + 1]), target_times=_tensor(d.times[idx + 1]),
+            targets=_tensor(d.items[target_at + 1]), target_times=_tensor(d.times[target_at + 1]),
             users=_tensor(owner), seen_items=_tensor(_EMPTY), seen_offsets=_tensor(_EMPTY),
-            global_targets=global_targets,
+            global_targets=global_targets, scored=None if scored is None else _tensor(scored),
         )  # fmt: skip
 
     def eval_batches(self, split: Split, batch_size: int) -> list[SeqBatch]:

@@ -49,6 +49,11 @@ class SeqConfig(RunOptions):
         help="all: a history longer than --max-seq-len trains in windows of that many items, "
         "every training item predicted once per epoch; last: only its most recent window",
     )
+    train_context: int = option(
+        0,
+        help="--train-windows all: consecutive windows overlap by this many inputs, read "
+        "but not predicted again, so each predicted item has that much history before it",
+    )
     # ---- model
     model: Literal["sasrec", "hstu"] = option(
         "sasrec",
@@ -84,7 +89,7 @@ class SeqConfig(RunOptions):
         "--no-keep-best: the last",
     )
     patience: int = option(
-        10, help="stop after this many epochs without a better validation NDCG@10; 0 = off"
+        20, help="stop after this many epochs without a better validation NDCG@10; 0 = off"
     )
     exclude_seen: bool = option(
         False, help="leave each user's earlier items out of the ranking (default: every item)"
@@ -134,6 +139,16 @@ class SeqConfig(RunOptions):
         for name in ("negatives", "max_steps", "eval_every", "patience", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.train_context < self.max_seq_len:
+            raise ValueError(
+                f"train_context must be in [0, max_seq_len = {self.max_seq_len}), "
+                f"got {self.train_context}"
+            )
+        if self.train_context and self.train_windows != "all":
+            raise ValueError(
+                f"train_context {self.train_context} needs train_windows 'all', "
+                f"got {self.train_windows!r}"
+            )
         if self.dim % self.n_head:
             raise ValueError(f"dim {self.dim} must be a multiple of n_head {self.n_head}")
         if self.dropout is not None and not 0 <= self.dropout < 1:

@@ -171,6 +171,7 @@ class SeqJob:
         self.source = SequenceBatches(
             self.split, max_seq_len=cfg.max_seq_len, batch_size=cfg.batch_size,
             rank=group.rank, size=group.size, seed=cfg.seed, windows=cfg.train_windows,
+            context=cfg.train_context,
         )  # fmt: skip
         self.num_items = items = self.data.num_items
         self.full_softmax = cfg.uses_full_softmax(items)
@@ -299,6 +300,8 @@ class SeqJob:
         with autocast(self.device, cfg.precision):
             hidden, rows = self.model(batch, cand_ids)
         hidden, rows = hidden.float(), rows.float()
+        if batch.scored is not None:  # context positions are read, not predicted
+            hidden = hidden[batch.scored.to(hidden.device)]  # [N, D] -> [T, D]
         if picked is None:
             loss_sum = full_softmax_loss(hidden, rows, targets.to(hidden.device))
         else:

@@ -391,3 +391,74 @@ def test_all_windows_predict_every_training_target_once(max_len: int) -> None:
     with pytest.raises(ValueError, match="windows must be 'all' or 'last', got 'some'"):
         SequenceBatches(split, max_seq_len=2, batch_size=4, rank=0, size=1, seed=0,
                         windows="some")  # type: ignore[arg-type]  # fmt: skip
+
+
+def _context_windows(split: LeaveOneOut, max_len: int, context: int) -> list[tuple[Any, ...]]:
+    """Loop reference of ``context`` windows: ``(user, inputs, scored, targets)`` per
+    window, users in id order, each user's windows oldest first."""
+    d = split.data
+    out = []
+    for u in range(d.num_users):
+        lo, end = int(d.offsets[u]), int(split.train_end[u])
+        s = d.items[lo:end].tolist()
+        if len(s) < 2:
+            continue
+        chunks, stop = [], len(s) - 1  # inputs s[:-1]; target of input j is s[j + 1]
+        while stop > 0:
+            chunks.append((max(0, stop - (max_len - context)), stop))
+            stop = chunks[-1][0]
+        for first, last in reversed(chunks):
+            start = max(0, first - context)
+            assert last - start <= max_len
+            out.append((u, s[start:last], list(range(first - start, last - start)),
+                        s[first + 1 : last + 1]))  # fmt: skip
+    return out
+
+
+def _windows_of(batch: SeqBatch) -> list[tuple[Any, ...]]:
+    off = batch.offsets.tolist()
+    scored = list(range(off[-1])) if batch.scored is None else batch.scored.tolist()
+    targets = batch.targets.tolist()
+    assert scored == sorted(scored) and len(scored) == len(targets) == batch.num_targets
+    out = []
+    for b, u in enumerate(batch.users.tolist()):
+        mine = [k for k, p in enumerate(scored) if off[b] <= p < off[b + 1]]
+        out.append((u, batch.items[off[b] : off[b + 1]].tolist(),
+                    [scored[k] - off[b] for k in mine], [targets[k] for k in mine]))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(("max_len", "context"), [(2, 1), (3, 1), (5, 2), (10, 9), (4, 0)])
+def test_context_windows_read_earlier_items_and_predict_each_target_once(
+    max_len: int, context: int
+) -> None:
+    """``context = C``: windows of up to ``max_len`` inputs overlapping by ``C``; each
+    predicts only its last ``max_len - C`` positions' next items (all of the oldest
+    window's), so every training target is predicted once, after up to ``C`` earlier
+    inputs; the ranks' batches concatenated equal one process's."""
+    split = LeaveOneOut.of(_synthetic(users=30, seed=2))
+
+    def make(rank: int, size: int, batch_size: int = 30) -> SequenceBatches:
+        return SequenceBatches(split, max_seq_len=max_len, batch_size=batch_size, rank=rank,
+                               size=size, seed=0, context=context)  # fmt: skip
+
+    ((batch, _),) = list(make(0, 1).train_batches(0))
+    assert (batch.scored is None) == (context == 0)
+    got = sorted(_windows_of(batch), key=lambda w: w[0])  # stable: oldest first per user
+    assert got == _context_windows(split, max_len, context)
+    train_targets = sum(max(int(n) - 1, 0) for n in split.train_lengths() if n >= 2)
+    assert batch.global_targets == batch.num_targets == train_targets
+    for size in (2, 4):
+        for step, (whole, _) in enumerate(make(0, 1, 8).train_batches(1)):
+            parts = [list(make(r, size, 8).train_batches(1))[step][0] for r in range(size)]
+            assert [w for p in parts for w in _windows_of(p)] == _windows_of(whole)
+            assert sum(p.num_targets for p in parts) == whole.global_targets
+
+
+def test_context_errors() -> None:
+    split = LeaveOneOut.of(_synthetic())
+    with pytest.raises(ValueError, match=r"context must be in \[0, max_seq_len = 3\), got 3"):
+        SequenceBatches(split, max_seq_len=3, batch_size=4, rank=0, size=1, seed=0, context=3)
+    with pytest.raises(ValueError, match="context 1 needs windows='all'"):
+        SequenceBatches(split, max_seq_len=3, batch_size=4, rank=0, size=1, seed=0,
+                        windows="last", context=1)  # fmt: skip

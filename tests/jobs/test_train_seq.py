@@ -10,6 +10,8 @@ summation order. Bounds (0, 0) through the cache are the uncached store bit for 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,8 @@ from hybridrec.datasets.sequences import LeaveOneOut, SequenceBatches
 from hybridrec.datasets.synthetic_sequences import synthetic_sequences
 from hybridrec.seq.config import SeqConfig
 from hybridrec.seq.job import SeqJob, parse_args, popularity_ranks, summary_line, train
-from multiproc import run_ranks
+from hybridrec.seq.softmax import sampled_softmax_loss
+from multiproc import free_port, rank_env, run_ranks
 from ps import InProcessStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +47,11 @@ def _argv(cfg: dict[str, Any]) -> list[str]:
 def _run(**over: Any) -> dict[str, Any]:
     cfg = SeqConfig(**(SMALL | {"verbose": False, "progress": False} | over))  # type: ignore[arg-type]
     return train(cfg, comm.LocalGroup())
+
+
+def _typed(over: dict[str, str]) -> dict[str, Any]:
+    """Command-line values as SeqConfig's field types (ints where they parse)."""
+    return {k: int(v) if v.isdigit() else v for k, v in over.items()}
 
 
 def _losses(result: dict[str, Any]) -> list[float]:
@@ -154,6 +162,31 @@ def test_a_cache_under_bounds_learns_as_the_store() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("loss", ["full", "sampled"])
+def test_context_positions_are_read_not_predicted(loss: str) -> None:
+    """With ``--train-context`` a step's loss is the mean cross entropy of the scored
+    positions only (the model still reads every input): the reference scores the whole
+    batch with the same weights and keeps the scored rows (float32, summation order)."""
+    cfg = SeqConfig(**(SMALL | dict(verbose=False, progress=False, train_context=5, loss=loss,
+                                    negatives=16)))  # type: ignore[arg-type]  # fmt: skip
+    job = SeqJob(cfg, comm.LocalGroup(), InProcessStore())
+    batch, _ = next(job.source.train_batches(0))
+    assert batch.scored is not None and 0 < batch.num_targets < len(batch.items)
+    picked = job.candidates_of(batch)
+    ids = torch.arange(job.num_items) if picked is None else picked.ids
+    with torch.no_grad():
+        hidden, rows = job.model(batch, ids)
+    logits = hidden[batch.scored] @ rows.T  # [T, C]
+    if picked is None:
+        want = torch.nn.functional.cross_entropy(logits, batch.targets)
+    else:
+        want = sampled_softmax_loss(hidden[batch.scored], rows, picked) / batch.num_targets
+    got = job.step(batch)
+    job.trainer.close()
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+
+
+@pytest.mark.timeout(120)
 def test_exclude_seen_only_lowers_ranks() -> None:
     """Leaving the user's earlier items out of the ranking can only move targets up."""
     plain = _run(epochs=1)
@@ -172,6 +205,7 @@ def test_exclude_seen_only_lowers_ranks() -> None:
         ("mpi", 4, "hybrid", ["--zero-stage=1"]),
         ("gloo", 2, "sharded", []),
         ("mpi", 2, "local", ["--loss=sampled", "--negatives=32"]),
+        ("mpi", 2, "local", ["--train-context=5"]),
     ],
 )
 def test_ranks_match_one_process(
@@ -192,11 +226,29 @@ def test_ranks_match_one_process(
     assert "test HR@10" in text, text
     final = json.loads(out.read_text().splitlines()[-1])
     assert final["kind"] == "final" and final["world_size"] == nprocs
-    sampled = any("sampled" in a for a in extra)
-    reference = _run(loss="sampled", negatives=32) if sampled else one_process
+    over = dict(a[2:].replace("-", "_").split("=") for a in extra if "zero" not in a)
+    reference = _run(**_typed(over)) if over else one_process
     assert _losses(final) == pytest.approx(_losses(reference), rel=2e-4)
     for k in ("test_hr@10", "test_ndcg@10", "val_hr@10"):
         assert final[k] == pytest.approx(reference[k], abs=1.5 / 96), k
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_equals_one_process(tmp_path: Path, one_process: dict[str, Any]) -> None:
+    """``torchrun --nproc_per_node 2`` (its own rendezvous, gloo chosen from its
+    environment) trains as the one-process run does, within the bounds above."""
+    out = tmp_path / "t.jsonl"
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]  # need not sit beside python
+    cmd = [*torchrun, "--nproc_per_node", "2", "--master-port", str(free_port()), str(SCRIPT),
+           *_argv(SMALL), f"--metrics-out={out}"]  # fmt: skip
+    run = subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr}"
+    assert "test HR@10" in run.stdout, run.stdout
+    final = json.loads(out.read_text().splitlines()[-1])
+    assert final["kind"] == "final" and final["world_size"] == 2
+    assert _losses(final) == pytest.approx(_losses(one_process), rel=2e-4)
+    for k in ("test_hr@10", "test_ndcg@10", "val_hr@10"):
+        assert final[k] == pytest.approx(one_process[k], abs=1.5 / 96), k
 
 
 @pytest.mark.timeout(180)
