@@ -255,13 +255,21 @@ int hr_pull_apply(int64_t k, const int64_t* toc, const int64_t* words, const int
     return 0;
 }
 
-/* PUSH_MANY: toc [k, 3] (table index, n, dim), then ids [nids], grads [nfloats]. The
-   pass applies it when every part's table pushes here, its ids are strictly increasing
+/* PUSH_MANY: toc [k, 3] (table index, n, dim), then ids [nids], grads [nfloats]; a
+   counted one (counts not NULL) also each row's update count counts [nids] and its
+   statistic stats [nstats] (row-wise Adagrad: one sum of mean(g ** 2) per row). The pass
+   applies it when every part's table pushes here, its ids are strictly increasing
    (nothing to sum: ps.local.table.coalesce would hand them back as they are) and routed
-   here, and every gradient is finite. */
+   here, every gradient is finite, and every count is >= 1 and every statistic finite and
+   >= 0 (what ps.validate.check_counted asks). */
 int hr_push_check(int64_t k, const int64_t* toc, int64_t nids, const int64_t* ids,
-                  int64_t nfloats, const float* grads, const int64_t* tables,
-                  int64_t ntables) {
+                  int64_t nfloats, const float* grads, const int64_t* counts, int64_t nstats,
+                  const float* stats, const int64_t* tables, int64_t ntables) {
+    if (counts) {
+        if (nstats != nids || !all_finite(stats, nstats)) return 1;
+        for (int64_t i = 0; i < nids; ++i)
+            if (counts[i] < 1 || !(stats[i] >= 0.0f)) return 1;
+    }
     int64_t at = 0, fat = 0;
     for (int64_t p = 0; p < k; ++p) {
         table_desc t;
@@ -279,13 +287,16 @@ int hr_push_check(int64_t k, const int64_t* toc, int64_t nids, const int64_t* id
     return at == nids && fat == nfloats ? 0 : 1;
 }
 
-/* Apply a checked PUSH_MANY: each part's rows in adagrad() (rowwise_adagrad.c), in
-   place, clocks + 1; parts of different tables on up to nthreads threads. hyper
-   [ntables, 2] = (lr, eps). Returns 0, or 1 when a buffer could not be allocated: the
-   slot and offset buffers come first (nothing changed then); the d floats adagrad()
-   asks for per part could only fail with memory all but gone. */
+/* Apply a checked PUSH_MANY: each part's rows in adagrad() (rowwise_adagrad.c), or, for
+   a counted one (counts, stats [nids] not NULL), in hr_rowwise_adagrad_counted (rows of one
+   update take adagrad()'s step, the others their sub-steps), in place, clocks + 1; parts
+   of different tables on up to nthreads threads. hyper [ntables, 2] = (lr, eps). Returns
+   0, or 1 when a buffer could not be allocated: the slot and offset buffers come first
+   (nothing changed then); the d floats adagrad() asks for per part could only fail with
+   memory all but gone. */
 int hr_push_apply(int64_t k, const int64_t* toc, const int64_t* ids, const float* grads,
-                  const int64_t* tables, const float* hyper, int64_t* counters, int nthreads) {
+                  const int64_t* counts, const float* stats, const int64_t* tables,
+                  const float* hyper, int64_t* counters, int nthreads) {
     int64_t* at = (int64_t*)malloc(sizeof(int64_t) * (size_t)(2 * k));
     if (!at) return 1;
     int64_t* fat = at + k;
@@ -313,10 +324,15 @@ int hr_push_apply(int64_t k, const int64_t* toc, const int64_t* ids, const float
             for (int64_t i = 0; i < n; ++i) slots[at[p] + i] = (int64_t)t.map[rows[i]];
             rows = slots + at[p];
         }
-        grad_src src = {grads + fat[p], NULL, t.dim};
-        failed |= adagrad(n, t.dim, t.sstride, rows, NULL, NULL, NULL, &src, t.weights,
-                          t.state, t.clocks, hyper[2 * index], hyper[2 * index + 1],
-                          threads > 1 ? 1 : nthreads);
+        float lr = hyper[2 * index], eps = hyper[2 * index + 1];
+        if (counts) {
+            hr_rowwise_adagrad_counted(n, t.dim, t.sstride, rows, counts + at[p], stats + at[p],
+                                       grads + fat[p], t.weights, t.state, t.clocks, lr, eps);
+        } else {
+            grad_src src = {grads + fat[p], NULL, t.dim};
+            failed |= adagrad(n, t.dim, t.sstride, rows, NULL, NULL, NULL, &src, t.weights,
+                              t.state, t.clocks, lr, eps, threads > 1 ? 1 : nthreads);
+        }
         int64_t* cnt = counters + index * COUNTER_WORDS;
         cnt[C_PUSH_REQUESTS] += 1;
         cnt[C_ROWS_PUSHED] += n;

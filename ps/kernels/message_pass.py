@@ -10,9 +10,11 @@ message in C, reading the request's words and writing the reply's in place:
   routing of every part, then each part's clocks, the bound's selection (a
   conditional part) and its rows gathered straight into the reply;
 * :func:`push_check` then :func:`push_apply`: the same checks plus strictly
-  increasing ids and finite gradients, then row-wise Adagrad on every part in place
-  with the table engine's own step (``adagrad()`` of ``rowwise_adagrad.c``, built
-  into this library), so the bits are the ones ``LocalTable.push`` gives.
+  increasing ids and finite gradients (and, for a counted push, counts >= 1 and
+  statistics finite and >= 0), then row-wise Adagrad on every part in place with the
+  table engine's own step (``adagrad()`` of ``rowwise_adagrad.c``, or its counted
+  form ``hr_rowwise_adagrad_counted``, built into this library), so the bits are the
+  ones ``LocalTable.push`` gives.
 
 A check says only whether the pass can serve the message exactly as the Python path
 would; where it cannot (another optimizer, a dynamic table, unsorted or repeated ids,
@@ -52,9 +54,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_pull_apply.restype = ctypes.c_int
     lib.hr_pull_apply.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.hr_push_check.restype = ctypes.c_int
-    lib.hr_push_check.argtypes = [i64, ptr, i64, ptr, i64, ptr, ptr, i64]
+    lib.hr_push_check.argtypes = [i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64]
     lib.hr_push_apply.restype = ctypes.c_int
-    lib.hr_push_apply.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.hr_push_apply.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
 
 
 def available() -> bool:
@@ -101,14 +103,27 @@ def pull_apply(
     return int(used[0]), int(used[1])
 
 
-def push_check(toc: np.ndarray, ids: np.ndarray, grads: np.ndarray, tables: np.ndarray) -> bool:
+#: A counted push's update counts int64 ``[N]`` and statistics float32 ``[N]`` (row-wise
+#: Adagrad's one sum of ``mean(g ** 2)`` per row), or None for a plain push.
+Counted = tuple[np.ndarray, np.ndarray] | None
+
+
+def _address(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
+
+
+def push_check(
+    toc: np.ndarray, ids: np.ndarray, grads: np.ndarray, tables: np.ndarray, counted: Counted
+) -> bool:
     """Whether the pass can apply a ``PUSH_MANY``: ``toc`` int64 ``[k, 3]``, ``ids`` int64
-    ``[N]``, ``grads`` float32 ``[sum n * dim]``."""
+    ``[N]``, ``grads`` float32 ``[sum n * dim]``, ``counted`` (see :data:`Counted`)."""
     lib = _library()
     if lib is None:
         return False
+    counts, stats = (None, None) if counted is None else counted
     rc = lib.hr_push_check(
         toc.shape[0], toc.ctypes.data, ids.size, ids.ctypes.data, grads.size, grads.ctypes.data,
+        _address(counts), 0 if stats is None else stats.size, _address(stats),
         tables.ctypes.data, tables.shape[0],
     )  # fmt: skip
     return rc == 0
@@ -122,15 +137,17 @@ def push_apply(
     hyper: np.ndarray,
     counters: np.ndarray,
     threads: int,
+    counted: Counted,
 ) -> None:
     """Apply a checked ``PUSH_MANY`` in place (``hyper`` float32 ``[T, 2]``: lr, eps),
-    parts of different tables on up to ``threads`` threads."""
+    parts of different tables on up to ``threads`` threads; a counted one with each row's
+    update count and statistic (``counted``, as :func:`push_check` accepted it)."""
     lib = _library()
     assert lib is not None  # push_check said yes
+    counts, stats = (None, None) if counted is None else counted
     rc = lib.hr_push_apply(
-        toc.shape[0], toc.ctypes.data, ids.ctypes.data, grads.ctypes.data, tables.ctypes.data,
-        hyper.ctypes.data, counters.ctypes.data,
-        threads,
+        toc.shape[0], toc.ctypes.data, ids.ctypes.data, grads.ctypes.data, _address(counts),
+        _address(stats), tables.ctypes.data, hyper.ctypes.data, counters.ctypes.data, threads,
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("push_many: the server could not allocate a buffer of the push pass")

@@ -37,6 +37,25 @@ static void run_grad(int64_t lo, int64_t hi, int64_t d, const int64_t* perm,
     }
 }
 
+/* One row-wise Adagrad update of row [d] with gradient g [d] and accumulator *acc:
+   acc += mean(g ** 2) (16 partial sums, vectorised like torch's reduction), then
+   row -= lr * g / (sqrt(acc) + eps). Every update of one gradient goes through here, so
+   a plain push and the one-update rows of a counted push have the same bits. */
+static inline void adagrad_step(float* row, float* acc, const float* g, int64_t d, float lr,
+                                float eps) {
+    float part[16] = {0};
+    int64_t j = 0;
+    for (; j + 16 <= d; j += 16)
+        for (int k = 0; k < 16; ++k) part[k] += g[j + k] * g[j + k];
+    float sq = 0.0f;
+    for (int k = 0; k < 16; ++k) sq += part[k];
+    for (; j < d; ++j) sq += g[j] * g[j];
+    float a = *acc + sq / (float)d;
+    *acc = a;
+    float denom = sqrtf(a) + eps;
+    for (j = 0; j < d; ++j) row[j] += -lr * (g[j] / denom);
+}
+
 static int adagrad(int64_t n, int64_t d, int64_t s_stride, const int64_t* sorted_ids,
                    const int64_t* perm, const int64_t* bag_of, const float* w,
                    const grad_src* src, float* weight, float* state, int64_t* clocks,
@@ -72,19 +91,7 @@ static int adagrad(int64_t n, int64_t d, int64_t s_stride, const int64_t* sorted
             int64_t end = lo + 1;
             while (end < n && sorted_ids[end] == r) ++end;
             run_grad(lo, end, d, perm, bag_of, w, src, buf);
-            /* mean(g ** 2) with 16 partial sums (vectorised, like torch's reduction) */
-            float part[16] = {0};
-            int64_t j = 0;
-            for (; j + 16 <= d; j += 16)
-                for (int k = 0; k < 16; ++k) part[k] += buf[j + k] * buf[j + k];
-            float sq = 0.0f;
-            for (int k = 0; k < 16; ++k) sq += part[k];
-            for (; j < d; ++j) sq += buf[j] * buf[j];
-            float acc = state[r * s_stride] + sq / (float)d;
-            state[r * s_stride] = acc;
-            float denom = sqrtf(acc) + eps;
-            float* row = weight + r * d;
-            for (j = 0; j < d; ++j) row[j] += -lr * (buf[j] / denom);
+            adagrad_step(weight + r * d, state + r * s_stride, buf, d, lr, eps);
             clocks[r] += 1;
             lo = end;
         }
@@ -151,18 +158,34 @@ int hr_sort_ids(int64_t n, const int64_t* ids, int64_t* sorted, int64_t* perm) {
 
 /* A counted push of distinct rows [n] (ps.Optimizer.apply_counted): row i stands for
    counts[i] updates whose gradients sum to grad[i] [d] and whose mean squares sum to
-   stats[i]; it takes counts[i] sub-steps of the mean gradient, each adding
-   stats[i] / counts[i] to the accumulator. Clocks + 1 (one push). */
+   stats[i]. A row of one update takes the plain step (adagrad_step: its statistic is not
+   read, the gradient is squared here), so it has the bits of a plain push; a row of k > 1
+   takes k sub-steps of the mean gradient, each adding stats[i] / k to the accumulator.
+   Clocks + 1 (one push). The rows are scattered over the table, so the row, accumulator
+   and clock PF rows ahead are prefetched. */
 void hr_rowwise_adagrad_counted(int64_t n, int64_t d, int64_t s_stride, const int64_t* rows,
                                 const int64_t* counts, const float* stats, const float* grad,
                                 float* weight, float* state, int64_t* clocks, float lr,
                                 float eps) {
     for (int64_t i = 0; i < n; ++i) {
+        if (i + PF < n) {
+            int64_t q = rows[i + PF];
+            const char* wr = (const char*)(weight + q * d);
+            for (int64_t c = 0; c < d * (int64_t)sizeof(float); c += 64)
+                __builtin_prefetch(wr + c, 1, 0);
+            __builtin_prefetch(state + q * s_stride, 1, 0);
+            __builtin_prefetch(clocks + q, 1, 0);
+        }
         int64_t r = rows[i];
-        float k = (float)counts[i];
-        float q = stats[i] / k;
         const float* g = grad + i * d;
         float* row = weight + r * d;
+        clocks[r] += 1;
+        if (counts[i] == 1) {
+            adagrad_step(row, state + r * s_stride, g, d, lr, eps);
+            continue;
+        }
+        float k = (float)counts[i];
+        float q = stats[i] / k;
         float acc = state[r * s_stride];
         for (int64_t s = 0; s < counts[i]; ++s) {
             acc = acc + q;
@@ -170,7 +193,6 @@ void hr_rowwise_adagrad_counted(int64_t n, int64_t d, int64_t s_stride, const in
             for (int64_t j = 0; j < d; ++j) row[j] += -lr * ((g[j] / k) / denom);
         }
         state[r * s_stride] = acc;
-        clocks[r] += 1;
     }
 }
 

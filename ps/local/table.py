@@ -442,7 +442,11 @@ class LocalTable:
         if uniq.numel() > 0:
             slots = self._create(uniq) if self.dynamic else uniq
             self.counters["rows_pushed"] += int(uniq.numel())
-            if counted is not None and bool((counted[0] > 1).any()):
+            if counted is not None and not self.dynamic and self._counted_in_place(
+                slots, summed, counted
+            ):
+                slots = slots[:0]  # every row applied in one pass
+            elif counted is not None and bool((counted[0] > 1).any()):
                 # Rows of several updates take their sub-steps here; the rest (count 1)
                 # the plain push below, bit for bit.
                 many = counted[0] > 1
@@ -463,14 +467,6 @@ class LocalTable:
         """The optimizer on copies of the rows at distinct ``slots`` ``[U]``, written back;
         their clocks up by one (and their last touch, on a dynamic table)."""
         opt = self.spec.optimizer
-        if counted is not None and not self.dynamic and isinstance(opt, RowWiseAdagrad):
-            counts, stats = counted  # the sub-steps in C, in place, where it builds
-            grads = summed.contiguous()
-            if rowwise_adagrad.rowwise_adagrad_counted_(
-                self.weights, self.state, self.clocks, slots.contiguous(), grads,
-                counts.contiguous(), stats.contiguous(), lr=opt.lr, eps=opt.eps,
-            ):  # fmt: skip
-                return
         rows = take(self.weights, slots)  # [U, D] copies
         state = take(self.state, slots)  # [U, S] copies
         if counted is None:
@@ -482,6 +478,22 @@ class LocalTable:
         self.clocks.numpy()[slots.numpy()] += 1  # slots are distinct
         if self.dynamic:
             self.last_touch.index_fill_(0, slots, self.step)
+
+    def _counted_in_place(
+        self, slots: torch.Tensor, summed: torch.Tensor, counted: tuple[torch.Tensor, torch.Tensor]
+    ) -> bool:
+        """A counted push of row-wise Adagrad on a fixed table in ONE C pass over the
+        distinct ``slots`` ``[U]``: rows of one update take the plain step (the bits of
+        :meth:`_push_in_place`), the others their sub-steps; clocks + 1. False (nothing
+        changed) for other optimizers or where the kernel is unavailable."""
+        opt = self.spec.optimizer
+        if not isinstance(opt, RowWiseAdagrad):
+            return False
+        counts, stats = counted
+        return rowwise_adagrad.rowwise_adagrad_counted_(
+            self.weights, self.state, self.clocks, slots.contiguous(), summed.contiguous(),
+            counts.contiguous(), stats.contiguous(), lr=opt.lr, eps=opt.eps,
+        )  # fmt: skip
 
     def _push_in_place(self, slots: torch.Tensor, summed: torch.Tensor) -> bool:
         """Row-wise Adagrad on a fixed table in the C kernel (one pass per row, no copies).

@@ -11,7 +11,8 @@ held here so the addresses stay valid.
 Which messages it serves: a ``PULL_MANY`` whose parts are all fixed tables, and a
 ``PUSH_MANY`` whose parts are all fixed row-wise Adagrad tables with strictly
 increasing ids (a cache's and the hybrid tables' deduplicated pushes are) and
-finite gradients. Everything else (dynamic tables, other optimizers, repeated ids,
+finite gradients, counted (a cache's under a write bound: each row with its update
+count and statistic) or not. Everything else (dynamic tables, other optimizers, repeated ids,
 any request the checks would refuse) is served part by part in Python, as before;
 the C checks only decide which path, never what an error says.
 
@@ -97,29 +98,72 @@ class BatchedPass:
         self.served += 1
         return meta[: HEADER_LEN + used], rows[:floats]
 
-    def can_push(self, k: int, payload: np.ndarray, data: np.ndarray, sequenced: bool) -> bool:
+    def can_push(
+        self,
+        k: int,
+        payload: np.ndarray,
+        data: np.ndarray,
+        sequenced: bool,
+        *,
+        counted: bool = False,
+        wide: bool = False,
+    ) -> bool:
         """Whether :meth:`push` can apply a ``PUSH_MANY`` of ``k`` parts (``payload``: the
-        words after its header; ``sequenced``: the session word ends it)."""
-        width = wire.PUSH_PART_WORDS
-        if not self.enabled or payload.size < k * width + int(sequenced):
+        words after its header; ``sequenced``: the session word ends it; ``counted``:
+        the update counts follow the ids, ``wide`` as int64 words, and the statistics
+        the gradients)."""
+        parts = self._parts(k, payload, data, sequenced, counted, wide)
+        if parts is None:
             return False
-        toc, ids = self._parts(k, payload, sequenced)
-        return message_pass.push_check(toc, ids, data, self.tables)
+        toc, ids, grads, counts = parts
+        return message_pass.push_check(toc, ids, grads, self.tables, counts)
 
-    def push(self, k: int, payload: np.ndarray, data: np.ndarray, sequenced: bool) -> None:
+    def push(
+        self,
+        k: int,
+        payload: np.ndarray,
+        data: np.ndarray,
+        sequenced: bool,
+        *,
+        counted: bool = False,
+        wide: bool = False,
+    ) -> None:
         """Apply a ``PUSH_MANY`` that :meth:`can_push` accepted."""
-        toc, ids = self._parts(k, payload, sequenced)
+        parts = self._parts(k, payload, data, sequenced, counted, wide)
+        assert parts is not None
+        toc, ids, grads, counts = parts
         message_pass.push_apply(
-            toc, ids, data, self.tables, self.hyper, self.counters, self.threads
+            toc, ids, grads, self.tables, self.hyper, self.counters, self.threads, counts
         )
         self.served += 1
 
-    @staticmethod
-    def _parts(k: int, payload: np.ndarray, sequenced: bool) -> tuple[np.ndarray, np.ndarray]:
-        """A ``PUSH_MANY`` payload's table of contents ``[k, 3]`` and ids (views)."""
+    def _parts(
+        self,
+        k: int,
+        payload: np.ndarray,
+        data: np.ndarray,
+        sequenced: bool,
+        counted: bool,
+        wide: bool,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, message_pass.Counted] | None:
+        """A ``PUSH_MANY``'s table of contents ``[k, 3]``, ids ``[N]`` and gradients (views)
+        and, counted, its counts ``[N]`` and statistics ``[N]`` (one per row: the pass
+        takes row-wise Adagrad only, whose statistic is one float); None where the
+        sizes do not add up (the Python path then says what is wrong)."""
         width = wire.PUSH_PART_WORDS
+        if not self.enabled or payload.size < k * width + int(sequenced):
+            return None
+        toc = payload[: k * width].reshape(k, width)
         end = payload.size - int(sequenced)
-        return payload[: k * width].reshape(k, width), payload[k * width : end]
+        if not counted:
+            return toc, payload[k * width : end], data, None
+        n = int(toc[:, 1].sum())
+        if n < 0 or k * width + n + wire.count_words(n, wide) != end or data.size < n:
+            return None
+        ids = payload[k * width : k * width + n]
+        counts = wire.unpack_counts(payload[k * width + n : end], n, wide)
+        grads, stats = data[: data.size - n], data[data.size - n :]
+        return toc, ids, grads, (counts, stats)
 
 
 def _engine(shard: Shard) -> LocalTable:

@@ -606,10 +606,11 @@ class ShardServer:
         flags = int(meta[wire.W_FLAGS])
         sequenced = bool(flags & wire.FLAG_SEQ)
         counted, wide = bool(flags & wire.FLAG_COUNTED), bool(flags & wire.FLAG_WIDE_COUNTS)
-        if not counted and self.batched.can_push(k, payload, data, sequenced):
+        how = {"counted": counted, "wide": wide}
+        if self.batched.can_push(k, payload, data, sequenced, **how):
             if sequenced and self.repeated(src, payload, meta, k):
                 return _duplicate(rid)
-            self.batched.push(k, payload, data, sequenced)
+            self.batched.push(k, payload, data, sequenced, **how)
             return self.push_applied(Op.PUSH_MANY, src, rid)
         toc = _toc(payload, k, wire.PUSH_PART_WORDS, "push_many")
         n_ids = int(toc[:, 1].sum())

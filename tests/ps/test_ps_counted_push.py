@@ -211,3 +211,27 @@ def test_a_store_that_cannot_carry_counts_refuses_them() -> None:
     with pytest.raises(ValueError, match="'t'.*does not take counted pushes"):
         store.push_many([req])
     assert torch.equal(store.clocks("t", torch.tensor([1])), torch.zeros(1, dtype=torch.int64))
+
+
+def test_one_pass_over_mixed_counts_equals_plain_and_counted_pushes_apart() -> None:
+    """A counted push on a fixed row-wise Adagrad table is one C pass over every row; its
+    rows of one update must take a plain push's step. Reference: the same rows split, the
+    one-update rows as a plain push and the others as a counted push of those alone."""
+    opt = ps.RowWiseAdagrad(lr=0.1)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.arange(0, 64, 3)  # [22] distinct, sorted
+    counts = torch.randint(1, 4, (ids.numel(),), generator=gen)
+    counts[:2] = torch.tensor([1, 2])  # both kinds, whatever the draw
+    grads = torch.randn(ids.numel(), DIM, generator=gen)
+    stats = grads.square().mean(dim=1, keepdim=True) * counts.unsqueeze(1)
+    one, split = _table(opt, False), _table(opt, False)
+    one.push_many([ps.PushRequest("t", ids, grads, counts=counts, stats=stats)])
+    single, many = counts == 1, counts > 1
+    split.push("t", ids[single], grads[single])
+    split.push_many(
+        [ps.PushRequest("t", ids[many], grads[many], counts=counts[many], stats=stats[many])]
+    )
+    why = "each row takes the same C row step on both sides, rows are independent"
+    assert_same(one.pull("t", ids).rows, split.pull("t", ids).rows, what="rows", why=why)
+    assert_same(_state(one, ids), _state(split, ids), what="state", why=why)
+    assert torch.equal(one.clocks("t", ids), split.clocks("t", ids))
