@@ -442,8 +442,10 @@ class LocalTable:
         if uniq.numel() > 0:
             slots = self._create(uniq) if self.dynamic else uniq
             self.counters["rows_pushed"] += int(uniq.numel())
-            if counted is not None and not self.dynamic and self._counted_in_place(
-                slots, summed, counted
+            if (
+                counted is not None
+                and not self.dynamic
+                and self._counted_in_place(slots, summed, counted)
             ):
                 slots = slots[:0]  # every row applied in one pass
             elif counted is not None and bool((counted[0] > 1).any()):
