@@ -17,6 +17,7 @@
      7 map      int32 [rows] address: id -> local row, -1 where the id lives on another
                 server (0: none, the local row is the id)
      8 push     1: row-wise Adagrad here; 0: pushes go the Python path
+     9 swidth   floats of a row's optimizer state (the first swidth of its state row)
    and two floats per table (lr, eps). Counters: COUNTER_WORDS int64 per table, in the
    order of ps.local.table.COUNTERS.
 
@@ -28,7 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TABLE_WORDS 9
+#define TABLE_WORDS 10
 #define COUNTER_WORDS 8
 #define C_PULL_REQUESTS 0
 #define C_ROWS_PULLED 1
@@ -45,13 +46,13 @@ typedef struct {
     int64_t sstride;
     int64_t* clocks;
     const int32_t* map;
-    int64_t push;
+    int64_t push, swidth;
 } table_desc;
 
 static table_desc desc(const int64_t* tables, int64_t index) {
     const int64_t* w = tables + index * TABLE_WORDS;
     table_desc t = {w[0], w[1], w[2], (float*)(intptr_t)w[3], (float*)(intptr_t)w[4],
-                    w[5], (int64_t*)(intptr_t)w[6], (const int32_t*)(intptr_t)w[7], w[8]};
+                    w[5], (int64_t*)(intptr_t)w[6], (const int32_t*)(intptr_t)w[7], w[8], w[9]};
     return t;
 }
 
@@ -105,10 +106,11 @@ static int part_ok(const int64_t* toc, int64_t width, int64_t p, const int64_t* 
 /* PULL_MANY: toc [k, 4] (table index, n, dim, bound; bound -1: a plain pull), then
    words [nwords]: each part's ids, then its caller clocks when bound >= 0. On 0,
    sizes[0] = the reply's words after its header (the reply toc [k, 2], then each part's
-   clocks and, when conditional, its positions) and sizes[1] = the rows' floats, both
-   at most (a conditional part sends only its rows past the bound). */
+   clocks and, when conditional, its positions) and sizes[1] = the rows' floats (with
+   state: each row's dim floats then its swidth state floats), both at most (a
+   conditional part sends only its rows past the bound). */
 int hr_pull_check(int64_t k, const int64_t* toc, int64_t nwords, const int64_t* words,
-                  const int64_t* tables, int64_t ntables, int64_t* sizes) {
+                  const int64_t* tables, int64_t ntables, int with_state, int64_t* sizes) {
     int64_t at = 0, reply = 2 * k, floats = 0;
     for (int64_t p = 0; p < k; ++p) {
         table_desc t;
@@ -119,7 +121,7 @@ int hr_pull_check(int64_t k, const int64_t* toc, int64_t nwords, const int64_t* 
         if (!ids_ok(&t, words + at, n)) return 1;
         at += need;
         reply += need;
-        floats += n * t.dim;
+        floats += n * (t.dim + (with_state ? t.swidth : 0));
         if (at > MAX_IDS * 2) return 1;
     }
     if (at != nwords) return 1;
@@ -164,12 +166,22 @@ static int64_t count_past(const table_desc* t, const int64_t* ids, const int64_t
     return m;
 }
 
+/* Row r's values [dim], then (sw > 0) its first sw state floats, at out. */
+static inline void copy_row(const table_desc* t, int64_t r, int64_t sw, float* out) {
+    const float* src = t->weights + r * t->dim;
+    for (int64_t e = 0; e < t->dim; ++e) out[e] = src[e];
+    const float* st = t->state + r * t->sstride;
+    for (int64_t e = 0; e < sw; ++e) out[t->dim + e] = st[e];
+}
+
 /* One pull part's reply: clocks [m] (then positions [m] when conditional) at words, its
-   rows [m, dim] at rows; the m rows counted by count_past (all n for a plain pull). A
-   conditional part finds its rows first, then gathers only those. */
+   rows [m, dim + sw] at rows (sw state floats after each row's values; 0: none); the m
+   rows counted by count_past (all n for a plain pull). A conditional part finds its rows
+   first, then gathers only those. */
 static void write_part(const table_desc* t, const int64_t* ids, const int64_t* caller,
-                       int64_t n, int64_t bound, int64_t m, int64_t* words, float* rows) {
-    int64_t d = t->dim;
+                       int64_t n, int64_t bound, int64_t m, int64_t sw, int64_t* words,
+                       float* rows) {
+    int64_t d = t->dim, w = d + sw;
     if (caller) {
         int64_t* positions = words + m;
         int64_t j = 0;
@@ -182,10 +194,12 @@ static void write_part(const table_desc* t, const int64_t* ids, const int64_t* c
             }
         }
         for (j = 0; j < m; ++j) {
-            if (j + PULL_PF < m)
-                prefetch_row(t->weights + local_row(t, ids[positions[j + PULL_PF]]) * d, d);
-            const float* src = t->weights + local_row(t, ids[positions[j]]) * d;
-            for (int64_t e = 0; e < d; ++e) rows[j * d + e] = src[e];
+            if (j + PULL_PF < m) {
+                int64_t q = local_row(t, ids[positions[j + PULL_PF]]);
+                prefetch_row(t->weights + q * d, d);
+                if (sw) __builtin_prefetch(t->state + q * t->sstride);
+            }
+            copy_row(t, local_row(t, ids[positions[j]]), sw, rows + j * w);
         }
         return;
     }
@@ -194,22 +208,24 @@ static void write_part(const table_desc* t, const int64_t* ids, const int64_t* c
             int64_t q = local_row(t, ids[i + PULL_PF]);
             prefetch_row(t->weights + q * d, d);
             __builtin_prefetch(t->clocks + q);
+            if (sw) __builtin_prefetch(t->state + q * t->sstride);
         }
         int64_t r = local_row(t, ids[i]);
         words[i] = t->clocks[r];
-        const float* src = t->weights + r * d;
-        for (int64_t e = 0; e < d; ++e) rows[i * d + e] = src[e];
+        copy_row(t, r, sw, rows + i * w);
     }
 }
 
 /* Serve a checked PULL_MANY: reply [sizes[0]] words (see hr_pull_check), rows [m, dim]
-   of every part back to back; used = (reply words, row floats) written. A conditional
+   (with_state: [m, dim + swidth], each row's state after its values) of every part back
+   to back; used = (reply words, row floats) written. A conditional
    part sends the rows whose clock is past caller clock + bound, as ps.local.table.pull.
    Parts of different tables run on up to nthreads threads: each part's rows are first
    counted, then every part knows where its reply goes. Returns 0, or 1 when a buffer
    could not be allocated (nothing written then). */
 int hr_pull_apply(int64_t k, const int64_t* toc, const int64_t* words, const int64_t* tables,
-                  int64_t* counters, int64_t* reply, float* rows, int64_t* used, int nthreads) {
+                  int with_state, int64_t* counters, int64_t* reply, float* rows,
+                  int64_t* used, int nthreads) {
     /* per part: where its request words, reply words and rows start, its rows back */
     int64_t* at = (int64_t*)malloc(sizeof(int64_t) * (size_t)(4 * k));
     if (!at) return 1;
@@ -233,7 +249,8 @@ int hr_pull_apply(int64_t k, const int64_t* toc, const int64_t* words, const int
         out[p] = o;
         fat[p] = f;
         o += bound >= 0 ? 2 * m[p] : m[p];
-        f += m[p] * desc(tables, toc[p * 4]).dim;
+        table_desc t = desc(tables, toc[p * 4]);
+        f += m[p] * (t.dim + (with_state ? t.swidth : 0));
         reply[2 * p] = m[p];
         reply[2 * p + 1] = bound >= 0 ? 2 : 0; /* ps.mpi.wire.FLAG_POSITIONS */
         int64_t* cnt = counters + toc[p * 4] * COUNTER_WORDS;
@@ -246,8 +263,8 @@ int hr_pull_apply(int64_t k, const int64_t* toc, const int64_t* words, const int
         table_desc t = desc(tables, toc[p * 4]);
         int64_t n = toc[p * 4 + 1], bound = toc[p * 4 + 3];
         const int64_t* ids = words + at[p];
-        write_part(&t, ids, bound >= 0 ? ids + n : NULL, n, bound, m[p], reply + out[p],
-                   rows + fat[p]);
+        write_part(&t, ids, bound >= 0 ? ids + n : NULL, n, bound, m[p],
+                   with_state ? t.swidth : 0, reply + out[p], rows + fat[p]);
     }
     used[0] = o;
     used[1] = f;

@@ -38,7 +38,7 @@ from ps.kernels import rowwise_adagrad
 _SOURCE = kernel_source(__package__, "message_pass")
 
 #: int64 words per table descriptor and counters per table (see message_pass.c).
-TABLE_WORDS = 9
+TABLE_WORDS = 10
 COUNTER_WORDS = 8
 
 
@@ -50,9 +50,9 @@ def _library() -> ctypes.CDLL | None:
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.hr_pull_check.restype = ctypes.c_int
-    lib.hr_pull_check.argtypes = [i64, ptr, i64, ptr, ptr, i64, ptr]
+    lib.hr_pull_check.argtypes = [i64, ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr]
     lib.hr_pull_apply.restype = ctypes.c_int
-    lib.hr_pull_apply.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.hr_pull_apply.argtypes = [i64, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.hr_push_check.restype = ctypes.c_int
     lib.hr_push_check.argtypes = [i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64]
     lib.hr_push_apply.restype = ctypes.c_int
@@ -63,18 +63,21 @@ def available() -> bool:
     return _library() is not None
 
 
-def pull_check(toc: np.ndarray, words: np.ndarray, tables: np.ndarray) -> tuple[int, int] | None:
+def pull_check(
+    toc: np.ndarray, words: np.ndarray, tables: np.ndarray, with_state: bool = False
+) -> tuple[int, int] | None:
     """``(reply words after the header, row floats)`` of a ``PULL_MANY`` the pass can
     serve: ``toc`` int64 ``[k, 4]``, ``words`` int64 ``[W]`` (each part's ids, then its
-    caller clocks when conditional), ``tables`` int64 ``[T, TABLE_WORDS]``. None: take
-    the Python path."""
+    caller clocks when conditional), ``tables`` int64 ``[T, TABLE_WORDS]``;
+    ``with_state``: each row's optimizer state follows its values. None: take the
+    Python path."""
     lib = _library()
     if lib is None:
         return None
     sizes = np.empty(2, dtype=np.int64)
     rc = lib.hr_pull_check(
         toc.shape[0], toc.ctypes.data, words.size, words.ctypes.data, tables.ctypes.data,
-        tables.shape[0], sizes.ctypes.data,
+        tables.shape[0], int(with_state), sizes.ctypes.data,
     )  # fmt: skip
     return None if rc != 0 else (int(sizes[0]), int(sizes[1]))
 
@@ -87,15 +90,17 @@ def pull_apply(
     reply: np.ndarray,
     rows: np.ndarray,
     threads: int,
+    with_state: bool = False,
 ) -> tuple[int, int]:
     """Serve a checked ``PULL_MANY`` into ``reply`` (int64, the words after the header)
-    and ``rows`` (float32), parts of different tables on up to ``threads`` threads;
-    returns the reply words and row floats written."""
+    and ``rows`` (float32; ``with_state``: each row's optimizer state after its values),
+    parts of different tables on up to ``threads`` threads; returns the reply words and
+    row floats written."""
     lib = _library()
     assert lib is not None  # pull_check said yes
     used = np.empty(2, dtype=np.int64)
     rc = lib.hr_pull_apply(
-        toc.shape[0], toc.ctypes.data, words.ctypes.data, tables.ctypes.data,
+        toc.shape[0], toc.ctypes.data, words.ctypes.data, tables.ctypes.data, int(with_state),
         counters.ctypes.data, reply.ctypes.data, rows.ctypes.data, used.ctypes.data, threads,
     )  # fmt: skip
     if rc != 0:

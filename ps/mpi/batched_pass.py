@@ -78,22 +78,24 @@ class BatchedPass:
         self.counters[:] = 0
 
     def pull_many(
-        self, k: int, request_id: int, payload: np.ndarray
+        self, k: int, request_id: int, payload: np.ndarray, with_state: bool = False
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """The reply (meta, rows) to a ``PULL_MANY`` of ``k`` parts, or None: serve it in
-        Python (``payload``: the request's words after its header)."""
+        Python (``payload``: the request's words after its header; ``with_state``: each
+        row's optimizer state follows its values)."""
         width = wire.PULL_PART_WORDS
         if not self.enabled or payload.size < k * width:
             return None
         toc, words = payload[: k * width].reshape(k, width), payload[k * width :]
-        sizes = message_pass.pull_check(toc, words, self.tables)
+        sizes = message_pass.pull_check(toc, words, self.tables, with_state)
         if sizes is None:
             return None
         meta = np.empty(HEADER_LEN + sizes[0], dtype=np.int64)
         rows = np.empty(sizes[1], dtype=np.float32)
         used, floats = message_pass.pull_apply(
-            toc, words, self.tables, self.counters, meta[HEADER_LEN:], rows, self.threads
-        )
+            toc, words, self.tables, self.counters, meta[HEADER_LEN:], rows, self.threads,
+            with_state,
+        )  # fmt: skip
         meta[:HEADER_LEN] = wire.header(Op.PULL_MANY, request_id, n=k)
         self.served += 1
         return meta[: HEADER_LEN + used], rows[:floats]
@@ -188,6 +190,7 @@ def _descriptor(shard: Shard) -> tuple[list[int], list[float]]:
         engine.clocks.data_ptr(),
         0 if ids_map is None else ids_map.data_ptr(),
         1 if adagrad else 0,
+        spec.state_dim,
     ]
     hyper = [opt.lr, opt.eps] if isinstance(opt, RowWiseAdagrad) else [0.0, 0.0]
     return words, hyper

@@ -565,8 +565,9 @@ class ShardServer:
         """Several tables' pulls in one request: every part is checked, then served in
         order; the reply carries each part's rows, clocks and positions back to back."""
         k = wire.check_parts(int(meta[wire.W_TABLE]), "pull_many")
+        with_state = bool(int(meta[wire.W_FLAGS]) & wire.FLAG_STATE)
         if data.size == 0:
-            whole = self.batched.pull_many(k, int(meta[wire.W_ID]), payload)
+            whole = self.batched.pull_many(k, int(meta[wire.W_ID]), payload, with_state)
             if whole is not None:
                 return whole
         toc = _toc(payload, k, wire.PULL_PART_WORDS, "pull_many")
@@ -584,6 +585,11 @@ class ShardServer:
                 at += n
             parts.append((table, ids, caller, bound if bound >= 0 else None))
         got = [table.pull(ids, caller, bound) for table, ids, caller, bound in parts]
+        if with_state:  # each returned row followed by its state: [m, dim + state_dim]
+            for i, ((table, ids, _, _), g) in enumerate(zip(parts, got, strict=True)):
+                back = ids if g.positions is None else ids[g.positions]
+                rows = torch.cat([g.rows, table.read_state(back)], dim=1)
+                got[i] = replace(g, rows=rows)
         reply_toc = np.empty((k, wire.REPLY_PART_WORDS), dtype=np.int64)
         words: list[np.ndarray] = [reply_toc]
         for i, g in enumerate(got):

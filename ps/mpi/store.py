@@ -477,10 +477,13 @@ class MPIStore(Store):
     def pull_many_async(self, requests: Sequence[PullRequest]) -> Handle:
         """Every table's pull checked, then ONE ``PULL_MANY`` message per server that
         holds any of the ids (its share of every table, back to back); ``wait()``
-        gives one :class:`ps.PullResult` per request, in order. ``with_state``: one
-        ``STATE`` message per table and server for every requested id, sent right after
-        the pulls (a server answers one worker's messages in order, so it reads the
-        state the pull's rows have); the result keeps the returned rows' state."""
+        gives one :class:`ps.PullResult` per request, in order. ``with_state``: when
+        every request asks for it, the ``PULL_MANY`` says so (``FLAG_STATE``) and each
+        returned row comes back with its optimizer state after it, read by the server in
+        the same pass; else one ``STATE`` message per table and server for every
+        requested id of those that ask, sent right after the pulls (a server answers one
+        worker's messages in order, so it reads the state the pull's rows have). The
+        result keeps the returned rows' state."""
         plans = []
         reqs = check_requests(requests, PullRequest, "pull_many")
         for r in reqs:
@@ -490,7 +493,16 @@ class MPIStore(Store):
             order, counts = self._split(ids)
             clk = None if caller is None else _sorted_np(caller, order)
             bound = -1 if caller is None else int(r.bound or 0)
-            plans.append(_PullPlan(r.table, t, _sorted_np(ids, order), clk, bound, order, counts))
+            plans.append(
+                _PullPlan(
+                    r.table, t, _sorted_np(ids, order), clk, bound, order, counts, t.spec.dim
+                )
+            )
+        # Every request wants its rows' state: it rides in the pull's reply, each row
+        # [dim + state_dim] wide (the plans' widths), split off in finish().
+        inline = bool(reqs) and all(r.with_state for r in reqs)
+        for p in plans if inline else ():
+            p.width += p.table.spec.state_dim
         calls: list[_Call] = []
         layout: list[list[tuple[int, int, int]]] = []  # per call: (plan, start, count)
         for s in range(len(self._servers)):
@@ -508,7 +520,7 @@ class MPIStore(Store):
                 if p.clocks is not None:
                     words.append(p.clocks[a : a + c])
                 reply_words += c * (2 if p.clocks is not None else 1)
-                floats += c * p.table.spec.dim
+                floats += c * p.width
             calls.append(
                 self._start(
                     s,
@@ -518,6 +530,7 @@ class MPIStore(Store):
                     reply_data=np.empty(floats, dtype=np.float32),
                     table=len(parts),
                     n=sum(c for _, _, c in parts),
+                    flags=wire.FLAG_STATE if inline else 0,
                 )
             )
             layout.append(parts)
@@ -526,7 +539,7 @@ class MPIStore(Store):
         states = [
             (i, self._start_gather(r.table, r.ids, Op.STATE, "state"))
             for i, r in enumerate(reqs)
-            if r.with_state
+            if r.with_state and not inline
         ]
 
         def finish() -> list[PullResult]:
@@ -536,6 +549,12 @@ class MPIStore(Store):
             for call, parts in zip(calls, layout, strict=True):
                 _split_pull_reply(call, parts, plans, got)
             out = [p.merge(g) for p, g in zip(plans, got, strict=True)]
+            for i, p in enumerate(plans if inline else ()):
+                d = p.table.spec.dim  # rows [M, dim + state_dim]: values, then state
+                wide = out[i].rows
+                out[i] = dataclasses.replace(
+                    out[i], rows=wide[:, :d].contiguous(), state=wide[:, d:].contiguous()
+                )
             for i, (_calls, result) in states:
                 state = result()  # [N, S], every requested id
                 back = out[i].positions
@@ -852,13 +871,14 @@ class _PullPlan:
     bound: int  # -1: a plain pull
     order: torch.Tensor | None  # shard order -> caller order (None: one server)
     counts: list[int]  # ids per server
+    width: int  # floats per returned row: dim (+ state_dim when the state rides along)
 
     def merge(
         self, got: list[tuple[int, int, np.ndarray, np.ndarray | None, np.ndarray]]
     ) -> PullResult:
         """The table's result from each server's ``(start, asked, clocks, positions,
-        rows)`` (servers in order), in the caller's order."""
-        dim = self.table.spec.dim
+        rows)`` (servers in order), in the caller's order (rows ``[M, width]``)."""
+        dim = self.width
         if self.clocks is None:
             n = int(self.ids.size)
             if self.order is None and len(got) == 1:  # one server: its reply, as it is
@@ -913,7 +933,7 @@ def _split_pull_reply(
     at, fat = k * wire.REPLY_PART_WORDS, 0
     for (i, a, c), (m, flags) in zip(parts, toc.tolist(), strict=True):
         p = plans[i]
-        dim = p.table.spec.dim
+        dim = p.width
         conditional = p.clocks is not None
         positions = bool(flags & wire.FLAG_POSITIONS)
         ok = (0 <= m <= c) if conditional else m == c

@@ -15,7 +15,7 @@ import numpy as np
 
 from ps.errors import TableExistsError, TableSpecMismatch
 
-PROTOCOL = 5
+PROTOCOL = 6
 MAGIC = 0x48525053  # "HRPS"
 MAGIC_VERSION = (MAGIC << 16) | PROTOCOL
 HEADER_LEN = 8
@@ -47,6 +47,7 @@ FLAG_DUPLICATE = 8  # PUSH reply: a repeat of an applied push, acknowledged, not
 FLAG_EXIST_OK = 16  # CREATE request: an existing table with an equal spec is opened
 FLAG_COUNTED = 32  # PUSH_MANY request: update counts and statistics follow (counted_words)
 FLAG_WIDE_COUNTS = 64  # with FLAG_COUNTED: counts as int64 words (else one byte each)
+FLAG_STATE = 128  # PULL_MANY request: each row comes back with its optimizer state after it
 
 
 class Op(enum.IntEnum):

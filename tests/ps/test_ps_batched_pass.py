@@ -196,6 +196,52 @@ def test_pull_and_push_messages_equal_the_engine_part_by_part(
     assert batched.served == 12
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("shards", "shard"), [(1, 0), (2, 1)])
+def test_pulls_with_state_carry_each_rows_state_after_it(
+    shards: int, shard: int, threads: int
+) -> None:
+    """A ``PULL_MANY`` with ``FLAG_STATE`` (a cache stepping its copies by the table's
+    optimizer): each returned row ``[dim + state_dim]`` is the engine's row, then its
+    state as ``read_state`` gives it, for plain and conditional parts."""
+    t = _tables(shards, shard)
+    gen = torch.Generator().manual_seed(7)
+    for i in range(3):  # some history, so the accumulators differ between rows
+        ids = _pick(gen, t.ids[i], 20, unique=True)
+        g = torch.randn(ids.numel(), _DIMS[i], generator=gen)
+        for side in (t.mine, t.ref):
+            engine = side[i]
+            assert engine is not None
+            engine.push(ids, g, checked=True)
+    batched = t.pass_over_mine(threads)
+    parts: list[tuple[int, torch.Tensor, torch.Tensor | None, int]] = []
+    for index in (1, 0, 2):
+        ids = _pick(gen, t.ids[index], 25, unique=False)
+        if index == 0:  # conditional: rows more than 0 behind come back
+            behind = torch.randint(0, 2, (ids.numel(),), generator=gen)
+            parts.append((index, ids, _ref(t, index).read_clocks(ids) - behind, 0))
+        else:
+            parts.append((index, ids, None, -1))
+    got = batched.pull_many(len(parts), 3, _pull_request(parts), with_state=True)
+    assert got is not None
+    meta, rows = got
+    state_dim = 1  # row-wise Adagrad's accumulator
+    wide = [d + state_dim for d in _DIMS]
+    body = meta[wire.HEADER_LEN :]
+    at, fat = 2 * len(parts), 0
+    for p, (index, ids, clocks, bound) in enumerate(parts):
+        m, flags = body[2 * p : 2 * p + 2].tolist()
+        want = _ref(t, index).pull(ids, clocks, None if clocks is None else bound)
+        at += m * (2 if flags & wire.FLAG_POSITIONS else 1)
+        back = ids if want.positions is None else ids[want.positions]
+        mine = torch.from_numpy(rows[fat : fat + m * wide[index]].reshape(m, wide[index]).copy())
+        assert_same(mine[:, : _DIMS[index]], want.rows, what="rows", why=SAME)
+        assert_same(mine[:, _DIMS[index] :], _ref(t, index).read_state(back), what="state",
+                    why="the state gathered, a copy")  # fmt: skip
+        fat += m * wide[index]
+    assert at == body.size and fat == rows.size
+
+
 def _counted_push(
     parts: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
 ) -> tuple[np.ndarray, np.ndarray, bool]:
