@@ -48,11 +48,11 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.hr_pull_check.restype = ctypes.c_int
-    lib.hr_pull_check.argtypes = [i64, ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr]
+    lib.hr_pull_check.argtypes = [i64, ptr, i64, ptr, ptr, i64, c_int, ptr]
     lib.hr_pull_apply.restype = ctypes.c_int
-    lib.hr_pull_apply.argtypes = [i64, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.hr_pull_apply.argtypes = [i64, ptr, ptr, ptr, c_int, ptr, ptr, ptr, ptr, c_int]
     lib.hr_push_check.restype = ctypes.c_int
     lib.hr_push_check.argtypes = [i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64]
     lib.hr_push_apply.restype = ctypes.c_int
