@@ -494,9 +494,7 @@ class MPIStore(Store):
             clk = None if caller is None else _sorted_np(caller, order)
             bound = -1 if caller is None else int(r.bound or 0)
             plans.append(
-                _PullPlan(
-                    r.table, t, _sorted_np(ids, order), clk, bound, order, counts, t.spec.dim
-                )
+                _PullPlan(r.table, t, _sorted_np(ids, order), clk, bound, order, counts, t.spec.dim)
             )
         # Every request wants its rows' state: it rides in the pull's reply, each row
         # [dim + state_dim] wide (the plans' widths), split off in finish().
