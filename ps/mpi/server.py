@@ -588,8 +588,7 @@ class ShardServer:
         if with_state:  # each returned row followed by its state: [m, dim + state_dim]
             for i, ((table, ids, _, _), g) in enumerate(zip(parts, got, strict=True)):
                 back = ids if g.positions is None else ids[g.positions]
-                rows = torch.cat([g.rows, table.read_state(back)], dim=1)
-                got[i] = replace(g, rows=rows)
+                got[i] = replace(g, rows=torch.cat([g.rows, table.read_state(back)], dim=1))
         reply_toc = np.empty((k, wire.REPLY_PART_WORDS), dtype=np.int64)
         words: list[np.ndarray] = [reply_toc]
         for i, g in enumerate(got):
