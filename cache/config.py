@@ -187,8 +187,8 @@ class CacheConfig:
                 )
             _int(name, value, 1)
         w = self.sketch_width
-        if w is not None and (w < 2 or w & (w - 1)):
-            raise ValueError(f"CacheConfig: sketch_width must be a power of 2 >= 2, got {w}")
+        if w is not None and (w < 16 or w & (w - 1)):
+            raise ValueError(f"CacheConfig: sketch_width must be a power of 2 >= 16, got {w}")
         if self.sketch_depth is not None and self.sketch_depth > 8:
             raise ValueError(
                 f"CacheConfig: sketch_depth must be in [1, 8], got {self.sketch_depth}"
@@ -217,7 +217,8 @@ class CacheConfig:
         """``(width, depth, period)`` of the TinyLFU sketch of a cache of ``capacity`` rows."""
         width = self.sketch_width
         if width is None:
-            width = 1 << max(1, (SKETCH_WIDTH_PER_ROW * max(capacity, 1) - 1).bit_length())
+            # a power of 2, at least one line of 16 counters (cache/sketch.py)
+            width = 1 << max(4, (SKETCH_WIDTH_PER_ROW * max(capacity, 1) - 1).bit_length())
         depth = SKETCH_DEPTH if self.sketch_depth is None else self.sketch_depth
         period = self.sketch_period
         if period is None:

@@ -1,10 +1,18 @@
 """A count-min sketch of recent id frequencies with periodic halving (TinyLFU's filter).
 
-``depth`` rows of ``width`` int32 counters (one flat torch tensor ``[depth * width]``).
-Id ``x`` (int64, a packed id for a shared cache) maps to counter ``h_d(x)`` of row ``d``
-by multiply-shift hashing: ``h_d(x) = ((x * A_d) mod 2**64) >> (64 - log2(width))``
-with fixed odd 64-bit multipliers ``A_d`` (:data:`MULTIPLIERS`), so the same id lands
-on the same counters in every run and the tests' per-id model can recompute them.
+``depth * width`` int32 counters (one flat torch tensor), read as lines of 16 (64 bytes,
+one cache line). Id ``x`` (int64, a packed id for a shared cache) has ``depth`` counters,
+all in ONE line, so counting or estimating it costs one cache miss where ``depth``
+separate rows cost ``depth`` (the sketch is larger than the CPU caches; Caffeine's
+TinyLFU sketch blocks its counters the same way). With ``h_d = (x * A_d) mod 2**64`` for
+fixed odd 64-bit multipliers ``A_d`` (:data:`MULTIPLIERS`)::
+
+    line(x)   = ((h_0 >> 32) * lines) >> 32                     lines = depth * width / 16
+    slot_d(x) = d * k + ((((h_d >> 16) & 0xffff) * k) >> 16)    k = 16 // depth
+    counter   = 16 * line(x) + slot_d(x)
+
+Each hash row owns ``k`` slots of a line, so an id's counters are distinct. The same id
+lands on the same counters in every run and the tests' per-id model can recompute them.
 
 * :meth:`add` counts each id once (a batch's distinct ids: the frequency is the number
   of batches an id appeared in, which is what a cached row saves: one pull per batch);
@@ -28,6 +36,7 @@ import numpy as np
 import torch
 
 from cache.kernels.sketch import add_counts, min_counts
+from ps.local.table import table_array
 
 #: Odd 64-bit multipliers of the hash rows (from the SplitMix64 and Murmur3 finalizers
 #: and the golden ratio); ``depth`` <= 8.
@@ -44,11 +53,12 @@ MULTIPLIERS = (
 
 
 class FrequencySketch:
-    """Counters ``[depth, width]`` of ids added in the last ``period`` additions or so."""
+    """``depth * width`` counters (lines of 16) of ids added in the last ``period``
+    additions or so."""
 
     def __init__(self, width: int, depth: int, period: int) -> None:
-        if width < 2 or width & (width - 1):
-            raise ValueError(f"FrequencySketch: width must be a power of 2 >= 2, got {width}")
+        if width < 16 or width & (width - 1):
+            raise ValueError(f"FrequencySketch: width must be a power of 2 >= 16, got {width}")
         if not 1 <= depth <= len(MULTIPLIERS):
             raise ValueError(
                 f"FrequencySketch: depth must be in [1, {len(MULTIPLIERS)}], got {depth}"
@@ -56,25 +66,31 @@ class FrequencySketch:
         if period < 1:
             raise ValueError(f"FrequencySketch: period must be >= 1, got {period}")
         self.width, self.depth, self.period = width, depth, period
-        self.shift = np.uint64(64 - (width.bit_length() - 1))
+        self.lines = depth * width // 16  # 64-byte lines of 16 counters
+        self.per_row = 16 // depth  # slots of a line each hash row owns
         self.mult = np.array(MULTIPLIERS[:depth], dtype=np.uint64)[:, None]  # [depth, 1]
         self.mult_flat = np.ascontiguousarray(self.mult[:, 0])  # [depth], for the kernels
-        self.base = (np.arange(depth, dtype=np.int64) * width)[:, None]  # [depth, 1]
-        self.counters = torch.zeros(depth * width, dtype=torch.int32)  # [depth * width]
+        self.first = (np.arange(depth, dtype=np.uint64) * np.uint64(self.per_row))[:, None]
+        # [depth * width], zeros starting on a cache line (so each line of 16 is one)
+        self.counters = table_array((depth * width,), torch.int32)
         self.added = 0  # ids added since the last halving
         self.halvings = 0
 
     def positions(self, ids: np.ndarray) -> np.ndarray:
         """Flat counter positions int64 ``[depth, N]`` of ``ids`` int64 ``[N]``."""
-        h = (ids.astype(np.uint64)[None, :] * self.mult) >> self.shift  # wraps mod 2**64
-        return h.astype(np.int64) + self.base
+        h = ids.astype(np.uint64)[None, :] * self.mult  # [depth, N], wraps mod 2**64
+        u32, u16 = np.uint64(32), np.uint64(16)
+        line = ((h[0] >> u32) * np.uint64(self.lines)) >> u32  # [N]
+        k = np.uint64(self.per_row)
+        slot = self.first + ((((h >> u16) & np.uint64(0xFFFF)) * k) >> u16)  # [depth, N]
+        return (line[None, :] * np.uint64(16) + slot).astype(np.int64)
 
     def add(self, ids: np.ndarray) -> bool:
         """Count ``ids`` int64 ``[N]`` once each; True if the sketch was halved after."""
         if ids.size == 0:
             return False
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        if not add_counts(ids, self.mult_flat, int(self.shift), self.width, self.counters):
+        if not add_counts(ids, self.mult_flat, self.lines, self.counters):
             pos = torch.from_numpy(self.positions(ids).reshape(-1))
             self.counters.index_add_(0, pos, torch.ones(pos.numel(), dtype=torch.int32))
         self.added += int(ids.size)
@@ -90,7 +106,7 @@ class FrequencySketch:
         if ids.size == 0:
             return np.empty(0, dtype=np.int64)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        got_c = min_counts(ids, self.mult_flat, int(self.shift), self.width, self.counters)
+        got_c = min_counts(ids, self.mult_flat, self.lines, self.counters)
         if got_c is not None:
             return got_c
         pos = torch.from_numpy(self.positions(ids).reshape(-1))

@@ -1,9 +1,10 @@
 """C kernels of the frequency sketch (:mod:`cache.sketch`): hash, then count or take the
-minimum, one pass over the ids with the counters of the ids ahead prefetched.
+minimum, one pass over the ids with the counter line of the ids ahead prefetched.
 
 The numpy/torch path materialises ``[depth, N]`` hashes and positions, then scatters or
 gathers them; the counters are larger than the CPU caches (``4 * depth * width`` bytes),
-so what costs is the random counter accesses, which this pass overlaps. Integer
+so what costs is the random counter accesses: one 64-byte line per id (every counter of
+an id sits in one line, ``sketch.c``), which this pass overlaps. Integer
 arithmetic: both paths give the same counts (``tests/cache/test_cache_kernel.py``). Built by
 :mod:`comm.native`; each function returns False/None where that is not possible and the
 caller takes its torch path.
@@ -28,9 +29,9 @@ def _library() -> ctypes.CDLL | None:
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.hr_sketch_add.restype = None
-    lib.hr_sketch_add.argtypes = [i64, ptr, i64, ptr, i64, i64, ptr]
+    lib.hr_sketch_add.argtypes = [i64, ptr, i64, ptr, i64, ptr]
     lib.hr_sketch_estimate.restype = None
-    lib.hr_sketch_estimate.argtypes = [i64, ptr, i64, ptr, i64, i64, ptr, ptr]
+    lib.hr_sketch_estimate.argtypes = [i64, ptr, i64, ptr, i64, ptr, ptr]
 
 
 def _usable(ids: np.ndarray, mult: np.ndarray, counters: torch.Tensor) -> bool:
@@ -45,24 +46,21 @@ def _usable(ids: np.ndarray, mult: np.ndarray, counters: torch.Tensor) -> bool:
     )
 
 
-def add_counts(
-    ids: np.ndarray, mult: np.ndarray, shift: int, width: int, counters: torch.Tensor
-) -> bool:
-    """``counters`` (int32 ``[depth * width]``) += 1 at each id's ``depth`` positions
+def add_counts(ids: np.ndarray, mult: np.ndarray, lines: int, counters: torch.Tensor) -> bool:
+    """``counters`` (int32 ``[16 * lines]``) += 1 at each id's ``depth`` positions
     (``mult`` uint64 ``[depth]``); False (nothing counted) where the kernel is not
     available."""
     lib = _library()
     if lib is None or not _usable(ids, mult, counters):
         return False
     lib.hr_sketch_add(
-        ids.size, ids.ctypes.data, mult.size, mult.ctypes.data, shift, width,
-        counters.data_ptr(),
-    )  # fmt: skip
+        ids.size, ids.ctypes.data, mult.size, mult.ctypes.data, lines, counters.data_ptr()
+    )
     return True
 
 
 def min_counts(
-    ids: np.ndarray, mult: np.ndarray, shift: int, width: int, counters: torch.Tensor
+    ids: np.ndarray, mult: np.ndarray, lines: int, counters: torch.Tensor
 ) -> np.ndarray | None:
     """The minimum over the ``depth`` counters of each id, int64 ``[N]``; None where the
     kernel is not available."""
@@ -71,7 +69,7 @@ def min_counts(
         return None
     out = np.empty(ids.size, dtype=np.int64)
     lib.hr_sketch_estimate(
-        ids.size, ids.ctypes.data, mult.size, mult.ctypes.data, shift, width,
-        counters.data_ptr(), out.ctypes.data,
+        ids.size, ids.ctypes.data, mult.size, mult.ctypes.data, lines, counters.data_ptr(),
+        out.ctypes.data,
     )  # fmt: skip
     return out

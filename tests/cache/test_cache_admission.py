@@ -39,8 +39,8 @@ class Model:
     def __init__(self, capacity: int, width: int, depth: int, period: int, chunk: int) -> None:
         self.capacity, self.width, self.depth, self.period = capacity, width, depth, period
         self.chunk = chunk
-        self.bits = width.bit_length() - 1
-        self.counters = [[0] * width for _ in range(depth)]
+        self.lines, self.per_row = depth * width // 16, 16 // depth
+        self.counters = [0] * (depth * width)  # flat, lines of 16
         self.added = 0
         self.key: dict[int, tuple[int, int]] = {}  # cached id -> (frequency, last tick)
         self.pool: list[tuple[int, tuple[int, int]]] = []  # (id, key when found)
@@ -49,18 +49,24 @@ class Model:
         self.rejected = 0
 
     def _cells(self, x: int) -> list[int]:
-        return [((x * MULTIPLIERS[d]) & MASK) >> (64 - self.bits) for d in range(self.depth)]
+        """The flat positions of ``x``'s counters: one line, ``per_row`` slots per row."""
+        h = [(x * MULTIPLIERS[d]) & MASK for d in range(self.depth)]
+        line = ((h[0] >> 32) * self.lines) >> 32
+        k = self.per_row
+        return [
+            16 * line + d * k + ((((h[d] >> 16) & 0xFFFF) * k) >> 16) for d in range(self.depth)
+        ]
 
     def estimate(self, x: int) -> int:
-        return min(self.counters[d][c] for d, c in enumerate(self._cells(x)))
+        return min(self.counters[c] for c in self._cells(x))
 
     def _add(self, ids: list[int]) -> None:
         for x in ids:
-            for d, c in enumerate(self._cells(x)):
-                self.counters[d][c] += 1
+            for c in self._cells(x):
+                self.counters[c] += 1
         self.added += len(ids)
         if self.added >= self.period:  # halve the sketch and the frequencies kept
-            self.counters = [[c >> 1 for c in row] for row in self.counters]
+            self.counters = [c >> 1 for c in self.counters]
             self.added = 0
             self.key = {x: (f >> 1, t) for x, (f, t) in self.key.items()}
             self.pool_at = len(self.pool)
@@ -137,7 +143,7 @@ def test_matches_the_per_id_model(chunk: int) -> None:
         before = cached
         sketch = store._caches["t"].sketch
         assert sketch is not None
-        want = torch.tensor(model.counters, dtype=torch.int32).reshape(-1)
+        want = torch.tensor(model.counters, dtype=torch.int32)
         assert torch.equal(sketch.counters, want), f"step {step}"
         assert store.cache_stats()["t"]["rejected"] == model.rejected
     st = store.cache_stats()["t"]
