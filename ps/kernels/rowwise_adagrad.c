@@ -37,6 +37,15 @@ static void run_grad(int64_t lo, int64_t hi, int64_t d, const int64_t* perm,
     }
 }
 
+/* Ask for row q's values, accumulator and clock ahead of their update (for writing). */
+static inline void prefetch_update(int64_t q, int64_t d, int64_t s_stride, const float* weight,
+                                const float* state, const int64_t* clocks) {
+    const char* wr = (const char*)(weight + q * d);
+    for (int64_t c = 0; c < d * (int64_t)sizeof(float); c += 64) __builtin_prefetch(wr + c, 1, 0);
+    __builtin_prefetch(state + q * s_stride, 1, 0);
+    __builtin_prefetch(clocks + q, 1, 0);
+}
+
 /* One row-wise Adagrad update of row [d] with gradient g [d] and accumulator *acc:
    acc += mean(g ** 2) (16 partial sums, vectorised like torch's reduction), then
    row -= lr * g / (sqrt(acc) + eps). Every update of one gradient goes through here, so
@@ -76,12 +85,7 @@ static int adagrad(int64_t n, int64_t d, int64_t s_stride, const int64_t* sorted
                miss. Prefetch the rows and gradients PF occurrences ahead so the misses
                overlap instead of being paid one after another. */
             if (lo + PF < n) {
-                int64_t q = sorted_ids[lo + PF];
-                const char* wr = (const char*)(weight + q * d);
-                for (int64_t c = 0; c < d * (int64_t)sizeof(float); c += 64)
-                    __builtin_prefetch(wr + c, 1, 0);
-                __builtin_prefetch(state + q * s_stride, 1, 0);
-                __builtin_prefetch(clocks + q, 1, 0);
+                prefetch_update(sorted_ids[lo + PF], d, s_stride, weight, state, clocks);
                 int64_t p = perm ? perm[lo + PF] : lo + PF;
                 const char* gr = (const char*)grad_row(src, bag_of ? bag_of[p] : p);
                 for (int64_t c = 0; c < d * (int64_t)sizeof(float); c += 64)
@@ -168,14 +172,7 @@ void hr_rowwise_adagrad_counted(int64_t n, int64_t d, int64_t s_stride, const in
                                 float* weight, float* state, int64_t* clocks, float lr,
                                 float eps) {
     for (int64_t i = 0; i < n; ++i) {
-        if (i + PF < n) {
-            int64_t q = rows[i + PF];
-            const char* wr = (const char*)(weight + q * d);
-            for (int64_t c = 0; c < d * (int64_t)sizeof(float); c += 64)
-                __builtin_prefetch(wr + c, 1, 0);
-            __builtin_prefetch(state + q * s_stride, 1, 0);
-            __builtin_prefetch(clocks + q, 1, 0);
-        }
+        if (i + PF < n) prefetch_update(rows[i + PF], d, s_stride, weight, state, clocks);
         int64_t r = rows[i];
         const float* g = grad + i * d;
         float* row = weight + r * d;

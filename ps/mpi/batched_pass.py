@@ -35,6 +35,9 @@ from ps.mpi.wire import HEADER_LEN, Op
 from ps.optimizers import RowWiseAdagrad
 
 Shard = LocalTable | FixedShard
+#: A ``PUSH_MANY``'s table of contents ``[k, 3]``, ids ``[N]``, gradients and, counted, its
+#: counts and statistics (:data:`ps.kernels.message_pass.Counted`).
+PushParts = tuple[np.ndarray, np.ndarray, np.ndarray, message_pass.Counted]
 
 assert len(COUNTERS) == COUNTER_WORDS  # the C passes count in this order
 
@@ -100,7 +103,7 @@ class BatchedPass:
         self.served += 1
         return meta[: HEADER_LEN + used], rows[:floats]
 
-    def can_push(
+    def checked_push(
         self,
         k: int,
         payload: np.ndarray,
@@ -109,30 +112,18 @@ class BatchedPass:
         *,
         counted: bool = False,
         wide: bool = False,
-    ) -> bool:
-        """Whether :meth:`push` can apply a ``PUSH_MANY`` of ``k`` parts (``payload``: the
-        words after its header; ``sequenced``: the session word ends it; ``counted``:
-        the update counts follow the ids, ``wide`` as int64 words, and the statistics
-        the gradients)."""
+    ) -> PushParts | None:
+        """The parts of a ``PUSH_MANY`` of ``k`` parts that :meth:`push` can apply, or None:
+        serve it in Python (``payload``: the words after its header; ``sequenced``: the
+        session word ends it; ``counted``: the update counts follow the ids, ``wide`` as
+        int64 words, and the statistics the gradients)."""
         parts = self._parts(k, payload, data, sequenced, counted, wide)
-        if parts is None:
-            return False
-        toc, ids, grads, counts = parts
-        return message_pass.push_check(toc, ids, grads, self.tables, counts)
+        if parts is None or not message_pass.push_check(*parts[:3], self.tables, parts[3]):
+            return None
+        return parts
 
-    def push(
-        self,
-        k: int,
-        payload: np.ndarray,
-        data: np.ndarray,
-        sequenced: bool,
-        *,
-        counted: bool = False,
-        wide: bool = False,
-    ) -> None:
-        """Apply a ``PUSH_MANY`` that :meth:`can_push` accepted."""
-        parts = self._parts(k, payload, data, sequenced, counted, wide)
-        assert parts is not None
+    def push(self, parts: PushParts) -> None:
+        """Apply a ``PUSH_MANY`` whose parts :meth:`checked_push` gave."""
         toc, ids, grads, counts = parts
         message_pass.push_apply(
             toc, ids, grads, self.tables, self.hyper, self.counters, self.threads, counts
@@ -147,7 +138,7 @@ class BatchedPass:
         sequenced: bool,
         counted: bool,
         wide: bool,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, message_pass.Counted] | None:
+    ) -> PushParts | None:
         """A ``PUSH_MANY``'s table of contents ``[k, 3]``, ids ``[N]`` and gradients (views)
         and, counted, its counts ``[N]`` and statistics ``[N]`` (one per row: the pass
         takes row-wise Adagrad only, whose statistic is one float); None where the

@@ -611,11 +611,11 @@ class ShardServer:
         flags = int(meta[wire.W_FLAGS])
         sequenced = bool(flags & wire.FLAG_SEQ)
         counted, wide = bool(flags & wire.FLAG_COUNTED), bool(flags & wire.FLAG_WIDE_COUNTS)
-        how = {"counted": counted, "wide": wide}
-        if self.batched.can_push(k, payload, data, sequenced, **how):
+        whole = self.batched.checked_push(k, payload, data, sequenced, counted=counted, wide=wide)
+        if whole is not None:
             if sequenced and self.repeated(src, payload, meta, k):
                 return _duplicate(rid)
-            self.batched.push(k, payload, data, sequenced, **how)
+            self.batched.push(whole)
             return self.push_applied(Op.PUSH_MANY, src, rid)
         toc = _toc(payload, k, wire.PUSH_PART_WORDS, "push_many")
         n_ids = int(toc[:, 1].sum())

@@ -186,8 +186,9 @@ def test_pull_and_push_messages_equal_the_engine_part_by_part(
             ids = _pick(gen, t.ids[i], 30, unique=True)
             pushes.append((i, ids, torch.randn(ids.numel(), _DIMS[i], generator=gen)))
         payload, grads = _push_request(pushes, session=5)
-        assert batched.can_push(3, payload, grads, sequenced=True)
-        batched.push(3, payload, grads, sequenced=True)
+        whole = batched.checked_push(3, payload, grads, sequenced=True)
+        assert whole is not None
+        batched.push(whole)
         for i, ids, g in pushes:
             _ref(t, i).push(ids, g, checked=True)
         _same_tables(t)
@@ -277,8 +278,9 @@ def test_counted_pushes_equal_the_engine_part_by_part(
         payload, data, wide = _counted_push(parts)
         assert wide == (most > 255)
         how = {"counted": True, "wide": wide}
-        assert batched.can_push(3, payload, data, sequenced=False, **how)
-        batched.push(3, payload, data, sequenced=False, **how)
+        whole = batched.checked_push(3, payload, data, sequenced=False, **how)
+        assert whole is not None
+        batched.push(whole)
         for i, ids, g, counts, stats in parts:
             _ref(t, i).push(ids, g, checked=True, counted=(counts, stats.unsqueeze(1)))
         _same_tables(t)
@@ -297,9 +299,10 @@ def test_the_pass_declines_counted_pushes_the_checks_refuse() -> None:
     def can(counts: list[int], stats: list[float], cut: int = 0) -> bool:
         part = (0, ids, g, torch.tensor(counts), torch.tensor(stats))
         payload, data, wide = _counted_push([part])
-        return batched.can_push(
+        whole = batched.checked_push(
             1, payload, data[: data.size - cut], sequenced=False, counted=True, wide=wide
         )
+        return whole is not None
 
     assert can([1, 2, 3], [1.0, 2.0, 3.0])
     assert not can([0, 2, 3], [1.0, 2.0, 3.0])
@@ -369,7 +372,7 @@ def test_the_pass_declines_what_only_the_python_path_serves() -> None:
         t = torch.tensor(ids, dtype=torch.int64)
         g = torch.ones(t.numel(), dims[i]) if grads is None else grads
         payload, data = _push_request([(i, t, g)])
-        return batched.can_push(1, payload, data, sequenced=False)
+        return batched.checked_push(1, payload, data, sequenced=False) is not None
 
     assert push(0, [1, 5, 9]) and push(3, mine.tolist())
     assert not push(1, [1, 2])  # SGD
@@ -383,9 +386,9 @@ def test_the_pass_declines_what_only_the_python_path_serves() -> None:
         g[1, 3] = bad
         assert not push(0, [1, 2], g)
     payload, data = _push_request([(0, torch.tensor([1, 2]), torch.ones(2, 4))])
-    assert not batched.can_push(1, payload, data[:-1], sequenced=False)  # a float short
-    assert not batched.can_push(1, payload[:-1], data, sequenced=False)  # an id short
-    assert not batched.can_push(1, payload, data, sequenced=True)  # no session word
+    assert batched.checked_push(1, payload, data[:-1], sequenced=False) is None  # a float short
+    assert batched.checked_push(1, payload[:-1], data, sequenced=False) is None  # an id short
+    assert batched.checked_push(1, payload, data, sequenced=True) is None  # no session word
     for now, then in zip((adagrad, sgd, shard.table), before, strict=True):
         assert torch.equal(now.weights, then)  # checks change nothing
     assert batched.served == 1
