@@ -486,6 +486,9 @@ class MPIStore(Store):
         result keeps the returned rows' state."""
         plans = []
         reqs = check_requests(requests, PullRequest, "pull_many")
+        # Every request wants its rows' state: it rides in the pull's reply, each row
+        # [dim + state_dim] wide (the plans' widths), split off in finish().
+        inline = bool(reqs) and all(r.with_state for r in reqs)
         for r in reqs:
             t = self._table(r.table)
             ids = check_ids(t.spec, r.ids, "pull")
@@ -493,14 +496,10 @@ class MPIStore(Store):
             order, counts = self._split(ids)
             clk = None if caller is None else _sorted_np(caller, order)
             bound = -1 if caller is None else int(r.bound or 0)
+            width = t.spec.dim + (t.spec.state_dim if inline else 0)
             plans.append(
-                _PullPlan(r.table, t, _sorted_np(ids, order), clk, bound, order, counts, t.spec.dim)
+                _PullPlan(r.table, t, _sorted_np(ids, order), clk, bound, order, counts, width)
             )
-        # Every request wants its rows' state: it rides in the pull's reply, each row
-        # [dim + state_dim] wide (the plans' widths), split off in finish().
-        inline = bool(reqs) and all(r.with_state for r in reqs)
-        for p in plans if inline else ():
-            p.width += p.table.spec.state_dim
         calls: list[_Call] = []
         layout: list[list[tuple[int, int, int]]] = []  # per call: (plan, start, count)
         for s in range(len(self._servers)):
