@@ -94,7 +94,12 @@ int64_t hr_cache_update(int64_t n, int64_t d, int64_t w, const int64_t* slots,
         float* stat = row + stat_at;
         int64_t* meta = META(slab, s, d, w);
         const float* g = grads + i * d;
-        if (i + 4 < n && slots[i + 4] >= 0) __builtin_prefetch(slab + slots[i + 4] * w, 1, 0);
+        /* the whole record ahead (row, pending sum, statistic, state, meta: ~3 lines at
+           d 16), so its misses overlap the rows being stepped */
+        if (i + AHEAD < n && slots[i + AHEAD] >= 0) {
+            const char* p = (const char*)(slab + slots[i + AHEAD] * w);
+            for (int64_t c = 0; c < w * 4; c += 64) __builtin_prefetch(p + c, 1, 0);
+        }
         if (acc_at >= 0) {
             float sq = 0.0f;
             for (int64_t j = 0; j < d; ++j) sq += g[j] * g[j];

@@ -4,7 +4,8 @@ It is the embedded default (no servers) and the reference every other store is
 tested against. All work is vectorised (:mod:`ps.local.table`): ``torch.unique``
 to coalesce duplicate ids, ``index_add_`` to sum their gradients, index gathers
 and scatters for rows, state and clocks, a batched hash index for dynamic tables;
-nothing loops over ids in Python.
+nothing loops over ids in Python. Batched requests of fixed tables are served whole
+by the MPI server's C passes (:mod:`ps.local.batched_pass`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from comm import Handle
 from comm.device import exact_device
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
 from ps.errors import check_existing
+from ps.local.batched_pass import LocalBatchedPass
 from ps.local.table import LocalTable
 from ps.store import PullRequest, PullResult, PushRequest, Store, check_requests
 from ps.table import TableSpec
@@ -67,6 +69,7 @@ class InProcessStore(Store):
         self._tables: dict[str, LocalTable] = {}
         self._create_lock = threading.Lock()
         self._messages = {"pull_messages": 0, "push_messages": 0}
+        self._batched = LocalBatchedPass()  # pull_many / push_many of fixed tables in C
 
     def __repr__(self) -> str:
         return f"InProcessStore(tables={list(self._tables)})"
@@ -83,11 +86,13 @@ class InProcessStore(Store):
             old_spec = None if old is None else old.spec
             if check_existing(old_spec, spec, exist_ok=exist_ok, where=where, clear=clear):
                 self._tables[spec.name] = LocalTable(spec, init_device=self.init_device)
+                self._batched.reset()
 
     def drop_table(self, table: str) -> None:
         with self._create_lock:
             self._get(table)  # unknown table: ValueError naming the known ones
             del self._tables[table]
+            self._batched.reset()
 
     def tables(self) -> list[str]:
         return list(self._tables)
@@ -122,15 +127,25 @@ class InProcessStore(Store):
         return Handle.completed(None, what=f"push {table!r}")
 
     def pull_many_async(self, requests: Sequence[PullRequest]) -> Handle:
-        """Every table's pull is checked first, then applied in order (one message)."""
-        pulls = [self._checked_pull(r) for r in check_requests(requests, PullRequest, "pull_many")]
-        self._messages["pull_messages"] += bool(pulls)
-        return Handle.completed([self._apply_pull(*p) for p in pulls], what="pull_many")
+        """Every table's pull is checked first, then applied in order (one message):
+        fixed tables' in one C pass where it can serve them, else part by part."""
+        requests = check_requests(requests, PullRequest, "pull_many")
+        got = self._batched.pull([self._get(r.table) for r in requests], requests)
+        if got is None:
+            pulls = [self._checked_pull(r) for r in requests]
+            got = [self._apply_pull(*p) for p in pulls]
+        self._messages["pull_messages"] += bool(requests)
+        return Handle.completed(got, what="pull_many")
 
     def push_many_async(self, requests: Sequence[PushRequest]) -> Handle:
         """Every table's push is checked first (nothing changes if one is bad), then
-        applied in order (one message)."""
-        pushes = [self._checked_push(r) for r in check_requests(requests, PushRequest, "push_many")]
+        applied in order (one message): fixed row-wise Adagrad tables' in one C pass
+        where it can apply them, else part by part."""
+        requests = check_requests(requests, PushRequest, "push_many")
+        if self._batched.push([self._get(r.table) for r in requests], requests):
+            self._messages["push_messages"] += 1
+            return Handle.completed(None, what="push_many")
+        pushes = [self._checked_push(r) for r in requests]
         self._messages["push_messages"] += bool(pushes)
         for p in pushes:
             self._apply_push(*p)
@@ -230,3 +245,4 @@ class InProcessStore(Store):
         }
         with self._create_lock:
             self._tables.update(loaded)
+            self._batched.reset()

@@ -28,11 +28,11 @@ import torch
 
 from ps.kernels import message_pass
 from ps.kernels.message_pass import COUNTER_WORDS, TABLE_WORDS
+from ps.local.batched_pass import descriptor
 from ps.local.table import COUNTERS, LocalTable
 from ps.mpi import wire
 from ps.mpi.fixed_shard import FixedShard
 from ps.mpi.wire import HEADER_LEN, Op
-from ps.optimizers import RowWiseAdagrad
 
 Shard = LocalTable | FixedShard
 #: A ``PUSH_MANY``'s table of contents ``[k, 3]``, ids ``[N]``, gradients and, counted, its
@@ -166,22 +166,5 @@ def _engine(shard: Shard) -> LocalTable:
 
 def _descriptor(shard: Shard) -> tuple[list[int], list[float]]:
     """One table's descriptor words and (lr, eps) (layout: ``message_pass.c``)."""
-    engine = _engine(shard)
-    spec, opt = shard.spec, shard.spec.optimizer
-    state = engine.state  # [rows, S]
     ids_map: torch.Tensor | None = shard.local if isinstance(shard, FixedShard) else None
-    adagrad = isinstance(opt, RowWiseAdagrad) and state.shape[1] >= 1
-    words = [
-        1,
-        int(spec.num_rows or 0),
-        spec.dim,
-        engine.weights.data_ptr(),
-        state.data_ptr(),
-        state.stride(0),
-        engine.clocks.data_ptr(),
-        0 if ids_map is None else ids_map.data_ptr(),
-        1 if adagrad else 0,
-        spec.state_dim,
-    ]
-    hyper = [opt.lr, opt.eps] if isinstance(opt, RowWiseAdagrad) else [0.0, 0.0]
-    return words, hyper
+    return descriptor(_engine(shard), shard.spec, ids_map)

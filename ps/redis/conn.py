@@ -248,21 +248,37 @@ class Batch:
         self, link: RedisLink, cmds: list[Command], what: str, label: str | None = None
     ) -> None:
         self._link = link
-        self._cmds = cmds
         self._what = what
         self._label = label
+        self._cmds = list(cmds)
         self._replies: list[Any] = [None] * len(cmds)
         self._waiting: list[tuple[_Channel, _Slot]] = []
         self._done = False
-        self._send(list(range(len(cmds))))
+        self._reached: set[str] = set()  # nodes this batch's first round has written to
+        self._send(list(range(len(cmds))), first=True)
 
-    def _send(self, index: list[int]) -> None:
+    def extend(self, cmds: list[Command]) -> None:
+        """Write ``cmds`` too, as part of this batch (before :meth:`finish`): a caller
+        that builds a long batch part by part sends each part as it is built, so Redis
+        runs the first parts while the client builds the next. Still one round trip per
+        node (the replies are read once, by :meth:`finish`)."""
+        assert not self._done, "extend a batch before finishing it"
+        start = len(self._cmds)
+        self._cmds.extend(cmds)
+        self._replies.extend([None] * len(cmds))
+        self._send(list(range(start, len(self._cmds))), first=True)
+
+    def _send(self, index: list[int], *, first: bool = False) -> None:
         by_node: dict[str, list[int]] = {}
         for i in index:
             c = self._cmds[i]
             node = c.asking if c.asking is not None else self._link.node_of(c.key)
             by_node.setdefault(node, []).append(i)
-        self._link.count(self._label, len(by_node))
+        if first:  # a round trip per node reached, however many parts were written to it
+            self._link.count(self._label, len(by_node.keys() - self._reached))
+            self._reached.update(by_node)
+        else:
+            self._link.count(self._label, len(by_node))
         for node, idx in by_node.items():
             chunks: list[bytes] = []
             asking = []

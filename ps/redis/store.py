@@ -171,6 +171,30 @@ class _Push:
     created: int = 0  # rows created, counted from the replies
 
 
+class _Stream:
+    """One batch written part by part as a request builds it (:meth:`Batch.extend`):
+    Redis runs a batched request's first tables while the client encodes the next, as
+    it does for requests sent one table at a time. ``batch`` is None where Redis could
+    not be reached (or nothing was sent): the replies' retry then writes every command
+    again (:meth:`RedisStore._replies`; pushes are numbered, so none is applied twice)."""
+
+    def __init__(self, link: RedisLink, what: str, label: str) -> None:
+        self.link, self.what, self.label = link, what, label
+        self.batch: Batch | None = None
+        self.broken = False
+
+    def send(self, cmds: list[Command]) -> None:
+        if self.broken or not cmds:
+            return
+        try:
+            if self.batch is None:
+                self.batch = self.link.start(cmds, self.what, self.label)
+            else:
+                self.batch.extend(cmds)
+        except RedisUnavailableError:
+            self.batch, self.broken = None, True
+
+
 class RedisStore(Store):
     """A :class:`ps.Store` on a Redis server or Redis Cluster (see the module docstring).
 
@@ -416,14 +440,17 @@ class RedisStore(Store):
         *,
         label: str,
         earlier: list[PushSettle] | None = None,
+        sent: _Stream | None = None,
     ) -> Handle:
         """Start ``cmds`` (a read); the handle's ``wait()`` reads the replies (resending on
         a lost reply, see :meth:`_replies`) and returns ``finish(replies)``. ``earlier``:
         this client's pushes on the tables read that were not settled when ``cmds`` were
         sent: they are settled first, and if one of them had to send a second round
         (rows it created after ``cmds`` ran), ``cmds`` are sent again, so the read sees
-        every push issued before it."""
-        box: dict[str, Any] = {"batch": self._start(cmds, what, label)}
+        every push issued before it. ``sent``: ``cmds`` were already written, part by
+        part, as they were built."""
+        batch = sent.batch if sent is not None else self._start(cmds, what, label)
+        box: dict[str, Any] = {"batch": batch}
 
         def block(limit: float) -> None:
             again = self._settle(earlier) if earlier else False
@@ -606,10 +633,11 @@ class RedisStore(Store):
             epochs = [t.push_epoch for t in tables]
         earlier = self._unsettled_of(tables)  # before the pull is sent (see _handle)
         steps = self._steps(tables, "GET", what, PULL)
-        plans = [
-            self._with_state(p, *self._pull_commands(p, step, epoch))
-            for p, step, epoch in zip(pulls, steps, epochs, strict=True)
-        ]
+        stream = _Stream(self._link, what, PULL)  # each table's commands out as built
+        plans = []
+        for p, step, epoch in zip(pulls, steps, epochs, strict=True):
+            plans.append(self._with_state(p, *self._pull_commands(p, step, epoch)))
+            stream.send(plans[-1][0])
         cmds = [c for part, _finish in plans for c in part]
 
         def finish(replies: list[Any]) -> Any:
@@ -619,7 +647,7 @@ class RedisStore(Store):
                 at += len(part)
             return result(out)
 
-        return self._handle(cmds, finish, what, label=PULL, earlier=earlier)
+        return self._handle(cmds, finish, what, label=PULL, earlier=earlier, sent=stream)
 
     def _pull_commands(
         self, p: _Pull, step: bytes, epoch: int
@@ -875,10 +903,13 @@ class RedisStore(Store):
         tables = list({id(p.t): p.t for p in pushes}.values())
         earlier = self._unsettled_of(tables)  # their second rounds must run before ours
         steps = self._steps([p.t for p in pushes], "INCR", what, PUSH)
+        stream = _Stream(self._link, what, PUSH)  # each table's calls out as built
+        first: list[Command] = []
         for p, step in zip(pushes, steps, strict=True):
             self._build_push(p, step)
-        first = [c for p in pushes for c in p.first]
-        box: dict[str, Any] = {"batch": self._start(first, what, PUSH)}
+            first.extend(p.first)
+            stream.send(p.first)
+        box: dict[str, Any] = {"batch": stream.batch}
 
         def run(limit: float | None) -> bool:
             """Replies, second round, eviction, counters; True if a second round was sent."""

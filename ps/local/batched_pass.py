@@ -1,0 +1,295 @@
+"""An in-process store's batched requests served whole by the C message passes.
+
+``InProcessStore.pull_many`` and ``push_many`` of 26 tables, part by part in Python,
+pay ~110 us (pull) and ~220 us (push) of fixed cost per table (checks, gathers of rows,
+clocks and state, views, counters) around a few microseconds of rows. The passes of
+:mod:`ps.kernels.message_pass`, which serve an MPI server's batched messages, take the
+same parts from one table of contents: every part checked first, then every part
+served, in C, with the table engine's own row step (the bits of ``LocalTable.push``).
+
+:class:`LocalBatchedPass` keeps the descriptors of the tables it has served (one row
+per table object; a table a load or a create replaced gets a new row after
+:meth:`LocalBatchedPass.reset`), builds a request's table of contents, and splits the
+reply into :class:`ps.PullResult` s. Which requests it takes: pulls of fixed tables,
+and pushes of fixed row-wise Adagrad tables with finite gradients (counts >= 1 and
+statistics finite and >= 0 when counted), on host tensors of the documented dtypes
+and shapes; a push's repeated ids are summed and its parts sorted first by the table
+push's own :func:`ps.local.table.coalesce` (the same sums in the same order). Anything
+else, including every request that would raise, goes the store's Python path, which
+serves it or says what is wrong; locks: every table of a request, taken in one order.
+
+Measured (26 tables x 1 M rows, dim 16, a cache's batched step at bounds (4, 4)): the
+store's share of the step 10.5 -> 4.7 ms (push) and ~6 -> ~4 ms (pull).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TypeGuard
+
+import numpy as np
+import torch
+
+from ps.kernels import message_pass
+from ps.kernels.message_pass import COUNTER_WORDS, TABLE_WORDS
+from ps.local.table import COUNTERS, LocalTable, coalesce, coalesce_counted
+from ps.optimizers import RowWiseAdagrad
+from ps.store import PullRequest, PullResult, PushRequest
+from ps.table import TableSpec
+
+assert len(COUNTERS) == COUNTER_WORDS  # the C passes count in this order
+
+
+def descriptor(
+    engine: LocalTable, spec: TableSpec, ids_map: torch.Tensor | None
+) -> tuple[list[int], list[float]]:
+    """A fixed table's descriptor words and (lr, eps) (layout: ``message_pass.c``):
+    ``engine`` holds the rows of ``spec``'s ids (all of them, or a server's share);
+    ``ids_map`` int32 ``[spec.num_rows]`` maps an id to its local row (-1: another
+    server's), None where the local row is the id."""
+    opt = spec.optimizer
+    state = engine.state  # [rows, S]
+    adagrad = isinstance(opt, RowWiseAdagrad) and state.shape[1] >= 1
+    words = [
+        1,
+        int(spec.num_rows or 0),
+        spec.dim,
+        engine.weights.data_ptr(),
+        state.data_ptr(),
+        state.stride(0),
+        engine.clocks.data_ptr(),
+        0 if ids_map is None else ids_map.data_ptr(),
+        1 if adagrad else 0,
+        spec.state_dim,
+    ]
+    hyper = [opt.lr, opt.eps] if isinstance(opt, RowWiseAdagrad) else [0.0, 0.0]
+    return words, hyper
+
+
+def _host(t: object, dtype: torch.dtype, dims: int) -> TypeGuard[torch.Tensor]:
+    """Whether ``t`` is a host tensor of ``dtype`` with ``dims`` dimensions, no autograd."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.dtype == dtype
+        and t.dim() == dims
+        and t.device.type == "cpu"
+        and not t.requires_grad
+    )
+
+
+class LocalBatchedPass:
+    """Descriptors of an in-process store's fixed tables and the C passes over them."""
+
+    def __init__(self) -> None:
+        self.enabled = message_pass.available()
+        self._lock = threading.Lock()  # guards the registry below
+        self._tables: list[LocalTable] = []  # descriptor row -> table (held: addresses stay valid)
+        self._rows: dict[int, int] = {}  # id(table) -> descriptor row
+        self._words = np.zeros((0, TABLE_WORDS), dtype=np.int64)  # [T, TABLE_WORDS]
+        self._hyper = np.zeros((0, 2), dtype=np.float32)  # [T, 2] lr, eps
+        self.served = 0  # requests these passes served
+
+    def reset(self) -> None:
+        """Forget every descriptor (tables were created, dropped or replaced by a load)."""
+        with self._lock:
+            self._tables, self._rows = [], {}
+            self._words = np.zeros((0, TABLE_WORDS), dtype=np.int64)
+            self._hyper = np.zeros((0, 2), dtype=np.float32)
+
+    def _describe(self, tables: Sequence[LocalTable]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(descriptor row per table [k], words, hyper)``; new tables are added to copies
+        of the arrays, so a pass running on another thread keeps reading its own."""
+        with self._lock:
+            index = np.empty(len(tables), dtype=np.int64)
+            added: list[tuple[list[int], list[float]]] = []
+            for i, t in enumerate(tables):
+                row = self._rows.get(id(t))
+                if row is None:
+                    row = self._rows[id(t)] = len(self._tables)
+                    self._tables.append(t)
+                    added.append(descriptor(t, t.spec, None))
+                index[i] = row
+            if added:
+                self._words = np.concatenate(
+                    [self._words, np.array([w for w, _ in added], dtype=np.int64)]
+                )
+                self._hyper = np.concatenate(
+                    [self._hyper, np.array([h for _, h in added], dtype=np.float32)]
+                )
+            return index, self._words, self._hyper
+
+    # ------------------------------------------------------------ pulls
+
+    def pull(
+        self, tables: Sequence[LocalTable], requests: Sequence[PullRequest]
+    ) -> list[PullResult] | None:
+        """Every request's rows (as ``LocalTable.pull``, with the state where asked), or
+        None: the store serves them in Python (nothing was read or counted)."""
+        k = len(requests)
+        if not self.enabled or k == 0 or any(t.dynamic for t in tables):
+            return None
+        with_state = requests[0].with_state
+        parts: list[np.ndarray] = []
+        for r in requests:
+            if r.with_state != with_state or not _host(r.ids, torch.int64, 1):
+                return None
+            parts.append(r.ids.numpy())
+            if r.clocks is not None or r.bound is not None:
+                b = r.bound
+                if not isinstance(b, int) or isinstance(b, bool) or b < 0:
+                    return None
+                clocks = r.clocks
+                if not _host(clocks, torch.int64, 1) or clocks.shape != r.ids.shape:
+                    return None
+                parts.append(clocks.numpy())
+        index, words, _ = self._describe(tables)
+        toc = np.empty((k, 4), dtype=np.int64)  # table row, n, dim, bound (-1: plain)
+        toc[:, 0] = index
+        toc[:, 1] = [r.ids.shape[0] for r in requests]
+        toc[:, 2] = [t.spec.dim for t in tables]
+        toc[:, 3] = [-1 if r.bound is None else r.bound for r in requests]
+        flat = _joined(parts)
+        counters = np.zeros((words.shape[0], COUNTER_WORDS), dtype=np.int64)
+        with _locked(tables):
+            sizes = message_pass.pull_check(toc, flat, words, with_state)
+            if sizes is None:
+                return None
+            reply = np.empty(sizes[0], dtype=np.int64)
+            rows = np.empty(sizes[1], dtype=np.float32)
+            message_pass.pull_apply(toc, flat, words, counters, reply, rows, 1, with_state)
+            _fold(tables, index, counters)
+        self.served += 1
+        return _results(tables, requests, reply, rows, with_state)
+
+    # ------------------------------------------------------------ pushes
+
+    def push(self, tables: Sequence[LocalTable], requests: Sequence[PushRequest]) -> bool:
+        """Apply every request (as ``LocalTable.push``); False: nothing changed, the store
+        applies them in Python."""
+        k = len(requests)
+        if not self.enabled or k == 0 or any(t.dynamic for t in tables):
+            return False
+        counted = requests[0].counts is not None
+        ids: list[np.ndarray] = []
+        grads: list[np.ndarray] = []
+        counts: list[np.ndarray] = []
+        stats: list[np.ndarray] = []
+        for t, r in zip(tables, requests, strict=True):
+            if not _host(r.ids, torch.int64, 1) or not _host(r.grads, torch.float32, 2):
+                return False
+            n = r.ids.shape[0]
+            if r.grads.shape != (n, t.spec.dim) or (r.counts is not None) != counted:
+                return False
+            # Repeated ids summed and each part sorted by the table push's own functions
+            # (the same sums in the same order; ids already increasing come back as
+            # they are), so the pass's rows get the bits the part-by-part path gives.
+            if counted:
+                k_, q_ = r.counts, r.stats
+                if not _host(k_, torch.int64, 1) or not _host(q_, torch.float32, 2):
+                    return False
+                if k_.shape != (n,) or q_.shape != (n, 1):
+                    return False  # the pass takes row-wise Adagrad's one statistic per row
+                if not _valid_counted(k_.numpy(), q_.numpy()):
+                    return False  # checked before summing: a bad one may sum to a good one
+                u, g, (c, q) = coalesce_counted(r.ids, r.grads, k_, q_)
+                counts.append(c.numpy())
+                stats.append(q.numpy().reshape(-1))
+            elif r.stats is not None:
+                return False
+            else:
+                u, g = coalesce(r.ids, r.grads)
+            ids.append(u.numpy())
+            grads.append(g.numpy().reshape(-1))
+        index, words, hyper = self._describe(tables)
+        toc = np.empty((k, 3), dtype=np.int64)  # table row, n, dim
+        toc[:, 0] = index
+        toc[:, 1] = [a.size for a in ids]
+        toc[:, 2] = [t.spec.dim for t in tables]
+        flat_ids, flat_grads = _joined(ids), _joined(grads)
+        both = (_joined(counts), _joined(stats)) if counted else None
+        counters = np.zeros((words.shape[0], COUNTER_WORDS), dtype=np.int64)
+        with _locked(tables):
+            if not message_pass.push_check(toc, flat_ids, flat_grads, words, both):
+                return False
+            message_pass.push_apply(toc, flat_ids, flat_grads, words, hyper, counters, 1, both)
+            _fold(tables, index, counters)
+        self.served += 1
+        return True
+
+
+def _valid_counted(counts: np.ndarray, stats: np.ndarray) -> bool:
+    """Counts >= 1 and statistics finite and >= 0 (``ps.validate.check_counted``)."""
+    if counts.size == 0:
+        return True
+    with np.errstate(invalid="ignore"):
+        return bool(counts.min() >= 1) and bool((stats >= 0).all() and np.isfinite(stats).all())
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return np.ascontiguousarray(parts[0]) if len(parts) == 1 else np.concatenate(parts)
+
+
+@contextmanager
+def _locked(tables: Sequence[LocalTable]) -> Iterator[None]:
+    """Hold the locks of every distinct table, taken in one global order (no deadlock
+    with another pass over some of the same tables; single-table requests take one)."""
+    distinct = sorted({id(t): t for t in tables}.items())
+    taken: list[threading.Lock] = []
+    try:
+        for _, t in distinct:
+            t.lock.acquire()
+            taken.append(t.lock)
+        yield
+    finally:
+        for lock in reversed(taken):
+            lock.release()
+
+
+def _fold(tables: Sequence[LocalTable], index: np.ndarray, counters: np.ndarray) -> None:
+    """Add a pass's counts (``counters`` ``[T, COUNTER_WORDS]``) to the tables' own."""
+    seen: set[int] = set()
+    for t, row in zip(tables, index.tolist(), strict=True):
+        if row in seen:
+            continue
+        seen.add(row)
+        own = t.counters
+        for name, value in zip(COUNTERS, counters[row].tolist(), strict=True):
+            if value:
+                own[name] += value
+
+
+def _results(
+    tables: Sequence[LocalTable],
+    requests: Sequence[PullRequest],
+    reply: np.ndarray,
+    rows: np.ndarray,
+    with_state: bool,
+) -> list[PullResult]:
+    """Split a pull pass's reply (``[k, 2]`` (m, flags), then each part's clocks [m] and,
+    conditional, positions [m]) and rows (each part's ``[m, dim (+ state_dim)]`` back to
+    back) into results."""
+    k = len(requests)
+    out: list[PullResult] = []
+    at, fat = 2 * k, 0
+    for p, (t, r) in enumerate(zip(tables, requests, strict=True)):
+        m, d = int(reply[2 * p]), t.spec.dim
+        clocks = torch.from_numpy(reply[at : at + m])
+        at += m
+        positions = None
+        if r.bound is not None:
+            positions = torch.from_numpy(reply[at : at + m])
+            at += m
+        if with_state:
+            w = d + t.spec.state_dim
+            block = rows[fat : fat + m * w].reshape(m, w)
+            fat += m * w
+            values = torch.from_numpy(np.ascontiguousarray(block[:, :d]))
+            state = torch.from_numpy(np.ascontiguousarray(block[:, d:]))
+            out.append(PullResult(values, clocks, positions, state))
+        else:
+            values = torch.from_numpy(rows[fat : fat + m * d].reshape(m, d))
+            fat += m * d
+            out.append(PullResult(values, clocks, positions))
+    return out
