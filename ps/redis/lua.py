@@ -409,8 +409,9 @@ def _gsq_columns(kern: _Kernel, dim: int) -> list[str]:
     return lines
 
 
-def push_script(opt: Optimizer, dim: int) -> str:
-    """The push script of a table with optimizer ``opt`` and row width ``dim``.
+def push_script(opt: Optimizer, dim: int, kern: _Kernel | None = None) -> str:
+    """The push script of a table with optimizer ``opt`` and row width ``dim`` (``kern``:
+    its update, by default the optimizer's plain one).
 
     ``KEYS[1]`` rows hash, ``KEYS[2]`` state hash, ``KEYS[3]`` touch zset,
     ``KEYS[4]`` sequence hash. ``ARGV[1]`` unique ids (int64 LE x n), ``ARGV[2]``
@@ -430,7 +431,7 @@ def push_script(opt: Optimizer, dim: int) -> str:
     as the first time); :data:`PUSH_GONE`: the bucket's marker is not the token,
     nothing changes.
     """
-    kern = _kernel(opt, dim)
+    kern = kern or _kernel(opt, dim)
     d4 = 4 * dim
     state_dim = opt.state_dim(dim)
     assert state_dim == len(kern.vectors) * dim + len(kern.scalars)
@@ -608,6 +609,39 @@ def _substep(opt: Optimizer, dim: int) -> list[str]:
     raise NotImplementedError(f"no counted update for {type(opt).__name__}")
 
 
+def _counted_rowwise_adagrad(opt: RowWiseAdagrad, dim: int) -> _Kernel:
+    """Row-wise Adagrad's plain update with a counted row's ``kc`` sub-steps in its row code.
+
+    The sub-steps all move the row along the same mean gradient ``G / kc``, each by its
+    own scalar ``a_j = lr / (sqrt(acc_j) + eps)``: the accumulator takes its ``kc``
+    float32 additions of the mean statistic exactly as ``kc`` pushes would, the scalars
+    are summed in doubles, and the row moves once by ``(sum_j a_j / kc) * G``, rounded
+    to float32 when it is stored, in the plain update's unrolled column code. That is
+    ``kc + D`` operations where the sub-steps take ``kc * D`` float32 roundings (a
+    string pack and unpack each in Lua) in Lua tables, and it differs from ``kc``
+    separate pushes only by their roundings of the row in between: at most ``kc - 1``
+    half-ulps of the row's values (docs/cache.md). A row of one update runs the plain
+    row code, bit for bit."""
+    lr, eps = _num(opt.lr), _num(opt.eps)
+    row = "\n".join(
+        [
+            "local kc = sunpack('<i4', ARGV[12], 4 * i - 3)",
+            "if kc > 1 then",
+            "local qm, c = sunpack('<f', ARGV[13], 4 * i - 3) / kc, 0",
+            "for _ = 1, kc do",
+            "acc = (sunpack('<f', spack('<f', acc + qm)))",  # float32, as a push stores it
+            f"c = c + {lr} / (msqrt(acc) + {eps})",
+            "end",
+            "a = c / kc",
+            "else",
+            f"acc = acc + gsq / {dim}",
+            f"a = {lr} / (msqrt(acc) + {eps})",
+            "end",
+        ]
+    )
+    return _Kernel((), ("acc",), True, row, "w# = w# - a * g#")
+
+
 #: (state vectors in layout order, scalars after them) of each optimizer's counted update.
 def _state_names(opt: Optimizer) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if isinstance(opt, SGD):
@@ -633,6 +667,9 @@ def counted_push_script(opt: Optimizer, dim: int) -> str:
     plain = push_script(opt, dim)
     if opt.sums_exactly():
         return plain  # the step of the sum is the k steps; the client sends it plain
+    if isinstance(opt, RowWiseAdagrad):
+        src = push_script(opt, dim, _counted_rowwise_adagrad(opt, dim))
+        return src.replace("-- hybridrec push:", "-- hybridrec counted push:")
     q = opt.stat_dim(dim)
     vectors, scalars = _state_names(opt)
     d4 = 4 * dim

@@ -144,7 +144,8 @@ def test_counted_pushes_match_inprocess(store: RedisStore, opt: ps.Optimizer, di
     """Counted pushes (counts 1 to 5, repeated ids, plain pushes between) as the in-process
     store applies them (``ps.Optimizer.apply_counted``), within the replay tolerances:
     Redis runs the sub-steps in doubles, rounding every stored value to float32 after each,
-    as separate pushes would; rows of one update take the plain script."""
+    as separate pushes would (row-wise Adagrad: the accumulator so, the row moved once by
+    the sum of the steps); rows of one update take the plain script."""
     rows = 40
     spec = ps.TableSpec(name="t", num_rows=rows, dim=dim, optimizer=opt)
     ref = RecordingStore()
@@ -162,6 +163,41 @@ def test_counted_pushes_match_inprocess(store: RedisStore, opt: ps.Optimizer, di
         store.push_many([req])
         ref.push_many([req])
     _assert_same(store, ref, "t", torch.arange(rows))
+
+
+@pytest.mark.parametrize("k", [2, 4, 5])
+def test_counted_rowwise_adagrad_moves_once_as_k_pushes_would(store: RedisStore, k: int) -> None:
+    """Row-wise Adagrad's counted row: the accumulator takes its ``k`` float32 additions bit
+    for bit as ``k`` separate pushes of the same gradient, and the row moves once by the
+    sum of the ``k`` steps, off the ``k`` pushes' row only by their roundings of the row in
+    between: at most ``k - 1`` half-ulps of the largest row value passed on the way.
+    Dyadic gradients keep the statistic's mean exact (``5 m / 5`` too), so the accumulators
+    are equal; the row's last rounding may differ once more (``(c / k) G`` in doubles)."""
+    dim, rows = 16, 8
+    opt = ps.RowWiseAdagrad(lr=0.5, initial_accumulator=0.25)
+    for name in ("counted", "pushes"):
+        store.create_table(ps.TableSpec(name=name, num_rows=rows, dim=dim, optimizer=opt))
+    ids = torch.arange(rows)
+    gen = torch.Generator().manual_seed(k)
+    g = torch.randint(-8, 9, (rows, dim), generator=gen).float() / 16  # dyadic
+    stat = g.square().mean(1, keepdim=True) * k  # exact: dyadic, dim a power of two
+    counts = torch.full((rows,), k, dtype=torch.int64)
+    # The tables' initial rows differ (hashed with the name): the step does not depend on
+    # the row, so each table's move from its own initial row is compared.
+    init = {name: store.pull(name, ids).rows for name in ("counted", "pushes")}
+    store.push_many([ps.PushRequest("counted", ids, g * k, counts, stat)])
+    for _ in range(k):
+        store.push("pushes", ids, g)
+    assert torch.equal(store.state("counted", ids), store.state("pushes", ids))
+    got, want = store.pull("counted", ids).rows, store.pull("pushes", ids).rows
+    values = torch.cat([got, want, *init.values()]).abs().max()
+    half_ulp = 2.0 ** (math.floor(math.log2(float(values))) - 24)  # of the largest value
+    got, want = got - init["counted"], want - init["pushes"]  # each rounds half an ulp
+    why = (
+        "the k pushes round the row k - 1 times in between, both sides round their last "
+        "value and their subtraction of the initial row: k + 2 <= 2 k half-ulps"
+    )
+    assert_close(got, want, atol=2 * k * half_ulp, what="row moved by k updates", why=why)
 
 
 def test_state_many_reads_every_table_in_one_round(store: RedisStore) -> None:
