@@ -273,23 +273,25 @@ def _results(
     k = len(requests)
     out: list[PullResult] = []
     at, fat = 2 * k, 0
+    # One tensor over each buffer, parts as its slices: every part (an empty one too)
+    # shares the buffer's storage, so parts that lie back to back join without a copy.
+    words, floats = torch.from_numpy(reply), torch.from_numpy(rows)
     for p, (t, r) in enumerate(zip(tables, requests, strict=True)):
         m, d = int(reply[2 * p]), t.spec.dim
-        clocks = torch.from_numpy(reply[at : at + m])
+        clocks = words[at : at + m]
         at += m
         positions = None
         if r.bound is not None:
-            positions = torch.from_numpy(reply[at : at + m])
+            positions = words[at : at + m]
             at += m
         if with_state:
             w = d + t.spec.state_dim
-            block = rows[fat : fat + m * w].reshape(m, w)
+            block = floats[fat : fat + m * w].view(m, w)
             fat += m * w
-            values = torch.from_numpy(np.ascontiguousarray(block[:, :d]))
-            state = torch.from_numpy(np.ascontiguousarray(block[:, d:]))
-            out.append(PullResult(values, clocks, positions, state))
+            out.append(
+                PullResult(block[:, :d].contiguous(), clocks, positions, block[:, d:].contiguous())
+            )
         else:
-            values = torch.from_numpy(rows[fat : fat + m * d].reshape(m, d))
+            out.append(PullResult(floats[fat : fat + m * d].view(m, d), clocks, positions))
             fat += m * d
-            out.append(PullResult(values, clocks, positions))
     return out

@@ -242,3 +242,18 @@ def test_threads_batching_overlapping_tables_do_not_deadlock() -> None:
         clocks = store.clocks(s.name, ids)
         assert int(clocks[1]) == 3 * rounds
         assert int(clocks[0]) == 3 * rounds + singles[s.name] * rounds
+
+
+def test_empty_parts_and_parts_that_join_without_a_copy() -> None:
+    """An empty part beside full ones comes back ``[0, D]``; the parts' rows lie back to back
+    in one buffer, so joining them (as the hybrid tables do) reads the same rows."""
+    mine, ref = _stores(SPECS[:2])
+    ids = torch.tensor([5, 1, 5])
+    got = mine.pull_many(
+        [PullRequest("a", ids[:0]), PullRequest("a", ids), PullRequest("b", ids[:0])]
+    )
+    assert [tuple(g.rows.shape) for g in got] == [(0, 4), (3, 4), (0, 16)]
+    assert [tuple(g.clocks.shape) for g in got] == [(0,), (3,), (0,)]
+    _result_equal(got[1], ref.pull("a", ids), "the full part")
+    joined = torch.as_strided(got[0].rows, (3, 4), (4, 1), got[0].rows.storage_offset())
+    assert_same(joined, got[1].rows, what="rows after an empty part", why=SAME)
