@@ -107,17 +107,19 @@ class TableGroup:
         counts: torch.Tensor | None = None,
         stats: torch.Tensor | None = None,
     ) -> list[PushRequest]:
-        """Per-table pushes of packed ``ids`` ``[P]`` and ``grads`` ``[P, D]`` (any order;
-        each table's rows keep their order), with the ``counts`` ``[P]`` and ``stats``
-        ``[P, Q]`` of a counted push. One stable sort by table (none when the ids come
-        table by table already), then each table's run is a slice."""
+        """Per-table pushes of packed ``ids`` ``[P]`` and ``grads`` ``[P, D]`` (any order),
+        with the ``counts`` ``[P]`` and ``stats`` ``[P, Q]`` of a counted push. One stable
+        sort by packed id (none when they come in order already): by table, then by id,
+        so each table's run is a slice in id order, as every store walks a push (it then
+        sorts nothing), and repeats of an id keep their order (a store sums them so)."""
         packed = ids.numpy()
-        table = np.searchsorted(self.bases, packed, side="right") - 1  # [P]
-        if table.size > 1 and not bool((table[1:] >= table[:-1]).all()):
-            order = torch.from_numpy(np.argsort(table, kind="stable"))
-            ids, grads, table = ids[order], grads.index_select(0, order), table[order.numpy()]
+        if packed.size > 1 and not bool((packed[1:] >= packed[:-1]).all()):
+            order_np = np.argsort(packed, kind="stable")  # [P]
+            order = torch.from_numpy(order_np)
+            ids, grads, packed = ids[order], grads.index_select(0, order), packed[order_np]
             if counts is not None and stats is not None:
                 counts, stats = counts[order], stats.index_select(0, order)
+        table = np.searchsorted(self.bases, packed, side="right") - 1  # [P], increasing
         cuts = np.searchsorted(table, np.arange(len(self.names) + 1))  # [k + 1]
         return [
             PushRequest(
