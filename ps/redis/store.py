@@ -435,22 +435,21 @@ class RedisStore(Store):
     def _handle(
         self,
         cmds: list[Command],
+        sent: _Stream,
         finish: Any,
         what: str,
         *,
         label: str,
         earlier: list[PushSettle] | None = None,
-        sent: _Stream | None = None,
     ) -> Handle:
-        """Start ``cmds`` (a read); the handle's ``wait()`` reads the replies (resending on
-        a lost reply, see :meth:`_replies`) and returns ``finish(replies)``. ``earlier``:
-        this client's pushes on the tables read that were not settled when ``cmds`` were
-        sent: they are settled first, and if one of them had to send a second round
-        (rows it created after ``cmds`` ran), ``cmds`` are sent again, so the read sees
-        every push issued before it. ``sent``: ``cmds`` were already written, part by
-        part, as they were built."""
-        batch = sent.batch if sent is not None else self._start(cmds, what, label)
-        box: dict[str, Any] = {"batch": batch}
+        """A read of ``cmds``, written as ``sent`` (part by part, as they were built); the
+        handle's ``wait()`` reads the replies (resending on a lost reply, see
+        :meth:`_replies`) and returns ``finish(replies)``. ``earlier``: this client's
+        pushes on the tables read that were not settled when ``cmds`` were sent: they are
+        settled first, and if one of them had to send a second round (rows it created
+        after ``cmds`` ran), ``cmds`` are sent again, so the read sees every push issued
+        before it."""
+        box: dict[str, Any] = {"batch": sent.batch}
 
         def block(limit: float) -> None:
             again = self._settle(earlier) if earlier else False
@@ -492,13 +491,6 @@ class RedisStore(Store):
             except Exception:  # noqa: S112 -- reported by that push's own wait()
                 continue
         return again
-
-    def _start(self, cmds: list[Command], what: str, label: str | None) -> Batch | None:
-        """Write ``cmds`` (None if Redis cannot be reached now: :meth:`_replies` retries)."""
-        try:
-            return self._link.start(cmds, what, label)
-        except RedisUnavailableError:
-            return None
 
     def _replies(
         self,
@@ -647,7 +639,7 @@ class RedisStore(Store):
                 at += len(part)
             return result(out)
 
-        return self._handle(cmds, finish, what, label=PULL, earlier=earlier, sent=stream)
+        return self._handle(cmds, stream, finish, what, label=PULL, earlier=earlier)
 
     def _pull_commands(
         self, p: _Pull, step: bytes, epoch: int
