@@ -24,6 +24,14 @@ every run.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+
+# Every temporary file of the session, in this process and in every process a test starts,
+# goes under one folder that the session removes at its end: torchrun keeps a log folder per
+# launch in the temporary directory, which it never removes.
+_SCRATCH = tempfile.mkdtemp(prefix="hybridrec-tests-")
+os.environ["TMPDIR"] = tempfile.tempdir = _SCRATCH
 
 # One torch thread in the pytest process and in every process a test starts (they inherit
 # the environment), unless the caller chose otherwise: the tests' tensors are tiny, and
@@ -43,6 +51,10 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 def rank_battery(tmp_path_factory: pytest.TempPathFactory) -> RankBattery:
     """The embedding and dense multi-rank checks, one launch per (backend, ranks)."""
     return RankBattery(tmp_path_factory.mktemp("rank_battery"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_SCRATCH, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

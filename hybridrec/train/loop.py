@@ -37,6 +37,7 @@ import json
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -270,7 +271,10 @@ class Trainer:
         self.stale_epochs = 0
         self.stopped_early = False
         self._best_dir: Path | None = None  # where the best model is saved
-        self._best_tmp: Path | None = None  # a temporary folder of ours (no checkpoint_dir)
+        # A temporary folder of ours (no checkpoint_dir), removed by close() or, for a
+        # trainer never closed (an exception, a caller that forgets), when it is collected
+        # or the interpreter exits.
+        self._best_tmp: weakref.finalize | None = None
 
     # ---------------------------------------------------------------- helpers
 
@@ -361,8 +365,10 @@ class Trainer:
                 self._best_dir = Path(self.config.checkpoint_dir) / "best"
             else:  # rank 0's random name: every rank sees the folder (one machine)
                 token = shared_token(self.group)
-                self._best_tmp = Path(tempfile.gettempdir()) / f"hybridrec-best-{token:012x}"
-                self._best_dir = self._best_tmp / "model"
+                folder = Path(tempfile.gettempdir()) / f"hybridrec-best-{token:012x}"
+                if self.group.rank == 0:
+                    self._best_tmp = weakref.finalize(self, shutil.rmtree, folder, True)
+                self._best_dir = folder / "model"
         return self._best_dir
 
     def _run_model(self) -> nn.Module:
@@ -603,9 +609,8 @@ class Trainer:
     def close(self) -> Path | None:
         """Close the metrics file and plot it; returns the PNG (None without one). Removes
         the temporary folder of the best model (not ``best/`` under ``checkpoint_dir``)."""
-        if self._best_tmp is not None and self.group.rank == 0:
-            shutil.rmtree(self._best_tmp, ignore_errors=True)
-        self._best_tmp = None
+        if self._best_tmp is not None:
+            self._best_tmp()  # runs once: the folder is gone and the finalizer spent
         if self.log is None:
             return None
         png, self.log = self.log.close(), None
