@@ -7,8 +7,9 @@ Key layout (``P`` = the store's ``prefix``, ``T`` = table name, ``b`` = bucket):
                                 "incarnation"}   (written with SET NX: creation is atomic)
     P:table:T:inc       string  the incarnation token (chosen once, before the meta)
     {P:T:b}:w           hash    id (int64 LE, 8 bytes) -> row float32[D] LE | clock int64 LE,
-                                and "@inc" -> the incarnation token
-    {P:T:b}:s           hash    id -> optimizer state float32[S] LE     (tables with S > 0)
+                                "@inc" -> the incarnation token, "@enc" -> 1 KiB of zeros
+    {P:T:b}:s           hash    id -> optimizer state float32[S] LE,    (tables with S > 0)
+                                "@enc" -> 1 KiB of zeros
     {P:T:b}:t           zset    id -> table step of its last touch      (tables with eviction)
     {P:T:b}:q           hash    worker id -> applied push numbers; @applied, @dup counters
     {P:T}:step          string  pushes applied to the table             (tables with eviction)
@@ -20,6 +21,9 @@ spread over the cluster's nodes. Hashing (rather than ``id // rows_per_bucket``)
 bounds the commands per request by ``buckets`` whatever the ids (dynamic tables
 use arbitrary int64 ids), spreads a hot id range over all nodes, and gives a
 known set of keys (save and stats walk ``buckets`` keys, never KEYS/SCAN).
+
+The "@enc" fields keep every bucket's hashes Redis hash tables (``ps.redis.lua.WIDE``):
+a small hash of short values would be a flat list that each id looks up by a scan.
 
 Rows that are not in Redis read as their initial row (``TableSpec.initial_rows``,
 computed by the client), clock 0, initial state, on fixed and dynamic tables alike:

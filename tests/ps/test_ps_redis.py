@@ -757,6 +757,40 @@ def test_dead_or_hung_redis_fails_fast_with_the_address() -> None:
         store.close()
 
 
+def test_bucket_hashes_are_hash_tables_when_created_and_loaded(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """Every bucket's rows and state hash is a Redis hash table from its creation and
+    after a load (never the compact list Redis keeps small hashes of short values in,
+    where each id is found by a scan): dim 4 rows (24 bytes) and row-wise Adagrad's
+    4-byte state would both be lists. The wide field is not a row: stats, save and
+    load see only the rows. A store on one server makes 8 buckets per table."""
+    spec = ps.TableSpec(name="t", num_rows=1000, dim=4, optimizer=ps.RowWiseAdagrad(lr=0.1))
+    ids = torch.arange(0, 1000, 7)
+    with RedisStore(server.url, prefix=_prefix()) as store:
+        store.create_table(spec)
+        client = server.client()
+        t = store._tables["t"]  # the layout under test: its bucket keys
+        assert t.buckets == 8
+
+        def encodings() -> set[bytes]:
+            return {client.object("encoding", k) for k in t.w_keys + t.s_keys}
+
+        assert encodings() == {b"hashtable"}
+        store.push("t", ids, torch.ones(ids.numel(), 4))
+        assert store.stats()["t"]["rows_stored"] == ids.numel()
+        before = store.pull("t", ids), store.state("t", ids)
+        store.save(tmp_path / "ck")
+        store.load(tmp_path / "ck")
+        t = store._tables["t"]
+        assert encodings() == {b"hashtable"}
+        assert store.stats()["t"]["rows_stored"] == ids.numel()
+        after = store.pull("t", ids), store.state("t", ids)
+        assert torch.equal(before[0].rows, after[0].rows)
+        assert torch.equal(before[0].clocks, after[0].clocks)
+        assert torch.equal(before[1], after[1])
+
+
 def test_stats_counts_rows_and_requests(store: RedisStore) -> None:
     spec = ps.TableSpec(name="t", num_rows=100, dim=4, optimizer=ps.RowWiseAdagrad(lr=0.1))
     store.create_table(spec)
