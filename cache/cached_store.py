@@ -66,6 +66,7 @@ from typing import Any
 import torch
 
 from cache.config import CacheConfig
+from cache.joined_fetch import Joined, join
 from cache.table_cache import Fetch, TableCache
 from cache.table_group import GroupClocks, TableGroup
 from comm import Handle, boundary
@@ -335,7 +336,9 @@ class CachedStore(Store):
                 passed[k] = len(inner)
                 inner.append(r)
         fetches: dict[str, tuple[TableCache, Fetch]] = {}
-        routes: list[tuple[Fetch, TableGroup | None, list[tuple[int, int]]]] = []
+        # (fetches, how to split a joined reply, group, route) of each request sent
+        routes: list[tuple[list[Fetch], Joined | None, TableGroup | None, list[tuple[int, int]]]]
+        routes = []
         for name, parts in wanted.items():
             tc, group = self._caches[name], self._groups.get(name)
             with tc.lock:
@@ -344,13 +347,23 @@ class CachedStore(Store):
                     f.follow = tc.plan(tc.deferred, prefetch=True, exclude=f.uniq)
                     tc.deferred = None
                 tc.inflight = f
-            for g in (f, f.follow):
-                if g is not None and g.request is not None:
-                    routes.append((g, group, self._route(g.request, group, inner)))
+            asks = [g for g in (f, f.follow) if g is not None and g.request is not None]
+            reqs = [g.request for g in asks if g.request is not None]
+            both = join(reqs[0], reqs[1]) if len(reqs) == 2 else None
+            if both is not None:  # one request for the pull and its prefetch
+                joined, halves = both
+                routes.append((asks, halves, group, self._route(joined, group, inner)))
+            else:
+                for g, r in zip(asks, reqs, strict=True):
+                    routes.append(([g], None, group, self._route(r, group, inner)))
             fetches[name] = tc, f
         batch = self.inner.pull_many_async(inner) if inner else None
-        for g, group, route in routes:
-            g.handle = _routed_handle(batch, route, group)
+        for asked, joined_at, group, route in routes:
+            handle = _routed_handle(batch, route, group)
+            if joined_at is None:
+                asked[0].handle = handle
+            else:
+                asked[0].handle, asked[1].handle = _split_handles(handle, joined_at)
 
         def finish() -> list[PullResult]:
             served: dict[str, PullResult] = {}
@@ -660,6 +673,25 @@ def _finite_rows_only(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Ten
     the rows holding NaN or Inf."""
     ok = finite_rows(grads)  # [N]
     return (ids, grads) if bool(ok.all()) else (ids[ok], grads[ok])
+
+
+def _split_handles(joined: Handle, where: Joined) -> tuple[Handle, Handle]:
+    """The replies to the two requests of a joined one (``joined``: its reply), split once."""
+    parts: list[tuple[PullResult, PullResult]] = []
+
+    def part(k: int) -> Handle:
+        def block(limit: float) -> None:
+            joined.wait(None if math.isinf(limit) else limit)
+
+        def finish() -> PullResult:
+            if not parts:
+                parts.append(where.split(joined.wait()))
+            return parts[0][k]
+
+        return Handle(joined.is_completed, finish, what="cached pull", timeout_s=math.inf,
+                      block=block)  # fmt: skip
+
+    return part(0), part(1)
 
 
 def _routed_handle(
