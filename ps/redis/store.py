@@ -201,7 +201,7 @@ class _Stream:
 #: over every node of a cluster of up to ~16 masters.
 CLUSTER_BUCKETS = 64
 #: Buckets per table on one Redis server, where they spread nothing: each bucket a step
-#: touches costs a pull and a push command with fixed work on both sides (~40 us in the
+#: touches costs a pull and a push command with fixed work on both sides (~20 us in the
 #: push script, ~10 us of packing and parsing in the client), so fewer buckets make a
 #: step of ~1 k ids per table faster (measured, 8 tables x 100 k rows: 64 -> 8 buckets
 #: took an uncached step from 95 to 59 ms and a cached one from 73 to 50 ms).
