@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import pytest
 import torch
 
 import cache
 import ps
+from cache.policy import FREE, EvictionPolicy
 from ps_reference import WHY as REPLAY
 from ps_reference import RecordingStore
 from tolerance import assert_close, assert_same, served_tol
@@ -335,3 +337,35 @@ def test_evicted_pending_updates_are_pushed_never_dropped() -> None:
     # Rows from 0, lr 1/2, multiples of 1/8: every partial sum and update is exact.
     exact = "SGD lr 1/2 from 0 on multiples of 1/8: every sum exact in float32"
     assert_same(inner.pull("t", every).rows, -0.5 * total, what="rows after flush", why=exact)
+
+
+@pytest.mark.parametrize("kind", ["lru", "lfu"])
+@pytest.mark.parametrize("seed", range(3))
+def test_victim_search_equals_partitioning_every_key(kind: str, seed: int) -> None:
+    """``EvictionPolicy.victims`` (a strided sample bounds the k smallest keys, then one
+    pass collects them) picks exactly the slots a partition of every key picks: the k
+    smallest keys among the evictable, unprotected slots, ties at the k-th by smaller row
+    id, over many ties (few distinct ticks and frequencies) and every k."""
+    rng = np.random.default_rng(seed)
+    c, tick = 300_000, 50  # large enough that the sample is one key in 4
+    policy = EvictionPolicy(c, kind)
+    last = rng.integers(0, tick + 3, c)  # some used at or after tick: not evictable
+    freq = rng.integers(0, 4, c) if policy.lfu else np.zeros(c, dtype=np.int64)
+    policy.key[:] = (freq << 32) + last if policy.lfu else last
+    policy.key[rng.integers(0, c, c // 50)] = FREE
+    row_id = rng.permutation(10 * c)[:c].astype(np.int64)
+    protect = rng.integers(0, c, c // 20)
+
+    def by_partition(k: int) -> np.ndarray:
+        key = np.where(policy.evictable(tick), policy.key, FREE)
+        key[protect] = FREE
+        if k >= int(np.count_nonzero(key != FREE)):
+            return np.flatnonzero(key != FREE)
+        cut = np.partition(key, k - 1)[k - 1]
+        below, at = np.flatnonzero(key < cut), np.flatnonzero(key == cut)
+        at = at[np.argsort(row_id.take(at), kind="stable")][: k - below.size]
+        return np.concatenate([below, at])
+
+    for k in (1, 3, 1000, c // 16, c // 5, c // 2, c):
+        got = policy.victims(k, tick, protect, row_id)
+        assert np.array_equal(got, by_partition(k)), k
