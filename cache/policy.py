@@ -16,7 +16,7 @@ remaining ties: the smaller row id first. An empty slot holds ``FREE``. The low
 (uses since the row entered the cache) lives in the slot's record
 (:mod:`cache.table_cache`) and is passed in.
 
-A search is O(capacity) (one ``np.partition`` over the keys), which is why the
+A search is O(capacity) (a few passes over the keys; :func:`_smallest_keys`), which is why the
 cache evicts in chunks (:meth:`cache.CacheConfig.chunk`); a use is one scatter.
 TinyLFU evicts only rows that a candidate beats, so instead of evicting a chunk it
 keeps the chunk it found as a *pool* of victims in key order
