@@ -17,6 +17,7 @@ derives each comparison's tolerance from the fp32 reference's own rounding error
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -90,6 +91,39 @@ class Reference:
             else:
                 # bag starts [B]; per-id weights only in sum mode
                 out[feat] = mod(j.ids, j.offsets()[:-1], per_sample_weights=weights)
+            if out[feat].requires_grad:
+                out[feat].register_hook(self._keep(feat))
+        self.out_grads: dict[str, torch.Tensor] = {}
+        return out
+
+    def _keep(self, feat: str) -> Callable[[torch.Tensor], None]:
+        def keep(g: torch.Tensor) -> None:
+            self.out_grads[feat] = g.detach()
+
+        return keep
+
+    def grad_magnitude(self, kjt: KeyedJaggedIds, name: str) -> torch.Tensor:
+        """``[rows, D]``: each element's ``sum_i |w_i| |t_i|`` over the occurrences of its
+        row in ``kjt`` (``t_i`` the gradient of the output the occurrence pools into,
+        ``w_i`` its weight, ``1/len`` for a mean), after the last backward: what bounds
+        the rounding of the row's gradient in any order, however its terms cancel."""
+        t = self.tables[name]
+        out = torch.zeros(t.num_rows or 0, t.dim, dtype=torch.float64)
+        for feat in t.feature_names:
+            if feat not in kjt or feat not in self.out_grads:
+                continue
+            j = kjt[feat]
+            grads = self.out_grads[feat].to(torch.float64).abs()
+            if t.pooling == "none":
+                per_id = grads.reshape(-1, t.dim)  # [N, D]
+            else:
+                lengths = j.offsets()[1:] - j.offsets()[:-1]  # [B]
+                per_id = grads.repeat_interleave(lengths, dim=0)  # [N, D]
+                if t.pooling == "mean":
+                    per_id = per_id / lengths.repeat_interleave(lengths).unsqueeze(1)
+            if j.weights is not None:
+                per_id = per_id * j.weights.to(torch.float64).abs().unsqueeze(1)
+            out.index_add_(0, j.ids, per_id)
         return out
 
     def step(self, kjt: KeyedJaggedIds) -> None:
@@ -168,6 +202,18 @@ class Replayed:
             for t in tables
             if isinstance(t.optimizer, ps.Adam)
         }
+        # Row-wise Adagrad tables: how far a run's accumulators may be from the reference's
+        # because each step's gradient is only within d of it, [rows]
+        self.acc_drift = {
+            t.name: torch.zeros(t.num_rows or 0, dtype=torch.float64)
+            for t in tables
+            if isinstance(t.optimizer, ps.RowWiseAdagrad)
+        }
+        # ... and their rows, [rows, dim]
+        self.rows_drift = {
+            name: torch.zeros(len(acc), self.ref64.tables[name].dim, dtype=torch.float64)
+            for name, acc in self.acc_drift.items()
+        }
 
     def forward(
         self, kjt: KeyedJaggedIds
@@ -185,9 +231,40 @@ class Replayed:
         for name in self.drift:
             g, g64 = self.ref.weight[name].grad, self.ref64.weight[name].grad
             if g is not None and g64 is not None:
-                grad_tol[name] = REPLAY_FACTOR * float((g.double() - g64.double()).abs().max())
+                measured = REPLAY_FACTOR * float((g.double() - g64.double()).abs().max())
+                # never below the bound of any order of addition (terms may cancel)
+                mags = self.ref64.grad_magnitude(kjt, name)
+                most = float(mags.max()) if mags.numel() else 0.0
+                grad_tol[name] = max(measured, sum_tol(torch.float32, self.occ[name] + 2, most))
+        d_acc: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # |g|, d per element
+        for name, acc_drift in self.acc_drift.items():
+            # A gradient whose terms nearly cancel (the same id twice in a bag with
+            # weights of opposite sign) is only within d = sum_tol(its terms' magnitudes)
+            # of the reference's in another order of addition, however small the
+            # reference's own error was by chance; mean(g^2) then moves by at most
+            # 2 |g| d + d^2 per element.
+            g64 = self.ref64.weight[name].grad
+            if g64 is None:
+                continue
+            d = sum_tol(torch.float32, self.occ[name] + 2, 1.0) * self.ref64.grad_magnitude(
+                kjt, name
+            )  # [rows, D]
+            acc_drift += (2 * g64.detach().abs() * d + d * d).max(dim=1).values
+            d_acc[name] = (g64.detach().abs(), d)
         self.ref.step(kjt)
         self.ref64.step(kjt)
+        for name, (g_abs, d) in d_acc.items():
+            # The row moves by lr g / (s + eps), s = sqrt(acc): a run's g within d and its
+            # s within sqrt(acc_drift) (|sqrt(a) - sqrt(b)| <= sqrt(|a - b|)) moves it by
+            # at most lr (d + |g| ds / (s - ds + eps)) / (s - ds + eps) per element.
+            opt = self.ref64.tables[name].optimizer
+            assert isinstance(opt, ps.RowWiseAdagrad)
+            s_now = self.ref64.acc[name].sqrt().unsqueeze(1)  # [rows, 1]
+            ds = self.acc_drift[name].sqrt().unsqueeze(1)
+            low = (s_now - ds).clamp(min=0) + opt.eps
+            touched = (g_abs > 0) | (d > 0)
+            bound = opt.lr * (d + g_abs * ds / low) / low
+            self.rows_drift[name] += torch.where(touched, bound, torch.zeros_like(bound))
         for name, d in grad_tol.items():
             opt = self.ref64.tables[name].optimizer
             assert isinstance(opt, ps.Adam)
@@ -260,7 +337,7 @@ class Replayed:
         """Table ``name``'s rows."""
         terms = self.occ[name] + UPDATE_ROUNDINGS
         w, w64 = self.ref.weight[name].detach(), self.ref64.weight[name].detach()
-        drift = self.drift.get(name)
+        drift = self.drift.get(name, self.rows_drift.get(name))
         extra = float(drift.max()) if drift is not None and drift.numel() else 0.0
         return replay_tol(w, w64, floor_terms=terms) + extra
 
@@ -269,4 +346,6 @@ class Replayed:
         s, s64 = self.ref.state(name), self.ref64.state(name)
         assert s is not None and s64 is not None
         terms = 2 * self.occ[name] + self.ref.tables[name].dim + UPDATE_ROUNDINGS
-        return replay_tol(s, s64, floor_terms=terms)
+        drift = self.acc_drift.get(name)
+        extra = float(drift.max()) if drift is not None and drift.numel() else 0.0
+        return replay_tol(s, s64, floor_terms=terms) + extra
