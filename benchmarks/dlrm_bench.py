@@ -55,7 +55,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -598,27 +598,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with contextlib.ExitStack() as servers:
         redis_url = None
         if any(n in REDIS_VARIANTS for n in names):
-            redis_url = servers.enter_context(_redis_server(log))
+            # A redis-server of the bench's own on a free loopback port, as the tests
+            # start it; without a binary the Redis variants say why.
+            from _ps_bench_redis import _server
+
+            try:
+                redis_url = servers.enter_context(_server(None))
+            except RuntimeError as e:
+                log(f"redis variants: skipped ({e})")
         return _run(args, cfg, names, redis_url, log)
-
-
-@contextlib.contextmanager
-def _redis_server(log: Callable[[str], None]) -> Iterator[str | None]:
-    """A redis-server of the bench's own on a free loopback port, as the tests start it;
-    None (the Redis variants then say why) where there is no binary."""
-    from _ps_bench_redis import _server
-
-    try:
-        server = _server(None)
-        url = server.__enter__()
-    except RuntimeError as e:
-        log(f"redis variants: skipped ({e})")
-        yield None
-        return
-    try:
-        yield url
-    finally:
-        server.__exit__(None, None, None)
 
 
 def _run(

@@ -37,6 +37,7 @@ class Reference:
         self.acc: dict[str, torch.Tensor] = {}
         self.adam: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.torch_opt: dict[str, torch.optim.Optimizer] = {}
+        self.out_grads: dict[str, torch.Tensor] = {}  # the last backward's, per feature
         for t in tables:
             assert t.num_rows is not None
             spec = t.to_spec()
@@ -93,7 +94,7 @@ class Reference:
                 out[feat] = mod(j.ids, j.offsets()[:-1], per_sample_weights=weights)
             if out[feat].requires_grad:
                 out[feat].register_hook(self._keep(feat))
-        self.out_grads: dict[str, torch.Tensor] = {}
+        self.out_grads = {}
         return out
 
     def _keep(self, feat: str) -> Callable[[torch.Tensor], None]:
@@ -262,9 +263,7 @@ class Replayed:
             s_now = self.ref64.acc[name].sqrt().unsqueeze(1)  # [rows, 1]
             ds = self.acc_drift[name].sqrt().unsqueeze(1)
             low = (s_now - ds).clamp(min=0) + opt.eps
-            touched = (g_abs > 0) | (d > 0)
-            bound = opt.lr * (d + g_abs * ds / low) / low
-            self.rows_drift[name] += torch.where(touched, bound, torch.zeros_like(bound))
+            self.rows_drift[name] += opt.lr * (d + g_abs * ds / low) / low  # 0 where untouched
         for name, d in grad_tol.items():
             opt = self.ref64.tables[name].optimizer
             assert isinstance(opt, ps.Adam)
