@@ -56,6 +56,7 @@ a push sees it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -73,7 +74,7 @@ from comm import Handle, boundary
 from comm.device import exact_device
 from ps import PullRequest, PullResult, PushRequest, Store, TableSpec
 from ps.store import check_requests, first_of
-from ps.validate import all_finite, check_grads, check_ids, finite_rows
+from ps.validate import all_finite, check_grads, check_id_tensor, check_ids, finite_rows
 
 
 class CachedStore(Store):
@@ -189,9 +190,19 @@ class CachedStore(Store):
 
     def _packed(self, table: str, ids: torch.Tensor, what: str) -> torch.Tensor:
         """``ids`` checked against ``table`` and, for a shared cache, packed (int64 CPU)."""
-        tc, group = self._member(table)
-        ids = check_ids(self._specs[table], ids, what).cpu()
-        return ids if group is None else group.pack(table, ids)
+        return self._pack(self._members[table], [(table, ids)], what)[0]
+
+    def _pack(
+        self, name: str, parts: list[tuple[str, object]], what: str
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The ids of ``parts`` (``(table, ids)`` of tables cached by ``name``), checked
+        and, for a shared cache, packed, one part after the other: ``(ids [N] int64 CPU,
+        sizes)``. A shared cache checks and packs all its tables' parts at once."""
+        group = self._groups.get(name)
+        if group is not None:
+            return group.pack_many(parts, what)
+        ids = [check_ids(self._specs[t], x, what).cpu() for t, x in parts]
+        return (ids[0] if len(ids) == 1 else torch.cat(ids)), [int(x.numel()) for x in ids]
 
     def _route(
         self, request: PullRequest, group: TableGroup | None, inner: list[PullRequest]
@@ -305,23 +316,29 @@ class CachedStore(Store):
         # count) into the packed ids the cache is asked for (tables of a shared cache
         # are asked together, one after the other).
         places: list[tuple[str | None, Any, int]] = []
-        wanted: dict[str, list[torch.Tensor]] = {}  # cache name -> ids, request order
-        seen: set[str] = set()
+        by_cache: dict[str, list[tuple[str, object]]] = {}  # cache name -> (table, ids)
         for r in reqs:
             if r.clocks is not None or r.bound is not None:
                 places.append((None, r, 0))
                 continue
-            ids = self._packed(r.table, r.ids, "pull")
-            if r.table in seen:
+            name = self._members[r.table]
+            mine = by_cache.setdefault(name, [])
+            if any(t == r.table for t, _ in mine):
                 raise ValueError(
                     f"cached pull_many: table {r.table!r} appears twice; a batch through "
                     "the cache asks each table once (concatenate its ids)"
                 )
-            seen.add(r.table)
-            name = self._members[r.table]
-            parts = wanted.setdefault(name, [])
-            places.append((name, sum(int(p.numel()) for p in parts), int(ids.numel())))
-            parts.append(ids)
+            places.append((name, len(mine), 0))  # (part number: offsets below)
+            mine.append((r.table, r.ids))
+        wanted: dict[str, torch.Tensor] = {}  # cache name -> its packed ids, request order
+        starts: dict[str, list[int]] = {}  # cache name -> where each part starts, its end
+        for name, mine in by_cache.items():
+            wanted[name], sizes = self._pack(name, mine, "pull")
+            starts[name] = [0, *itertools.accumulate(sizes)]
+        for k, (where, part, _) in enumerate(places):
+            if where is not None:
+                at = starts[where]
+                places[k] = (where, at[part], at[part + 1] - at[part])
         caches = [self._caches[name] for name in wanted]
         for c in caches:
             with c.lock:
@@ -339,10 +356,10 @@ class CachedStore(Store):
         # (fetches, how to split a joined reply, group, route) of each request sent
         routes: list[tuple[list[Fetch], Joined | None, TableGroup | None, list[tuple[int, int]]]]
         routes = []
-        for name, parts in wanted.items():
+        for name, ids in wanted.items():
             tc, group = self._caches[name], self._groups.get(name)
             with tc.lock:
-                f = tc.plan(parts[0] if len(parts) == 1 else torch.cat(parts), prefetch=False)
+                f = tc.plan(ids, prefetch=False)
                 if tc.deferred is not None:
                     f.follow = tc.plan(tc.deferred, prefetch=True, exclude=f.uniq)
                     tc.deferred = None
@@ -399,15 +416,14 @@ class CachedStore(Store):
         anything: they ride on the next pull of each table (:meth:`pull_many_async`),
         in the same message, and are installed right after it. A later call replaces
         a table's ids that have not ridden yet."""
-        wanted: dict[str, list[torch.Tensor]] = {}
+        by_cache: dict[str, list[tuple[str, object]]] = {}  # cache name -> (table, ids)
         reqs = check_requests(requests, PullRequest, "prefetch_many")
         self._ensure([r.table for r in reqs])
         for r in reqs:
-            ids = self._packed(r.table, r.ids, "prefetch")
-            wanted.setdefault(self._members[r.table], []).append(ids)
-        for name, parts in wanted.items():
+            by_cache.setdefault(self._members[r.table], []).append((r.table, r.ids))
+        wanted = {name: self._pack(name, mine, "prefetch")[0] for name, mine in by_cache.items()}
+        for name, ids in wanted.items():
             tc = self._caches[name]
-            ids = parts[0] if len(parts) == 1 else torch.cat(parts)
             with tc.lock:
                 tc.deferred = ids if ids.numel() > 0 else None
 
@@ -446,13 +462,24 @@ class CachedStore(Store):
         The returned handle is complete: the updates are in the cache."""
         reqs = check_requests(requests, PushRequest, "push_many")
         self._ensure([r.table for r in reqs])
-        specs, ids_of, grads_of = [], [], []
-        for r in reqs:
-            spec = self._specs[r.table]
-            ids = check_ids(spec, r.ids, "push").cpu()
-            specs.append(spec)
-            ids_of.append(ids)
-            grads_of.append(check_grads(spec, ids, r.grads, finite=False).detach())
+        specs = [self._specs[r.table] for r in reqs]
+        ids_of = [check_id_tensor(s, r.ids, "push").cpu() for s, r in zip(specs, reqs, strict=True)]
+        # Every cache's ids range-checked and packed at once: (cache name, packed ids).
+        by_cache: dict[str, list[tuple[str, object]]] = {}  # cache name -> (table, ids)
+        where = []  # [R] (cache name, part number) of each request
+        for r, ids in zip(reqs, ids_of, strict=True):
+            mine = by_cache.setdefault(self._members[r.table], [])
+            where.append((self._members[r.table], len(mine)))
+            mine.append((r.table, ids))
+        split = {}
+        for name, mine in by_cache.items():
+            packed_all, sizes = self._pack(name, mine, "push")
+            split[name] = packed_all.split(sizes)  # [R'] views, one per part
+        packed_of = [split[name][k] for name, k in where]
+        grads_of = [
+            check_grads(s, i, r.grads, finite=False).detach()
+            for s, i, r in zip(specs, ids_of, reqs, strict=True)
+        ]
         grads_of = self._where_rows_are(grads_of)
         skip = [
             s.nan_policy == "skip" and g.numel() > 0 for s, g in zip(specs, grads_of, strict=True)
@@ -460,17 +487,15 @@ class CachedStore(Store):
         if self.device is None:
             kept = [
                 _finite_rows_only(i, g) if k else (i, g)
-                for i, g, k in zip(ids_of, grads_of, skip, strict=True)
+                for i, g, k in zip(packed_of, grads_of, skip, strict=True)
             ]
         else:  # every table's verdict at once; a non-finite one raises here
-            kept = self._finite_on_device(specs, ids_of, grads_of, skip)
+            kept = self._finite_on_device(specs, packed_of, grads_of, skip, ids_of)
         # Per cache: (packed ids, grads, spec, ids) of each request, in request order.
         checked: dict[str, list[tuple[torch.Tensor, torch.Tensor, TableSpec, torch.Tensor]]]
         checked = {}
-        for r, spec, (ids, grads) in zip(reqs, specs, kept, strict=True):
-            tc, group = self._member(r.table)
-            packed = ids if group is None else group.pack(r.table, ids)
-            checked.setdefault(tc.name, []).append((packed, grads, spec, ids))
+        for (name, _), spec, (packed, grads), ids in zip(where, specs, kept, ids_of, strict=True):
+            checked.setdefault(name, []).append((packed, grads, spec, ids))
         # Host records: every cache's gradients are checked finite before any is applied,
         # once per cache (numpy's test over the concatenation); only a failed check
         # looks for the table and row to name.
@@ -480,7 +505,8 @@ class CachedStore(Store):
             grads = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
             if self.device is None and grads.numel() > 0 and not all_finite(grads):
                 for _, g, spec, raw in parts:  # skip-policy parts were filtered above
-                    check_grads(spec, raw, g, finite=True)  # raises, naming the row
+                    if spec.nan_policy != "skip":
+                        check_grads(spec, raw, g, finite=True)  # raises, naming the row
             merged.append((name, ids, grads))
         caches = []
         for name, ids, grads in merged:
@@ -513,10 +539,12 @@ class CachedStore(Store):
         ids: list[torch.Tensor],
         grads: list[torch.Tensor],
         skip: list[bool],
+        named: list[torch.Tensor],
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every request's ``(ids, grads)`` once checked finite, for gradients on the
         cache's device: a ``nan_policy="skip"`` table's non-finite rows dropped, any other
-        table's raising, naming the row, before anything is applied. The verdicts (one
+        table's raising, naming the row (its id among the request's own ids ``named``),
+        before anything is applied. The verdicts (one
         for all the other tables' gradients together, one per skip table, whose per-row
         test stays on the device) are read back at once: one host sync on a GPU for
         every table. Only a non-finite gradient costs more (its table's row mask to the
@@ -530,7 +558,7 @@ class CachedStore(Store):
             return list(zip(ids, grads, strict=True))
         verdicts = boundary.read(torch.stack(flags))  # [skip tables (+ 1)]
         if len(verdicts) > len(rows_ok) and not verdicts[-1]:
-            for spec, i, g, dropping in zip(specs, ids, grads, skip, strict=True):
+            for spec, i, g, dropping in zip(specs, named, grads, skip, strict=True):
                 if not dropping:
                     check_grads(spec, i, g, finite=True)  # raises, naming the row
         out = list(zip(ids, grads, strict=True))

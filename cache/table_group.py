@@ -15,13 +15,15 @@ its requests back into per-table requests for the store and their replies into o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from ps import PullRequest, PullResult, PushRequest, Store, TableSpec
+from ps.validate import check_id_tensor, check_ids
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -31,6 +33,8 @@ class TableGroup:
     names: tuple[str, ...]
     bases: np.ndarray  # int64 [k + 1]: where each table's packed ids start; the last: total
     spec: TableSpec  # the packed table the cache sees (first member's optimizer)
+    members: tuple[TableSpec, ...]  # [k] the tables, in ``names`` order
+    at: dict[str, int] = field(default_factory=dict)  # name -> index in ``names``
 
     @classmethod
     def of(cls, specs: list[TableSpec]) -> TableGroup:
@@ -47,14 +51,39 @@ class TableGroup:
         bases = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         names = tuple(s.name for s in specs)
         spec = replace(specs[0], name="+".join(names), num_rows=int(bases[-1]))
-        return cls(names, bases, spec)
+        return cls(names, bases, spec, tuple(specs), {n: i for i, n in enumerate(names)})
 
     def index(self, table: str) -> int:
-        return self.names.index(table)
+        return self.at[table]
 
     def pack(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Packed ids of ``table``'s ``ids`` (checked ids, int64 ``[N]``)."""
         return ids + int(self.bases[self.index(table)])
+
+    def pack_many(
+        self, parts: Sequence[tuple[str, object]], op: str
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Several member tables' ids checked (as :func:`ps.validate.check_ids` checks
+        them, with its words) and packed, one part after the other: ``(packed [N], sizes
+        [k])``. One range check and one offset add for all parts (per-table tensor calls
+        cost more than a step's ~1 k ids a table): a segment min and max against each
+        part's table size; only a failed check looks at its part again, to name the id."""
+        tables = [self.at[t] for t, _ in parts]
+        ids = [check_id_tensor(self.members[self.at[t]], x, op).cpu() for t, x in parts]
+        sizes = [int(x.numel()) for x in ids]
+        flat = (ids[0] if len(ids) == 1 else torch.cat(ids)).numpy()  # [N]
+        if flat.size == 0:
+            return torch.from_numpy(flat.copy()), sizes
+        rows = np.diff(self.bases)[tables]  # [k] each part's table size
+        filled = np.flatnonzero(sizes)  # parts with ids (reduceat needs non-empty runs)
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])[filled]
+        lo, hi = np.minimum.reduceat(flat, starts), np.maximum.reduceat(flat, starts)
+        bad = np.flatnonzero((lo < 0) | (hi >= rows[filled]))
+        if bad.size:
+            k = int(filled[bad[0]])
+            check_ids(self.members[tables[k]], ids[k], op)  # raises, naming the id
+        offset = np.repeat(self.bases[tables], sizes)  # [N] each id's table base
+        return torch.from_numpy(flat + offset), sizes
 
     def unpack(self, table: str, packed: torch.Tensor) -> torch.Tensor:
         """``table``'s ids among ``packed`` ids (those outside the table are dropped)."""
@@ -71,15 +100,23 @@ class TableGroup:
             if cuts[i + 1] > cuts[i]
         ]
 
+    def _bases_of(self, packed: np.ndarray, segments: list[tuple[int, int, int]]) -> np.ndarray:
+        """The table base of each of the sorted ``packed`` ids ``[N]``, whose runs are
+        ``segments`` (from :meth:`_segments`): int64 ``[N]``."""
+        tables = [i for i, _, _ in segments]
+        return np.repeat(self.bases[tables], [b - a for _, a, b in segments])
+
     def split_pull(self, request: PullRequest) -> list[tuple[int, PullRequest]]:
         """The per-table requests of a pull of sorted packed ids: ``(start, request)``
         with ``start`` the position of the table's first id in ``request.ids``."""
         packed = request.ids.numpy()
         if packed.size > 1 and not bool((packed[1:] >= packed[:-1]).all()):
             raise ValueError(f"table group {self.spec.name!r}: pull ids must be sorted")
+        segments = self._segments(packed)
+        local = torch.from_numpy(packed - self._bases_of(packed, segments))  # [N] table ids
         out = []
-        for i, a, b in self._segments(packed):
-            ids = request.ids[a:b] - int(self.bases[i])
+        for i, a, b in segments:
+            ids = local[a:b]
             clocks = None if request.clocks is None else request.clocks[a:b]
             out.append(
                 (a, PullRequest(self.names[i], ids, clocks, request.bound, request.with_state))
@@ -119,18 +156,17 @@ class TableGroup:
             ids, grads, packed = ids[order], grads.index_select(0, order), packed[order_np]
             if counts is not None and stats is not None:
                 counts, stats = counts[order], stats.index_select(0, order)
-        table = np.searchsorted(self.bases, packed, side="right") - 1  # [P], increasing
-        cuts = np.searchsorted(table, np.arange(len(self.names) + 1))  # [k + 1]
+        segments = self._segments(packed)
+        local = torch.from_numpy(packed - self._bases_of(packed, segments))  # [P] table ids
         return [
             PushRequest(
                 self.names[i],
-                ids[a:b] - int(self.bases[i]),
+                local[a:b],
                 grads[a:b],
                 None if counts is None else counts[a:b],
                 None if stats is None else stats[a:b],
             )
-            for i, (a, b) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True))
-            if b > a
+            for i, a, b in segments
         ]
 
 

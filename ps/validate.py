@@ -23,6 +23,21 @@ def unknown_table(name: object, known: Iterable[str]) -> ValueError:
 
 def check_ids(spec: TableSpec, ids: object, op: str) -> torch.Tensor:
     """``ids`` must be a 1-D int64 tensor; of a fixed table, in ``[0, num_rows)``; returns it."""
+    ids = check_id_tensor(spec, ids, op)
+    if ids.numel() > 0 and spec.num_rows is not None:
+        lo, hi = torch.aminmax(ids)  # two scalars: cheaper than a [N] bool mask on the good path
+        if int(lo) < 0 or int(hi) >= spec.num_rows:
+            pos = int(torch.nonzero((ids < 0) | (ids >= spec.num_rows))[0, 0])
+            raise ValueError(
+                f"{op} table {spec.name!r}: id {int(ids[pos])} at position {pos} is out of "
+                f"range; valid ids are [0, {spec.num_rows})"
+            )
+    return ids
+
+
+def check_id_tensor(spec: TableSpec, ids: object, op: str) -> torch.Tensor:
+    """:func:`check_ids` without the range check (a caller checking the range of several
+    tables' ids at once): ``ids`` must be a 1-D int64 tensor; returns it."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(
             f"{op} table {spec.name!r}: ids must be a torch.Tensor of int64, "
@@ -32,14 +47,6 @@ def check_ids(spec: TableSpec, ids: object, op: str) -> torch.Tensor:
         raise TypeError(f"{op} table {spec.name!r}: ids must be int64, got {ids.dtype}")
     if ids.dim() != 1:
         raise ValueError(f"{op} table {spec.name!r}: ids must be 1-D, got shape {tuple(ids.shape)}")
-    if ids.numel() > 0 and spec.num_rows is not None:
-        lo, hi = torch.aminmax(ids)  # two scalars: cheaper than a [N] bool mask on the good path
-        if int(lo) < 0 or int(hi) >= spec.num_rows:
-            pos = int(torch.nonzero((ids < 0) | (ids >= spec.num_rows))[0, 0])
-            raise ValueError(
-                f"{op} table {spec.name!r}: id {int(ids[pos])} at position {pos} is out of "
-                f"range; valid ids are [0, {spec.num_rows})"
-            )
     return ids
 
 
