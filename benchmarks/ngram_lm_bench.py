@@ -43,8 +43,10 @@ step(rows_1m) / step(baseline) <= 1.25 (median of the timing pairs);
 ``cache_bounds_gap`` = |loss(cache_b4) - loss(cache_b0)| <= 0.01 nats per byte;
 ``adam_bounds_gap`` the same of the Adam pair (medians over its seeds; the per-seed gaps
 beside it) <= 0.01, in-process and (``mpi_adam_bounds_gap``, ``--mpi-adam-seeds``
-seeds) under ``mpirun``. The last line is one JSON object
-(benchmarks/README.md).
+seeds) under ``mpirun``. ``--bound-split`` adds the Adam pair's bounds one at a time,
+(4, 0) and (0, 4), as figures (``adam_read_bound_gap``, ``adam_write_bound_gap``: their
+loss against (0, 0)): with two workers each bound alone costs what both do. The last
+line is one JSON object (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -87,6 +89,12 @@ ADAM = ["--emb-optimizer", "adam", "--emb-lr", "0.01"]
 CONFIGS["cache_b4_adam"] = CONFIGS["cache_b4"] + ADAM
 CONFIGS["cache_b0_adam"] = CONFIGS["cache_b0"] + ADAM
 ADAM_PAIR = ["cache_b4_adam", "cache_b0_adam"]
+# The Adam pair's two bounds one at a time (``--bound-split``): the read bound alone
+# pushes every update at once (k = 1: nothing to count), the write bound alone refreshes
+# every row another writer pushed since its read.
+CONFIGS["cache_r4_adam"] = [*CONFIGS["cache_b4"][:-2], "--write-bound", "0", *ADAM]
+CONFIGS["cache_w4_adam"] = [*CONFIGS["cache_b0"][:-2], "--write-bound", "4", *ADAM]
+BOUND_SPLIT = ["cache_r4_adam", "cache_w4_adam"]
 # N = 5 (2- to 5-gram tables): byte 3-grams are too few (19 k distinct in this corpus) for
 # 64 Ki rows to collide much; 4- and 5-grams (95 k, 301 k) show what more rows buy.
 for _name, _rows in (("64k", 64), ("256k", 256), ("1m", 1024)):
@@ -167,6 +175,15 @@ def figures_of(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "ngram_rows_moved_per_step": {n: med(n, "ngram_rows_moved_per_step") for n in names[1:]},
         "cache_hit_rate": {n: med(n, "cache_hit_rate") for n in names if n.startswith("cache")},
     }
+    for name, key in (("cache_r4_adam", "read_bound_gap"), ("cache_w4_adam", "write_bound_gap")):
+        if name in rows and "cache_b0_adam" in rows:  # --bound-split
+            alone, zero = loss[name], loss["cache_b0_adam"]
+            assert alone is not None and zero is not None
+            runs = zip(rows[name], rows["cache_b0_adam"], strict=True)
+            fig[f"adam_{key}"] = {
+                "median": abs(alone - zero),
+                "per_seed": [abs(a["val_nats_per_byte"] - b["val_nats_per_byte"]) for a, b in runs],
+            }
     if all(n in rows for n in SIZES):
         first, last = loss[SIZES[0]], loss[SIZES[-1]]
         assert first is not None and last is not None
@@ -263,17 +280,23 @@ def main() -> None:
     p.add_argument(
         "--mpi-adam-seeds", type=int, default=3, help="seeds of the Adam pair under mpirun"
     )
+    p.add_argument(
+        "--bound-split",
+        action="store_true",
+        help="also the Adam pair's bounds one at a time: (4, 0) and (0, 4)",
+    )
     args = p.parse_args()
     steps = 10 if args.quick else args.steps
     seeds = list(range(1 if args.quick else args.seeds))
     adam_seeds = list(range(1 if args.quick else args.adam_seeds))
     base = common_args(args.quick, steps)
     adam_base = common_args(args.quick, steps if args.quick else args.adam_steps)
-    names = [n for n in CONFIGS if n not in ADAM_PAIR]
+    names = [n for n in CONFIGS if n not in ADAM_PAIR + BOUND_SPLIT]
+    adam_names = ADAM_PAIR + (BOUND_SPLIT if args.bound_split else [])
     fig = figures_of(
         {
             **run_all(names, seeds, base, mpi=False),
-            **run_all(ADAM_PAIR, adam_seeds, adam_base, mpi=False),
+            **run_all(adam_names, adam_seeds, adam_base, mpi=False),
         }
     )
     pairs = 0 if args.quick else args.timing_pairs
@@ -287,7 +310,7 @@ def main() -> None:
         mpi_fig = figures_of(
             {
                 **run_all(mpi_names, seeds[:1], base, mpi=True),
-                **(run_all(ADAM_PAIR, mpi_adam, adam_base, mpi=True) if mpi_adam else {}),
+                **(run_all(adam_names, mpi_adam, adam_base, mpi=True) if mpi_adam else {}),
             }
         )
         mpi_fig["overhead_pairs"] = timing_pairs(min(pairs, 1), base, mpi=True)
