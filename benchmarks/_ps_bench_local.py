@@ -13,7 +13,8 @@ What one call of :func:`bench_local` measures, in one process, side by side:
   row-wise Adagrad (``local_push_adagrad``);
 * ``dynamic_pull`` / ``dynamic_push``: the same on a dynamic table
   (``num_rows=None``) that already holds every id of the batches (hash index
-  lookups instead of direct indexing; SGD).
+  lookups instead of direct indexing; SGD);
+* ``counted_*``: plain and counted pushes at ``k = 1`` (``_ps_bench_counted``).
 
 Ids: batches of ``batch`` distinct ids, drawn Zipf(``zipf_a``) over the rows
 (popularity ranks scattered over the table by a fixed permutation), the first
@@ -35,6 +36,7 @@ import torch
 import ps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
+import _ps_bench_counted as counted  # noqa: E402
 from _bench_util import interleaved, medians, zipf_unique_batches  # noqa: E402
 
 
@@ -80,6 +82,7 @@ def _bench(
     store.create_table(
         ps.TableSpec(name="dyn", num_rows=None, dim=dim, optimizer=ps.SGD(lr=0.01), init=init)
     )
+    counted.create_tables(store, rows, dim)
     for ids, g in zip(batches, grads, strict=True):  # create every row the batches touch
         store.push("dyn", ids, g)
     weights_np = store.pull("sgd", torch.arange(rows)).rows.numpy()  # [rows, dim] float32
@@ -102,6 +105,8 @@ def _bench(
         "dynamic_pull": over_batches(lambda i: store.pull("dyn", batches[i])),
         "dynamic_push": over_batches(lambda i: store.push("dyn", batches[i], grads[i])),
     }
+    for name, op in counted.push_ops(store, batches, grads[0]).items():
+        figures[name] = over_batches(op)
     times = interleaved(figures, repeats, warmup=1, order="rotate")
     total = batch * len(batches)
     rows_s = {n: total / t for n, t in medians(times).items()}
@@ -122,6 +127,7 @@ def _bench(
             "pull_vs_numpy_gather": rows_s["local_pull"] / rows_s["numpy_gather"],
             "pull_vs_best_numpy": rows_s["local_pull"] / ceiling,
         },
+        "counted_k1_vs_plain": counted.ratios(times),
     }
 
 

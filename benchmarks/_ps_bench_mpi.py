@@ -34,6 +34,8 @@ What is measured, on one table of ``rows`` x 64 float32 (SGD), with requests of
   averaged over the pull and the push message. Each table's ids are pushed sorted, as
   the cache and the hybrid tables push them (their rows are deduplicated by a sort);
   ``batched_pass_messages`` counts the messages the server served whole in C;
+* ``counted_*``: plain and counted pushes at ``k = 1``, and the wire's bytes per
+  pushed row of each (``_ps_bench_counted``);
 * ``raw_sendrecv``: the ceiling of the transport: the server gathers the rows
   (``index_select``) and sends them with a plain ``Send`` to a ``Recv`` posted by
   the worker (the same bytes as a pull reply, no protocol, no checks); measured
@@ -67,6 +69,7 @@ from ps.mpi.server import check_mpi_topology, serve_mpi
 from ps.mpi.store import MPIStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
+import _ps_bench_counted as counted  # noqa: E402
 from _bench_util import interleaved, medians, reported, zipf_unique_batches  # noqa: E402
 
 DIM = 64
@@ -126,6 +129,7 @@ def run(
     local.create_table(spec)
     with MPIStore(group, topology) as store:
         store.create_table(spec)
+        counted.create_tables(store, rows, DIM)
         inflight: deque[comm.Handle] = deque()
 
         def drain() -> None:
@@ -156,14 +160,22 @@ def run(
             "push": push(store),
             "push_pipelined": pipelined(lambda i: store.push_async("bench", batches[i % 8], grads)),
             "inprocess_push": push(local),
+            **counted.push_ops(store, batches, grads),
         }
-        for name, t in medians(_block_times(ops, iters, repeats, drain)).items():
+        times = _block_times(ops, iters, repeats, drain)
+        for name, t in medians(times).items():
             figures[name] = batch * iters / t
         steps = _steps(store, rows, iters, repeats)
         server = _server_cost(store, rows, iters, repeats)
     raw.Free()
     return {
-        "figures": {"rows_per_s": figures, "steps": steps, "server": server},
+        "figures": {
+            "rows_per_s": figures,
+            "steps": steps,
+            "server": server,
+            "counted_k1_vs_plain": counted.ratios(times),
+            "wire_bytes_per_pushed_row": counted.wire_bytes_per_row(DIM, batch),
+        },
         "config": {
             "rows": rows,
             "dim": DIM,

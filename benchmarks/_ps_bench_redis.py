@@ -10,7 +10,8 @@ started on a free loopback port, unless ``url`` is given), side by side:
   through a hand-packed MGET (the faster of the two is the ceiling);
 * ``redis_push``: ``store.push(table, ids, grads)`` with SGD (the optimizer runs
   in the generated Lua script inside Redis; ``redis_push_adagrad``: row-wise
-  Adagrad, an extra figure);
+  Adagrad, an extra figure; ``counted_*``: plain and counted pushes at ``k = 1``,
+  ``_ps_bench_counted``);
 * ``raw_lua``: the ceiling for updates inside Redis: a textbook Lua script doing the
   same SGD update on ``batch`` string keys of 256-byte float32 values (GET,
   ``struct.unpack`` into a table, ``w - lr * g`` per value, ``struct.pack``, SET; the
@@ -57,6 +58,7 @@ from ps.redis.conn import pack
 from ps.redis.store import RedisStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
+import _ps_bench_counted as counted  # noqa: E402
 from _bench_util import interleaved, medians, paired_ratio, zipf_unique_batches  # noqa: E402
 
 RAW_LUA_COPY = """
@@ -204,6 +206,7 @@ def bench_redis(
             for name, opt in (("sgd", ps.SGD(lr=0.01)), ("adagrad", ps.RowWiseAdagrad(lr=0.01))):
                 spec = ps.TableSpec(name=name, num_rows=rows, dim=dim, optimizer=opt, init=init)
                 store.create_table(spec, exist_ok=True)
+            counted.create_tables(store, rows, dim)
             keys = [[f"{prefix}:raw:{i}".encode() for i in b.tolist()] for b in batches]
             vals = [
                 [v.tobytes()[k * 4 * dim : (k + 1) * 4 * dim] for k in range(batch)] for v in values
@@ -212,6 +215,8 @@ def bench_redis(
                 client.mset(dict(zip(k, v, strict=True)))
                 store.push("sgd", i, g)  # every row exists before timing
                 store.push("adagrad", i, g)
+                for name in counted.OPTIMIZERS:
+                    store.push(name, i, g)
             copy_sha = client.script_load(RAW_LUA_COPY)
             sgd_sha = client.script_load(RAW_LUA_SGD)
             grad_args = [[g[k].numpy().tobytes() for k in range(batch)] for g in grads]
@@ -270,6 +275,8 @@ def bench_redis(
                 "redis_pull_bounded": pull_bounded,
                 "redis_push_adagrad": push_adagrad,
             }
+            for name, op in counted.push_ops(store, ids_t, grads[0]).items():
+                figures[name] = _over(op, len(ids_t))
             times = interleaved(figures, repeats, warmup=1, order="rotate")
             steps = bench_steps(
                 server_url,
@@ -284,7 +291,7 @@ def bench_redis(
             )
         finally:
             with contextlib.suppress(Exception):
-                for name in ("sgd", "adagrad"):
+                for name in ("sgd", "adagrad", *counted.OPTIMIZERS):
                     store.drop_table(name)
                 for k in keys:
                     client.delete(*k)
@@ -324,7 +331,18 @@ def bench_redis(
         "figures": out_figures,
         "ratios": ratios,
         "steps": steps,
+        "counted_k1_vs_plain": counted.ratios(times),
     }
+
+
+def _over(op: Callable[[int], None], n: int) -> Callable[[], None]:
+    """``op`` over batches ``0 .. n - 1``: one timed figure."""
+
+    def run() -> None:
+        for i in range(n):
+            op(i)
+
+    return run
 
 
 if __name__ == "__main__":

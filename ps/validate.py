@@ -7,6 +7,7 @@ offending value, what was expected).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -151,8 +152,9 @@ def check_counted(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A push's ``counts`` int64 ``[N]`` (>= 1) and ``stats`` float32 ``[N, Q]`` (``Q`` =
     the optimizer's ``stat_dim``; finite, >= 0), or None for a push that is not counted
-    or is the same as a plain push (:func:`plain_counted`). ``takes``: whether the store
-    (named ``where``) takes counted pushes."""
+    or is the same as a plain push (:func:`plain_counted`: its statistics, which the
+    store then does not use, are checked for dtype and shape only). ``takes``: whether
+    the store (named ``where``) takes counted pushes."""
     if counts is None and stats is None:
         return None
     what = f"push table {spec.name!r}"
@@ -178,10 +180,15 @@ def check_counted(
             f"{what}: stats have shape {tuple(stats.shape)}, expected ({n}, {q}) "
             f"(len(ids), the stat_dim of {spec.optimizer.name})"
         )
+    if plain_counted(spec, ids, counts):
+        return None  # its statistics are not used: their values need no check
     stats = stats.detach().cpu()
-    if stats.numel() and not bool(((stats >= 0) & torch.isfinite(stats)).all()):
-        raise ValueError(f"{what}: stats must be finite and >= 0 (sums of squares)")
-    return None if plain_counted(spec, ids, counts) else (counts, stats)
+    if stats.numel():
+        # Two reductions, no [N, Q] temporaries: a NaN makes both comparisons fail.
+        values = stats.numpy()
+        if not (float(values.min()) >= 0 and float(values.max()) < math.inf):
+            raise ValueError(f"{what}: stats must be finite and >= 0 (sums of squares)")
+    return counts, stats
 
 
 def plain_counted(spec: TableSpec, ids: torch.Tensor, counts: torch.Tensor) -> bool:

@@ -235,3 +235,29 @@ def test_one_pass_over_mixed_counts_equals_plain_and_counted_pushes_apart() -> N
     assert_same(one.pull("t", ids).rows, split.pull("t", ids).rows, what="rows", why=why)
     assert_same(_state(one, ids), _state(split, ids), what="state", why=why)
     assert torch.equal(one.clocks("t", ids), split.clocks("t", ids))
+
+
+@pytest.mark.parametrize("name", ["rowwise_adagrad", "adagrad", "adam", "ftrl"])
+def test_one_update_per_row_is_the_plain_push_and_its_unused_statistics_go_unchecked(
+    name: str,
+) -> None:
+    """Every count 1 over distinct sorted ids is a plain push (``ps.validate.plain_counted``):
+    the store applies the gradients as one, bit for bit, without reading the statistics,
+    so only their dtype and shape are checked. A count above 1 reads them: checked."""
+    opt = OPTIMIZERS[name]
+    counted, plain = _table(opt, False), _table(opt, False)
+    ids = torch.tensor([2, 5, 9])
+    grads = torch.randn(3, DIM, generator=torch.Generator().manual_seed(4))
+    unused = torch.full((3, opt.stat_dim(DIM)), float("nan"))
+    counted.push_many([ps.PushRequest("t", ids, grads, torch.ones(3, dtype=torch.int64), unused)])
+    plain.push("t", ids, grads)
+    assert_same(counted.pull("t", ids).rows, plain.pull("t", ids).rows, what="rows",
+                why="a plain push either way")  # fmt: skip
+    assert_same(counted.state("t", ids), plain.state("t", ids), what="state", why="the same")
+    with pytest.raises(ValueError, match="stats must be finite and >= 0"):
+        counts = torch.tensor([1, 2, 1])
+        counted.push_many([ps.PushRequest("t", ids, grads, counts, unused)])
+    with pytest.raises(ValueError, match=r"stats have shape \(3, 0\)"):
+        counted.push_many(
+            [ps.PushRequest("t", ids, grads, torch.ones(3, dtype=torch.int64), unused[:, :0])]
+        )
