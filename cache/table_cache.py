@@ -88,6 +88,7 @@ from cache.kernels.records import (
     sole_writer_asks,
     update_rows,
 )
+from cache.kernels.sorted_ids import sorted_difference
 from cache.local_step import LocalStep
 from cache.memory import record_floats
 from cache.policy import EvictionPolicy
@@ -458,8 +459,11 @@ class TableCache:
             u, inv, cnt = torch.unique(ids, return_inverse=True, return_counts=True)
             uniq, inverse, counts = u.numpy(), inv.numpy(), cnt.numpy()
         if exclude is not None and exclude.size and uniq.size:
-            at = np.minimum(np.searchsorted(exclude, uniq), exclude.size - 1)
-            uniq = uniq[exclude[at] != uniq]  # [U'] not in the serving pull
+            rest = sorted_difference(uniq, exclude)  # [U'] not in the serving pull
+            if rest is None:
+                at = np.minimum(np.searchsorted(exclude, uniq), exclude.size - 1)
+                rest = uniq[exclude[at] != uniq]
+            uniq = rest
             counts = inverse = None  # a prefetch returns no rows
         self.seq += 1
         if prefetch:

@@ -3,5 +3,7 @@
 One kernel per pair of files: ``<name>.c`` (the C source, shipped as package data)
 and ``<name>.py`` (its loader). Built on first use by :func:`comm.native.load_c_library`.
 
-* ``records`` - serve rows from the cache slab, apply pushes, copy clocks.
+* ``records`` - serve rows from the cache slab, apply pushes, copy clocks;
+* ``sketch`` - count ids in TinyLFU's frequency sketch and estimate them;
+* ``sorted_ids`` - the ids of one sorted array not in another.
 """

@@ -192,3 +192,26 @@ def test_sketch_kernels_equal_torch_path(monkeypatch: pytest.MonkeyPatch) -> Non
     assert torch.equal(got[0][0], got[1][0]) and got[0][2] == got[1][2] > 0
     for a, b in zip(got[0][1], got[1][1], strict=True):
         assert a.dtype == b.dtype == np.int64 and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_sorted_difference_equals_numpy(seed: int) -> None:
+    """The merge pass gives the ids numpy's set difference gives, in order, also for
+    empty sides, disjoint runs, one side inside the other, and negative ids."""
+    from cache.kernels.sorted_ids import sorted_difference
+
+    rng = np.random.default_rng(seed)
+    cases = [
+        (np.unique(rng.integers(-50, 400, 300)), np.unique(rng.integers(-50, 400, 200))),
+        (np.arange(10), np.empty(0, dtype=np.int64)),
+        (np.empty(0, dtype=np.int64), np.arange(10)),
+        (np.arange(0, 10), np.arange(10, 20)),  # b after a
+        (np.arange(10, 20), np.arange(0, 10)),  # b before a
+        (np.arange(5, 8), np.arange(0, 20)),  # a inside b
+        (np.arange(0, 20), np.arange(5, 8)),  # b inside a
+    ]
+    for a, b in cases:
+        a, b = a.astype(np.int64), b.astype(np.int64)
+        got = sorted_difference(a, b)
+        assert got is not None and got.dtype == np.int64
+        assert np.array_equal(got, np.setdiff1d(a, b, assume_unique=True))
