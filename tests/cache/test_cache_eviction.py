@@ -369,3 +369,26 @@ def test_victim_search_equals_partitioning_every_key(kind: str, seed: int) -> No
     for k in (1, 3, 1000, c // 16, c // 5, c // 2, c):
         got = policy.victims(k, tick, protect, row_id)
         assert np.array_equal(got, by_partition(k)), k
+
+
+def test_pool_victims_skip_each_calls_protected_slots_over_many_calls() -> None:
+    """``EvictionPolicy.ordered_victims`` from its pool: each call's victims are the first
+    pool entries that are still valid and not in that call's ``protect`` (which may hold
+    -1, an uncached id), call after call, so slots protected in an earlier call are not
+    left out of a later one (the marks are per call)."""
+    rng = np.random.default_rng(5)
+    c, tick = 5_000, 100
+    policy = EvictionPolicy(c, "tinylfu")
+    policy.key[:] = (rng.integers(0, 8, c) << 32) + rng.integers(0, tick, c)
+    row_id = np.arange(c, dtype=np.int64)
+    chunk = c // 2
+    for call in range(600):
+        protect = np.concatenate([rng.integers(0, c, 200), [-1, -1]])
+        k = int(rng.integers(1, 50))
+        got = policy.ordered_victims(k, tick, protect, row_id, chunk)
+        pool = policy.pool[policy.pool_at :]
+        valid = (policy.key.take(pool) == policy.pool_key[policy.pool_at :]) & ~np.isin(
+            pool, protect
+        )
+        assert np.array_equal(got, pool[valid][:k]), call
+        assert not np.isin(got, protect).any()
