@@ -180,6 +180,8 @@ def test_benchmark_quick_runs() -> None:
     }
     server = result["figures"]["server"]  # the server's busy time covers the rows' kernels
     assert all(v > 0 for v in server["busy_us_per_message"].values()), server
+    counted = result["figures"]["counted_k1_vs_plain"]  # every optimizer of the part
+    assert set(counted) == {"counted_rowwise", "counted_adam"} and min(counted.values()) > 0
 
 
 LOST = ROOT / "tests" / "ps" / "ranks" / "ps_mpi_lost_worker.py"

@@ -1058,6 +1058,7 @@ def test_benchmark_module_runs_small(server: RedisServer) -> None:
         "redis_push_vs_lua_copy",
     }
     assert all(v > 0 for v in res["figures"].values())
+    assert set(res["counted_k1_vs_plain"]) == {"counted_rowwise", "counted_adam"}
     # A step of 3 tables: a pull and a push round trip per table, or one of each.
     assert res["steps"]["requests_per_server_step"] == {"per_table": 6.0, "batched": 2.0}
     assert all(v > 0 for v in res["steps"]["steps_per_s"].values())
