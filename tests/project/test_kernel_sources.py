@@ -26,6 +26,7 @@ def test_every_c_source_follows_the_convention_and_is_package_data() -> None:
     assert {str(p) for p in SOURCES} == {
         "cache/kernels/records.c",
         "cache/kernels/sketch.c",
+        "cache/kernels/sorted_ids.c",
         "dense/kernels/interaction.c",
         "ps/kernels/message_pass.c",
         "ps/kernels/rowwise_adagrad.c",
