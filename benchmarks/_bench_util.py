@@ -204,6 +204,16 @@ def interleaved(
     return times
 
 
+def repeated(op: Callable[[int], object], n: int) -> Callable[[], None]:
+    """One timed figure: ``op(i)`` for ``i`` in ``0 .. n - 1`` (each of ``n`` batches)."""
+
+    def run() -> None:
+        for i in range(n):
+            op(i)
+
+    return run
+
+
 def medians(times: Mapping[str, Sequence[float]]) -> dict[str, float]:
     """The median of each variant's rounds."""
     return {name: statistics.median(t) for name, t in times.items()}

@@ -14,10 +14,10 @@ store and optimizer. Bytes per pushed row on the MPI wire, from its format
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 
 import torch
+from _bench_util import paired_ratio
 
 import ps
 from ps import PushRequest
@@ -71,12 +71,7 @@ def ratios(times: dict[str, list[float]]) -> dict[str, float]:
     """Counted at ``k = 1`` / plain rows/s per optimizer: the median over rounds of each
     round's plain / counted seconds (:func:`push_ops`' figures, timed in the same rounds),
     so the machine's drift between rounds cancels."""
-    return {
-        name: statistics.median(
-            p / c for p, c in zip(times[f"{name}_plain"], times[f"{name}_k1"], strict=True)
-        )
-        for name in OPTIMIZERS
-    }
+    return {name: paired_ratio(times[f"{name}_plain"], times[f"{name}_k1"]) for name in OPTIMIZERS}
 
 
 def wire_bytes_per_row(dim: int, batch: int) -> dict[str, dict[str, float]]:

@@ -37,7 +37,7 @@ import ps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
 import _ps_bench_counted as counted  # noqa: E402
-from _bench_util import interleaved, medians, zipf_unique_batches  # noqa: E402
+from _bench_util import interleaved, medians, repeated, zipf_unique_batches  # noqa: E402
 
 
 def bench_local(
@@ -89,11 +89,7 @@ def _bench(
     weights_t = torch.from_numpy(weights_np)
 
     def over_batches(op: Callable[[int], object]) -> Callable[[], None]:
-        def run() -> None:
-            for i in range(len(batches)):
-                op(i)
-
-        return run
+        return repeated(op, len(batches))
 
     figures: dict[str, Callable[[], None]] = {
         "numpy_gather": over_batches(lambda i: weights_np[batches_np[i]]),

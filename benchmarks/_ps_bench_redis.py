@@ -59,7 +59,13 @@ from ps.redis.store import RedisStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
 import _ps_bench_counted as counted  # noqa: E402
-from _bench_util import interleaved, medians, paired_ratio, zipf_unique_batches  # noqa: E402
+from _bench_util import (  # noqa: E402
+    interleaved,
+    medians,
+    paired_ratio,
+    repeated,
+    zipf_unique_batches,
+)
 
 RAW_LUA_COPY = """
 for i = 1, #KEYS do
@@ -276,7 +282,7 @@ def bench_redis(
                 "redis_push_adagrad": push_adagrad,
             }
             for name, op in counted.push_ops(store, ids_t, grads[0]).items():
-                figures[name] = _over(op, len(ids_t))
+                figures[name] = repeated(op, len(ids_t))
             times = interleaved(figures, repeats, warmup=1, order="rotate")
             steps = bench_steps(
                 server_url,
@@ -333,16 +339,6 @@ def bench_redis(
         "steps": steps,
         "counted_k1_vs_plain": counted.ratios(times),
     }
-
-
-def _over(op: Callable[[int], None], n: int) -> Callable[[], None]:
-    """``op`` over batches ``0 .. n - 1``: one timed figure."""
-
-    def run() -> None:
-        for i in range(n):
-            op(i)
-
-    return run
 
 
 if __name__ == "__main__":

@@ -317,17 +317,19 @@ class CachedStore(Store):
         # are asked together, one after the other).
         places: list[tuple[str | None, Any, int]] = []
         by_cache: dict[str, list[tuple[str, object]]] = {}  # cache name -> (table, ids)
+        seen: set[str] = set()
         for r in reqs:
             if r.clocks is not None or r.bound is not None:
                 places.append((None, r, 0))
                 continue
-            name = self._members[r.table]
-            mine = by_cache.setdefault(name, [])
-            if any(t == r.table for t, _ in mine):
+            if r.table in seen:
                 raise ValueError(
                     f"cached pull_many: table {r.table!r} appears twice; a batch through "
                     "the cache asks each table once (concatenate its ids)"
                 )
+            seen.add(r.table)
+            name = self._members[r.table]
+            mine = by_cache.setdefault(name, [])
             places.append((name, len(mine), 0))  # (part number: offsets below)
             mine.append((r.table, r.ids))
         wanted: dict[str, torch.Tensor] = {}  # cache name -> its packed ids, request order

@@ -16,7 +16,7 @@ its requests back into per-table requests for the store and their replies into o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,7 @@ class TableGroup:
     bases: np.ndarray  # int64 [k + 1]: where each table's packed ids start; the last: total
     spec: TableSpec  # the packed table the cache sees (first member's optimizer)
     members: tuple[TableSpec, ...]  # [k] the tables, in ``names`` order
-    at: dict[str, int] = field(default_factory=dict)  # name -> index in ``names``
+    at: dict[str, int]  # name -> index in ``names``
 
     @classmethod
     def of(cls, specs: list[TableSpec]) -> TableGroup:
@@ -69,7 +69,10 @@ class TableGroup:
         cost more than a step's ~1 k ids a table): a segment min and max against each
         part's table size; only a failed check looks at its part again, to name the id."""
         tables = [self.at[t] for t, _ in parts]
-        ids = [check_id_tensor(self.members[self.at[t]], x, op).cpu() for t, x in parts]
+        ids = [
+            check_id_tensor(self.members[i], x, op).cpu()
+            for i, (_, x) in zip(tables, parts, strict=True)
+        ]
         sizes = [int(x.numel()) for x in ids]
         flat = (ids[0] if len(ids) == 1 else torch.cat(ids)).numpy()  # [N]
         if flat.size == 0:
