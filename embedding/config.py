@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ps import Optimizer, RowWiseAdagrad, TableSpec, UniformInit
+from ps.table import RowDtype, check_row_dtype
 
 POOLINGS = ("sum", "mean", "none")
 PLACEMENTS = ("local", "hybrid", "sharded")
@@ -34,6 +35,10 @@ class TableConfig:
     * ``optimizer`` is applied to touched rows inside ``backward()`` (lazily: rows
       without a gradient do not change); ``init`` None is TorchRec's
       ``U(-sqrt(1/num_rows), sqrt(1/num_rows))`` seeded by the table name.
+    * ``dtype``: the element type the rows are stored in, "fp32", "fp16" or "bf16"
+      (every placement). Lookups pool in float32; updates are computed in float32
+      and written back with stochastic rounding, reproducible from the table's init
+      seed (:mod:`ps.rounding`); optimizer state stays float32.
     """
 
     name: str
@@ -46,10 +51,12 @@ class TableConfig:
     init: UniformInit | None = None
     capacity: int | None = None
     max_age_steps: int | None = None
+    dtype: RowDtype = "fp32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"TableConfig: name must be a non-empty string, got {self.name!r}")
+        check_row_dtype(self.name, self.dtype)
         if self.placement not in PLACEMENTS:
             raise ValueError(
                 f"table {self.name!r}: placement must be one of {PLACEMENTS}, "
@@ -117,4 +124,5 @@ class TableConfig:
             init=self.init,
             capacity=self.capacity,
             max_age_steps=self.max_age_steps,
+            dtype=self.dtype,
         )

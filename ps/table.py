@@ -123,6 +123,21 @@ DYNAMIC_INIT_BOUND = 0.01
 
 NAN_POLICIES = ("raise", "skip")
 
+#: Element types of a table's rows. Optimizer state and clocks are fp32/int64 whatever
+#: the rows (row-wise state is a float or two per row; the narrow types are for rows).
+ROW_DTYPES = ("fp32", "fp16", "bf16")
+TORCH_ROW_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+RowDtype = Literal["fp32", "fp16", "bf16"]
+
+
+def check_row_dtype(table: str, dtype: object) -> None:
+    """A ValueError naming ``table``, the value and the choices unless ``dtype`` is one
+    of :data:`ROW_DTYPES`."""
+    if dtype not in ROW_DTYPES:
+        raise ValueError(
+            f"table {table!r}: dtype must be one of {', '.join(ROW_DTYPES)}, got {dtype!r}"
+        )
+
 
 def default_init(name: str, num_rows: int | None) -> UniformInit:
     """TorchRec's default ``U(-sqrt(1/num_rows), sqrt(1/num_rows))``, seeded by the name.
@@ -160,6 +175,10 @@ class TableSpec:
     * ``nan_policy``: "raise" rejects a push whose gradients hold NaN/Inf (naming
       the row), "skip" applies the rest of the push and drops the rows whose
       summed gradient is not finite (counted in ``stats()["rows_skipped_nan"]``).
+    * ``dtype``: the element type rows are stored in ("fp32", "fp16", "bf16").
+      Pulls return float32 rows (a narrow row widens exactly); updates are computed
+      in float32 and written back with stochastic rounding (:mod:`ps.rounding`);
+      optimizer state stays float32.
     """
 
     name: str
@@ -170,10 +189,12 @@ class TableSpec:
     capacity: int | None = None
     max_age_steps: int | None = None
     nan_policy: Literal["raise", "skip"] = "raise"
+    dtype: RowDtype = "fp32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"TableSpec: name must be a non-empty string, got {self.name!r}")
+        check_row_dtype(self.name, self.dtype)
         if self.num_rows is not None:
             v = self.num_rows
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -220,6 +241,22 @@ class TableSpec:
     def state_dim(self) -> int:
         return self.optimizer.state_dim(self.dim)
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch element type of the stored rows."""
+        return TORCH_ROW_DTYPES[self.dtype]
+
+    @property
+    def narrow(self) -> bool:
+        """Rows stored in 16 bits (fp16 or bf16)."""
+        return self.dtype != "fp32"
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes a stored row takes: weights (2 or 4 per element), fp32 optimizer state
+        and an int64 clock."""
+        return self.dim * (2 if self.narrow else 4) + 4 * self.state_dim + 8
+
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Initial values of rows ``ids`` (int64 ``[N]``): float32 ``[N, dim]``."""
         assert self.init is not None  # resolved in __post_init__
@@ -230,9 +267,10 @@ class TableSpec:
         return self.optimizer.initial_state(self.dim)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (checkpoint manifests, wire messages); see :meth:`from_json`."""
+        """A JSON-ready dict (checkpoint manifests, wire messages); see :meth:`from_json`.
+        ``dtype`` is written only for narrow rows (an fp32 spec reads as before)."""
         assert self.init is not None
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "num_rows": self.num_rows,
             "dim": self.dim,
@@ -242,6 +280,9 @@ class TableSpec:
             "max_age_steps": self.max_age_steps,
             "nan_policy": self.nan_policy,
         }
+        if self.narrow:
+            out["dtype"] = self.dtype
+        return out
 
     @staticmethod
     def from_json(data: dict[str, Any] | str) -> TableSpec:
@@ -251,7 +292,7 @@ class TableSpec:
         if not isinstance(data, dict):
             raise TypeError(f"table spec JSON must be an object, got {type(data).__name__}")
         known = {"name", "num_rows", "dim", "optimizer", "init"}
-        known |= {"capacity", "max_age_steps", "nan_policy"}
+        known |= {"capacity", "max_age_steps", "nan_policy", "dtype"}
         unknown = sorted(set(data) - known)
         missing = sorted({"name", "num_rows", "dim", "optimizer"} - set(data))
         if unknown or missing:
@@ -268,4 +309,5 @@ class TableSpec:
             capacity=data.get("capacity"),
             max_age_steps=data.get("max_age_steps"),
             nan_policy=data.get("nan_policy", "raise"),
+            dtype=data.get("dtype", "fp32"),
         )

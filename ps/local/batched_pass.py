@@ -10,10 +10,10 @@ served, in C, with the table engine's own row step (the bits of ``LocalTable.pus
 :class:`LocalBatchedPass` keeps the descriptors of the tables it has served (one row
 per table object; a table a load or a create replaced gets a new row after
 :meth:`LocalBatchedPass.reset`), builds a request's table of contents, and splits the
-reply into :class:`ps.PullResult` s. Which requests it takes: pulls of fixed tables,
-and pushes of fixed row-wise Adagrad tables with finite gradients (counts >= 1 and
-statistics finite and >= 0 when counted), on host tensors of the documented dtypes
-and shapes; a push's repeated ids are summed and its parts sorted first by the table
+reply into :class:`ps.PullResult` s. Which requests it takes: pulls of fixed tables of
+float32 rows, and pushes of fixed row-wise Adagrad tables of float32 rows with finite
+gradients (counts >= 1 and statistics finite and >= 0 when counted), on host tensors
+of the documented dtypes and shapes; a push's repeated ids are summed and its parts sorted first by the table
 push's own :func:`ps.local.table.coalesce` (the same sums in the same order). Anything
 else, including every request that would raise, goes the store's Python path, which
 serves it or says what is wrong; locks: every table of a request, taken in one order.
@@ -128,7 +128,7 @@ class LocalBatchedPass:
         """Every request's rows (as ``LocalTable.pull``, with the state where asked), or
         None: the store serves them in Python (nothing was read or counted)."""
         k = len(requests)
-        if not self.enabled or k == 0 or any(t.dynamic for t in tables):
+        if not self.enabled or k == 0 or any(t.dynamic or t.spec.narrow for t in tables):
             return None
         with_state = requests[0].with_state
         parts: list[np.ndarray] = []
@@ -169,7 +169,7 @@ class LocalBatchedPass:
         """Apply every request (as ``LocalTable.push``); False: nothing changed, the store
         applies them in Python."""
         k = len(requests)
-        if not self.enabled or k == 0 or any(t.dynamic for t in tables):
+        if not self.enabled or k == 0 or any(t.dynamic or t.spec.narrow for t in tables):
             return False
         counted = requests[0].counts is not None
         ids: list[np.ndarray] = []

@@ -4,7 +4,7 @@ in-process store, and usable by any server process that owns a shard of a table.
 Layout::
 
     fixed table (spec.num_rows = N)      dynamic table (spec.num_rows None)
-      weights  [N, D]   float32            weights   [slots, D]  float32   slots grow by doubling
+      weights  [N, D]   spec dtype         weights   [slots, D]  spec dtype slots grow by doubling
       state    [N, S]   float32            state     [slots, S]  float32
       clocks   [N]      int64              clocks    [slots]     int64
       (row i is id i)                      row_ids   [slots]     int64     id held by a slot
@@ -31,6 +31,12 @@ per 65,536 x 128 rows); with ``init_device`` they are hashed by torch ops on tha
 chunk by chunk (:func:`initialise_rows`): with a GPU, the host's share is one copy of the
 rows on every core.
 
+Narrow rows (``spec.dtype`` fp16 or bf16): ``weights`` hold that type, every read
+returns float32 (exact), and an update is computed on float32 copies and written back
+stochastically rounded (:func:`ps.rounding.round_to`, keyed by the row's id and its
+clock after the update), so the C row passes (float32 rows only) leave them to
+:meth:`LocalTable._apply`.
+
 Nothing here validates requests or takes locks: callers check ids and grads
 (:mod:`ps.validate`) and serialise requests with :attr:`LocalTable.lock`.
 """
@@ -48,6 +54,7 @@ from ps.checkpoint import TablePart
 from ps.kernels import rowwise_adagrad
 from ps.local.dynamic_index import IdIndex
 from ps.optimizers import RowWiseAdagrad
+from ps.rounding import round_to
 from ps.store import PullResult
 from ps.table import TableSpec, UniformInit
 from ps.validate import finite_rows
@@ -89,6 +96,9 @@ def table_array(
     1.9x slower for a 26-table row-wise Adagrad push. So the array starts at the first
     cache line of a block one line larger.
     """
+    if dtype == torch.bfloat16:  # numpy has no bfloat16: the same bits as int16
+        out16 = table_array(shape, torch.int16).view(torch.bfloat16)
+        return out16.fill_(fill) if fill is not None and fill != 0 else out16
     np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
     nbytes = math.prod(shape) * np_dtype.itemsize
     # calloc: the kernel hands out zero pages as they are first written, so tens of
@@ -138,7 +148,7 @@ def initialise_rows(
                 weights[start:stop] = spec.initial_rows(torch.arange(start, stop))
             else:
                 sl = ids[start:stop]
-                weights[sl] = spec.initial_rows(sl)
+                weights[sl] = spec.initial_rows(sl).to(weights.dtype)
         return
     chunk = max(1, _DEVICE_INIT_ELEMENTS.get(device.type, _HOST_INIT_ELEMENTS) // d)
     if device.type == "cuda":
@@ -151,7 +161,7 @@ def initialise_rows(
             weights[start:stop].copy_(init.rows_torch(at, d))
         else:
             sl = ids[start:stop]
-            weights[sl] = init.rows_torch(sl.to(device), d).cpu()
+            weights[sl] = init.rows_torch(sl.to(device), d).cpu().to(weights.dtype)
 
 
 def _initialise_from_cuda(
@@ -177,7 +187,7 @@ def _initialise_from_cuda(
         if ids is None:
             weights[start:stop].copy_(buf)
         else:
-            weights[ids[start:stop]] = buf
+            weights[ids[start:stop]] = buf.to(weights.dtype)
 
     for i, start in enumerate(range(0, count, chunk)):
         stop = min(count, start + chunk)
@@ -206,12 +216,23 @@ def take(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     jobs on one machine: every parallel region then waits for a descheduled
     thread, 5-10x slower in our measurements).
     """
+    if src.dtype == torch.bfloat16:  # numpy has no bfloat16: move its bits
+        bits = np.take(src.view(torch.int16).numpy(), index.numpy(), axis=0)
+        return torch.from_numpy(bits).view(torch.bfloat16)
     return torch.from_numpy(np.take(src.numpy(), index.numpy(), axis=0))
 
 
 def put(dst: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
     """``dst[index] = values`` along dim 0 for distinct ``index`` (see :func:`take`)."""
+    if dst.dtype == torch.bfloat16:
+        dst.view(torch.int16).numpy()[index.numpy()] = values.view(torch.int16).numpy()
+        return
     dst.numpy()[index.numpy()] = values.numpy()
+
+
+def widened(rows: torch.Tensor) -> torch.Tensor:
+    """Rows as float32 (narrow rows widen exactly; float32 ones come back as they are)."""
+    return rows if rows.dtype == torch.float32 else rows.to(torch.float32)
 
 
 def coalesce(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,11 +291,16 @@ class LocalTable:
         self.spec = spec
         self.lock = threading.Lock()
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        # The table's id of each fixed row, where a row is not its id (a server's
+        # shard sets it): stochastic rounding is keyed by table ids, so every shard
+        # layout rounds alike.
+        self.row_table_ids: torch.Tensor | None = None
         d, s = spec.dim, spec.state_dim
+        wt = spec.torch_dtype
         self._state0 = spec.initial_state()  # [S]
         if spec.num_rows is not None:
             n = spec.num_rows
-            self.weights = table_array((n, d), torch.float32)  # [N, D]
+            self.weights = table_array((n, d), wt)  # [N, D]
             self.state = table_array((n, s), torch.float32)  # [N, S]
             if bool((self._state0.view(torch.int32) != 0).any()):  # else calloc's zeros
                 self.state[:] = self._state0
@@ -284,7 +310,7 @@ class LocalTable:
         else:
             self.step = 0
             self.index = IdIndex()
-            self.weights = table_array((_MIN_SLOTS, d), torch.float32)
+            self.weights = table_array((_MIN_SLOTS, d), wt)
             self.state = table_array((_MIN_SLOTS, s), torch.float32)
             self.clocks = table_array((_MIN_SLOTS,), torch.int64)
             self.row_ids = table_array((_MIN_SLOTS,), torch.int64)
@@ -307,7 +333,7 @@ class LocalTable:
 
     def stats(self) -> dict[str, int | float]:
         """``rows``, ``bytes`` (weights + state + clocks of the rows) and the counters."""
-        row_bytes = 4 * (self.spec.dim + self.spec.state_dim) + 8
+        row_bytes = self.spec.row_bytes
         out: dict[str, int | float] = {"rows": self.num_live, "bytes": self.num_live * row_bytes}
         out.update(self.counters)
         return out
@@ -334,7 +360,7 @@ class LocalTable:
         if not self.dynamic:
             return take(src, ids)
         slots, found = self._slots(ids, touch=False)
-        out = take(src, slots)
+        out = widened(take(src, slots)) if src is self.weights else take(src, slots)
         if found is not None:
             miss = ~found
             if fill is None:
@@ -366,7 +392,7 @@ class LocalTable:
             row_clocks = take(row_clocks, positions)
             if found is not None:
                 found = take(found, positions)
-        rows = take(self.weights, slots)  # [M, D]
+        rows = widened(take(self.weights, slots))  # [M, D]
         if found is not None and not bool(found.all()):
             miss = ~found
             rows[miss] = self.spec.initial_rows(ids[miss])
@@ -385,7 +411,7 @@ class LocalTable:
 
     def read_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Weights of ``ids`` ``[N, D]`` (initial rows for missing dynamic rows); no touch."""
-        return self._read(ids, self.weights, None)
+        return widened(self._read(ids, self.weights, None))
 
     # ------------------------------------------------------------ writes
 
@@ -469,17 +495,35 @@ class LocalTable:
         """The optimizer on copies of the rows at distinct ``slots`` ``[U]``, written back;
         their clocks up by one (and their last touch, on a dynamic table)."""
         opt = self.spec.optimizer
-        rows = take(self.weights, slots)  # [U, D] copies
+        rows = widened(take(self.weights, slots))  # [U, D] float32 copies
         state = take(self.state, slots)  # [U, S] copies
         if counted is None:
             opt.apply(rows, state, summed)
         else:
             opt.apply_counted(rows, state, summed, *counted)
+        self.clocks.numpy()[slots.numpy()] += 1  # slots are distinct
+        if self.spec.narrow:
+            versions = take(self.clocks, slots)  # [U] the clocks after this update
+            rows = round_to(rows, self.weights.dtype, seed=self._rounding_seed(),
+                            ids=self._table_ids(slots), versions=versions)  # fmt: skip
         put(self.weights, slots, rows)
         put(self.state, slots, state)
-        self.clocks.numpy()[slots.numpy()] += 1  # slots are distinct
         if self.dynamic:
             self.last_touch.index_fill_(0, slots, self.step)
+
+    def _rounding_seed(self) -> int:
+        """The seed of the table's stochastic rounding: its init seed (a per-table
+        value every process knows)."""
+        assert self.spec.init is not None
+        return self.spec.init.seed
+
+    def _table_ids(self, slots: torch.Tensor) -> torch.Tensor:
+        """The table ids ``[U]`` of rows at ``slots`` ``[U]``."""
+        if self.dynamic:
+            return take(self.row_ids, slots)
+        if self.row_table_ids is not None:
+            return take(self.row_table_ids, slots)
+        return slots
 
     def _counted_in_place(
         self, slots: torch.Tensor, summed: torch.Tensor, counted: tuple[torch.Tensor, torch.Tensor]
@@ -489,7 +533,7 @@ class LocalTable:
         :meth:`_push_in_place`), the others their sub-steps; clocks + 1. False (nothing
         changed) for other optimizers or where the kernel is unavailable."""
         opt = self.spec.optimizer
-        if not isinstance(opt, RowWiseAdagrad):
+        if not isinstance(opt, RowWiseAdagrad) or self.spec.narrow:
             return False
         counts, stats = counted
         return rowwise_adagrad.rowwise_adagrad_counted_(
@@ -505,7 +549,7 @@ class LocalTable:
         False (nothing changed) for other optimizers or where the kernel is unavailable.
         """
         opt = self.spec.optimizer
-        if not isinstance(opt, RowWiseAdagrad):
+        if not isinstance(opt, RowWiseAdagrad) or self.spec.narrow:
             return False
         return rowwise_adagrad.rowwise_adagrad_(
             self.weights,
@@ -524,7 +568,7 @@ class LocalTable:
         if bool(miss.any()):
             new_ids = uniq[miss]  # [K]
             new_slots = self._alloc(new_ids.numel())  # [K]
-            self.weights[new_slots] = self.spec.initial_rows(new_ids)
+            self.weights[new_slots] = self.spec.initial_rows(new_ids).to(self.weights.dtype)
             self.state[new_slots] = self._state0
             self.clocks[new_slots] = 0
             self.row_ids[new_slots] = new_ids
@@ -589,7 +633,9 @@ class LocalTable:
     # ------------------------------------------------------------ checkpoints
 
     def parts(self, max_rows: int = 1 << 20) -> Iterator[TablePart]:
-        """The rows as checkpoint parts of at most ``max_rows`` rows (views; hold the lock).
+        """The rows as checkpoint parts of at most ``max_rows`` rows (views; hold the lock;
+        narrow rows widened to float32, exactly: a checkpoint holds float32 rows and the
+        spec its dtype).
 
         Dynamic tables list their rows by increasing id.
         """
@@ -600,7 +646,7 @@ class LocalTable:
                 sl = slots[start : start + max_rows]
                 yield TablePart(
                     ids=self.row_ids[sl],
-                    weights=self.weights[sl],
+                    weights=widened(self.weights[sl]),
                     state=self.state[sl],
                     clocks=self.clocks[sl],
                 )
@@ -610,7 +656,7 @@ class LocalTable:
             stop = min(n, start + max_rows)
             yield TablePart(
                 ids=torch.arange(start, stop, dtype=torch.int64),
-                weights=self.weights[start:stop],
+                weights=widened(self.weights[start:stop]),
                 state=self.state[start:stop],
                 clocks=self.clocks[start:stop],
             )
@@ -633,12 +679,12 @@ class LocalTable:
             have[ids] = True
             missing = torch.nonzero(~have).squeeze(1)
             initialise_rows(spec, t.weights, init_device, missing)
-            t.weights[ids] = part.weights
+            t.weights[ids] = part.weights.to(t.weights.dtype)
             t.state[ids] = part.state
             t.clocks[ids] = part.clocks
             return t
         slots = t._alloc(ids.numel())
-        t.weights[slots] = part.weights
+        t.weights[slots] = part.weights.to(t.weights.dtype)
         t.state[slots] = part.state
         t.clocks[slots] = part.clocks
         t.row_ids[slots] = ids

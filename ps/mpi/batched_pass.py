@@ -67,7 +67,8 @@ class BatchedPass:
         self.hyper = np.zeros((t, 2), dtype=np.float32)
         self.counters = np.zeros((t, COUNTER_WORDS), dtype=np.int64)
         for index, shard in enumerate(shards):
-            if shard is not None and shard.spec.num_rows is not None:
+            # fixed tables of float32 rows (narrow rows take the Python path's rounding)
+            if shard is not None and shard.spec.num_rows is not None and not shard.spec.narrow:
                 self.tables[index], self.hyper[index] = _descriptor(shard)
 
     def fold(self) -> None:

@@ -48,12 +48,13 @@ class FixedShard:
         self.spec = spec
         # At least one row (a table needs one); a spare row is never addressed.
         self.table = LocalTable(replace(spec, num_rows=max(n, 1)), initialise=False)
+        self.table.row_table_ids = self.owned
         for start in range(0, n, _INIT_CHUNK):
             ids = self.owned[start : start + _INIT_CHUNK]
             self.table.weights[start : start + ids.numel()] = spec.initial_rows(ids)
         if part is not None and part.ids.numel() > 0:
             rows = self._rows(part.ids)
-            self.table.weights[rows] = part.weights
+            self.table.weights[rows] = part.weights.to(self.table.weights.dtype)
             self.table.state[rows] = part.state
             self.table.clocks[rows] = part.clocks
 
