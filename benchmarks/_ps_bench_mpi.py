@@ -36,6 +36,9 @@ What is measured, on one table of ``rows`` x 64 float32 (SGD), with requests of
   ``batched_pass_messages`` counts the messages the server served whole in C;
 * ``counted_*``: plain and counted pushes at ``k = 1``, and the wire's bytes per
   pushed row of each (``_ps_bench_counted``);
+* ``fp16_pull`` / ``fp16_push``: ``pull`` and ``push`` on an fp16 table of the same
+  rows (rows and gradients travel in 16 bits), and ``fp16_mpi_*_speedup``, fp16 over
+  fp32 rows/s paired by round (``_ps_bench_narrow``);
 * ``raw_sendrecv``: the ceiling of the transport: the server gathers the rows
   (``index_select``) and sends them with a plain ``Send`` to a ``Recv`` posted by
   the worker (the same bytes as a pull reply, no protocol, no checks); measured
@@ -70,6 +73,7 @@ from ps.mpi.store import MPIStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
 import _ps_bench_counted as counted  # noqa: E402
+import _ps_bench_narrow as narrow  # noqa: E402
 from _bench_util import interleaved, medians, reported, zipf_unique_batches  # noqa: E402
 
 DIM = 64
@@ -130,6 +134,7 @@ def run(
     with MPIStore(group, topology) as store:
         store.create_table(spec)
         counted.create_tables(store, rows, DIM)
+        narrow.create_table(store, spec)
         inflight: deque[comm.Handle] = deque()
 
         def drain() -> None:
@@ -153,11 +158,14 @@ def run(
         def push(on: ps.Store) -> Callable[[int], None]:
             return lambda i: on.push("bench", batches[i % 8], grads)
 
+        fp16 = narrow.ops(store, batches, grads)
         ops: dict[str, Callable[[int], None]] = {
             "pull": pull(store),
+            "fp16_pull": fp16["fp16_pull"],  # beside its fp32 twin, for the paired ratio
             "pull_pipelined": pipelined(lambda i: store.pull_async("bench", batches[i % 8])),
             "inprocess_pull": pull(local),
             "push": push(store),
+            "fp16_push": fp16["fp16_push"],
             "push_pipelined": pipelined(lambda i: store.push_async("bench", batches[i % 8], grads)),
             "inprocess_push": push(local),
             **counted.push_ops(store, batches, grads),
@@ -174,6 +182,7 @@ def run(
             "steps": steps,
             "server": server,
             "counted_k1_vs_plain": counted.ratios(times),
+            "fp16_mpi": narrow.speedups(times),
             "wire_bytes_per_pushed_row": counted.wire_bytes_per_row(DIM, batch),
         },
         "config": {
@@ -347,8 +356,11 @@ def _raw_worker(raw: Any, batch: int, iters: int, repeats: int) -> float:
     return batch * iters / statistics.median(times["raw"])
 
 
-def targets(figures: dict[str, float], server: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The benchmark's targets, met by the better of 1-in-flight and pipelined."""
+def targets(
+    figures: dict[str, float], server: dict[str, Any], fp16: dict[str, float]
+) -> dict[str, dict[str, Any]]:
+    """The benchmark's targets: rows/s met by the better of 1-in-flight and pipelined;
+    the server's overhead per message; fp16 over fp32 rows/s (``fp16``)."""
     best = {
         "mpi_pull_rows_s": max(figures["pull"], figures["pull_pipelined"]),
         "mpi_push_rows_s": max(figures["push"], figures["push_pipelined"]),
@@ -367,6 +379,7 @@ def targets(figures: dict[str, float], server: dict[str, Any]) -> dict[str, dict
         + " less the rows' kernels "
         + str({k: round(v) for k, v in server["kernel_us_per_message"].items()}),
     }
+    out.update(narrow.targets(fp16))
     return out
 
 
@@ -383,12 +396,14 @@ def main() -> None:
     figures = result["figures"]["rows_per_s"]
     for name, value in figures.items():
         print(f"mpi {name:>16}: {value / 1e6:6.2f} M rows/s", file=sys.stderr)
+    for name, value in result["figures"]["fp16_mpi"].items():
+        print(f"mpi {name}: {value:.2f}", file=sys.stderr)
     out = {
         "bench": "ps_mpi",
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "backend": "mpi"},
         "config": result["config"],
         "figures": result["figures"],
-        "targets": targets(figures, result["figures"]["server"]),
+        "targets": targets(figures, result["figures"]["server"], result["figures"]["fp16_mpi"]),
     }
     print(json.dumps(out))
 

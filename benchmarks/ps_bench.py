@@ -11,7 +11,10 @@
   round trips per Redis node per step (``requests_per_server_step``);
 * on every store, counted pushes at ``k = 1`` beside plain ones (row-wise Adagrad and
   Adam tables; ``_ps_bench_counted``): target ``counted_push_k1_vs_plain`` >= 0.95,
-  and the MPI wire's bytes per pushed row of each.
+  and the MPI wire's bytes per pushed row of each;
+* MPI store, an fp16 table beside the fp32 one (the same rows; rows and gradients
+  travel in 16 bits; ``_ps_bench_narrow``): targets ``fp16_mpi_pull_speedup`` and
+  ``fp16_mpi_push_speedup`` >= 1.5 (fp16 / fp32 rows/s, paired by round).
 
 64-dim float32 rows, batches of 10 k unique Zipf ids. One torch thread per
 process (the machine has 2 cores and the MPI job runs 2 ranks). The last line is
@@ -35,6 +38,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import _ps_bench_counted as counted  # noqa: E402
+import _ps_bench_narrow as narrow  # noqa: E402
 from _ps_bench_local import bench_local  # noqa: E402
 from _ps_bench_redis import bench_redis  # noqa: E402
 
@@ -44,6 +48,7 @@ TARGETS = {
     "mpi_push_rows_s": 2e6,
     "redis_pull_vs_mget": 0.8,
     "redis_push_vs_lua": 1.0,
+    **dict.fromkeys(narrow.PAIRS, narrow.TARGET),
 }
 
 
@@ -114,6 +119,9 @@ def main() -> None:
         for name, v in by_opt.items():
             print(f"{where} {name} counted k=1 / plain push: {v:.3f}", file=sys.stderr)
     worst_k1 = min(v for by_opt in counted_k1.values() for v in by_opt.values())
+    fp16 = mpi["figures"]["fp16_mpi"]  # fp16 / fp32 rows/s of one MPI table
+    for name, v in fp16.items():
+        print(f"mpi {name}: {v:.3f}", file=sys.stderr)
     result = {
         "bench": "ps",
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "backend": "mpi"},
@@ -130,6 +138,7 @@ def main() -> None:
             "ratios": {**local["ratios"], **redis["ratios"]},
             "counted_k1_vs_plain": counted_k1,
             "wire_bytes_per_pushed_row": mpi["figures"]["wire_bytes_per_pushed_row"],
+            "fp16_mpi": fp16,
         },
         "requests_per_server_step": {
             "mpi": mpi_steps["requests_per_server_step"],
@@ -143,6 +152,7 @@ def main() -> None:
                 ("mpi_push_rows_s", rows_per_s["mpi"]["push"]),
                 ("redis_pull_vs_mget", redis["ratios"]["redis_pull_vs_mget"]),
                 ("redis_push_vs_lua", redis["ratios"]["redis_push_vs_lua"]),
+                *fp16.items(),
             )
         } | {
             "server_overhead_us_per_message": mpi["targets"]["server_overhead_us_per_message"],

@@ -30,6 +30,16 @@ On CUDA with triton installed, the same two steps are Triton kernels
 (:mod:`embedding.kernels`, ``docs/kernels.md``): an autotuned gather+pool, and a
 backward fused with the update of every ps optimizer (the rows variant after the
 data-parallel exchange). The CPU paths above are unchanged.
+
+Narrow rows (a group of fp16 or bf16 tables, :attr:`FusedGroup.keys` set): the lookup
+widens each row and pools in float32 (the C pass :func:`ps.kernels.narrow_rows.pool`;
+``F.embedding_bag`` on a narrow weight would return the narrow type), so the outputs
+are float32 as for float32 tables. An update is computed in float32 on widened copies
+and written back stochastically rounded (:mod:`ps.rounding`), keyed by the row's table
+seed, its id in the table and its clock after the update: the bits the ps store's
+engine gives the same row for the same summed gradient. Row-wise Adagrad runs the
+narrow C pass (:func:`ps.kernels.narrow_rows.rowwise_adagrad_parts_`: the float32
+kernel's step on the widened row, then the rounding).
 """
 
 from __future__ import annotations
@@ -46,7 +56,9 @@ from embedding.config import TableConfig
 from embedding.jagged import KeyedJaggedIds, offsets_from_lengths
 from embedding.kernels import FUSED_OPTIMIZERS, use_triton
 from ps import Optimizer, RowWiseAdagrad
+from ps.kernels import narrow_rows
 from ps.kernels import rowwise_adagrad as cpu_kernel
+from ps.kernels.narrow_rows import RoundingKeys
 
 
 @dataclass(slots=True)
@@ -86,13 +98,30 @@ def kernel_parts(parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 @dataclass(slots=True)
 class FusedGroup:
-    """The flat storage of the tables that share one dim and one optimizer."""
+    """The flat storage of the tables that share one dim, one optimizer and one row type.
+
+    ``keys`` None: float32 rows; else the rows are ``keys.dtype`` (fp16 or bf16) and
+    ``keys`` says how an update of each row is rounded (its table's seed and its id).
+    """
 
     dim: int
     optimizer: Optimizer
-    weight: torch.Tensor  # [R, D] float32
+    weight: torch.Tensor  # [R, D] float32, or keys.dtype
     state: torch.Tensor  # [R, S] float32
     clocks: torch.Tensor  # [R] int64
+    keys: RoundingKeys | None = None
+
+    def __post_init__(self) -> None:
+        # A narrow weight without its keys would be updated in the narrow type itself.
+        if self.keys is None and self.weight.dtype != torch.float32:
+            raise ValueError(
+                f"FusedGroup: a {self.weight.dtype} weight needs the RoundingKeys of its "
+                "tables (fp16/bf16 rows are updated in float32 and rounded back), got none"
+            )
+        if self.keys is not None and self.keys.dtype != self.weight.dtype:
+            raise ValueError(
+                f"FusedGroup: rounding keys of {self.keys.dtype} for a {self.weight.dtype} weight"
+            )
 
 
 def group_batch(
@@ -195,10 +224,11 @@ def name_parts(
 
 
 def lookup(weight: torch.Tensor, batch: GroupBatch) -> torch.Tensor:
-    """``[nbags, D]``: the weighted sum of each bag's rows (zeros for empty bags).
+    """``[nbags, D]`` float32: the weighted sum of each bag's rows (zeros for empty bags).
 
     On CUDA with triton installed, the Triton gather+pool kernel
-    (:mod:`embedding.kernels.triton_pool`); elsewhere ``F.embedding_bag``.
+    (:mod:`embedding.kernels.triton_pool`); elsewhere ``F.embedding_bag``, or for narrow
+    rows :func:`narrow_lookup`.
     """
     if use_triton(weight):
         from embedding.kernels.triton_pool import pooled_lookup
@@ -211,9 +241,30 @@ def lookup(weight: torch.Tensor, batch: GroupBatch) -> torch.Tensor:
             per_sample_weights=batch.weights,
             validate=False,
         )
+    if weight.dtype != torch.float32:
+        return narrow_lookup(weight, batch)
     return F.embedding_bag(
         batch.ids,
         weight,
+        batch.offsets,
+        mode="sum",
+        per_sample_weights=batch.weights,
+        include_last_offset=True,
+    )
+
+
+def narrow_lookup(weight: torch.Tensor, batch: GroupBatch) -> torch.Tensor:
+    """:func:`lookup` of a narrow (fp16/bf16) ``weight`` ``[R, D]``: float32 ``[nbags, D]``,
+    pooled in float32 by the C pass where it runs (one read of each narrow row), else by
+    ``F.embedding_bag`` over the gathered rows widened (``[N, D]`` float32)."""
+    ids = batch.ids.contiguous()
+    out = narrow_rows.pool(weight, ids, batch.offsets.contiguous(), batch.kernel_weights())
+    if out is not None:
+        return out
+    rows = weight.index_select(0, ids).to(torch.float32)  # [N, D]
+    return F.embedding_bag(
+        torch.arange(ids.numel(), device=ids.device),
+        rows,
         batch.offsets,
         mode="sum",
         per_sample_weights=batch.weights,
@@ -274,10 +325,22 @@ def apply_optimizer(group: FusedGroup, rows: torch.Tensor, grads: torch.Tensor) 
     """Apply the group's optimizer to the distinct flat ``rows`` [U] with ``grads`` [U, D]
     in place: gather the touched rows and state, run the ps optimizer's ``apply``
     on the copies (the exact math of the parameter server), scatter them back.
-    Row-wise Adagrad (the torch fallback of the C kernel) writes in place instead."""
+    Row-wise Adagrad (the torch fallback of the C kernel) writes in place instead.
+    Narrow rows: the copies are widened, and written back rounded with the keys of
+    the rows' clocks after this update (the ps store's order of operations)."""
     if rows.numel() == 0:
         return
     opt = group.optimizer
+    if group.keys is not None:
+        w = group.weight.index_select(0, rows).to(torch.float32)  # [U, D] widened copies
+        s = group.state.index_select(0, rows)  # [U, S]
+        opt.apply(w, s, grads.to(torch.float32))
+        group.clocks.index_add_(0, rows, torch.ones_like(rows))
+        versions = group.clocks.index_select(0, rows)  # [U] the clocks after the update
+        group.weight.index_copy_(0, rows, narrow_rows.round_rows(w, group.keys, rows, versions))
+        if s.shape[1] > 0:
+            group.state.index_copy_(0, rows, s)
+        return
     if isinstance(opt, RowWiseAdagrad) and group.state.shape[1] == 1:
         # The same formula without gathering and scattering [U, D] rows: the state
         # is updated by index_add_ (rows are distinct), the step added by index_add_.
@@ -350,6 +413,7 @@ class FusedLookupFunction(torch.autograd.Function):
                 fused_backward_(
                     g.weight, g.state, b.ids, b.offsets, grad, g.optimizer,
                     mode="sum", per_sample_weights=b.weights, clocks=g.clocks, validate=False,
+                    rounding=g.keys,
                 )  # fmt: skip
                 continue
             rows, grads = row_gradients(b, grad)  # [U], [U, D]
@@ -362,7 +426,7 @@ class FusedLookupFunction(torch.autograd.Function):
 
                 apply_rows_(
                     g.weight, g.state, rows, grads.to(torch.float32).contiguous(), g.optimizer,
-                    clocks=g.clocks,
+                    clocks=g.clocks, rounding=g.keys,
                 )  # fmt: skip
                 continue
             apply_optimizer(g, rows, grads)
@@ -374,11 +438,17 @@ def _cpu_rowwise_adagrad_parts(g: FusedGroup, b: GroupBatch, parts: Sequence[tor
     reading the per-feature gradients ``parts`` in place: one sort, then one pass per
     unique row. False (nothing done) where it does not apply."""
     opt = g.optimizer
-    if not isinstance(opt, RowWiseAdagrad) or g.weight.is_cuda or not cpu_kernel.available():
+    kernel = cpu_kernel if g.keys is None else narrow_rows
+    if not isinstance(opt, RowWiseAdagrad) or g.weight.is_cuda or not kernel.available():
         return False
     if b.ids.numel() == 0:
         return True
     srt, perm = cpu_kernel.sort_ids(b.ids)  # [N], [N]
+    if g.keys is not None:
+        return narrow_rows.rowwise_adagrad_parts_(
+            g.weight, g.state, g.clocks, srt, perm, b.kernel_offsets(), kernel_parts(parts),
+            lr=opt.lr, eps=opt.eps, keys=g.keys, weights=b.kernel_weights(),
+        )  # fmt: skip
     return cpu_kernel.rowwise_adagrad_parts_(
         g.weight, g.state, g.clocks, srt, perm, b.kernel_offsets(), kernel_parts(parts),
         lr=opt.lr, eps=opt.eps, weights=b.kernel_weights(),
@@ -388,12 +458,17 @@ def _cpu_rowwise_adagrad_parts(g: FusedGroup, b: GroupBatch, parts: Sequence[tor
 def _cpu_rowwise_adagrad_rows(g: FusedGroup, rows: torch.Tensor, grads: torch.Tensor) -> bool:
     """Row-wise Adagrad of distinct sorted ``rows`` [U] with ``grads`` [U, D] in the C kernel."""
     opt = g.optimizer
-    if not isinstance(opt, RowWiseAdagrad) or g.weight.is_cuda or not cpu_kernel.available():
+    if not isinstance(opt, RowWiseAdagrad) or g.weight.is_cuda:
         return False
+    grads = grads.to(torch.float32).contiguous()
+    if g.keys is not None:
+        return narrow_rows.rowwise_adagrad_(
+            g.weight, g.state, g.clocks, rows.contiguous(), grads, lr=opt.lr, eps=opt.eps,
+            keys=g.keys,
+        )  # fmt: skip
     return cpu_kernel.rowwise_adagrad_(
-        g.weight, g.state, g.clocks, rows.contiguous(), grads.to(torch.float32).contiguous(),
-        lr=opt.lr, eps=opt.eps,
-    )  # fmt: skip
+        g.weight, g.state, g.clocks, rows.contiguous(), grads, lr=opt.lr, eps=opt.eps
+    )
 
 
 def _use_triton_update(g: FusedGroup) -> bool:

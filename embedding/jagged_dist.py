@@ -13,13 +13,24 @@ one row back per unique id and pools locally. Every buffer is ordered by rank
                    [0, 2]]
     send_splits = [3, 2]
 
-Rows come back as one flat float buffer in the same order (tables may differ in
+Rows come back as one flat buffer in the same order (tables may differ in
 width, so chunk ``(rank, table)`` holds ``counts[rank, table] * dim[table]``
-floats). Because each table's ranges are owned in rank order, sorted unique ids
+elements). Because each table's ranges are owned in rank order, sorted unique ids
 are grouped by ascending owner: concatenating table ``t``'s chunks in rank order
 gives its rows in unique-id order, with no index to keep (:func:`unpack_rows`).
 The owner does the same with the ids it received (:func:`split_ids`) and packs
 its answer with :func:`pack_rows`. Gradients travel back in the same layout.
+
+Rows travel as they are stored (:func:`wire_dtype`): float32 tables as float32, fp16
+or bf16 ones as 2-byte elements (half the bytes; exact, as they are stored narrow).
+Tables of different row types share one buffer of bytes (uint8: every backend moves
+it, gloo has no int16), each row moving its own bits::
+
+    tables A (float32, dim 2) and B (fp16, dim 3): wire uint8, widths [8, 6]
+    chunk (rank, A): [n_A, 8] bytes = [n_A, 2] float32;  chunk (rank, B): [n_B, 6] = [n_B, 3] fp16
+
+:func:`widen_rows` turns what arrived into the flat float32 buffer of the same
+order, with ``counts * dims`` floats per chunk, which is what is pooled.
 
 Everything is tensor code; the only Python loops run over tables and ranks.
 """
@@ -84,7 +95,8 @@ def bucketize(
 
 
 def float_splits(counts: torch.Tensor, dims: torch.Tensor) -> list[int]:
-    """Floats per rank ``[W]`` of a flat row buffer with ``counts [W, T]`` items."""
+    """Elements per rank ``[W]`` of a flat row buffer with ``counts [W, T]`` rows of
+    ``dims [T]`` elements (floats, or wire elements with :func:`wire_widths`)."""
     return [int(x) for x in (counts * dims.unsqueeze(0)).sum(dim=1).tolist()]
 
 
@@ -114,12 +126,16 @@ def unpack_rows(flat: torch.Tensor, counts: torch.Tensor, dims: torch.Tensor) ->
 
 
 def pack_rows(
-    rows: list[torch.Tensor | None], counts: torch.Tensor, device: torch.device | None = None
+    rows: list[torch.Tensor | None],
+    counts: torch.Tensor,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The inverse of :func:`unpack_rows`: per table ``[n_t, D_t]`` rows in rank order
-    (None for a table with no rows) -> one flat buffer ordered (rank, table), on
-    ``device`` (default: the host) when there are no rows at all. ``counts`` ``[W, T]``
-    are on the host (their values are split sizes)."""
+    (None for a table with no rows; all of one dtype, :func:`as_wire`) -> one flat
+    buffer ordered (rank, table); empty, of ``dtype`` on ``device`` (default: the host),
+    when there are no rows at all. ``counts`` ``[W, T]`` are on the host (their values
+    are split sizes)."""
     w, t_count = counts.shape
     per_table: list[list[torch.Tensor]] = []
     for t, r in enumerate(rows):
@@ -130,5 +146,55 @@ def pack_rows(
             per_table.append(list(torch.split(r, counts[:, t].tolist())))
     parts = [per_table[t][r].reshape(-1) for r in range(w) for t in range(t_count) if per_table[t]]
     if not parts:
-        return torch.empty(0, dtype=torch.float32, device=device)
+        return torch.empty(0, dtype=dtype, device=device)
     return torch.cat(parts)
+
+
+def wire_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """The element type rows travel in: the row type all tables share (float32, float16
+    or bfloat16), else bytes (uint8) holding every table's stored bits."""
+    kinds = set(dtypes)
+    return kinds.pop() if len(kinds) == 1 else torch.uint8
+
+
+def wire_widths(
+    dims: torch.Tensor, dtypes: Sequence[torch.dtype], wire: torch.dtype
+) -> torch.Tensor:
+    """Wire elements per row ``[T]`` of tables of ``dims [T]`` and row types ``dtypes``."""
+    per_element = [t.itemsize // wire.itemsize for t in dtypes]  # 1, or a row type's bytes
+    return dims * torch.tensor(per_element, dtype=torch.int64)
+
+
+def as_wire(rows: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """Stored rows ``[n, D]`` as ``[n, D * k]`` wire elements (a view of their bits)."""
+    return rows if rows.dtype == wire else rows.view(wire)
+
+
+def widen_rows(
+    flat: torch.Tensor, counts: torch.Tensor, dims: torch.Tensor, dtypes: Sequence[torch.dtype]
+) -> torch.Tensor:
+    """A wire buffer ordered (rank, table), ``counts [W, T]`` rows of tables of ``dims
+    [T]`` stored as ``dtypes`` -> the float32 buffer of the same rows in the same order
+    (``counts * dims`` floats per chunk; narrow rows widen exactly)."""
+    if flat.dtype == torch.float32:
+        return flat
+    if flat.dtype != torch.uint8:
+        return flat.to(torch.float32)  # every table of this one narrow type
+    t_count = counts.shape[1]
+    widths = wire_widths(dims, dtypes, flat.dtype)  # [T]
+    chunks = torch.split(flat, (counts * widths.unsqueeze(0)).reshape(-1).tolist())
+    out = []
+    for k, chunk in enumerate(chunks):  # (rank, table) order
+        t = k % t_count
+        rows = _bits_as(chunk.view(-1, int(widths[t])), dtypes[t])  # [n, D_t]
+        out.append(rows.to(torch.float32).reshape(-1))
+    return torch.cat(out) if out else flat.new_empty(0, dtype=torch.float32)
+
+
+def _bits_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes ``[n, D * k]`` as ``dtype`` ``[n, D]`` (``k`` its size); copied first where
+    the chunk does not start on a multiple of ``k`` (a view needs that alignment)."""
+    ratio = dtype.itemsize // raw.itemsize
+    if ratio > 1 and raw.storage_offset() % ratio:
+        raw = raw.clone()
+    return raw.view(dtype)

@@ -1,9 +1,10 @@
 """Local tables: every local table of a collection in this process, fused.
 
-Tables with the same ``dim`` and optimizer config form one *fused group* (see
-:mod:`embedding.fused_ops` for the flat layout and the fused backward). A batch
-costs one ``embedding_bag`` per group forward and one sort + ``embedding_bag`` +
-optimizer gather/scatter per group backward, whatever the number of tables.
+Tables with the same ``dim``, optimizer config and row type (``TableConfig.dtype``)
+form one *fused group* (see :mod:`embedding.fused_ops` for the flat layout and the
+fused backward). A batch costs one ``embedding_bag`` per group forward and one sort +
+``embedding_bag`` + optimizer gather/scatter per group backward, whatever the number
+of tables.
 
 Data parallel (``group.size > 1``): the tables are replicated, one copy per
 rank, all starting from the tables' deterministic initial rows (``TableSpec``'s
@@ -17,6 +18,16 @@ host values). They are module state: each group's ``weight [R, D]``, ``state [R,
 and ``clocks [R]`` are registered buffers, so ``module.to(device)`` moves them
 (the fused groups are rebound to the moved tensors), and the state dict names
 them per table: ``<table>.weight``, ``<table>.state``, ``<table>.clocks``.
+
+Narrow rows (``TableConfig.dtype`` "fp16" or "bf16"): a group's ``weight`` holds that
+type (the initial rows rounded to the nearest), the lookups pool in float32 and
+every read (:meth:`LocalTables.rows`, checkpoints) returns float32; each update is
+computed in float32 and stochastically rounded back (:mod:`ps.rounding`, keyed by the
+table's init seed, the row's id and its clock after the update), so a local table and
+a ps store table of the same spec give the same rows the same bits. Optimizer state
+stays float32. The state dict holds the rows in their stored type; loading rows of
+another type (a state dict or a checkpoint of another ``dtype``) converts them,
+rounding to the nearest, with one warning per load naming the tables.
 """
 
 from __future__ import annotations
@@ -41,10 +52,12 @@ from embedding.fused_ops import (
     name_parts,
 )
 from embedding.jagged import KeyedJaggedIds
-from embedding.table_state import apply_keep_dtype, copy_checked, target_device
+from embedding.table_state import apply_keep_dtype, copy_checked, target_device, warn_converted
 from ps import Optimizer, TableSpec
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
+from ps.kernels.narrow_rows import RoundingKeys
 from ps.local.table import table_array
+from ps.table import TORCH_ROW_DTYPES, RowDtype
 
 _INIT_CHUNK_ROWS = 1 << 16  # rows initialised at once (bounds the hash temporaries)
 
@@ -77,15 +90,18 @@ class LocalTables(nn.Module):
         self.configs = {c.name: c for c in configs}
         self.group = group
         dev = module_device(group, device)
-        keys: dict[tuple[int, Optimizer], list[TableConfig]] = {}
+        keys: dict[tuple[int, Optimizer, RowDtype], list[TableConfig]] = {}
         for cfg in configs:
-            keys.setdefault((cfg.dim, cfg.optimizer), []).append(cfg)
-        self._group_keys = list(keys)  # (dim, optimizer) of each fused group
+            keys.setdefault((cfg.dim, cfg.optimizer, cfg.dtype), []).append(cfg)
+        self._group_keys = list(keys)  # (dim, optimizer, row type) of each fused group
+        self._group_tables = [[c.name for c in cfgs] for cfgs in keys.values()]
         self.specs: dict[str, TableSpec] = {}
         self.where: dict[str, tuple[int, int]] = {}  # table -> (group index, base row)
-        for gi, ((dim, opt), cfgs) in enumerate(keys.items()):
+        for gi, ((dim, opt, dtype), cfgs) in enumerate(keys.items()):
             total = sum(int(c.num_rows or 0) for c in cfgs)
-            weight = _storage((total, dim), torch.float32, dev)  # [R, D]
+            # [R, D] of the tables' row type: narrow rows take the initial rows rounded
+            # to the nearest (as a ps store's table of the same spec does).
+            weight = _storage((total, dim), TORCH_ROW_DTYPES[dtype], dev)
             base = 0
             for c in cfgs:
                 spec = c.to_spec()
@@ -121,22 +137,40 @@ class LocalTables(nn.Module):
 
     def _bind_groups(self) -> None:
         """The fused groups over the current buffers (again after ``.to()`` moved them)."""
-        self.groups = [
-            FusedGroup(
-                dim=dim,
-                optimizer=opt,
-                weight=self._buffers[f"group{gi}_weight"],  # type: ignore[arg-type]
-                state=self._buffers[f"group{gi}_state"],  # type: ignore[arg-type]
-                clocks=self._buffers[f"group{gi}_clocks"],  # type: ignore[arg-type]
+        self.groups = []
+        for gi, (dim, opt, dtype) in enumerate(self._group_keys):
+            weight: torch.Tensor = self._buffers[f"group{gi}_weight"]  # type: ignore[assignment]
+            self.groups.append(
+                FusedGroup(
+                    dim=dim,
+                    optimizer=opt,
+                    weight=weight,
+                    state=self._buffers[f"group{gi}_state"],  # type: ignore[arg-type]
+                    clocks=self._buffers[f"group{gi}_clocks"],  # type: ignore[arg-type]
+                    keys=self._rounding_keys(gi, dtype, weight.device),
+                )
             )
-            for gi, (dim, opt) in enumerate(self._group_keys)
-        ]
+
+    def _rounding_keys(self, gi: int, dtype: RowDtype, device: torch.device) -> RoundingKeys | None:
+        """How group ``gi``'s narrow rows round (its tables' bases and init seeds), on
+        ``device``; None for float32 rows."""
+        if dtype == "fp32":
+            return None
+        names = self._group_tables[gi]
+        seeds = []
+        for name in names:
+            init = self.specs[name].init
+            assert init is not None  # resolved by TableSpec
+            seeds.append(init.seed)
+        sizes = [int(self.configs[n].num_rows or 0) for n in names]
+        return RoundingKeys.of_tables(TORCH_ROW_DTYPES[dtype], sizes, seeds, device)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         """``.to(device)``, ``.cuda()``, ``.cpu()``: the tables move and the fused groups
         use the moved tensors. A dtype change (``.half()``, ``.to(torch.bfloat16)``)
-        leaves them float32 / int64: the optimizers and kernels work on float32 rows,
-        and rounding the tables would lose their values."""
+        leaves the tables as they are (rows in their table's ``dtype``, float32 state,
+        int64 clocks): a table's row type is its config's, and rounding the tables
+        would lose their values."""
         for key, buf in list(self._buffers.items()):
             if buf is None:
                 continue
@@ -171,6 +205,7 @@ class LocalTables(nn.Module):
         if not self.state_dict_tables:
             return
         ours = set()
+        converted: dict[str, tuple[torch.dtype, torch.dtype]] = {}  # table -> (from, to)
         for name in self.specs:
             for what, target in self._table_tensors(name).items():
                 key = f"{prefix}{name}.{what}"
@@ -178,9 +213,14 @@ class LocalTables(nn.Module):
                 if key not in state_dict:
                     missing_keys.append(key)
                     continue
-                error = copy_checked(target, state_dict[key], f"local table {name!r}: {key}")
+                value = state_dict[key]
+                error = copy_checked(target, value, f"local table {name!r}: {key}")
                 if error:
                     error_msgs.append(error)
+                elif what == "weight" and value.dtype != target.dtype:
+                    converted[name] = (value.dtype, target.dtype)
+        if converted:
+            warn_converted(converted, f"the state dict ({prefix or 'top level'})")
         if strict:
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in ours)
 
@@ -202,10 +242,11 @@ class LocalTables(nn.Module):
             )
 
     def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        """A copy of rows ``ids`` ``[N]`` of ``table``: ``[N, D]``."""
+        """A copy of rows ``ids`` ``[N]`` of ``table``: float32 ``[N, D]`` (narrow rows
+        widened, exactly)."""
         g, base, n = self._table_rows(table)
         self._check_read_ids(table, ids, n)
-        return g.weight.index_select(0, ids.to(g.weight.device) + base)
+        return g.weight.index_select(0, ids.to(g.weight.device) + base).to(torch.float32)
 
     def state(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """A copy of the optimizer state of rows ``ids``: ``[N, S]``."""
@@ -272,7 +313,8 @@ class LocalTables(nn.Module):
             g, base, n = self._table_rows(name)
             part = TablePart(
                 ids=torch.arange(n, dtype=torch.int64),
-                weights=g.weight[base : base + n].cpu(),
+                # float32 whatever the rows (narrow ones widen exactly); the spec has the type
+                weights=g.weight[base : base + n].cpu().to(torch.float32),
                 state=g.state[base : base + n].cpu(),
                 clocks=g.clocks[base : base + n].cpu(),
             )
@@ -288,15 +330,24 @@ class LocalTables(nn.Module):
     def load(self, path: str | os.PathLike[str]) -> None:
         """Read the local tables back from a ps checkpoint (written by :meth:`save` or
         by any store's ``save``). Every local table must be in it with the same
-        rows, dim and optimizer; rows a checkpoint lacks are left as they are."""
+        rows, dim and optimizer; rows a checkpoint lacks are left as they are. A table
+        saved with another row type (``dtype``) is converted to this one's (rounded to
+        the nearest), with one warning naming every such table."""
         ckpt = read_checkpoint(path)
+        converted: dict[str, tuple[torch.dtype, torch.dtype]] = {}
         for spec in self.specs.values():
             ckpt.expect(spec)
+            saved = ckpt.spec(spec.name)
+            if saved.dtype != spec.dtype:
+                converted[spec.name] = (saved.torch_dtype, spec.torch_dtype)
+        if converted:
+            warn_converted(converted, f"checkpoint {str(path)!r}")
         for name in self.specs:
             g, base, _ = self._table_rows(name)
             for part in ckpt.parts(name):
                 rows = part.ids.to(g.weight.device) + base
-                g.weight.index_copy_(0, rows, part.weights.to(g.weight.device))
+                # float32 parts: exact for rows saved narrow, rounded for wider ones
+                g.weight.index_copy_(0, rows, part.weights.to(g.weight.device, g.weight.dtype))
                 if g.state.shape[1] > 0:
                     g.state.index_copy_(0, rows, part.state.to(g.state.device))
                 g.clocks.index_copy_(0, rows, part.clocks.to(g.clocks.device))

@@ -36,6 +36,18 @@ one process training on the global batch with the global mean loss.
 and run one backward through the outputs of each training forward (as DDP
 requires); a rank whose local batch is empty still takes part (empty splits).
 
+**Rows of fp16 or bf16** (``TableConfig.dtype``): the shards store them narrow, and
+the output dist moves them in their stored type (2 bytes per element instead of 4;
+exact, since that is what is stored), widened to float32 where they arrive, before
+pooling, which accumulates in float32. Their gradients travel back in float32 (not
+rounded to the narrow type on the way): the owner sums them and runs the optimizer in
+float32 on float32 copies of its rows, as one process holding the whole table would
+(:class:`ps.local.table.LocalTable`), then stores the result stochastically rounded
+(:mod:`ps.rounding`) keyed by the *table's* row id and the row's clock, never by a
+shard's local row. So a row fed the same summed gradient ends with the same bits at
+any number of ranks and in one process; the float32 sums themselves may differ in
+their last bit between layouts (partial sums per rank), as for float32 tables.
+
 Initial rows are the ps initializer's values for the *global* row ids
 (:meth:`ps.TableSpec.initial_rows` is a hash of ``(seed, id, column)``), so a
 sharded table starts exactly like the same unsharded table.
@@ -50,8 +62,11 @@ engine, over the same tensors); on a device in the fused local path's torch code
 (:func:`embedding.fused_ops.apply_optimizer`), the same math.
 
 State dict, per table: ``<table>.ids`` (the global row ids of this rank's
-shard), ``.weight``, ``.state``, ``.clocks``; loading copies the rows whose ids
-fall in this rank's range, so it does not depend on the sharding.
+shard), ``.weight`` (in the table's row type), ``.state``, ``.clocks``; loading
+copies the rows whose ids fall in this rank's range, so it does not depend on the
+sharding. Checkpoints hold float32 rows (narrow ones widen exactly) and the spec
+records the row type; loading converts rows to the table's type (float32 rows into a
+narrow table round to the nearest).
 """
 
 from __future__ import annotations
@@ -79,18 +94,28 @@ from embedding.config import TableConfig
 from embedding.fused_ops import FusedGroup, apply_optimizer, segment_sum
 from embedding.jagged import KeyedJaggedIds, offsets_from_lengths
 from embedding.jagged_dist import (
+    as_wire,
     bucketize,
     dedup,
     float_splits,
     pack_rows,
     split_ids,
     unpack_rows,
+    widen_rows,
+    wire_dtype,
+    wire_widths,
 )
 from embedding.sharding_plan import DEFAULT_ROW_WISE_THRESHOLD_ROWS, ShardingPlan
-from embedding.table_state import apply_keep_dtype, part_from_state_dict, target_device
+from embedding.table_state import (
+    apply_keep_dtype,
+    part_from_state_dict,
+    target_device,
+    warn_converted,
+)
 from ps.checkpoint import TablePart, read_checkpoint
-from ps.local.table import LocalTable, take
-from ps.table import TableSpec
+from ps.local.table import LocalTable, take, widened
+from ps.rounding import round_to
+from ps.table import TORCH_ROW_DTYPES, TableSpec
 
 _INIT_CHUNK_ROWS = 1 << 16
 
@@ -163,6 +188,11 @@ class ShardedTables(nn.Module):
         self.plan = plan
         self._check_plan()
         self._dims = torch.tensor([c.dim for c in self._configs], dtype=torch.int64)  # [T]
+        # Rows travel in their stored type: [T] row types, the exchange's element type
+        # and its elements per row (jagged_dist's module doc).
+        self._row_dtypes = [TORCH_ROW_DTYPES[c.dtype] for c in self._configs]
+        self._wire = wire_dtype(self._row_dtypes)
+        self._wire_dims = wire_widths(self._dims, self._row_dtypes, self._wire)  # [T]
         dev = module_device(group, device)
         # The leaf the row exchange hangs off, so autograd calls its backward.
         self._anchor = torch.empty(0, requires_grad=True, device=dev)
@@ -191,8 +221,19 @@ class ShardedTables(nn.Module):
         full = cfg.to_spec()  # its init is resolved: the same on every rank
         return TableSpec(
             name=cfg.name, num_rows=stop - start, dim=cfg.dim, optimizer=cfg.optimizer,
-            init=full.init,
+            init=full.init, dtype=cfg.dtype,
         )  # fmt: skip
+
+    def _shard_table(self, cfg: TableConfig) -> LocalTable:
+        """An uninitialised LocalTable for this rank's rows of ``cfg``. Stochastic
+        rounding is keyed by table ids, so every sharding rounds alike: shard row ``i``
+        is id ``start + i``, which a narrow shard past the table's first row is told
+        (``[n]`` int64; elsewhere row ``i`` is id ``i``, LocalTable's default)."""
+        start, stop = self.plan.table(cfg.name).rows_on(self.group.rank)
+        table = LocalTable(self._shard_spec(cfg), initialise=False)
+        if table.spec.narrow and start > 0:
+            table.row_table_ids = torch.arange(start, stop, dtype=torch.int64)  # [n]
+        return table
 
     def _bind_shards(self) -> None:
         """On the host, each shard's :class:`ps.local.table.LocalTable` (its push runs
@@ -204,7 +245,7 @@ class ShardedTables(nn.Module):
             if rows is None or rows[0].device.type != "cpu":
                 self._shards.append(None)
                 continue
-            table = old[i] or LocalTable(self._shard_spec(cfg), initialise=False)
+            table = old[i] or self._shard_table(cfg)
             table.weights, table.state, table.clocks = rows
             self._shards.append(table)
 
@@ -263,14 +304,15 @@ class ShardedTables(nn.Module):
         full = cfg.to_spec()
         table = None
         if device.type == "cpu":
-            table = LocalTable(self._shard_spec(cfg), initialise=False)
+            table = self._shard_table(cfg)
             weights, state, clocks = table.weights, table.state, table.clocks
         else:
             n, s = stop - start, full.state_dim
-            weights = torch.zeros(n, cfg.dim, device=device)
+            weights = torch.zeros(n, cfg.dim, dtype=full.torch_dtype, device=device)
             state = full.initial_state().to(device).expand(n, s).contiguous()
             clocks = torch.zeros(n, dtype=torch.int64, device=device)
-        for lo in range(start, stop, _INIT_CHUNK_ROWS):  # hashed on the shard's device
+        # Hashed on the shard's device; narrow rows round to the nearest, as a store's.
+        for lo in range(start, stop, _INIT_CHUNK_ROWS):
             hi = min(stop, lo + _INIT_CHUNK_ROWS)
             weights[lo - start : hi - start] = full.initial_rows(
                 torch.arange(lo, hi, device=device)
@@ -291,16 +333,22 @@ class ShardedTables(nn.Module):
         return list(self._features)
 
     def shard(self, table: str) -> tuple[int, int, torch.Tensor]:
-        """``(start, stop, weights [stop - start, D])`` of this rank's rows of ``table``."""
+        """``(start, stop, weights [stop - start, D])`` of this rank's rows of ``table``
+        (the shard's storage, in the table's row type)."""
         i = self._index(table)
         start, stop = self.plan.table(table).rows_on(self.group.rank)
         mine = self._rows(i)
-        rows = mine[0] if mine is not None else torch.empty(0, self._configs[i].dim)
+        rows = mine[0] if mine is not None else self._no_rows(i)
         return start, stop, rows
 
+    def _no_rows(self, i: int) -> torch.Tensor:
+        """Weights ``[0, D]`` of table ``i`` in its row type, where this rank holds none."""
+        return torch.empty(0, self._configs[i].dim, dtype=self._row_dtypes[i], device=self.device)
+
     def full_table(self, table: str) -> torch.Tensor:
-        """Collective: the whole table ``[num_rows, D]`` on every rank (for tests, export)."""
-        return self._gather(table, "weights")
+        """Collective: the whole table ``[num_rows, D]`` float32 on every rank (for tests,
+        export; narrow rows travel narrow and widen exactly)."""
+        return widened(self._gather(table, "weights"))
 
     def full_state(self, table: str) -> torch.Tensor:
         """Collective: the optimizer state ``[num_rows, S]`` on every rank."""
@@ -317,8 +365,10 @@ class ShardedTables(nn.Module):
             part = mine[("weights", "state", "clocks").index(what)].clone()
         elif what == "clocks":
             part = torch.empty(0, dtype=torch.int64, device=self.device)
+        elif what == "weights":
+            part = self._no_rows(i)  # the type the owners send
         else:
-            width = cfg.dim if what == "weights" else cfg.optimizer.state_dim(cfg.dim)
+            width = cfg.optimizer.state_dim(cfg.dim)
             part = torch.empty(0, width, dtype=torch.float32, device=self.device)
         # Ranges run in rank order, so the rank-ordered concatenation is the table.
         return self.group.allgatherv(part.contiguous())
@@ -353,10 +403,19 @@ class ShardedTables(nn.Module):
         """Copy this rank's rows of every table (weights, optimizer state, clocks) from
         the ps checkpoint at ``path`` (whole tables, e.g. from :meth:`save`, any store's
         ``save`` or a local collection's). Every table must be in it with the same
-        rows, dim and optimizer; everything is checked before any row changes."""
+        rows, dim and optimizer; everything is checked before any row changes. A table
+        saved with another row type (``dtype``) is converted to this one's (rounded to
+        the nearest where narrower), with one warning naming every such table."""
         ckpt = read_checkpoint(path)
+        converted: dict[str, tuple[torch.dtype, torch.dtype]] = {}  # table -> (from, to)
         for cfg in self._configs:
-            ckpt.expect(cfg.to_spec())
+            spec = cfg.to_spec()
+            ckpt.expect(spec)
+            saved = ckpt.spec(cfg.name)
+            if saved.dtype != spec.dtype:
+                converted[cfg.name] = (saved.torch_dtype, spec.torch_dtype)
+        if converted:
+            warn_converted(converted, f"checkpoint {str(path)!r}")
         for i, cfg in enumerate(self._configs):
             if self._rows(i) is not None:
                 self._copy_rows(i, ckpt.read_table(cfg.name))
@@ -371,7 +430,8 @@ class ShardedTables(nn.Module):
         start, stop = self.plan.table(self._configs[i].name).rows_on(self.group.rank)
         mine = (part.ids >= start) & (part.ids < stop)
         at = (part.ids[mine] - start).to(weights.device)
-        weights[at] = part.weights[mine].to(weights.device)
+        # float32 rows into the table's type: narrow rows saved widened come back exactly.
+        weights[at] = part.weights[mine].to(weights.device, weights.dtype)
         if state.shape[1] > 0:
             state[at] = part.state[mine].to(state.device)
         clocks[at] = part.clocks[mine].to(clocks.device)
@@ -390,7 +450,7 @@ class ShardedTables(nn.Module):
             if rows is None:
                 s = cfg.optimizer.state_dim(cfg.dim)
                 rows = (
-                    torch.empty(0, cfg.dim, device=self.device),
+                    self._no_rows(i),
                     torch.empty(0, s, device=self.device),
                     torch.empty(0, dtype=torch.int64, device=self.device),
                 )
@@ -401,10 +461,12 @@ class ShardedTables(nn.Module):
     def _load_from_state_dict(  # type: ignore[no-untyped-def]
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
-        """Rows by global id: any sharding's dict (this rank copies the rows it owns)."""
+        """Rows by global id: any sharding's dict (this rank copies the rows it owns);
+        rows of another type are converted (one warning names those tables)."""
         if not self.state_dict_tables:
             return
         ours: set[str] = set()
+        converted: dict[str, tuple[torch.dtype, torch.dtype]] = {}  # table -> (from, to)
         for i, cfg in enumerate(self._configs):
             try:
                 part = part_from_state_dict(state_dict, prefix, cfg.name, ours, missing_keys)
@@ -414,8 +476,13 @@ class ShardedTables(nn.Module):
             except (TypeError, ValueError) as e:
                 error_msgs.append(f"sharded table {cfg.name!r}: {e}")
                 continue
+            saved = state_dict[f"{prefix}{cfg.name}.weight"].dtype  # a tensor: checked above
+            if saved != self._row_dtypes[i]:
+                converted[cfg.name] = (saved, self._row_dtypes[i])
             with torch.no_grad():
                 self._copy_rows(i, part)
+        if converted:
+            warn_converted(converted, f"the state dict ({prefix or 'top level'})")
         if strict:
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in ours)
 
@@ -462,16 +529,21 @@ class ShardedTables(nn.Module):
         recv_ids = group.alltoallv(
             buckets.send_ids.contiguous(), counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         )  # [R]
-        # 3) look up the rows this rank owns, packed in the order they were asked for.
+        # 3) look up the rows this rank owns, packed in the order they were asked for, as
+        # stored (narrow rows stay narrow on the wire).
         served: list[torch.Tensor | None] = []
         rows: list[torch.Tensor | None] = []
         for i, local in enumerate(split_ids(recv_ids, recv_counts)):
             # local: [n_t] rows of this shard, asked by rank 0, then rank 1, ...
             mine = self._rows(i)
             served.append(None if mine is None else local)
-            rows.append(None if mine is None else _gather(mine[0], local))  # [n_t, D_t]
-        answer = pack_rows(rows, recv_counts, dev)  # ordered (asking rank, table)
-        # 4) rows back to the ranks that asked (through autograd when training).
+            if mine is not None:  # [n_t, D_t * k] wire elements
+                rows.append(as_wire(_gather(mine[0], local), self._wire))
+            else:
+                rows.append(None)
+        answer = pack_rows(rows, recv_counts, dev, self._wire)  # ordered (asking rank, table)
+        # 4) rows back to the ranks that asked, widened to float32 (through autograd
+        # when training).
         ex = _Exchange(counts, recv_counts, served)
         if self.training and torch.is_grad_enabled():
             flat = _RowExchange.apply(self._anchor, self, ex, answer)  # [sum_i D_t(i)]
@@ -581,16 +653,18 @@ class ShardedTables(nn.Module):
     # ------------------------------------------------------------ exchange of rows
 
     def _rows_back(self, answer: torch.Tensor, ex: _Exchange) -> torch.Tensor:
-        """Owner -> requester: ``answer`` (ordered like the ids received) comes back
-        ordered like the ids this rank sent."""
-        return self.group.alltoallv(
+        """Owner -> requester: ``answer`` (wire elements ordered like the ids received)
+        comes back ordered like the ids this rank sent, as float32 rows."""
+        got = self.group.alltoallv(
             answer,
-            float_splits(ex.recv_counts, self._dims),
-            float_splits(ex.send_counts, self._dims),
-        )
+            float_splits(ex.recv_counts, self._wire_dims),
+            float_splits(ex.send_counts, self._wire_dims),
+        )  # [sum_i W_t(i)] wire elements
+        return widen_rows(got, ex.send_counts, self._dims, self._row_dtypes)  # [sum_i D_t(i)]
 
     def _apply_grads(self, grad: torch.Tensor, ex: _Exchange) -> None:
-        """Requester -> owner: the rows' gradients go back; owners run the optimizer."""
+        """Requester -> owner: the rows' gradients go back (float32, whatever the rows);
+        owners run the optimizer."""
         got = self.group.alltoallv(
             grad.contiguous(),
             float_splits(ex.send_counts, self._dims),
@@ -619,7 +693,7 @@ class ShardedTables(nn.Module):
         non-finite sums are refused (as the store's default ``nan_policy="raise"``), every
         table's checked at once (one host sync on a GPU) before any is applied; then the
         optimizer runs once per unique row (:func:`embedding.fused_ops.apply_optimizer`,
-        the same math)."""
+        the same math; narrow rows: :meth:`_apply_narrow`)."""
         finite = torch.stack([torch.isfinite(s).all() for _, _, s in sums])  # [T_owned]
         for (i, uniq, summed), ok in zip(sums, boundary.read(finite), strict=True):
             if not ok:
@@ -632,7 +706,37 @@ class ShardedTables(nn.Module):
             rows = self._rows(i)
             assert rows is not None
             cfg = self._configs[i]
-            apply_optimizer(FusedGroup(cfg.dim, cfg.optimizer, *rows), uniq, summed)
+            if rows[0].dtype != torch.float32:
+                self._apply_narrow(i, uniq, summed)
+            else:
+                apply_optimizer(FusedGroup(cfg.dim, cfg.optimizer, *rows), uniq, summed)
+
+    def _apply_narrow(self, i: int, uniq: torch.Tensor, summed: torch.Tensor) -> None:
+        """The optimizer on float32 copies of narrow shard rows ``uniq`` ``[U]`` (distinct)
+        with ``summed`` ``[U, D]``, written back stochastically rounded, keyed by the
+        rows' table ids and clocks after the update (as :class:`ps.local.table.LocalTable`
+        does on the host)."""
+        rows = self._rows(i)
+        assert rows is not None
+        weights, state, clocks = rows
+        cfg = self._configs[i]
+        copy = FusedGroup(
+            cfg.dim, cfg.optimizer,
+            weights.index_select(0, uniq).to(torch.float32),  # [U, D]
+            state.index_select(0, uniq),  # [U, S]
+            clocks.index_select(0, uniq),  # [U]
+        )  # fmt: skip
+        apply_optimizer(copy, torch.arange(uniq.numel(), device=uniq.device), summed)
+        start, _ = self.plan.table(cfg.name).rows_on(self.group.rank)
+        init = cfg.to_spec().init
+        assert init is not None
+        narrow = round_to(
+            copy.weight, weights.dtype, seed=init.seed, ids=uniq + start, versions=copy.clocks
+        )  # [U, D]
+        weights.index_copy_(0, uniq, narrow)
+        if state.shape[1] > 0:
+            state.index_copy_(0, uniq, copy.state)
+        clocks.index_copy_(0, uniq, copy.clocks)
 
 
 def _gather(weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

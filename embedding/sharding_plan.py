@@ -29,6 +29,7 @@ import torch
 
 from comm import boundary
 from embedding.config import TableConfig
+from ps.table import TORCH_ROW_DTYPES
 
 #: Tables with more rows than this are split row-wise by default.
 DEFAULT_ROW_WISE_THRESHOLD_ROWS = 1 << 20
@@ -83,8 +84,10 @@ def _rows_dim(cfg: TableConfig) -> tuple[int, int]:
 
 
 def _row_bytes(cfg: TableConfig) -> int:
-    """Bytes one row costs its owner: float32 weights plus optimizer state."""
-    return 4 * (cfg.dim + cfg.optimizer.state_dim(cfg.dim))
+    """Bytes one row costs its owner: weights in the table's row type (4 bytes per
+    element, 2 for fp16 and bf16) plus float32 optimizer state."""
+    weight_bytes = TORCH_ROW_DTYPES[cfg.dtype].itemsize
+    return weight_bytes * cfg.dim + 4 * cfg.optimizer.state_dim(cfg.dim)
 
 
 @dataclass(slots=True, frozen=True)

@@ -3,17 +3,19 @@ need from every placement's module.
 
 ``Module._apply(fn)`` is how torch moves a module (``.to``, ``.cuda``, ``.cpu``) and
 casts it (``.half``, ``.to(dtype)``). Table storage follows a move but never a cast:
-the optimizers and kernels read float32 rows and int64 clocks, and rounding a table
-would lose its values.
+rows keep their table's type (``TableConfig.dtype``), state float32 and clocks int64,
+and rounding a table would lose its values.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 
 import torch
 
 from ps.checkpoint import TablePart
+from ps.table import TORCH_ROW_DTYPES
 
 PART_KEYS = ("ids", "weight", "state", "clocks")  # a table's entries: prefix + name + "." + key
 
@@ -34,7 +36,8 @@ def apply_keep_dtype(fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor
 
 def copy_checked(target: torch.Tensor, value: object, what: str) -> str | None:
     """Copy a state-dict entry into ``target`` in place; an error text (nothing copied)
-    when it is not a tensor of ``target``'s shape and kind (float or integer)."""
+    when it is not a tensor of ``target``'s shape and kind (float or integer). A float
+    of another width converts to ``target``'s (narrower: rounded to the nearest)."""
     if not isinstance(value, torch.Tensor):
         return f"{what}: expected a tensor, got {type(value).__name__}"
     if tuple(value.shape) != tuple(target.shape) or (
@@ -47,6 +50,24 @@ def copy_checked(target: torch.Tensor, value: object, what: str) -> str | None:
     with torch.no_grad():
         target.copy_(value)
     return None
+
+
+def warn_converted(tables: Mapping[str, tuple[torch.dtype, torch.dtype]], source: str) -> None:
+    """One warning for a load that converted rows of another type: ``tables`` maps each
+    table to ``(saved type, its type)``; ``source`` says what was loaded."""
+    names = ", ".join(f"{name!r} ({_short(a)} -> {_short(b)})" for name, (a, b) in tables.items())
+    warnings.warn(
+        f"loading {source}: the rows of table(s) {names} were saved as another type and "
+        "were converted to the table's row type (rounded to the nearest where it cannot "
+        "hold them)",
+        stacklevel=3,
+    )
+
+
+def _short(dtype: torch.dtype) -> str:
+    """``"fp16"`` for torch.float16 (the names of ``TableConfig.dtype``)."""
+    names = {v: k for k, v in TORCH_ROW_DTYPES.items()}
+    return names.get(dtype, str(dtype))
 
 
 def part_from_state_dict(

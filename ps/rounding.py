@@ -51,10 +51,12 @@ def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
 def rounding_bits(seed: int, ids: torch.Tensor, versions: torch.Tensor, dim: int) -> torch.Tensor:
     """32 random bits per element (int64 ``[N, dim]`` in ``[0, 2**32)``) for rows ``ids``
     int64 ``[N]`` at ``versions`` int64 ``[N]`` (see the module docstring)."""
-    seed_key = splitmix64(torch.tensor([seed & ((1 << 63) - 1)], dtype=torch.int64))
-    key = splitmix64(splitmix64(ids.to(torch.int64) ^ seed_key) + versions * _GOLDEN)  # [N]
+    # a Python int: the ids may live on a device
+    seed_key = int(splitmix64(torch.tensor([seed & ((1 << 63) - 1)], dtype=torch.int64))[0])
+    ids, versions = ids.to(torch.int64), versions.to(device=ids.device, dtype=torch.int64)
+    key = splitmix64(splitmix64(ids ^ seed_key) + versions * _GOLDEN)  # [N]
     cols = (torch.arange(1, dim + 1, dtype=torch.int64, device=ids.device) * _COLUMN)[None, :]
-    h = key.to(ids.device)[:, None] + cols  # [N, D]
+    h = key[:, None] + cols  # [N, D]
     h = (h ^ _shr(h, 33)) * _MIX
     return _shr(h ^ _shr(h, 33), 32)
 
@@ -71,6 +73,8 @@ def round_to(
     ``dtype`` (float16 or bfloat16; float32 returns ``values``): a new ``[N, D]`` tensor."""
     if dtype == torch.float32:
         return values
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"round_to: no stochastic rounding to {dtype}; expected fp16 or bf16")
     n, d = values.shape
     if n == 0:
         return torch.empty(0, d, dtype=dtype, device=values.device)
@@ -80,7 +84,7 @@ def round_to(
         raw = x.view(torch.int32).to(torch.int64)
         up = ((raw + (bits & 0xFFFF)) & ~0xFFFF).to(torch.int32)  # wraps like int32 bits
         out = up.view(torch.float32)
-    elif dtype == torch.float16:
+    else:  # float16
         mag = x.abs()
         small = mag < _FP16_MIN_NORMAL
         shifted = torch.where(small, mag + _FP16_MIN_NORMAL, mag)
@@ -88,7 +92,5 @@ def round_to(
         up = ((raw + (bits & 0x1FFF)) & ~0x1FFF).to(torch.int32).view(torch.float32)
         up = torch.where(small, up - _FP16_MIN_NORMAL, up).clamp_(max=_FP16_MAX)
         out = torch.copysign(up, x)
-    else:
-        raise ValueError(f"round_to: no stochastic rounding to {dtype}; expected fp16 or bf16")
     out = torch.where(torch.isfinite(x), out, x)
     return out.to(dtype)

@@ -12,6 +12,10 @@ offset by their table's base, as in FBGEMM's TBE):
   :func:`~embedding.kernels.triton_optimizers.apply_rows_` the same update from
   gradients already coalesced per row (data parallel).
 
+fp16/bf16 weights (narrow tables) are widened as they are loaded and pooled in float32;
+an update is stored stochastically rounded with the bits of :func:`ps.rounding.round_to`
+(given the group's :class:`ps.kernels.narrow_rows.RoundingKeys` and clocks).
+
 ``triton`` is optional: this package imports it only inside the kernel
 modules, so ``import embedding.kernels`` works without it. Callers ask
 :func:`use_triton` per tensor and fall back to the torch path otherwise; the

@@ -34,6 +34,14 @@ summed in a fixed order (the stable sort keeps the occurrences in batch order),
 so the result is deterministic and race-free without atomics. Rows not in the
 batch are not read or written (lazy, as the ps). :func:`apply_rows_` is the same
 update kernel over gradients already coalesced per distinct row (data parallel).
+
+Narrow rows (an fp16 or bf16 ``weight`` with its ``rounding`` keys,
+:class:`ps.kernels.narrow_rows.RoundingKeys`): a row is widened as it is loaded, the
+update runs in float32 as for a float32 row, and the result is stored stochastically
+rounded with the bits of :func:`ps.rounding.round_to` (the same hash on ``tl.uint64``,
+keyed by the row's table seed, its id in the table and its clock after the update), so
+these rows equal the float32 kernel's result passed through ``round_to``. Clocks are
+required then (they key the rounding).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ import triton
 import triton.language as tl
 
 from embedding.kernels._checks import block_d, cdiv, check_lookup_args, check_mode
+from ps.kernels.narrow_rows import RoundingKeys
 from ps.optimizers import FTRL, SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad
 
 # Optimizer switch (the OPT constexpr). Hyperparameters arrive as one float64 tensor
@@ -60,6 +69,12 @@ OPT_FTRL: tl.constexpr = tl.constexpr(5)  # hyper: alpha, beta, l1, l2
 
 #: The largest finite float32: ``|x| <= FLT_MAX`` is False exactly for +-Inf and NaN.
 FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
+
+# Row types of the weight (the ROUND constexpr): float32, or narrow rows stored rounded.
+ROUND_NONE: tl.constexpr = tl.constexpr(0)
+ROUND_FP16: tl.constexpr = tl.constexpr(1)
+ROUND_BF16: tl.constexpr = tl.constexpr(2)
+_ROUND_CODES = {torch.float16: 1, torch.bfloat16: 2}
 
 #: Widest column block; a wider row is handled in several blocks by the same program
 #: (256 would need up to 254 registers per thread for FTRL).
@@ -236,6 +251,60 @@ def _grad_block(
     return g
 
 
+@triton.jit
+def _splitmix64(z):
+    """SplitMix64's output on ``tl.uint64`` (wrapping): :func:`ps.routing.splitmix64`."""
+    z = z + 0x9E3779B97F4A7C15
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    return z ^ (z >> 31)
+
+
+@triton.jit
+def _row_keys(keys_ptr, row_ids_ptr, row, version, lead, HAS_ROW_IDS: tl.constexpr):
+    """The rounding key ``[ROWS]`` uint64 of each lead lane's flat ``row`` at ``version``
+    (:func:`ps.rounding.rounding_bits`' per-row key). ``keys_ptr``: int64 ``[T, starts
+    [T + 1], seeds [T]]``; a row's table is the last one starting at or before it."""
+    num_tables = tl.load(keys_ptr)
+    table = tl.zeros_like(row)
+    for t in range(1, num_tables):
+        table += (row >= tl.load(keys_ptr + 1 + t)).to(tl.int64)
+    seed = tl.load(keys_ptr + 2 + num_tables + table, mask=lead, other=0)
+    if HAS_ROW_IDS:
+        ids = tl.load(row_ids_ptr + row, mask=lead, other=0)
+    else:
+        ids = row - tl.load(keys_ptr + 1 + table, mask=lead, other=0)
+    seed_key = _splitmix64(seed.to(tl.uint64, bitcast=True) & 0x7FFFFFFFFFFFFFFF)
+    key = _splitmix64(ids.to(tl.uint64, bitcast=True) ^ seed_key)
+    return _splitmix64(key + version.to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15)
+
+
+@triton.jit
+def _rounded_bits(w, key, cols, ROUND: tl.constexpr):
+    """float32 ``w`` ``[ROWS, BLOCK_D]`` stochastically rounded to fp16 or bf16, as uint16
+    bits: the steps of ``ps/kernels/narrow_rows.c`` (``nr_round_f16``/``nr_round_bf16``)
+    with the random bits of column ``cols`` of each row's ``key``."""
+    h = key[:, None] + (cols[None, :] + 1).to(tl.uint64) * 0xD1B54A32D192ED03
+    h = (h ^ (h >> 33)) * 0xFF51AFD7ED558CCD
+    r = ((h ^ (h >> 33)) >> 32).to(tl.uint32)  # 32 random bits per element
+    u = w.to(tl.uint32, bitcast=True)
+    finite = (u & 0x7F800000) != 0x7F800000
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    if ROUND == ROUND_BF16:
+        out = tl.where(finite, (u + (r & 0xFFFF)) >> 16, tl.where(nan, 0x7FC0, u >> 16))
+    else:
+        mag = tl.abs(w)
+        small = mag < 6.103515625e-05  # 2**-14, fp16's smallest normal
+        shifted = tl.where(small, mag + 6.103515625e-05, mag)
+        up = (shifted.to(tl.uint32, bitcast=True) + (r & 0x1FFF)) & 0xFFFFE000
+        half = (up >> 13) - (112 << 10)
+        half = tl.where(small, half - 0x400, half)
+        half = tl.where(up > 0x477FE000, 0x7BFF, half)  # past 65504: 65504
+        half = tl.where(finite, half, tl.where(nan, 0x7E00, 0x7C00))
+        out = ((u >> 16) & 0x8000) | half
+    return out.to(tl.uint16)
+
+
 @triton.jit(do_not_specialize=["n"])  # ids per batch vary: one compile for every count
 def _update_kernel(
     weight_ptr,
@@ -253,6 +322,8 @@ def _update_kernel(
     stride_g,
     n,
     D,
+    keys_ptr,  # narrow rows: the rounding keys (see _row_keys)
+    row_ids_ptr,
     OPT: tl.constexpr,
     FROM_RUNS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
@@ -261,6 +332,8 @@ def _update_kernel(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ROUND: tl.constexpr,
+    HAS_ROW_IDS: tl.constexpr,
 ):
     """One program: ROWS sorted positions; each lead lane updates its row in place."""
     pos = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
@@ -307,6 +380,10 @@ def _update_kernel(
         bias2 = 1.0 - tl.exp(t64 * tl.load(hyper_ptr + 8))  # 1 - b2 ** t
         bias1 = 1.0 - tl.exp(t64 * tl.load(hyper_ptr + 7))  # 1 - b1 ** t
         size = (tl.load(hyper_ptr) * tl.sqrt(bias2) / bias1).to(tl.float32)  # [ROWS]
+    key = tl.zeros([ROWS], dtype=tl.uint64)
+    if ROUND != ROUND_NONE:  # each row's clock after this update keys its rounding
+        version = tl.load(clocks_ptr + row, mask=lead, other=0) + 1
+        key = _row_keys(keys_ptr, row_ids_ptr, row, version, lead, HAS_ROW_IDS)
 
     for blk in range(NUM_D_BLOCKS):
         cols = blk * BLOCK_D + lane
@@ -362,7 +439,11 @@ def _update_kernel(
             den = tl.div_rn(beta + tl.sqrt_rn(n_new), tl.zeros_like(g) + alpha) + l2
             sign = tl.where(z > 0, 1.0, tl.where(z < 0, -1.0, 0.0))
             w = tl.where(tl.abs(z) <= l1, 0.0, -tl.div_rn(z - sign * l1, den))
-        tl.store(w_ptrs, w.to(weight_ptr.dtype.element_ty), mask=m2)
+        if ROUND == ROUND_NONE:
+            tl.store(w_ptrs, w.to(weight_ptr.dtype.element_ty), mask=m2)
+        else:
+            bits = _rounded_bits(w, key, cols, ROUND)
+            tl.store(w_ptrs, bits.to(weight_ptr.dtype.element_ty, bitcast=True), mask=m2)
 
     if OPT == OPT_ADAM:
         tl.store(srow + 2 * D, t, mask=lead)
@@ -400,8 +481,10 @@ def _check_update_args(
     state: torch.Tensor,
     optimizer: Optimizer,
     clocks: torch.Tensor | None,
+    rounding: RoundingKeys | None = None,
 ) -> int:
     """Shapes, dtypes and devices of the in-place targets; returns the state's row stride."""
+    _check_rounding(fn, weight, clocks, rounding)
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"{fn}: optimizer must be a ps Optimizer, got {type(optimizer).__name__}")
     optimizer_code(optimizer)  # TypeError for an optimizer without a kernel
@@ -434,6 +517,45 @@ def _check_update_args(
     return s
 
 
+def _check_rounding(
+    fn: str, weight: torch.Tensor, clocks: torch.Tensor | None, rounding: RoundingKeys | None
+) -> None:
+    """A float32 ``weight`` takes no rounding keys; an fp16/bf16 one needs keys of its type
+    on its device, and clocks (they key the rounding)."""
+    narrow = weight.dtype in _ROUND_CODES
+    if not narrow:
+        if rounding is not None:
+            raise ValueError(
+                f"{fn}: rounding keys are for fp16/bf16 rows, got a {weight.dtype} weight"
+            )
+        return
+    if rounding is None or clocks is None:
+        raise ValueError(
+            f"{fn}: a {weight.dtype} weight is updated with stochastic rounding: pass its "
+            "rounding keys and its clocks"
+        )
+    if rounding.dtype != weight.dtype or rounding.starts.device != weight.device:
+        raise ValueError(
+            f"{fn}: rounding keys of {rounding.dtype} on {rounding.starts.device} for a "
+            f"{weight.dtype} weight on {weight.device}"
+        )
+
+
+def _rounding_args(weight: torch.Tensor, rounding: RoundingKeys | None) -> dict[str, object]:
+    """The kernel's rounding arguments: packed keys ``[T, starts, seeds]``, row ids, flags."""
+    if rounding is None:
+        return {"keys_ptr": weight, "row_ids_ptr": weight, "ROUND": 0, "HAS_ROW_IDS": False}
+    t = torch.tensor([rounding.seeds.numel()], dtype=torch.int64, device=weight.device)
+    packed = torch.cat([t, rounding.starts, rounding.seeds])  # [2T + 2]
+    ids = rounding.row_ids
+    return {
+        "keys_ptr": packed,
+        "row_ids_ptr": ids if ids is not None else packed,
+        "ROUND": _ROUND_CODES[weight.dtype],
+        "HAS_ROW_IDS": ids is not None,
+    }
+
+
 def fused_backward_(
     weight: torch.Tensor,
     state: torch.Tensor,
@@ -446,6 +568,7 @@ def fused_backward_(
     per_sample_weights: torch.Tensor | None,
     clocks: torch.Tensor | None = None,
     validate: bool = True,
+    rounding: RoundingKeys | None = None,
 ) -> None:
     """Backward of :func:`~embedding.kernels.triton_pool.pooled_lookup` + ``optimizer``, in place.
 
@@ -455,12 +578,13 @@ def fused_backward_(
     ``grad_output`` is ``[B, D]`` with ``B = len(offsets) - 1``. ``clocks`` (int64
     ``[R]``, optional) gets +1 per touched row, as a ps store counts updates.
     ``validate=False`` skips the checks that read tensor values (a CUDA sync); the
-    launch itself never synchronises.
+    launch itself never synchronises. An fp16/bf16 ``weight`` needs its ``rounding``
+    keys and ``clocks`` (see the module docstring).
     """
     fn = "fused_backward_"
     mean = check_mode(fn, mode)
     check_lookup_args(fn, weight, ids, offsets, per_sample_weights, validate=validate)
-    stride_s = _check_update_args(fn, weight, state, optimizer, clocks)
+    stride_s = _check_update_args(fn, weight, state, optimizer, clocks, rounding)
     rows, dim = weight.shape
     num_bags = offsets.numel() - 1
     if tuple(grad_output.shape) != (num_bags, dim) or grad_output.stride(-1) != 1:
@@ -504,7 +628,7 @@ def fused_backward_(
         clocks if clocks is not None else weight, hyper_tensor(optimizer, device),
         sorted_ids, run_end, order, bag, scale, grad_output, grad_output.stride(0), n, dim,
         OPT=optimizer_code(optimizer), FROM_RUNS=True, HAS_SCALE=has_scale,
-        HAS_CLOCKS=clocks is not None, **cfg,
+        HAS_CLOCKS=clocks is not None, **_rounding_args(weight, rounding), **cfg,
     )  # fmt: skip
 
 
@@ -516,6 +640,7 @@ def apply_rows_(
     optimizer: Optimizer,
     *,
     clocks: torch.Tensor | None = None,
+    rounding: RoundingKeys | None = None,
 ) -> None:
     """``optimizer`` on already coalesced gradients, in place: ``grads[u]`` for row ``rows[u]``.
 
@@ -523,10 +648,10 @@ def apply_rows_(
     allgatherv of every rank's ``(rows, grads)``, then coalesce). ``rows`` int64 or
     int32 ``[U]`` must be distinct (not checked: duplicates would race), ``grads``
     ``[U, D]`` with contiguous rows; ``weight``/``state``/``clocks`` as in
-    :func:`fused_backward_`. The same update kernel, one lane per row.
+    :func:`fused_backward_` (``rounding`` too). The same update kernel, one lane per row.
     """
     fn = "apply_rows_"
-    stride_s = _check_update_args(fn, weight, state, optimizer, clocks)
+    stride_s = _check_update_args(fn, weight, state, optimizer, clocks, rounding)
     dim = weight.shape[1]
     if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{fn}: rows must be a 1-D int32/int64 tensor, "
@@ -549,5 +674,5 @@ def apply_rows_(
         clocks if clocks is not None else weight, hyper_tensor(optimizer, weight.device),
         rows_c, rows_c, rows_c, rows_c, grads, grads, grads.stride(0), u, dim,
         OPT=optimizer_code(optimizer), FROM_RUNS=False, HAS_SCALE=False,
-        HAS_CLOCKS=clocks is not None, **cfg,
+        HAS_CLOCKS=clocks is not None, **_rounding_args(weight, rounding), **cfg,
     )  # fmt: skip

@@ -8,6 +8,9 @@
     psw     [N] or None  per-id weight
     out     [B, D]       sum_i psw_i * weight[ids_i]   (mean: / len(bag); empty bag: 0)
 
+fp16 and bf16 weights are widened as they are loaded and pooled in float32 (the output
+is float32 then).
+
 One program per (tile of BAGS bags, column tile of BLOCK_D). It walks its bags
 together, BLOCK_N ids of each bag per step: a ``[BAGS, BLOCK_N, BLOCK_D]`` gather
 of rows summed over the ids into a float32 ``[BAGS, BLOCK_D]`` accumulator, for as
@@ -154,7 +157,8 @@ def pooled_lookup(
     per_sample_weights: torch.Tensor | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
-    """Pooled rows ``[B, D]`` (dtype of ``weight``) of the bags ``offsets`` cuts ``ids`` into.
+    """Pooled rows ``[B, D]`` of the bags ``offsets`` cuts ``ids`` into: float32 for an fp16
+    or bf16 ``weight`` (rows widened, pooled in float32), else the dtype of ``weight``.
 
     ``mode`` is ``"sum"`` or ``"mean"`` (mean divides the weighted sum by the bag
     length, as FBGEMM's TBE does; ``F.embedding_bag`` refuses weights with mean).
@@ -169,7 +173,9 @@ def pooled_lookup(
     check_lookup_args("pooled_lookup", weight, ids, offsets, per_sample_weights, validate=validate)
     num_bags = offsets.numel() - 1
     dim = weight.shape[1]
-    out = torch.empty((num_bags, dim), dtype=weight.dtype, device=weight.device)  # [B, D]
+    narrow = weight.dtype in (torch.float16, torch.bfloat16)
+    out_dtype = torch.float32 if narrow else weight.dtype
+    out = torch.empty((num_bags, dim), dtype=out_dtype, device=weight.device)  # [B, D]
     if num_bags == 0 or dim == 0:
         return out
     bd = block_d(dim, MAX_BLOCK_D)

@@ -76,10 +76,12 @@ from comm.agreement import agree, run_on_rank0
 from dense import DataParallel, Zero3, ZeroOptimizer, load_zero_state, save_zero_state
 from embedding import EmbeddingCollection
 from embedding.hybrid import backing_store
+from hybridrec.checkpoint.row_dtypes import store_checkpoint_as
 from hybridrec.checkpoint.state_folder import read_state, write_state
 from ps import Store
 from ps.atomic_save import saving
 from ps.checkpoint import write_checkpoint
+from ps.table import RowDtype
 
 FORMAT = "hybridrec-model/2"
 DenseOptimizer = torch.optim.Optimizer | ZeroOptimizer | Zero3
@@ -460,28 +462,42 @@ def _load_stores(
     group: ProcessGroup,
 ) -> None:
     """Each backing store once: rank 0 for a shared one; every rank for a per-rank one,
-    rank ``m`` from saved rank ``m mod N``'s."""
+    rank ``m`` from saved rank ``m mod N``'s. Rows saved in another type than the
+    collections' hybrid tables have are loaded in the tables' types
+    (:func:`hybridrec.checkpoint.row_dtypes.store_checkpoint_as`)."""
     source = folder / "ranks" / f"{group.rank % int(doc['world_size']):05d}"
     done: set[int] = set()
     shared: list[tuple[Store, Path]] = []
-    error: BaseException | None = None
+    per_rank: list[tuple[Store, Path]] = []
+    dtypes: dict[int, dict[str, RowDtype]] = {}  # id(store) -> {table: row type} of its tables
     for name, c in parts.collections.items():
         store = backing_store(c.store)
-        if c.hybrid is None or id(store) in done:
+        if c.hybrid is None:
+            continue
+        dtypes.setdefault(id(store), {}).update(
+            {t: cfg.dtype for t, cfg in c.hybrid.configs.items()}
+        )
+        if id(store) in done:
             continue
         done.add(id(store))
         part = f"s{saved[name]['store']:03d}"
         if c.hybrid.store_is_shared:
             shared.append((store, folder / "stores" / part))
         else:
-            try:
-                store.load(source / "stores" / part)
-            except Exception as e:
-                error = e
+            per_rank.append((store, source / "stores" / part))
+
+    def load(stores: list[tuple[Store, Path]]) -> None:
+        for store, path in stores:
+            with store_checkpoint_as(path, dtypes[id(store)], folder.parent) as rows:
+                store.load(rows)
+
+    error: BaseException | None = None
+    try:
+        load(per_rank)
+    except Exception as e:
+        error = e
     agree(group, error, f"loading the per-rank stores from {folder}")
-    run_on_rank0(
-        group, lambda: [s.load(w) for s, w in shared], f"loading the shared stores from {folder}"
-    )
+    run_on_rank0(group, lambda: load(shared), f"loading the shared stores from {folder}")
 
 
 def _load_rank_state(

@@ -8,12 +8,14 @@ command-line option and one key of a ``--config`` file (:mod:`hybridrec.cli.opti
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, cast
 
 from comm import DEVICE_CHOICES
 from comm.compression import CODECS
 from hybridrec.cli.options import option
+from ps.table import ROW_DTYPES, RowDtype, check_row_dtype
 
 HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("data", ("data", "data_path", "data_val_path", "data_test_path", "schema",
@@ -28,9 +30,10 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "exclude_seen")),
     ("model", ("model", "dim", "bottom_mlp", "top_mlp", "interaction", "dcn_layers", "dcn_rank",
                "n_layer", "n_head", "d_model", "dropout")),
-    ("tables and store", ("ps", "placement", "placement_of", "existing_tables", "emb_lr",
-                          "emb_optimizer", "ngram", "ngram_rows", "ngram_splits",
-                          "ngram_placement", "ngram_capacity", "ngram_max_age")),
+    ("tables and store", ("ps", "placement", "placement_of", "emb_dtype", "emb_dtype_of",
+                          "existing_tables", "emb_lr", "emb_optimizer", "ngram", "ngram_rows",
+                          "ngram_splits", "ngram_placement", "ngram_capacity",
+                          "ngram_max_age")),
     ("cache", ("cache_rows", "cache_fraction", "read_bound", "write_bound", "counted_pushes",
                "local_step", "cache_policy", "cache_groups", "cache_memory", "cache_on",
                "sparse_pipeline")),
@@ -129,6 +132,17 @@ class RunOptions(CacheOptions):
         "different shape is an error naming the table) or replace (drop and recreate them); "
         "--resume implies reuse",
     )
+    # ---- the element type of the embedding rows (every table, every placement)
+    emb_dtype: Literal["fp32", "fp16", "bf16"] = option(
+        "fp32",
+        help="element type the embedding rows are stored in: fp32, fp16 or bf16 (half the "
+        "weights' bytes; lookups and updates compute in float32, updates are written back "
+        "with stochastic rounding, optimizer state stays float32); a resume or an "
+        "evaluation with another type converts the saved rows",
+    )
+    emb_dtype_of: list[str] = option(
+        [], help="per-table overrides TABLE=DTYPE, e.g. --emb-dtype-of user=bf16 item=fp32"
+    )
     metrics_out: str | None = option(
         None, help="JSON lines file of metrics (rank 0); a PNG plot is written next to it"
     )
@@ -140,11 +154,44 @@ class RunOptions(CacheOptions):
         "cpu, cuda (GPU local_rank mod the host's GPUs) or cuda:N; PS ranks stay on the host",
     )
     precision: Literal["fp32", "bf16"] = option(
-        "fp32", help="dense math precision: fp32, or bf16 autocast (tables and updates stay fp32)"
+        "fp32",
+        help="dense math precision: fp32, or bf16 autocast (the embedding rows keep "
+        "--emb-dtype, their updates are computed in fp32)",
     )
     backend: str = option("auto", help="auto (mpirun -> mpi, torchrun -> gloo), local, mpi, gloo")
     validate_comm: bool = option(False, help="cross-rank checks on every collective (slower)")
     threads: int = option(1, help="torch threads per rank; 0 = torch's default")
+
+    def dtype_overrides(self) -> dict[str, RowDtype]:
+        """``emb_dtype_of`` as ``{table: dtype}``; ValueError naming the item, its table
+        and the choices for a malformed item or a dtype that is not one of them."""
+        out: dict[str, RowDtype] = {}
+        for item in self.emb_dtype_of:
+            table, sep, dtype = item.partition("=")
+            if not sep or not table:
+                raise ValueError(
+                    f"emb_dtype_of: expected TABLE={'|'.join(ROW_DTYPES)}, got {item!r}"
+                )
+            try:
+                check_row_dtype(table, dtype)
+            except ValueError as e:  # "table 'user': dtype must be one of ..., got 'fp8'"
+                raise ValueError(f"emb_dtype_of: {e}") from None
+            out[table] = cast(RowDtype, dtype)
+        return out
+
+    def table_dtypes(self, tables: Sequence[str]) -> dict[str, RowDtype]:
+        """The row dtype of each of ``tables`` (a job's table names): ``emb_dtype``, or
+        the table's ``emb_dtype_of`` override; ValueError naming an override whose table
+        the job does not have, with the tables it has."""
+        out: dict[str, RowDtype] = dict.fromkeys(tables, self.emb_dtype)
+        for table, dtype in self.dtype_overrides().items():
+            if table not in out:
+                raise ValueError(
+                    f"emb_dtype_of {table}={dtype}: no table {table!r}; the tables are "
+                    f"{', '.join(tables)}"
+                )
+            out[table] = dtype
+        return out
 
     @property
     def tables_policy(self) -> str:
@@ -223,6 +270,11 @@ class RunOptions(CacheOptions):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
+        if self.emb_dtype not in ROW_DTYPES:
+            raise ValueError(
+                f"emb_dtype must be one of {', '.join(ROW_DTYPES)}, got {self.emb_dtype!r}"
+            )
+        self.dtype_overrides()  # checks the TABLE=DTYPE syntax and the dtypes
         if self.existing_tables not in ("fail", "reuse", "replace"):
             raise ValueError(
                 "existing_tables must be 'fail', 'reuse' or 'replace', got "

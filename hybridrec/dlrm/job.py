@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from cache import CachedStore
 from comm import ProcessGroup, Topology, worker_device
 from dense import DataParallel, DLRMConfig, DLRMDense, ZeroOptimizer
+from hybridrec.checkpoint.row_dtypes import ROW_DTYPES_KEY, converted_rows
 from hybridrec.checkpoint.run_checkpoint import DenseOptimizer
 from hybridrec.cli.options import config_dict
 from hybridrec.cli.run_job import parse_job_args, run_job, train_in_group
@@ -91,6 +92,11 @@ def resolve_placements(cfg: DLRMJobConfig, features: list[Feature]) -> dict[str,
     return out
 
 
+def resolve_dtypes(cfg: DLRMJobConfig, features: list[Feature]) -> dict[str, str]:
+    """``{table: row dtype}`` from ``--emb-dtype`` and ``--emb-dtype-of``."""
+    return dict(cfg.table_dtypes([f.name for f in features]))
+
+
 def make_optimizer(cfg: DLRMJobConfig, model: DLRM, group: ProcessGroup) -> DenseOptimizer:
     """The dense optimizer; wraps ``model.dense`` in ``DataParallel`` at ZeRO stage 0.
 
@@ -123,7 +129,10 @@ def build(
     placements = placements or resolve_placements(cfg, source.features)
     assert cfg.dim is not None and cfg.top_mlp is not None and cfg.interaction is not None
     check_cache_serves(cfg, placements)
-    tables = dlrm_tables(source.features, dim=cfg.dim, emb_lr=cfg.emb_lr, placements=placements)
+    dtypes = resolve_dtypes(cfg, source.features)
+    tables = dlrm_tables(
+        source.features, dim=cfg.dim, emb_lr=cfg.emb_lr, placements=placements, dtypes=dtypes
+    )
     hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
     cached = with_cache(cfg, store, group, device, specs=hybrid)
     init_rows_on(store, device)
@@ -143,6 +152,7 @@ def build(
         placements=placements,
         store=cached if cached is not None else store,
         device=device,
+        dtypes=dtypes,
     )
     return model, make_optimizer(cfg, model, group), cached
 
@@ -176,7 +186,10 @@ def memory_plan(
     anything is allocated: the tables by placement, the cache, the dense part."""
     assert cfg.dim is not None
     check_cache_serves(cfg, placements)
-    tables = dlrm_tables(source.features, dim=cfg.dim, emb_lr=cfg.emb_lr, placements=placements)
+    tables = dlrm_tables(
+        source.features, dim=cfg.dim, emb_lr=cfg.emb_lr, placements=placements,
+        dtypes=resolve_dtypes(cfg, source.features),
+    )  # fmt: skip
     state = 2 if cfg.dense_optimizer == "adam" else 1  # Adam: two moments; Adagrad: a sum
     dense = dense_bytes(
         dense_model(cfg, source.num_dense, len(tables)),
@@ -286,12 +299,14 @@ class DLRMJob:
         saved_config: dict[str, Any] | None = None,
     ) -> None:
         """``saved_config``: the run configuration of a checkpoint this job evaluates (its
-        data encoders encode this job's files)."""
+        data encoders encode this job's files; rows saved in another type than this
+        job's tables convert as they load, said in one line)."""
         check_batch_size(cfg.batch_size, Topology.of(group))
         self.cfg, self.group = cfg, group
         encoders = (saved_config or {}).get("data_encoders")
         self.source = open_source(cfg, group, encoders)
         placements = resolve_placements(cfg, self.source.features)
+        dtypes = resolve_dtypes(cfg, self.source.features)
         self.device = worker_device(cfg.device, group)
         # Where the memory goes, checked against the GPU before a table is allocated.
         self.memory = memory_plan(cfg, self.source, placements, group, self.device)
@@ -309,6 +324,9 @@ class DLRMJob:
                  f"{describe_roles(roles or Topology.of(group), group.backend)}; "
                  f"{describe_device(self.device, cfg.precision)}")  # fmt: skip
         self.say(self.memory.describe())
+        converted = converted_rows(saved_config, dtypes)
+        if converted is not None:  # evaluate / predict / export of rows of another type
+            self.say(converted)
         stream = isinstance(self.source, StreamSource)  # ranks may hold one batch more or less
         model, opt = self.model, self.optimizer
         # the last --metrics-window steps' predictions, scored at every step line
@@ -330,7 +348,7 @@ class DLRMJob:
             collective_extras=None if window is None else lambda: window.report(group),
             run_config={
                 "job": "dlrm", **config_dict(cfg), "placements": placements,
-                "data_encoders": self.source.encoder_state(),
+                ROW_DTYPES_KEY: dtypes, "data_encoders": self.source.encoder_state(),
             },
             shape_options=SHAPE_OPTIONS,
         )  # fmt: skip

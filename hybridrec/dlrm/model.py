@@ -3,9 +3,9 @@
 
 One table per sparse feature, pooled with ``sum`` (``mean`` for multi-id features
 such as genre lists, so the pooled vector's scale does not grow with the list).
-Each table's placement (local, hybrid, sharded) is chosen per table; embedding rows
-are trained by the table's row-wise Adagrad inside ``backward()``; only the dense
-part has ``nn.Parameter``s and a torch optimizer.
+Each table's placement (local, hybrid, sharded) and row type (fp32, fp16, bf16) is
+chosen per table; embedding rows are trained by the table's row-wise Adagrad inside
+``backward()``; only the dense part has ``nn.Parameter``s and a torch optimizer.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def build_dlrm(
     dcn_layers: int = 3,
     dcn_rank: int = 64,
     device: torch.device | None = None,
+    dtypes: Mapping[str, str] | None = None,
 ) -> DLRM:
     """A DLRM for ``features``; the same ``seed`` gives the same model on every rank.
 
@@ -71,14 +72,16 @@ def build_dlrm(
     the top in 1. ``interaction``, ``dcn_layers`` and ``dcn_rank``: as in
     :class:`dense.DLRMConfig` (dot products, or a DCN-v2 cross network). ``device``:
     where the local and sharded tables and the dense part live (None: the group's
-    default, :func:`comm.default_device`); hybrid tables stay in ``store``.
+    default, :func:`comm.default_device`); hybrid tables stay in ``store``. ``dtypes``
+    maps table names to the type their rows are stored in ("fp32" default, "fp16",
+    "bf16": :class:`embedding.TableConfig` ``dtype``).
     """
     if isinstance(features, CTRData):
         num_dense = len(features.dense_names)
         features = features_of(features)
     if num_dense is None:
         raise ValueError("build_dlrm: num_dense is needed with a list of features")
-    tables = dlrm_tables(features, dim=dim, emb_lr=emb_lr, placements=placements)
+    tables = dlrm_tables(features, dim=dim, emb_lr=emb_lr, placements=placements, dtypes=dtypes)
     embeddings = EmbeddingCollection(tables, group=group, store=store, device=device)
     config = DLRMConfig(
         num_dense=num_dense,
@@ -102,9 +105,11 @@ def dlrm_tables(
     dim: int,
     emb_lr: float,
     placements: Mapping[str, str] | None = None,
+    dtypes: Mapping[str, str] | None = None,
 ) -> list[TableConfig]:
-    """One table per feature, named after it, with row-wise Adagrad."""
-    where = dict(placements or {})
+    """One table per feature, named after it, with row-wise Adagrad; ``placements`` and
+    ``dtypes`` by table name (default: local, fp32)."""
+    where, dtype = dict(placements or {}), dict(dtypes or {})
     return [
         TableConfig(
             name=f.name,
@@ -114,6 +119,7 @@ def dlrm_tables(
             pooling="mean" if f.multi else "sum",
             placement=where.get(f.name, "local"),  # type: ignore[arg-type]
             optimizer=RowWiseAdagrad(lr=emb_lr),
+            dtype=dtype.get(f.name, "fp32"),  # type: ignore[arg-type]
         )
         for f in features
     ]

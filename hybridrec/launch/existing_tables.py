@@ -10,6 +10,7 @@ another shape is named with both shapes and how to clear it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -20,6 +21,12 @@ from embedding.hybrid import store_is_replicated
 from ps import Store, TableSpec
 
 EXISTING_TABLES = ("fail", "reuse", "replace")
+# A table that differs in its rows' type alone: the store keeps its rows' type, a
+# checkpoint's rows convert as they load.
+_NEW_DTYPE = (
+    "; to continue a run with another --emb-dtype, --resume --existing-tables replace "
+    "loads the checkpoint's rows into the new type"
+)
 
 
 class ExistingTablesError(ValueError):
@@ -35,7 +42,7 @@ def _differences(have: TableSpec, want: TableSpec) -> str:
     """``rows x dim`` of both, and the other fields that differ, by name."""
     fields = [
         f"{name} {getattr(have, name)!r} vs {getattr(want, name)!r}"
-        for name in ("optimizer", "init", "capacity", "max_age_steps", "nan_policy")
+        for name in ("optimizer", "init", "capacity", "max_age_steps", "nan_policy", "dtype")
         if getattr(have, name) != getattr(want, name)
     ]
     text = f"the store has {_shape(have)} (rows x dim), this job needs {_shape(want)}"
@@ -68,6 +75,7 @@ def _check_tables(store: Store, specs: list[TableSpec], policy: str) -> list[str
                 f"table {spec.name!r} is already in the parameter-server store with another "
                 f"spec: {_differences(old, spec)}. Run with the options that made it, or clear "
                 f"it: --existing-tables replace drops it (or FLUSHDB on a Redis store)"
+                + (_NEW_DTYPE if dataclasses.replace(old, dtype=spec.dtype) == spec else "")
             )
         else:
             kept.append(spec.name)

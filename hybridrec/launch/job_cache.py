@@ -5,7 +5,8 @@
 will be, :func:`cache_device` where its rows live); :func:`wants_sparse_pipeline`
 decides ``--sparse-pipeline auto``; :func:`job_memory_plan` is the memory plan of a job's
 tables with that cache; :func:`init_rows_on` lets a GPU worker hash its in-process
-tables' first rows on the GPU.
+tables' first rows on the GPU; :func:`row_optimizer` and :func:`with_row_dtypes` are what
+``--emb-optimizer`` and ``--emb-dtype`` / ``--emb-dtype-of`` make of a job's tables.
 """
 
 from __future__ import annotations
@@ -180,3 +181,11 @@ def row_optimizer(name: str, lr: float) -> ps.Optimizer:
     if name == "sgd":
         return ps.SGD(lr=lr)
     raise ValueError(f"emb_optimizer must be adam, adagrad or sgd, got {name!r}")
+
+
+def with_row_dtypes(cfg: RunOptions, tables: Sequence[TableConfig]) -> list[TableConfig]:
+    """``tables`` with the row dtype ``--emb-dtype`` / ``--emb-dtype-of`` give each
+    (:meth:`RunOptions.table_dtypes`: ValueError naming an override of a table the job
+    does not have)."""
+    dtypes = cfg.table_dtypes([t.name for t in tables])
+    return [dataclasses.replace(t, dtype=dtypes[t.name]) for t in tables]

@@ -10,10 +10,11 @@ Bytes per part (``D`` = dim, ``S`` = the table optimizer's state columns,
 ``ps.TableSpec.state_dim``):
 
 * **hybrid tables**, in the store (the host's in-process store, PS server ranks or
-  Redis): ``num_rows x (4 (D + S) + 8)``, float32 weights and state and an int64
-  clock per row, as ``ps`` keeps them (Redis adds its own per-key overhead). A
-  dynamic table has no size yet: it grows with the ids seen (up to its
-  ``capacity`` when it has one);
+  Redis): ``num_rows x (E D + 4 S + 8)`` (``ps.TableSpec.row_bytes``): weights of
+  ``E`` bytes per element (4 for fp32 rows, 2 for fp16 and bf16: the table's
+  ``dtype``), float32 optimizer state and an int64 clock per row, as ``ps`` keeps
+  them (Redis adds its own per-key overhead). A dynamic table has no size yet: it
+  grows with the ids seen (up to its ``capacity`` when it has one);
 * **cache** (:func:`cache.cache_bytes`): rows and pending sums on the worker's GPU
   when the cache is there, the slots, the id -> slot map and the metadata on the
   host (all of it on the host for a host cache);
@@ -23,6 +24,10 @@ Bytes per part (``D`` = dim, ``S`` = the table optimizer's state columns,
 * **dense**: the weights, their gradients and the optimizer state (``state_per_
   parameter`` values per weight, divided over the ranks that shard it), on the
   worker's device. Activations and allocator slack are not counted.
+
+Each table part also says what its bytes hold (:class:`TableBytes`): the weights in
+their row types, the optimizer state and the clocks, so a narrow table's saving (half
+the weights) is seen beside the state it does not shrink.
 
 On a CPU worker the "device" parts are in host memory and nothing is checked.
 """
@@ -44,11 +49,48 @@ from embedding.sharding_plan import ShardingPlan
 from ps import TableSpec
 
 CLOCK_BYTES = 8  # one int64 clock per row
+STATE_BYTES = 4  # optimizer state is float32 whatever the rows' type
 
 
 def row_bytes(spec: TableSpec) -> int:
-    """Bytes one row of ``spec`` takes in a store, a local table or a shard."""
-    return 4 * (spec.dim + spec.state_dim) + CLOCK_BYTES
+    """Bytes one row of ``spec`` takes in a store, a local table or a shard: weights of
+    its ``dtype``, float32 optimizer state, an int64 clock (``TableSpec.row_bytes``)."""
+    return spec.row_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class TableBytes:
+    """What the rows of some tables hold: ``weights`` (in the row types ``dtypes``),
+    float32 optimizer ``state`` and int64 ``clocks``, in bytes."""
+
+    weights: int = 0
+    state: int = 0
+    clocks: int = 0
+    dtypes: tuple[str, ...] = ()  # the weights' types, each once, in the tables' order
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.state + self.clocks
+
+    def plus(self, spec: TableSpec, rows: int) -> TableBytes:
+        """These bytes and those of ``rows`` rows of ``spec``."""
+        weights = rows * spec.dim * spec.torch_dtype.itemsize
+        state = rows * STATE_BYTES * spec.state_dim
+        out = TableBytes(
+            self.weights + weights,
+            self.state + state,
+            self.clocks + rows * CLOCK_BYTES,
+            self.dtypes if spec.dtype in self.dtypes else (*self.dtypes, spec.dtype),
+        )
+        assert weights + state + rows * CLOCK_BYTES == rows * spec.row_bytes, spec
+        return out
+
+    def describe(self) -> str:
+        """``"weights 1.2 MB bf16, optimizer state 0.3 MB fp32, clocks 0.2 MB"``."""
+        text = f"weights {human_bytes(self.weights)} {'/'.join(self.dtypes)}"
+        if self.state:
+            text += f", optimizer state {human_bytes(self.state)} fp32"
+        return text + f", clocks {human_bytes(self.clocks)}"
 
 
 def human_bytes(n: int) -> str:
@@ -131,7 +173,8 @@ DEVICE, HOST, REMOTE = "device", "host", "remote"  # a part's place
 class MemoryPart:
     """One part of the job's memory: ``bytes`` in ``where``; ``place``: on the worker's
     device (counted against its GPU's memory), in its host memory, or remote (PS server
-    ranks, Redis); ``note``: what it holds."""
+    ranks, Redis); ``note``: what it holds; ``tables``: for a part of table rows, the
+    bytes of their weights, optimizer state and clocks."""
 
     key: str  # JSON key: "hybrid_tables", "cache_device", "cache_host", ...
     label: str  # printed name: "hybrid tables", "cache rows", ...
@@ -139,6 +182,13 @@ class MemoryPart:
     where: str  # "cuda:0", "host (in-process store)", "2 PS server ranks", "Redis"
     place: str  # DEVICE, HOST or REMOTE
     note: str = ""
+    tables: TableBytes | None = None
+
+    @property
+    def notes(self) -> str:
+        """``note`` and, for table rows that have a size, what their bytes hold."""
+        held = self.tables.describe() if self.tables is not None and self.bytes else ""
+        return "; ".join(filter(None, [self.note, held]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,9 +237,9 @@ class MemoryPlan:
             size = human_bytes(p.bytes)
             if p.key == "hybrid_tables" and self.dynamic_tables:
                 size = f"{size} + dynamic" if p.bytes else "dynamic"
-                note = "; ".join(filter(None, [p.note, grows_with_use(self.dynamic_tables)]))
+                note = "; ".join(filter(None, [p.notes, grows_with_use(self.dynamic_tables)]))
             else:
-                note = p.note
+                note = p.notes
             lines.append(
                 f"  {p.label:<{width}}  {size:>9}  {p.where}" + (f" ({note})" if note else "")
             )
@@ -203,16 +253,23 @@ class MemoryPlan:
     def to_json(self) -> dict[str, Any]:
         """Plain ints and strings for the run's result: ``{"device", "device_total_bytes",
         "device_bytes", "host_bytes", "parts": {key: {"bytes", "where", "place"}},
-        "dynamic_tables"}``."""
+        "dynamic_tables"}``; a part of table rows adds ``"weights_bytes"``,
+        ``"state_bytes"``, ``"clock_bytes"`` and ``"dtypes"`` (its rows' types)."""
+        parts: dict[str, dict[str, Any]] = {}
+        for p in self.parts:
+            part: dict[str, Any] = {"bytes": int(p.bytes), "where": p.where, "place": p.place}
+            if p.tables is not None:
+                part.update(
+                    weights_bytes=int(p.tables.weights), state_bytes=int(p.tables.state),
+                    clock_bytes=int(p.tables.clocks), dtypes=list(p.tables.dtypes),
+                )  # fmt: skip
+            parts[p.key] = part
         return {
             "device": str(self.device),
             "device_total_bytes": int(self.device_total),
             "device_bytes": int(self.device_bytes),
             "host_bytes": int(self.host_bytes),
-            "parts": {
-                p.key: {"bytes": int(p.bytes), "where": p.where, "place": p.place}
-                for p in self.parts
-            },
+            "parts": parts,
             "dynamic_tables": list(self.dynamic_tables),
         }
 
@@ -254,13 +311,13 @@ def plan_memory(
     hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
     local = [t.to_spec() for t in tables if t.placement == "local"]
     sharded = [t for t in tables if t.placement == "sharded"]
-    store = 0
+    store = TableBytes()
     dynamic = []
     for spec in hybrid:
         if spec.num_rows is not None:
-            store += spec.num_rows * row_bytes(spec)
+            store = store.plus(spec, spec.num_rows)
         elif spec.capacity is not None:  # a dynamic table evicts past its capacity
-            store += spec.capacity * row_bytes(spec)
+            store = store.plus(spec, spec.capacity)
         else:
             dynamic.append(spec.name)
     parts = []
@@ -269,9 +326,10 @@ def plan_memory(
             MemoryPart(
                 "hybrid_tables",
                 "hybrid tables",
-                store,
+                store.total,
                 store_where,
                 REMOTE if store_remote else HOST,
+                tables=store,
             )
         )
     if cache is not None and hybrid:
@@ -291,16 +349,22 @@ def plan_memory(
         else:
             parts.append(MemoryPart("cache_host", "cache", taken.host, "host", HOST, share))
     if local:
-        size = sum(spec.num_rows * row_bytes(spec) for spec in local if spec.num_rows)
-        parts.append(MemoryPart("local_tables", "local tables", size, where, DEVICE))
+        rows = TableBytes()
+        for spec in local:
+            rows = rows.plus(spec, spec.num_rows or 0)  # local tables are fixed
+        parts.append(
+            MemoryPart("local_tables", "local tables", rows.total, where, DEVICE, tables=rows)
+        )
     if sharded:
         plan = ShardingPlan.build(sharded, world_size)
-        size = 0
+        rows = TableBytes()
         for cfg in sharded:
             start, stop = plan.table(cfg.name).rows_on(rank)
-            size += (stop - start) * row_bytes(cfg.to_spec())
+            rows = rows.plus(cfg.to_spec(), stop - start)
         note = f"rank {rank}'s shards of {world_size}" if world_size > 1 else "all shards"
-        parts.append(MemoryPart("sharded_tables", "sharded tables", size, where, DEVICE, note))
+        parts.append(MemoryPart(
+            "sharded_tables", "sharded tables", rows.total, where, DEVICE, note, tables=rows
+        ))  # fmt: skip
     parts.append(MemoryPart("dense", "dense", dense, where, DEVICE, dense_note))
     return MemoryPlan(
         device=device,
@@ -315,6 +379,7 @@ def plan_memory(
 __all__ = [
     "MemoryPart",
     "MemoryPlan",
+    "TableBytes",
     "cache_size_fitting",
     "dense_bytes",
     "device_memory",

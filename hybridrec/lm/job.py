@@ -35,6 +35,7 @@ from dense import apply_tensor_parallel
 from dense.gpt import GPT, GPTConfig, gpt_loss
 from embedding import EmbeddingCollection, TableConfig
 from embedding.hybrid import store_is_replicated
+from hybridrec.checkpoint.row_dtypes import ROW_DTYPES_KEY, converted_rows
 from hybridrec.cli.options import build_parser as build_config_parser
 from hybridrec.cli.options import config_dict
 from hybridrec.cli.run_job import parse_job_args, run_job, train_in_group
@@ -63,9 +64,9 @@ from hybridrec.lm.config import LMConfig
 from hybridrec.lm.model import (
     LanguageModel,
     embed_tokens,
+    input_tables,
     ngram_config,
     optimizer_state_bytes,
-    token_table,
 )
 from hybridrec.lm.parallel import build_dense, model_parallel, pipeline_loss, pipeline_step
 from hybridrec.train.device_batches import DeviceBatches, DeviceEpochData
@@ -163,6 +164,11 @@ def describe_mesh(shape: dict[str, int]) -> str:
     return ", mesh " + " x ".join(f"{name} {size}" for name, size in shape.items())
 
 
+def describe_dtype(dtype: str) -> str:
+    """``", bf16 rows"`` for a narrow table; empty for fp32."""
+    return "" if dtype == "fp32" else f", {dtype} rows"
+
+
 def check_replica_store(cfg: LMConfig, replica_ranks: int, store: Store) -> None:
     """The ranks of one model replica (``pp * tp`` > 1) apply the same row updates to
     their own copies of the sparse tables; a store shared by all ranks would get every
@@ -199,8 +205,8 @@ class LMJob:
         saved_config: dict[str, Any] | None = None,
     ) -> None:
         """``saved_config``: the run configuration of a checkpoint this job evaluates (the
-        corpus and tokenizer come from the options alone, so nothing of it is needed)."""
-        del saved_config
+        corpus and tokenizer come from the options alone; rows saved in another type than
+        this job's tables convert as they load, said in one line)."""
         check_batch_size(cfg.batch_size, Topology.of(group), cfg.ranks_per_replica)
         self.cfg, self.group = cfg, group
         self.corpus = load_corpus(cfg.text_dir, max_bytes=cfg.max_bytes)
@@ -236,7 +242,7 @@ class LMJob:
         trained, self.optimizer = self.dense.trained, self.dense.optimizer
         assert par.tables is not None
         self.ngrams = ngram_config(cfg)
-        tables = [token_table(cfg, vocab), *(self.ngrams.tables() if self.ngrams else [])]
+        tables = input_tables(cfg, vocab, self.ngrams)
         self.ngram_tables = {t.name for t in tables[1:]}
         hybrid = [t.to_spec() for t in tables if t.placement == "hybrid"]
         # Where the memory goes, checked against the GPU before a table is allocated.
@@ -267,13 +273,18 @@ class LMJob:
             embeddings.set_sparse_pipeline(pipelined)
         self.say(
             f"GPT {cfg.n_layer}x{cfg.d_model} ({dense_parameters} dense parameters) + token "
-            f"table {vocab}x{cfg.d_model} ({cfg.placement}, {cfg.emb_optimizer})"
+            f"table {vocab}x{cfg.d_model} ({cfg.placement}, {cfg.emb_optimizer}"
+            f"{describe_dtype(tables[0].dtype)})"
             f"{self.describe_ngrams()}; "
             f"{describe_roles(roles or Topology.of(group), group.backend)}, "
             f"zero stage {cfg.zero_stage}{describe_mesh(par.mesh.shape)}; "
             f"{describe_device(device, cfg.precision)}"
         )
         self.say(self.memory.describe())
+        dtypes = {t.name: t.dtype for t in tables}
+        converted = converted_rows(saved_config, dtypes)
+        if converted is not None:  # evaluate / export of rows of another type
+            self.say(converted)
         self.feed = DeviceBatches(device)
         forward = functools.partial(autocast, device, cfg.precision)
         self.val = eval_batches(
@@ -308,7 +319,9 @@ class LMJob:
             ),
             dense=trained,
             embeddings=embeddings, evaluate=self.validate, on_row=self.show, extras=self.extras,
-            run_config={"job": "lm", **config_dict(cfg), "vocab_size": vocab},
+            run_config={
+                "job": "lm", **config_dict(cfg), "vocab_size": vocab, ROW_DTYPES_KEY: dtypes
+            },
             shape_options=SHAPE_OPTIONS,
         )  # fmt: skip
 

@@ -10,7 +10,8 @@ The two parts are composed here (``dense`` never imports ``embedding``):
   pulled and only their gradients pushed, and the store's optimizer (lazy Adam by
   default) updates them during backward. Sharded: rows split over the ranks, ids and
   rows travel by alltoallv. Local: a replicated in-process table. The token table and
-  the n-gram tables choose their placements separately.
+  the n-gram tables choose their placements separately; the type their rows are stored
+  in (``--emb-dtype``, per table ``--emb-dtype-of``) is every table's own.
 * ``dense.GPT``: position embedding, decoder blocks, head; under ``dense.DataParallel``
   with AdamW, with ZeRO stage 1/2 under ``dense.ZeroOptimizer``, or stage 3 under
   ``dense.Zero3`` (split by tp and pp in :mod:`hybridrec.lm.parallel`).
@@ -29,10 +30,11 @@ from dense import DataParallel, Zero3, ZeroOptimizer
 from dense.gpt import GPT
 from embedding import EmbeddingCollection, KeyedJaggedIds, NGramConfig, TableConfig
 from hybridrec.checkpoint.run_checkpoint import DenseOptimizer
-from hybridrec.launch.job_cache import row_optimizer
+from hybridrec.launch.job_cache import row_optimizer, with_row_dtypes
 from hybridrec.lm.config import LMConfig
 
 TOKENS = "tokens"  # the token ids of a window; the n-gram features are named by NGramConfig
+TOKEN_TABLE = "token_embedding"
 
 
 class LanguageModel(nn.Module):
@@ -131,9 +133,18 @@ def embed_tokens(
     return embed_ids(tables, input_ids(idx, ngrams), ngrams)
 
 
+def input_tables(cfg: LMConfig, vocab_size: int, ngrams: NGramConfig | None) -> list[TableConfig]:
+    """The token table and the n-gram tables of ``ngrams``, each with the row type
+    ``--emb-dtype`` / ``--emb-dtype-of`` give it (an override of a table the job does
+    not have is a ValueError naming it and the tables)."""
+    tables = [token_table(cfg, vocab_size), *(ngrams.tables() if ngrams else [])]
+    return with_row_dtypes(cfg, tables)
+
+
 def token_table(cfg: LMConfig, vocab_size: int) -> TableConfig:
+    """The token table, fp32 (:func:`input_tables` gives it the job's row type)."""
     return TableConfig(
-        name="token_embedding",
+        name=TOKEN_TABLE,
         num_rows=vocab_size,
         dim=cfg.d_model,
         feature_names=[TOKENS],

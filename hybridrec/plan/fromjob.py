@@ -5,7 +5,8 @@
 
 The tables, dense shape, batch, placement, store and cache are the job's: one table per
 sparse feature (26 for synthetic and Criteo data), the job's row-wise Adagrad, its
-``--placement`` / ``--placement-of`` rules, ``--batch-size`` split over the workers,
+``--placement`` / ``--placement-of`` rules, its rows' types (``--emb-dtype`` /
+``--emb-dtype-of``), ``--batch-size`` split over the workers,
 ``--ps mpi:S`` servers and the ``--cache-*`` options. The id law is the synthetic data's
 Zipf(1.05), or the one given for Criteo files (their skew is not known up front).
 """
@@ -77,8 +78,12 @@ def plan_from_dlrm(
         )
     features = [Feature(n, rows) for n in names]
     placements = resolve_placements(cfg, features)
+    dtypes = cfg.table_dtypes(names)
     assert cfg.dim is not None
-    tables = [TablePlan(name=n, rows=rows, dim=cfg.dim, placement=placements[n]) for n in names]
+    tables = [
+        TablePlan(name=n, rows=rows, dim=cfg.dim, placement=placements[n], dtype=dtypes[n])
+        for n in names
+    ]
     flops, params = dense_shape(cfg, NUM_SPARSE, NUM_DENSE)
     model = ModelPlan(
         tables=tables, dense_flops_per_sample=flops, dense_params=params, num_dense=NUM_DENSE,

@@ -27,7 +27,11 @@ worker; messages per
 server per phase are 1 with the batched protocol, else one per table. Rows per
 server are the worker's rows / S. With a network, every phase adds a round trip's
 latency and bytes / bandwidth at the worker's link, and a server's service is at
-least its link's time for the bytes it receives.
+least its link's time for the bytes it receives. A row or gradient on the store's
+wire is ``E x dim + 8`` bytes (``E`` = 4 for fp32 rows, 2 for fp16 and bf16: the
+wire's per-row cost is scaled to that width); a sharded table's rows travel as
+stored too, its gradients in float32, and the gradients local tables and per-rank
+store replicas allgather are float32 whatever the table's type.
 """
 
 from __future__ import annotations
@@ -102,9 +106,12 @@ def _store_phases(
     shard = costs.server["dense"]
     wire = costs.mpi_wire
     pulls, push_costs = shard, {t.name: shard for t in tables}
-    if mpi and "mpi" in costs.server and batched(plan, costs):
-        # an MPI server serves a batch of fixed tables whole in C (ps.mpi.batched_pass):
-        # its pulls always, its pushes when every table's optimizer is row-wise Adagrad
+    narrow = any(t.dtype != "fp32" for t in tables)
+    if mpi and "mpi" in costs.server and batched(plan, costs) and not narrow:
+        # an MPI server serves a batch of fixed tables of float32 rows whole in C
+        # (ps.mpi.batched_pass): its pulls always, its pushes when every table's optimizer
+        # is row-wise Adagrad; a batch with a narrow table's part goes the Python path,
+        # part by part (whose updates round stochastically), as one shard's calibration
         pulls = costs.server["mpi"]
         if all(t.optimizer == "rowwise_adagrad" for t in tables):
             push_costs = {t.name: costs.server["mpi"] for t in tables}
@@ -131,11 +138,15 @@ def _store_phases(
         push.service += push_costs[t.name].push_of(t.optimizer)(
             tr.push_requests, rs * tr.pushed / servers
         )
-        pull.bytes += (4 * t.dim + 8) * tr.pulled + 16 * tr.asked + 4 * t.dim * tr.refreshed
-        push.bytes += (4 * t.dim + 8) * tr.pushed
-        if wire is not None and mpi:
-            pull.wire += rs * (wire.pull.beta_s * tr.returned + wire.pull_check.beta_s * tr.asked)
-            push.wire += rs * wire.push.beta_s * tr.pushed
+        # a row or a gradient and 8 bytes (its id or clock) on the wire; fp16 and bf16
+        # rows and gradients travel as 2 bytes per element
+        row = t.element_bytes * t.dim
+        pull.bytes += (row + 8) * tr.pulled + 16 * tr.asked + row * tr.refreshed
+        push.bytes += (row + 8) * tr.pushed
+        if wire is not None and mpi:  # per-row wire costs scale with the row's bytes
+            ws = costs.row_scale(t.dim * t.element_bytes // 4)
+            pull.wire += ws * (wire.pull.beta_s * tr.returned + wire.pull_check.beta_s * tr.asked)
+            push.wire += ws * wire.push.beta_s * tr.pushed
     if wire is not None and mpi:
         kinds = [traffic[t.name] for t in tables]
         if batched(plan, costs):  # one message per server per kind of request
@@ -254,8 +265,11 @@ def predict(plan: Plan, costs: Costs, traffic: dict[str, TableTraffic]) -> Predi
         sharded = model.placed("sharded")
         if sharded:
             off = (w - 1) / w  # the share of a worker's ids owned by other ranks
+            # per id owned elsewhere: the id, its row back (as stored: 2 bytes per
+            # element for fp16 and bf16) and its float32 gradient
             sent = sum(
-                off * traffic[t.name].unique * (8 + 2 * 4 * t.dim) + 8 * len(sharded)
+                off * traffic[t.name].unique * (8 + (t.element_bytes + 4) * t.dim)
+                + 8 * len(sharded)
                 for t in sharded
             )
             parts["alltoallv"] += _collective(costs, plan, "alltoallv", 4, w - 1, sent)

@@ -48,12 +48,17 @@ class PlanOptions(CacheOptions):
     )
     table: list[str] = option(
         [],
-        help="tables as NAME:ROWS:DIM[:FEATURES[:POOLING[:PLACEMENT[:OPTIMIZER]]]] "
+        help="tables as NAME:ROWS:DIM[:FEATURES[:POOLING[:PLACEMENT[:OPTIMIZER[:DTYPE]]]]] "
         "(default: --tables tables of --rows x --dim)",
     )
     tables: int = option(26, help="without --table: this many one-hot tables")
     rows: int = option(100_000, help="without --table: rows per table")
     dim: int = option(16, help="without --table: row width")
+    emb_dtype: Literal["fp32", "fp16", "bf16"] = option(
+        "fp32",
+        help="the rows' type where --table gives none: fp32, or fp16 / bf16 (2 bytes per "
+        "element in memory and on the store's wire; optimizer state stays fp32)",
+    )
     num_dense: int = option(13, help="dense input features")
     bottom_mlp: list[int] = option([64, 16], help="DLRM bottom MLP widths (the last = --dim)")
     top_mlp: list[int] = option([64, 32, 1], help="DLRM top MLP widths (the last = 1)")
@@ -110,19 +115,27 @@ class PlanOptions(CacheOptions):
         for name in ("batch_per_worker", "global_batch", "shared_cores", "dense_params"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.dlrm and self.emb_dtype != "fp32":
+            raise ValueError(
+                f"emb_dtype {self.emb_dtype!r} sets the type of the tables --table and --tables "
+                "describe; with dlrm the job's own --emb-dtype / --emb-dtype-of inside the "
+                "dlrm string set it"
+            )
         if any(w < 1 for w in self.sweep_workers):
             raise ValueError(f"sweep_workers must be ints >= 1, got {self.sweep_workers}")
         if any(not b > 0 for b in self.sweep_bandwidth):
             raise ValueError(f"sweep_bandwidth must be > 0 Gbit/s, got {self.sweep_bandwidth}")
 
 
-def parse_table(text: str, default_optimizer: str = "rowwise_adagrad") -> TablePlan:
-    """``NAME:ROWS:DIM[:FEATURES[:POOLING[:PLACEMENT[:OPTIMIZER]]]]`` -> TablePlan."""
+def parse_table(
+    text: str, default_optimizer: str = "rowwise_adagrad", default_dtype: str = "fp32"
+) -> TablePlan:
+    """``NAME:ROWS:DIM[:FEATURES[:POOLING[:PLACEMENT[:OPTIMIZER[:DTYPE]]]]]`` -> TablePlan."""
     parts = text.split(":")
-    if not 3 <= len(parts) <= 7:
+    if not 3 <= len(parts) <= 8:
         raise ValueError(
             f"--table {text!r}: expected NAME:ROWS:DIM[:FEATURES[:POOLING[:PLACEMENT"
-            "[:OPTIMIZER]]]], e.g. items:1000000:64:1:1:hybrid"
+            "[:OPTIMIZER[:DTYPE]]]]], e.g. items:1000000:64:1:1:hybrid:rowwise_adagrad:bf16"
         )
     try:
         rows, dim = int(parts[1]), int(parts[2])
@@ -136,6 +149,7 @@ def parse_table(text: str, default_optimizer: str = "rowwise_adagrad") -> TableP
         name=parts[0], rows=rows, dim=dim, features=features, pooling=pooling,
         placement=parts[5] if len(parts) > 5 else "hybrid",
         optimizer=parts[6] if len(parts) > 6 else default_optimizer,
+        dtype=parts[7] if len(parts) > 7 else default_dtype,
     )  # fmt: skip
 
 
@@ -168,9 +182,12 @@ def plan_of(o: PlanOptions) -> Plan:
             plan = plan.with_(model=plan.model.with_placement(o.placement))
         return plan
     if o.table:
-        tables = [parse_table(t) for t in o.table]
+        tables = [parse_table(t, default_dtype=o.emb_dtype) for t in o.table]
     else:
-        tables = [TablePlan(name=f"t{i}", rows=o.rows, dim=o.dim) for i in range(o.tables)]
+        tables = [
+            TablePlan(name=f"t{i}", rows=o.rows, dim=o.dim, dtype=o.emb_dtype)
+            for i in range(o.tables)
+        ]
     dims = {t.dim for t in tables}
     flops, params = dense_of(o, sum(t.features for t in tables), max(dims))
     if not (o.dense_flops and o.dense_params) and len(dims) > 1:

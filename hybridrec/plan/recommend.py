@@ -54,8 +54,9 @@ class Recommendation:
 
 
 def table_bytes(plan: Plan) -> float:
-    """Bytes of every table's rows and a row-wise optimizer state (one float per row)."""
-    return sum(4.0 * t.rows * (t.dim + 1) for t in plan.model.tables)
+    """Bytes of every table's rows as stored (``TablePlan.row_bytes``: weights of the
+    table's type, its optimizer's float32 state, a clock)."""
+    return float(sum(t.rows * t.row_bytes for t in plan.model.tables))
 
 
 def recommend(

@@ -20,7 +20,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import ps
+from ps.table import ROW_DTYPES
+
 PLACEMENTS = ("local", "hybrid", "sharded")
+# The store's optimizers by kind (``TablePlan.optimizer``), as ps builds them: what a row
+# keeps besides its weights is their ``state_dim`` (the learning rates do not matter here).
+OPTIMIZERS: dict[str, ps.Optimizer] = {
+    "sgd": ps.SGD(lr=0.01), "rowwise_adagrad": ps.RowWiseAdagrad(lr=0.01),
+    "adagrad": ps.Adagrad(lr=0.01), "adam": ps.Adam(lr=0.01), "ftrl": ps.FTRL(alpha=0.01),
+}  # fmt: skip
 STORES = ("mpi", "inprocess")
 PROTOCOLS = ("auto", "batched", "per-table")
 POLICIES = ("lfu", "lru", "tinylfu")
@@ -44,8 +53,11 @@ def _one_of(owner: str, name: str, value: object, allowed: tuple[str, ...]) -> N
 
 @dataclass(kw_only=True, slots=True)
 class TablePlan:
-    """One embedding table: ``rows`` x ``dim`` float32, read by ``features`` sparse
-    features with ``pooling`` ids per sample each (1 for a one-hot feature)."""
+    """One embedding table: ``rows`` x ``dim`` of ``dtype`` ("fp32", or "fp16" / "bf16":
+    2 bytes per element, in memory and on the parameter server's wire), read by
+    ``features`` sparse features with ``pooling`` ids per sample each (1 for a one-hot
+    feature); ``optimizer``: the store's optimizer kind (:data:`OPTIMIZERS`), whose
+    float32 state each row keeps too."""
 
     name: str
     rows: int
@@ -54,6 +66,7 @@ class TablePlan:
     pooling: float = 1.0
     placement: str = "hybrid"
     optimizer: str = "rowwise_adagrad"
+    dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -64,6 +77,22 @@ class TablePlan:
         _int_at_least(who, "features", self.features, 1)
         _positive(who, "pooling", self.pooling)
         _one_of(who, "placement", self.placement, PLACEMENTS)
+        _one_of(who, "optimizer", self.optimizer, tuple(OPTIMIZERS))
+        _one_of(who, "dtype", self.dtype, ROW_DTYPES)
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one weight: 4 for fp32 rows, 2 for fp16 and bf16."""
+        return 4 if self.dtype == "fp32" else 2
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes a stored row takes (``ps.TableSpec.row_bytes``): weights of
+        :attr:`element_bytes`, the optimizer's float32 state, an int64 clock."""
+        return ps.TableSpec(
+            name=self.name, num_rows=self.rows, dim=self.dim,
+            optimizer=OPTIMIZERS[self.optimizer], dtype=self.dtype,  # type: ignore[arg-type]
+        ).row_bytes  # fmt: skip
 
     def draws(self, batch: int) -> int:
         """Ids one worker looks up in this table per step (``batch`` samples)."""

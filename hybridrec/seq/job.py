@@ -30,6 +30,7 @@ import torch
 from comm import ProcessGroup, Topology, worker_device
 from dense import DataParallel, ZeroOptimizer
 from embedding import EmbeddingCollection
+from hybridrec.checkpoint.row_dtypes import ROW_DTYPES_KEY, converted_rows
 from hybridrec.checkpoint.run_checkpoint import DenseOptimizer
 from hybridrec.cli.options import config_dict
 from hybridrec.cli.run_job import parse_job_args, run_job, train_in_group
@@ -50,6 +51,7 @@ from hybridrec.launch.job_cache import (
     job_memory_plan,
     wants_sparse_pipeline,
     with_cache,
+    with_row_dtypes,
 )
 from hybridrec.launch.memory_plan import MemoryPlan, dense_bytes
 from hybridrec.launch.roles import check_batch_size, describe_device, describe_roles
@@ -163,7 +165,9 @@ class SeqJob:
         roles: Topology | None = None,
         saved_config: dict[str, Any] | None = None,
     ) -> None:
-        del saved_config  # the histories come from the options alone
+        """``saved_config``: the run configuration of a checkpoint this job evaluates (the
+        histories come from the options alone; rows saved in another type than the item
+        table's convert as they load, said in one line)."""
         check_batch_size(cfg.batch_size, Topology.of(group))
         self.cfg, self.group = cfg, group
         self.data = load_sequences(cfg)
@@ -190,7 +194,7 @@ class SeqJob:
             )  # fmt: skip
         )
         self.device = device = worker_device(cfg.device, group)
-        table = item_table(cfg, items)
+        table = with_row_dtypes(cfg, [item_table(cfg, items)])[0]  # --emb-dtype(-of)
         torch.manual_seed(cfg.seed)  # the same encoder init everywhere (rank 0's is broadcast)
         encoder = build_encoder(cfg)
         self.encoder_parameters = sum(p.numel() for p in encoder.parameters())
@@ -220,13 +224,17 @@ class SeqJob:
             "batch's items, logQ-corrected)"
         )  # fmt: skip
         self.say(f"{cfg.model} on {self.data.source}; {loss}")
+        rows = "" if table.dtype == "fp32" else f", {table.dtype} rows"
         self.say(
             f"{cfg.model} {cfg.n_layer}x{cfg.dim} ({self.encoder_parameters} dense parameters) "
-            f"+ item table {items}x{cfg.dim} ({table.placement}, {cfg.emb_optimizer}); "
+            f"+ item table {items}x{cfg.dim} ({table.placement}, {cfg.emb_optimizer}{rows}); "
             f"{describe_roles(roles or Topology.of(group), group.backend)}, zero stage "
             f"{cfg.zero_stage}; {describe_device(device, cfg.precision)}"
         )
         self.say(self.memory.describe())
+        converted = converted_rows(saved_config, {table.name: table.dtype})
+        if converted is not None:  # evaluate of rows of another type
+            self.say(converted)
         self.trainer = Trainer(
             TrainerConfig(
                 epochs=cfg.epochs, max_steps=cfg.max_steps, samples_per_step=cfg.batch_size,
@@ -242,7 +250,10 @@ class SeqJob:
             data=DeviceEpochData(self.source, self.feed), step=self.step,
             dense=trained, embeddings=embeddings, evaluate=self.validate,
             extras=self.extras, on_row=self.show,
-            run_config={"job": "seq", **config_dict(cfg), "num_items": items},
+            run_config={
+                "job": "seq", **config_dict(cfg), "num_items": items,
+                ROW_DTYPES_KEY: {table.name: table.dtype},
+            },
             shape_options=SHAPE_OPTIONS,
         )  # fmt: skip
 

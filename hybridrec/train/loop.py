@@ -50,6 +50,7 @@ from torch import nn
 from comm import LocalGroup, ProcessGroup, shared_token
 from dense import DataParallel
 from embedding import EmbeddingCollection
+from hybridrec.checkpoint.row_dtypes import ROW_DTYPES_KEY, converted_rows
 from hybridrec.checkpoint.run_checkpoint import (
     DenseOptimizer,
     RunModel,
@@ -215,7 +216,9 @@ class Trainer:
     ``collective_extras()`` too, called on every rank (e.g. a windowed metric's gather).
     ``on_row(row)`` sees every "eval" and "epoch" row (to print them).
     ``run_config`` goes into each checkpoint; a resume whose ``run_config`` differs
-    from the checkpoint's in one of ``shape_options`` stops with their names.
+    from the checkpoint's in one of ``shape_options`` stops with their names; one whose
+    tables' row types (its ``"row_dtypes"``, :mod:`hybridrec.checkpoint.row_dtypes`)
+    differ goes on, saying which rows convert as they load.
     """
 
     def __init__(
@@ -441,7 +444,12 @@ class Trainer:
                 self.say(f"no checkpoint in {cfg.checkpoint_dir}: starting from scratch")
             return None, 0, 0, 0, None
         self.check_resume_options(path)
-        saved = int(json.loads((path / "meta.json").read_text(encoding="utf-8"))["world_size"])
+        saved_meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        dtypes = self.run_config.get(ROW_DTYPES_KEY)
+        converted = None if dtypes is None else converted_rows(saved_meta.get("config"), dtypes)
+        if converted is not None:
+            self.say(f"resuming {path}: {converted}")
+        saved = int(saved_meta["world_size"])
         if saved != self.group.size:
             self.say(
                 f"resuming a checkpoint of {saved} worker(s) on {self.group.size}: the model "

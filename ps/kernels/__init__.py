@@ -11,4 +11,7 @@ where no C compiler is present.
 * ``message_pass`` - an MPI server's batched pulls and pushes of fixed tables, checked
   and served whole (:mod:`ps.mpi.batched_pass`); built after ``rowwise_adagrad.c``,
   whose row step it applies.
+* ``narrow_rows`` - rows stored as fp16/bf16: stochastic rounding (the bits of
+  :func:`ps.rounding.round_to`), row-wise Adagrad over them and their float32 pooling;
+  built after ``rowwise_adagrad.c``, whose row step it applies to the widened row.
 """

@@ -34,8 +34,11 @@ rows on every core.
 Narrow rows (``spec.dtype`` fp16 or bf16): ``weights`` hold that type, every read
 returns float32 (exact), and an update is computed on float32 copies and written back
 stochastically rounded (:func:`ps.rounding.round_to`, keyed by the row's id and its
-clock after the update), so the C row passes (float32 rows only) leave them to
-:meth:`LocalTable._apply`.
+clock after the update): row-wise Adagrad on a fixed table in one C pass
+(:func:`ps.kernels.narrow_rows.rowwise_adagrad_`, the float32 kernel's step, then the
+rounding; the bits of local tables' pass), other optimizers by their torch step and the
+C rounding (:func:`ps.kernels.narrow_rows.round_rows`, the bits of
+:func:`ps.rounding.round_to`).
 
 Nothing here validates requests or takes locks: callers check ids and grads
 (:mod:`ps.validate`) and serialise requests with :attr:`LocalTable.lock`.
@@ -51,10 +54,9 @@ import numpy as np
 import torch
 
 from ps.checkpoint import TablePart
-from ps.kernels import rowwise_adagrad
+from ps.kernels import narrow_rows, rowwise_adagrad
 from ps.local.dynamic_index import IdIndex
 from ps.optimizers import RowWiseAdagrad
-from ps.rounding import round_to
 from ps.store import PullResult
 from ps.table import TableSpec, UniformInit
 from ps.validate import finite_rows
@@ -332,9 +334,11 @@ class LocalTable:
         return len(self.index) if self.dynamic else int(self.weights.shape[0])
 
     def stats(self) -> dict[str, int | float]:
-        """``rows``, ``bytes`` (weights + state + clocks of the rows) and the counters."""
-        row_bytes = self.spec.row_bytes
-        out: dict[str, int | float] = {"rows": self.num_live, "bytes": self.num_live * row_bytes}
+        """``rows``, ``bytes`` (weights + state + clocks of the rows), ``weight_bytes`` (of
+        them, the rows' elements: 2 or 4 bytes each) and the counters."""
+        n, spec = self.num_live, self.spec
+        out: dict[str, int | float] = {"rows": n, "bytes": n * spec.row_bytes}
+        out["weight_bytes"] = n * spec.dim * self.weights.element_size()
         out.update(self.counters)
         return out
 
@@ -364,7 +368,7 @@ class LocalTable:
         if found is not None:
             miss = ~found
             if fill is None:
-                out[miss] = self.spec.initial_rows(ids[miss])
+                out[miss] = self._initial_rows(ids[miss])
             else:
                 out[miss] = fill
         return out
@@ -395,11 +399,18 @@ class LocalTable:
         rows = widened(take(self.weights, slots))  # [M, D]
         if found is not None and not bool(found.all()):
             miss = ~found
-            rows[miss] = self.spec.initial_rows(ids[miss])
+            rows[miss] = self._initial_rows(ids[miss])
         m = int(row_clocks.shape[0])
         self.counters["rows_pulled"] += m
         self.counters["rows_skipped_by_bound"] += n - m
         return PullResult(rows, row_clocks, positions)
+
+    def _initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 ``[K, D]``: the initial rows of absent dynamic ids as the table would
+        store them once created (narrow rows: rounded to the table's type), so a row
+        reads the same before and after a push creates it."""
+        rows = self.spec.initial_rows(ids)
+        return widened(rows.to(self.weights.dtype)) if self.spec.narrow else rows
 
     def read_clocks(self, ids: torch.Tensor) -> torch.Tensor:
         """Clocks of ``ids`` ``[N]`` (0 for missing dynamic rows); touches nothing."""
@@ -504,26 +515,24 @@ class LocalTable:
         self.clocks.numpy()[slots.numpy()] += 1  # slots are distinct
         if self.spec.narrow:
             versions = take(self.clocks, slots)  # [U] the clocks after this update
-            rows = round_to(rows, self.weights.dtype, seed=self._rounding_seed(),
-                            ids=self._table_ids(slots), versions=versions)  # fmt: skip
+            rows = narrow_rows.round_rows(rows, self._rounding_keys(), slots, versions)
         put(self.weights, slots, rows)
         put(self.state, slots, state)
         if self.dynamic:
             self.last_touch.index_fill_(0, slots, self.step)
 
-    def _rounding_seed(self) -> int:
-        """The seed of the table's stochastic rounding: its init seed (a per-table
-        value every process knows)."""
+    def _rounding_keys(self) -> narrow_rows.RoundingKeys:
+        """How the rows round: seeded by the table's init seed (a per-table value every
+        process knows), keyed by each row's table id (a dynamic table's slot holds
+        ``row_ids[slot]``, a shard's row ``row_table_ids[row]``)."""
         assert self.spec.init is not None
-        return self.spec.init.seed
-
-    def _table_ids(self, slots: torch.Tensor) -> torch.Tensor:
-        """The table ids ``[U]`` of rows at ``slots`` ``[U]``."""
-        if self.dynamic:
-            return take(self.row_ids, slots)
-        if self.row_table_ids is not None:
-            return take(self.row_table_ids, slots)
-        return slots
+        ids = self.row_ids if self.dynamic else self.row_table_ids
+        return narrow_rows.RoundingKeys(
+            self.spec.torch_dtype,
+            torch.tensor([0, int(self.weights.shape[0])], dtype=torch.int64),
+            torch.tensor([self.spec.init.seed], dtype=torch.int64),
+            ids,
+        )
 
     def _counted_in_place(
         self, slots: torch.Tensor, summed: torch.Tensor, counted: tuple[torch.Tensor, torch.Tensor]
@@ -549,8 +558,13 @@ class LocalTable:
         False (nothing changed) for other optimizers or where the kernel is unavailable.
         """
         opt = self.spec.optimizer
-        if not isinstance(opt, RowWiseAdagrad) or self.spec.narrow:
+        if not isinstance(opt, RowWiseAdagrad):
             return False
+        if self.spec.narrow:
+            return narrow_rows.rowwise_adagrad_(
+                self.weights, self.state, self.clocks, slots, summed.contiguous(),
+                lr=opt.lr, eps=opt.eps, keys=self._rounding_keys(),
+            )  # fmt: skip
         return rowwise_adagrad.rowwise_adagrad_(
             self.weights,
             self.state,

@@ -9,7 +9,9 @@ The shard's tables are :class:`ps.local.table.LocalTable` objects, the engine of
 the in-process store, so optimizers, dynamic tables, statistics and checkpoint
 parts are exactly the in-process store's; the loop only receives requests
 (:mod:`ps.mpi.wire`), checks them (sizes, table index, then :mod:`ps.validate`, the
-in-process store's own checks), calls the table and sends the reply.
+in-process store's own checks), calls the table and sends the reply. A narrow table's
+(fp16 / bf16) rows go out in its type and its gradients come in it, widened to float32
+for the checks and the update (``docs/ps_protocol.md``, narrow tables on the wire).
 
 With more than one server, a shard of a *fixed* table holds exactly the rows routed
 to it, densely (:class:`ps.mpi.fixed_shard.FixedShard`: a fixed table of those rows
@@ -24,7 +26,7 @@ A bad request (unknown table index, ids out of range, wrong sizes, NaN
 gradients, ...) gets an error reply that the worker raises as ValueError /
 TypeError; the server changes nothing and keeps serving. Sizes are checked
 before anything is allocated or read: the header's ``n`` (at most
-:data:`ps.mpi.wire.MAX_IDS`) and ``dim`` against the payload words and the float
+:data:`ps.mpi.wire.MAX_IDS`) and ``dim`` against the payload words and the word
 count of the data message, byte counts that are not whole words, a request whose
 data message does not follow within ``ServerConfig.data_timeout_s``, and the
 table index against the tables this server has.
@@ -427,10 +429,14 @@ class ShardServer:
         raise ValueError(f"unknown request op {op} (protocol {wire.MAGIC_VERSION:#x})")
 
     def table(self, meta: np.ndarray, op: str) -> tuple[TableSpec, Shard]:
-        return self.table_at(int(meta[wire.W_TABLE]), int(meta[wire.W_DIM]), op)
+        dims, types = wire.split_widths(meta[wire.W_DIM : wire.W_DIM + 1])
+        return self.table_at(int(meta[wire.W_TABLE]), int(dims[0]), op, types[0])
 
-    def table_at(self, index: int, dim: int, op: str) -> tuple[TableSpec, Shard]:
-        """The table at ``index``; for a pull or push ``dim`` must be its width."""
+    def table_at(
+        self, index: int, dim: int, op: str, row_type: str = "fp32"
+    ) -> tuple[TableSpec, Shard]:
+        """The table at ``index``; for a pull or push ``dim`` must be its width and
+        ``row_type`` (what the rows travel in) its dtype."""
         if (
             not 0 <= index < len(self.names)
             or self.names[index] not in self.tables
@@ -446,6 +452,11 @@ class ShardServer:
             raise ValueError(
                 f"{op} table {name!r}: the request is for rows of width {dim} but the table "
                 f"has dim={spec.dim} (was it reloaded with another spec?)"
+            )
+        if op in ("pull", "push") and row_type != spec.dtype:
+            raise ValueError(
+                f"{op} table {name!r}: the request is for {row_type} rows on the wire but the "
+                f"table holds {spec.dtype} rows (was it reloaded with another spec?)"
             )
         return spec, self.tables[name]
 
@@ -536,8 +547,9 @@ class ShardServer:
             parts.append(got.positions.numpy())
             flags = wire.FLAG_POSITIONS
         m = int(got.rows.shape[0])
-        head = wire.header(Op.PULL, int(meta[wire.W_ID]), n=m, dim=spec.dim, flags=flags)
-        return wire.message(head, *parts), got.rows.contiguous().numpy()
+        width = wire.width_word(spec.dim, spec.dtype)
+        head = wire.header(Op.PULL, int(meta[wire.W_ID]), n=m, dim=width, flags=flags)
+        return wire.message(head, *parts), wire_rows(spec, got.rows)
 
     def push(
         self, src: int, meta: np.ndarray, payload: np.ndarray, data: np.ndarray
@@ -545,9 +557,9 @@ class ShardServer:
         spec, table = self.table(meta, "push")
         n, rid = int(meta[wire.W_N]), int(meta[wire.W_ID])
         sequenced = bool(int(meta[wire.W_FLAGS]) & wire.FLAG_SEQ)
-        _expect_sizes(meta, data, n + int(sequenced), n * spec.dim)
+        _expect_sizes(meta, data, n + int(sequenced), wire.value_words(n * spec.dim, spec.dtype))
         ids = self.check_ids(spec, payload[:n], "push")
-        grads = torch.from_numpy(data).view(n, spec.dim)
+        grads = wire.unpack_values(data, n * spec.dim, spec.dtype).view(n, spec.dim)
         check_push_grads(spec, ids, grads)
         if sequenced:
             session, seq = int(payload[n]), int(meta[wire.W_ARG])
@@ -570,36 +582,36 @@ class ShardServer:
             whole = self.batched.pull_many(k, int(meta[wire.W_ID]), payload, with_state)
             if whole is not None:
                 return whole
-        toc = _toc(payload, k, wire.PULL_PART_WORDS, "pull_many")
+        toc, types = _toc(payload, k, wire.PULL_PART_WORDS, "pull_many")
         widths = np.where(toc[:, 3] >= 0, 2, 1)  # id words per id: conditional parts send clocks
         _expect_batch(meta, payload, data, int((toc[:, 1] * widths).sum()), k, 0, "pull_many")
         at = k * wire.PULL_PART_WORDS
         parts = []
-        for index, n, dim, bound in toc.tolist():
-            spec, table = self.table_at(index, dim, "pull")
+        for (index, n, dim, bound), row_type in zip(toc.tolist(), types, strict=True):
+            spec, table = self.table_at(index, dim, "pull", row_type)
             ids = self.check_ids(spec, payload[at : at + n], "pull")
             at += n
             caller = None
             if bound >= 0:
                 caller = check_pull_bound(spec, ids, torch.from_numpy(payload[at : at + n]), bound)
                 at += n
-            parts.append((table, ids, caller, bound if bound >= 0 else None))
-        got = [table.pull(ids, caller, bound) for table, ids, caller, bound in parts]
-        if with_state:  # each returned row followed by its state: [m, dim + state_dim]
-            for i, ((table, ids, _, _), g) in enumerate(zip(parts, got, strict=True)):
-                back = ids if g.positions is None else ids[g.positions]
-                got[i] = replace(g, rows=torch.cat([g.rows, table.read_state(back)], dim=1))
+            parts.append((spec, table, ids, caller, bound if bound >= 0 else None))
+        got = [table.pull(ids, caller, bound) for _, table, ids, caller, bound in parts]
         reply_toc = np.empty((k, wire.REPLY_PART_WORDS), dtype=np.int64)
         words: list[np.ndarray] = [reply_toc]
-        for i, g in enumerate(got):
+        data_words: list[np.ndarray] = []  # each part's rows (and state), table after table
+        for i, ((spec, table, ids, _, _), g) in enumerate(zip(parts, got, strict=True)):
             reply_toc[i] = (int(g.rows.shape[0]), 0 if g.positions is None else wire.FLAG_POSITIONS)
             words.append(g.clocks.numpy())
             if g.positions is not None:
                 words.append(g.positions.numpy())
-        rows = [g.rows.reshape(-1) for g in got]
-        flat = torch.cat(rows) if len(rows) > 1 else rows[0]
+            state = None
+            if with_state:
+                state = table.read_state(ids if g.positions is None else ids[g.positions])
+            data_words.extend(part_rows(spec, g.rows, state))
+        flat = np.concatenate(data_words) if len(data_words) > 1 else data_words[0]
         head = wire.header(Op.PULL_MANY, int(meta[wire.W_ID]), n=k)
-        return wire.message(head, *words), flat.contiguous().numpy()
+        return wire.message(head, *words), flat
 
     def push_many(
         self, src: int, meta: np.ndarray, payload: np.ndarray, data: np.ndarray
@@ -617,14 +629,21 @@ class ShardServer:
                 return _duplicate(rid)
             self.batched.push(whole)
             return self.push_applied(Op.PUSH_MANY, src, rid)
-        toc = _toc(payload, k, wire.PUSH_PART_WORDS, "push_many")
+        toc, types = _toc(payload, k, wire.PUSH_PART_WORDS, "push_many")
         n_ids = int(toc[:, 1].sum())
-        floats = int((toc[:, 1] * toc[:, 2]).sum())
-        specs = [self.table_at(index, dim, "push") for index, dim in toc[:, [0, 2]].tolist()]
+        specs = [
+            self.table_at(index, dim, "push", row_type)
+            for (index, dim), row_type in zip(toc[:, [0, 2]].tolist(), types, strict=True)
+        ]
+        # each part's gradients in its table's type (table_at checked the row types)
+        sizes = toc[:, 1].tolist()
+        grad_words = [
+            wire.value_words(n * s.dim, s.dtype) for (s, _), n in zip(specs, sizes, strict=True)
+        ]
+        floats = sum(grad_words)
         words = n_ids + int(sequenced)
         if counted:  # the counts after the ids, the statistics after the gradients
             words += wire.count_words(n_ids, wide)
-            sizes = toc[:, 1].tolist()
             floats += sum(
                 n * s.optimizer.stat_dim(s.dim) for (s, _), n in zip(specs, sizes, strict=True)
             )
@@ -633,11 +652,12 @@ class ShardServer:
         counts = sat = None
         if counted:
             counts = wire.unpack_counts(payload[at + n_ids :], n_ids, wide)
-            sat = int((toc[:, 1] * toc[:, 2]).sum())
+            sat = sum(grad_words)
         parts = []
-        for (spec, table), (_index, n, dim) in zip(specs, toc.tolist(), strict=True):
+        for (spec, table), n, size in zip(specs, sizes, grad_words, strict=True):
+            dim = spec.dim
             ids = self.check_ids(spec, payload[at : at + n], "push")
-            grads = torch.from_numpy(data[fat : fat + n * dim]).view(n, dim)
+            grads = wire.unpack_values(data[fat : fat + size], n * dim, spec.dtype).view(n, dim)
             check_push_grads(spec, ids, grads)
             part_counted = None
             if counts is not None and sat is not None:
@@ -647,7 +667,7 @@ class ShardServer:
                 part_counted = check_counted(spec, ids, k_part, stats, takes=True, where="MPI")
                 sat += n * q
             parts.append((spec, table, ids, grads, part_counted))
-            at, fat = at + n, fat + n * dim
+            at, fat = at + n, fat + size
         if sequenced and self.repeated(src, payload, meta, k):
             return _duplicate(rid)
         for spec, table, ids, grads, part_counted in parts:  # back to back
@@ -779,6 +799,23 @@ def round_robin(workers: list[int], last: int) -> list[int]:
     return workers[i:] + workers[:i]
 
 
+def wire_rows(spec: TableSpec, rows: torch.Tensor) -> np.ndarray:
+    """Pulled float32 rows ``[m, dim]`` as data words, in the table's type (narrow rows
+    were widened from the stored ones, so narrowing them again is exact)."""
+    return wire.pack_values(rows.to(spec.torch_dtype) if spec.narrow else rows)
+
+
+def part_rows(spec: TableSpec, rows: torch.Tensor, state: torch.Tensor | None) -> list[np.ndarray]:
+    """A ``PULL_MANY`` part's data words: float32 rows ``[m, dim]``, each followed by its
+    ``state`` ``[m, S]`` where given; narrow rows in the table's type, then the state
+    (float32) of every row after them."""
+    if state is None:
+        return [wire_rows(spec, rows)]
+    if not spec.narrow:
+        return [torch.cat([rows, state], dim=1).reshape(-1).numpy()]
+    return [wire_rows(spec, rows), state.contiguous().reshape(-1).numpy()]
+
+
 def _duplicate(request_id: int) -> tuple[np.ndarray, np.ndarray]:
     """The reply to a repeat of an applied ``PUSH_MANY``: acknowledged, not applied."""
     head = wire.header(Op.PUSH_MANY, request_id, flags=wire.FLAG_DUPLICATE)
@@ -808,22 +845,24 @@ def _as_words(raw: np.ndarray, dtype: type[np.generic], what: str) -> np.ndarray
     return raw.view(dtype)
 
 
-def _toc(payload: np.ndarray, k: int, width: int, what: str) -> np.ndarray:
-    """The ``[k, width]`` table of contents that starts a batched request's payload,
-    with each part's ``n`` and ``dim`` checked."""
+def _toc(payload: np.ndarray, k: int, width: int, what: str) -> tuple[np.ndarray, list[str]]:
+    """The ``[k, width]`` table of contents that starts a batched request's payload (a
+    copy, each part's width word replaced by its ``dim``), with each part's ``n`` and
+    ``dim`` checked, and each part's row type on the wire (:func:`ps.mpi.wire.width_word`)."""
     if payload.size < k * width:
         raise ValueError(
             f"{what}: {payload.size} payload words cannot hold the table of contents of "
             f"{k} tables ({k * width} words)"
         )
-    toc = payload[: k * width].reshape(k, width)
+    toc = payload[: k * width].reshape(k, width).copy()
+    toc[:, 2], types = wire.split_widths(toc[:, 2])
     n, dim = toc[:, 1], toc[:, 2]
     if (n < 0).any() or int(n.sum()) > wire.MAX_IDS or (dim <= 0).any():
         raise ValueError(
             f"{what}: the table of contents says ids {n.tolist()} and dims {dim.tolist()}; "
             f"expected ids >= 0 (at most {wire.MAX_IDS} in all) and dims > 0"
         )
-    return toc
+    return toc, types
 
 
 def _expect_batch(

@@ -26,6 +26,9 @@ lives on server ``shard_of(id, S)``) and each server gets ONE ``PULL_MANY`` /
 blocking; the handle's ``wait()`` merges the replies back into the caller's order.
 Messages are the binary layout of :mod:`ps.mpi.wire` (no pickle). Several requests
 may be in flight; the requests of one worker are applied in the order they were issued.
+A narrow table's (``TableSpec.dtype`` fp16 / bf16) rows come back in its type and are
+widened to float32 here; its gradients are rounded to its type (to nearest) before they
+are sent, half the bytes, and a gradient that this makes Inf is refused like a NaN one.
 
 Semantics that differ from the in-process store, because the table is sharded:
 
@@ -86,7 +89,14 @@ from ps.mpi.wire import HEADER_LEN, Op
 from ps.routing import group_by_shard
 from ps.store import PullRequest, PullResult, PushRequest, Store, check_requests, first_of
 from ps.table import TableSpec
-from ps.validate import check_counted, check_ids, check_pull_bound, unknown_table
+from ps.validate import (
+    all_finite,
+    check_counted,
+    check_ids,
+    check_pull_bound,
+    finite_rows,
+    unknown_table,
+)
 
 _EMPTY_F32 = np.empty(0, dtype=np.float32)
 
@@ -512,12 +522,13 @@ class MPIStore(Store):
             reply_words, floats = len(parts) * wire.REPLY_PART_WORDS, 0
             for j, (i, a, c) in enumerate(parts):
                 p = plans[i]
-                toc[j] = (p.table.index[s], c, p.table.spec.dim, p.bound)
+                spec = p.table.spec
+                toc[j] = (p.table.index[s], c, wire.width_word(spec.dim, spec.dtype), p.bound)
                 words.append(p.ids[a : a + c])
                 if p.clocks is not None:
                     words.append(p.clocks[a : a + c])
                 reply_words += c * (2 if p.clocks is not None else 1)
-                floats += c * p.width
+                floats += p.data_words(c)
             calls.append(
                 self._start(
                     s,
@@ -572,14 +583,12 @@ class MPIStore(Store):
             grads = check_push_grads(t.spec, ids, r.grads)
             counted = check_counted(t.spec, ids, r.counts, r.stats, takes=True, where="MPI")
             order, counts = self._split(ids)
-            g = grads.detach().cpu()
+            g = wire_grads(t.spec, ids, grads.detach().cpu())  # [N, D] in the table's type
             g = g if order is None else g.index_select(0, order)  # [N, D] shard order
             if counted is not None:
                 k, q = counted if order is None else (counted[0][order], counted[1][order])
                 counted = (k, q)
-            plans.append(
-                (r.table, t, _sorted_np(ids, order), g.numpy().reshape(-1), counts, counted)
-            )
+            plans.append((r.table, t, _sorted_np(ids, order), g, counts, counted))
         calls: list[_Call] = []
         for s in range(len(self._servers)):
             parts = [
@@ -593,11 +602,10 @@ class MPIStore(Store):
             words: list[np.ndarray] = [toc]
             data = []
             for j, (i, a, c) in enumerate(parts):
-                name, t, ids_np, g_np, _, _ = plans[i]
-                dim = t.spec.dim
-                toc[j] = (t.index[s], c, dim)
+                name, t, ids_np, g, _, _ = plans[i]
+                toc[j] = (t.index[s], c, wire.width_word(t.spec.dim, t.spec.dtype))
                 words.append(ids_np[a : a + c])
-                data.append(g_np[a * dim : (a + c) * dim])
+                data.append(wire.pack_values(g[a : a + c]))
                 self._count(name, "worker_push_calls")
             flags = seq = 0
             if any(plans[i][5] is not None for i, _, _ in parts):
@@ -870,6 +878,27 @@ class _PullPlan:
     counts: list[int]  # ids per server
     width: int  # floats per returned row: dim (+ state_dim when the state rides along)
 
+    def data_words(self, m: int) -> int:
+        """Data words of ``m`` returned rows: float32 rows (and state) one word per
+        float; narrow rows two values per word, then (riding along) their float32 state."""
+        spec = self.table.spec
+        if not spec.narrow:
+            return m * self.width
+        return wire.value_words(m * spec.dim, spec.dtype) + m * (self.width - spec.dim)
+
+    def rows(self, words: np.ndarray, m: int) -> np.ndarray:
+        """``m`` returned rows as float32 ``[m, width]`` from their data ``words`` (narrow
+        rows widened, exactly; a view of float32 ones)."""
+        spec = self.table.spec
+        if not spec.narrow:
+            return words.reshape(m, self.width)
+        size = wire.value_words(m * spec.dim, spec.dtype)
+        values = wire.unpack_values(words[:size], m * spec.dim, spec.dtype).view(m, spec.dim)
+        if self.width == spec.dim:
+            return values.numpy()
+        state = torch.from_numpy(words[size:]).view(m, self.width - spec.dim)
+        return torch.cat([values, state], dim=1).numpy()
+
     def merge(
         self, got: list[tuple[int, int, np.ndarray, np.ndarray | None, np.ndarray]]
     ) -> PullResult:
@@ -930,7 +959,6 @@ def _split_pull_reply(
     at, fat = k * wire.REPLY_PART_WORDS, 0
     for (i, a, c), (m, flags) in zip(parts, toc.tolist(), strict=True):
         p = plans[i]
-        dim = p.width
         conditional = p.clocks is not None
         positions = bool(flags & wire.FLAG_POSITIONS)
         ok = (0 <= m <= c) if conditional else m == c
@@ -946,8 +974,31 @@ def _split_pull_reply(
         if conditional:
             pos = body[at : at + m]
             at += m
-        got[i].append((a, c, clk, pos, call.data[fat : fat + m * dim].reshape(m, dim)))
-        fat += m * dim
+        size = p.data_words(m)
+        got[i].append((a, c, clk, pos, p.rows(call.data[fat : fat + size], m)))
+        fat += size
+
+
+def wire_grads(spec: TableSpec, ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+    """Checked float32 ``grads`` ``[N, D]`` of ``ids`` ``[N]`` as they travel: in the table's
+    type for a narrow table (rounded to nearest: half the bytes; the server widens them
+    again, exactly), else as they are. A gradient beyond the narrow type's range
+    becomes Inf there: with ``nan_policy="raise"`` it is refused here, naming the row,
+    like a NaN/Inf gradient (with "skip" the server drops its row)."""
+    if not spec.narrow:
+        return grads
+    narrow = grads.to(spec.torch_dtype)  # [N, D]
+    if spec.nan_policy == "raise" and narrow.numel() > 0 and not all_finite(narrow):
+        pos = int(torch.nonzero(~finite_rows(narrow.to(torch.float32)))[0, 0])
+        big = float(grads[pos].abs().max())
+        raise ValueError(
+            f"push table {spec.name!r}: gradient of row id {int(ids[pos])} (position {pos}) "
+            f"contains NaN or Inf once rounded to the table's {spec.dtype} for the wire "
+            f"(|gradient| {big:g} is past its largest finite value "
+            f"{torch.finfo(spec.torch_dtype).max:g}); nothing was applied (scale the "
+            "gradients down, or set the table's nan_policy='skip' to drop such rows instead)"
+        )
+    return narrow
 
 
 def _sorted_np(t: torch.Tensor, order: torch.Tensor | None) -> np.ndarray:

@@ -1,10 +1,15 @@
 """The binary message layout of the MPI parameter-server protocol (no pickle).
 
 A request is two messages from a worker to a server (an int64 header + payload, then
-float32 data), a reply two messages back; the header words, the payload of each op,
-the flags, error kinds and the exactly-once numbering are described once, in
+32-bit data words), a reply two messages back; the header words, the payload of each
+op, the flags, error kinds and the exactly-once numbering are described once, in
 ``docs/ps_protocol.md``. This module builds and checks those messages; it imports no
 MPI, so it can be tested anywhere.
+
+Rows and gradients of a narrow table (``TableSpec.dtype`` fp16 / bf16) travel in the
+table's type, two 16-bit values per data word (:func:`pack_values`), so a pull or push
+moves half the bytes; optimizer state and the statistics of counted pushes stay
+float32. A pull's or push's width word says which (:func:`width_word`).
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ from __future__ import annotations
 import enum
 
 import numpy as np
+import torch
 
 from ps.errors import TableExistsError, TableSpecMismatch
+from ps.table import ROW_DTYPES, TORCH_ROW_DTYPES
 
-PROTOCOL = 6
+PROTOCOL = 7
 MAGIC = 0x48525053  # "HRPS"
 MAGIC_VERSION = (MAGIC << 16) | PROTOCOL
 HEADER_LEN = 8
@@ -48,6 +55,10 @@ FLAG_EXIST_OK = 16  # CREATE request: an existing table with an equal spec is op
 FLAG_COUNTED = 32  # PUSH_MANY request: update counts and statistics follow (counted_words)
 FLAG_WIDE_COUNTS = 64  # with FLAG_COUNTED: counts as int64 words (else one byte each)
 FLAG_STATE = 128  # PULL_MANY request: each row comes back with its optimizer state after it
+
+#: Row types on the wire: the code in a width word's high 32 bits (:func:`width_word`).
+ROW_CODES = {dtype: code for code, dtype in enumerate(ROW_DTYPES)}  # fp32 0, fp16 1, bf16 2
+_WIDTH_MASK = 0xFFFFFFFF
 
 
 class Op(enum.IntEnum):
@@ -215,3 +226,57 @@ def unpack_counts(words: np.ndarray, n: int, wide: bool) -> np.ndarray:
     if wide:
         return words[:n].astype(np.int64)
     return words.view(np.uint8)[:n].astype(np.int64)
+
+
+def width_word(dim: int, dtype: str) -> int:
+    """The width word of a pull or push (a table of contents' ``dim_i``, a single
+    request's header word ``W_DIM``): the row width in the low 32 bits, the row type
+    the values travel in (:data:`ROW_CODES`) above them; for float32 rows, the width."""
+    return dim | (ROW_CODES[dtype] << 32)
+
+
+def split_widths(words: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    """Width words int64 ``[k]`` as ``(dims [k], row types [k])``; ValueError naming the
+    word where its type code is unknown. A negative word is left as it is, a width of
+    fp32 rows, for the caller's check of the width to refuse."""
+    negative = words < 0
+    dims = np.where(negative, words, words & _WIDTH_MASK)
+    codes = np.where(negative, 0, words >> 32)
+    types = []
+    for word, code in zip(words.tolist(), codes.tolist(), strict=True):
+        if not 0 <= code < len(ROW_DTYPES):
+            raise ValueError(
+                f"width word {word:#x} names row type {code}; expected one of "
+                + ", ".join(f"{c} ({t})" for t, c in ROW_CODES.items())
+            )
+        types.append(ROW_DTYPES[code])
+    return dims, types
+
+
+def value_words(count: int, dtype: str) -> int:
+    """Data words that carry ``count`` values of rows of ``dtype``: one per float32
+    value, one per two 16-bit values (an odd count's last word padded)."""
+    return count if dtype == "fp32" else (count + 1) // 2
+
+
+def pack_values(values: torch.Tensor) -> np.ndarray:
+    """``values`` (a host tensor of float32, float16 or bfloat16, any shape) as data words
+    (a float32 array, a view where it can be): float32 values as they are, 16-bit ones
+    two per word in memory order, an odd count ending in a zero half word."""
+    flat = values.contiguous().reshape(-1)
+    if flat.dtype == torch.float32:
+        return flat.numpy()
+    bits = flat.view(torch.int16).numpy()  # numpy has no bfloat16: move the bits
+    if bits.size % 2:
+        bits = np.concatenate([bits, np.zeros(1, dtype=np.int16)])
+    return bits.view(np.float32)
+
+
+def unpack_values(words: np.ndarray, count: int, dtype: str) -> torch.Tensor:
+    """The first ``count`` values of rows of ``dtype`` in data ``words`` (a contiguous
+    float32 array, as :func:`pack_values` wrote them), as float32 ``[count]``: a view of
+    float32 values, a widened copy (exact) of 16-bit ones."""
+    if dtype == "fp32":
+        return torch.from_numpy(words[:count])
+    bits = torch.from_numpy(words.view(np.int16)[:count])
+    return bits.view(TORCH_ROW_DTYPES[dtype]).to(torch.float32)

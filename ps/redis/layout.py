@@ -6,7 +6,8 @@ Key layout (``P`` = the store's ``prefix``, ``T`` = table name, ``b`` = bucket):
     P:table:T           string  JSON {"format", "spec": TableSpec.to_json(), "buckets",
                                 "incarnation"}   (written with SET NX: creation is atomic)
     P:table:T:inc       string  the incarnation token (chosen once, before the meta)
-    {P:T:b}:w           hash    id (int64 LE, 8 bytes) -> row float32[D] LE | clock int64 LE,
+    {P:T:b}:w           hash    id (int64 LE, 8 bytes) -> row float32[D] LE | clock int64 LE
+                                (fp16/bf16 tables: row uint16[D] LE, ps.redis.narrow),
                                 "@inc" -> the incarnation token, "@enc" -> 1 KiB of zeros
     {P:T:b}:s           hash    id -> optimizer state float32[S] LE,    (tables with S > 0)
                                 "@enc" -> 1 KiB of zeros
@@ -26,9 +27,16 @@ The "@enc" fields keep every bucket's hashes Redis hash tables (``ps.redis.lua.W
 a small hash of short values would be a flat list that each id looks up by a scan.
 
 Rows that are not in Redis read as their initial row (``TableSpec.initial_rows``,
-computed by the client), clock 0, initial state, on fixed and dynamic tables alike:
+computed by the client; a narrow table's rounded to the nearest narrow value, as it
+would be stored), clock 0, initial state, on fixed and dynamic tables alike:
 a fixed table costs Redis memory only for the rows that were ever pushed. The
 incarnation token tells such rows from rows that were lost (``docs/ps_protocol.md``).
+
+The meta's ``format`` is the layout version: :data:`META_FORMAT` since rows may be
+narrow. A client refuses a meta of another version, naming both, so a client of an
+earlier layout (which would read a narrow row as float32) refuses every table this
+one writes; this one still opens tables of :data:`FP32_FORMAT`, the same layout with
+fp32 rows only.
 """
 
 from __future__ import annotations
@@ -36,12 +44,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+import numpy as np
+import torch
+
 from ps.local.table import COUNTERS
 from ps.redis.hints import AbsentHints
+from ps.redis.narrow import stored_bytes, widen
 from ps.redis.sequencing import PushNumbers, PushSettle
 from ps.table import TableSpec
 
-META_FORMAT = "hybridrec-redis/2"
+META_FORMAT = "hybridrec-redis/3"
+#: The layout before narrow rows: the same keys and fp32 rows; still opened.
+FP32_FORMAT = "hybridrec-redis/2"
 
 #: This client's counters per table: the in-process store's, and the exactly-once ones.
 CLIENT_COUNTERS = (*COUNTERS, "push_calls", "push_retries")
@@ -101,7 +115,30 @@ class RedisTable:
 
     @property
     def d4(self) -> int:
+        """Bytes of a float32 row: a gradient, an initial row as the client computes it."""
         return 4 * self.spec.dim
+
+    @property
+    def wb(self) -> int:
+        """Bytes of a stored row's weights (2 or 4 per element); its clock follows."""
+        return (2 if self.spec.narrow else 4) * self.spec.dim
+
+    def widen(self, raw: np.ndarray) -> np.ndarray:
+        """Stored weights uint8 ``[N, wb]`` as float32 ``[N, D]`` (exact)."""
+        return widen(raw, self.spec.dtype)
+
+    def stored(self, rows: torch.Tensor) -> np.ndarray:
+        """float32 ``rows`` ``[N, D]`` as stored, uint8 ``[N, wb]`` (narrow: rounded to
+        nearest; rows read from a narrow table come back exactly)."""
+        return stored_bytes(rows, self.spec.dtype)
+
+    def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ``[N, D]`` float32 that ``ids`` ``[N]`` not in Redis read as: their
+        initial rows as stored (narrow: rounded to nearest)."""
+        rows = self.spec.initial_rows(ids)
+        if not self.spec.narrow:
+            return rows
+        return rows.to(self.spec.torch_dtype).to(torch.float32)
 
     @property
     def s4(self) -> int:
@@ -135,12 +172,23 @@ def parse_meta(name: str, text: bytes, where: str) -> tuple[TableSpec, int, byte
     (the key and the Redis address) if it is not a hybridrec table's meta."""
     try:
         meta = json.loads(text)
-        if meta.get("format") != META_FORMAT:
-            raise ValueError(f"format {meta.get('format')!r}, expected {META_FORMAT!r}")
+        fmt = meta.get("format")
+        if fmt not in (META_FORMAT, FP32_FORMAT):
+            raise ValueError(
+                f"layout version {fmt!r}; this client reads {META_FORMAT!r} (and "
+                f"{FP32_FORMAT!r}, fp32 rows only): open it with a hybridrec of that "
+                "layout, or save it there and load the checkpoint here"
+            )
         token = meta["incarnation"]
         if not isinstance(token, str) or not token:
             raise ValueError(f"incarnation {token!r} is not a token")
-        return TableSpec.from_json(meta["spec"]), int(meta["buckets"]), token.encode()
+        spec = TableSpec.from_json(meta["spec"])
+        if fmt == FP32_FORMAT and spec.narrow:
+            raise ValueError(
+                f"layout version {fmt!r} has fp32 rows only, got dtype {spec.dtype!r} "
+                f"(narrow rows are {META_FORMAT!r})"
+            )
+        return spec, int(meta["buckets"]), token.encode()
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(
             f"table {name!r}: the metadata at {where} is not a hybridrec table: {err}"

@@ -46,6 +46,10 @@ update (``struct.pack('f')``); the torch reference rounds every intermediate to
 float32, so results agree to ~1e-7 relative. Gradients that are exact binary
 fractions give bit-identical SGD results.
 
+Narrow tables (fp16/bf16 rows, ``2D + 8`` bytes a value): the push script widens a row,
+runs the same update, rounds each value to float32 and then stochastically to the
+narrow type with random bits hashed inside the script (:mod:`ps.redis.narrow`).
+
 The generated push code is unrolled in chunks of columns with the values held in
 Lua locals (no per-value table traffic): unpacking and packing the float32 values
 is most of the cost of an update, so it is done with as few calls as possible.
@@ -59,6 +63,14 @@ import struct
 from dataclasses import dataclass
 
 from ps.optimizers import FTRL, SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad
+from ps.redis.narrow import (
+    NarrowRows,
+    lua_prelude,
+    lua_read_chunk,
+    lua_row_functions,
+    lua_row_start,
+    lua_write_chunk,
+)
 
 #: Most rows one script call handles (Lua's ``unpack`` is limited to ~8000 values).
 MAX_ROWS_PER_CALL = 1024
@@ -316,25 +328,44 @@ def _names(prefix: str, k: int) -> str:
 
 
 def _chunk(
-    kern: _Kernel, k: int, offset: str, d4: int, piece: str | None, clock: bool
+    kern: _Kernel,
+    k: int,
+    offset: str,
+    d4: int,
+    piece: str | None,
+    clock: bool,
+    narrow: NarrowRows | None = None,
 ) -> list[str]:
-    """Lua statements updating ``k`` columns at byte ``offset`` (a Lua expression).
+    """Lua statements updating ``k`` columns at byte ``offset`` (a Lua expression) of the
+    float32 layout (gradients, state; a narrow row's columns are at half of it).
 
     The packed results go to the locals ``<piece>`` / ``<piece>_<vector>`` (or are
     appended to the tables ``wp`` / ``p_<vector>`` when ``piece`` is None). With
     ``clock``, the row's clock (after the ``k`` weights) is read and written
-    incremented in the same struct calls.
+    incremented in the same struct calls (fp32 rows; a narrow row's clock is read once
+    per row by :func:`ps.redis.narrow.lua_row_start`). The gradient is unpacked first
+    (the single-chunk row code splices its row code after the first two lines).
     """
     fmt = f"'<{'f' * k}'"
-    wfmt = f"'<{'f' * k}i8'" if clock else fmt
-    wvars = _names("w", k) + (", clk" if clock else "")
-    lines = [f"local {wvars} = sunpack({wfmt}, row, {offset} + 1)"]
-    lines.append(f"local {_names('g', k)} = sunpack({fmt}, gb, gofs + {offset} + 1)")
+    wnames = [f"w{j}" for j in range(k)]
+    lines = [f"local {_names('g', k)} = sunpack({fmt}, gb, gofs + {offset} + 1)"]
+    if narrow is None:
+        wfmt = f"'<{'f' * k}i8'" if clock else fmt
+        wvars = _names("w", k) + (", clk" if clock else "")
+        lines.append(f"local {wvars} = sunpack({wfmt}, row, {offset} + 1)")
+    else:
+        assert not clock, "a narrow row's clock is read once per row"
+        lines += lua_read_chunk(narrow, wnames, offset)
     for vi, vec in enumerate(kern.vectors):
         lines.append(f"local {_names(vec, k)} = sunpack({fmt}, st, {vi * d4} + {offset} + 1)")
     for j in range(k):
         lines.extend(kern.col.replace("#", str(j)).split("\n"))
-    wout = _names("w", k) + (", clk + 1" if clock else "")
+    if narrow is None:
+        wfmt = f"'<{'f' * k}i8'" if clock else fmt
+        wout = _names("w", k) + (", clk + 1" if clock else "")
+    else:
+        lines += lua_write_chunk(narrow, wnames)
+        wfmt, wout = f"'<{'H' * k}'", _names("w", k)
     if piece is None:
         lines.append(f"wp[#wp + 1] = spack({wfmt}, {wout})")
         for vec in kern.vectors:
@@ -366,7 +397,9 @@ def _chunks(kern: _Kernel, dim: int) -> tuple[int, int, int]:
 _UNROLL_CHUNKS = 8  # up to this many chunks the column code is unrolled (no loop, no tables)
 
 
-def _update_columns(kern: _Kernel, dim: int, lines: list[str]) -> tuple[str, list[str]]:
+def _update_columns(
+    kern: _Kernel, dim: int, lines: list[str], narrow: NarrowRows | None = None
+) -> tuple[str, list[str]]:
     """Append the column updates to ``lines``; return the Lua expressions of the new row
     value (weights and clock) and of each state vector's new bytes."""
     d4 = 4 * dim
@@ -374,14 +407,16 @@ def _update_columns(kern: _Kernel, dim: int, lines: list[str]) -> tuple[str, lis
     spans = [(k, str(4 * k * c)) for c in range(full)] + (
         [(tail, str(4 * full * k))] if tail else []
     )
+    # fp32 rows pack the clock with their last chunk; narrow rows append it.
+    clock_tail = "" if narrow is None else " .. spack('<i8', clk + 1)"
     if len(spans) == 1 and kern.gsq:
         # One chunk: the gradient is unpacked once; sum its squares, then run the row code.
         names = ["wp0"]
         lines.append("local wp0")
-        body = _chunk(kern, dim, "0", d4, "wp0", True)
+        body = _chunk(kern, dim, "0", d4, "wp0", narrow is None, narrow)
         terms = " + ".join(f"g{j} * g{j}" for j in range(dim))
         lines += ["do", *body[:2], f"gsq = {terms}", *kern.row.split("\n"), *body[2:], "end"]
-        return "wp0", []
+        return "wp0" + clock_tail, []
     if kern.gsq:
         lines += _gsq_columns(kern, dim)
     if kern.row:
@@ -392,19 +427,20 @@ def _update_columns(kern: _Kernel, dim: int, lines: list[str]) -> tuple[str, lis
         for vec in kern.vectors:
             lines.append("local " + ", ".join(f"{n}_{vec}" for n in names))
         for c, (kk, off) in enumerate(spans):
-            last = c == len(spans) - 1
-            lines += ["do", *_chunk(kern, kk, off, d4, names[c], last), "end"]
-        row = " .. ".join(names)
+            last = c == len(spans) - 1 and narrow is None
+            lines += ["do", *_chunk(kern, kk, off, d4, names[c], last, narrow), "end"]
+        row = " .. ".join(names) + clock_tail
         vecs = [" .. ".join(f"{n}_{vec}" for n in names) for vec in kern.vectors]
         return row, vecs
-    lines.append(f"local clk = sunpack('<i8', row, {d4} + 1)")
+    if narrow is None:
+        lines.append(f"local clk = sunpack('<i8', row, {d4} + 1)")
     lines.append("local wp = {}")
     for vec in kern.vectors:
         lines.append(f"local p_{vec} = {{}}")
     lines += [f"for c = 0, {full - 1} do", f"local o = c * {4 * k}"]
-    lines += _chunk(kern, k, "o", d4, None, False) + ["end"]
+    lines += _chunk(kern, k, "o", d4, None, False, narrow) + ["end"]
     if tail:
-        lines += ["do", *_chunk(kern, tail, str(4 * full * k), d4, None, False), "end"]
+        lines += ["do", *_chunk(kern, tail, str(4 * full * k), d4, None, False, narrow), "end"]
     row = "tconcat(wp) .. spack('<i8', clk + 1)"
     return row, [f"tconcat(p_{vec})" for vec in kern.vectors]
 
@@ -421,19 +457,22 @@ def _gsq_columns(kern: _Kernel, dim: int) -> list[str]:
     return lines
 
 
-def push_script(opt: Optimizer, dim: int, kern: _Kernel | None = None) -> str:
+def push_script(
+    opt: Optimizer, dim: int, kern: _Kernel | None = None, narrow: NarrowRows | None = None
+) -> str:
     """The push script of a table with optimizer ``opt`` and row width ``dim`` (``kern``:
-    its update, by default the optimizer's plain one).
+    its update, by default the optimizer's plain one; ``narrow``: the table's fp16/bf16
+    rows, None for fp32 rows).
 
     ``KEYS[1]`` rows hash, ``KEYS[2]`` state hash, ``KEYS[3]`` touch zset,
     ``KEYS[4]`` sequence hash. ``ARGV[1]`` unique ids (int64 LE x n), ``ARGV[2]``
-    their summed gradients (float32 LE, n x dim), ``ARGV[3]`` initial rows (float32
-    LE, dim each) for the 1-based positions in ``ARGV[4]`` (int32 LE each),
-    ``ARGV[5]`` the touch step ("" on tables without eviction), ``ARGV[6]`` the
-    incarnation token, ``ARGV[7]`` the worker id ("": no exactly-once check),
-    ``ARGV[8]`` its session, ``ARGV[9]`` the call's sequence number, ``ARGV[10]``
-    the caller's watermark, ``ARGV[11]`` the number of the call this one completes
-    ("" if none) (see the module docstring).
+    their summed gradients (float32 LE, n x dim), ``ARGV[3]`` initial rows (as stored:
+    float32 LE, or the narrow type's bits, dim each) for the 1-based positions in
+    ``ARGV[4]`` (int32 LE each), ``ARGV[5]`` the touch step ("" on tables without
+    eviction), ``ARGV[6]`` the incarnation token, ``ARGV[7]`` the worker id ("": no
+    exactly-once check), ``ARGV[8]`` its session, ``ARGV[9]`` the call's sequence
+    number, ``ARGV[10]`` the caller's watermark, ``ARGV[11]`` the number of the call
+    this one completes ("" if none) (see the module docstring).
 
     The answer is ``{status, rows created, skipped}``; ``skipped`` holds the 1-based
     positions (int32 LE each) of rows that do not exist and have no initial row
@@ -445,6 +484,7 @@ def push_script(opt: Optimizer, dim: int, kern: _Kernel | None = None) -> str:
     """
     kern = kern or _kernel(opt, dim)
     d4 = 4 * dim
+    wb = d4 if narrow is None else 2 * dim  # bytes of a stored row's weights
     state_dim = opt.state_dim(dim)
     assert state_dim == len(kern.vectors) * dim + len(kern.scalars)
     state0 = struct.pack(f"<{state_dim}f", *opt.initial_state(dim).tolist())
@@ -471,7 +511,7 @@ def push_script(opt: Optimizer, dim: int, kern: _Kernel | None = None) -> str:
         "  if not rows[i] then",
         "    local k = init[i]",
         "    if k then",
-        f"      rows[i] = ssub(ib, (k - 1) * {d4} + 1, k * {d4}) .. CLOCK0",
+        f"      rows[i] = ssub(ib, (k - 1) * {wb} + 1, k * {wb}) .. CLOCK0",
     ]
     if has_state:
         lines.append("      sts[i] = false")
@@ -482,10 +522,12 @@ def push_script(opt: Optimizer, dim: int, kern: _Kernel | None = None) -> str:
         "end",
         "miss = tconcat(miss)",
         "local wout, sout, z, nw = {}, {}, {}, 0",
-        "local t1, t2, t3, a, gsq",
+        "local t1, t2, t3, a, gsq" + ("" if narrow is None else ", t4"),
     ]
     if has_state:
         lines.append(f"local STATE0 = {_lua_bytes(state0)}")
+    if narrow is not None:
+        lines += lua_prelude(narrow)
     lines += [
         "for i = 1, n do",
         "local row = rows[i]",
@@ -495,10 +537,12 @@ def push_script(opt: Optimizer, dim: int, kern: _Kernel | None = None) -> str:
     ]
     if has_state:
         lines.append("local st = sts[i] or STATE0")
+    if narrow is not None:
+        lines += lua_row_start(narrow, dim)
     base = len(kern.vectors) * d4
     for si, sc in enumerate(kern.scalars):
         lines.append(f"local {sc} = sunpack('<f', st, {base + 4 * si} + 1)")
-    row_expr, vec_exprs = _update_columns(kern, dim, lines)
+    row_expr, vec_exprs = _update_columns(kern, dim, lines, narrow)
     lines += ["wout[2 * nw - 1] = f[i]", f"wout[2 * nw] = {row_expr}"]
     if has_state:
         parts = list(vec_exprs)
@@ -517,7 +561,8 @@ def push_script(opt: Optimizer, dim: int, kern: _Kernel | None = None) -> str:
         f"return {{{PUSH_APPLIED}, created, miss}}",
     ]
     src = "\n".join(lines).replace("CLOCK0", _lua_bytes(bytes(8)))
-    header = f"-- hybridrec push: {opt.to_json()} dim={dim}\n"
+    rows = "" if narrow is None else f" dtype={narrow.dtype}"
+    header = f"-- hybridrec push: {opt.to_json()} dim={dim}{rows}\n"
     return header + src
 
 
@@ -669,28 +714,33 @@ def _state_names(opt: Optimizer) -> tuple[tuple[str, ...], tuple[str, ...]]:
     raise NotImplementedError(type(opt).__name__)
 
 
-def counted_push_script(opt: Optimizer, dim: int) -> str:
+def counted_push_script(opt: Optimizer, dim: int, narrow: NarrowRows | None = None) -> str:
     """The push script of a counted push: :func:`push_script`'s, with ``ARGV[12]`` every
     row's update count (int32 LE each) and ``ARGV[13]`` its statistic (float32 LE,
     ``Q = opt.stat_dim(dim)`` each). A row of one update takes the plain update, bit for
     bit; a row of ``k`` takes ``k`` sub-steps of its mean gradient with its mean
     statistic in place of the gradient's square (:meth:`ps.Optimizer.apply_counted`),
-    written with plain Lua tables (a counted row is a hot row: few per call)."""
-    plain = push_script(opt, dim)
+    written with plain Lua tables (a counted row is a hot row: few per call). A narrow row
+    (``narrow``) takes its sub-steps on its widened values and is rounded to the narrow
+    type once, after them (as one update)."""
+    plain = push_script(opt, dim, narrow=narrow)
     if opt.sums_exactly():
         return plain  # the step of the sum is the k steps; the client sends it plain
     if isinstance(opt, RowWiseAdagrad):
-        src = push_script(opt, dim, _counted_rowwise_adagrad(opt, dim))
+        src = push_script(opt, dim, _counted_rowwise_adagrad(opt, dim), narrow)
         return src.replace("-- hybridrec push:", "-- hybridrec counted push:")
     q = opt.stat_dim(dim)
     vectors, scalars = _state_names(opt)
     d4 = 4 * dim
     fmt = f"'<{'f' * dim}'"
-    sub = [
+    wb = d4 if narrow is None else 2 * dim  # bytes of a stored row's weights
+    read = f"{{sunpack({fmt}, row, 1)}}" if narrow is None else "dec_row(row)"
+    sub = [] if narrow is None else lua_row_functions(narrow, dim)
+    sub += [
         "local function r32(x) return (sunpack('<f', spack('<f', x))) end",
         "local function counted_row(row, st, gofs, kc, i)",
-        f"  local W = {{sunpack({fmt}, row, 1)}}",
-        f"  local clk = sunpack('<i8', row, {d4} + 1)",
+        f"  local W = {read}",
+        f"  local clk = sunpack('<i8', row, {wb} + 1)",
         f"  local G = {{sunpack({fmt}, gb, gofs + 1)}}",
         f"  local Q = {{sunpack('<{'f' * max(q, 1)}', ARGV[13], (i - 1) * {4 * q} + 1)}}"
         if q
@@ -704,8 +754,11 @@ def counted_push_script(opt: Optimizer, dim: int) -> str:
     for si, sc in enumerate(scalars):
         sub.append(f"  local {sc} = sunpack('<f', st, {base + 4 * si} + 1)")
     sub += ["  for _ = 1, kc do", *("    " + x for x in _substep(opt, dim)), "  end"]
-    sub.append(f"  W[{dim + 1}] = clk + 1")
-    sub.append(f"  local nr = spack('<{'f' * dim}i8', unpack(W, 1, {dim + 1}))")
+    if narrow is None:
+        sub.append(f"  W[{dim + 1}] = clk + 1")
+        sub.append(f"  local nr = spack('<{'f' * dim}i8', unpack(W, 1, {dim + 1}))")
+    else:
+        sub.append("  local nr = enc_row(W, rowkey(f[i], clk + 1)) .. spack('<i8', clk + 1)")
     parts = [f"spack({fmt}, unpack({vec}, 1, {dim}))" for vec in vectors]
     if scalars:
         parts.append(f"spack('<{'f' * len(scalars)}', {', '.join(scalars)})")

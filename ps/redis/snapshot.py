@@ -6,6 +6,10 @@ chunks by a script (HSCAN cursor, rows and state together, the bucket's incarnat
 marker checked); a save during concurrent pushes is consistent per row, not across
 the table. Load empties the table's buckets and writes the checkpoint's rows with
 HSET (and ZADD for tables with eviction).
+
+A narrow (fp16/bf16) table's parts hold its rows widened to float32 (exact; the spec
+in the manifest records the dtype), and loading rounds float32 rows to the nearest
+narrow value (exact for rows saved from a table of that dtype).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ def bucket_rows(
     """The rows of bucket ``b`` in chunks, each chunk read atomically (``sha``: the
     SNAPSHOT script); ``gone(b)`` is raised when the bucket's marker is not the table's."""
     cursor = b"0"
-    s, d4 = t.spec.state_dim, t.d4
+    s, wb = t.spec.state_dim, t.wb
     has_state = b"1" if s else b"0"
     seen: set[int] = set()
     while True:
@@ -48,15 +52,15 @@ def bucket_rows(
             raise gone(b)
         ids = np.frombuffer(ids_b, dtype="<i8").astype(np.int64)
         if ids.size:
-            vals = np.frombuffer(vals_b, dtype=np.uint8).reshape(-1, d4 + 8)
+            vals = np.frombuffer(vals_b, dtype=np.uint8).reshape(-1, wb + 8)
             state = np.frombuffer(st_b, dtype="<f4").reshape(ids.size, s)
             keep = np.fromiter((int(i) not in seen for i in ids), dtype=bool, count=ids.size)
             seen.update(ids.tolist())  # HSCAN may return an entry twice
             yield TablePart(
                 ids=torch.from_numpy(ids[keep].copy()),
-                weights=torch.from_numpy(vals[keep, :d4].copy().view("<f4")),
+                weights=torch.from_numpy(t.widen(vals[keep, :wb].copy())),
                 state=torch.from_numpy(state[keep].astype(np.float32)),
-                clocks=torch.from_numpy(vals[keep, d4:].copy().view("<i8").reshape(-1)),
+                clocks=torch.from_numpy(vals[keep, wb:].copy().view("<i8").reshape(-1)),
             )
         if cursor in (b"0", 0, "0"):
             return
@@ -93,7 +97,7 @@ def write_rows(
     if n == 0:
         return
     ids = part.ids[order].numpy().astype("<i8").view(np.uint8).reshape(n, 8)
-    w = part.weights[order].numpy().astype("<f4").view(np.uint8).reshape(n, t.d4)
+    w = t.stored(part.weights[order])  # [n, wb] (narrow tables: rounded to nearest)
     c = part.clocks[order].numpy().astype("<i8").view(np.uint8).reshape(n, 8)
     w_rows = bulk_rows([ids, np.concatenate([w, c], axis=1)])
     s_rows = None

@@ -13,7 +13,8 @@ does, loses every update that races another)::
 Where the rows live: :mod:`ps.redis.layout` (keys, buckets, metadata). The
 exactly-once protocol, retries and the incarnation tokens that detect lost data are
 described in ``docs/ps_protocol.md``; eviction in :mod:`ps.redis.eviction`, save and
-load in :mod:`ps.redis.snapshot`, the scripts in :mod:`ps.redis.lua`.
+load in :mod:`ps.redis.snapshot`, the scripts in :mod:`ps.redis.lua`, the fp16/bf16 rows
+of narrow tables (and their stochastic rounding inside Redis) in :mod:`ps.redis.narrow`.
 
 Requests (one command per touched bucket, each node's commands written in one go):
 
@@ -53,7 +54,8 @@ the connection, which fails the other requests in flight on it.
 
 Counters in :meth:`RedisStore.stats` (``pull_requests`` ...) are this client's;
 ``rows`` and ``bytes`` are read from Redis. ``bytes`` counts the payload held (rows
-stored x (4 (D + S) + 8)), so a fixed table's untouched rows count nothing there.
+stored x ``TableSpec.row_bytes``: 4 bytes a weight, 2 on an fp16/bf16 table, 4 a state
+value, 8 the clock), so a fixed table's untouched rows count nothing there.
 ``push_calls`` / ``push_retries`` are this client's, ``push_calls_applied`` /
 ``push_calls_repeated`` are counted inside Redis (all clients).
 
@@ -117,6 +119,7 @@ from ps.redis.lua import (
     counted_push_script,
     push_script,
 )
+from ps.redis.narrow import NarrowRows
 from ps.redis.sequencing import PushNumbers, PushSettle
 from ps.redis.snapshot import table_parts, write_rows
 from ps.routing import shard_of
@@ -344,8 +347,9 @@ class RedisStore(Store):
 
     def _make_table(self, spec: TableSpec, buckets: int, token: bytes) -> RedisTable:
         keys = bucket_keys(self._prefix, spec.name, buckets)
-        src = push_script(spec.optimizer, spec.dim)
-        counted = counted_push_script(spec.optimizer, spec.dim)
+        narrow = NarrowRows.of(spec)
+        src = push_script(spec.optimizer, spec.dim, narrow=narrow)
+        counted = counted_push_script(spec.optimizer, spec.dim, narrow)
         s = spec.state_dim
         state0 = spec.initial_state().numpy().astype("<f4").tobytes() if s else b""
         return RedisTable(
@@ -686,7 +690,7 @@ class RedisStore(Store):
                     id_bytes[8 * lo : 8 * hi],
                     c_bytes[8 * lo : 8 * hi],
                     bound,
-                    t.d4,
+                    t.wb,
                     step,
                     t.token,
                 ]
@@ -809,7 +813,7 @@ class RedisStore(Store):
         ``replies`` hold the values of ``sorted_ids`` (None where Redis has no row);
         ``order`` maps them back: value ``k`` belongs to request position ``order[k]``.
         """
-        d4, n = t.d4, int(sorted_ids.shape[0])
+        wb, n = t.wb, int(sorted_ids.shape[0])
         rows = np.empty((n, t.spec.dim), dtype=np.float32)
         clocks = np.zeros(n, dtype=np.int64)
         missing = np.empty(0, dtype=np.int64)
@@ -822,11 +826,11 @@ class RedisStore(Store):
             blob = b"".join(v for v in flat if v is not None)
             miss = order[~present]
             missing = sorted_ids[~present].astype(np.int64)
-            rows[miss] = t.spec.initial_rows(torch.from_numpy(missing)).numpy()
+            rows[miss] = t.initial_rows(torch.from_numpy(missing)).numpy()
             dest = order[present]
-        got = np.frombuffer(blob, dtype=np.uint8).reshape(-1, d4 + 8)  # [P, 4D+8]
-        rows[dest] = got[:, :d4].view("<f4")  # one copy, straight into request order
-        clocks[dest] = got[:, d4:].view("<i8")[:, 0]
+        got = np.frombuffer(blob, dtype=np.uint8).reshape(-1, wb + 8)  # [P, wb + 8]
+        rows[dest] = t.widen(got[:, :wb])  # one copy, straight into request order
+        clocks[dest] = got[:, wb:].view("<i8")[:, 0]
         return torch.from_numpy(rows), torch.from_numpy(clocks), missing
 
     def _decode_bounded(
@@ -841,7 +845,7 @@ class RedisStore(Store):
     ) -> tuple[PullResult, np.ndarray]:
         """The conditional pull's result, and the ids missing from Redis (int64 ``[M]``)."""
         assert bound is not None
-        d4 = t.d4
+        wb = t.wb
         pos_parts, miss_parts, blobs = [], [], []
         for (_b, lo, _hi), (vals, pos, miss, _ok) in zip(calls, replies, strict=True):
             if pos:
@@ -851,7 +855,7 @@ class RedisStore(Store):
                 miss_parts.append(np.frombuffer(miss, dtype="<i4").astype(np.int64) + (lo - 1))
         order_np = order.numpy()
         got_pos = order_np[np.concatenate(pos_parts)] if pos_parts else np.empty(0, np.int64)
-        got = np.frombuffer(b"".join(blobs), dtype=np.uint8).reshape(-1, d4 + 8)
+        got = np.frombuffer(b"".join(blobs), dtype=np.uint8).reshape(-1, wb + 8)
         # Missing rows have store clock 0: stale iff 0 > caller clock + bound.
         miss_pos = order_np[np.concatenate(miss_parts)] if miss_parts else np.empty(0, np.int64)
         missing = ids.numpy()[miss_pos]
@@ -863,10 +867,10 @@ class RedisStore(Store):
         rows = torch.empty(m, t.spec.dim, dtype=torch.float32)
         clocks = torch.zeros(m, dtype=torch.int64)
         k = got_pos.size
-        rows[:k] = torch.from_numpy(got[:, :d4].copy().view("<f4"))
-        clocks[:k] = torch.from_numpy(got[:, d4:].copy().view("<i8").reshape(-1))
+        rows[:k] = torch.from_numpy(t.widen(got[:, :wb].copy()))
+        clocks[:k] = torch.from_numpy(got[:, wb:].copy().view("<i8").reshape(-1))
         if miss_pos.size:
-            rows[k:] = t.spec.initial_rows(ids[torch.from_numpy(miss_pos)])
+            rows[k:] = t.initial_rows(ids[torch.from_numpy(miss_pos)])
         sel = torch.from_numpy(rank)
         result = PullResult(rows[sel], clocks[sel], torch.from_numpy(positions[rank]))
         return result, missing
@@ -973,7 +977,7 @@ class RedisStore(Store):
         sorted_ids = p.uniq[order].numpy().astype("<i8")  # [U]
         g_bytes = p.summed[order].numpy().astype("<f4").tobytes()
         id_bytes = sorted_ids.tobytes()
-        d4 = t.d4
+        d4, wb = t.d4, t.wb  # a gradient's bytes, a stored row's weights' bytes
         k_bytes = s_bytes = b""  # counted: int32 [U] counts, float32 [U, Q] statistics
         q4 = 4 * t.spec.optimizer.stat_dim(t.spec.dim)
         if p.counted is not None:
@@ -983,10 +987,10 @@ class RedisStore(Store):
             seqs = t.next_numbers([b for b, _lo, _hi in calls])  # [calls] (number, watermark)
             t.push_epoch += 1
             hinted = t.absent.take(sorted_ids)  # positions in sorted_ids [H]
-        init_rows = b""  # float32 [H, D] of the hinted ids
+        init_rows = b""  # [H, wb] the hinted ids' initial rows, as stored
         if hinted.size:
             first_ids = torch.from_numpy(sorted_ids[hinted].astype(np.int64))
-            init_rows = t.spec.initial_rows(first_ids).numpy().astype("<f4").tobytes()
+            init_rows = t.stored(t.spec.initial_rows(first_ids)).tobytes()
 
         def command(
             k: int, rows: np.ndarray | None, numbers: tuple[int, int], done: int
@@ -998,7 +1002,7 @@ class RedisStore(Store):
                 ids_b, g_b = id_bytes[8 * lo : 8 * hi], g_bytes[d4 * lo : d4 * hi]
                 k_b, s_b = k_bytes[4 * lo : 4 * hi], s_bytes[q4 * lo : q4 * hi]
                 a, z = np.searchsorted(hinted, [lo, hi]).tolist()
-                init = init_rows[d4 * a : d4 * z]
+                init = init_rows[wb * a : wb * z]
                 init_pos = (hinted[a:z] - (lo - 1)).astype("<i4").tobytes()
             else:
                 at = lo + rows
@@ -1007,7 +1011,7 @@ class RedisStore(Store):
                 k_b = b"".join(k_bytes[4 * j : 4 * (j + 1)] for j in at.tolist())
                 s_b = b"".join(s_bytes[q4 * j : q4 * (j + 1)] for j in at.tolist())
                 first = torch.from_numpy(sorted_ids[at].astype(np.int64))
-                init = t.spec.initial_rows(first).numpy().astype("<f4").tobytes()
+                init = t.stored(t.spec.initial_rows(first)).tobytes()
                 init_pos = np.arange(1, rows.size + 1, dtype="<i4").tobytes()
             keys = [t.w_keys[b], t.s_keys[b], t.t_keys[b], t.q_keys[b]]
             args: list[bytes | str | int] = [
@@ -1178,7 +1182,7 @@ class RedisStore(Store):
             stored = sum(max(0, int(n) - 1 - int(w)) for n, w in zip(lengths, wide, strict=True))
             applied = sum(int(r[0] or 0) for r in got[2 * b :])
             repeated = sum(int(r[1] or 0) for r in got[2 * b :])
-            row_bytes = 4 * (t.spec.dim + t.spec.state_dim) + 8
+            row_bytes = t.spec.row_bytes
             rows = t.spec.num_rows if t.spec.num_rows is not None else stored
             entry: dict[str, int | float] = {
                 "rows": rows,

@@ -1,7 +1,8 @@
 """Where a job's memory goes (``hybridrec/launch/memory_plan.py``) and the cache's placement and
 sizing options (``--cache-on``, ``--cache-memory``).
 
-The plan's numbers are checked against arithmetic written out here (float32 weights and
+The plan's numbers are checked against arithmetic written out here (float32 weights, 2-byte
+ones for fp16 and bf16 rows, and
 optimizer state plus an int64 clock per row; a device cache's rows, pending sums and the
 optimizer state its copies step with, ``2 x D + S`` float32 per cached row), on a DLRM
 job with local, hybrid + cache and sharded tables. The CUDA variants (``gpu``) put the
@@ -109,14 +110,58 @@ def test_plan_of_every_placement_against_arithmetic() -> None:
     assert plan.device_bytes == sum(parts[k].bytes for k in on_device)
     assert plan.host_bytes == parts["cache_host"].bytes  # the store is on the servers
     js = plan.to_json()
+    sharded_rows = 800 + 1_500_000  # rank 1's rows: "big" and half of "rows"
     assert js["parts"]["sharded_tables"] == {
-        "bytes": parts["sharded_tables"].bytes, "where": "cpu", "place": "device"
+        "bytes": parts["sharded_tables"].bytes, "where": "cpu", "place": "device",
+        "weights_bytes": 4 * (800 * 8 + 1_500_000 * 2), "state_bytes": 4 * sharded_rows,
+        "clock_bytes": 8 * sharded_rows, "dtypes": ["fp32"],
     }  # fmt: skip
     assert all(type(p["bytes"]) is int for p in js["parts"].values())
     text = plan.describe()
     assert "2 PS server ranks" in text and "dyn grows with use" in text
     assert "rank 1's shards of 2" in text
     plan.check()  # a CPU worker: nothing to check against
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_narrow_rows_halve_the_weights_and_keep_the_state(dtype: str) -> None:
+    """The same tables in fp32 and in ``dtype``, in every placement: the weights take 2
+    bytes per element instead of 4, the optimizer state (row-wise Adagrad 1, Adam
+    2 D + 1 floats per row) and the clocks stay as they were; each part says so."""
+    rowwise, adam = RowWiseAdagrad(lr=0.1), Adam(lr=0.1)
+
+    def tables(dt: str) -> list[TableConfig]:
+        return [
+            TableConfig(name="h", num_rows=1000, dim=16, feature_names=["h"],
+                        placement="hybrid", optimizer=rowwise, dtype=dt),
+            TableConfig(name="loc", num_rows=500, dim=4, feature_names=["loc"],
+                        placement="local", optimizer=adam, dtype=dt),
+            TableConfig(name="sh", num_rows=800, dim=8, feature_names=["sh"],
+                        placement="sharded", optimizer=rowwise, dtype=dt),
+        ]  # fmt: skip
+
+    def plan(dt: str) -> MemoryPlan:
+        return plan_memory(
+            tables(dt), device=CPU, store_where="host (in-process store)", store_remote=False,
+            cache=None, cache_on_device=False, rank=0, world_size=1, dense=0,
+        )  # fmt: skip
+
+    wide, narrow = plan("fp32").to_json()["parts"], plan(dtype).to_json()["parts"]
+    # rows, D, state floats per row of each placement's one table
+    shapes = {"hybrid_tables": (1000, 16, 1), "local_tables": (500, 4, 2 * 4 + 1),
+              "sharded_tables": (800, 8, 1)}  # fmt: skip
+    for key, (rows, dim, state) in shapes.items():
+        assert wide[key]["weights_bytes"] == rows * dim * 4
+        assert narrow[key]["weights_bytes"] == rows * dim * 2  # half
+        for part in (wide[key], narrow[key]):
+            assert part["state_bytes"] == rows * state * 4  # float32 whatever the rows
+            assert part["clock_bytes"] == rows * 8
+            assert part["bytes"] == part["weights_bytes"] + part["state_bytes"] + rows * 8
+        assert narrow[key]["bytes"] == rows * (2 * dim + 4 * state + 8)  # TableSpec.row_bytes
+        assert (wide[key]["dtypes"], narrow[key]["dtypes"]) == (["fp32"], [dtype])
+    text = plan(dtype).describe()
+    assert f"(weights 32.0 kB {dtype}, optimizer state 4.0 kB fp32, clocks 8.0 kB)" in text, text
+    assert f"weights 4.0 kB {dtype}, optimizer state 18.0 kB fp32" in text, text  # Adam's
 
 
 def test_store_locations_and_units() -> None:

@@ -4,6 +4,7 @@ the CLI end to end and its errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from hybridrec.plan.__main__ import main
 from hybridrec.plan.costs import Costs, StoreCosts, load_costs, save_costs
 from hybridrec.plan.idlaw import FileSampler, TrafficModel, ZipfSampler, simulate_table
 from hybridrec.plan.model import predict
-from hybridrec.plan.options import parse_table
+from hybridrec.plan.options import PlanOptions, parse_table, plan_of
 from hybridrec.plan.spec import (
     CachePlan,
     ClusterPlan,
@@ -369,6 +370,16 @@ def test_bad_inputs_name_the_field_and_value() -> None:
         name="items", rows=100, dim=8, features=2, pooling=1.5, placement="sharded",
         optimizer="sgd",
     )  # fmt: skip
+    assert parse_table("items:100:8:1:1:hybrid:adam:bf16").dtype == "bf16"
+    assert parse_table("items:100:8", default_dtype="fp16").dtype == "fp16"
+    with pytest.raises(ValueError, match=r"TablePlan\('items'\).dtype must be one of"):
+        parse_table("items:100:8:1:1:hybrid:adam:fp8")
+    with pytest.raises(ValueError, match=r"TablePlan\('t'\).optimizer must be one of"):
+        TablePlan(name="t", rows=10, dim=8, optimizer="lamb")
+    with pytest.raises(ValueError, match="with dlrm the job's own --emb-dtype"):
+        PlanOptions(dlrm="--data synthetic", emb_dtype="bf16")
+    explicit = plan_of(PlanOptions(tables=2, emb_dtype="fp16"))
+    assert [t.dtype for t in explicit.model.tables] == ["fp16", "fp16"]
 
 
 # ---------------------------------------------------------------- from the job, the CLI
@@ -393,6 +404,16 @@ def test_plan_from_the_dlrm_job_options() -> None:
     assert plan.model.dense_params == sum(p.numel() for p in dense.parameters())
     with pytest.raises(ValueError, match="must split evenly over 5 workers"):
         plan_from_dlrm(cfg, workers=5)
+    assert {t.dtype for t in plan.model.tables} == {"fp32"}
+    narrow = plan_from_dlrm(
+        parse_args(["--data", "synthetic", "--emb-dtype", "bf16", "--emb-dtype-of", "cat3=fp16"]),
+        workers=1,
+    )
+    assert {t.name: t.dtype for t in narrow.model.tables if t.dtype != "bf16"} == {"cat3": "fp16"}
+    with pytest.raises(ValueError, match="emb_dtype_of user=fp16: no table 'user'"):
+        plan_from_dlrm(
+            parse_args(["--data", "synthetic", "--emb-dtype-of", "user=fp16"]), workers=1
+        )
     gpu_sized = parse_args(
         ["--data", "synthetic", "--batch-size", "768", "--cache-memory", "0.2", "--ps", "mpi:2"]
     )
@@ -508,6 +529,57 @@ def test_mpi_batches_are_charged_the_servers_measured_cost() -> None:
     assert got == pytest.approx(queue(fast, fast), rel=F64)
     per_table = predict(plan.with_(protocol="per-table"), costs, tr)
     assert per_table.parts["server_queueing"] == pytest.approx(queue(slow, slow), rel=F64)
+    # a batch with a narrow table's part is served in Python, part by part, whole
+    narrow = plan.with_(model=_with_dtypes(plan.model, {"t1": "bf16"}))
+    got = predict(narrow, costs, tr).parts["server_queueing"]
+    assert got == pytest.approx(queue(slow, slow), rel=F64)
+
+
+def _with_dtypes(model: ModelPlan, dtypes: dict[str, str]) -> ModelPlan:
+    tables = [dataclasses.replace(t, dtype=dtypes.get(t.name, t.dtype)) for t in model.tables]
+    return dataclasses.replace(model, tables=tables)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad", "adam", "ftrl"])
+def test_row_bytes_of_each_type_and_optimizer(optimizer: str) -> None:
+    """Weights of 4 or 2 bytes per element, the optimizer's float32 state columns (SGD
+    0, row-wise Adagrad 1, Adagrad D, Adam 2 D + 1, FTRL 2 D) and an int64 clock."""
+    state = {"sgd": 0, "rowwise_adagrad": 1, "adagrad": 64, "adam": 129, "ftrl": 128}
+    for dtype, size in (("fp32", 4), ("fp16", 2), ("bf16", 2)):
+        t = TablePlan(name="t", rows=10, dim=64, optimizer=optimizer, dtype=dtype)
+        assert t.row_bytes == 64 * size + 4 * state[optimizer] + 8, (dtype, t.row_bytes)
+    with pytest.raises(ValueError, match=r"TablePlan\('t'\).dtype must be one of \('fp32', "
+                       r"'fp16', 'bf16'\), got 'int8'"):  # fmt: skip
+        TablePlan(name="t", rows=10, dim=8, dtype="int8")
+
+
+def test_narrow_rows_halve_the_store_wire_bytes(costs_file: Path) -> None:
+    """On a 1 Mb/s link (every link time far above the service), a phase is its wire
+    cost plus twice its bytes' link time (the worker's and the one server's link) and
+    the round trip's latency (0 here). A row or a gradient is ``E x 16 + 8`` bytes: the
+    fp16 plan's phases differ from the fp32 plan's by those bytes and by the wire's
+    per-row cost scaled to half a row (``Costs.row_scale(8)`` = 0.75 of a 16-wide row's)."""
+    costs = load_costs(costs_file)
+    slow = NetworkPlan(bandwidth_gbps=1e-3)
+    wide = small_plan(2).with_(network=slow)
+    narrow = wide.with_(model=_with_dtypes(wide.model, {f"t{i}": "fp16" for i in range(3)}))
+    tr = TrafficModel().traffic(wide)
+    p32, p16 = predict(wide, costs, tr), predict(narrow, costs, tr)
+    per_byte = 8 / 1e6
+    wire = costs.mpi_wire
+    assert wire is not None
+    rows = sum(t.pulled for t in tr.values())  # no cache: pulled = returned = pushed
+    assert rows == sum(t.pushed for t in tr.values())
+    saved = 2 * per_byte * rows * (64 + 8 - (32 + 8))  # both links
+    # Differences of two phases of a few float64 terms each: their roundings, relative to
+    # the phases (which the link times dominate, about 2.3x the difference), stay far below
+    # 1e-9 of the difference; a wrong byte count is off by over 10 %.
+    assert p32.parts["pull"] - p16.parts["pull"] == pytest.approx(
+        saved + 0.25 * wire.pull.beta_s * rows, rel=1e-9
+    )
+    assert p32.parts["push"] - p16.parts["push"] == pytest.approx(
+        saved + 0.25 * wire.push.beta_s * rows, rel=1e-9
+    )
 
 
 def load_costs_dict() -> Costs:

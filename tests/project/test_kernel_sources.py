@@ -29,6 +29,7 @@ def test_every_c_source_follows_the_convention_and_is_package_data() -> None:
         "cache/kernels/sorted_ids.c",
         "dense/kernels/interaction.c",
         "ps/kernels/message_pass.c",
+        "ps/kernels/narrow_rows.c",
         "ps/kernels/rowwise_adagrad.c",
     }
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]

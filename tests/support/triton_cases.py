@@ -1014,13 +1014,16 @@ UPDATE_SIG = {
     "stride_g": "i32",
     "n": "i32",
     "D": "i32",
+    "keys_ptr": "*i64",
+    "row_ids_ptr": "*i64",
 }
 
 
 def _update_variant(opt: int, **kw: object) -> tuple[str, dict[str, str], dict[str, object]]:
     cx: dict[str, object] = {
         "OPT": opt, "FROM_RUNS": True, "HAS_SCALE": True, "HAS_CLOCKS": True,
-        "NUM_D_BLOCKS": 1, "ROWS": 16, "BLOCK_N": 32, "BLOCK_D": 64,
+        "NUM_D_BLOCKS": 1, "ROWS": 16, "BLOCK_N": 32, "BLOCK_D": 64, "ROUND": 0,
+        "HAS_ROW_IDS": False,
     }  # fmt: skip
     return ("update", {}, cx | kw)
 
@@ -1069,6 +1072,29 @@ COMPILE_VARIANTS: dict[str, tuple[str, dict[str, str], dict[str, object]]] = {
     "update_adam": _update_variant(4),
     "update_ftrl": _update_variant(5),
     "update_adam_wide_two_blocks": _update_variant(4, NUM_D_BLOCKS=2, BLOCK_N=16, BLOCK_D=128),
+    # fp16 / bf16 rows: stochastic rounding (ROUND 1 fp16, 2 bf16) on the uint64 hash.
+    "update_rowwise_adagrad_fp16": (
+        "update",
+        {"weight_ptr": "*fp16"},
+        _update_variant(2, ROUND=1)[2],
+    ),
+    "update_ftrl_bf16_row_ids": (
+        "update",
+        {"weight_ptr": "*bf16"},
+        _update_variant(5, ROUND=2, HAS_ROW_IDS=True)[2],
+    ),  # fmt: skip
+    "pool_fp16_to_fp32": (
+        "pool",
+        {"weight_ptr": "*fp16"},
+        {
+            "HAS_WEIGHTS": True,
+            "MEAN": False,
+            "WIDE_INDEX": False,
+            "BAGS": 32,
+            "BLOCK_N": 1,
+            "BLOCK_D": 64,
+        },
+    ),  # fmt: skip
     "update_rowwise_rows_two_blocks": _update_variant(
         2,
         FROM_RUNS=False,
