@@ -64,8 +64,14 @@ def memory(rows: int) -> dict[str, Any]:
         store = ps.InProcessStore()
         for t in range(TABLES):
             store.create_table(
-                ps.TableSpec(name=f"t{t}", num_rows=rows, dim=DIM, init=_zero_init(),
-                             optimizer=ps.RowWiseAdagrad(lr=0.01), dtype=dtype)  # fmt: skip
+                ps.TableSpec(
+                    name=f"t{t}",
+                    num_rows=rows,
+                    dim=DIM,
+                    init=_zero_init(),
+                    optimizer=ps.RowWiseAdagrad(lr=0.01),
+                    dtype=dtype,
+                )  # fmt: skip
             )
         stats = store.stats()
         weights = sum(int(stats[f"t{t}"]["weight_bytes"]) for t in range(TABLES))
@@ -73,8 +79,14 @@ def memory(rows: int) -> dict[str, Any]:
         out[f"inprocess_{dtype}"] = {"weight_bytes": weights, "other_bytes": total - weights}
         del store
         configs = [
-            embedding.TableConfig(name=f"t{t}", num_rows=rows, dim=DIM, feature_names=[f"f{t}"],
-                                  init=_zero_init(), dtype=dtype)  # fmt: skip
+            embedding.TableConfig(
+                name=f"t{t}",
+                num_rows=rows,
+                dim=DIM,
+                feature_names=[f"f{t}"],
+                init=_zero_init(),
+                dtype=dtype,
+            )  # fmt: skip
             for t in range(TABLES)
         ]
         coll = embedding.EmbeddingCollection(configs)
