@@ -10,6 +10,9 @@ Variants (each a full step: forward, BCE loss, backward, optimizer):
 
 * ``local``      ``embedding.EmbeddingCollection`` with ``placement="local"``
                  (fused tables, backward fused with row-wise Adagrad) + ``dense.DLRMDense``.
+* ``local_fp16`` the same with fp16 rows (``TableConfig(dtype="fp16")``: pooled in
+                 float32, updated in float32 and stochastically rounded back);
+                 ``fp16_local_step_ratio`` is its step time over ``local``'s (<= 1.0).
 * ``hybrid``     the same with ``placement="hybrid"``: rows in a ``ps.InProcessStore``
                  behind a ``cache.CachedStore``.
 * ``hybrid_nocache`` the same store without the cache (shows what the cache costs).
@@ -74,6 +77,7 @@ from _bench_util import cpu_load, interleaved, medians, seconds_per_call  # noqa
 
 VARIANTS = (
     "local",
+    "local_fp16",
     "hybrid",
     "hybrid_nocache",
     "hybrid_pipelined",
@@ -269,7 +273,8 @@ class HybridrecVariant(Variant):
         self.name = placement
         cached = placement in ("hybrid", "hybrid_pipelined", "redis")
         self.pipelined = placement.endswith("_pipelined") or pipelined
-        placement = "local" if placement == "local" else "hybrid"
+        dtype = "fp16" if placement.endswith("_fp16") else "fp32"
+        placement = "local" if placement.startswith("local") else "hybrid"
         tables = [
             TableConfig(
                 name=f"t{t}",
@@ -279,6 +284,7 @@ class HybridrecVariant(Variant):
                 pooling="sum",
                 placement=placement,  # type: ignore[arg-type]
                 optimizer=RowWiseAdagrad(lr=cfg.emb_lr),
+                dtype=dtype,  # type: ignore[arg-type]
             )
             for t in range(cfg.tables)
         ]
@@ -471,6 +477,7 @@ def build(
         return HybridrecVariant(cfg, batches, name, redis_url, pipelined=free_core)
     if name in (
         "local",
+        "local_fp16",
         "hybrid",
         "hybrid_nocache",
         "hybrid_pipelined",
@@ -537,6 +544,18 @@ def within(value: float | None, band: float, note: str) -> dict[str, Any]:
     """A ratio that should stay within ``band`` of 1 (either way)."""
     ok = value is not None and abs(value - 1.0) <= band
     return {"value": value, "target": f"1 +- {band}", "met": ok, "note": note}
+
+
+def at_most(value: float | None, target: float, note: str | None) -> dict[str, Any]:
+    """A ratio that should stay at or below ``target``."""
+    out: dict[str, Any] = {
+        "value": None if value is None else round(value, 3),
+        "target": f"<= {target}",
+        "met": value is not None and value <= target,
+    }
+    if note:
+        out["note"] = note
+    return out
 
 
 def ratio_target(value: float | None, target: float, note: str | None) -> dict[str, Any]:
@@ -735,6 +754,9 @@ def _run(
             ),
             "hybrid_vs_local": ratio_target(
                 over(plain_pick, "local", sps), 0.97, pick_note(plain_pick, "hybrid_nocache")
+            ),
+            "fp16_local_step_ratio": at_most(
+                over("local_fp16", "local", ms), 1.0, why("local_fp16", "local")
             ),
             **{
                 f"{key}_kept_under_load": within(
