@@ -19,8 +19,9 @@ Parts (``--parts memory,dlrm,lm`` picks some):
   ``bf16_auc_gap``: |mean AUC - mean fp32 AUC| <= 0.002.
 * ``lm``: the GPT job (Shakespeare, byte tokens, 2-gram tables, its defaults: token and
   n-gram tables hybrid in the in-process store, Adam) for a fixed number of steps, per
-  dtype: the final validation loss. Target ``fp16_lm_loss_gap``: |loss(fp16) -
-  loss(fp32)| / loss(fp32) <= 0.01, medians over the seeds.
+  dtype (``--lm-steps``, default 300): the final validation loss. Target
+  ``fp16_lm_loss_gap``: |loss(fp16) - loss(fp32)| / loss(fp32) <= 0.01, medians over
+  the seeds.
 
 The last line of output is one JSON object (see benchmarks/README.md).
 """
@@ -148,11 +149,14 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--parts", default="memory,dlrm,lm")
     p.add_argument("--seeds", type=int, default=None)
+    p.add_argument("--lm-seeds", type=int, default=None, help="default: --seeds")
+    p.add_argument("--lm-steps", type=int, default=None, help="default 300 (--quick 60)")
     args = p.parse_args()
     parts = set(args.parts.split(","))
     rows = 100_000 if args.quick else 1_000_000
     seeds = args.seeds or (2 if args.quick else 5)
-    lm_steps = 60 if args.quick else 600
+    lm_steps = args.lm_steps or (60 if args.quick else 300)
+    lm_seeds = args.lm_seeds or seeds
     dlrm_extra = ["--epochs", "1"] if args.quick else []
     figures: dict[str, Any] = {}
     targets: dict[str, Any] = {}
@@ -174,7 +178,7 @@ def main() -> None:
             gap = abs(statistics.mean(auc[dtype]) - base)
             targets[f"{dtype}_auc_gap"] = {"value": gap, "target": 0.002, "met": gap <= 0.002}
     if "lm" in parts:
-        loss = lm(seeds, lm_steps)
+        loss = lm(lm_seeds, lm_steps)
         figures["lm_val_loss"] = loss
         base = statistics.median(loss["fp32"])
         gap = abs(statistics.median(loss["fp16"]) - base) / base
@@ -184,7 +188,8 @@ def main() -> None:
         "bench": "table_dtype",
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "backend": "local"},
         "config": {"quick": args.quick, "tables": TABLES, "rows": rows, "dim": DIM,
-                   "seeds": seeds, "lm_steps": lm_steps, "dlrm_args": dlrm_extra},
+                   "seeds": seeds, "lm_seeds": lm_seeds, "lm_steps": lm_steps,
+                   "dlrm_args": dlrm_extra},
         "figures": figures,
         "targets": targets,
     }))  # fmt: skip
