@@ -20,8 +20,12 @@ points). The users:
   (the ps table engine's pushes; ``embedding``'s CPU fused backward calls it too);
 * ``ps/kernels/message_pass`` - an MPI server's whole batched messages (compiled with
   ``rowwise_adagrad.c`` in one library);
+* ``ps/kernels/narrow_rows`` - fp16 / bf16 rows: stochastic rounding, row-wise Adagrad
+  on narrow rows, pooling in float32 (compiled with ``rowwise_adagrad.c`` too);
 * ``cache/kernels/records`` - the cache's slot records (serve rows, install, apply pushes);
 * ``cache/kernels/sketch`` - the TinyLFU frequency sketch (count, estimate);
+* ``cache/kernels/sorted_ids`` - the difference of two sorted id arrays (a prefetch's
+  ids less the serving pull's);
 * ``dense/kernels/interaction`` - the DLRM pairwise interaction.
 
 It lives in ``comm`` because ``ps``, ``cache`` and ``dense`` all build kernels with it
