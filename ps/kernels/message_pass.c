@@ -2,9 +2,11 @@
    table part of a PULL_MANY or PUSH_MANY is checked, then served, without Python
    between the parts.
 
-   Built after rowwise_adagrad.c in one library (ps/kernels/message_pass.py puts the two
-   sources together): a push applies that file's adagrad() step, so a row updated here
-   has the bits the table engine's own push gives it.
+   Built after rowwise_adagrad.c and narrow_rows.c in one library
+   (ps/kernels/message_pass.py puts the sources together): a push applies
+   rowwise_adagrad.c's adagrad() step (a narrow row: its adagrad_step() on the row
+   widened, then narrow_rows.c's stochastic rounding), so a row updated here has the
+   bits the table engine's own push gives it.
 
    A table descriptor is TABLE_WORDS int64 words (one row per table index of the server):
      0 usable   1: a fixed table this pass may serve; 0: the Python path serves it
@@ -18,7 +20,21 @@
                 server (0: none, the local row is the id)
      8 push     1: row-wise Adagrad here; 0: pushes go the Python path
      9 swidth   floats of a row's optimizer state (the first swidth of its state row)
-   and two floats per table (lr, eps). Counters: COUNTER_WORDS int64 per table, in the
+    10 dtype    the rows' type: 0 float32, 1 fp16, 2 bf16 (narrow: weights are uint16 bits)
+    11 seed     a narrow table's rounding seed (its init seed)
+   and two floats per table (lr, eps). A table of contents' width word is the row width
+   with the row type above its low 32 bits (ps.mpi.wire.width_word), so a part whose
+   type is not its table's is refused.
+
+   Narrow rows round with the key (seed, table id, clock after the update, column): the
+   table id is the request's id (a server's shard maps it to its local row through
+   map, but rounds by the id), so every shard layout rounds as the table engine does.
+   "packed": where a message carries narrow values in the table's type
+   (ps.mpi.wire.pack_values: two 16-bit values per data word, an odd count's last word
+   padded with a zero half): a pull part's rows go back as their stored bits, then
+   (with state) each row's state floats; a push part's gradients come in the table's
+   type and are widened (exactly) first. Not packed (the in-process store): narrow rows
+   are pulled widened to float32 in the float32 layout, gradients are float32. Counters: COUNTER_WORDS int64 per table, in the
    order of ps.local.table.COUNTERS.
 
    A check returns 0 when the pass can serve the message exactly as the Python path
@@ -29,7 +45,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TABLE_WORDS 10
+#define TABLE_WORDS 12
 #define COUNTER_WORDS 8
 #define C_PULL_REQUESTS 0
 #define C_ROWS_PULLED 1
@@ -46,13 +62,14 @@ typedef struct {
     int64_t sstride;
     int64_t* clocks;
     const int32_t* map;
-    int64_t push, swidth;
+    int64_t push, swidth, dtype, seed;
 } table_desc;
 
 static table_desc desc(const int64_t* tables, int64_t index) {
     const int64_t* w = tables + index * TABLE_WORDS;
     table_desc t = {w[0], w[1], w[2], (float*)(intptr_t)w[3], (float*)(intptr_t)w[4],
-                    w[5], (int64_t*)(intptr_t)w[6], (const int32_t*)(intptr_t)w[7], w[8], w[9]};
+                    w[5], (int64_t*)(intptr_t)w[6], (const int32_t*)(intptr_t)w[7], w[8], w[9],
+                    w[10], w[11]};
     return t;
 }
 
@@ -62,9 +79,25 @@ static inline int64_t local_row(const table_desc* t, int64_t id) {
 
 /* The rows are scattered over a big table: every one is a cache (and TLB) miss, so the
    gathers ask for rows PULL_PF ids ahead and the misses overlap. */
-static inline void prefetch_row(const float* row, int64_t d) {
-    for (int64_t c = 0; c < d * (int64_t)sizeof(float); c += 64)
-        __builtin_prefetch((const char*)row + c);
+static inline void prefetch_row(const table_desc* t, int64_t q) {
+    int64_t size = t->dtype ? 2 : (int64_t)sizeof(float);
+    const char* row = (const char*)t->weights + q * t->dim * size;
+    for (int64_t c = 0; c < t->dim * size; c += 64) __builtin_prefetch(row + c);
+}
+
+/* Data words of a part's m rows: float32 values (and sw state floats) per row, or, a
+   narrow table's packed, its m * dim halves in words (padded), then m * sw floats. */
+static inline int64_t part_words(const table_desc* t, int64_t m, int64_t sw, int packed) {
+    if (t->dtype && packed) return (m * t->dim + 1) / 2 + m * sw;
+    return m * (t->dim + sw);
+}
+
+/* Whether halves x [n] of narrow type dtype hold no NaN or Inf (exponent bits all ones). */
+static int all_finite_narrow(int64_t dtype, const uint16_t* x, int64_t n) {
+    uint16_t mask = dtype == NR_BF16 ? 0x7F80u : 0x7C00u;
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) bad |= (uint32_t)((x[i] & mask) == mask);
+    return !bad;
 }
 
 /* Every id in [0, rows) and routed to this server. */
@@ -100,7 +133,7 @@ static int part_ok(const int64_t* toc, int64_t width, int64_t p, const int64_t* 
     int64_t index = toc[p * width], n = toc[p * width + 1], dim = toc[p * width + 2];
     if (index < 0 || index >= ntables || n < 0 || n > MAX_IDS) return 0;
     *t = desc(tables, index);
-    return t->usable == 1 && dim == t->dim;
+    return t->usable == 1 && dim == (t->dim | (t->dtype << 32));
 }
 
 /* PULL_MANY: toc [k, 4] (table index, n, dim, bound; bound -1: a plain pull), then
@@ -108,9 +141,11 @@ static int part_ok(const int64_t* toc, int64_t width, int64_t p, const int64_t* 
    sizes[0] = the reply's words after its header (the reply toc [k, 2], then each part's
    clocks and, when conditional, its positions) and sizes[1] = the rows' floats (with
    state: each row's dim floats then its swidth state floats), both at most (a
-   conditional part sends only its rows past the bound). */
+   conditional part sends only its rows past the bound; packed: narrow rows in words of
+   their type, see the header). */
 int hr_pull_check(int64_t k, const int64_t* toc, int64_t nwords, const int64_t* words,
-                  const int64_t* tables, int64_t ntables, int with_state, int64_t* sizes) {
+                  const int64_t* tables, int64_t ntables, int with_state, int packed,
+                  int64_t* sizes) {
     int64_t at = 0, reply = 2 * k, floats = 0;
     for (int64_t p = 0; p < k; ++p) {
         table_desc t;
@@ -121,7 +156,7 @@ int hr_pull_check(int64_t k, const int64_t* toc, int64_t nwords, const int64_t* 
         if (!ids_ok(&t, words + at, n)) return 1;
         at += need;
         reply += need;
-        floats += n * (t.dim + (with_state ? t.swidth : 0));
+        floats += part_words(&t, n, with_state ? t.swidth : 0, packed);
         if (at > MAX_IDS * 2) return 1;
     }
     if (at != nwords) return 1;
@@ -166,12 +201,34 @@ static int64_t count_past(const table_desc* t, const int64_t* ids, const int64_t
     return m;
 }
 
-/* Row r's values [dim], then (sw > 0) its first sw state floats, at out. */
-static inline void copy_row(const table_desc* t, int64_t r, int64_t sw, float* out) {
-    const float* src = t->weights + r * t->dim;
-    for (int64_t e = 0; e < t->dim; ++e) out[e] = src[e];
+/* Row r as the part's j-th of m rows at out (the part's data words): float32 rows are
+   [m, dim + sw] (values, then the first sw state floats); a narrow row is widened into
+   that layout, or, packed, copied as its stored halves (halves [m * dim], then the state
+   [m, sw] from word (m * dim + 1) / 2). */
+static inline void copy_row(const table_desc* t, int64_t r, int64_t j, int64_t m, int64_t sw,
+                            int packed, float* out) {
+    int64_t d = t->dim;
     const float* st = t->state + r * t->sstride;
-    for (int64_t e = 0; e < sw; ++e) out[t->dim + e] = st[e];
+    float* so;
+    if (!t->dtype) {
+        const float* src = t->weights + r * d;
+        float* o = out + j * (d + sw);
+        for (int64_t e = 0; e < d; ++e) o[e] = src[e];
+        so = o + d;
+    } else if (packed) {
+        memcpy((uint16_t*)out + j * d, (const uint16_t*)t->weights + r * d, sizeof(uint16_t) * d);
+        so = out + (m * d + 1) / 2 + j * sw;
+    } else {
+        float* o = out + j * (d + sw);
+        nr_widen((int)t->dtype, (const uint16_t*)t->weights + r * d, d, o);
+        so = o + d;
+    }
+    for (int64_t e = 0; e < sw; ++e) so[e] = st[e];
+}
+
+/* The zero half that pads a packed narrow part of an odd count of values. */
+static inline void pad_part(const table_desc* t, int64_t m, int packed, float* out) {
+    if (t->dtype && packed && (m * t->dim) % 2) ((uint16_t*)out)[m * t->dim] = 0;
 }
 
 /* One pull part's reply: clocks [m] (then positions [m] when conditional) at words, its
@@ -179,9 +236,9 @@ static inline void copy_row(const table_desc* t, int64_t r, int64_t sw, float* o
    rows counted by count_past (all n for a plain pull). A conditional part finds its rows
    first, then gathers only those. */
 static void write_part(const table_desc* t, const int64_t* ids, const int64_t* caller,
-                       int64_t n, int64_t bound, int64_t m, int64_t sw, int64_t* words,
-                       float* rows) {
-    int64_t d = t->dim, w = d + sw;
+                       int64_t n, int64_t bound, int64_t m, int64_t sw, int packed,
+                       int64_t* words, float* rows) {
+    pad_part(t, m, packed, rows);
     if (caller) {
         int64_t* positions = words + m;
         int64_t j = 0;
@@ -196,35 +253,36 @@ static void write_part(const table_desc* t, const int64_t* ids, const int64_t* c
         for (j = 0; j < m; ++j) {
             if (j + PULL_PF < m) {
                 int64_t q = local_row(t, ids[positions[j + PULL_PF]]);
-                prefetch_row(t->weights + q * d, d);
+                prefetch_row(t, q);
                 if (sw) __builtin_prefetch(t->state + q * t->sstride);
             }
-            copy_row(t, local_row(t, ids[positions[j]]), sw, rows + j * w);
+            copy_row(t, local_row(t, ids[positions[j]]), j, m, sw, packed, rows);
         }
         return;
     }
     for (int64_t i = 0; i < n; ++i) {
         if (i + PULL_PF < n) {
             int64_t q = local_row(t, ids[i + PULL_PF]);
-            prefetch_row(t->weights + q * d, d);
+            prefetch_row(t, q);
             __builtin_prefetch(t->clocks + q);
             if (sw) __builtin_prefetch(t->state + q * t->sstride);
         }
         int64_t r = local_row(t, ids[i]);
         words[i] = t->clocks[r];
-        copy_row(t, r, sw, rows + i * w);
+        copy_row(t, r, i, m, sw, packed, rows);
     }
 }
 
 /* Serve a checked PULL_MANY: reply [sizes[0]] words (see hr_pull_check), rows [m, dim]
    (with_state: [m, dim + swidth], each row's state after its values) of every part back
-   to back; used = (reply words, row floats) written. A conditional
+   to back (packed: narrow parts in their type, see part_words); used = (reply words,
+   row floats) written. A conditional
    part sends the rows whose clock is past caller clock + bound, as ps.local.table.pull.
    Parts of different tables run on up to nthreads threads: each part's rows are first
    counted, then every part knows where its reply goes. Returns 0, or 1 when a buffer
    could not be allocated (nothing written then). */
 int hr_pull_apply(int64_t k, const int64_t* toc, const int64_t* words, const int64_t* tables,
-                  int with_state, int64_t* counters, int64_t* reply, float* rows,
+                  int with_state, int packed, int64_t* counters, int64_t* reply, float* rows,
                   int64_t* used, int nthreads) {
     /* per part: where its request words, reply words and rows start, its rows back */
     int64_t* at = (int64_t*)malloc(sizeof(int64_t) * (size_t)(4 * k));
@@ -250,7 +308,7 @@ int hr_pull_apply(int64_t k, const int64_t* toc, const int64_t* words, const int
         fat[p] = f;
         o += bound >= 0 ? 2 * m[p] : m[p];
         table_desc t = desc(tables, toc[p * 4]);
-        f += m[p] * (t.dim + (with_state ? t.swidth : 0));
+        f += part_words(&t, m[p], with_state ? t.swidth : 0, packed);
         reply[2 * p] = m[p];
         reply[2 * p + 1] = bound >= 0 ? 2 : 0; /* ps.mpi.wire.FLAG_POSITIONS */
         int64_t* cnt = counters + toc[p * 4] * COUNTER_WORDS;
@@ -264,7 +322,7 @@ int hr_pull_apply(int64_t k, const int64_t* toc, const int64_t* words, const int
         int64_t n = toc[p * 4 + 1], bound = toc[p * 4 + 3];
         const int64_t* ids = words + at[p];
         write_part(&t, ids, bound >= 0 ? ids + n : NULL, n, bound, m[p],
-                   with_state ? t.swidth : 0, reply + out[p], rows + fat[p]);
+                   with_state ? t.swidth : 0, packed, reply + out[p], rows + fat[p]);
     }
     used[0] = o;
     used[1] = f;
@@ -278,10 +336,11 @@ int hr_pull_apply(int64_t k, const int64_t* toc, const int64_t* words, const int
    applies it when every part's table pushes here, its ids are strictly increasing
    (nothing to sum: ps.local.table.coalesce would hand them back as they are) and routed
    here, every gradient is finite, and every count is >= 1 and every statistic finite and
-   >= 0 (what ps.validate.check_counted asks). */
+   >= 0 (what ps.validate.check_counted asks). Packed: a narrow part's gradients are in
+   its table's type (part_words). A counted push of a narrow table goes the Python path. */
 int hr_push_check(int64_t k, const int64_t* toc, int64_t nids, const int64_t* ids,
                   int64_t nfloats, const float* grads, const int64_t* counts, int64_t nstats,
-                  const float* stats, const int64_t* tables, int64_t ntables) {
+                  const float* stats, const int64_t* tables, int64_t ntables, int packed) {
     if (counts) {
         if (nstats != nids || !all_finite(stats, nstats)) return 1;
         for (int64_t i = 0; i < nids; ++i)
@@ -291,17 +350,62 @@ int hr_push_check(int64_t k, const int64_t* toc, int64_t nids, const int64_t* id
     for (int64_t p = 0; p < k; ++p) {
         table_desc t;
         if (!part_ok(toc, 3, p, tables, ntables, &t) || t.push != 1) return 1;
-        int64_t n = toc[p * 3 + 1];
-        if (at + n > nids || fat + n * t.dim > nfloats) return 1;
+        if (t.dtype && counts) return 1;
+        int64_t n = toc[p * 3 + 1], size = part_words(&t, n, 0, packed);
+        if (at + n > nids || fat + size > nfloats) return 1;
         const int64_t* part = ids + at;
         if (!ids_ok(&t, part, n)) return 1;
         for (int64_t i = 1; i < n; ++i)
             if (part[i] <= part[i - 1]) return 1;
-        if (!all_finite(grads + fat, n * t.dim)) return 1;
+        if (t.dtype && packed) {
+            if (!all_finite_narrow(t.dtype, (const uint16_t*)(grads + fat), n * t.dim)) return 1;
+        } else if (!all_finite(grads + fat, n * t.dim)) {
+            return 1;
+        }
         at += n;
-        fat += n * t.dim;
+        fat += size;
     }
     return at == nids && fat == nfloats ? 0 : 1;
+}
+
+/* One part of n rows of a narrow table (strictly increasing table ids [n], their local
+   rows [n]): each row widened, adagrad_step() with its gradient (float32 [n, dim], or,
+   packed, halves of the table's type widened first), clock + 1, the row written back
+   rounded with the key (seed, id, new clock, column): narrow_rows.c's nr_adagrad on
+   rows of one update, bit for bit. Returns 1 when out of memory (nothing changed). */
+static int narrow_push_part(const table_desc* t, int64_t n, const int64_t* ids,
+                            const int64_t* rows, const float* grads, int packed, float lr,
+                            float eps) {
+    int64_t d = t->dim;
+    int dtype = (int)t->dtype;
+    float* buf = (float*)malloc(sizeof(float) * (size_t)(2 * d + 1));
+    uint64_t* cols = nr_columns(d);
+    if (!buf || !cols) {
+        free(buf);
+        free(cols);
+        return 1;
+    }
+    float* g = buf + d; /* the row's gradient, widened (packed) */
+    uint16_t* weight = (uint16_t*)t->weights;
+    uint64_t seed_key = nr_seed_key(t->seed);
+    for (int64_t i = 0; i < n; ++i) {
+        if (i + PF < n) nr_prefetch_update(rows[i + PF], d, t->sstride, weight, t->state, t->clocks);
+        int64_t r = rows[i];
+        const float* gi = grads + i * d;
+        if (packed) {
+            nr_widen(dtype, (const uint16_t*)grads + i * d, d, g);
+            gi = g;
+        }
+        uint16_t* dst = weight + r * d;
+        nr_widen(dtype, dst, d, buf);
+        adagrad_step(buf, t->state + r * t->sstride, gi, d, lr, eps);
+        int64_t version = t->clocks[r] + 1;
+        t->clocks[r] = version;
+        nr_store(dtype, buf, d, nr_row_key(seed_key, ids[i], version), cols, dst);
+    }
+    free(buf);
+    free(cols);
+    return 0;
 }
 
 /* Apply a checked PUSH_MANY: each part's rows in adagrad() (rowwise_adagrad.c), or, for
@@ -313,7 +417,7 @@ int hr_push_check(int64_t k, const int64_t* toc, int64_t nids, const int64_t* id
    memory all but gone. */
 int hr_push_apply(int64_t k, const int64_t* toc, const int64_t* ids, const float* grads,
                   const int64_t* counts, const float* stats, const int64_t* tables,
-                  const float* hyper, int64_t* counters, int nthreads) {
+                  const float* hyper, int64_t* counters, int packed, int nthreads) {
     int64_t* at = (int64_t*)malloc(sizeof(int64_t) * (size_t)(2 * k));
     if (!at) return 1;
     int64_t* fat = at + k;
@@ -322,7 +426,8 @@ int hr_push_apply(int64_t k, const int64_t* toc, const int64_t* ids, const float
         at[p] = nids;
         fat[p] = nf;
         nids += toc[p * 3 + 1];
-        nf += toc[p * 3 + 1] * toc[p * 3 + 2];
+        table_desc t = desc(tables, toc[p * 3]);
+        nf += part_words(&t, toc[p * 3 + 1], 0, packed);
     }
     /* the local rows of a server's share of a table (FixedShard), part by part */
     int64_t* slots = (int64_t*)malloc(sizeof(int64_t) * (size_t)(nids + 1));
@@ -342,7 +447,9 @@ int hr_push_apply(int64_t k, const int64_t* toc, const int64_t* ids, const float
             rows = slots + at[p];
         }
         float lr = hyper[2 * index], eps = hyper[2 * index + 1];
-        if (counts) {
+        if (t.dtype) {
+            failed |= narrow_push_part(&t, n, ids + at[p], rows, grads + fat[p], packed, lr, eps);
+        } else if (counts) {
             hr_rowwise_adagrad_counted(n, t.dim, t.sstride, rows, counts + at[p], stats + at[p],
                                        grads + fat[p], t.weights, t.state, t.clocks, lr, eps);
         } else {

@@ -16,6 +16,14 @@ message in C, reading the request's words and writing the reply's in place:
   form ``hr_rowwise_adagrad_counted``, built into this library), so the bits are the
   ones ``LocalTable.push`` gives.
 
+Tables of fp16 / bf16 rows (``spec.narrow``): a pull copies the stored 16-bit rows
+(``packed``: into the reply's data words in the table's type, the layout of
+:func:`ps.mpi.wire.pack_values`; else widened to float32); a plain push widens each row,
+takes the same float32 row step and writes the row back stochastically rounded with
+``narrow_rows.c``'s functions (built into this library too), keyed by (the table's init
+seed, the row's table id, its clock after the update, column): the bits of
+``LocalTable.push``. A counted push of a narrow table goes the Python path.
+
 A check says only whether the pass can serve the message exactly as the Python path
 would; where it cannot (another optimizer, a dynamic table, unsorted or repeated ids,
 a bad id, a NaN) nothing has changed and the server takes its Python path, which
@@ -31,32 +39,43 @@ import ctypes
 import numpy as np
 
 from comm.native import kernel_source, load_c_library
-from ps.kernels import rowwise_adagrad
+from ps.kernels import narrow_rows
+from ps.table import ROW_DTYPES
 
 # The C source: message_pass.c next to this file (package data); it is compiled after
-# rowwise_adagrad.c, whose row step it calls.
+# rowwise_adagrad.c and narrow_rows.c, whose row step, widening and rounding it calls (one
+# string, built once: the loader's cache is keyed by it).
 _SOURCE = kernel_source(__package__, "message_pass")
+_LIBRARY_SOURCE = narrow_rows._LIBRARY_SOURCE + "\n" + _SOURCE
 
 #: int64 words per table descriptor and counters per table (see message_pass.c).
-TABLE_WORDS = 10
+TABLE_WORDS = 12
 COUNTER_WORDS = 8
+#: The descriptor's code of each row type (``ps.table.ROW_DTYPES`` order, as on the wire).
+ROW_CODES = {dtype: code for code, dtype in enumerate(ROW_DTYPES)}
+
+
+def width_word(dim: int, dtype: str) -> int:
+    """A table of contents' width word: ``dim`` with the row type's code above its low
+    32 bits (``ps.mpi.wire.width_word``); the passes refuse a part whose type is not its
+    table's."""
+    return dim | (ROW_CODES[dtype] << 32)
 
 
 def _library() -> ctypes.CDLL | None:
-    source = rowwise_adagrad._SOURCE + "\n" + _SOURCE
-    return load_c_library("hr_message_pass", source, _declare)  # kept after the first call
+    return load_c_library("hr_message_pass", _LIBRARY_SOURCE, _declare)  # kept after the first call
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.hr_pull_check.restype = ctypes.c_int
-    lib.hr_pull_check.argtypes = [i64, ptr, i64, ptr, ptr, i64, c_int, ptr]
+    lib.hr_pull_check.argtypes = [i64, ptr, i64, ptr, ptr, i64, c_int, c_int, ptr]
     lib.hr_pull_apply.restype = ctypes.c_int
-    lib.hr_pull_apply.argtypes = [i64, ptr, ptr, ptr, c_int, ptr, ptr, ptr, ptr, c_int]
+    lib.hr_pull_apply.argtypes = [i64, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, ptr, c_int]
     lib.hr_push_check.restype = ctypes.c_int
-    lib.hr_push_check.argtypes = [i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64]
+    lib.hr_push_check.argtypes = [i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, c_int]
     lib.hr_push_apply.restype = ctypes.c_int
-    lib.hr_push_apply.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.hr_push_apply.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, c_int, c_int]
 
 
 def available() -> bool:
@@ -64,12 +83,17 @@ def available() -> bool:
 
 
 def pull_check(
-    toc: np.ndarray, words: np.ndarray, tables: np.ndarray, with_state: bool = False
+    toc: np.ndarray,
+    words: np.ndarray,
+    tables: np.ndarray,
+    with_state: bool = False,
+    packed: bool = False,
 ) -> tuple[int, int] | None:
     """``(reply words after the header, row floats)`` of a ``PULL_MANY`` the pass can
     serve: ``toc`` int64 ``[k, 4]``, ``words`` int64 ``[W]`` (each part's ids, then its
     caller clocks when conditional), ``tables`` int64 ``[T, TABLE_WORDS]``;
-    ``with_state``: each row's optimizer state follows its values. None: take the
+    ``with_state``: each row's optimizer state follows its values; ``packed``: narrow
+    rows go back in their type (the reply's data words), else widened. None: take the
     Python path."""
     lib = _library()
     if lib is None:
@@ -77,7 +101,7 @@ def pull_check(
     sizes = np.empty(2, dtype=np.int64)
     rc = lib.hr_pull_check(
         toc.shape[0], toc.ctypes.data, words.size, words.ctypes.data, tables.ctypes.data,
-        tables.shape[0], int(with_state), sizes.ctypes.data,
+        tables.shape[0], int(with_state), int(packed), sizes.ctypes.data,
     )  # fmt: skip
     return None if rc != 0 else (int(sizes[0]), int(sizes[1]))
 
@@ -91,17 +115,19 @@ def pull_apply(
     rows: np.ndarray,
     threads: int,
     with_state: bool = False,
+    packed: bool = False,
 ) -> tuple[int, int]:
     """Serve a checked ``PULL_MANY`` into ``reply`` (int64, the words after the header)
     and ``rows`` (float32; ``with_state``: each row's optimizer state after its values),
     parts of different tables on up to ``threads`` threads; returns the reply words and
-    row floats written."""
+    row floats written (``packed`` as :func:`pull_check` took it)."""
     lib = _library()
     assert lib is not None  # pull_check said yes
     used = np.empty(2, dtype=np.int64)
     rc = lib.hr_pull_apply(
         toc.shape[0], toc.ctypes.data, words.ctypes.data, tables.ctypes.data, int(with_state),
-        counters.ctypes.data, reply.ctypes.data, rows.ctypes.data, used.ctypes.data, threads,
+        int(packed), counters.ctypes.data, reply.ctypes.data, rows.ctypes.data,
+        used.ctypes.data, threads,
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("pull_many: the server could not allocate a buffer of the pull pass")
@@ -118,10 +144,16 @@ def _address(a: np.ndarray | None) -> int | None:
 
 
 def push_check(
-    toc: np.ndarray, ids: np.ndarray, grads: np.ndarray, tables: np.ndarray, counted: Counted
+    toc: np.ndarray,
+    ids: np.ndarray,
+    grads: np.ndarray,
+    tables: np.ndarray,
+    counted: Counted,
+    packed: bool = False,
 ) -> bool:
     """Whether the pass can apply a ``PUSH_MANY``: ``toc`` int64 ``[k, 3]``, ``ids`` int64
-    ``[N]``, ``grads`` float32 ``[sum n * dim]``, ``counted`` (see :data:`Counted`)."""
+    ``[N]``, ``grads`` float32 ``[sum n * dim]`` (``packed``: a narrow part's in data
+    words of its table's type), ``counted`` (see :data:`Counted`)."""
     lib = _library()
     if lib is None:
         return False
@@ -129,7 +161,7 @@ def push_check(
     rc = lib.hr_push_check(
         toc.shape[0], toc.ctypes.data, ids.size, ids.ctypes.data, grads.size, grads.ctypes.data,
         _address(counts), 0 if stats is None else stats.size, _address(stats),
-        tables.ctypes.data, tables.shape[0],
+        tables.ctypes.data, tables.shape[0], int(packed),
     )  # fmt: skip
     return rc == 0
 
@@ -143,16 +175,19 @@ def push_apply(
     counters: np.ndarray,
     threads: int,
     counted: Counted,
+    packed: bool = False,
 ) -> None:
     """Apply a checked ``PUSH_MANY`` in place (``hyper`` float32 ``[T, 2]``: lr, eps),
     parts of different tables on up to ``threads`` threads; a counted one with each row's
-    update count and statistic (``counted``, as :func:`push_check` accepted it)."""
+    update count and statistic (``counted``, and ``packed``, as :func:`push_check`
+    accepted them)."""
     lib = _library()
     assert lib is not None  # push_check said yes
     counts, stats = (None, None) if counted is None else counted
     rc = lib.hr_push_apply(
         toc.shape[0], toc.ctypes.data, ids.ctypes.data, grads.ctypes.data, _address(counts),
-        _address(stats), tables.ctypes.data, hyper.ctypes.data, counters.ctypes.data, threads,
+        _address(stats), tables.ctypes.data, hyper.ctypes.data, counters.ctypes.data,
+        int(packed), threads,
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("push_many: the server could not allocate a buffer of the push pass")

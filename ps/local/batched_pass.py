@@ -10,9 +10,10 @@ served, in C, with the table engine's own row step (the bits of ``LocalTable.pus
 :class:`LocalBatchedPass` keeps the descriptors of the tables it has served (one row
 per table object; a table a load or a create replaced gets a new row after
 :meth:`LocalBatchedPass.reset`), builds a request's table of contents, and splits the
-reply into :class:`ps.PullResult` s. Which requests it takes: pulls of fixed tables of
-float32 rows, and pushes of fixed row-wise Adagrad tables of float32 rows with finite
-gradients (counts >= 1 and statistics finite and >= 0 when counted), on host tensors
+reply into :class:`ps.PullResult` s. Which requests it takes: pulls of fixed tables
+(fp16 / bf16 rows widened to float32), and pushes of fixed row-wise Adagrad tables with
+finite gradients (counts >= 1 and statistics finite and >= 0 when counted; a counted
+push of a narrow table goes the Python path), on host tensors
 of the documented dtypes and shapes; a push's repeated ids are summed and its parts
 sorted first by the table push's own :func:`ps.local.table.coalesce` (the same sums in
 the same order). Anything else, including every request that would raise, goes the
@@ -49,7 +50,8 @@ def descriptor(
     """A fixed table's descriptor words and (lr, eps) (layout: ``message_pass.c``):
     ``engine`` holds the rows of ``spec``'s ids (all of them, or a server's share);
     ``ids_map`` int32 ``[spec.num_rows]`` maps an id to its local row (-1: another
-    server's), None where the local row is the id."""
+    server's), None where the local row is the id. A narrow table's rows round with its
+    init seed, keyed by the request's ids (the table ids, whatever the local rows)."""
     opt = spec.optimizer
     state = engine.state  # [rows, S]
     adagrad = isinstance(opt, RowWiseAdagrad) and state.shape[1] >= 1
@@ -64,6 +66,8 @@ def descriptor(
         0 if ids_map is None else ids_map.data_ptr(),
         1 if adagrad else 0,
         spec.state_dim,
+        message_pass.ROW_CODES[spec.dtype],
+        spec.init.seed if spec.narrow and spec.init is not None else 0,
     ]
     hyper = [opt.lr, opt.eps] if isinstance(opt, RowWiseAdagrad) else [0.0, 0.0]
     return words, hyper
@@ -129,7 +133,7 @@ class LocalBatchedPass:
         """Every request's rows (as ``LocalTable.pull``, with the state where asked), or
         None: the store serves them in Python (nothing was read or counted)."""
         k = len(requests)
-        if not self.enabled or k == 0 or any(t.dynamic or t.spec.narrow for t in tables):
+        if not self.enabled or k == 0 or any(t.dynamic for t in tables):
             return None
         with_state = requests[0].with_state
         parts: list[np.ndarray] = []
@@ -146,10 +150,10 @@ class LocalBatchedPass:
                     return None
                 parts.append(clocks.numpy())
         index, words, _ = self._describe(tables)
-        toc = np.empty((k, 4), dtype=np.int64)  # table row, n, dim, bound (-1: plain)
+        toc = np.empty((k, 4), dtype=np.int64)  # table row, n, width word, bound (-1: plain)
         toc[:, 0] = index
         toc[:, 1] = [r.ids.shape[0] for r in requests]
-        toc[:, 2] = [t.spec.dim for t in tables]
+        toc[:, 2] = [message_pass.width_word(t.spec.dim, t.spec.dtype) for t in tables]
         toc[:, 3] = [-1 if r.bound is None else r.bound for r in requests]
         flat = _joined(parts)
         counters = np.zeros((words.shape[0], COUNTER_WORDS), dtype=np.int64)
@@ -170,9 +174,12 @@ class LocalBatchedPass:
         """Apply every request (as ``LocalTable.push``); False: nothing changed, the store
         applies them in Python."""
         k = len(requests)
-        if not self.enabled or k == 0 or any(t.dynamic or t.spec.narrow for t in tables):
+        if not self.enabled or k == 0 or any(t.dynamic for t in tables):
             return False
         counted = requests[0].counts is not None
+        # narrow rows round keyed by table ids: the pass takes them as the local rows
+        if any(t.spec.narrow and (counted or t.row_table_ids is not None) for t in tables):
+            return False
         ids: list[np.ndarray] = []
         grads: list[np.ndarray] = []
         counts: list[np.ndarray] = []
@@ -204,10 +211,10 @@ class LocalBatchedPass:
             ids.append(u.numpy())
             grads.append(g.numpy().reshape(-1))
         index, words, hyper = self._describe(tables)
-        toc = np.empty((k, 3), dtype=np.int64)  # table row, n, dim
+        toc = np.empty((k, 3), dtype=np.int64)  # table row, n, width word
         toc[:, 0] = index
         toc[:, 1] = [a.size for a in ids]
-        toc[:, 2] = [t.spec.dim for t in tables]
+        toc[:, 2] = [message_pass.width_word(t.spec.dim, t.spec.dtype) for t in tables]
         flat_ids, flat_grads = _joined(ids), _joined(grads)
         both = (_joined(counts), _joined(stats)) if counted else None
         counters = np.zeros((words.shape[0], COUNTER_WORDS), dtype=np.int64)

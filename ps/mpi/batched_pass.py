@@ -8,13 +8,15 @@ whenever its tables change (create, drop, a committed load); the tensors it poin
 into are the tables' own, which a fixed table never reallocates, and the tables are
 held here so the addresses stay valid.
 
-Which messages it serves: a ``PULL_MANY`` whose parts are all fixed tables, and a
+Which messages it serves: a ``PULL_MANY`` whose parts are all fixed tables (fp16 / bf16
+rows go back as their stored bits, in the table's type on the wire), and a
 ``PUSH_MANY`` whose parts are all fixed row-wise Adagrad tables with strictly
 increasing ids (a cache's and the hybrid tables' deduplicated pushes are) and
 finite gradients, counted (a cache's under a write bound: each row with its update
-count and statistic) or not. Everything else (dynamic tables, other optimizers, repeated ids,
-any request the checks would refuse) is served part by part in Python, as before;
-the C checks only decide which path, never what an error says.
+count and statistic; not of a narrow table) or not; a narrow table's gradients come in
+its type and are widened in the pass. Everything else (dynamic tables, other
+optimizers, repeated ids, any request the checks would refuse) is served part by part
+in Python, as before; the C checks only decide which path, never what an error says.
 
 Counters: the passes count into one int64 array; :meth:`fold` adds them to the
 tables' own counters (before a stats reply and before the tables change), so
@@ -67,8 +69,8 @@ class BatchedPass:
         self.hyper = np.zeros((t, 2), dtype=np.float32)
         self.counters = np.zeros((t, COUNTER_WORDS), dtype=np.int64)
         for index, shard in enumerate(shards):
-            # fixed tables of float32 rows (narrow rows take the Python path's rounding)
-            if shard is not None and shard.spec.num_rows is not None and not shard.spec.narrow:
+            # fixed tables (dynamic ones take the Python path)
+            if shard is not None and shard.spec.num_rows is not None:
                 self.tables[index], self.hyper[index] = _descriptor(shard)
 
     def fold(self) -> None:
@@ -91,14 +93,14 @@ class BatchedPass:
         if not self.enabled or payload.size < k * width:
             return None
         toc, words = payload[: k * width].reshape(k, width), payload[k * width :]
-        sizes = message_pass.pull_check(toc, words, self.tables, with_state)
+        sizes = message_pass.pull_check(toc, words, self.tables, with_state, packed=True)
         if sizes is None:
             return None
         meta = np.empty(HEADER_LEN + sizes[0], dtype=np.int64)
         rows = np.empty(sizes[1], dtype=np.float32)
         used, floats = message_pass.pull_apply(
             toc, words, self.tables, self.counters, meta[HEADER_LEN:], rows, self.threads,
-            with_state,
+            with_state, packed=True,
         )  # fmt: skip
         meta[:HEADER_LEN] = wire.header(Op.PULL_MANY, request_id, n=k)
         self.served += 1
@@ -119,7 +121,9 @@ class BatchedPass:
         session word ends it; ``counted``: the update counts follow the ids, ``wide`` as
         int64 words, and the statistics the gradients)."""
         parts = self._parts(k, payload, data, sequenced, counted, wide)
-        if parts is None or not message_pass.push_check(*parts[:3], self.tables, parts[3]):
+        if parts is None or not message_pass.push_check(
+            *parts[:3], self.tables, parts[3], packed=True
+        ):
             return None
         return parts
 
@@ -127,7 +131,15 @@ class BatchedPass:
         """Apply a ``PUSH_MANY`` whose parts :meth:`checked_push` gave."""
         toc, ids, grads, counts = parts
         message_pass.push_apply(
-            toc, ids, grads, self.tables, self.hyper, self.counters, self.threads, counts
+            toc,
+            ids,
+            grads,
+            self.tables,
+            self.hyper,
+            self.counters,
+            self.threads,
+            counts,
+            packed=True,
         )
         self.served += 1
 
