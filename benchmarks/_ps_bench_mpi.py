@@ -37,8 +37,9 @@ What is measured, on one table of ``rows`` x 64 float32 (SGD), with requests of
 * ``counted_*``: plain and counted pushes at ``k = 1``, and the wire's bytes per
   pushed row of each (``_ps_bench_counted``);
 * ``fp16_pull`` / ``fp16_push``: ``pull`` and ``push`` on an fp16 table of the same
-  rows (rows and gradients travel in 16 bits), and ``fp16_mpi_*_speedup``, fp16 over
-  fp32 rows/s paired by round (``_ps_bench_narrow``);
+  rows (rows and gradients travel in 16 bits), ``rw_*`` the batched pulls and pushes
+  of a row-wise Adagrad pair (fp32, fp16), and ``fp16_mpi_*_speedup``, fp16 over fp32
+  rows/s paired by round (``_ps_bench_narrow``);
 * ``raw_sendrecv``: the ceiling of the transport: the server gathers the rows
   (``index_select``) and sends them with a plain ``Send`` to a ``Recv`` posted by
   the worker (the same bytes as a pull reply, no protocol, no checks); measured
@@ -134,7 +135,7 @@ def run(
     with MPIStore(group, topology) as store:
         store.create_table(spec)
         counted.create_tables(store, rows, DIM)
-        narrow.create_table(store, spec)
+        narrow.create_tables(store, spec)
         inflight: deque[comm.Handle] = deque()
 
         def drain() -> None:
@@ -166,6 +167,7 @@ def run(
             "inprocess_pull": pull(local),
             "push": push(store),
             "fp16_push": fp16["fp16_push"],
+            **{k: v for k, v in fp16.items() if k.startswith("rw_")},
             "push_pipelined": pipelined(lambda i: store.push_async("bench", batches[i % 8], grads)),
             "inprocess_push": push(local),
             **counted.push_ops(store, batches, grads),

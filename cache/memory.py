@@ -4,7 +4,8 @@ A job sizing a cache against a GPU's memory, or saying at start where its memory
 asks :func:`cache_bytes` with the tables it will cache. Per cached row of a ``D``-wide
 table (layouts in :mod:`cache.table_cache`):
 
-* records in host memory (``device=None``): one ``W``-float record (row, pending sum,
+* records in host memory (``device=None``): one ``W``-float record (row: ``D`` float32,
+  or ``ceil(D / 2)`` words of a table of fp16 or bf16 rows; pending sum: ``D`` float32;
   64 bytes of metadata, with counted pushes of an element-wise optimizer ``D`` floats of
   statistics, with the optimizer's local step its ``S`` state floats, rounded up to
   64-byte lines) on the host;
@@ -54,12 +55,20 @@ def state_floats(config: CacheConfig, spec: TableSpec) -> int:
     return 0 if opt is None else opt.state_dim(spec.dim)
 
 
-def record_floats(dim: int, stat: int = 0, state: int = 0) -> int:
-    """Floats of one host record holding row, pending sum, metadata, a statistic of
-    ``stat`` floats (one lives in the metadata's spare word) and ``state`` floats of
-    optimizer state, in whole 64-byte lines."""
+def record_floats(dim: int, stat: int = 0, state: int = 0, *, row_words: int | None = None) -> int:
+    """Floats of one host record holding row (``row_words`` floats; None: ``dim``, a
+    float32 row), pending sum, metadata, a statistic of ``stat`` floats (one lives in the
+    metadata's spare word) and ``state`` floats of optimizer state, in whole 64-byte
+    lines."""
     extra = (stat if stat > 1 else 0) + state
-    return -(-(2 * dim + META_BYTES // 4 + extra) // 16) * 16
+    row = dim if row_words is None else row_words
+    return -(-(row + dim + META_BYTES // 4 + extra) // 16) * 16
+
+
+def host_row_words(spec: TableSpec) -> int:
+    """Floats of a host record's row of ``spec``: ``D``, or ``ceil(D / 2)`` for a table
+    of fp16 or bf16 rows (2 bytes per element)."""
+    return -(-spec.dim // 2) if spec.narrow else spec.dim
 
 
 def cache_bytes(config: CacheConfig, specs: Sequence[TableSpec], *, on_device: bool) -> CacheBytes:
@@ -73,7 +82,7 @@ def cache_bytes(config: CacheConfig, specs: Sequence[TableSpec], *, on_device: b
             device += rows * (2 * spec.dim + q + s) * 4
             host += rows * META_BYTES
         else:
-            host += rows * record_floats(spec.dim, q, s) * 4
+            host += rows * record_floats(spec.dim, q, s, row_words=host_row_words(spec)) * 4
         host += rows * SLOT_BYTES
         if spec.num_rows is not None and spec.num_rows <= DENSE_INDEX_MAX_ROWS:
             host += spec.num_rows * 4

@@ -23,6 +23,12 @@ aligned to cache lines)::
                                     the row's optimizer state, as pulled plus the
                                     local updates since
 
+A table of fp16 or bf16 rows (``spec.narrow``) keeps its row in its type: ``R`` =
+ceil(D / 2) words of ``D`` 2-byte values at ``slab[s, 0:R]``, everything after it moved
+up by ``D - R`` words (pend at ``R``, meta at ``R + D``). Reads widen exactly; the store's
+rows are installed as they are; a row the cache computes (refreshed, or stepped locally)
+is rounded stochastically (:mod:`cache.narrow_records`, the same bits in the C kernels).
+
 The statistics exist only where pushes are counted (``CacheConfig.counted_pushes`` and a
 store that takes them, :attr:`ps.Store.counted_pushes`): a due row is then pushed with
 its update count ``COUNT`` and statistic, so the PS applies that many updates.
@@ -82,8 +88,10 @@ import torch
 from cache.config import CacheConfig
 from cache.device_rows import DeviceRows
 from cache.kernels.records import (
+    ROW_KINDS,
     copy_clocks,
     install_rows,
+    row_words,
     serve_rows,
     sole_writer_asks,
     update_rows,
@@ -91,6 +99,7 @@ from cache.kernels.records import (
 from cache.kernels.sorted_ids import sorted_difference
 from cache.local_step import LocalStep
 from cache.memory import record_floats
+from cache.narrow_records import exact, rounded, widen
 from cache.policy import EvictionPolicy
 from cache.sketch import FrequencySketch
 from cache.slot_index import make_slot_index
@@ -228,8 +237,14 @@ class TableCache:
         self.data = (
             None if device is None else DeviceRows(cap, d, device, self.push_q, self.opt_dim)
         )
-        sd = d if self.data is None else 0  # floats of row (and of pend) in a record
+        sd = d if self.data is None else 0  # elements of row (and floats of pend) in a record
         self.sd = sd
+        # A narrow table's host records hold its rows in its type (kind 1 fp16, 2 bf16:
+        # `rw` = ceil(D / 2) words); rows on a device stay float32 (docs/cache.md).
+        self.kind = ROW_KINDS[spec.dtype] if sd else 0
+        self.seed = spec.init.seed if spec.init is not None else 0  # rounding's key
+        self.rw = row_words(sd, self.kind)  # floats of the row in a record
+        self.meta_at = self.rw + sd  # the metadata's first float in a record
         self.store = store
         self.capacity = cap
         self.read_bound = config.read_bound
@@ -242,15 +257,17 @@ class TableCache:
         self.exact = config.exact_staleness
         self.chunk = config.chunk(cap)
         q = self.push_q if self.data is None else 0
-        self.stat_dim, self.stat_at = q, 2 * sd + (_META_WORDS - 2 if q == 1 else _META_WORDS)
+        self.stat_dim = q
+        self.stat_at = self.meta_at + (_META_WORDS - 2 if q == 1 else _META_WORDS)
         # Host records: the optimizer state after the statistics, at float `state_at`.
         self.state_dim = self.opt_dim if self.data is None else 0
-        self.state_at = 2 * sd + _META_WORDS + (q if q > 1 else 0)
-        self.width = record_floats(sd, q, self.state_dim)  # W: whole 64-byte lines
+        self.state_at = self.meta_at + _META_WORDS + (q if q > 1 else 0)
+        self.width = record_floats(sd, q, self.state_dim, row_words=self.rw)  # W: 64-byte lines
         self.slab = _aligned_records(cap, self.width)  # [C, W]
         self._void = np.dtype((np.void, 4 * self.width))
         self.vslab = self.slab.view(self._void).reshape(cap)  # [C] one item per record
-        self.meta = self.slab[:, 2 * sd : 2 * sd + _META_WORDS].view(np.int64)  # [C, 8] view
+        m = self.meta_at
+        self.meta = self.slab[:, m : m + _META_WORDS].view(np.int64)  # [C, 8] view
         self.row_id = np.full(cap, -1, dtype=np.int64)  # [C]
         self.free = np.arange(cap - 1, -1, -1, dtype=np.int64)  # stack: free[:n_free], top last
         self.n_free = cap
@@ -289,8 +306,49 @@ class TableCache:
 
     def _meta(self, rec: np.ndarray) -> np.ndarray:
         """The int64 ``[K, 8]`` metadata view of records ``rec`` ``[K, W]``."""
-        sd = self.sd
-        return rec[:, 2 * sd : 2 * sd + _META_WORDS].view(np.int64)
+        m = self.meta_at
+        return rec[:, m : m + _META_WORDS].view(np.int64)
+
+    def _pend(self, rec: np.ndarray) -> np.ndarray:
+        """The float32 ``[K, D]`` pending-sum view of records ``rec`` ``[K, W]``."""
+        return rec[:, self.rw : self.meta_at]
+
+    def _rec_rows(self, rec: np.ndarray) -> np.ndarray:
+        """The rows of records ``rec`` ``[K, W]`` as float32 ``[K, D]`` (a copy; a narrow
+        row widened)."""
+        if self.kind == 0:
+            return rec[:, : self.sd].copy()
+        return widen(rec.view(np.uint16)[:, : self.sd], self.kind)
+
+    def _set_rec_rows(
+        self, rec: np.ndarray, rows: np.ndarray, ids: np.ndarray | None = None, seq: int = 0
+    ) -> None:
+        """Write float32 ``rows`` ``[K, D]`` into records ``rec`` ``[K, W]`` (a view or
+        copy), as they are (``ids`` None: the store's rows, values of a narrow type
+        already), else rounded stochastically for the table's rows ``ids`` ``[K]``
+        written by request ``seq`` (:mod:`cache.narrow_records`)."""
+        if self.kind == 0:
+            rec[:, : self.sd] = rows
+        elif ids is None:
+            rec.view(np.uint16)[:, : self.sd] = exact(rows, self.kind)
+        else:
+            bits = rounded(rows, self.kind, seed=self.seed, ids=ids, seq=seq)
+            rec.view(np.uint16)[:, : self.sd] = bits
+
+    def _rows(self, slots: np.ndarray) -> np.ndarray:
+        """The rows of ``slots`` ``[K]`` as float32 ``[K, D]`` (a copy)."""
+        if self.kind == 0:
+            return self.slab[slots, : self.sd]
+        return widen(self.slab.view(np.uint16)[slots, : self.sd], self.kind)
+
+    def _set_rows(self, slots: np.ndarray, rows: np.ndarray, seq: int) -> None:
+        """The cached rows of ``slots`` ``[K]`` := float32 ``rows`` ``[K, D]`` the cache
+        computed (request ``seq``), rounded stochastically for a narrow table."""
+        if self.kind == 0:
+            self.slab[slots, : self.sd] = rows
+            return
+        bits = rounded(rows, self.kind, seed=self.seed, ids=self.row_id[slots], seq=seq)
+        self.slab.view(np.uint16)[slots, : self.sd] = bits
 
     def _slots_of(self, uniq: np.ndarray, known: _Known | None, tick: int | None) -> np.ndarray:
         """Slots of ``uniq``: from ``known`` when it holds the same ids and is current.
@@ -352,9 +410,7 @@ class TableCache:
         slots = slots[order]  # [K] least kept first (the victim order)
         rec = self._gather(slots)  # [K, W]
         rows = (
-            torch.from_numpy(rec[:, : self.dim].copy())
-            if self.data is None
-            else self.data.read(slots)
+            torch.from_numpy(self._rec_rows(rec)) if self.data is None else self.data.read(slots)
         )  # [K, D]
         out = {
             "ids": torch.from_numpy(self.row_id[slots].copy()),
@@ -401,10 +457,11 @@ class TableCache:
         slots = self._admit(ids_np, None)  # [K'] (the cache is empty: no eviction)
         rec = np.zeros((slots.size, self.width), dtype=np.float32)
         sd = self.sd
-        rec[:, :sd] = rows[keep].numpy()[:, :sd]
+        # saved copies of a narrow table are its values widened: written back exactly
+        self._set_rec_rows(rec, rows[keep].to(torch.float32).numpy()[:, :sd])
         self._meta(rec)[:] = meta[keep].numpy()
         self._meta(rec)[:, COUNT] = 0  # a saved cache was flushed: nothing pending
-        rec[:, sd : 2 * sd] = 0.0
+        self._pend(rec)[:] = 0.0
         self._scatter(slots, rec)
         opt_state = self._saved_state(state.get("opt_state"), keep, ids_np)
         if self.state_dim and opt_state is not None:
@@ -503,7 +560,7 @@ class TableCache:
                 asked = np.flatnonzero(~ok)  # [A]
         if prefetch:
             asked = self._admittable(uniq, hit, slots, misses_only=False)
-        copy_clock = copy_clocks(self.slab, self.sd, slots, fill)  # [U]
+        copy_clock = copy_clocks(self.slab, self.sd, slots, fill, kind=self.kind)  # [U]
         if copy_clock is None:
             copy_clock = np.where(hit, self.meta[slots, CLOCK], fill)
         ask_ids, ask_clock = uniq, copy_clock
@@ -535,7 +592,7 @@ class TableCache:
         """A serving pull of the tables' only writer: ask about the misses and the rows
         pushed more than ``s_r`` times since their read (``PS clock = CLOCK + OWN``
         exactly), nothing about the rest."""
-        found = sole_writer_asks(self.slab, self.sd, slots, self.read_bound, fill)
+        found = sole_writer_asks(self.slab, self.sd, slots, self.read_bound, fill, kind=self.kind)
         if found is None:
             meta = self.meta[slots]  # [U, 8] (garbage where not cached)
             asked = np.flatnonzero(~hit | (meta[:, OWN] > self.read_bound))  # [A]
@@ -725,12 +782,12 @@ class TableCache:
         ref_slots = slots.take(ref_u)  # [R]
         if ref_u.size > 0:
             if self.local is not None:
-                self._refresh_ahead(ref_slots, fresh, ref_sel, fresh_state)
+                self._refresh_ahead(ref_slots, fresh, ref_sel, fresh_state, f.seq)
             elif self.data is None:
                 rows = fresh.take(ref_sel, axis=0)  # [R, D]
                 if self.lr != 0.0:  # pend is zero for rows without pending updates: exact
-                    rows -= self.lr * self.slab[ref_slots, d : 2 * d]
-                self.slab[ref_slots, :d] = rows
+                    rows -= self.lr * self.slab[ref_slots, self.rw : self.meta_at]
+                self._set_rows(ref_slots, rows, f.seq)  # a narrow row: rounded
             else:
                 at, sel = self.data.indices(ref_slots, ref_sel)
                 self.data.refresh(at, fresh, sel, self.lr)
@@ -776,7 +833,9 @@ class TableCache:
         # Served: every cached row of the batch counts one use per occurrence.
         old = hit.copy()  # cached rows served without moving now
         old[ref_u] = False
-        served = serve_rows(self.slab, self.sd, final, old, f.counts, lfu=self.lfu, tick=f.tick)
+        served = serve_rows(
+            self.slab, self.sd, final, old, f.counts, lfu=self.lfu, tick=f.tick, kind=self.kind
+        )
         if served is None:
             served = self._serve_numpy(final, old, f.counts, f.tick)
         out, out_clock, lag, freq, n_pf_miss, n_pf_ref = served
@@ -834,11 +893,12 @@ class TableCache:
         return state if self.data is None else self.data.upload(state)
 
     def _refresh_ahead(
-        self, slots: np.ndarray, fresh: Any, sel: np.ndarray, fresh_state: Any
+        self, slots: np.ndarray, fresh: Any, sel: np.ndarray, fresh_state: Any, seq: int
     ) -> None:
         """Cached ``slots`` ``[R]`` past the bound, with the optimizer's local step: the
         PS rows ``fresh[sel]`` and their state ``fresh_state[sel]`` advanced by each
-        row's pending updates as the PS will apply them (:meth:`LocalStep.ahead`)."""
+        row's pending updates as the PS will apply them (:meth:`LocalStep.ahead`) by
+        request ``seq``."""
         assert self.local is not None
         counts = torch.from_numpy(self.meta[slots, COUNT].copy())  # [R]
         if self.data is not None:
@@ -849,12 +909,12 @@ class TableCache:
         d, sa, sn = self.dim, self.state_at, self.state_dim
         rows = torch.from_numpy(fresh.take(sel, axis=0))  # [R, D]
         state = fresh_state.index_select(0, torch.from_numpy(sel))  # [R, S]
-        pend = torch.from_numpy(self.slab[slots, d : 2 * d])  # [R, D]
+        pend = torch.from_numpy(self.slab[slots, self.rw : self.rw + d])  # [R, D]
         stats = None
         if self.counted:
             stats = torch.from_numpy(self.slab[slots, self.stat_at : self.stat_at + self.stat_dim])
         self.local.ahead(rows, state, pend, counts, stats)
-        self.slab[slots, :d] = rows.numpy()
+        self._set_rows(slots, rows.numpy(), seq)
         self.slab[slots, sa : sa + sn] = state.numpy()
 
     def _install(
@@ -877,10 +937,12 @@ class TableCache:
             self.data.install(at, fresh, at_sel, fresh_state)
         host_rows = fresh if self.data is None else _NO_ROWS
         sel, clocks = sel.astype(np.int64, copy=False), clocks.astype(np.int64, copy=False)
-        if not install_rows(self.slab, self.sd, slots, host_rows, sel, clocks, seq=seq, pf=pf):
+        if not install_rows(
+            self.slab, self.sd, slots, host_rows, sel, clocks, seq=seq, pf=pf, kind=self.kind
+        ):
             rec = np.zeros((n, self.width), dtype=np.float32)  # [n, W]
             if self.data is None:
-                rec[:, : self.dim] = fresh.take(sel, axis=0)
+                self._set_rec_rows(rec, fresh.take(sel, axis=0))
             meta = self._meta(rec)
             meta[:, CLOCK] = clocks
             meta[:, CHECKED] = seq
@@ -898,7 +960,7 @@ class TableCache:
         cached = final >= 0
         cs = final[cached]  # [S]
         out = np.zeros((u, d), dtype=np.float32)
-        out[cached] = self.slab[cs, :d]
+        out[cached] = self._rows(cs)
         out_clock = np.zeros(u, dtype=np.int64)
         out_clock[cached] = self.meta[cs, CLOCK]
         lag = np.zeros(u, dtype=np.int64)
@@ -983,10 +1045,9 @@ class TableCache:
         meta = self._meta(rec)
         pend = np.flatnonzero(meta[:, COUNT])
         if pend.size > 0:  # never dropped: push their gradient sums first
-            d = self.dim
             sums: Any
             if self.data is None:
-                sums = rec[pend, d : 2 * d]  # [K, D]
+                sums = self._pend(rec)[pend]  # [K, D]
                 counts, stats = self._counted_of(rec[pend])
             else:  # gathered now, before an admitted row takes the slot
                 (at,) = self.data.indices(victims.take(pend))
@@ -1130,11 +1191,11 @@ class TableCache:
         c_sel = np.flatnonzero(slots >= 0)  # [S]
         if c_sel.size == 0:
             return
-        s, d, sa, sn = slots.take(c_sel), self.dim, self.state_at, self.state_dim
-        rows = torch.from_numpy(self.slab[s, :d])  # [S, D] copies
+        s, sa, sn = slots.take(c_sel), self.state_at, self.state_dim
+        rows = torch.from_numpy(self._rows(s))  # [S, D] copies
         state = torch.from_numpy(self.slab[s, sa : sa + sn])  # [S, S_opt]
         self.local.step(rows, state, torch.from_numpy(g.take(c_sel, axis=0)))
-        self.slab[s, :d] = rows.numpy()
+        self._set_rows(s, rows.numpy(), self.seq)
         self.slab[s, sa : sa + sn] = state.numpy()
 
     def _update_records(
@@ -1154,7 +1215,8 @@ class TableCache:
             lr, acc_at, eps = opt.lr, self.state_at, opt.eps
         got = update_rows(
             self.slab, self.sd, slots, g, lr=lr, write_bound=self.write_bound, seq=self.seq,
-            stat_dim=q, stat_at=at, acc_at=acc_at, eps=eps,
+            stat_dim=q, stat_at=at, acc_at=acc_at, eps=eps, kind=self.kind, seed=self.seed,
+            row_ids=self.row_id,
         )  # fmt: skip
         stepped = got is not None and acc_at >= 0  # the C pass took row-wise Adagrad's step
         if self.local is not None and self.data is None and not stepped:
@@ -1168,15 +1230,19 @@ class TableCache:
             return self._counted(_EMPTY_I64, np.empty((0, d), np.float32), _EMPTY_I64, None)
         rec = self._gather(s)  # [S, W]
         meta = self._meta(rec)
-        if self.lr != 0.0:
+        if self.lr != 0.0 and self.kind == 0:
             rec[:, :d] -= self.lr * gc
+        elif self.lr != 0.0:  # a narrow row: the float32 step, rounded back
+            rows = self._rec_rows(rec)
+            rows -= self.lr * gc
+            self._set_rec_rows(rec, rows, self.row_id.take(s), self.seq)
         if self.write_bound == 0:  # every update is due as it is
             due = np.arange(s.size)
             due_g, due_k, due_s = gc, np.ones(s.size, np.int64), None
             meta[:, OWN] += 1
             meta[:, PUSHED] = self.seq
         else:
-            pend = rec[:, d : 2 * d]  # [S, D] view; zeros where nothing is pending
+            pend = self._pend(rec)  # [S, D] view; zeros where nothing is pending
             pend += gc
             stat = rec[:, at : at + q]  # [S, Q] view (Q = 0: empty)
             if q == 1:  # the kernel's sum, in its order: j = 0, 1, ... (no pairwise sum)
@@ -1215,19 +1281,18 @@ class TableCache:
         slots = np.flatnonzero(self.meta[:, COUNT])
         if slots.size > 0:
             self.seq += 1
-            d = self.sd
             rec = self._gather(slots)
             meta = self._meta(rec)
             sums: Any
             if self.data is None:
-                sums = rec[:, d : 2 * d].copy()  # [K, D]
+                sums = self._pend(rec).copy()  # [K, D]
                 counted = self._counted_of(rec)
             else:
                 (at,) = self.data.indices(slots)
                 sums = self.data.take_pending(at)
                 counted = self._counted_of(rec, self.data.take_stats(at) if self.counted else None)
             self._push(_Due(self.row_id.take(slots), sums, *counted))
-            rec[:, d : 2 * d] = 0.0
+            self._pend(rec)[:] = 0.0
             if self.counted:
                 rec[:, self.stat_at : self.stat_at + self.stat_dim] = 0.0
             meta[:, COUNT] = 0

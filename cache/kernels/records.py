@@ -29,6 +29,11 @@ skipped):
               pend = 0; stat = 0; meta[COUNT] = 0
           meta[OWN] += 1; meta[PUSHED] = seq; due_idx[k++] = i
 
+A narrow table's record (``kind`` 1 fp16, 2 bf16: :data:`ROW_KINDS`) holds its row in
+``ceil(D / 2)`` words (:func:`row_words`): the served rows are widened, installed rows
+stored as they are, and the push's local step runs on a float32 copy rounded back
+stochastically (:mod:`cache.narrow_records` on numpy, the same bits).
+
 Why C: the table's records are scattered over a slab of ``capacity x W`` floats, so
 every record is a cache miss; numpy moves whole records (gather, then scatter back)
 and runs ~10 calls per pass, and on this 2-core machine the copies are what costs
@@ -64,13 +69,25 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_cache_ask.restype = i64
     lib.hr_cache_ask.argtypes = [i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr]
     lib.hr_cache_serve.restype = None
-    lib.hr_cache_serve.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int, i64]
-    lib.hr_cache_serve.argtypes += [ptr] * 5
+    lib.hr_cache_serve.argtypes = [i64, i64, i64, ctypes.c_int, i64, ptr, ptr, ptr, ptr]
+    lib.hr_cache_serve.argtypes += [ctypes.c_int, i64] + [ptr] * 5
     lib.hr_cache_update.restype = i64
-    lib.hr_cache_update.argtypes = [i64, i64, i64, ptr, ptr, ptr, ctypes.c_float, i64, i64]
+    lib.hr_cache_update.argtypes = [i64, i64, i64, ctypes.c_int, i64, ptr, ptr, i64]
+    lib.hr_cache_update.argtypes += [ptr, ptr, ctypes.c_float, i64, i64]
     lib.hr_cache_update.argtypes += [i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ptr]
     lib.hr_cache_install.restype = None
-    lib.hr_cache_install.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr]
+    lib.hr_cache_install.argtypes = [i64, i64, i64, ctypes.c_int, i64, ptr, ptr, ptr, ptr]
+    lib.hr_cache_install.argtypes += [i64, i64, ptr]
+
+
+#: Row kinds of a record: float32, fp16, bf16 (the C source's 0, NR_F16, NR_BF16).
+ROW_KINDS = {"fp32": 0, "fp16": 1, "bf16": 2}
+
+
+def row_words(dim: int, kind: int) -> int:
+    """Float words of a record's row of ``dim`` elements: ``dim`` float32, or
+    ``ceil(dim / 2)`` of a narrow kind (2 bytes per element)."""
+    return dim if kind == 0 else -(-dim // 2)
 
 
 def available() -> bool:
@@ -82,21 +99,25 @@ def _ok(*arrays: np.ndarray | None) -> bool:
     return all(a is None or a.flags.c_contiguous for a in arrays)
 
 
-def copy_clocks(slab: np.ndarray, dim: int, slots: np.ndarray, fill: int) -> np.ndarray | None:
-    """``CLOCK`` of the records of ``slots`` int64 ``[S]`` (``fill`` where -1): int64
-    ``[S]``, or None where the kernel is not available."""
+def copy_clocks(
+    slab: np.ndarray, dim: int, slots: np.ndarray, fill: int, *, kind: int = 0
+) -> np.ndarray | None:
+    """``CLOCK`` of the records of ``slots`` int64 ``[S]`` (``fill`` where -1) of rows of
+    ``dim`` elements of ``kind`` (:data:`ROW_KINDS`): int64 ``[S]``, or None where the
+    kernel is not available."""
     lib = _library()
     if lib is None or not _ok(slab, slots):
         return None
     out = np.empty(slots.size, dtype=np.int64)
+    m = row_words(dim, kind) + dim
     lib.hr_cache_clocks(
-        slots.size, dim, slab.shape[1], slots.ctypes.data, slab.ctypes.data, fill, out.ctypes.data
+        slots.size, m, slab.shape[1], slots.ctypes.data, slab.ctypes.data, fill, out.ctypes.data
     )
     return out
 
 
 def sole_writer_asks(
-    slab: np.ndarray, dim: int, slots: np.ndarray, bound: int, fill: int
+    slab: np.ndarray, dim: int, slots: np.ndarray, bound: int, fill: int, *, kind: int = 0
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """``(asked [A], clocks [A])``: the indices into ``slots`` int64 ``[S]`` of the
     misses (-1) and of the records whose ``OWN > bound``, with their ``CLOCK``
@@ -107,8 +128,8 @@ def sole_writer_asks(
     asked = np.empty(slots.size, dtype=np.int64)
     clocks = np.empty(slots.size, dtype=np.int64)
     k = lib.hr_cache_ask(
-        slots.size, dim, slab.shape[1], slots.ctypes.data, slab.ctypes.data, bound, fill,
-        asked.ctypes.data, clocks.ctypes.data,
+        slots.size, row_words(dim, kind) + dim, slab.shape[1], slots.ctypes.data,
+        slab.ctypes.data, bound, fill, asked.ctypes.data, clocks.ctypes.data,
     )  # fmt: skip
     return asked[:k], clocks[:k]
 
@@ -127,6 +148,7 @@ def serve_rows(
     *,
     lfu: bool,
     tick: int,
+    kind: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int] | None:
     """The served pass over ``slots`` int64 ``[U]`` (see the module docstring), ``old``
     bool ``[U]`` the hits, ``uses`` int64 ``[U]`` (None: 1 each).
@@ -134,7 +156,8 @@ def serve_rows(
     Returns ``(rows [U, D], clocks [U], lag [U], freq [U], prefetched misses,
     prefetched refreshes)``; entries where ``slots`` is -1 are left unset (rows and
     clocks: the caller fills them), ``lag`` is set where ``old``, ``freq`` with
-    ``lfu``. None where the kernel is not available.
+    ``lfu``; rows of a narrow ``kind`` are served widened. None where the kernel is not
+    available.
     """
     lib = _library()
     if lib is None or not _ok(slab, slots, old, uses):
@@ -146,7 +169,7 @@ def serve_rows(
     freq = np.empty(n, dtype=np.int64) if lfu else _no_uses()
     pf = np.zeros(2, dtype=np.int64)
     lib.hr_cache_serve(
-        n, dim, slab.shape[1], slots.ctypes.data, slab.ctypes.data,
+        n, dim, row_words(dim, kind), kind, slab.shape[1], slots.ctypes.data, slab.ctypes.data,
         old.view(np.uint8).ctypes.data, None if uses is None else uses.ctypes.data,
         int(lfu), tick, rows.ctypes.data, clocks.ctypes.data, lag.ctypes.data,
         freq.ctypes.data, pf.ctypes.data,
@@ -164,11 +187,13 @@ def install_rows(
     *,
     seq: int,
     pf: int,
+    kind: int = 0,
 ) -> bool:
     """Write fresh records to the distinct ``slots`` int64 ``[n]`` of ``slab`` float32
     ``[C, W]``: row ``fresh[sel[i]]`` (``fresh`` float32 ``[M, dim]``; ``dim`` 0: rows
     live elsewhere), nothing pending, ``CLOCK = clocks[i]``, ``CHECKED = seq``, ``PF =
-    pf``, every other word zero. False (nothing written) where the kernel is not
+    pf``, every other word zero; a narrow ``kind`` stores the rows as they are (they
+    are values of that type). False (nothing written) where the kernel is not
     available."""
     lib = _library()
     if lib is None or not _ok(slab, slots, sel, clocks) or (dim and not _ok(fresh)):
@@ -179,7 +204,8 @@ def install_rows(
     n = slots.size
     assert sel.size == n and clocks.size == n
     lib.hr_cache_install(
-        n, dim, slab.shape[1], slots.ctypes.data, fresh.ctypes.data if dim else None,
+        n, dim, row_words(dim, kind), kind, slab.shape[1], slots.ctypes.data,
+        fresh.ctypes.data if dim else None,
         sel.ctypes.data, clocks.ctypes.data, seq, pf, slab.ctypes.data,
     )  # fmt: skip
     return True
@@ -198,13 +224,18 @@ def update_rows(
     stat_at: int = 0,
     acc_at: int = -1,
     eps: float = 0.0,
+    kind: int = 0,
+    seed: int = 0,
+    row_ids: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """Apply ``grads`` float32 ``[S, D]`` to the records of ``slots`` int64 ``[S]`` (-1:
     skipped) of ``slab`` float32 ``[C, W]`` in place (see the module docstring); with
     ``stat_dim`` ``Q`` > 0 each record also sums the statistic of a counted push at
     float ``stat_at`` (``Q`` = 1: ``mean(g ** 2)``; ``Q`` = ``D``: ``g ** 2``). The copy's
     step: SGD of ``lr``, or with ``acc_at`` >= 0 row-wise Adagrad's (``lr``, ``eps``) with
-    the row's accumulator at float ``acc_at`` of the record.
+    the row's accumulator at float ``acc_at`` of the record. Rows of a narrow ``kind``
+    step on a float32 copy, rounded back stochastically with ``ps.rounding``'s bits of
+    ``(seed, row_ids[slot] int64 [C], version -1 - seq, column)``.
 
     Returns ``(due, due_grads, due_counts, due_stats)``: positions int64 ``[K]`` into
     ``slots`` of the rows to push now, their gradients float32 ``[K, D]``, update counts
@@ -212,7 +243,7 @@ def update_rows(
     changed) where the kernel is not available.
     """
     lib = _library()
-    if lib is None or not _ok(slab, grads, slots):
+    if lib is None or not _ok(slab, grads, slots, row_ids) or (kind and row_ids is None):
         return None
     n = slots.size
     assert grads.shape == (n, dim)
@@ -221,8 +252,11 @@ def update_rows(
     due_k = np.empty(n, dtype=np.int64)
     due_s = np.empty((n, stat_dim), dtype=np.float32)
     k = lib.hr_cache_update(
-        n, dim, slab.shape[1], slots.ctypes.data, grads.ctypes.data, slab.ctypes.data,
+        n, dim, row_words(dim, kind), kind, slab.shape[1], slots.ctypes.data,
+        None if row_ids is None else row_ids.ctypes.data, seed, grads.ctypes.data, slab.ctypes.data,
         lr, write_bound, seq, stat_dim, stat_at, acc_at, eps, due.ctypes.data, due_g.ctypes.data,
         due_k.ctypes.data, due_s.ctypes.data,
     )  # fmt: skip
+    if k < 0:  # out of memory for a narrow row's float32 copy: nothing changed
+        return None
     return due[:k], due_g[:k], due_k[:k], due_s[:k]

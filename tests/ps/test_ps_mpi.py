@@ -182,7 +182,7 @@ def test_benchmark_quick_runs() -> None:
     }
     assert {"fp16_pull", "fp16_push"} <= set(figures), figures
     fp16 = result["figures"]["fp16_mpi"]  # fp16 / fp32 rows/s, paired by round
-    assert set(fp16) == {"fp16_mpi_pull_speedup", "fp16_mpi_push_speedup"}, fp16
+    assert {"fp16_mpi_pull_speedup", "fp16_mpi_push_speedup"} <= set(fp16), fp16
     assert min(fp16.values()) > 0, fp16
     server = result["figures"]["server"]  # the server's busy time covers the rows' kernels
     assert all(v > 0 for v in server["busy_us_per_message"].values()), server
