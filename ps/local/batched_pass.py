@@ -14,9 +14,13 @@ reply into :class:`ps.PullResult` s. Which requests it takes: pulls of fixed tab
 (fp16 / bf16 rows widened to float32), and pushes of fixed row-wise Adagrad tables with
 finite gradients (counts >= 1 and statistics finite and >= 0 when counted; a counted
 push of a narrow table goes the Python path), on host tensors
-of the documented dtypes and shapes; a push's repeated ids are summed and its parts
-sorted first by the table push's own :func:`ps.local.table.coalesce` (the same sums in
-the same order). Anything else, including every request that would raise, goes the
+of the documented dtypes and shapes; a push part whose ids repeat or are out of order is
+summed and sorted first by the table push's own :func:`ps.local.table.coalesce` (the
+same sums in the same order), and one comparison over all parts' ids finds such parts:
+a cache's push (every part sorted and distinct) goes to the pass as it came, whose own
+check covers its counts, statistics and gradients. A with-state pull of tables of one
+dim and state width (a shared cache's) splits rows from state in two copies for every
+part together. Anything else, including every request that would raise, goes the
 store's Python path, which serves it or says what is wrong; locks: every table of a
 request, taken in one order.
 
@@ -180,42 +184,54 @@ class LocalBatchedPass:
         # narrow rows round keyed by table ids: the pass takes them as the local rows
         if any(t.spec.narrow and (counted or t.row_table_ids is not None) for t in tables):
             return False
-        ids: list[np.ndarray] = []
-        grads: list[np.ndarray] = []
-        counts: list[np.ndarray] = []
-        stats: list[np.ndarray] = []
+        ids: list[np.ndarray] = []  # [n_p] each part's ids
+        grads: list[np.ndarray] = []  # [n_p * D] each part's gradients, flat
+        counts: list[np.ndarray] = []  # [n_p] (counted)
+        stats: list[np.ndarray] = []  # [n_p] (counted: row-wise Adagrad's one statistic)
         for t, r in zip(tables, requests, strict=True):
             if not _host(r.ids, torch.int64, 1) or not _host(r.grads, torch.float32, 2):
                 return False
             n = r.ids.shape[0]
             if r.grads.shape != (n, t.spec.dim) or (r.counts is not None) != counted:
                 return False
-            # Repeated ids summed and each part sorted by the table push's own functions
-            # (the same sums in the same order; ids already increasing come back as
-            # they are), so the pass's rows get the bits the part-by-part path gives.
             if counted:
                 k_, q_ = r.counts, r.stats
                 if not _host(k_, torch.int64, 1) or not _host(q_, torch.float32, 2):
                     return False
                 if k_.shape != (n,) or q_.shape != (n, 1):
                     return False  # the pass takes row-wise Adagrad's one statistic per row
-                if not _valid_counted(k_.numpy(), q_.numpy()):
-                    return False  # checked before summing: a bad one may sum to a good one
-                u, g, (c, q) = coalesce_counted(r.ids, r.grads, k_, q_)
-                counts.append(c.numpy())
-                stats.append(q.numpy().reshape(-1))
+                counts.append(k_.numpy())
+                stats.append(q_.numpy().reshape(-1))
             elif r.stats is not None:
                 return False
+            ids.append(r.ids.numpy())
+            grads.append(r.grads.numpy().reshape(-1))
+        # A part whose ids repeat or are out of order is summed and sorted by the table
+        # push's own functions (the same sums in the same order), so the pass's rows get
+        # the bits the part-by-part path gives. A cache's push is sorted and distinct in
+        # every part: one comparison over the joined ids says so, and the pass's check
+        # covers the counts and statistics.
+        flat_ids = _joined(ids)
+        unsorted = _unsorted_parts(flat_ids, [a.size for a in ids])
+        for p in unsorted:
+            r = requests[p]
+            if counted:
+                if not _valid_counted(counts[p], stats[p]):
+                    return False  # checked before summing: a bad one may sum to a good one
+                assert r.counts is not None and r.stats is not None  # checked above
+                u, g, (c, q) = coalesce_counted(r.ids, r.grads, r.counts, r.stats)
+                counts[p], stats[p] = c.numpy(), q.numpy().reshape(-1)
             else:
                 u, g = coalesce(r.ids, r.grads)
-            ids.append(u.numpy())
-            grads.append(g.numpy().reshape(-1))
+            ids[p], grads[p] = u.numpy(), g.numpy().reshape(-1)
+        if unsorted:
+            flat_ids = _joined(ids)
         index, words, hyper = self._describe(tables)
         toc = np.empty((k, 3), dtype=np.int64)  # table row, n, width word
         toc[:, 0] = index
         toc[:, 1] = [a.size for a in ids]
         toc[:, 2] = [message_pass.width_word(t.spec.dim, t.spec.dtype) for t in tables]
-        flat_ids, flat_grads = _joined(ids), _joined(grads)
+        flat_grads = _joined(grads)
         both = (_joined(counts), _joined(stats)) if counted else None
         counters = np.zeros((words.shape[0], COUNTER_WORDS), dtype=np.int64)
         with _locked(tables):
@@ -233,6 +249,22 @@ def _valid_counted(counts: np.ndarray, stats: np.ndarray) -> bool:
         return True
     with np.errstate(invalid="ignore"):
         return bool(counts.min() >= 1) and bool((stats >= 0).all() and np.isfinite(stats).all())
+
+
+def _unsorted_parts(flat: np.ndarray, sizes: list[int]) -> list[int]:
+    """Indices of the parts of ``flat`` (int64 ids of parts of ``sizes``, back to back)
+    that are not strictly increasing, by one comparison over all of them (the pairs
+    across two parts ignored)."""
+    if flat.size < 2:
+        return []
+    rising = flat[1:] > flat[:-1]  # [N - 1]
+    ends = np.cumsum(sizes)[:-1]  # where each part but the first starts
+    ends = ends[(ends > 0) & (ends < flat.size)]
+    rising[ends - 1] = True  # the pair across a boundary does not count
+    if rising.all():
+        return []
+    bad = np.flatnonzero(~rising) + 1  # [B] positions where the order breaks
+    return sorted(set(np.searchsorted(np.cumsum(sizes), bad, side="right").tolist()))
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
@@ -284,6 +316,7 @@ def _results(
     # One tensor over each buffer, parts as its slices: every part (an empty one too)
     # shares the buffer's storage, so parts that lie back to back join without a copy.
     words, floats = torch.from_numpy(reply), torch.from_numpy(rows)
+    split = _split_state(tables, reply, floats) if with_state else None
     for p, (t, r) in enumerate(zip(tables, requests, strict=True)):
         m, d = int(reply[2 * p]), t.spec.dim
         clocks = words[at : at + m]
@@ -292,7 +325,13 @@ def _results(
         if r.bound is not None:
             positions = words[at : at + m]
             at += m
-        if with_state:
+        if split is not None:  # rows and state split once for every part
+            row_all, state_all = split
+            out.append(
+                PullResult(row_all[fat : fat + m], clocks, positions, state_all[fat : fat + m])
+            )
+            fat += m
+        elif with_state:
             w = d + t.spec.state_dim
             block = floats[fat : fat + m * w].view(m, w)
             fat += m * w
@@ -303,3 +342,19 @@ def _results(
             out.append(PullResult(floats[fat : fat + m * d].view(m, d), clocks, positions))
             fat += m * d
     return out
+
+
+def _split_state(
+    tables: Sequence[LocalTable], reply: np.ndarray, floats: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where every part's table has one dim ``D`` and state width ``S`` (a shared
+    cache's tables), the rows of a with-state reply (``[M, D + S]``, each row's state
+    after its values) split into rows ``[M, D]`` and state ``[M, S]`` in two copies,
+    not two per part; None otherwise."""
+    dims = {(t.spec.dim, t.spec.state_dim) for t in tables}
+    if len(dims) != 1:
+        return None
+    ((d, s),) = dims
+    m = int(reply[0 : 2 * len(tables) : 2].sum())
+    block = floats[: m * (d + s)].view(m, d + s)
+    return block[:, :d].contiguous(), block[:, d:].contiguous()

@@ -197,6 +197,45 @@ def test_a_bad_part_raises_the_python_error_and_changes_nothing(bad: str, match:
     assert _counters(mine) == _counters(ref), "a refused request counts nothing"
 
 
+@pytest.mark.parametrize("bad", ["none", "count", "stat", "inf_stat", "nan"])
+def test_sorted_distinct_parts_skip_the_sums_and_the_pass_checks_them(bad: str) -> None:
+    """A cache's push: every part's ids sorted and distinct, so nothing is summed in
+    Python and the pass's own check covers counts, statistics and gradients: a good
+    batch equals part by part, a bad value in any part raises the Python path's error
+    with nothing changed."""
+    mine, ref = _stores(SPECS)
+    gen = torch.Generator().manual_seed(5)
+    pushes = []
+    for spec in SPECS:
+        ids = torch.randperm(spec.num_rows or 0, generator=gen)[:12].sort().values
+        grads = torch.randn(12, spec.dim, generator=gen)
+        counts = torch.randint(1, 4, (12,), generator=gen)
+        stats = grads.square().mean(dim=1, keepdim=True) * counts.unsqueeze(1)
+        pushes.append(PushRequest(spec.name, ids, grads, counts, stats))
+    last = pushes[1]
+    counts, stats, grads = last.counts.clone(), last.stats.clone(), last.grads.clone()
+    if bad == "count":
+        counts[5] = 0
+    elif bad == "stat":
+        stats[5, 0] = -0.5
+    elif bad == "inf_stat":
+        stats[5, 0] = float("inf")
+    elif bad == "nan":
+        grads[5, 2] = float("nan")
+    pushes[1] = PushRequest("b", last.ids, grads, counts, stats)
+    if bad == "none":
+        mine.push_many(pushes)
+        for r in pushes:
+            ref.push_many([r])
+        assert mine._batched.served == 1, "the pass served the batch"
+    else:
+        with pytest.raises(ValueError, match=r"push table 'b'"):
+            mine.push_many(pushes)
+        assert mine._batched.served == 0, "nothing was applied by the pass"
+    _same(mine, ref, SPECS)
+    assert _counters(mine) == _counters(ref)
+
+
 def test_tables_replaced_by_a_load_or_a_create_are_served_from_their_new_rows(tmp_path) -> None:
     mine, _ = _stores(SPECS[:1])
     ids = torch.arange(20)
