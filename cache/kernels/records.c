@@ -1,119 +1,36 @@
-/* No fused multiply-add (see ps/kernels/rowwise_adagrad.c): the same bits on every CPU. */
-#pragma GCC optimize ("fp-contract=off")
+/* Compiled after ps/kernels/rowwise_adagrad.c and ps/kernels/narrow_rows.c in one library
+   (cache/kernels/records.py puts the sources together): a narrow row's widening, its
+   stochastic rounding and their random bits are narrow_rows.c's functions, so the cache
+   rounds with the bits of ps.rounding.rounding_bits by the very code the store runs.
+   rowwise_adagrad.c's "fp-contract=off" pragma covers this file too (no fused
+   multiply-add: the same bits on every CPU). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { CLOCK, OWN, COUNT, FREQ, PF, CHECKED, PUSHED };
+/* A record's metadata words (PF_MARK is the PF word of cache.table_cache; PF is
+   rowwise_adagrad.c's prefetch distance). */
+enum { CLOCK, OWN, COUNT, FREQ, PF_MARK, CHECKED, PUSHED };
 /* A record's metadata: m floats into it (the row's words, then the pending sum's). */
 #define META(slab, s, m, w) ((int64_t*)((slab) + (s) * (w) + (m)))
 #define AHEAD 6 /* records prefetched ahead: their misses overlap */
 
 /* ------------------------------------------------------------------ narrow rows
 
-   A narrow table's record holds its row as d fp16 or bf16 values (kind 1 or 2; kind 0:
-   float32) in rw = ceil(d / 2) float words. Reads widen exactly; the store's rows are
-   installed as they are (they are narrow values already: the magnitude cut below their
-   last bit is exact); a local write rounds stochastically with the bits of
-   ps.rounding.rounding_bits (the definitions of ps/kernels/narrow_rows.c):
+   A narrow table's record holds its row as d fp16 or bf16 values (kind NR_F16 or
+   NR_BF16 of narrow_rows.c; kind 0: float32) in rw = ceil(d / 2) float words. Reads widen
+   exactly (nr_widen); a local write rounds stochastically (nr_store, keyed by nr_row_key
+   as ps.rounding.rounding_bits); the store's rows are installed as they are: they are
+   narrow values already, so the magnitude cut below their last bit is exact. */
 
-       key  = splitmix64(splitmix64(splitmix64(seed & (2**63 - 1)) ^ id)
-                         + version * 0x9E3779B97F4A7C15)           per row
-       h    = key + (column + 1) * 0xD1B54A32D192ED03              per element
-       h    = (h ^ (h >> 33)) * 0xFF51AFD7ED558CCD
-       bits = (h ^ (h >> 33)) >> 32 */
-#define NR_F16 1
-#define NR_BF16 2
-#define NR_GAMMA 0x9E3779B97F4A7C15ull
-#define NR_M1 0xBF58476D1CE4E5B9ull
-#define NR_M2 0x94D049BB133111EBull
-#define NR_COLUMN 0xD1B54A32D192ED03ull
-#define NR_MIX 0xFF51AFD7ED558CCDull
-#define NR_FP16_MIN_NORMAL 0x1p-14f
-
-static inline uint32_t nr_bits_of(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return u;
-}
-
-static inline float nr_float_of(uint32_t u) {
-    float x;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
-/* fp16 bits to float32 exactly (integer and exact float operations, no branch). */
-static inline float nr_f16_to_f32(uint16_t h) {
-    uint32_t w = (uint32_t)h << 16;
-    uint32_t sign = w & 0x80000000u;
-    uint32_t two_w = w + w;
-    float normalized = nr_float_of((two_w >> 4) + (0xE0u << 23)) * 0x1p-112f;
-    float denormalized = nr_float_of((two_w >> 17) | (126u << 23)) - 0.5f;
-    uint32_t mag = two_w < (1u << 27) ? nr_bits_of(denormalized) : nr_bits_of(normalized);
-    return nr_float_of(sign | mag);
-}
-
-/* Narrow row src [d] of kind as float32 into out [d] (exact). */
-static inline void nr_widen(int kind, const uint16_t* src, int64_t d, float* out) {
+/* float32 x [d] holding narrow values into the narrow row dst [d]: the rounding with no
+   random bits, which cuts nothing but zeros. */
+static inline void rec_store_exact(int kind, const float* x, int64_t d, uint16_t* dst) {
     if (kind == NR_BF16)
-        for (int64_t j = 0; j < d; ++j) out[j] = nr_float_of((uint32_t)src[j] << 16);
+        for (int64_t j = 0; j < d; ++j) dst[j] = nr_round_bf16(x[j], 0u);
     else
-        for (int64_t j = 0; j < d; ++j) out[j] = nr_f16_to_f32(src[j]);
-}
-
-static inline uint64_t nr_splitmix64(uint64_t z) {
-    z += NR_GAMMA;
-    z = (z ^ (z >> 30)) * NR_M1;
-    z = (z ^ (z >> 27)) * NR_M2;
-    return z ^ (z >> 31);
-}
-
-static inline uint64_t nr_row_key(uint64_t seed_key, int64_t id, int64_t version) {
-    return nr_splitmix64(nr_splitmix64((uint64_t)id ^ seed_key) + (uint64_t)version * NR_GAMMA);
-}
-
-static inline uint32_t nr_col_bits(uint64_t key, int64_t j) {
-    uint64_t h = key + (uint64_t)(j + 1) * NR_COLUMN;
-    h = (h ^ (h >> 33)) * NR_MIX;
-    return (uint32_t)(h >> 32);
-}
-
-/* ps.rounding.round_to of one value with random bits r (r = 0: the magnitude cut, exact
-   for a value of the narrow type). */
-static inline uint16_t nr_round_bf16(float x, uint32_t r) {
-    uint32_t u = nr_bits_of(x);
-    uint32_t finite = (u & 0x7F800000u) != 0x7F800000u;
-    uint32_t nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-    uint32_t out = finite ? (u + (r & 0xFFFFu)) >> 16 : (nan ? 0x7FC0u : u >> 16);
-    return (uint16_t)out;
-}
-
-static inline uint16_t nr_round_f16(float x, uint32_t r) {
-    uint32_t u = nr_bits_of(x);
-    uint32_t sign = (u >> 16) & 0x8000u;
-    float mag = fabsf(x);
-    uint32_t small = mag < NR_FP16_MIN_NORMAL;
-    float shifted = small ? mag + NR_FP16_MIN_NORMAL : mag;
-    uint32_t up = (nr_bits_of(shifted) + (r & 0x1FFFu)) & ~0x1FFFu;
-    uint32_t h = (up >> 13) - (112u << 10);
-    h = small ? h - 0x400u : h;
-    h = up > 0x477FE000u ? 0x7BFFu : h;
-    uint32_t finite = (u & 0x7F800000u) != 0x7F800000u;
-    uint32_t nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-    h = finite ? h : (nan ? 0x7E00u : 0x7C00u);
-    return (uint16_t)(sign | h);
-}
-
-/* float32 x [d] into the narrow row dst [d]: stochastically rounded with key (exact:
-   the random bits 0). */
-static inline void nr_store(int kind, const float* x, int64_t d, uint64_t key, int exact,
-                            uint16_t* dst) {
-    for (int64_t j = 0; j < d; ++j) {
-        uint32_t r = exact ? 0u : nr_col_bits(key, j);
-        dst[j] = kind == NR_BF16 ? nr_round_bf16(x[j], r) : nr_round_f16(x[j], r);
-    }
+        for (int64_t j = 0; j < d; ++j) dst[j] = nr_round_f16(x[j], 0u);
 }
 
 void hr_cache_clocks(int64_t n, int64_t m, int64_t w, const int64_t* slots,
@@ -147,7 +64,7 @@ int64_t hr_cache_ask(int64_t n, int64_t m, int64_t w, const int64_t* slots,
 }
 
 /* Rows and clocks of the cached ids (slots[i] >= 0) into out_rows [n, d], out_clock [n].
-   old[i] (NULL: none) marks the hits: their prefetch marks PF are counted in
+   old[i] (NULL: none) marks the hits: their prefetch marks PF_MARK are counted in
    pf_counts[0] (fetched as a miss) / pf_counts[1] (refreshed) when made for batch
    `tick`, and cleared; lag[i] := OWN. lfu: FREQ += uses[i] (1 if uses NULL), and
    freq[i] := FREQ. */
@@ -171,10 +88,10 @@ void hr_cache_serve(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
         int64_t* meta = META(slab, s, m, w);
         out_clock[i] = meta[CLOCK];
         if (old && old[i]) {
-            int64_t pf = meta[PF];
+            int64_t pf = meta[PF_MARK];
             if (pf & 3) {
                 if ((pf >> 2) == tick) pf_counts[(pf & 3) == 1 ? 0 : 1] += 1;
-                meta[PF] = 0;
+                meta[PF_MARK] = 0;
             }
             lag[i] = meta[OWN];
         }
@@ -202,7 +119,7 @@ int64_t hr_cache_update(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
     /* a narrow row steps on a float32 copy (buf [d]), then is rounded back */
     float* buf = kind ? (float*)malloc(sizeof(float) * (size_t)(d > 0 ? d : 1)) : NULL;
     if (kind && !buf) return -1;
-    uint64_t seed_key = nr_splitmix64((uint64_t)seed & 0x7FFFFFFFFFFFFFFFull);
+    uint64_t seed_key = nr_seed_key(seed);
     int64_t k = 0;
     for (int64_t i = 0; i < n; ++i) {
         int64_t s = slots[i];
@@ -240,8 +157,7 @@ int64_t hr_cache_update(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
         /* version -1 - seq: the push's request number, unique per write of the row and
            never a PS clock (>= 0) */
         if (kind && stepped)
-            nr_store(kind, buf, d, nr_row_key(seed_key, row_ids[s], -1 - seq), 0,
-                     (uint16_t*)rec);
+            nr_store(kind, buf, d, nr_row_key(seed_key, row_ids[s], -1 - seq), (uint16_t*)rec);
         if (write_bound == 0) {
             memcpy(due_g + k * d, g, sizeof(float) * (size_t)d);
             due_k[k] = 1;
@@ -275,7 +191,7 @@ int64_t hr_cache_update(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
 }
 
 /* Fresh records in slots[i] (distinct): row := fresh[sel[i]] (d floats, fresh [m, d]),
-   nothing pending, CLOCK := clocks[i], CHECKED := seq, PF := pf, every other word 0. */
+   nothing pending, CLOCK := clocks[i], CHECKED := seq, PF_MARK := pf, every other word 0. */
 void hr_cache_install(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
                       const int64_t* slots, const float* fresh, const int64_t* sel,
                       const int64_t* clocks, int64_t seq, int64_t pf, float* slab) {
@@ -288,12 +204,12 @@ void hr_cache_install(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
         float* rec = slab + slots[i] * w;
         memset(rec, 0, sizeof(float) * (size_t)w);
         if (d > 0 && kind)
-            nr_store(kind, fresh + sel[i] * d, d, 0, 1, (uint16_t*)rec);
+            rec_store_exact(kind, fresh + sel[i] * d, d, (uint16_t*)rec);
         else if (d > 0)
             memcpy(rec, fresh + sel[i] * d, sizeof(float) * (size_t)d);
         int64_t* meta = META(slab, slots[i], m, w);
         meta[CLOCK] = clocks[i];
-        meta[PF] = pf;
+        meta[PF_MARK] = pf;
         meta[CHECKED] = seq;
     }
 }

@@ -32,7 +32,8 @@ skipped):
 A narrow table's record (``kind`` 1 fp16, 2 bf16: :data:`ROW_KINDS`) holds its row in
 ``ceil(D / 2)`` words (:func:`row_words`): the served rows are widened, installed rows
 stored as they are, and the push's local step runs on a float32 copy rounded back
-stochastically (:mod:`cache.narrow_records` on numpy, the same bits).
+stochastically (:mod:`cache.narrow_records` on numpy, the same bits): the widening and
+rounding are ``ps/kernels/narrow_rows.c``'s, compiled into this library.
 
 Why C: the table's records are scattered over a slab of ``capacity x W`` floats, so
 every record is a cache miss; numpy moves whole records (gather, then scatter back)
@@ -53,13 +54,20 @@ import functools
 import numpy as np
 
 from comm.native import kernel_source, load_c_library
+from ps.kernels import narrow_rows
 
-# The C source: records.c next to this file (package data).
+# The C source: records.c next to this file (package data). It is compiled after the
+# library source of ps.kernels.narrow_rows (rowwise_adagrad.c and narrow_rows.c), whose
+# widening and stochastic rounding of narrow rows it calls: one definition of the
+# rounding's bits for the store and the cache (one string, built once: the loader's
+# cache is keyed by it).
 _SOURCE = kernel_source(__package__, "records")
+_LIBRARY_SOURCE = narrow_rows._LIBRARY_SOURCE + "\n" + _SOURCE
 
 
 def _library() -> ctypes.CDLL | None:
-    return load_c_library("hr_cache_records", _SOURCE, _declare)  # kept after the first call
+    # load_c_library keeps the library after the first call
+    return load_c_library("hr_cache_records", _LIBRARY_SOURCE, _declare)
 
 
 def _declare(lib: ctypes.CDLL) -> None:

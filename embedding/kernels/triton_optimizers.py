@@ -39,9 +39,9 @@ Narrow rows (an fp16 or bf16 ``weight`` with its ``rounding`` keys,
 :class:`ps.kernels.narrow_rows.RoundingKeys`): a row is widened as it is loaded, the
 update runs in float32 as for a float32 row, and the result is stored stochastically
 rounded with the bits of :func:`ps.rounding.round_to` (the same hash on ``tl.uint64``,
-keyed by the row's table seed, its id in the table and its clock after the update), so
-these rows equal the float32 kernel's result passed through ``round_to``. Clocks are
-required then (they key the rounding).
+one per group of four columns, keyed by the row's table seed, its id in the table and
+its clock after the update), so these rows equal the float32 kernel's result passed
+through ``round_to``. Clocks are required then (they key the rounding).
 """
 
 from __future__ import annotations
@@ -280,13 +280,30 @@ def _row_keys(keys_ptr, row_ids_ptr, row, version, lead, HAS_ROW_IDS: tl.constex
 
 
 @triton.jit
-def _rounded_bits(w, key, cols, ROUND: tl.constexpr):
+def _fmix64(h):
+    """murmur3's 64-bit finaliser on ``tl.uint64`` (wrapping)."""
+    h = (h ^ (h >> 33)) * 0xFF51AFD7ED558CCD
+    h = (h ^ (h >> 33)) * 0xC4CEB9FE1A85EC53
+    return h ^ (h >> 33)
+
+
+@triton.jit
+def _draws(key, blk, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The 16-bit random draws ``[ROWS, BLOCK_D]`` uint32 of columns ``blk * BLOCK_D +
+    lane`` of each row's ``key`` ``[ROWS]`` (:func:`ps.rounding.rounding_bits`): one hash
+    per group of four columns ``[ROWS, BLOCK_D // 4]``, column ``4g + l`` its lane ``l``."""
+    groups = blk * (BLOCK_D // 4) + tl.arange(0, BLOCK_D // 4)  # [G]
+    h = _fmix64(key[:, None] + (groups[None, :] + 1).to(tl.uint64) * 0xD1B54A32D192ED03)
+    shifts = (tl.arange(0, 4) * 16).to(tl.uint64)  # [4]
+    lanes = (h[:, :, None] >> shifts[None, None, :]) & 0xFFFF  # [ROWS, G, 4]
+    return tl.reshape(lanes, (ROWS, BLOCK_D)).to(tl.uint32)  # row-major: column 4g + l
+
+
+@triton.jit
+def _rounded_bits(w, r, ROUND: tl.constexpr):
     """float32 ``w`` ``[ROWS, BLOCK_D]`` stochastically rounded to fp16 or bf16, as uint16
     bits: the steps of ``ps/kernels/narrow_rows.c`` (``nr_round_f16``/``nr_round_bf16``)
-    with the random bits of column ``cols`` of each row's ``key``."""
-    h = key[:, None] + (cols[None, :] + 1).to(tl.uint64) * 0xD1B54A32D192ED03
-    h = (h ^ (h >> 33)) * 0xFF51AFD7ED558CCD
-    r = ((h ^ (h >> 33)) >> 32).to(tl.uint32)  # 32 random bits per element
+    with the 16-bit random draws ``r`` ``[ROWS, BLOCK_D]`` (:func:`_draws`)."""
     u = w.to(tl.uint32, bitcast=True)
     finite = (u & 0x7F800000) != 0x7F800000
     nan = (u & 0x7FFFFFFF) > 0x7F800000
@@ -442,7 +459,7 @@ def _update_kernel(
         if ROUND == ROUND_NONE:
             tl.store(w_ptrs, w.to(weight_ptr.dtype.element_ty), mask=m2)
         else:
-            bits = _rounded_bits(w, key, cols, ROUND)
+            bits = _rounded_bits(w, _draws(key, blk, ROWS, BLOCK_D), ROUND)
             tl.store(w_ptrs, bits.to(weight_ptr.dtype.element_ty, bitcast=True), mask=m2)
 
     if OPT == OPT_ADAM:

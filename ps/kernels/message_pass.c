@@ -379,12 +379,7 @@ static int narrow_push_part(const table_desc* t, int64_t n, const int64_t* ids,
     int64_t d = t->dim;
     int dtype = (int)t->dtype;
     float* buf = (float*)malloc(sizeof(float) * (size_t)(2 * d + 1));
-    uint64_t* cols = nr_columns(d);
-    if (!buf || !cols) {
-        free(buf);
-        free(cols);
-        return 1;
-    }
+    if (!buf) return 1;
     float* g = buf + d; /* the row's gradient, widened (packed) */
     uint16_t* weight = (uint16_t*)t->weights;
     uint64_t seed_key = nr_seed_key(t->seed);
@@ -401,10 +396,9 @@ static int narrow_push_part(const table_desc* t, int64_t n, const int64_t* ids,
         adagrad_step(buf, t->state + r * t->sstride, gi, d, lr, eps);
         int64_t version = t->clocks[r] + 1;
         t->clocks[r] = version;
-        nr_store(dtype, buf, d, nr_row_key(seed_key, ids[i], version), cols, dst);
+        nr_store(dtype, buf, d, nr_row_key(seed_key, ids[i], version), dst);
     }
     free(buf);
-    free(cols);
     return 0;
 }
 

@@ -68,12 +68,15 @@ def _reference_round(
     return out
 
 
+# 37: one chunk of the C pass's draws, the last group of four columns partial; 131: three
+# chunks of 64 columns (draws made 64 at a time), the last one partial
+@pytest.mark.parametrize("d", [37, 131])
 @pytest.mark.parametrize("with_row_ids", [False, True], ids=["bases", "row_ids"])
 @pytest.mark.parametrize("dtype", sorted(NARROW))
-def test_round_rows_is_round_to(dtype: str, with_row_ids: bool) -> None:
+def test_round_rows_is_round_to(dtype: str, with_row_ids: bool, d: int) -> None:
     dt = NARROW[dtype]
     gen = torch.Generator().manual_seed(0)
-    n, d = 3000, 37
+    n = 3000
     x = _values(gen, n, d)
     rows = torch.randint(0, sum(SIZES), (n,), generator=gen)
     versions = torch.randint(0, 10**9, (n,), generator=gen)
@@ -91,6 +94,33 @@ def test_round_rows_is_round_to(dtype: str, with_row_ids: bool) -> None:
     )
     nan = torch.full((2, d), float("nan"))
     assert bool(narrow_rows.round_rows(nan, keys, rows[:2], versions[:2]).isnan().all())
+
+
+@pytest.mark.parametrize("dtype", sorted(NARROW))
+def test_round_rows_is_round_to_on_every_kind_of_bit_pattern(dtype: str) -> None:
+    """A stride through all 2**32 float32 bit patterns (both signs, every exponent:
+    subnormals, fp16's subnormal and overflow ranges, Inf, NaNs with payloads), each
+    rounded with varied bits: the branch-free C rounding against round_to's. A NaN must
+    stay a NaN (torch's conversion keeps a NaN's payload bits, the C pass writes the quiet
+    NaN of ``test_round_rows_is_round_to``)."""
+    dt = NARROW[dtype]
+    patterns = torch.arange(0, 2**32, 4099, dtype=torch.int64)
+    x = (patterns - 2**32 * (patterns >= 2**31)).to(torch.int32).view(torch.float32)
+    x = x[: x.numel() // 64 * 64].reshape(-1, 64)  # [n, 64]
+    n = x.shape[0]
+    rows = torch.arange(n) % sum(SIZES)
+    versions = torch.arange(n, dtype=torch.int64) * 7919
+    keys = RoundingKeys.of_tables(dt, SIZES, SEEDS)
+    got = narrow_rows.round_rows(x, keys, rows, versions)
+    want = _reference_round(x, dt, rows, versions, None)
+    nan = x.isnan()
+    assert bool(got[nan].isnan().all())
+    assert_same(
+        _bits(got[~nan]),
+        _bits(want[~nan]),
+        what=f"{dtype} rounding of bit patterns",
+        why="one hash on uint64 and the same float32 steps as round_to",
+    )
 
 
 def test_round_rows_falls_back_to_round_to(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -224,11 +254,13 @@ def _pool_reference(
     return acc
 
 
+# 19: one chunk of widened columns with a tail past the last 8; 150: three chunks of 64
+@pytest.mark.parametrize("d", [19, 150])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", sorted(NARROW))
-def test_pool_sums_widened_rows_in_float32(dtype: str, weighted: bool) -> None:
+def test_pool_sums_widened_rows_in_float32(dtype: str, weighted: bool, d: int) -> None:
     gen = torch.Generator().manual_seed(4)
-    weight = torch.randn(500, 19, generator=gen).to(NARROW[dtype])
+    weight = torch.randn(500, d, generator=gen).to(NARROW[dtype])
     lengths = torch.randint(0, 6, (4000,), generator=gen)  # empty bags too; > 4096 ids
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     ids = torch.randint(0, 500, (int(offsets[-1]),), generator=gen)

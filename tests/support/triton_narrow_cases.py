@@ -86,15 +86,17 @@ def case_pool_bf16(device: str) -> None:
     _check_pool(device, torch.bfloat16)
 
 
-def _check_update(device: str, name: str, dtype: torch.dtype, *, rows_form: bool) -> None:
-    """Two steps of the fused backward (or of ``apply_rows_``) on narrow rows against the
-    float32 kernel on the widened rows, rounded."""
+def _check_update(
+    device: str, name: str, dtype: torch.dtype, *, rows_form: bool, dim: int = 13
+) -> None:
+    """Two steps of the fused backward (or of ``apply_rows_``) on narrow rows of ``dim``
+    columns against the float32 kernel on the widened rows, rounded."""
     from embedding.kernels.triton_optimizers import apply_rows_, fused_backward_
 
     opt = optimizers()[name]
     sizes, seeds = [20, 14], [11, 2**63 - 1]
     b = make_batch(
-        seed=41, table_rows=sizes, dim=13, batch=5, max_len=6, weighted=True, device=device, hot=4
+        seed=41, table_rows=sizes, dim=dim, batch=5, max_len=6, weighted=True, device=device, hot=4
     )
     rows, dim = b.weight.shape
     narrow = b.weight.to(dtype)  # the rows, rounded to the nearest once
@@ -142,9 +144,9 @@ def _check_update(device: str, name: str, dtype: torch.dtype, *, rows_form: bool
     assert torch.equal(c_n.cpu(), c_w.cpu())
 
 
-def _update_case(name: str, dtype: str, rows_form: bool) -> Callable[[str], None]:
+def _update_case(name: str, dtype: str, rows_form: bool, dim: int = 13) -> Callable[[str], None]:
     def case(device: str) -> None:
-        _check_update(device, name, NARROW[dtype], rows_form=rows_form)
+        _check_update(device, name, NARROW[dtype], rows_form=rows_form, dim=dim)
 
     return case
 
@@ -208,6 +210,9 @@ for _opt in ("sgd", "sgd_momentum", "rowwise_adagrad", "adagrad", "adam", "ftrl"
         CASES[f"update_{_opt}_{_dt}"] = _update_case(_opt, _dt, rows_form=False)
 CASES["rows_adam_fp16_row_ids"] = _update_case("adam", "fp16", rows_form=True)
 CASES["rows_rowwise_adagrad_bf16_row_ids"] = _update_case("rowwise_adagrad", "bf16", rows_form=True)
+# 150 columns: two column blocks of 128 (the second one's hashes start at group 32) and a
+# last group of four columns that is partial
+CASES["update_rowwise_adagrad_fp16_wide"] = _update_case("rowwise_adagrad", "fp16", False, dim=150)
 
 
 def main(argv: list[str] | None = None) -> int:
