@@ -136,8 +136,8 @@ class CachedStore(Store):
 
     def _ensure(self, tables: Sequence[str]) -> None:
         """Make the caches of ``tables`` (one request's) that have none yet. With
-        ``group_tables`` those of them that are fixed and share a dim and a local step
-        (size, or optimizer; and pushed statistic) share one cache: tables first
+        ``group_tables`` those of them that are fixed and share a dim, a row type and a
+        local step (size, or optimizer; and pushed statistic) share one cache: tables first
         requested together are cached together."""
         with self._lock:
             new: list[str] = []
@@ -148,11 +148,11 @@ class CachedStore(Store):
             groups: dict[tuple[object, ...], list[TableSpec]] = {}
             for spec in specs:
                 if self.config.group_tables and spec.num_rows is not None:
-                    # One record layout and local step: the same pushed statistic
-                    # (counted pushes) and the same optimizer stepping the copies.
+                    # One record layout and local step: the same row type, pushed
+                    # statistic (counted pushes) and optimizer stepping the copies.
                     stat = spec.optimizer.stat_dim(spec.dim)
                     step = self.config.local_optimizer(spec)
-                    key = (spec.dim, self.config.lr_for(spec), stat, step)
+                    key = (spec.dim, spec.dtype, self.config.lr_for(spec), stat, step)
                     groups.setdefault(key, []).append(spec)
                 else:
                     self._register([spec])

@@ -9,9 +9,10 @@ table (layouts in :mod:`cache.table_cache`):
   64 bytes of metadata, with counted pushes of an element-wise optimizer ``D`` floats of
   statistics, with the optimizer's local step its ``S`` state floats, rounded up to
   64-byte lines) on the host;
-* rows on a device: the row and the pending sum, ``2 x D`` float32 (plus the ``Q``
-  statistic floats of counted pushes and the ``S`` state floats of the optimizer's local
-  step), on the device, and a 64-byte metadata record on the host;
+* rows on a device: the row (``D`` float32, or ``D`` 2-byte values of a table of fp16
+  or bf16 rows) and the pending sum, ``D`` float32 (plus the ``Q`` statistic floats of
+  counted pushes and the ``S`` state floats of the optimizer's local step), on the
+  device, and a 64-byte metadata record on the host;
 * either way on the host: the slot's row id, eviction key and free-stack entry (24
   bytes), the id -> slot map (4 bytes per *table* row for a fixed table of at most
   :data:`cache.config.DENSE_INDEX_MAX_ROWS` rows, else about 64 bytes per cached id),
@@ -71,6 +72,14 @@ def host_row_words(spec: TableSpec) -> int:
     return -(-spec.dim // 2) if spec.narrow else spec.dim
 
 
+def device_row_bytes(config: CacheConfig, spec: TableSpec) -> int:
+    """Bytes of one cached row of ``spec`` on a device (:class:`cache.device_rows.DeviceRows`):
+    the row (2 or 4 bytes per element), its ``D`` pending floats, ``Q`` statistic floats
+    and ``S`` optimizer state floats."""
+    floats = spec.dim + stat_floats(config, spec) + state_floats(config, spec)
+    return spec.dim * (2 if spec.narrow else 4) + floats * 4
+
+
 def cache_bytes(config: CacheConfig, specs: Sequence[TableSpec], *, on_device: bool) -> CacheBytes:
     """What caches of ``specs`` under ``config`` take when full; ``on_device``: rows and
     pending sums on a device (:class:`cache.CachedStore` given a ``device``)."""
@@ -79,7 +88,7 @@ def cache_bytes(config: CacheConfig, specs: Sequence[TableSpec], *, on_device: b
         rows = config.capacity(spec)
         q, s = stat_floats(config, spec), state_floats(config, spec)
         if on_device:
-            device += rows * (2 * spec.dim + q + s) * 4
+            device += rows * device_row_bytes(config, spec)
             host += rows * META_BYTES
         else:
             host += rows * record_floats(spec.dim, q, s, row_words=host_row_words(spec)) * 4
@@ -99,11 +108,9 @@ def rows_fitting(
 ) -> int:
     """The most rows per table whose caches of ``specs`` (rows on a device, under
     ``config``'s bounds) take at most ``device_bytes`` there:
-    ``device_bytes // sum((2 x D + Q + S) x 4)``."""
+    ``device_bytes // sum(device_row_bytes)`` (:func:`device_row_bytes`)."""
     cfg = CacheConfig(capacity_rows=1) if config is None else config
-    per_row = sum(
-        (2 * spec.dim + stat_floats(cfg, spec) + state_floats(cfg, spec)) * 4 for spec in specs
-    )
+    per_row = sum(device_row_bytes(cfg, spec) for spec in specs)
     if per_row == 0:
         raise ValueError("rows_fitting: no tables to cache")
     return max(0, int(device_bytes) // per_row)

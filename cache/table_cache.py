@@ -234,15 +234,21 @@ class TableCache:
         self.local = None if opt is None else LocalStep(opt, d)
         self.opt_dim = 0 if self.local is None else self.local.state_dim
         self.with_state = self.opt_dim > 0  # pulls bring the rows' state (PullRequest)
+        self.seed = spec.init.seed if spec.init is not None else 0  # rounding's key
+        # A narrow table's rows stay in its type: in the host records (kind 1 fp16, 2
+        # bf16: `rw` = ceil(D / 2) words), or on the device (the records there hold no
+        # row: kind 0).
+        row_dtype = spec.torch_dtype if ROW_KINDS[spec.dtype] else torch.float32
         self.data = (
-            None if device is None else DeviceRows(cap, d, device, self.push_q, self.opt_dim)
+            None
+            if device is None
+            else DeviceRows(
+                cap, d, device, self.push_q, self.opt_dim, dtype=row_dtype, seed=self.seed
+            )
         )
         sd = d if self.data is None else 0  # elements of row (and floats of pend) in a record
         self.sd = sd
-        # A narrow table's host records hold its rows in its type (kind 1 fp16, 2 bf16:
-        # `rw` = ceil(D / 2) words); rows on a device stay float32 (docs/cache.md).
         self.kind = ROW_KINDS[spec.dtype] if sd else 0
-        self.seed = spec.init.seed if spec.init is not None else 0  # rounding's key
         self.rw = row_words(sd, self.kind)  # floats of the row in a record
         self.meta_at = self.rw + sd  # the metadata's first float in a record
         self.store = store
@@ -788,9 +794,9 @@ class TableCache:
                 if self.lr != 0.0:  # pend is zero for rows without pending updates: exact
                     rows -= self.lr * self.slab[ref_slots, self.rw : self.meta_at]
                 self._set_rows(ref_slots, rows, f.seq)  # a narrow row: rounded
-            else:
-                at, sel = self.data.indices(ref_slots, ref_sel)
-                self.data.refresh(at, fresh, sel, self.lr)
+            else:  # a narrow row rounded: keyed by its id
+                (at, sel), keys = self.data.keyed(self.row_id.take(ref_slots), ref_slots, ref_sel)
+                self.data.refresh(at, fresh, sel, self.lr, keys, f.seq)
             self.meta[ref_slots, CLOCK] = fresh_clock.take(ref_sel)
             self.meta[ref_slots, OWN] = 0
 
@@ -902,9 +908,9 @@ class TableCache:
         assert self.local is not None
         counts = torch.from_numpy(self.meta[slots, COUNT].copy())  # [R]
         if self.data is not None:
-            at, at_sel = self.data.indices(slots, sel)
+            (at, at_sel), keys = self.data.keyed(self.row_id.take(slots), slots, sel)
             self.data.refresh_ahead(at, fresh, at_sel, fresh_state, counts, self.local,
-                                    counted=self.counted)  # fmt: skip
+                                    counted=self.counted, ids=keys, seq=seq)  # fmt: skip
             return
         d, sa, sn = self.dim, self.state_at, self.state_dim
         rows = torch.from_numpy(fresh.take(sel, axis=0))  # [R, D]
@@ -1165,12 +1171,15 @@ class TableCache:
         if uncached.size:
             push_ids = np.concatenate([uniq.take(uncached), push_ids])
         cached = np.flatnonzero(slots >= 0)
-        at_c, s_c, at_due, s_due, at_unc = self.data.indices(
-            cached, slots.take(cached), due_at, slots.take(due_at), uncached
+        # (the cached rows' ids key a narrow row's rounding)
+        (at_c, s_c, at_due, s_due, at_unc), keys = self.data.keyed(
+            uniq.take(cached), cached, slots.take(cached), due_at, slots.take(due_at), uncached
         )
-        self.data.update(at_c, s_c, grads, self.lr, accumulate=self.write_bound > 0)
+        self.data.update(
+            at_c, s_c, grads, self.lr, accumulate=self.write_bound > 0, ids=keys, seq=self.seq
+        )
         if self.local is not None:
-            self.data.step_local(at_c, s_c, grads, self.local)
+            self.data.step_local(at_c, s_c, grads, self.local, keys, self.seq)
         if self.write_bound == 0:  # every update is due as it is
             due = grads.index_select(0, at_due)
         else:

@@ -216,3 +216,29 @@ def test_a_narrow_record_is_smaller(dtype: str) -> None:
         fp32_host = cache_bytes(cfg, [_spec("fp32", ps.SGD(lr=0.1), dim=64)], on_device=False).host
         assert host - fp32_host == 100 * (sizes[dt] - 576)
     assert sizes == {"fp32": 576, dtype: 448}
+
+
+def test_grouped_tables_of_different_row_types_get_caches_of_their_own() -> None:
+    """``group_tables``: an fp32, an fp16 and a bf16 table of one dim and optimizer,
+    requested together, are cached apart (a cache's records hold one row type); at bounds
+    (0, 0) each serves its uncached twin's rows bit for bit."""
+    cfg = cache.CacheConfig(
+        capacity_rows=50, read_bound=0, write_bound=0, local_step="sgd", group_tables=True
+    )
+    names = {"a": "fp32", "b": "fp16", "c": "bf16", "d": "fp16"}
+    cached_store, plain = ps.InProcessStore(), ps.InProcessStore()
+    for name, dt in names.items():
+        spec = ps.TableSpec(name=name, num_rows=ROWS, dim=DIM, optimizer=ps.SGD(lr=0.05), dtype=dt)  # type: ignore[arg-type]
+        cached_store.create_table(spec)
+        plain.create_table(spec)
+    cs = cache.CachedStore(cached_store, cfg)
+    for ids, _, grads in _batches(6, seed=4):
+        got = cs.pull_many([ps.PullRequest(n, ids) for n in names])
+        want = plain.pull_many([ps.PullRequest(n, ids) for n in names])
+        for n, g, w in zip(names, got, want, strict=True):
+            assert torch.equal(g.rows, w.rows), f"table {n}: served rows"
+        cs.push_many([ps.PushRequest(n, ids, grads) for n in names])
+        plain.push_many([ps.PushRequest(n, ids, grads) for n in names])
+    kinds = {n: cs._caches[cs._members[n]].spec.dtype for n in names}
+    assert kinds == names, "each cache holds its tables' row type"
+    assert cs._members["b"] == cs._members["d"] != cs._members["c"], "fp16 tables share one"
