@@ -10,8 +10,6 @@ math of counted pushes is ``tests/ps/test_ps_counted_push.py``."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
@@ -20,25 +18,12 @@ import cache
 import ps
 from cache import table_cache
 from cache.kernels import records
-from comm import Handle
+from capturing_store import Capturing
 
 pytestmark = pytest.mark.timeout(120)
 
 ROWS, DIM = 60, 8
 KERNELS = ("update_rows", "serve_rows", "copy_clocks", "install_rows", "sole_writer_asks")
-
-
-class Capturing(ps.InProcessStore):
-    """The in-process store, keeping every push request it applied."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.requests: list[ps.PushRequest] = []
-
-    def push_many_async(self, requests: Any) -> Handle:
-        handle = super().push_many_async(requests)
-        self.requests += list(requests)
-        return handle
 
 
 class Uncounting(Capturing):

@@ -29,7 +29,7 @@ import cache
 import cache.table_cache as table_cache
 import ps
 from cache.kernels import records
-from comm import Handle
+from capturing_store import Capturing
 from tolerance import assert_same
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.numerics]
@@ -50,19 +50,6 @@ KERNELS = ("update_rows", "serve_rows", "copy_clocks", "install_rows", "sole_wri
 # optimizer's step by the same float32 ops in the same order, round the result with the
 # same key (seed, id, -1 - seq), and push the same float32 pending sums.
 SAME_ROUNDING = "the same float32 ops on the same widened rows, rounded with the same key"
-
-
-class Capturing(ps.InProcessStore):
-    """The in-process store, keeping every push request it applied."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.requests: list[ps.PushRequest] = []
-
-    def push_many_async(self, requests: Any) -> Handle:
-        handle = super().push_many_async(requests)
-        self.requests += list(requests)
-        return handle
 
 
 def _store(dtype: Any, opt: ps.Optimizer) -> Capturing:
