@@ -13,10 +13,10 @@ table (layouts in :mod:`cache.table_cache`):
   or bf16 rows) and the pending sum, ``D`` float32 (plus the ``Q`` statistic floats of
   counted pushes and the ``S`` state floats of the optimizer's local step), on the
   device, and a 64-byte metadata record on the host;
-* either way on the host: the slot's row id, eviction key and free-stack entry (24
-  bytes), the id -> slot map (4 bytes per *table* row for a fixed table of at most
-  :data:`cache.config.DENSE_INDEX_MAX_ROWS` rows, else about 64 bytes per cached id),
-  and TinyLFU's sketch (``4 x width x depth`` bytes).
+* either way on the host: the slot's row id, eviction key, free-stack entry and a
+  one-byte copy of its push count (25 bytes), the id -> slot map (4 bytes per *table*
+  row for a fixed table of at most :data:`cache.config.DENSE_INDEX_MAX_ROWS` rows, else
+  about 64 bytes per cached id), and TinyLFU's sketch (``4 x width x depth`` bytes).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from cache.config import DENSE_INDEX_MAX_ROWS, CacheConfig
 from ps import TableSpec
 
 META_BYTES = 64  # CLOCK, OWN, COUNT, FREQ, PF, CHECKED, PUSHED, spare: 8 int64
-SLOT_BYTES = 24  # row id, eviction key, free-stack entry: 3 int64 per slot
+SLOT_BYTES = 25  # row id, eviction key, free-stack entry: 3 int64; own8: 1 byte
 HASH_BYTES_PER_ID = 64  # the hash index's share per cached id (46-92 measured)
 
 

@@ -33,7 +33,10 @@ The statistics exist only where pushes are counted (``CacheConfig.counted_pushes
 store that takes them, :attr:`ps.Store.counted_pushes`): a due row is then pushed with
 its update count ``COUNT`` and statistic, so the PS applies that many updates.
 
-plus ``row_id`` int64 ``[C]`` (-1: free), the id -> slot map (:mod:`cache.slot_index`: a
+plus ``own8`` uint8 ``[C]``, every record's OWN capped at 255 (a dense copy for the
+sole writer's asks, :func:`cache.kernels.records.sole_writer_asks`, which read OWN for
+every id of a step: one byte a slot stays in the CPU caches), ``row_id`` int64 ``[C]``
+(-1: free), the id -> slot map (:mod:`cache.slot_index`: a
 plain int32 array for fixed tables), the eviction keys (:mod:`cache.policy`, int64
 ``[C]``) and a stack of free slots.
 
@@ -88,6 +91,7 @@ import torch
 from cache.config import CacheConfig
 from cache.device_rows import DeviceRows
 from cache.kernels.records import (
+    OWN8_MAX,
     ROW_KINDS,
     copy_clocks,
     install_rows,
@@ -274,6 +278,7 @@ class TableCache:
         self.vslab = self.slab.view(self._void).reshape(cap)  # [C] one item per record
         m = self.meta_at
         self.meta = self.slab[:, m : m + _META_WORDS].view(np.int64)  # [C, 8] view
+        self.own8 = np.zeros(cap, dtype=np.uint8)  # [C] min(OWN, OWN8_MAX) of each record
         self.row_id = np.full(cap, -1, dtype=np.int64)  # [C]
         self.free = np.arange(cap - 1, -1, -1, dtype=np.int64)  # stack: free[:n_free], top last
         self.n_free = cap
@@ -355,6 +360,11 @@ class TableCache:
             return
         bits = rounded(rows, self.kind, seed=self.seed, ids=self.row_id[slots], seq=seq)
         self.slab.view(np.uint16)[slots, : self.sd] = bits
+
+    def _copy_own(self, slots: np.ndarray) -> None:
+        """``own8`` of ``slots`` ``[K]`` := their records' OWN (capped), after numpy
+        wrote those records."""
+        self.own8[slots] = np.minimum(self.meta[slots, OWN], OWN8_MAX)
 
     def _slots_of(self, uniq: np.ndarray, known: _Known | None, tick: int | None) -> np.ndarray:
         """Slots of ``uniq``: from ``known`` when it holds the same ids and is current.
@@ -469,6 +479,7 @@ class TableCache:
         self._meta(rec)[:, COUNT] = 0  # a saved cache was flushed: nothing pending
         self._pend(rec)[:] = 0.0
         self._scatter(slots, rec)
+        self._copy_own(slots)
         opt_state = self._saved_state(state.get("opt_state"), keep, ids_np)
         if self.state_dim and opt_state is not None:
             self.slab[slots, self.state_at : self.state_at + self.state_dim] = opt_state.numpy()
@@ -598,7 +609,9 @@ class TableCache:
         """A serving pull of the tables' only writer: ask about the misses and the rows
         pushed more than ``s_r`` times since their read (``PS clock = CLOCK + OWN``
         exactly), nothing about the rest."""
-        found = sole_writer_asks(self.slab, self.sd, slots, self.read_bound, fill, kind=self.kind)
+        found = sole_writer_asks(
+            self.slab, self.sd, slots, self.own8, self.read_bound, fill, kind=self.kind
+        )
         if found is None:
             meta = self.meta[slots]  # [U, 8] (garbage where not cached)
             asked = np.flatnonzero(~hit | (meta[:, OWN] > self.read_bound))  # [A]
@@ -799,6 +812,7 @@ class TableCache:
                 self.data.refresh(at, fresh, sel, self.lr, keys, f.seq)
             self.meta[ref_slots, CLOCK] = fresh_clock.take(ref_sel)
             self.meta[ref_slots, OWN] = 0
+            self.own8[ref_slots] = 0
 
         # Misses: admit into free (or freed) slots; those that do not fit pass through.
         if not f.prefetch:  # this batch's cached rows are in use (protected from eviction)
@@ -954,6 +968,7 @@ class TableCache:
             meta[:, CHECKED] = seq
             meta[:, PF] = pf
             self._scatter(slots, rec)
+        self.own8[slots] = 0
         if self.state_dim and fresh_state is not None:
             sa = self.state_at
             self.slab[slots, sa : sa + self.state_dim] = fresh_state.numpy().take(sel, axis=0)
@@ -1223,9 +1238,9 @@ class TableCache:
         if self.state_dim > 0 and isinstance(opt, RowWiseAdagrad):
             lr, acc_at, eps = opt.lr, self.state_at, opt.eps
         got = update_rows(
-            self.slab, self.sd, slots, g, lr=lr, write_bound=self.write_bound, seq=self.seq,
-            stat_dim=q, stat_at=at, acc_at=acc_at, eps=eps, kind=self.kind, seed=self.seed,
-            row_ids=self.row_id,
+            self.slab, self.sd, slots, self.own8, g, lr=lr, write_bound=self.write_bound,
+            seq=self.seq, stat_dim=q, stat_at=at, acc_at=acc_at, eps=eps, kind=self.kind,
+            seed=self.seed, row_ids=self.row_id,
         )  # fmt: skip
         stepped = got is not None and acc_at >= 0  # the C pass took row-wise Adagrad's step
         if self.local is not None and self.data is None and not stepped:
@@ -1271,6 +1286,7 @@ class TableCache:
                 meta[due, OWN] += 1
                 meta[due, PUSHED] = self.seq
         self._scatter(s, rec)
+        self._copy_own(s)
         return self._counted(c_sel.take(due), due_g, due_k, due_s)
 
     def _counted(
@@ -1308,6 +1324,7 @@ class TableCache:
             meta[:, OWN] += 1
             meta[:, PUSHED] = self.seq
             self._scatter(slots, rec)
+            self._copy_own(slots)
         self.send_evicted()
 
 

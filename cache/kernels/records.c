@@ -15,6 +15,7 @@ enum { CLOCK, OWN, COUNT, FREQ, PF_MARK, CHECKED, PUSHED };
 /* A record's metadata: m floats into it (the row's words, then the pending sum's). */
 #define META(slab, s, m, w) ((int64_t*)((slab) + (s) * (w) + (m)))
 #define AHEAD 6 /* records prefetched ahead: their misses overlap */
+#define OWN8_MAX 255 /* own8's largest value: the record's OWN word is read then */
 
 /* ------------------------------------------------------------------ narrow rows
 
@@ -47,16 +48,24 @@ void hr_cache_clocks(int64_t n, int64_t m, int64_t w, const int64_t* slots,
    this cache pushed more than `bound` times since their copy was read (with no other
    writer the PS clock is exactly CLOCK + OWN, so the others are provably within the
    bound). Their indices go to asked [n] and their copy clocks (fill for a miss) to
-   clock [n], in order; returns how many. */
+   clock [n], in order; returns how many.
+
+   OWN is read from own8 [C], min(OWN, OWN8_MAX) of every slot (the record's word
+   decides only at OWN8_MAX): a step's ids hit random slots, and at one byte a slot
+   this copy stays in the CPU caches where each record's word is a miss in a slab of
+   hundreds of MB. */
 int64_t hr_cache_ask(int64_t n, int64_t m, int64_t w, const int64_t* slots,
-                     const float* slab, int64_t bound, int64_t fill, int64_t* asked,
-                     int64_t* clock) {
+                     const float* slab, const uint8_t* own8, int64_t bound, int64_t fill,
+                     int64_t* asked, int64_t* clock) {
     int64_t k = 0;
     for (int64_t i = 0; i < n; ++i) {
-        if (i + AHEAD < n && slots[i + AHEAD] >= 0)
-            __builtin_prefetch(META(slab, slots[i + AHEAD], m, w), 0, 0);
+        if (i + 4 * AHEAD < n && slots[i + 4 * AHEAD] >= 0)
+            __builtin_prefetch(own8 + slots[i + 4 * AHEAD], 0, 0);
         int64_t s = slots[i];
-        if (s >= 0 && META(slab, s, m, w)[OWN] <= bound) continue;
+        if (s >= 0) {
+            int64_t own = own8[s] < OWN8_MAX ? own8[s] : META(slab, s, m, w)[OWN];
+            if (own <= bound) continue;
+        }
         asked[k] = i;
         clock[k++] = s < 0 ? fill : META(slab, s, m, w)[CLOCK];
     }
@@ -109,11 +118,12 @@ void hr_cache_serve(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
    statistic of a counted push at float stat_at of the record: q = 1 the sum of
    mean(g^2), q = d the sums of g^2) and rows with more than write_bound pending updates
    are due: index into due_idx, sum into due_g [k, d], update count into due_k and
-   statistic into due_s [k, q]; returns k. */
+   statistic into due_s [k, q], and own8[s] follows the record's OWN (hr_cache_ask);
+   returns k. */
 int64_t hr_cache_update(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
                         const int64_t* slots, const int64_t* row_ids, int64_t seed,
-                        const float* grads, float* slab, float lr, int64_t write_bound,
-                        int64_t seq, int64_t q, int64_t stat_at, int64_t acc_at, float eps,
+                        const float* grads, float* slab, uint8_t* own8, float lr,
+                        int64_t write_bound, int64_t seq, int64_t q, int64_t stat_at, int64_t acc_at, float eps,
                         int64_t* due_idx, float* due_g, int64_t* due_k, float* due_s) {
     int64_t m = rw + d;
     /* a narrow row steps on a float32 copy (buf [d]), then is rounded back */
@@ -135,6 +145,7 @@ int64_t hr_cache_update(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
         if (i + AHEAD < n && slots[i + AHEAD] >= 0) {
             const char* p = (const char*)(slab + slots[i + AHEAD] * w);
             for (int64_t c = 0; c < w * 4; c += 64) __builtin_prefetch(p + c, 1, 0);
+            __builtin_prefetch(own8 + slots[i + AHEAD], 1, 0);
         }
         int stepped = acc_at >= 0 || lr != 0.0f;
         if (kind && stepped) nr_widen(kind, (const uint16_t*)rec, d, buf);
@@ -183,6 +194,7 @@ int64_t hr_cache_update(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
             meta[COUNT] = 0;
         }
         meta[OWN] += 1;
+        own8[s] = meta[OWN] < OWN8_MAX ? (uint8_t)meta[OWN] : OWN8_MAX;
         meta[PUSHED] = seq;
         due_idx[k++] = i;
     }

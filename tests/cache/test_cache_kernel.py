@@ -63,7 +63,10 @@ def _run(
         store.prefetch("t", nxt)
         grads = torch.from_numpy(rng.standard_normal((64, DIM)).astype(np.float32))
         store.push("t", ids, grads * (1 + step % 3))
-    slab = store._caches["t"].slab.copy()
+    tc = store._caches["t"]
+    slab = tc.slab.copy()
+    # own8 is the records' OWN capped, on both paths
+    assert np.array_equal(tc.own8, np.minimum(tc.meta[:, table_cache.OWN], records.OWN8_MAX))
     stats = store.cache_stats()["t"]
     store.flush()
     every = torch.arange(ROWS)
@@ -123,11 +126,18 @@ def test_sole_writer_asks_misses_and_rows_past_the_bound() -> None:
     meta = slab[:, 2 * d : 2 * d + 16].view(np.int64)
     meta[:, 0] = [10, 20, 30]  # CLOCK
     meta[:, 1] = [0, 3, 2]  # OWN
+    own8 = np.minimum(meta[:, 1], records.OWN8_MAX).astype(np.uint8)
     slots = np.array([2, -1, 1, 0], dtype=np.int64)
-    got = records.sole_writer_asks(slab, d, slots, 2, -3)
+    got = records.sole_writer_asks(slab, d, slots, own8, 2, -3)
     assert got is not None
     asked, clocks = got
     assert asked.tolist() == [1, 2] and clocks.tolist() == [-3, 20]  # the miss, OWN 3 > 2
+    # At the cap the record's word decides: OWN 300 and 256 against a bound of 299.
+    meta[:, 1] = [300, 256, 0]
+    own8 = np.minimum(meta[:, 1], records.OWN8_MAX).astype(np.uint8)
+    got = records.sole_writer_asks(slab, d, np.array([0, 1, 2]), own8, 299, -3)
+    assert got is not None
+    assert got[0].tolist() == [0] and got[1].tolist() == [10]
 
 
 def test_kernel_skips_uncached_and_reports_due_rows() -> None:
@@ -137,8 +147,9 @@ def test_kernel_skips_uncached_and_reports_due_rows() -> None:
     meta = slab[:, 2 * d : 2 * d + 16].view(np.int64)
     meta[1, 2] = 1  # slot 1 has one pending update already
     slots = np.array([1, -1, 2], dtype=np.int64)
+    own8 = np.zeros(3, dtype=np.uint8)
     grads = np.arange(3 * d, dtype=np.float32).reshape(3, d)
-    got = records.update_rows(slab, d, slots, grads, lr=0.5, write_bound=1, seq=9)
+    got = records.update_rows(slab, d, slots, own8, grads, lr=0.5, write_bound=1, seq=9)
     assert got is not None
     due, due_g, due_k, due_s = got
     assert due.tolist() == [0]  # slot 1 passed the bound; slot 2 has one pending now
@@ -148,6 +159,7 @@ def test_kernel_skips_uncached_and_reports_due_rows() -> None:
     assert np.array_equal(slab[2, d : 2 * d], grads[2])
     assert meta[1].tolist()[1:3] == [1, 0] and meta[1, 6] == 9  # OWN, COUNT; PUSHED
     assert meta[2, 2] == 1 and meta[0].tolist() == [0] * 8  # slot 0 untouched
+    assert own8.tolist() == [0, 1, 0]  # the copy of OWN follows
 
 
 @pytest.mark.parametrize("q", [1, 4])
@@ -162,9 +174,10 @@ def test_kernel_sums_the_statistic_of_counted_pushes(q: int) -> None:
     g1 = np.array([[0.5, -1.0, 1.5, 2.0], [1.0, 1.0, 0.5, 0.5]], dtype=np.float32)
     g2 = np.array([[1.0, 0.5, -0.5, 0.0], [2.0, 0.0, 1.0, -1.0]], dtype=np.float32)
     kw = {"lr": 0.0, "write_bound": 1, "stat_dim": q, "stat_at": at}
-    first = records.update_rows(slab, d, slots, g1, seq=1, **kw)
+    own8 = np.zeros(2, dtype=np.uint8)
+    first = records.update_rows(slab, d, slots, own8, g1, seq=1, **kw)
     assert first is not None and first[0].size == 0  # both rows pending
-    got = records.update_rows(slab, d, slots, g2, seq=2, **kw)
+    got = records.update_rows(slab, d, slots, own8, g2, seq=2, **kw)
     assert got is not None
     due, due_g, due_k, due_s = got
     assert due.tolist() == [0, 1] and due_k.tolist() == [2, 2]

@@ -179,9 +179,11 @@ def test_kernel_rounds_a_narrow_step_as_ps_rounding() -> None:
     row_ids = np.array([17, 4, 9], dtype=np.int64)
     grads = rng.standard_normal((2, d)).astype(np.float32)
     slots = np.array([2, 0], dtype=np.int64)
+    own8 = np.zeros(3, dtype=np.uint8)
     got = records.update_rows(
-        slab, d, slots, grads, lr=0.1, write_bound=0, seq=5, kind=kind, seed=3, row_ids=row_ids
-    )
+        slab, d, slots, own8, grads, lr=0.1, write_bound=0, seq=5, kind=kind, seed=3,
+        row_ids=row_ids,
+    )  # fmt: skip
     assert got is not None
     step = start.float()[torch.from_numpy(slots)] - np.float32(0.1) * torch.from_numpy(grads)
     want = ps.rounding.round_to(
