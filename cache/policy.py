@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import numpy as np
 
-_TICK_BITS = 32
-_LOW = (1 << _TICK_BITS) - 1
-_FREQ_MAX = 1 << 30
+TICK_BITS = 32  # a key's low bits: the last use
+_LOW = (1 << TICK_BITS) - 1
+FREQ_MAX = 1 << 30  # the largest frequency a key holds
 FREE = np.iinfo(np.int64).max  # key of an empty slot: never a victim (its low bits > any tick)
 
 
@@ -71,17 +71,17 @@ class EvictionPolicy:
         if freq is None:
             self.key[slots] = tick
         else:
-            self.key[slots] = (np.minimum(freq, _FREQ_MAX) << _TICK_BITS) + tick
+            self.key[slots] = (np.minimum(freq, FREQ_MAX) << TICK_BITS) + tick
 
     def frequency(self, slots: np.ndarray) -> np.ndarray:
         """The frequencies ``[K]`` the keys of ``slots`` hold (LFU, TinyLFU)."""
-        return self.key.take(slots) >> _TICK_BITS
+        return self.key.take(slots) >> TICK_BITS
 
     def halve(self) -> None:
         """Halve the frequency of every cached row (the sketch was halved)."""
         used = self.key != FREE
         k = self.key[used]
-        self.key[used] = (((k >> _TICK_BITS) >> 1) << _TICK_BITS) + (k & _LOW)
+        self.key[used] = (((k >> TICK_BITS) >> 1) << TICK_BITS) + (k & _LOW)
         self.pool_at = self.pool.size  # the keys changed: search again
 
     def free(self, slots: np.ndarray) -> None:

@@ -853,18 +853,24 @@ class TableCache:
         # Served: every cached row of the batch counts one use per occurrence.
         old = hit.copy()  # cached rows served without moving now
         old[ref_u] = False
+        # LFU and TinyLFU: the pass also writes every served row's eviction key (its use
+        # count or estimate at this tick), as EvictionPolicy.use would after it.
+        keyed = self.lfu or est is not None
         served = serve_rows(
-            self.slab, self.sd, final, old, f.counts, lfu=self.lfu, tick=f.tick, kind=self.kind
-        )
+            self.slab, self.sd, final, old, f.counts, lfu=self.lfu, tick=f.tick, kind=self.kind,
+            keys=self.policy.key if keyed else None, key_freq=est,
+        )  # fmt: skip
+        keys_written = keyed and served is not None
         if served is None:
             served = self._serve_numpy(final, old, f.counts, f.tick)
         out, out_clock, lag, freq, n_pf_miss, n_pf_ref = served
-        cached = final >= 0
-        if self.lfu:
-            self.policy.use(final[cached], freq[cached], f.tick)
-        elif est is not None:
-            self.policy.use(final[cached], est[cached], f.tick)
-        elif n_adm > 0:
+        if not keys_written:
+            cached = final >= 0
+            if self.lfu:
+                self.policy.use(final[cached], freq[cached], f.tick)
+            elif est is not None:
+                self.policy.use(final[cached], est[cached], f.tick)
+        if not keyed and n_adm > 0:
             self.policy.use(new_slots, None, f.tick)
         self._count_served(f, ref_u.size, miss_sel.size, old, lag, n_pf_miss, n_pf_ref)
         through_u = miss_u[n_adm:]  # [T] indices into uniq of the ids passed through

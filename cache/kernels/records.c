@@ -76,17 +76,21 @@ int64_t hr_cache_ask(int64_t n, int64_t m, int64_t w, const int64_t* slots,
    old[i] (NULL: none) marks the hits: their prefetch marks PF_MARK are counted in
    pf_counts[0] (fetched as a miss) / pf_counts[1] (refreshed) when made for batch
    `tick`, and cleared; lag[i] := OWN. lfu: FREQ += uses[i] (1 if uses NULL), and
-   freq[i] := FREQ. */
+   freq[i] := FREQ. keys [C] (NULL: none) are the eviction policy's keys
+   (cache.policy): keys[s] := min(f, fmax) << tick_bits | tick, f = key_freq[i] (the
+   TinyLFU estimates) or, with key_freq NULL, FREQ. */
 void hr_cache_serve(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
                     const int64_t* slots, float* slab, const uint8_t* old,
                     const int64_t* uses, int lfu, int64_t tick, float* out_rows,
-                    int64_t* out_clock, int64_t* lag, int64_t* freq, int64_t* pf_counts) {
+                    int64_t* out_clock, int64_t* lag, int64_t* freq, int64_t* pf_counts,
+                    int64_t* keys, const int64_t* key_freq, int64_t fmax, int64_t tick_bits) {
     int64_t m = rw + d;
     for (int64_t i = 0; i < n; ++i) {
         if (i + AHEAD < n && slots[i + AHEAD] >= 0) {
             const char* p = (const char*)(slab + slots[i + AHEAD] * w);
             for (int64_t c = 0; c < rw * 4; c += 64) __builtin_prefetch(p + c, 0, 0);
             __builtin_prefetch(META(slab, slots[i + AHEAD], m, w), 1, 0);
+            if (keys) __builtin_prefetch(keys + slots[i + AHEAD], 1, 0);
         }
         int64_t s = slots[i];
         if (s < 0) continue;
@@ -107,6 +111,10 @@ void hr_cache_serve(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
         if (lfu) {
             meta[FREQ] += uses ? uses[i] : 1;
             freq[i] = meta[FREQ];
+        }
+        if (keys) {
+            int64_t f = key_freq ? key_freq[i] : meta[FREQ];
+            keys[s] = ((f < fmax ? f : fmax) << tick_bits) + tick;
         }
     }
 }

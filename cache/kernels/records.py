@@ -60,6 +60,7 @@ import functools
 
 import numpy as np
 
+from cache.policy import FREQ_MAX, TICK_BITS
 from comm.native import kernel_source, load_c_library
 from ps.kernels import narrow_rows
 
@@ -85,7 +86,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_cache_ask.argtypes = [i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr]
     lib.hr_cache_serve.restype = None
     lib.hr_cache_serve.argtypes = [i64, i64, i64, ctypes.c_int, i64, ptr, ptr, ptr, ptr]
-    lib.hr_cache_serve.argtypes += [ctypes.c_int, i64] + [ptr] * 5
+    lib.hr_cache_serve.argtypes += [ctypes.c_int, i64] + [ptr] * 5 + [ptr, ptr, i64, i64]
     lib.hr_cache_update.restype = i64
     lib.hr_cache_update.argtypes = [i64, i64, i64, ctypes.c_int, i64, ptr, ptr, i64]
     lib.hr_cache_update.argtypes += [ptr, ptr, ptr, ctypes.c_float, i64, i64]
@@ -176,9 +177,17 @@ def serve_rows(
     lfu: bool,
     tick: int,
     kind: int = 0,
+    keys: np.ndarray | None = None,
+    key_freq: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int] | None:
     """The served pass over ``slots`` int64 ``[U]`` (see the module docstring), ``old``
     bool ``[U]`` the hits, ``uses`` int64 ``[U]`` (None: 1 each).
+
+    ``keys`` (int64 ``[C]``, the eviction policy's :attr:`cache.policy.EvictionPolicy.key`;
+    None: untouched): each served slot's key is set for its use at ``tick`` with the
+    frequency ``key_freq[i]`` (int64 ``[U]``, TinyLFU's estimates), or with ``lfu`` and no
+    ``key_freq`` the record's use count: what :meth:`EvictionPolicy.use` writes, in the
+    same pass.
 
     Returns ``(rows [U, D], clocks [U], lag [U], freq [U], prefetched misses,
     prefetched refreshes)``; entries where ``slots`` is -1 are left unset (rows and
@@ -187,7 +196,9 @@ def serve_rows(
     available.
     """
     lib = _library()
-    if lib is None or not _ok(slab, slots, old, uses):
+    if lib is None or not _ok(slab, slots, old, uses, keys, key_freq):
+        return None
+    if keys is not None and (keys.dtype != np.int64 or (key_freq is None and not lfu)):
         return None
     n = slots.size
     rows = np.empty((n, dim), dtype=np.float32)
@@ -199,7 +210,8 @@ def serve_rows(
         n, dim, row_words(dim, kind), kind, slab.shape[1], slots.ctypes.data, slab.ctypes.data,
         old.view(np.uint8).ctypes.data, None if uses is None else uses.ctypes.data,
         int(lfu), tick, rows.ctypes.data, clocks.ctypes.data, lag.ctypes.data,
-        freq.ctypes.data, pf.ctypes.data,
+        freq.ctypes.data, pf.ctypes.data, None if keys is None else keys.ctypes.data,
+        None if key_freq is None else key_freq.ctypes.data, FREQ_MAX, TICK_BITS,
     )  # fmt: skip
     return rows, clocks, lag, freq, int(pf[0]), int(pf[1])
 

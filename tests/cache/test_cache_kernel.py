@@ -67,11 +67,12 @@ def _run(
     slab = tc.slab.copy()
     # own8 is the records' OWN capped, on both paths
     assert np.array_equal(tc.own8, np.minimum(tc.meta[:, table_cache.OWN], records.OWN8_MAX))
+    keys = tc.policy.key.copy()  # eviction keys: the serve pass writes LFU's and TinyLFU's
     stats = store.cache_stats()["t"]
     store.flush()
     every = torch.arange(ROWS)
     final = (inner.pull("t", every).rows, inner.clocks("t", every), inner.state("t", every))
-    return served, slab, final, stats
+    return served, slab, final, stats, keys
 
 
 @pytest.mark.parametrize("write_bound", [0, 1, 4])
@@ -87,6 +88,7 @@ def test_kernel_equals_numpy_path(
     for x, y in zip(a[2], b[2], strict=True):
         assert torch.equal(x, y)
     assert a[3] == b[3]
+    assert np.array_equal(a[4], b[4])
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "tinylfu"])
@@ -108,6 +110,7 @@ def _same_runs(a, b) -> None:  # type: ignore[no-untyped-def]
     for x, y in zip(a[2], b[2], strict=True):
         assert torch.equal(x, y)
     assert a[3] == b[3]
+    assert np.array_equal(a[4], b[4])
 
 
 @pytest.mark.parametrize("policy", ["lru", "tinylfu"])
