@@ -816,7 +816,10 @@ class TableCache:
 
         # Misses: admit into free (or freed) slots; those that do not fit pass through.
         if not f.prefetch:  # this batch's cached rows are in use (protected from eviction)
-            self.policy.use(slots[hit], None, f.tick)  # LFU keys are rewritten below
+            # LFU and TinyLFU keys are rewritten by the serve below, so without misses to
+            # admit (no victim search in between) their keys need no write here
+            if miss_u.size or not (self.lfu or self.sketch is not None):
+                self.policy.use(slots[hit], None, f.tick)
             self.touched += int(np.count_nonzero(hit))
         protect = slots[hit] if f.prefetch else None
         adm_freq = None  # TinyLFU: the admitted rows' frequencies (their key)
