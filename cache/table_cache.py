@@ -16,12 +16,16 @@ aligned to cache lines)::
                  (kind 0 checked, 1 fetched a miss, 2 refreshed; 0: none)
         CHECKED  request number of the last PS answer about the row
         PUSHED   request number of the row's last push
-        (spare)  counted pushes of row-wise Adagrad: float32 sum of mean(g^2) of `pend`
+        (spare)  two float32: counted pushes of row-wise Adagrad, the sum of mean(g^2)
+                 of `pend`; and a state of one float (row-wise Adagrad's accumulator)
     slab[s, 2D+16:3D+16]  float32  counted pushes of element-wise optimizers (Adagrad,
                                    Adam, FTRL): the sums of g^2 of `pend`
     then S floats          float32  the optimizer's local step (:mod:`cache.local_step`):
                                     the row's optimizer state, as pulled plus the
-                                    local updates since
+                                    local updates since (a state of one float with at
+                                    most one statistic float: in the spare word, so
+                                    a record of row-wise Adagrad at dim 16 is three
+                                    lines, the three a push's pass touches)
 
 A table of fp16 or bf16 rows (``spec.narrow``) keeps its row in its type: ``R`` =
 ceil(D / 2) words of ``D`` 2-byte values at ``slab[s, 0:R]``, everything after it moved
@@ -272,6 +276,8 @@ class TableCache:
         # Host records: the optimizer state after the statistics, at float `state_at`.
         self.state_dim = self.opt_dim if self.data is None else 0
         self.state_at = self.meta_at + _META_WORDS + (q if q > 1 else 0)
+        if self.state_dim == 1 and q <= 1:  # the spare word's second float
+            self.state_at = self.meta_at + _META_WORDS - 1
         self.width = record_floats(sd, q, self.state_dim, row_words=self.rw)  # W: 64-byte lines
         self.slab = _aligned_records(cap, self.width)  # [C, W]
         self._void = np.dtype((np.void, 4 * self.width))
