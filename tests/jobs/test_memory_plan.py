@@ -297,11 +297,12 @@ def test_dlrm_job_prints_its_memory_and_reports_it(capsys: pytest.CaptureFixture
     assert parts["local_tables"] == 2 * ROWS * row
     assert parts["sharded_tables"] == ROWS * row
     assert "cache_device" not in parts  # a CPU worker: the host cache
-    # A host record per cached row (row, pending sum, 64 bytes of metadata, the row-wise
-    # Adagrad state its copy steps with, whole 64-byte lines), the slot's 24 bytes, and a
-    # 4-byte id -> slot entry per table row.
-    record = math.ceil((2 * DIM * 4 + 64 + 4) / 64) * 64
-    assert parts["cache_host"] == 23 * (capacity * (record + 24) + ROWS * 4)
+    # A host record per cached row (row, pending sum, 64 bytes of metadata, whose spare
+    # word holds the row-wise Adagrad state its copy steps with; whole 64-byte lines), the
+    # slot's 25 bytes (row id, eviction key, free-stack entry, a byte of its push count),
+    # and a 4-byte id -> slot entry per table row.
+    record = math.ceil((2 * DIM * 4 + 64) / 64) * 64
+    assert parts["cache_host"] == 23 * (capacity * (record + 25) + ROWS * 4)
     weights = sum(p.numel() for p in job.model.dense.parameters()) * 4
     assert parts["dense"] == 4 * weights  # weights, gradients, Adam's two moments
     assert mem["device"] == "cpu" and mem["device_total_bytes"] == 0
