@@ -56,12 +56,18 @@ def state_floats(config: CacheConfig, spec: TableSpec) -> int:
     return 0 if opt is None else opt.state_dim(spec.dim)
 
 
+def state_in_spare_word(stat: int, state: int) -> bool:
+    """Whether a record's ``state`` floats of optimizer state fit in the metadata's spare
+    word beside its ``stat`` statistic floats: one float each at most."""
+    return state == 1 and stat <= 1
+
+
 def record_floats(dim: int, stat: int = 0, state: int = 0, *, row_words: int | None = None) -> int:
     """Floats of one host record holding row (``row_words`` floats; None: ``dim``, a
     float32 row), pending sum, metadata, a statistic of ``stat`` floats and ``state``
     floats of optimizer state, in whole 64-byte lines. The metadata's spare word holds
     a statistic of one float and, beside at most that, a state of one float."""
-    extra = (stat if stat > 1 else 0) + (0 if state == 1 and stat <= 1 else state)
+    extra = (stat if stat > 1 else 0) + (0 if state_in_spare_word(stat, state) else state)
     row = dim if row_words is None else row_words
     return -(-(row + dim + META_BYTES // 4 + extra) // 16) * 16
 

@@ -106,7 +106,7 @@ from cache.kernels.records import (
 )
 from cache.kernels.sorted_ids import sorted_difference
 from cache.local_step import LocalStep
-from cache.memory import record_floats
+from cache.memory import record_floats, state_in_spare_word
 from cache.narrow_records import exact, rounded, widen
 from cache.policy import EvictionPolicy
 from cache.sketch import FrequencySketch
@@ -276,7 +276,7 @@ class TableCache:
         # Host records: the optimizer state after the statistics, at float `state_at`.
         self.state_dim = self.opt_dim if self.data is None else 0
         self.state_at = self.meta_at + _META_WORDS + (q if q > 1 else 0)
-        if self.state_dim == 1 and q <= 1:  # the spare word's second float
+        if state_in_spare_word(q, self.state_dim):  # the spare word's second float
             self.state_at = self.meta_at + _META_WORDS - 1
         self.width = record_floats(sd, q, self.state_dim, row_words=self.rw)  # W: 64-byte lines
         self.slab = _aligned_records(cap, self.width)  # [C, W]
