@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dense.seq_common import empty_output, jagged_index
+from dense.seq_common import POSITION_ALIGNS, empty_output, jagged_index
 
 # The reference's bucket width in ln(seconds): bucket = floor(ln(gap) / 0.301).
 TIME_BUCKET_LOG_WIDTH = 0.301
@@ -67,7 +67,10 @@ class HSTUConfig:
     ``dim // n_head``, then ``dim`` must be a multiple of ``n_head``); ``dropout`` on the
     input and before each layer's output projection; ``time_buckets`` buckets of the
     log time gap in the attention bias (0: no time bias, ``times`` not needed);
-    ``position_bias`` the relative position bias; ``layer_norm_eps`` of the LayerNorms.
+    ``position_bias`` the relative position bias; ``layer_norm_eps`` of the LayerNorms;
+    ``positions`` which end of a sequence the learned absolute positions count from
+    ("first": 0 for the oldest item; "last": ``max_seq_len - 1`` for the newest, see
+    :meth:`dense.seq_common.JaggedIndex.positions`).
     """
 
     dim: int = 64
@@ -80,6 +83,7 @@ class HSTUConfig:
     time_buckets: int = 128
     position_bias: bool = True
     layer_norm_eps: float = 1e-6
+    positions: str = "first"
 
     def __post_init__(self) -> None:
         for name in ("dim", "max_seq_len", "n_layer", "n_head"):
@@ -109,6 +113,10 @@ class HSTUConfig:
         eps = self.layer_norm_eps
         if not isinstance(eps, int | float) or isinstance(eps, bool) or not eps > 0:
             raise ValueError(f"HSTUConfig: layer_norm_eps must be > 0, got {eps!r}")
+        if self.positions not in POSITION_ALIGNS:
+            raise ValueError(
+                f"HSTUConfig: positions must be one of {POSITION_ALIGNS}, got {self.positions!r}"
+            )
 
     @property
     def qk_dim(self) -> int:
@@ -254,14 +262,15 @@ class HSTU(nn.Module):
         if idx.t_max == 0:  # no rows at all (B == 0 or every sequence empty)
             return empty_output(self, item_vecs)
         t = idx.t_max
-        pos = torch.arange(t, device=dev)  # [T]: 0 = the oldest item
+        pos = idx.positions(cfg.positions, cfg.max_seq_len)  # [T] or [B, T]
         x = idx.pad(item_vecs) * math.sqrt(cfg.dim) + self.pos_emb(pos)  # [B, T, D]
         x = self.drop(x)
         # Query i sees key j iff j <= i and j is a real item (padding queries see the
         # real keys before them; their rows are dropped at the end).
         causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()  # [T, T]
         allowed = (causal & idx.valid[:, None, :])[:, None]  # [B, 1, T, T]
-        rel_pos = (pos[:, None] - pos[None, :]).clamp(0, cfg.max_seq_len - 1)  # [T, T]: i - j
+        slot = torch.arange(t, device=dev)  # [T]: relative positions are either alignment's
+        rel_pos = (slot[:, None] - slot[None, :]).clamp(0, cfg.max_seq_len - 1)  # [T, T]: i - j
         buckets = None
         if cfg.time_buckets > 0:
             assert times is not None

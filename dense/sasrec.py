@@ -16,12 +16,15 @@ returns one hidden vector per input position. The caller scores them against ite
     item_vecs  [5, D]                 rows of a0 a1 a2 | b0 b1
     h = model(item_vecs, offsets)     [5, D]: h[2] has seen a0..a2 and predicts a3
 
-Positions are counted from the START of each (capped) sequence, 0 for the oldest item, as
-in the paper and RecBole (which left-align their sequences): the same sequence gets the
-same positions alone or in a batch with longer ones. Counted from the end, an item's
-position would depend on how many items follow it, so the hidden state after item ``t``
-would depend on the future and the outputs would not be causal (training every position
-at once, each predicting its next item, needs them causal).
+Positions (``SASRecConfig.positions``): ``"first"`` counts them from the START of each
+(capped) sequence, 0 for the oldest item, as RecBole does (it left-aligns its sequences):
+the same sequence gets the same positions alone or in a batch with longer ones, and the
+hidden state after item ``t`` depends on items ``<= t`` alone. ``"last"`` anchors the
+NEWEST item at ``max_seq_len - 1``, as the paper's own code does (it left-pads each
+sequence to ``max_seq_len``): an evaluation query and the last input of a training
+window then sit at the same position, and an item's position says how many inputs of
+its sequence follow it (their number, never their items, so training every position at
+once still predicts each next item from earlier items only).
 
 Example::
 
@@ -38,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dense.seq_common import empty_output, jagged_index
+from dense.seq_common import POSITION_ALIGNS, empty_output, jagged_index
 
 # The feed-forward activations RecBole offers (its "swish" is SiLU); "gelu" is the exact erf one.
 ACTIVATIONS: dict[str, type[nn.Module]] = {
@@ -57,7 +60,9 @@ class SASRecConfig:
     ``dim`` D (a multiple of ``n_head``), the longest input ``max_seq_len`` (rows of the
     position embedding), ``n_layer`` blocks of ``n_head`` heads with a feed-forward of width
     ``inner_dim`` and activation ``act``; ``dropout`` on the input and on each residual
-    branch (RecBole's hidden dropout), ``attn_dropout`` on the attention weights.
+    branch (RecBole's hidden dropout), ``attn_dropout`` on the attention weights;
+    ``positions`` "first" or "last": which end of a sequence the learned positions count
+    from (the module docstring).
     """
 
     dim: int = 64
@@ -69,6 +74,7 @@ class SASRecConfig:
     attn_dropout: float = 0.5
     layer_norm_eps: float = 1e-12
     act: str = "gelu"
+    positions: str = "first"
 
     def __post_init__(self) -> None:
         for name in ("dim", "max_seq_len", "n_layer", "n_head", "inner_dim"):
@@ -87,6 +93,10 @@ class SASRecConfig:
         eps = self.layer_norm_eps
         if not isinstance(eps, int | float) or isinstance(eps, bool) or not eps > 0:
             raise ValueError(f"SASRecConfig: layer_norm_eps must be > 0, got {eps!r}")
+        if self.positions not in POSITION_ALIGNS:
+            raise ValueError(
+                f"SASRecConfig: positions must be one of {POSITION_ALIGNS}, got {self.positions!r}"
+            )
         if self.act not in ACTIVATIONS:
             raise ValueError(
                 f"SASRecConfig: act must be one of {sorted(ACTIVATIONS)}, got {self.act!r}"
@@ -191,8 +201,8 @@ class SASRec(nn.Module):
             return empty_output(self, item_vecs)
         t = idx.t_max
         x = idx.pad(item_vecs)  # [B, T, D], zeros at padding
-        pos = torch.arange(t, device=x.device)  # [T]: 0 = the oldest item
-        x = self.drop(self.ln(x + self.pos_emb(pos)))  # [B, T, D] (+ [T, D] broadcast)
+        pos = idx.positions(self.cfg.positions, self.cfg.max_seq_len)  # [T] or [B, T]
+        x = self.drop(self.ln(x + self.pos_emb(pos)))  # [B, T, D] (+ [T, D] or [B, T, D])
         # Query i may attend to key j iff j <= i and j is a real item. A padding query
         # also attends to itself, so that an empty sequence's rows (no real key at all)
         # still have one key and the softmax no NaN; real queries always see themselves.

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+POSITION_ALIGNS = ("first", "last")  # what position 0 / max_seq_len - 1 is anchored to
+
 
 @dataclass(frozen=True, slots=True)
 class JaggedIndex:
@@ -34,6 +36,23 @@ class JaggedIndex:
     rows_b: torch.Tensor  # [N] int64: sample of each row
     rows_t: torch.Tensor  # [N] int64: position of each row in its sample, from the start
     valid: torch.Tensor  # [B, T] bool: True at real (not padding) positions
+    lengths: torch.Tensor  # [B] int64: each sample's length
+
+    def positions(self, align: str, max_seq_len: int) -> torch.Tensor:
+        """The position-embedding index of each padded slot, ``[T]`` or ``[B, T]``.
+
+        ``align="first"``: 0 for each sample's oldest item (RecBole's left-aligned
+        layout), so an item's position does not depend on what follows it. ``"last"``:
+        ``max_seq_len - 1`` for each sample's newest item (the original SASRec code's
+        left-padded layout), so the newest input of a training window and the query of
+        an evaluation sample share a position; an item's position then says how many
+        inputs of its sample follow it (never which). Padding slots get a valid index
+        (clamped); no real query attends to them."""
+        t = torch.arange(self.t_max, device=self.valid.device)  # [T]
+        if align == "first":
+            return t
+        start = max_seq_len - self.lengths  # [B]: the position of each oldest item
+        return (start[:, None] + t[None, :]).clamp_(max=max_seq_len - 1)  # [B, T]
 
     def pad(self, values: torch.Tensor) -> torch.Tensor:
         """``[N, ...]`` -> ``[B, T, ...]``, zeros at padding positions (differentiable)."""
@@ -86,7 +105,9 @@ def jagged_index(
     rows_b = torch.repeat_interleave(torch.arange(b, device=dev), lengths, output_size=n)  # [N]
     rows_t = torch.arange(n, device=dev) - offsets[rows_b]  # [N]
     valid = torch.arange(longest, device=dev)[None, :] < lengths[:, None]  # [B, T]
-    return JaggedIndex(batch=b, t_max=longest, rows_b=rows_b, rows_t=rows_t, valid=valid)
+    return JaggedIndex(
+        batch=b, t_max=longest, rows_b=rows_b, rows_t=rows_t, valid=valid, lengths=lengths
+    )
 
 
 def empty_output(module: nn.Module, item_vecs: torch.Tensor) -> torch.Tensor:

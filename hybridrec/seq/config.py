@@ -64,6 +64,12 @@ class SeqConfig(RunOptions):
     dim: int = option(64, help="item embedding and model width")
     n_layer: int = option(2, help="encoder blocks")
     n_head: int = option(2, help="attention heads per block")
+    positions: Literal["first", "last"] = option(
+        "first",
+        help="which end of a history the learned positions count from: first (0 = the "
+        "oldest item, as RecBole) or last (the newest item at --max-seq-len - 1, as the "
+        "SASRec paper's code)",
+    )
     dropout: float | None = option(
         None, help="dropout in the encoder; default 0.5 for sasrec (as RecBole), 0.2 for hstu"
     )

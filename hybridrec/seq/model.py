@@ -55,12 +55,13 @@ def build_encoder(cfg: SeqConfig) -> nn.Module:
             SASRecConfig(
                 dim=cfg.dim, max_seq_len=cfg.max_seq_len, n_layer=cfg.n_layer,
                 n_head=cfg.n_head, dropout=cfg.model_dropout, attn_dropout=cfg.model_dropout,
+                positions=cfg.positions,
             )
         )  # fmt: skip
     return HSTU(
         HSTUConfig(
             dim=cfg.dim, max_seq_len=cfg.max_seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
-            dropout=cfg.model_dropout,
+            dropout=cfg.model_dropout, positions=cfg.positions,
         )
     )  # fmt: skip
 

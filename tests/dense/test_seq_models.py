@@ -95,9 +95,10 @@ def test_empty_batch_keeps_every_parameter_in_the_graph(name: str, offsets: list
 
 
 @both
-def test_the_future_does_not_change_the_past(name: str) -> None:
+@pytest.mark.parametrize("positions", ["first", "last"])
+def test_the_future_does_not_change_the_past(name: str, positions: str) -> None:
     torch.manual_seed(2)
-    model = MAKERS[name]().eval()
+    model = MAKERS[name](positions=positions).eval()
     vecs, offsets, times = jagged([8, 5], seed=3)
     base = model(vecs, offsets, times)
     for t in (0, 3, 6):
@@ -118,10 +119,11 @@ def test_the_future_does_not_change_the_past(name: str) -> None:
 
 
 @both
+@pytest.mark.parametrize("positions", ["first", "last"])
 @torch.no_grad()
-def test_padding_does_not_leak_into_a_shorter_sequence(name: str) -> None:
+def test_padding_does_not_leak_into_a_shorter_sequence(name: str, positions: str) -> None:
     torch.manual_seed(4)
-    model = MAKERS[name]().eval()
+    model = MAKERS[name](positions=positions).eval()
     va, oa, ta = jagged([5], seed=5)  # sequence A alone
     vb, _, tb = jagged([11], seed=6)  # a longer one, B
     alone = model(va, oa, ta)
@@ -164,38 +166,52 @@ def _sasrec_reference(model: SASRec) -> nn.ModuleList:
     return layers.eval()
 
 
-def test_sasrec_matches_torch_transformer_encoder_layers() -> None:
+@pytest.mark.parametrize("positions", ["first", "last"])
+def test_sasrec_matches_torch_transformer_encoder_layers(positions: str) -> None:
     torch.manual_seed(7)
-    model = make_sasrec().eval()
+    model = make_sasrec(positions=positions).eval()
+    m = model.cfg.max_seq_len
     lengths = [7, 3, 5]
     vecs, offsets, _ = jagged(lengths, seed=8)
     ref_layers = _sasrec_reference(model)
 
     def reference(dtype: torch.dtype) -> torch.Tensor:
+        """Each sequence alone (no padding), its positions as the layout says: from 0
+        for "first", ending at max_seq_len - 1 for "last" (the paper's code left-pads
+        to max_seq_len and masks the padding keys, which is the same)."""
         layers = copy.deepcopy(ref_layers).to(dtype)
-        b, t = len(lengths), max(lengths)
-        x = torch.zeros(b, t, D, dtype=dtype)
-        for i, (lo, n) in enumerate(zip(offsets[:-1].tolist(), lengths, strict=True)):
-            x[i, :n] = vecs[lo : lo + n].to(dtype)
-        x = x + model.pos_emb.weight[:t].to(dtype)
-        x = F.layer_norm(x, (D,), model.ln.weight.to(dtype), model.ln.bias.to(dtype), 1e-12)
-        future = torch.ones(t, t, dtype=torch.bool).triu(1)  # True: may NOT attend
-        padding = torch.arange(t)[None, :] >= torch.tensor(lengths)[:, None]  # [B, T]
-        for layer in layers:
-            x = layer(x, src_mask=future, src_key_padding_mask=padding)
-        return torch.cat([x[i, :n] for i, n in enumerate(lengths)])  # [N, D]
+        outs = []
+        for lo, n in zip(offsets[:-1].tolist(), lengths, strict=True):
+            first = 0 if positions == "first" else m - n
+            x = vecs[lo : lo + n].to(dtype)[None] + model.pos_emb.weight[first : first + n].to(
+                dtype
+            )  # [1, n, D]
+            x = F.layer_norm(x, (D,), model.ln.weight.to(dtype), model.ln.bias.to(dtype), 1e-12)
+            future = torch.ones(n, n, dtype=torch.bool).triu(1)  # True: may NOT attend
+            for layer in layers:
+                x = layer(x, src_mask=future)
+            outs.append(x[0])
+        return torch.cat(outs)  # [N, D]
 
     with torch.no_grad():
         ref, ref64 = reference(torch.float32), reference(torch.float64)
         out = model(vecs, offsets)
     tol = replay_tol(ref, ref64)
     why = "a few times the reference's measured fp32 rounding"
-    assert_close(out, ref, atol=tol, what="SASRec vs TransformerEncoderLayer", why=why)
+    assert_close(
+        out, ref, atol=tol, what=f"SASRec ({positions}) vs TransformerEncoderLayer", why=why
+    )
+    if positions == "last":  # the newest items share a position, whatever the lengths
+        first = make_sasrec().eval()
+        first.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert max_abs_diff(first(vecs, offsets), out) > 1e-3
 
 
 def _hstu_loops(model: HSTU, vecs: torch.Tensor, times: list[int]) -> torch.Tensor:
     """One sequence through ``model`` by explicit loops over positions, heads and keys,
-    in float64 Python arithmetic on the model's weights."""
+    in float64 Python arithmetic on the model's weights (absolute positions from 0, or
+    ending at ``max_seq_len - 1`` with ``positions="last"``)."""
     cfg = model.cfg
     h, dqk, dv, big_t = cfg.n_head, cfg.qk_dim, cfg.v_dim, cfg.max_seq_len
     w = {k: v.detach().double() for k, v in model.state_dict().items()}
@@ -209,7 +225,8 @@ def _hstu_loops(model: HSTU, vecs: torch.Tensor, times: list[int]) -> torch.Tens
         return s / (1.0 + math.exp(-s))
 
     n = vecs.shape[0]
-    xs = [vecs[i].double() * math.sqrt(cfg.dim) + w["pos_emb.weight"][i] for i in range(n)]
+    first = 0 if cfg.positions == "first" else big_t - n
+    xs = [vecs[i].double() * math.sqrt(cfg.dim) + w["pos_emb.weight"][first + i] for i in range(n)]
     for li in range(cfg.n_layer):
         p = f"layers.{li}."
         pre = [(w[p + "f1.weight"] @ layer_norm(x)).tolist() for x in xs]
@@ -235,9 +252,10 @@ def _hstu_loops(model: HSTU, vecs: torch.Tensor, times: list[int]) -> torch.Tens
     return torch.stack(xs)
 
 
-def test_hstu_matches_explicit_loops() -> None:
+@pytest.mark.parametrize("positions", ["first", "last"])
+def test_hstu_matches_explicit_loops(positions: str) -> None:
     torch.manual_seed(9)
-    model = make_hstu(dim=D, n_head=2, attn_dim=3, linear_dim=5).eval()
+    model = make_hstu(dim=D, n_head=2, attn_dim=3, linear_dim=5, positions=positions).eval()
     for layer in model.layers:  # biases large enough to matter
         assert isinstance(layer, HSTULayer) and layer.rab.time_w is not None
         with torch.no_grad():
@@ -336,6 +354,8 @@ def test_learns_next_item_is_item_plus_one(name: str) -> None:
         (SASRecConfig, dict(attn_dropout=-0.1), r"attn_dropout must be in \[0, 1\), got -0.1"),
         (SASRecConfig, dict(layer_norm_eps=0.0), "layer_norm_eps must be > 0, got 0.0"),
         (SASRecConfig, dict(act="swish"), "act must be one of .*, got 'swish'"),
+        (SASRecConfig, dict(positions="end"), "positions must be one of .*, got 'end'"),
+        (HSTUConfig, dict(positions="newest"), "positions must be one of .*, got 'newest'"),
         (HSTUConfig, dict(dim=30, n_head=4), "dim 30 must be a multiple of n_head 4 when attn_dim"),
         (HSTUConfig, dict(attn_dim=0), "attn_dim must be None or an int > 0, got 0"),
         (HSTUConfig, dict(linear_dim=-2), "linear_dim must be None or an int > 0, got -2"),
