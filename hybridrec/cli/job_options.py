@@ -35,8 +35,8 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                           "ngram_splits", "ngram_placement", "ngram_capacity",
                           "ngram_max_age")),
     ("cache", ("cache_rows", "cache_fraction", "read_bound", "write_bound", "counted_pushes",
-               "local_step", "cache_policy", "cache_groups", "cache_memory", "cache_on",
-               "sparse_pipeline")),
+               "local_step", "cache_policy", "other_writers", "cache_groups", "cache_memory",
+               "cache_on", "sparse_pipeline")),
     ("dense parallelism", ("compression", "zero_stage", "bucket_mb", "tp", "pp",
                            "microbatches", "schedule")),
     ("checkpoints", ("checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume",
@@ -57,6 +57,12 @@ class CacheOptions:
     write_bound: int = option(0, help="cache write bound s_w (updates a row may hold unpushed)")
     cache_policy: Literal["lru", "lfu", "tinylfu"] = option(
         "lru", help="cache eviction policy (tinylfu: frequency-aware admission, LFU eviction)"
+    )
+    other_writers: bool = option(
+        False,
+        help="other processes write the hybrid tables too (another job on the same --ps "
+        "store): the cache of a one-worker job then asks the store about every row it serves, "
+        "as with several workers, instead of counting its own pushes to know which are fresh",
     )
 
 

@@ -108,9 +108,10 @@ def with_cache(
             f"{group.size} ranks each would cache its own replica (use --ps mpi or redis://, "
             "or one rank)"
         )
-    # One worker is its tables' only writer: rows it provably holds fresh (pushed at most
-    # read_bound times since their read) cost no request (CacheConfig.sole_writer).
-    config = dataclasses.replace(config, sole_writer=group.size == 1)
+    # One worker is its tables' only writer (unless other processes write them too): rows
+    # it provably holds fresh (pushed at most read_bound times since their read) cost no
+    # request (CacheConfig.sole_writer).
+    config = dataclasses.replace(config, sole_writer=group.size == 1 and not cfg.other_writers)
     # device None: the host cache, the CPU path unchanged
     return CachedStore(store, config, device=cache_device(cfg, device))
 

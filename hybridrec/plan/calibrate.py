@@ -16,7 +16,8 @@ law (:mod:`hybridrec.plan.costs`), one torch thread per process:
   steady-state step with local, hybrid (in-process store) and cached placement at
   several batch sizes (and cache sizes); what remains after the parts above is the
   job's own embedding work (per step, per id looked up, per distinct id) and the
-  cache's (per table step, per distinct id, per row fetched);
+  cache's (per table step, per distinct id, per row fetched), as its tables' sole
+  writer and with ``--other-writers`` (as every cache of several workers runs);
 * MPI (unless ``mpi=False``): ``mpirun -n 2`` of :mod:`hybridrec.plan.mpi_probe`: the
   MPI store's ``pull_many`` / ``push_many`` with one server: the server's own busy time
   per message (``server["mpi"]``: it serves a batch of fixed tables whole in C, not
@@ -90,7 +91,7 @@ def calibrate(
         say("calibrating: embedding collections (sharded, one rank)")
         embedding = calibrate_embedding(quick, server, ("sharded",))
         say("calibrating: the DLRM job's steps (local, hybrid, cached; one process)")
-        job_embedding, cache_costs = calibrate_job(quick, data, dense, server)
+        job_embedding, cache_costs, cache_shared = calibrate_job(quick, data, dense, server)
         embedding.update(job_embedding)
         probe = probe3 = None
         if mpi:
@@ -122,6 +123,7 @@ def calibrate(
         dense=dense,
         embedding=embedding,
         cache=cache_costs,
+        cache_shared=cache_shared,
         server=server,
         mpi_wire=None if probe is None else wire_costs(probe),
         mpi_wire_sharded=None

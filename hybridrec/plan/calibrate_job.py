@@ -17,28 +17,38 @@ from hybridrec.plan.timing import fit
 JOB_ROWS = 20_000  # rows per table of the synthetic data the job steps are timed on
 
 
-def job_step_seconds(options: list[str], quick: bool) -> tuple[DLRMJobConfig, list[float]]:
+def job_step_seconds(
+    options: list[str], quick: bool, *, cached: bool = False
+) -> tuple[DLRMJobConfig, list[float]]:
     """The job's config and steady-state step seconds (one per logged block) on 26
-    synthetic tables with ``options``."""
-    steps, every, warm = (20, 4, 8) if quick else (30, 5, 10)
+    synthetic tables with ``options``. A cached run warms up longer: its cache fills
+    over its first steps, and a step with evictions costs more than one without
+    (measured: 40-45 ms in the first 30 steps at batch 1024 and 20 % of the rows, 48-52
+    ms after)."""
+    if cached:
+        steps, every, warm = (30, 5, 15) if quick else (50, 5, 25)
+    else:
+        steps, every, warm = (20, 4, 8) if quick else (30, 5, 10)
     data = ["--data", "synthetic", "--synthetic-rows", str(JOB_ROWS), "--synthetic-samples",
-            "50000"]  # fmt: skip
+            "80000"]  # fmt: skip
     return step_seconds([*data, *options], steps=steps, log_every=every, warm_steps=warm)
 
 
 def calibrate_job(
     quick: bool, data: Linear, dense: DenseCosts, server: dict[str, StoreCosts]
-) -> tuple[dict[str, EmbeddingCosts], CacheCosts]:
+) -> tuple[dict[str, EmbeddingCosts], CacheCosts, CacheCosts]:
     """The job's own embedding work (local and hybrid placement) and the cache's, from
     the DLRM job's steps on one process (an in-process store) at several batch sizes:
     what is left of a step after the batch assembly, the dense part and the store's
     share (the sampled traffic on the fitted shard costs) is fitted per step, per id
     looked up and per distinct id (the cache: per table step, per distinct id, per row
-    fetched, beyond the uncached hybrid step)."""
+    fetched, beyond the uncached hybrid step). The cache is fitted twice: as its
+    tables' sole writer (what one worker is) and with ``--other-writers`` (what every
+    worker's cache is with several workers: it asks about every row it serves)."""
 
-    def cache_opts(fraction: float) -> list[str]:
+    def cache_opts(fraction: float, shared: bool) -> list[str]:
         return ["--cache-fraction", str(fraction), "--cache-policy", "lfu", "--read-bound", "4",
-                "--write-bound", "4"]  # fmt: skip
+                "--write-bound", "4", *(["--other-writers"] if shared else [])]  # fmt: skip
 
     batches = (128, 1024) if quick else (128, 512, 1024)
     # the cached runs vary the cache size too, so that rows fetched and distinct ids
@@ -49,24 +59,26 @@ def calibrate_job(
     traffic = TrafficModel()
     emb: dict[str, EmbeddingCosts] = {}
     fits: dict[str, tuple[list[list[float]], list[float]]] = {}
+    variants = ("local", "hybrid", "cached", "shared")
 
     def options(variant: str, b: int, fraction: float) -> list[str]:
         opts = ["--batch-size", str(b), "--placement", "local" if variant == "local" else "hybrid"]
-        return opts + (cache_opts(fraction) if fraction else [])
+        return opts + (cache_opts(fraction, variant == "shared") if fraction else [])
 
     configs = [("local", b, 0.0) for b in batches] + [("hybrid", b, 0.0) for b in batches]
-    configs += [("cached", b, f) for b, f in cached_runs]
+    configs += [(v, b, f) for v in ("cached", "shared") for b, f in cached_runs]
     # every configuration once per round, the rounds one after the other: a burst of
     # other work on the machine then slows one run of each, not all runs of one
     blocks: dict[tuple[str, int, float], list[float]] = {c: [] for c in configs}
     job_configs: dict[tuple[str, int, float], DLRMJobConfig] = {}
     for _ in range(1 if quick else 2):
         for c in configs:
-            job_configs[c], seconds = job_step_seconds(options(*c), quick)
+            job_configs[c], seconds = job_step_seconds(options(*c), quick, cached=c[2] > 0)
             blocks[c] += seconds
-    for variant in ("local", "hybrid", "cached"):
+    for variant in variants:
         placement = "local" if variant == "local" else "hybrid"
-        runs = cached_runs if variant == "cached" else [(b, 0.0) for b in batches]
+        with_cache = variant in ("cached", "shared")
+        runs = cached_runs if with_cache else [(b, 0.0) for b in batches]
         for b, fraction in runs:
             step = float(np.median(blocks[(variant, b, fraction)]))
             plan = plan_from_dlrm(job_configs[(variant, b, fraction)], workers=1)
@@ -78,7 +90,7 @@ def calibrate_job(
             unique = sum(t.unique for t in tr.values())
             if placement == "hybrid":
                 rest -= sum(store_share(shard, t) for t in tr.values())
-            if variant == "cached":
+            if with_cache:
                 h = emb["hybrid"]
                 rest -= h.alpha_s + h.per_lookup_s * lookups + h.per_unique_s * unique
                 row = [float(len(tr)), unique, sum(t.returned for t in tr.values())]
@@ -87,10 +99,13 @@ def calibrate_job(
             fits.setdefault(variant, ([], []))
             fits[variant][0].append(row)
             fits[variant][1].append(max(rest, 0.0))
-        coef = fit(*fits[variant])
-        if variant != "cached":
+        if not with_cache:
+            alpha, per_lookup, per_unique = fit(*fits[variant])
             emb[variant] = EmbeddingCosts(
-                alpha_s=coef[0], per_lookup_s=coef[1], per_unique_s=coef[2]
+                alpha_s=alpha, per_lookup_s=per_lookup, per_unique_s=per_unique
             )
-    per_table, per_id, per_admit = fit(*fits["cached"])
-    return emb, CacheCosts(per_table_s=per_table, per_id_s=per_id, per_admit_s=per_admit)
+    sole, shared = (
+        CacheCosts(per_table_s=t, per_id_s=i, per_admit_s=a)
+        for t, i, a in (fit(*fits["cached"]), fit(*fits["shared"]))
+    )
+    return emb, sole, shared

@@ -8,7 +8,8 @@ per call or message plus seconds per row, sample or byte. Layout of the file::
      "data":      {"alpha_s", "beta_s"},                # batch assembly: per step, per sample
      "dense":     {"alpha_s", "s_per_param", "s_per_flop"},
      "embedding": {"local"|"hybrid"|"sharded": {"alpha_s", "per_lookup_s", "per_unique_s"}},
-     "cache":     {"per_table_s", "per_id_s", "per_admit_s"},  # the cache's own work
+     "cache":     {"per_table_s", "per_id_s", "per_admit_s"},  # the cache's own work,
+     "cache_shared": {...},                           # the same, not its tables' sole writer
      "server":    {"dense"|"sparse"|"mpi": {"pull", "pull_check", "push": {optimizer: ...}}},
      "mpi_wire":  {"pull", "pull_check", "push", "per_table_s", "messages_per_batch"},
      "mpi_wire_sharded": {...},                       # the same with two servers
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA = "hybridrec.plan.costs"
-VERSION = 2
+VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +78,11 @@ class EmbeddingCosts:
 @dataclass(frozen=True, slots=True)
 class CacheCosts:
     """The cache's own work per table and step (a serving pull, a prefetch and a push):
-    ``per_table_s`` + ``per_id_s`` per distinct id + ``per_admit_s`` per row fetched."""
+    ``per_table_s`` + ``per_id_s`` per distinct id + ``per_admit_s`` per row fetched.
+    Two sets are calibrated: a sole writer's (one worker: it asks the store only about
+    misses and rows it pushed past the read bound) and a shared table's (several
+    workers or other writers: every served id goes out with its copy's clock, and the
+    rows others moved come back)."""
 
     per_table_s: float
     per_id_s: float
@@ -124,7 +129,8 @@ class Costs:
     data: Linear
     dense: DenseCosts
     embedding: dict[str, EmbeddingCosts]
-    cache: CacheCosts
+    cache: CacheCosts  # one worker, its tables' sole writer
+    cache_shared: CacheCosts  # a cache that asks the store about every row it serves
     server: dict[str, StoreCosts]
     mpi_wire: WireCosts | None
     mpi_wire_sharded: WireCosts | None
@@ -165,6 +171,7 @@ class Costs:
                     for k, v in data["embedding"].items()
                 },
                 cache=CacheCosts(**_numbers(data["cache"], CacheCosts)),
+                cache_shared=CacheCosts(**_numbers(data["cache_shared"], CacheCosts)),
                 server={k: _store(v) for k, v in data["server"].items()},
                 mpi_wire=_wire(data["mpi_wire"]),
                 mpi_wire_sharded=_wire(data["mpi_wire_sharded"]),

@@ -112,6 +112,7 @@ def plan_from_dlrm(
     cache = CachePlan(
         fraction=cfg.cache_fraction, rows=cfg.cache_rows, read_bound=cfg.read_bound,
         write_bound=cfg.write_bound, policy=cfg.cache_policy,
+        other_writers=cfg.other_writers,
     )  # fmt: skip
     return Plan(
         model=model, cluster=cluster, cache=cache, network=network or NetworkPlan(),

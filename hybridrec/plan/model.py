@@ -17,7 +17,8 @@ A step of one worker, in order (``docs/planner.md`` has the full model)::
                  rest of compute, which run at once on two threads
     step       = the sum; with P processes on C shared cores (P > C) every process
                  runs at C / P speed (waiting ranks and idle servers spin), and each
-                 round of a collective waits for a descheduled rank (sync_delay_s)
+                 round of a collective and each request phase to the servers (pull,
+                 push) waits for a descheduled process (sync_delay_s)
 
 A server's service is ``alpha * table requests + beta * rows`` of its shard's store
 (a fixed table, whether one server holds it or several split it; for the MPI store's
@@ -115,13 +116,13 @@ def _store_phases(
         pulls = costs.server["mpi"]
         if all(t.optimizer == "rowwise_adagrad" for t in tables):
             push_costs = {t.name: costs.server["mpi"] for t in tables}
-    if servers > 1 and costs.mpi_wire_sharded is not None:
-        # measured with two servers; on a calibration machine of fewer than 3 cores that
-        # includes the scheduling of 3 processes on too few cores, which only a plan whose
-        # processes share cores too should carry
-        own_cores = int(costs.machine.get("cpus") or 1) >= 3
-        if own_cores or plan.device.shared_cores is not None:
-            wire = costs.mpi_wire_sharded
+    # Measured with two servers; only on a calibration machine of 3 cores or more is that
+    # the servers' wire: on fewer, the 3 processes' scheduler waits swamp it (0.4 ms per
+    # table part against 0.04-0.09 with one server, measured on 2 cores), and the model
+    # charges those waits itself (a sync delay per request phase).
+    own_cores = int(costs.machine.get("cpus") or 1) >= 3
+    if servers > 1 and costs.mpi_wire_sharded is not None and own_cores:
+        wire = costs.mpi_wire_sharded
     if mpi and wire is None:
         raise ValueError(
             "costs: this calibration has no MPI store costs (made with --no-mpi); "
@@ -231,7 +232,7 @@ def predict(plan: Plan, costs: Costs, traffic: dict[str, TableTraffic]) -> Predi
         pull, push = _store_phases(plan, costs, hybrid, traffic)
         cached = [traffic[t.name] for t in hybrid if traffic[t.name].check_requests > 0]
         if cached:
-            k = costs.cache
+            k = costs.cache if plan.cache.sole_writer(w) else costs.cache_shared
             cache_work = sum(
                 k.per_table_s + k.per_id_s * tr.unique + k.per_admit_s * tr.returned
                 for tr in cached
@@ -297,6 +298,8 @@ def predict(plan: Plan, costs: Costs, traffic: dict[str, TableTraffic]) -> Predi
         rounds = _log2(w) if w > 1 else 0  # the dense allreduce
         rounds += 4 * (w - 1) if model.placed("sharded") and w > 1 else 0
         rounds += 2 * _log2(w) if model.placed("local") and w > 1 else 0
+        # and so does each request phase to the servers (the pull, the push)
+        rounds += 2 if hybrid and c.store == "mpi" else 0
         shared += costs.sync_delay_s * rounds
     step = path + shared
     named = dict(parts)

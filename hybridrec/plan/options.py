@@ -216,5 +216,6 @@ def plan_of(o: PlanOptions) -> Plan:
     cache = CachePlan(
         fraction=o.cache_fraction, rows=o.cache_rows, read_bound=o.read_bound,
         write_bound=o.write_bound, policy=o.cache_policy,
+        other_writers=o.other_writers,
     )  # fmt: skip
     return Plan(model=model, cluster=cluster, cache=cache, network=network, device=device)

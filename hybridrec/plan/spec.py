@@ -149,13 +149,15 @@ class ModelPlan:
 @dataclass(kw_only=True, slots=True)
 class CachePlan:
     """The worker-side hot-row cache of hybrid tables (``cache.CacheConfig``): size as a
-    ``fraction`` of each table's rows or ``rows`` per table (0 and 0: no cache)."""
+    ``fraction`` of each table's rows or ``rows`` per table (0 and 0: no cache).
+    One worker's cache is its tables' sole writer unless ``other_writers``."""
 
     fraction: float = 0.0
     rows: int = 0
     read_bound: int = 0
     write_bound: int = 0
     policy: str = "lfu"
+    other_writers: bool = False  # others write the tables too: no sole writer at 1 worker
 
     def __post_init__(self) -> None:
         if not isinstance(self.fraction, int | float) or not 0 <= self.fraction <= 1:
@@ -168,6 +170,14 @@ class CachePlan:
         _int_at_least("CachePlan", "read_bound", self.read_bound, 0)
         _int_at_least("CachePlan", "write_bound", self.write_bound, 0)
         _one_of("CachePlan", "policy", self.policy, POLICIES)
+        if not isinstance(self.other_writers, bool):
+            raise ValueError(f"CachePlan.other_writers must be a bool, got {self.other_writers!r}")
+
+    def sole_writer(self, workers: int) -> bool:
+        """Whether the cache of each of ``workers`` is its tables' only writer (one
+        worker, nobody else writing): it then asks the store only about misses and rows
+        it pushed more than ``read_bound`` times since their read."""
+        return workers == 1 and not self.other_writers
 
     @property
     def on(self) -> bool:

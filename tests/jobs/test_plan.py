@@ -13,8 +13,14 @@ import pytest
 
 from hybridrec.plan import idlaw
 from hybridrec.plan.__main__ import main
-from hybridrec.plan.costs import Costs, StoreCosts, load_costs, save_costs
-from hybridrec.plan.idlaw import FileSampler, TrafficModel, ZipfSampler, simulate_table
+from hybridrec.plan.costs import CacheCosts, Costs, StoreCosts, load_costs, save_costs
+from hybridrec.plan.idlaw import (
+    FileSampler,
+    TableTraffic,
+    TrafficModel,
+    ZipfSampler,
+    simulate_table,
+)
 from hybridrec.plan.model import predict
 from hybridrec.plan.options import PlanOptions, parse_table, plan_of
 from hybridrec.plan.spec import (
@@ -51,7 +57,7 @@ def store_costs(scale: float) -> dict[str, object]:
 
 COSTS_JSON: dict[str, object] = {
     "schema": "hybridrec.plan.costs",
-    "version": 2,
+    "version": 3,
     "device": "cpu",
     "machine": {"cpus": 2},
     "dim": 16,
@@ -62,6 +68,7 @@ COSTS_JSON: dict[str, object] = {
         for k in ("local", "hybrid", "sharded")
     },
     "cache": {"per_table_s": 2e-4, "per_id_s": 1e-7, "per_admit_s": 2e-7},
+    "cache_shared": {"per_table_s": 3e-4, "per_id_s": 2e-7, "per_admit_s": 4e-7},
     "server": {"dense": store_costs(1.0), "sparse": store_costs(3.0)},
     "mpi_wire": {
         "pull": lin(3e-5, 3e-9),
@@ -303,8 +310,8 @@ def test_more_servers_split_rows_and_shared_cores_slow_every_process(costs_file:
     shared = dataclass_replace_device(one, DevicePlan(shared_cores=2))
     p, s = predict(one, costs, tr), predict(shared, costs, tr)
     # 4 workers + 1 server on 2 cores: each at 2/5 speed, and the allreduce's 2 rounds
-    # each wait for a descheduled rank
-    assert s.step_s == pytest.approx(p.step_s * 5 / 2 + 2 * costs.sync_delay_s, rel=F64)
+    # and the 2 request phases (pull, push) each wait for a descheduled process
+    assert s.step_s == pytest.approx(p.step_s * 5 / 2 + 4 * costs.sync_delay_s, rel=F64)
     assert s.bottleneck == "shared_cores"
 
 
@@ -612,6 +619,37 @@ def test_the_sparse_pipeline_hides_the_shorter_thread_where_a_core_is_free() -> 
     assert predict(roomy, costs, tr).parts["pipelined"] == pytest.approx(-hidden, rel=F64)
     replicas = small_plan(2, store="inprocess", servers=0).with_(sparse_pipeline=True)
     assert predict(replicas, costs, tm.traffic(replicas)).parts["pipelined"] == 0.0
+
+
+def test_one_worker_is_its_tables_sole_writer_unless_others_write() -> None:
+    """The cache's own work is the sole writer's calibration at one worker, the shared
+    calibration with several workers or ``other_writers`` (it then asks the store about
+    every row it serves); nothing else in the step changes with it."""
+    costs = load_costs_dict()
+    tm = TrafficModel()
+
+    def cache_work(k: CacheCosts, tr: dict[str, TableTraffic]) -> float:
+        return sum(
+            k.per_table_s + k.per_id_s * t.unique + k.per_admit_s * t.returned for t in tr.values()
+        )
+
+    cache = CachePlan(fraction=0.1, read_bound=4, write_bound=4)
+    one = small_plan(1).with_(cache=cache)
+    tr = tm.traffic(one)
+    sole = predict(one, costs, tr)
+    others = predict(one.with_(cache=dataclasses.replace(cache, other_writers=True)), costs, tr)
+    delta = cache_work(costs.cache_shared, tr) - cache_work(costs.cache, tr)
+    assert delta > 0
+    assert others.parts["compute"] == pytest.approx(sole.parts["compute"] + delta, rel=F64)
+    assert others.parts["pull"] == sole.parts["pull"]
+    # two workers: the shared calibration, whatever other_writers says
+    two = small_plan(2).with_(cache=cache)
+    tr2 = tm.traffic(two)
+    as_sole = dataclasses.replace(costs, cache_shared=costs.cache)
+    moved = predict(two, costs, tr2).parts["compute"] - predict(two, as_sole, tr2).parts["compute"]
+    assert moved == pytest.approx(
+        cache_work(costs.cache_shared, tr2) - cache_work(costs.cache, tr2), rel=1e-9
+    )
 
 
 def test_the_plot_says_which_network_curves_coincide() -> None:
