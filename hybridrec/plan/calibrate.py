@@ -17,7 +17,9 @@ law (:mod:`hybridrec.plan.costs`), one torch thread per process:
   several batch sizes (and cache sizes); what remains after the parts above is the
   job's own embedding work (per step, per id looked up, per distinct id) and the
   cache's (per table step, per distinct id, per row fetched), as its tables' sole
-  writer and with ``--other-writers`` (as every cache of several workers runs);
+  writer and with ``--other-writers`` (as every cache of several workers runs); all
+  with the sparse pipeline off, and one cached run again with it on: the share of the
+  modelled overlap it achieved is ``pipeline_overlap``;
 * MPI (unless ``mpi=False``): ``mpirun -n 2`` of :mod:`hybridrec.plan.mpi_probe`: the
   MPI store's ``pull_many`` / ``push_many`` with one server: the server's own busy time
   per message (``server["mpi"]``: it serves a batch of fixed tables whole in C, not
@@ -91,7 +93,9 @@ def calibrate(
         say("calibrating: embedding collections (sharded, one rank)")
         embedding = calibrate_embedding(quick, server, ("sharded",))
         say("calibrating: the DLRM job's steps (local, hybrid, cached; one process)")
-        job_embedding, cache_costs, cache_shared = calibrate_job(quick, data, dense, server)
+        job_embedding, cache_costs, cache_shared, overlap = calibrate_job(
+            quick, data, dense, server
+        )
         embedding.update(job_embedding)
         probe = probe3 = None
         if mpi:
@@ -131,4 +135,5 @@ def calibrate(
         else wire_costs(probe3, max(1.0, 3 / (os.cpu_count() or 1))),
         collectives=collectives,
         sync_delay_s=sync_delay,
+        pipeline_overlap=overlap,
     )

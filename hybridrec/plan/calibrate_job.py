@@ -36,7 +36,7 @@ def job_step_seconds(
 
 def calibrate_job(
     quick: bool, data: Linear, dense: DenseCosts, server: dict[str, StoreCosts]
-) -> tuple[dict[str, EmbeddingCosts], CacheCosts, CacheCosts]:
+) -> tuple[dict[str, EmbeddingCosts], CacheCosts, CacheCosts, float]:
     """The job's own embedding work (local and hybrid placement) and the cache's, from
     the DLRM job's steps on one process (an in-process store) at several batch sizes:
     what is left of a step after the batch assembly, the dense part and the store's
@@ -44,7 +44,9 @@ def calibrate_job(
     looked up and per distinct id (the cache: per table step, per distinct id, per row
     fetched, beyond the uncached hybrid step). The cache is fitted twice: as its
     tables' sole writer (what one worker is) and with ``--other-writers`` (what every
-    worker's cache is with several workers: it asks about every row it serves)."""
+    worker's cache is with several workers: it asks about every row it serves). Every
+    fitted run has the sparse pipeline off; one cached run is repeated with it on, and
+    the share of the modelled overlap it achieved is the last value returned."""
 
     def cache_opts(fraction: float, shared: bool) -> list[str]:
         return ["--cache-fraction", str(fraction), "--cache-policy", "lfu", "--read-bound", "4",
@@ -60,13 +62,19 @@ def calibrate_job(
     emb: dict[str, EmbeddingCosts] = {}
     fits: dict[str, tuple[list[list[float]], list[float]]] = {}
     variants = ("local", "hybrid", "cached", "shared")
+    piped = max(cached_runs)  # the cached run also timed with the sparse pipeline on
 
     def options(variant: str, b: int, fraction: float) -> list[str]:
-        opts = ["--batch-size", str(b), "--placement", "local" if variant == "local" else "hybrid"]
+        # every fitted run unpipelined (--sparse-pipeline auto would turn the pipeline
+        # on here, where a core is free, and hide part of what is fitted); "piped" is
+        # the cached run with it on, which measures how much of the sparse step it hides
+        opts = ["--batch-size", str(b), "--placement", "local" if variant == "local" else "hybrid",
+                "--sparse-pipeline", "on" if variant == "piped" else "off"]  # fmt: skip
         return opts + (cache_opts(fraction, variant == "shared") if fraction else [])
 
     configs = [("local", b, 0.0) for b in batches] + [("hybrid", b, 0.0) for b in batches]
     configs += [(v, b, f) for v in ("cached", "shared") for b, f in cached_runs]
+    configs.append(("piped", *piped))
     # every configuration once per round, the rounds one after the other: a burst of
     # other work on the machine then slows one run of each, not all runs of one
     blocks: dict[tuple[str, int, float], list[float]] = {c: [] for c in configs}
@@ -108,4 +116,20 @@ def calibrate_job(
         CacheCosts(per_table_s=t, per_id_s=i, per_admit_s=a)
         for t, i, a in (fit(*fits["cached"]), fit(*fits["shared"]))
     )
-    return emb, sole, shared
+    # The pipeline's overlap: what it hid in the cached run, measured (unpipelined minus
+    # pipelined step), over what the model would hide there, min(sparse step, the rest).
+    plan = plan_from_dlrm(job_configs[("cached", *piped)], workers=1)
+    tr = traffic.traffic(plan)
+    h, model, b = emb["hybrid"], plan.model, piped[0]
+    cache_work = sum(
+        sole.per_table_s + sole.per_id_s * t.unique + sole.per_admit_s * t.returned
+        for t in tr.values()
+    )
+    sparse = sum(store_share(shard, t) for t in tr.values()) + cache_work
+    rest = data(1, b) + dense.alpha_s + dense.s_per_param * model.dense_params
+    rest += dense.s_per_flop * model.dense_flops_per_sample * b
+    rest += h.alpha_s + sum(h.per_lookup_s * t.lookups + h.per_unique_s * t.unique
+                            for t in tr.values())  # fmt: skip
+    hidden = float(np.median(blocks[("cached", *piped)]) - np.median(blocks[("piped", *piped)]))
+    overlap = float(np.clip(hidden / max(min(sparse, rest), 1e-9), 0.0, 1.0))
+    return emb, sole, shared, overlap

@@ -14,7 +14,8 @@ per call or message plus seconds per row, sample or byte. Layout of the file::
      "mpi_wire":  {"pull", "pull_check", "push", "per_table_s", "messages_per_batch"},
      "mpi_wire_sharded": {...},                       # the same with two servers
      "collectives": {"allreduce"|"alltoallv"|"allgatherv": {"alpha_s", "beta_s"}},
-     "sync_delay_s": 0.0005}                            # a wait for a descheduled rank
+     "sync_delay_s": 0.0005,                            # a wait for a descheduled rank
+     "pipeline_overlap": 0.5}                           # share of the sparse step hidden
 
 ``server`` is the work of one PS shard (a :class:`ps.local.table.LocalTable`, what the
 in-process store and each MPI server run): per table request and per row (``dense``: a
@@ -28,7 +29,9 @@ MPI store adds on top of the servers' work (messages, copies), per message and p
 tables: 1 when the store batches, else the table count.
 Collectives are at 2 ranks, per call and per byte sent. ``sync_delay_s`` is what each
 round of a collective added at 3 ranks on fewer than 3 cores (0 on 3 cores or more):
-the wait for a rank the scheduler had put aside.
+the wait for a rank the scheduler had put aside. ``pipeline_overlap`` is the share of
+the modelled overlap that the sparse pipeline achieved in the calibration's cached
+steps (its thread's Python and the dense step's take turns on the interpreter lock).
 """
 
 from __future__ import annotations
@@ -136,6 +139,7 @@ class Costs:
     mpi_wire_sharded: WireCosts | None
     collectives: dict[str, Linear]
     sync_delay_s: float = 0.0
+    pipeline_overlap: float = 1.0
 
     def row_scale(self, dim: int) -> float:
         """Per-row costs were timed at ``self.dim``: half of a row's cost is taken as
@@ -177,6 +181,7 @@ class Costs:
                 mpi_wire_sharded=_wire(data["mpi_wire_sharded"]),
                 collectives={k: _linear(v) for k, v in data["collectives"].items()},
                 sync_delay_s=float(data["sync_delay_s"]),
+                pipeline_overlap=_share(data["pipeline_overlap"]),
             )
         except KeyError as e:
             raise ValueError(f"{where}: missing key {e.args[0]!r}; calibrate again") from None
@@ -195,6 +200,12 @@ def _numbers(d: Any, cls: type) -> dict[str, float]:
             raise TypeError(f"{cls.__name__}.{k} must be a number >= 0, got {v!r}")
         out[k] = float(v)
     return out
+
+
+def _share(v: Any) -> float:
+    if not isinstance(v, int | float) or isinstance(v, bool) or not 0.0 <= v <= 1.0:
+        raise TypeError(f"pipeline_overlap must be a number in [0, 1], got {v!r}")
+    return float(v)
 
 
 def _linear(d: Any) -> Linear:

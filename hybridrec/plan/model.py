@@ -14,7 +14,9 @@ A step of one worker, in order (``docs/planner.md`` has the full model)::
                  allgather their row gradients instead
     pipelined  = with the sparse pipeline and a free core per worker: minus the shorter
                  of the sparse step (pull + push + queueing + the cache's work) and the
-                 rest of compute, which run at once on two threads
+                 rest of compute, which run at once on two threads, times the share
+                 of it the calibration saw hidden (pipeline_overlap: both threads'
+                 Python takes turns on the interpreter lock)
     step       = the sum; with P processes on C shared cores (P > C) every process
                  runs at C / P speed (waiting ranks and idle servers spin), and each
                  round of a collective and each request phase to the servers (pull,
@@ -289,7 +291,7 @@ def predict(plan: Plan, costs: Costs, traffic: dict[str, TableTraffic]) -> Predi
         # next batch's pull and install, this batch's push, the waits on the servers and
         # the cache's work) while the dense step runs: the shorter of the two is hidden
         sparse = parts["pull"] + parts["push"] + parts["server_queueing"] + cache_work
-        parts["pipelined"] = -min(sparse, parts["compute"] - cache_work)
+        parts["pipelined"] = -costs.pipeline_overlap * min(sparse, parts["compute"] - cache_work)
     path = sum(parts.values())
     shared = 0.0
     if cores is not None and procs > cores:

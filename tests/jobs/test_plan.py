@@ -80,6 +80,7 @@ COSTS_JSON: dict[str, object] = {
     "mpi_wire_sharded": None,
     "collectives": {k: lin(2e-5, 3e-10) for k in ("allreduce", "alltoallv", "allgatherv")},
     "sync_delay_s": 5e-4,
+    "pipeline_overlap": 1.0,
 }
 
 
@@ -619,6 +620,12 @@ def test_the_sparse_pipeline_hides_the_shorter_thread_where_a_core_is_free() -> 
     assert predict(roomy, costs, tr).parts["pipelined"] == pytest.approx(-hidden, rel=F64)
     replicas = small_plan(2, store="inprocess", servers=0).with_(sparse_pipeline=True)
     assert predict(replicas, costs, tm.traffic(replicas)).parts["pipelined"] == 0.0
+    # the calibration saw 40 % of the modelled overlap: 40 % is hidden
+    partial = Costs.from_json({**COSTS_JSON, "pipeline_overlap": 0.4})
+    got = predict(plain.with_(sparse_pipeline=True), partial, tr).parts["pipelined"]
+    assert got == pytest.approx(-0.4 * hidden, rel=F64)
+    with pytest.raises(ValueError, match=r"pipeline_overlap must be a number in \[0, 1\], got 1.5"):
+        Costs.from_json({**COSTS_JSON, "pipeline_overlap": 1.5})
 
 
 def test_one_worker_is_its_tables_sole_writer_unless_others_write() -> None:
