@@ -1,6 +1,6 @@
 """The capacity planner (hybridrec.plan): id-law sampling against the exact law, the cache
 simulation against a per-id Python model, the step-time arithmetic on hand-made costs,
-the CLI end to end and its errors."""
+the CLI end to end and its errors, and a quick calibration on this machine."""
 
 from __future__ import annotations
 
@@ -672,3 +672,25 @@ def test_the_plot_says_which_network_curves_coincide() -> None:
     preds = [pred(w, n, r * w) for w in (1, 64) for n, r in (("10", 90.0), ("25", 99.0),
                                                                ("100", 100.0))]  # fmt: skip
     assert _coinciding(preds, ["10", "25", "100"]) == ["25", "100"]
+
+
+@pytest.mark.timeout(300)
+def test_a_quick_calibration_runs_the_job_and_writes_a_file_the_planner_reads(
+    tmp_path: Path,
+) -> None:
+    """``--calibrate --quick --no-mpi`` times the parts and the job's steps on this
+    machine (the values are this machine's, so only their form is checked here): the
+    file loads, every cost is a number >= 0, both cache calibrations are there, the
+    pipeline's overlap is a share, and a one-worker cached plan is predicted from it."""
+    out = tmp_path / "costs.json"
+    main(["--calibrate", "--quick", "--no-mpi", "--out", str(out)])
+    costs = load_costs(out)
+    assert costs.mpi_wire is None and costs.mpi_wire_sharded is None  # --no-mpi
+    for k in (costs.cache, costs.cache_shared, *costs.embedding.values()):
+        assert all(v >= 0.0 for v in dataclasses.astuple(k)), k
+    assert 0.0 <= costs.pipeline_overlap <= 1.0
+    plan = small_plan(1, store="inprocess", servers=0).with_(
+        cache=CachePlan(fraction=0.1, read_bound=4, write_bound=4)
+    )
+    p = predict(plan, costs, TrafficModel().traffic(plan))
+    assert p.step_s > 0 and p.hit_rate is not None
