@@ -121,11 +121,7 @@ def calibrate_job(
     plan = plan_from_dlrm(job_configs[("cached", *piped)], workers=1)
     tr = traffic.traffic(plan)
     h, model, b = emb["hybrid"], plan.model, piped[0]
-    cache_work = sum(
-        sole.per_table_s + sole.per_id_s * t.unique + sole.per_admit_s * t.returned
-        for t in tr.values()
-    )
-    sparse = sum(store_share(shard, t) for t in tr.values()) + cache_work
+    sparse = sum(store_share(shard, t) for t in tr.values()) + sole.work(tr.values())
     rest = data(1, b) + dense.alpha_s + dense.s_per_param * model.dense_params
     rest += dense.s_per_flop * model.dense_flops_per_sample * b
     rest += h.alpha_s + sum(h.per_lookup_s * t.lookups + h.per_unique_s * t.unique

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,14 @@ class CacheCosts:
     per_table_s: float
     per_id_s: float
     per_admit_s: float
+
+    def work(self, tables: Iterable[Any]) -> float:
+        """Seconds of the cache's work per step for ``tables``' traffic (each with
+        ``unique`` distinct ids and ``returned`` rows fetched, :class:`TableTraffic`)."""
+        return sum(
+            self.per_table_s + self.per_id_s * t.unique + self.per_admit_s * t.returned
+            for t in tables
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -235,10 +235,7 @@ def predict(plan: Plan, costs: Costs, traffic: dict[str, TableTraffic]) -> Predi
         cached = [traffic[t.name] for t in hybrid if traffic[t.name].check_requests > 0]
         if cached:
             k = costs.cache if plan.cache.sole_writer(w) else costs.cache_shared
-            cache_work = sum(
-                k.per_table_s + k.per_id_s * tr.unique + k.per_admit_s * tr.returned
-                for tr in cached
-            )
+            cache_work = k.work(cached)
             parts["compute"] += cache_work
             lookups = sum(tr.unique for tr in cached)
             hit_rate = sum(tr.hit_rate * tr.unique for tr in cached) / max(lookups, 1e-12)
