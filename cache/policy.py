@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from cache.kernels.victim_pool import pool_valid
+
 TICK_BITS = 32  # a key's low bits: the last use
 _LOW = (1 << TICK_BITS) - 1
 FREQ_MAX = 1 << 30  # the largest frequency a key holds
@@ -142,12 +144,16 @@ class EvictionPolicy:
     def _from_pool(self, k: int, tick: int, protect: np.ndarray | None) -> np.ndarray:
         """The first ``k`` pool entries still valid (skipping used-up ones for good).
 
-        The pool can hold a chunk of the capacity while a step wants a few thousand
+        One C pass (:mod:`cache.kernels.victim_pool`) where it is available. Else numpy:
+        the pool can hold a chunk of the capacity while a step wants a few thousand
         victims, so it is read in windows that double until they hold ``k`` valid
         entries, and ``protect`` is looked up in a mark array (a set lookup per entry,
         where ``np.isin`` would sort or hash both arrays every call)."""
         rest = self.pool[self.pool_at :]
         keys_then = self.pool_key[self.pool_at :]
+        got = pool_valid(rest, keys_then, self.key, _LOW, tick, protect, self.marked, k)
+        if got is not None:
+            return got
         marks = protect is not None and protect.size > 0
         if marks:
             assert protect is not None

@@ -5,5 +5,6 @@ and ``<name>.py`` (its loader). Built on first use by :func:`comm.native.load_c_
 
 * ``records`` - serve rows from the cache slab, apply pushes, copy clocks;
 * ``sketch`` - count ids in TinyLFU's frequency sketch and estimate them;
-* ``sorted_ids`` - the ids of one sorted array not in another.
+* ``sorted_ids`` - the ids of one sorted array not in another;
+* ``victim_pool`` - the first valid entries of TinyLFU's pool of victims.
 """

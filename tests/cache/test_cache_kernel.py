@@ -231,3 +231,36 @@ def test_sorted_difference_equals_numpy(seed: int) -> None:
         got = sorted_difference(a, b)
         assert got is not None and got.dtype == np.int64
         assert np.array_equal(got, np.setdiff1d(a, b, assume_unique=True))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_victim_pool_kernel_equals_numpy(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool's C pass takes the entries the numpy windows take, in order: entries whose
+    key changed, rows of the current tick and protected slots (with -1 among them) are
+    skipped, ``k`` beyond the valid entries gives them all, and the marks are clear after."""
+    import cache.policy as policy_mod
+    from cache.kernels.victim_pool import pool_valid
+
+    four, no_marks = np.arange(4, dtype=np.int64), np.zeros(4, dtype=bool)
+    # built here: else the comparison below would be numpy's path against itself
+    assert pool_valid(four, four, four, -1, 9, None, no_marks, 2) is not None
+    rng = np.random.default_rng(seed)
+    cap, tick = 5000, 40
+    for k in (1, 7, 300, 4000, 10_000):
+        pol = policy_mod.EvictionPolicy(cap, "tinylfu")
+        freq, last = rng.integers(0, 20, cap), rng.integers(0, tick + 1, cap)
+        pol.key[:] = (freq << policy_mod.TICK_BITS) + last
+        pol.key[rng.choice(cap, 200, replace=False)] = policy_mod.FREE
+        pol.pool = rng.permutation(cap)[: cap // 2].astype(np.int64)
+        pol.pool_key = pol.key.take(pol.pool)
+        pol.pool_at = int(rng.integers(0, 50))
+        changed = rng.choice(pol.pool, 300, replace=False)
+        pol.key[changed] += 1 << policy_mod.TICK_BITS  # used since the search: invalid
+        protect = np.concatenate([rng.choice(cap, 800), [-1, -1]]).astype(np.int64)
+        got_c = pol._from_pool(k, tick, protect)
+        assert not pol.marked.any()
+        monkeypatch.setattr(policy_mod, "pool_valid", lambda *a: None)
+        got_np = pol._from_pool(k, tick, protect)
+        monkeypatch.undo()
+        assert got_c.dtype == got_np.dtype == np.int64 and np.array_equal(got_c, got_np)
+        assert 0 < got_c.size <= k

@@ -27,6 +27,7 @@ def test_every_c_source_follows_the_convention_and_is_package_data() -> None:
         "cache/kernels/records.c",
         "cache/kernels/sketch.c",
         "cache/kernels/sorted_ids.c",
+        "cache/kernels/victim_pool.c",
         "dense/kernels/interaction.c",
         "ps/kernels/message_pass.c",
         "ps/kernels/narrow_rows.c",
