@@ -746,8 +746,14 @@ class TableCache:
         """Install the reply of ``f`` (and then of the prefetch that rode on it); a
         serving pull returns the rows in request order."""
         result = self._finish_one(f)
-        if f.follow is not None:
-            self._finish_one(f.follow)
+        follow = f.follow
+        if follow is not None and not follow.done:
+            self._finish_one(follow)
+            # The prefetch left out this pull's ids (``plan``'s exclude) and evicts only
+            # rows not used at this tick, so the slots this pull served still hold: the
+            # push of the batch reuses them without a lookup (see _slots_of).
+            if self.served is not None and self.served.tick == f.tick:
+                self.served.gen = self.gen
         return result
 
     def _finish_one(self, f: Fetch) -> PullResult | None:
