@@ -21,6 +21,8 @@ lands on the same counters in every run and the tests' per-id model can recomput
   never a Python loop per id.
 * :meth:`estimate` is the minimum of an id's ``depth`` counters: never below the true
   count since the last halving, above it only by collisions.
+* :meth:`count` is :meth:`add` then :meth:`estimate` of the same ids (a serving pull's
+  batch: counted, then its estimates decide admissions).
 * Aging: once ``period`` ids were added since the last halving, every counter is
   halved (``c >> 1``) and the addition count restarts (:meth:`add` says so, so the
   cache halves the frequencies it keeps too). Old popularity fades by half per
@@ -100,6 +102,12 @@ class FrequencySketch:
         self.added = 0
         self.halvings += 1
         return True
+
+    def count(self, ids: np.ndarray) -> tuple[np.ndarray, bool]:
+        """``(estimates [N], halved)``: :meth:`add` of ``ids`` int64 ``[N]``, then their
+        :meth:`estimate` (after the halving, if the addition brought one)."""
+        halved = self.add(ids)
+        return self.estimate(ids), halved
 
     def estimate(self, ids: np.ndarray) -> np.ndarray:
         """Estimated counts int64 ``[N]`` of ``ids`` int64 ``[N]``."""

@@ -71,10 +71,11 @@ serving pull's ids and *reserves* the slots of its cached ids, so the serving pu
 admissions cannot evict them before the prefetch is installed right after it.
 
 With TinyLFU (``policy="tinylfu"``) every serving pull also counts its distinct ids in
-a frequency sketch (:mod:`cache.sketch`), and a miss is admitted only if its estimate
-beats the frequency of the row it would evict (:meth:`TableCache._choose`); a refused
-miss is served and pushed through like one that finds no slot, and a prefetch fetches
-only the misses it would admit.
+a frequency sketch (:mod:`cache.sketch`) when it is planned, and a miss is admitted only
+if its estimate beats the frequency of the row it would evict (:meth:`TableCache._choose`);
+a refused miss is served and pushed through like one that finds no slot, and a prefetch
+fetches only the misses it would admit. A fetch carries the estimates of its plan
+(``Fetch.est``) to its install: nothing counts in between.
 
 Pushes are not sent by the table either: the rows due (and the sums of evicted rows)
 go to :attr:`TableCache.outbox`, which the owner sends with the other tables' as one
@@ -151,6 +152,10 @@ class Fetch:
     result: PullResult | None = None  # a serving pull's rows, once installed
     handle: Handle | None = None  # the reply to ``request``, once the owner sent it
     follow: Fetch | None = None  # a prefetch sent with this pull, installed right after it
+    # TinyLFU: sketch estimates [U] of ``uniq`` as planned: a serving pull's after its
+    # batch was counted; a prefetch's for its misses (0 at its cached ids). Nothing
+    # counts between a plan and its install, so the install decides by these.
+    est: np.ndarray | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -546,6 +551,14 @@ class TableCache:
             uniq = rest
             counts = inverse = None  # a prefetch returns no rows
         self.seq += 1
+        est = None
+        if self.sketch is not None and not prefetch:
+            # A batch counts once, when its serving pull is planned: the prefetch planned
+            # with it and both installs then see the same counts (docs/cache_admission.md).
+            est, halved = self.sketch.count(uniq)  # [U]
+            if halved:
+                self.policy.halve()
+                self.stats.add("sketch_halvings", 1)
         if prefetch:
             tick = self.tick + 1  # for the next batch
             slots = self.index.lookup(uniq)  # [U], -1: not cached
@@ -561,10 +574,10 @@ class TableCache:
             self.planned_hits = slots[hit]
         fill = -1 - self.read_bound  # misses always come back
         if not prefetch and self.sole_writer:
-            return self._plan_sole_writer(uniq, counts, inverse, slots, hit, tick, fill)
+            return self._plan_sole_writer(uniq, counts, inverse, slots, hit, tick, fill, est)
         if prefetch and (self.verify_prefetched or self.sole_writer):
             # (a sole writer's serving pull asks about its cached rows only when needed)
-            asked = self._admittable(uniq, hit, slots, misses_only=True)
+            asked, est = self._admittable(uniq, hit, slots, misses_only=True)
             assert asked is not None
             request = None
             if asked.size > 0:
@@ -572,8 +585,9 @@ class TableCache:
                     self.name, torch.from_numpy(uniq.take(asked)), with_state=self.with_state
                 )
             return Fetch(
-                uniq, counts, inverse, slots, hit, True, asked, request, self.seq, tick, True
-            )
+                uniq, counts, inverse, slots, hit, True, asked, request, self.seq, tick, True,
+                est=est,
+            )  # fmt: skip
         asked = None
         if not prefetch and not self.verify_prefetched:
             # Trust what this batch's prefetch checked, unless this cache pushed it since.
@@ -582,7 +596,7 @@ class TableCache:
             if ok.any():
                 asked = np.flatnonzero(~ok)  # [A]
         if prefetch:
-            asked = self._admittable(uniq, hit, slots, misses_only=False)
+            asked, est = self._admittable(uniq, hit, slots, misses_only=False)
         copy_clock = copy_clocks(self.slab, self.sd, slots, fill, kind=self.kind)  # [U]
         if copy_clock is None:
             copy_clock = np.where(hit, self.meta[slots, CLOCK], fill)
@@ -599,8 +613,9 @@ class TableCache:
                 with_state=self.with_state,
             )
         return Fetch(
-            uniq, counts, inverse, slots, hit, False, asked, request, self.seq, tick, prefetch
-        )
+            uniq, counts, inverse, slots, hit, False, asked, request, self.seq, tick, prefetch,
+            est=est,
+        )  # fmt: skip
 
     def _plan_sole_writer(
         self,
@@ -611,6 +626,7 @@ class TableCache:
         hit: np.ndarray,
         tick: int,
         fill: int,
+        est: np.ndarray | None,
     ) -> Fetch:
         """A serving pull of the tables' only writer: ask about the misses and the rows
         pushed more than ``s_r`` times since their read (``PS clock = CLOCK + OWN``
@@ -634,15 +650,17 @@ class TableCache:
                 with_state=self.with_state,
             )
         return Fetch(
-            uniq, counts, inverse, slots, hit, False, asked, request, self.seq, tick, False
-        )
+            uniq, counts, inverse, slots, hit, False, asked, request, self.seq, tick, False,
+            est=est,
+        )  # fmt: skip
 
     def _admittable(
         self, uniq: np.ndarray, hit: np.ndarray, slots: np.ndarray, *, misses_only: bool
-    ) -> np.ndarray | None:
-        """Indices into the prefetch's ids worth asking for: the cached ids (unless
-        ``misses_only``) and only as many misses (the first ones) as free or evictable
-        slots can take. None: all of them."""
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """``(asked, est)``: indices into the prefetch's ids worth asking for, the cached
+        ids (unless ``misses_only``) and only as many misses (the first ones) as free or
+        evictable slots can take (None: all of them); TinyLFU's estimates of the ids
+        ``[U]`` (its misses'; None for the other policies)."""
         if self.sketch is not None:
             return self._admittable_tinylfu(uniq, hit, slots, misses_only=misses_only)
         n_hit = int(np.count_nonzero(hit))
@@ -656,32 +674,34 @@ class TableCache:
             evictable[slots[hit]] = False
             room = min(misses, self.n_free + int(np.count_nonzero(evictable)))
         if misses_only:
-            return np.flatnonzero(~hit)[:room]
+            return np.flatnonzero(~hit)[:room], None
         if room == misses:
-            return None
+            return None, None
         keep = hit.copy()
         keep[np.flatnonzero(~hit)[:room]] = True
-        return np.flatnonzero(keep)
+        return np.flatnonzero(keep), None
 
     def _admittable_tinylfu(
         self, uniq: np.ndarray, hit: np.ndarray, slots: np.ndarray, *, misses_only: bool
-    ) -> np.ndarray | None:
+    ) -> tuple[np.ndarray | None, np.ndarray]:
         """:meth:`_admittable` for TinyLFU: the misses that win admission now (their
         estimate + 1, the count they get when served, against the victims they would
         evict), so a prefetch fetches no row it would not keep."""
         miss = np.flatnonzero(~hit)  # [K] indices into the prefetch's ids
         assert self.sketch is not None
         ids = uniq.take(miss)
+        est = np.zeros(uniq.size, dtype=np.int64)  # [U]
+        est[miss] = self.sketch.estimate(ids)
         protect = np.concatenate([slots[hit], self.planned_hits])
-        order, n, _ = self._choose(ids, self.sketch.estimate(ids) + 1, protect)
+        order, n, _ = self._choose(ids, est.take(miss) + 1, protect)
         chosen = np.sort(miss.take(order[:n]))  # [n] in id order
         if misses_only:
-            return chosen
+            return chosen, est
         if n == miss.size:
-            return None
+            return None, est
         keep = hit.copy()
         keep[chosen] = True
-        return np.flatnonzero(keep)
+        return np.flatnonzero(keep), est
 
     def _choose(
         self, ids: np.ndarray, scores: np.ndarray, protect: np.ndarray | None
@@ -721,8 +741,8 @@ class TableCache:
             fresh_state = self._pulled_state(ids, res.state)  # [A, S] or None
             take = np.arange(asked.size)  # [A] rows of the reply to install, in order
             freq = np.zeros(asked.size, np.int64) if self.lfu else None
-            if self.sketch is not None:  # decide again: the serving pull took victims since
-                freq = self.sketch.estimate(ids) + 1
+            if f.est is not None:  # decide again: the serving pull took victims since
+                freq = f.est.take(asked) + 1
                 order, n_ok, victims = self._choose(ids, freq, slots[f.hit])
                 take = order[:n_ok]
                 self.stats.add("prefetch_rejected", asked.size - n_ok)
@@ -775,12 +795,7 @@ class TableCache:
             return None
         d = self.dim
         uniq, slots, hit = f.uniq, f.slots, f.hit
-        est = None  # TinyLFU: sketch estimates of the served ids [U], after counting them
-        if self.sketch is not None and not f.prefetch:
-            if self.sketch.add(uniq):
-                self.policy.halve()
-                self.stats.add("sketch_halvings", 1)
-            est = self.sketch.estimate(uniq)
+        est = None if f.prefetch else f.est  # TinyLFU: the served ids' estimates [U]
         if f.handle is not None:
             res: PullResult = f.handle.wait()
             assert res.positions is not None
@@ -837,7 +852,8 @@ class TableCache:
         adm_freq = None  # TinyLFU: the admitted rows' frequencies (their key)
         if self.sketch is not None and miss_u.size > 0:
             ids = uniq.take(miss_u)
-            score = est.take(miss_u) if est is not None else self.sketch.estimate(ids) + 1
+            assert f.est is not None
+            score = f.est.take(miss_u) + (1 if f.prefetch else 0)
             order, n_ok, victims = self._choose(ids, score, protect)
             miss_u, miss_sel = miss_u.take(order), miss_sel.take(order)  # admitted first
             adm_freq = score.take(order[:n_ok])

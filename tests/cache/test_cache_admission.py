@@ -296,3 +296,50 @@ def test_default_sketch_size() -> None:
     cfg = cache.CacheConfig(capacity_rows=1000, policy="tinylfu")
     assert cfg.sketch(1000) == (1024, 4, 10_000)
     assert cfg.sketch(1025) == (2048, 4, 10_250)
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["misses-only", "trusted"])
+@pytest.mark.parametrize("riding", [True, False], ids=["riding", "standalone"])
+def test_installs_decide_by_the_estimates_of_their_plan(
+    monkeypatch: pytest.MonkeyPatch, riding: bool, verify: bool
+) -> None:
+    """A fetch's install decides admissions with the estimates its plan took
+    (``Fetch.est``), which needs nothing counted in between: at every install, for a
+    serving pull (every id) and for a prefetch (its misses), they are the sketch's."""
+    from cache.table_cache import Fetch, TableCache
+
+    rows, dim = 300, 4
+    spec = ps.TableSpec(name="t", num_rows=rows, dim=dim, optimizer=ps.SGD(lr=0.1))
+    inner = ps.InProcessStore()
+    inner.create_table(spec)
+    cfg = cache.CacheConfig(
+        capacity_rows=30, policy="tinylfu", read_bound=1, write_bound=2,
+        verify_prefetched=verify, sketch_width=128, sketch_period=150, evict_chunk=6,
+    )  # fmt: skip
+    store = cache.CachedStore(inner, cfg)
+    checked = {"serving": 0, "prefetch": 0}
+    finish_one = TableCache._finish_one
+
+    def install(self: TableCache, f: Fetch) -> object:
+        if not f.done:
+            assert self.sketch is not None and f.est is not None
+            at = np.flatnonzero(~f.hit) if f.prefetch else np.arange(f.uniq.size)
+            now = self.sketch.estimate(f.uniq.take(at))
+            assert np.array_equal(f.est.take(at), now)
+            checked["prefetch" if f.prefetch else "serving"] += at.size
+        return finish_one(self, f)
+
+    monkeypatch.setattr(TableCache, "_finish_one", install)
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.from_numpy(b) for b in _zipf_batches(rows, 41, 24, seed=7)]
+    for step in range(40):
+        ids = batches[step]
+        if riding:
+            store.prefetch_many([ps.PullRequest("t", batches[step + 1])])
+        else:
+            store.prefetch("t", batches[step + 1])
+        store.pull("t", ids)
+        store.push("t", ids, torch.randn(ids.numel(), dim, generator=g))
+    st = store.cache_stats()["t"]
+    assert checked["serving"] > 0 and checked["prefetch"] > 0
+    assert st["sketch_halvings"] > 0 and st["evictions"] > 0 and st["prefetched"] > 0
