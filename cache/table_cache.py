@@ -690,10 +690,11 @@ class TableCache:
         miss = np.flatnonzero(~hit)  # [K] indices into the prefetch's ids
         assert self.sketch is not None
         ids = uniq.take(miss)
+        miss_est = self.sketch.estimate(ids)  # [K]
         est = np.zeros(uniq.size, dtype=np.int64)  # [U]
-        est[miss] = self.sketch.estimate(ids)
+        est[miss] = miss_est
         protect = np.concatenate([slots[hit], self.planned_hits])
-        order, n, _ = self._choose(ids, est.take(miss) + 1, protect)
+        order, n, _ = self._choose(ids, miss_est + 1, protect)
         chosen = np.sort(miss.take(order[:n]))  # [n] in id order
         if misses_only:
             return chosen, est
