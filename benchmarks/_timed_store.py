@@ -6,7 +6,7 @@ the seconds spent inside its requests (and its clocks and state reads) to
 ``seconds[phase]`` (``phase`` is set by the
 caller, e.g. "plan", "serve", "push"): the calls themselves, and waiting on the handles
 they return (an MPI or Redis store's network and server time is spent there). Batched
-requests go to ``inner`` as they are, so it still sends one message per server.
+and group requests go to ``inner`` as they are, so it still sends one message per server.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 import ps
 from comm import Handle
+from ps.group_requests import GroupPull, GroupPush
 from tests.support.wrapped_store import WrappedStore  # the repository root is on the path
 
 
@@ -67,6 +68,12 @@ class TimedStore(WrappedStore):
 
     def push_many_async(self, requests: Sequence[ps.PushRequest]) -> Handle:
         return self._wrap(self._timed(self.inner.push_many_async, requests))
+
+    def pull_groups_async(self, requests: Sequence[ps.PullRequest | GroupPull]) -> Handle:
+        return self._wrap(self._timed(self.inner.pull_groups_async, requests))
+
+    def push_groups_async(self, requests: Sequence[ps.PushRequest | GroupPush]) -> Handle:
+        return self._wrap(self._timed(self.inner.push_groups_async, requests))
 
     def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self._timed(self.inner.clocks, table, ids)

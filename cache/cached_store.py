@@ -73,6 +73,7 @@ from cache.table_group import GroupClocks, TableGroup
 from comm import Handle, boundary
 from comm.device import exact_device
 from ps import PullRequest, PullResult, PushRequest, Store, TableSpec
+from ps.group_requests import GroupPull, GroupPush
 from ps.store import check_requests, first_of
 from ps.validate import all_finite, check_grads, check_id_tensor, check_ids, finite_rows
 
@@ -204,17 +205,18 @@ class CachedStore(Store):
         ids = [check_ids(self._specs[t], x, what).cpu() for t, x in parts]
         return (ids[0] if len(ids) == 1 else torch.cat(ids)), [int(x.numel()) for x in ids]
 
+    @staticmethod
     def _route(
-        self, request: PullRequest, group: TableGroup | None, inner: list[PullRequest]
-    ) -> list[tuple[int, int]]:
-        """Append the store requests of a cache's request to ``inner``: ``(start, index)``
-        of each (a shared cache's request of packed ids becomes one per table)."""
-        parts = [(0, request)] if group is None else group.split_pull(request)
-        out = []
-        for start, r in parts:
-            out.append((start, len(inner)))
+        request: PullRequest, group: TableGroup | None, inner: list[PullRequest | GroupPull]
+    ) -> int:
+        """Append the store request of a cache's request to ``inner`` (a shared cache's
+        request of packed ids: a group request over its id space); its index there."""
+        r = request
+        if group is None:
             inner.append(r)
-        return out
+        else:
+            inner.append(GroupPull(group.space, r.ids, r.clocks, r.bound, r.with_state))
+        return len(inner) - 1
 
     def _settle(self, tc: TableCache, *, pushing: bool = False) -> None:
         """Finish the table's fetch in flight, so nothing else changes its slots meanwhile.
@@ -245,7 +247,7 @@ class CachedStore(Store):
         if self.device is not None:
             host = boundary.to_host(host)
         host_stats = dict(zip(stats, host[len(pushes) :], strict=True))
-        requests = []
+        requests: list[PushRequest | GroupPush] = []
         for k, (tc, ids, _, counted) in enumerate(pushes):
             grads = host[k]
             counts = None if counted is None else counted[0]
@@ -254,8 +256,8 @@ class CachedStore(Store):
             if group is None:
                 requests.append(PushRequest(tc.name, ids, grads, counts, stat))
             else:
-                requests += group.split_push(ids, grads, counts, stat)
-        handle = self.inner.push_many_async(requests)
+                requests.append(GroupPush(group.space, ids, grads, counts, stat))
+        handle = self.inner.push_groups_async(requests)
         for tc in senders:
             tc.sent(handle)
 
@@ -348,16 +350,15 @@ class CachedStore(Store):
                     c.finish(c.inflight)
                 c.send_evicted()  # evicted rows reach the PS before this pull reads
         self._send(caches)
-        inner: list[PullRequest] = []
+        inner: list[PullRequest | GroupPull] = []
         passed: dict[int, int] = {}  # position in reqs -> index in inner
         for k, (where, r, _) in enumerate(places):
             if where is None:
                 passed[k] = len(inner)
                 inner.append(r)
         fetches: dict[str, tuple[TableCache, Fetch]] = {}
-        # (fetches, how to split a joined reply, group, route) of each request sent
-        routes: list[tuple[list[Fetch], Joined | None, TableGroup | None, list[tuple[int, int]]]]
-        routes = []
+        # (fetches, how to split a joined reply, index in inner) of each request sent
+        routes: list[tuple[list[Fetch], Joined | None, int]] = []
         for name, ids in wanted.items():
             tc, group = self._caches[name], self._groups.get(name)
             with tc.lock:
@@ -371,14 +372,14 @@ class CachedStore(Store):
             both = join(reqs[0], reqs[1]) if len(reqs) == 2 else None
             if both is not None:  # one request for the pull and its prefetch
                 joined, halves = both
-                routes.append((asks, halves, group, self._route(joined, group, inner)))
+                routes.append((asks, halves, self._route(joined, group, inner)))
             else:
                 for g, r in zip(asks, reqs, strict=True):
-                    routes.append(([g], None, group, self._route(r, group, inner)))
+                    routes.append(([g], None, self._route(r, group, inner)))
             fetches[name] = tc, f
-        batch = self.inner.pull_many_async(inner) if inner else None
-        for asked, joined_at, group, route in routes:
-            handle = _routed_handle(batch, route, group)
+        batch = self.inner.pull_groups_async(inner) if inner else None
+        for asked, joined_at, route in routes:
+            handle = _routed_handle(batch, route)
             if joined_at is None:
                 asked[0].handle = handle
             else:
@@ -443,9 +444,9 @@ class CachedStore(Store):
             if ids.numel() > 0:
                 f = tc.plan(ids, prefetch=True)
                 if f.request is not None:
-                    inner: list[PullRequest] = []
+                    inner: list[PullRequest | GroupPull] = []
                     route = self._route(f.request, group, inner)
-                    f.handle = _routed_handle(self.inner.pull_many_async(inner), route, group)
+                    f.handle = _routed_handle(self.inner.pull_groups_async(inner), route)
                 tc.inflight = f
 
     def push_async(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> Handle:
@@ -724,22 +725,17 @@ def _split_handles(joined: Handle, where: Joined) -> tuple[Handle, Handle]:
     return part(0), part(1)
 
 
-def _routed_handle(
-    batch: Handle | None, route: list[tuple[int, int]], group: TableGroup | None
-) -> Handle:
-    """The reply to one cache request within the batched pull ``batch``: the results at
-    ``route``'s indices (``(start, index)``), merged for a shared cache."""
+def _routed_handle(batch: Handle | None, route: int) -> Handle:
+    """The reply to one cache request within the batched pull ``batch``: its result at
+    index ``route``."""
     assert batch is not None
 
     def block(limit: float) -> None:
         batch.wait(None if math.isinf(limit) else limit)
 
     def finish() -> PullResult:
-        results = batch.wait()
-        if group is None:
-            result: PullResult = results[route[0][1]]
-            return result
-        return group.merge_pull([(a, results[i]) for a, i in route], group.spec.dim)
+        result: PullResult = batch.wait()[route]
+        return result
 
     # Infinite default: the wrapped store's own handle applies its timeout.
     return Handle(batch.is_completed, finish, what="cached pull", timeout_s=math.inf, block=block)

@@ -9,8 +9,9 @@ compete for the same slots.
 
 Table ``i`` of a group owns the packed ids ``bases[i] .. bases[i + 1] - 1``: packed id
 ``bases[i] + id``. The cache (:class:`cache.table_cache.TableCache`) works on packed
-ids as if the group were one fixed table (:attr:`TableGroup.spec`); this module turns
-its requests back into per-table requests for the store and their replies into one.
+ids as if the group were one fixed table (:attr:`TableGroup.spec`); its requests go to
+the store as group requests over the same id space (:mod:`ps.group_requests`), which
+a store cuts into its tables' requests, or serves whole.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ps import PullRequest, PullResult, PushRequest, Store, TableSpec
+from ps import Store, TableSpec
+from ps.group_requests import GroupPull, IdSpace, split_pull
 from ps.validate import check_id_tensor, check_ids
 
 
@@ -35,6 +37,7 @@ class TableGroup:
     spec: TableSpec  # the packed table the cache sees (first member's optimizer)
     members: tuple[TableSpec, ...]  # [k] the tables, in ``names`` order
     at: dict[str, int]  # name -> index in ``names``
+    space: IdSpace  # the same names and bases, for the store's group requests
 
     @classmethod
     def of(cls, specs: list[TableSpec]) -> TableGroup:
@@ -51,7 +54,8 @@ class TableGroup:
         bases = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         names = tuple(s.name for s in specs)
         spec = replace(specs[0], name="+".join(names), num_rows=int(bases[-1]))
-        return cls(names, bases, spec, tuple(specs), {n: i for i, n in enumerate(names)})
+        at = {n: i for i, n in enumerate(names)}
+        return cls(names, bases, spec, tuple(specs), at, IdSpace(names, bases))
 
     def index(self, table: str) -> int:
         return self.at[table]
@@ -94,84 +98,6 @@ class TableGroup:
         lo, hi = int(self.bases[i]), int(self.bases[i + 1])
         return packed[(packed >= lo) & (packed < hi)] - lo
 
-    def _segments(self, packed: np.ndarray) -> list[tuple[int, int, int]]:
-        """``(table index, start, end)`` of each table's run in sorted ``packed`` ids."""
-        cuts = np.searchsorted(packed, self.bases)  # [k + 1]
-        return [
-            (i, int(cuts[i]), int(cuts[i + 1]))
-            for i in range(len(self.names))
-            if cuts[i + 1] > cuts[i]
-        ]
-
-    def _bases_of(self, packed: np.ndarray, segments: list[tuple[int, int, int]]) -> np.ndarray:
-        """The table base of each of the sorted ``packed`` ids ``[N]``, whose runs are
-        ``segments`` (from :meth:`_segments`): int64 ``[N]``."""
-        tables = [i for i, _, _ in segments]
-        return np.repeat(self.bases[tables], [b - a for _, a, b in segments])
-
-    def split_pull(self, request: PullRequest) -> list[tuple[int, PullRequest]]:
-        """The per-table requests of a pull of sorted packed ids: ``(start, request)``
-        with ``start`` the position of the table's first id in ``request.ids``."""
-        packed = request.ids.numpy()
-        if packed.size > 1 and not bool((packed[1:] >= packed[:-1]).all()):
-            raise ValueError(f"table group {self.spec.name!r}: pull ids must be sorted")
-        segments = self._segments(packed)
-        local = torch.from_numpy(packed - self._bases_of(packed, segments))  # [N] table ids
-        out = []
-        for i, a, b in segments:
-            ids = local[a:b]
-            clocks = None if request.clocks is None else request.clocks[a:b]
-            out.append(
-                (a, PullRequest(self.names[i], ids, clocks, request.bound, request.with_state))
-            )
-        return out
-
-    def merge_pull(self, parts: list[tuple[int, PullResult]], dim: int) -> PullResult:
-        """One result (in the packed request's order) from the per-table results."""
-        if not parts:
-            empty = torch.empty(0, dtype=torch.int64)
-            return PullResult(torch.empty(0, dim), empty, empty)
-        rows = torch.cat([r.rows for _, r in parts])
-        clocks = torch.cat([r.clocks for _, r in parts])
-        states = [r.state for _, r in parts if r.state is not None]
-        state = torch.cat(states) if len(states) == len(parts) else None
-        if parts[0][1].positions is None:
-            return PullResult(rows, clocks, None, state)
-        pos = [r.positions + a for a, r in parts if r.positions is not None]
-        return PullResult(rows, clocks, torch.cat(pos), state)
-
-    def split_push(
-        self,
-        ids: torch.Tensor,
-        grads: torch.Tensor,
-        counts: torch.Tensor | None = None,
-        stats: torch.Tensor | None = None,
-    ) -> list[PushRequest]:
-        """Per-table pushes of packed ``ids`` ``[P]`` and ``grads`` ``[P, D]`` (any order),
-        with the ``counts`` ``[P]`` and ``stats`` ``[P, Q]`` of a counted push. One stable
-        sort by packed id (none when they come in order already): by table, then by id,
-        so each table's run is a slice in id order, as every store walks a push (it then
-        sorts nothing), and repeats of an id keep their order (a store sums them so)."""
-        packed = ids.numpy()
-        if packed.size > 1 and not bool((packed[1:] >= packed[:-1]).all()):
-            order_np = np.argsort(packed, kind="stable")  # [P]
-            order = torch.from_numpy(order_np)
-            ids, grads, packed = ids[order], grads.index_select(0, order), packed[order_np]
-            if counts is not None and stats is not None:
-                counts, stats = counts[order], stats.index_select(0, order)
-        segments = self._segments(packed)
-        local = torch.from_numpy(packed - self._bases_of(packed, segments))  # [P] table ids
-        return [
-            PushRequest(
-                self.names[i],
-                local[a:b],
-                grads[a:b],
-                None if counts is None else counts[a:b],
-                None if stats is None else stats[a:b],
-            )
-            for i, a, b in segments
-        ]
-
 
 class GroupClocks:
     """What a group's cache asks of the store besides requests, for packed ids: PS
@@ -197,7 +123,7 @@ class GroupClocks:
         packed = ids.numpy()
         order = np.argsort(packed, kind="stable")
         sorted_ids = torch.from_numpy(packed[order])
-        parts = self.group.split_pull(PullRequest("", sorted_ids))
+        parts = split_pull(GroupPull(self.group.space, sorted_ids))
         got = read([(r.table, r.ids) for _, r in parts])
         flat = torch.cat(got) if got else empty
         out = torch.empty_like(flat)

@@ -20,6 +20,7 @@ Layout (what every store shares at the top, one subpackage per kind of store)::
 
     ps/
       store.py        the Store interface: pull / push / lifecycle / checkpoints
+      group_requests.py  requests over several tables as one id space (a shared cache's)
       errors.py       TableExistsError, TableSpecMismatch (create_table's outcomes)
       table.py        TableSpec, deterministic initial rows
       optimizers.py   SGD, RowWiseAdagrad, Adagrad, Adam, FTRL (applied by the store)

@@ -61,7 +61,10 @@ per-table semantics above. The stores here (in-process, MPI, Redis, the cache) c
 every table's request before any is sent (a bad one raises and nothing changes) and
 send all of a step's work for one server in one message (MPI) or one pipelined round
 trip (Redis), which :meth:`Store.request_counts` counts. The base class, for other
-stores, issues them one table at a time.
+stores, issues them one table at a time. :meth:`Store.pull_groups_async` /
+:meth:`Store.push_groups_async` take, beside them, requests over several tables
+addressed as one id space (:mod:`ps.group_requests`: what a cache shared by tables
+sends).
 
 Every request has an ``*_async`` form returning a :class:`comm.Handle`; the
 synchronous form is ``*_async(...).wait()``. Requests are validated when they
@@ -79,12 +82,15 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from comm import Handle
 from ps.table import TableSpec
+
+if TYPE_CHECKING:
+    from ps.group_requests import GroupPull, GroupPush
 
 #: Counters every store reports per table in :meth:`Store.stats`.
 STAT_KEYS: tuple[str, ...] = (
@@ -264,6 +270,25 @@ class Store(ABC):
 
     def push_many(self, requests: Sequence[PushRequest]) -> None:
         self.push_many_async(requests).wait()
+
+    def pull_groups_async(self, requests: Sequence[PullRequest | GroupPull]) -> Handle:
+        """:meth:`pull_many_async` where a request may also be a
+        :class:`ps.group_requests.GroupPull` (every table of an id space at once, by
+        packed ids); ``wait()`` gives one :class:`PullResult` per request, a group's over
+        its packed ids. The base class cuts each group request into its tables' requests
+        and sends everything as one :meth:`pull_many_async`; the in-process store serves
+        a group request whole."""
+        from ps.group_requests import pull_by_table  # (that module builds on this one)
+
+        return pull_by_table(self, requests)
+
+    def push_groups_async(self, requests: Sequence[PushRequest | GroupPush]) -> Handle:
+        """:meth:`push_many_async` where a request may also be a
+        :class:`ps.group_requests.GroupPush`; the base class cuts each group request into
+        its tables' pushes and sends everything as one :meth:`push_many_async`."""
+        from ps.group_requests import push_by_table  # (that module builds on this one)
+
+        return push_by_table(self, requests)
 
     # ------------------------------------------------------------ inspection
 

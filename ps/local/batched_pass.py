@@ -26,6 +26,13 @@ request, taken in one order.
 
 Measured (26 tables x 1 M rows, dim 16, a cache's batched step at bounds (4, 4)): the
 store's share of the step 10.5 -> 4.7 ms (push) and ~6 -> ~4 ms (pull).
+
+A group request (:mod:`ps.group_requests`: every table of an id space at once, by packed
+ids, what a cache shared by tables sends) goes to the same passes whole
+(:meth:`LocalBatchedPass.pull_group`, :meth:`LocalBatchedPass.push_group`): its sorted
+packed ids are cut into the tables' parts in place (one subtraction of each id's table
+base), and the reply is read back as one result, its rows a view of the pass's buffer;
+no per-table request or result is made.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import TypeGuard
 import numpy as np
 import torch
 
+from ps.group_requests import GroupPull, GroupPush
 from ps.kernels import message_pass
 from ps.kernels.message_pass import COUNTER_WORDS, TABLE_WORDS
 from ps.local.table import COUNTERS, LocalTable, coalesce, coalesce_counted
@@ -172,6 +180,64 @@ class LocalBatchedPass:
         self.served += 1
         return _results(tables, requests, reply, rows, with_state)
 
+    def pull_group(self, tables: Sequence[LocalTable], request: GroupPull) -> PullResult | None:
+        """The result of ``request`` (the tables of its id space, ``tables``, in that
+        order) over its packed ids, from one pass with no per-table request: the packed
+        ids cut into the tables' parts in place, the reply's parts read back as one
+        result (its rows a view of the pass's buffer). None: the store takes the
+        per-table path (nothing was read or counted)."""
+        if not self.enabled or any(t.dynamic for t in tables):
+            return None
+        if len({(t.spec.dim, t.spec.state_dim) for t in tables}) != 1:
+            return None
+        r, space = request, request.space
+        conditional = r.bound is not None
+        if not _host(r.ids, torch.int64, 1) or conditional != (r.clocks is not None):
+            return None
+        if conditional:
+            b = r.bound
+            if not isinstance(b, int) or isinstance(b, bool) or b < 0:
+                return None
+            if not _host(r.clocks, torch.int64, 1) or r.clocks.shape != r.ids.shape:
+                return None
+        packed = r.ids.numpy()
+        n_all = packed.size
+        if n_all == 0 or not bool((packed[1:] >= packed[:-1]).all()):
+            return None
+        if packed[0] < 0 or packed[-1] >= space.bases[-1]:
+            return None
+        segments = space.segments(packed)
+        parts = [tables[i] for i, _, _ in segments]
+        k = len(parts)
+        sizes = np.array([b - a for _, a, b in segments], dtype=np.int64)  # [k]
+        starts = np.array([a for _, a, _ in segments], dtype=np.int64)  # [k]
+        local = space.local(packed, segments)  # [N] table ids
+        if conditional:  # each part's ids, then its caller clocks: part p at 2 * start_p
+            assert r.clocks is not None
+            flat = np.empty(2 * n_all, dtype=np.int64)
+            at = np.arange(n_all) + np.repeat(starts, sizes)  # [N]
+            flat[at] = local
+            flat[at + np.repeat(sizes, sizes)] = r.clocks.numpy()
+        else:
+            flat = local
+        index, words, _ = self._describe(parts)
+        toc = np.empty((k, 4), dtype=np.int64)  # table row, n, width word, bound (-1: plain)
+        toc[:, 0] = index
+        toc[:, 1] = sizes
+        toc[:, 2] = [message_pass.width_word(t.spec.dim, t.spec.dtype) for t in parts]
+        toc[:, 3] = -1 if r.bound is None else r.bound
+        counters = np.zeros((words.shape[0], COUNTER_WORDS), dtype=np.int64)
+        with _locked(parts):
+            got = message_pass.pull_check(toc, flat, words, r.with_state)
+            if got is None:
+                return None
+            reply = np.empty(got[0], dtype=np.int64)
+            rows = np.empty(got[1], dtype=np.float32)
+            message_pass.pull_apply(toc, flat, words, counters, reply, rows, 1, r.with_state)
+            _fold(parts, index, counters)
+        self.served += 1
+        return _group_result(parts[0].spec, reply, rows, starts, conditional, r.with_state)
+
     # ------------------------------------------------------------ pushes
 
     def push(self, tables: Sequence[LocalTable], requests: Sequence[PushRequest]) -> bool:
@@ -239,6 +305,59 @@ class LocalBatchedPass:
                 return False
             message_pass.push_apply(toc, flat_ids, flat_grads, words, hyper, counters, 1, both)
             _fold(tables, index, counters)
+        self.served += 1
+        return True
+
+    def push_group(self, tables: Sequence[LocalTable], request: GroupPush) -> bool:
+        """Apply ``request`` (ids sorted, :func:`ps.group_requests.sorted_push`; the
+        tables of its id space, ``tables``, in that order) in one pass with no per-table
+        request: the packed ids cut into the tables' parts in place, the gradients (and
+        counts and statistics) read where they are. False: nothing changed, the store
+        takes the per-table path (which sums repeated ids, or says what is wrong)."""
+        if not self.enabled or any(t.dynamic for t in tables):
+            return False
+        r, space = request, request.space
+        counted = r.counts is not None
+        if any(t.spec.narrow and (counted or t.row_table_ids is not None) for t in tables):
+            return False
+        if not _host(r.ids, torch.int64, 1) or not _host(r.grads, torch.float32, 2):
+            return False
+        n_all = r.ids.shape[0]
+        if n_all == 0 or len({t.spec.dim for t in tables}) != 1:
+            return False
+        if r.grads.shape != (n_all, tables[0].spec.dim):
+            return False
+        both = None
+        if counted:
+            k_, q_ = r.counts, r.stats
+            if not _host(k_, torch.int64, 1) or not _host(q_, torch.float32, 2):
+                return False
+            if k_.shape != (n_all,) or q_.shape != (n_all, 1):
+                return False  # the pass takes row-wise Adagrad's one statistic per row
+            both = (np.ascontiguousarray(k_.numpy()), np.ascontiguousarray(q_.numpy()).reshape(-1))
+        elif r.stats is not None:
+            return False
+        packed = r.ids.numpy()
+        # strictly increasing (a repeated id is summed by the per-table path) and inside
+        if not bool((packed[1:] > packed[:-1]).all()):
+            return False
+        if packed[0] < 0 or packed[-1] >= space.bases[-1]:
+            return False
+        segments = space.segments(packed)
+        parts = [tables[i] for i, _, _ in segments]
+        index, words, hyper = self._describe(parts)
+        toc = np.empty((len(parts), 3), dtype=np.int64)  # table row, n, width word
+        toc[:, 0] = index
+        toc[:, 1] = [b - a for _, a, b in segments]
+        toc[:, 2] = [message_pass.width_word(t.spec.dim, t.spec.dtype) for t in parts]
+        ids = space.local(packed, segments)  # [P] table ids
+        grads = np.ascontiguousarray(r.grads.numpy()).reshape(-1)  # [P * D]
+        counters = np.zeros((words.shape[0], COUNTER_WORDS), dtype=np.int64)
+        with _locked(parts):
+            if not message_pass.push_check(toc, ids, grads, words, both):
+                return False
+            message_pass.push_apply(toc, ids, grads, words, hyper, counters, 1, both)
+            _fold(parts, index, counters)
         self.served += 1
         return True
 
@@ -358,3 +477,33 @@ def _split_state(
     m = int(reply[0 : 2 * len(tables) : 2].sum())
     block = floats[: m * (d + s)].view(m, d + s)
     return block[:, :d].contiguous(), block[:, d:].contiguous()
+
+
+def _group_result(
+    spec: TableSpec,
+    reply: np.ndarray,
+    rows: np.ndarray,
+    starts: np.ndarray,
+    conditional: bool,
+    with_state: bool,
+) -> PullResult:
+    """A pull pass's reply to a group request (``[k, 2]`` (m, flags), then each part's
+    clocks [m] and, conditional, positions [m]; rows ``[M, dim (+ state_dim)]`` back to
+    back), read as one result over the packed ids: part ``p`` starts at packed position
+    ``starts[p]``."""
+    k = starts.size
+    m = reply[0 : 2 * k : 2]  # [k] rows each part returned
+    total = int(m.sum())
+    if conditional:  # part p's clocks sit at 2 k + 2 (m_0 + .. + m_{p-1}), its positions after
+        before = np.cumsum(m) - m  # [k]
+        at = np.arange(total) + np.repeat(2 * k + before, m)  # [M]
+        clocks = torch.from_numpy(reply.take(at))
+        positions = torch.from_numpy(reply.take(at + np.repeat(m, m)) + np.repeat(starts, m))
+    else:  # every part whole: the clocks back to back
+        clocks, positions = torch.from_numpy(reply[2 * k : 2 * k + total]), None
+    d, s = spec.dim, spec.state_dim
+    floats = torch.from_numpy(rows)
+    if not with_state:
+        return PullResult(floats[: total * d].view(total, d), clocks, positions)
+    block = floats[: total * (d + s)].view(total, d + s)
+    return PullResult(block[:, :d].contiguous(), clocks, positions, block[:, d:].contiguous())

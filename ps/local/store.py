@@ -22,6 +22,7 @@ from comm import Handle
 from comm.device import exact_device
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
 from ps.errors import check_existing
+from ps.group_requests import GroupPull, GroupPush, sorted_push
 from ps.local.batched_pass import LocalBatchedPass
 from ps.local.table import LocalTable
 from ps.store import PullRequest, PullResult, PushRequest, Store, check_requests
@@ -150,6 +151,33 @@ class InProcessStore(Store):
         for p in pushes:
             self._apply_push(*p)
         return Handle.completed(None, what="push_many")
+
+    def pull_groups_async(self, requests: Sequence[PullRequest | GroupPull]) -> Handle:
+        """A lone group request is served whole by the batched C pass (one message, no
+        per-table request); anything else, or what that pass cannot serve, goes the
+        base class's way (one ``pull_many`` of the tables' requests)."""
+        if isinstance(requests, Sequence) and len(requests) == 1:
+            (r,) = requests
+            if isinstance(r, GroupPull):
+                tables = [self._get(name) for name in r.space.names]
+                got = self._batched.pull_group(tables, r)
+                if got is not None:
+                    self._messages["pull_messages"] += 1
+                    return Handle.completed([got], what="pull_groups")
+        return super().pull_groups_async(requests)
+
+    def push_groups_async(self, requests: Sequence[PushRequest | GroupPush]) -> Handle:
+        """A lone group push is applied whole by the batched C pass (its ids sorted
+        first); anything else, or what that pass cannot apply, goes the base class's way
+        (one ``push_many`` of the tables' pushes)."""
+        if isinstance(requests, Sequence) and len(requests) == 1:
+            (r,) = requests
+            if isinstance(r, GroupPush):
+                tables = [self._get(name) for name in r.space.names]
+                if self._batched.push_group(tables, sorted_push(r)):
+                    self._messages["push_messages"] += 1
+                    return Handle.completed(None, what="push_groups")
+        return super().push_groups_async(requests)
 
     def _checked_pull(
         self, r: PullRequest

@@ -1,5 +1,6 @@
 """A shared cache checks, packs and splits all its tables' ids at once
-(``TableGroup.pack_many``, ``split_pull``, ``split_push``).
+(``TableGroup.pack_many``; its group requests cut by ``ps.group_requests.split_pull``
+and ``split_push``).
 
 References: the same ids checked by ``ps.validate.check_ids`` and packed one table at a
 time (``TableGroup.pack``), and per-table requests cut out of the packed ones by hand.
@@ -15,6 +16,7 @@ import cache
 import ps
 from cache.table_group import TableGroup
 from ps import PullRequest, PushRequest
+from ps.group_requests import GroupPull, GroupPush, split_pull, split_push
 from ps.validate import check_ids
 
 pytestmark = pytest.mark.timeout(60)
@@ -109,7 +111,7 @@ def test_split_pull_and_push_cut_each_tables_run(seed: int) -> None:
         parts[1] = ("b", torch.empty(0, dtype=torch.int64))  # a table without ids
     packed = _one_by_one(group, parts)  # sorted: tables in base order, ids sorted
     clocks = torch.randint(-3, 9, (int(packed.numel()),), generator=g)
-    split = group.split_pull(PullRequest(group.spec.name, packed, clocks, 2, True))
+    split = split_pull(GroupPull(group.space, packed, clocks, 2, True))
     start = 0
     want = []
     for name, ids in parts:
@@ -124,7 +126,8 @@ def test_split_pull_and_push_cut_each_tables_run(seed: int) -> None:
     perm = torch.randperm(int(packed.numel()), generator=g)
     grads = torch.arange(int(packed.numel()) * DIM, dtype=torch.float32).reshape(-1, DIM)
     counts = torch.arange(int(packed.numel())) + 1
-    pushes = group.split_push(packed[perm], grads[perm], counts[perm], grads[perm, :1])
+    pushes = split_push(GroupPush(group.space, packed[perm], grads[perm], counts[perm],
+                                  grads[perm, :1]))  # fmt: skip
     assert [p.table for p in pushes] == [w[1] for w in want]
     for p, (at, _, ids, _) in zip(pushes, want, strict=True):
         rows = slice(at, at + int(ids.numel()))

@@ -20,3 +20,8 @@ class Capturing(ps.InProcessStore):
         handle = super().push_many_async(requests)
         self.requests += list(requests)
         return handle
+
+    def push_groups_async(self, requests: Any) -> Handle:
+        # A group push is cut into its tables' pushes (the base class's way), so they
+        # are kept as every other push is.
+        return ps.Store.push_groups_async(self, requests)

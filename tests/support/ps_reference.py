@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import Any
 
 import torch
 
@@ -327,6 +328,11 @@ class RecordingStore(ps.InProcessStore):
         handle = super().push_async(table, ids, grads)
         self._record(table, ids, grads)
         return handle
+
+    def push_groups_async(self, requests: Any) -> Handle:
+        # A group push is cut into its tables' pushes (the base class's way), so they
+        # are recorded as every other push is.
+        return ps.Store.push_groups_async(self, requests)
 
     def push_many_async(self, requests: list[ps.PushRequest]) -> Handle:  # type: ignore[override]
         handle = super().push_many_async(requests)
