@@ -16,7 +16,6 @@ of requests built, checked and joined again, and of replies split and joined aga
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 
 from comm import Handle
-from ps.store import PullRequest, PullResult, PushRequest, Store
+from ps.store import PullRequest, PullResult, PushRequest, Store, after
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -254,13 +253,7 @@ def pull_by_table(store: Store, requests: Sequence[PullRequest | GroupPull]) -> 
             out.append(merge_pull([(a, results[i]) for a, i in route], dim))
         return out
 
-    return Handle(
-        batch.is_completed,
-        finish,
-        what="pull_groups",
-        timeout_s=math.inf,  # the batch's own handle applies its timeout
-        block=lambda limit: batch.wait(None if math.isinf(limit) else limit),
-    )
+    return after(batch, finish, "pull_groups")
 
 
 def push_by_table(store: Store, requests: Sequence[PushRequest | GroupPush]) -> Handle:

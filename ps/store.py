@@ -80,7 +80,7 @@ import math
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -387,20 +387,20 @@ def _with_state_after(store: Store, requests: Sequence[PullRequest], batch: Hand
             out[i] = dataclasses.replace(results[i], state=state)
         return out
 
-    return Handle(
-        batch.is_completed,
-        finish,
-        what="pull with state",
-        timeout_s=math.inf,  # the batch's own handle applies its timeout
-        block=lambda limit: batch.wait(None if math.isinf(limit) else limit),
-    )
+    return after(batch, finish, "pull with state")
 
 
 def first_of(batch: Handle, what: str) -> Handle:
     """The handle of a batch of one request: ``wait()`` gives its one result."""
+    return after(batch, lambda: batch.wait()[0], what)
+
+
+def after(batch: Handle, finish: Callable[[], Any], what: str) -> Handle:
+    """A handle done when ``batch`` is, whose ``wait()`` gives ``finish()`` (which waits
+    for ``batch`` itself and reads its result)."""
     return Handle(
         batch.is_completed,
-        lambda: batch.wait()[0],
+        finish,
         what=what,
         timeout_s=math.inf,  # the batch's own handle applies its timeout
         block=lambda limit: batch.wait(None if math.isinf(limit) else limit),

@@ -168,17 +168,8 @@ class LocalBatchedPass:
         toc[:, 2] = [message_pass.width_word(t.spec.dim, t.spec.dtype) for t in tables]
         toc[:, 3] = [-1 if r.bound is None else r.bound for r in requests]
         flat = _joined(parts)
-        counters = np.zeros((words.shape[0], COUNTER_WORDS), dtype=np.int64)
-        with _locked(tables):
-            sizes = message_pass.pull_check(toc, flat, words, with_state)
-            if sizes is None:
-                return None
-            reply = np.empty(sizes[0], dtype=np.int64)
-            rows = np.empty(sizes[1], dtype=np.float32)
-            message_pass.pull_apply(toc, flat, words, counters, reply, rows, 1, with_state)
-            _fold(tables, index, counters)
-        self.served += 1
-        return _results(tables, requests, reply, rows, with_state)
+        got = self._pull_pass(tables, index, words, toc, flat, with_state)
+        return None if got is None else _results(tables, requests, *got, with_state)
 
     def pull_group(self, tables: Sequence[LocalTable], request: GroupPull) -> PullResult | None:
         """The result of ``request`` (the tables of its id space, ``tables``, in that
@@ -226,17 +217,34 @@ class LocalBatchedPass:
         toc[:, 1] = sizes
         toc[:, 2] = [message_pass.width_word(t.spec.dim, t.spec.dtype) for t in parts]
         toc[:, 3] = -1 if r.bound is None else r.bound
+        got = self._pull_pass(parts, index, words, toc, flat, r.with_state)
+        if got is None:
+            return None
+        return _group_result(parts[0].spec, *got, starts, conditional, r.with_state)
+
+    def _pull_pass(
+        self,
+        tables: Sequence[LocalTable],
+        index: np.ndarray,
+        words: np.ndarray,
+        toc: np.ndarray,
+        flat: np.ndarray,
+        with_state: bool,
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Check, then serve a pull pass of the parts ``toc`` of ``tables`` (under their
+        locks) and count it: its ``(reply words, row floats)``; None: the check refused
+        it (nothing was read or counted)."""
         counters = np.zeros((words.shape[0], COUNTER_WORDS), dtype=np.int64)
-        with _locked(parts):
-            got = message_pass.pull_check(toc, flat, words, r.with_state)
-            if got is None:
+        with _locked(tables):
+            sizes = message_pass.pull_check(toc, flat, words, with_state)
+            if sizes is None:
                 return None
-            reply = np.empty(got[0], dtype=np.int64)
-            rows = np.empty(got[1], dtype=np.float32)
-            message_pass.pull_apply(toc, flat, words, counters, reply, rows, 1, r.with_state)
-            _fold(parts, index, counters)
+            reply = np.empty(sizes[0], dtype=np.int64)
+            rows = np.empty(sizes[1], dtype=np.float32)
+            message_pass.pull_apply(toc, flat, words, counters, reply, rows, 1, with_state)
+            _fold(tables, index, counters)
         self.served += 1
-        return _group_result(parts[0].spec, reply, rows, starts, conditional, r.with_state)
+        return reply, rows
 
     # ------------------------------------------------------------ pushes
 
@@ -261,13 +269,11 @@ class LocalBatchedPass:
             if r.grads.shape != (n, t.spec.dim) or (r.counts is not None) != counted:
                 return False
             if counted:
-                k_, q_ = r.counts, r.stats
-                if not _host(k_, torch.int64, 1) or not _host(q_, torch.float32, 2):
+                part = _counted_part(r.counts, r.stats, n)
+                if part is None:
                     return False
-                if k_.shape != (n,) or q_.shape != (n, 1):
-                    return False  # the pass takes row-wise Adagrad's one statistic per row
-                counts.append(k_.numpy())
-                stats.append(q_.numpy().reshape(-1))
+                counts.append(part[0])
+                stats.append(part[1])
             elif r.stats is not None:
                 return False
             ids.append(r.ids.numpy())
@@ -299,14 +305,7 @@ class LocalBatchedPass:
         toc[:, 2] = [message_pass.width_word(t.spec.dim, t.spec.dtype) for t in tables]
         flat_grads = _joined(grads)
         both = (_joined(counts), _joined(stats)) if counted else None
-        counters = np.zeros((words.shape[0], COUNTER_WORDS), dtype=np.int64)
-        with _locked(tables):
-            if not message_pass.push_check(toc, flat_ids, flat_grads, words, both):
-                return False
-            message_pass.push_apply(toc, flat_ids, flat_grads, words, hyper, counters, 1, both)
-            _fold(tables, index, counters)
-        self.served += 1
-        return True
+        return self._push_pass(tables, index, words, hyper, toc, flat_ids, flat_grads, both)
 
     def push_group(self, tables: Sequence[LocalTable], request: GroupPush) -> bool:
         """Apply ``request`` (ids sorted, :func:`ps.group_requests.sorted_push`; the
@@ -329,12 +328,9 @@ class LocalBatchedPass:
             return False
         both = None
         if counted:
-            k_, q_ = r.counts, r.stats
-            if not _host(k_, torch.int64, 1) or not _host(q_, torch.float32, 2):
+            both = _counted_part(r.counts, r.stats, n_all)
+            if both is None:
                 return False
-            if k_.shape != (n_all,) or q_.shape != (n_all, 1):
-                return False  # the pass takes row-wise Adagrad's one statistic per row
-            both = (np.ascontiguousarray(k_.numpy()), np.ascontiguousarray(q_.numpy()).reshape(-1))
         elif r.stats is not None:
             return False
         packed = r.ids.numpy()
@@ -352,14 +348,42 @@ class LocalBatchedPass:
         toc[:, 2] = [message_pass.width_word(t.spec.dim, t.spec.dtype) for t in parts]
         ids = space.local(packed, segments)  # [P] table ids
         grads = np.ascontiguousarray(r.grads.numpy()).reshape(-1)  # [P * D]
+        return self._push_pass(parts, index, words, hyper, toc, ids, grads, both)
+
+    def _push_pass(
+        self,
+        tables: Sequence[LocalTable],
+        index: np.ndarray,
+        words: np.ndarray,
+        hyper: np.ndarray,
+        toc: np.ndarray,
+        ids: np.ndarray,
+        grads: np.ndarray,
+        counted: message_pass.Counted,
+    ) -> bool:
+        """Check, then apply a push pass of the parts ``toc`` of ``tables`` (under their
+        locks) and count it; False: the check refused it and nothing changed."""
         counters = np.zeros((words.shape[0], COUNTER_WORDS), dtype=np.int64)
-        with _locked(parts):
-            if not message_pass.push_check(toc, ids, grads, words, both):
+        with _locked(tables):
+            if not message_pass.push_check(toc, ids, grads, words, counted):
                 return False
-            message_pass.push_apply(toc, ids, grads, words, hyper, counters, 1, both)
-            _fold(parts, index, counters)
+            message_pass.push_apply(toc, ids, grads, words, hyper, counters, 1, counted)
+            _fold(tables, index, counters)
         self.served += 1
         return True
+
+
+def _counted_part(
+    counts: torch.Tensor | None, stats: torch.Tensor | None, n: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """A counted push part's update counts int64 ``[n]`` and statistics float32 ``[n]``
+    as the pass takes them (row-wise Adagrad's one statistic per row); None where it
+    cannot."""
+    if not _host(counts, torch.int64, 1) or not _host(stats, torch.float32, 2):
+        return None
+    if counts.shape != (n,) or stats.shape != (n, 1):
+        return None
+    return np.ascontiguousarray(counts.numpy()), np.ascontiguousarray(stats.numpy()).reshape(-1)
 
 
 def _valid_counted(counts: np.ndarray, stats: np.ndarray) -> bool:
