@@ -28,11 +28,13 @@ Semantics (per row, HET-style; the full rules are in ``docs/cache.md``):
   lacks the pending updates until :meth:`flush`.
 
 Batched requests: :meth:`CachedStore.pull_many_async` plans every table's fetch and
-sends them to the wrapped store as ONE ``pull_many`` (one message per server);
+sends them to the wrapped store as ONE batched pull (one message per server);
 :meth:`CachedStore.push_many_async` applies every table's gradients to the cache and
-sends what is due (and the sums of evicted rows) as ONE ``push_many``. The per-table
-``pull_async`` / ``push_async`` are the same with one table. A step of a training
-loop is then one pull and one push message per server::
+sends what is due (and the sums of evicted rows) as ONE batched push. A cache shared by
+tables sends its part as a group request over their id space
+(:mod:`ps.group_requests`, through ``pull_groups_async`` / ``push_groups_async``). The
+per-table ``pull_async`` / ``push_async`` are the same with one table. A step of a
+training loop is then one pull and one push message per server::
 
     store.prefetch_many([ps.PullRequest(t, next_ids[t]) for t in tables])  # rides along
     rows = store.pull_many([ps.PullRequest(t, ids[t]) for t in tables])
