@@ -76,7 +76,7 @@ from comm import Handle, boundary
 from comm.device import exact_device
 from ps import PullRequest, PullResult, PushRequest, Store, TableSpec
 from ps.group_requests import GroupPull, GroupPush
-from ps.store import check_requests, first_of
+from ps.store import after, check_requests, first_of
 from ps.validate import all_finite, check_grads, check_id_tensor, check_ids, finite_rows
 
 
@@ -381,7 +381,8 @@ class CachedStore(Store):
             fetches[name] = tc, f
         batch = self.inner.pull_groups_async(inner) if inner else None
         for asked, joined_at, route in routes:
-            handle = _routed_handle(batch, route)
+            assert batch is not None  # a request was sent for it
+            handle = _nth(batch, route)
             if joined_at is None:
                 asked[0].handle = handle
             else:
@@ -448,7 +449,7 @@ class CachedStore(Store):
                 if f.request is not None:
                     inner: list[PullRequest | GroupPull] = []
                     route = self._route(f.request, group, inner)
-                    f.handle = _routed_handle(self.inner.pull_groups_async(inner), route)
+                    f.handle = _nth(self.inner.pull_groups_async(inner), route)
                 tc.inflight = f
 
     def push_async(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> Handle:
@@ -727,17 +728,7 @@ def _split_handles(joined: Handle, where: Joined) -> tuple[Handle, Handle]:
     return part(0), part(1)
 
 
-def _routed_handle(batch: Handle | None, route: int) -> Handle:
-    """The reply to one cache request within the batched pull ``batch``: its result at
-    index ``route``."""
-    assert batch is not None
-
-    def block(limit: float) -> None:
-        batch.wait(None if math.isinf(limit) else limit)
-
-    def finish() -> PullResult:
-        result: PullResult = batch.wait()[route]
-        return result
-
-    # Infinite default: the wrapped store's own handle applies its timeout.
-    return Handle(batch.is_completed, finish, what="cached pull", timeout_s=math.inf, block=block)
+def _nth(batch: Handle, k: int) -> Handle:
+    """The reply to one cache request within the batched pull ``batch``: its ``k``-th
+    result (the wrapped store's own handle applies its timeout)."""
+    return after(batch, lambda: batch.wait()[k], "cached pull")

@@ -62,14 +62,17 @@ class IdSpace:
         bases = self.bases[[i for i, _, _ in segments]]
         return packed - np.repeat(bases, [b - a for _, a, b in segments])
 
+    def inside(self, packed: np.ndarray) -> bool:
+        """Whether sorted ``packed`` int64 ``[N]`` ids all lie in the space (its first and
+        last do)."""
+        return packed.size == 0 or bool(packed[0] >= 0 and packed[-1] < self.bases[-1])
+
     def check(self, packed: np.ndarray, what: str) -> None:
         """Raise unless ``packed`` int64 ``[N]`` is sorted and inside the space."""
-        if packed.size == 0:
-            return
         if packed.size > 1 and not bool((packed[1:] >= packed[:-1]).all()):
             raise ValueError(f"{what} of tables {'+'.join(self.names)}: ids must be sorted")
-        lo, hi = int(packed[0]), int(packed[-1])
-        if lo < 0 or hi >= int(self.bases[-1]):
+        if not self.inside(packed):
+            lo, hi = int(packed[0]), int(packed[-1])
             bad = lo if lo < 0 else hi
             raise ValueError(
                 f"{what} of tables {'+'.join(self.names)}: packed id {bad} is outside "

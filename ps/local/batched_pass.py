@@ -193,9 +193,7 @@ class LocalBatchedPass:
                 return None
         packed = r.ids.numpy()
         n_all = packed.size
-        if n_all == 0 or not bool((packed[1:] >= packed[:-1]).all()):
-            return None
-        if packed[0] < 0 or packed[-1] >= space.bases[-1]:
+        if n_all == 0 or not bool((packed[1:] >= packed[:-1]).all()) or not space.inside(packed):
             return None
         segments = space.segments(packed)
         parts = [tables[i] for i, _, _ in segments]
@@ -335,9 +333,7 @@ class LocalBatchedPass:
             return False
         packed = r.ids.numpy()
         # strictly increasing (a repeated id is summed by the per-table path) and inside
-        if not bool((packed[1:] > packed[:-1]).all()):
-            return False
-        if packed[0] < 0 or packed[-1] >= space.bases[-1]:
+        if not bool((packed[1:] > packed[:-1]).all()) or not space.inside(packed):
             return False
         segments = space.segments(packed)
         parts = [tables[i] for i, _, _ in segments]
