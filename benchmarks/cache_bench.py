@@ -2,6 +2,7 @@
 
     python benchmarks/cache_bench.py [--quick] [--policy lru|lfu|tinylfu] [--compute-ms MS]
         [--no-mpi] [--admission-only] [--settle STEPS] [--tables N] [--sketch-period IDS]
+        [--prefetch auto|on|off]
 
 Criteo-shaped synthetic ids (``_bench_util.ZipfDraws``): 26 tables of 1 M rows
 (``--quick``: 100 k), each sample draws one id per table from a Zipf(1.05) law truncated
@@ -10,7 +11,9 @@ global batch 2048 samples, so a table sees 2048 draws per step (hot ids repeat; 
 pulls and pushes its ~1100 distinct ids).
 
 A step, as the hybrid embedding tables make it: hand the next step's ids to
-``prefetch_many`` (cached only: they ride on this step's pull), pull every table's
+``prefetch_many`` (cached only: they ride on this step's pull; ``--prefetch``, the
+cache's ``CacheConfig.prefetch``: by default not in front of the in-process store,
+where fetching early hides nothing), pull every table's
 distinct ids in ONE ``pull_many``, push one gradient row per distinct id in ONE
 ``push_many`` (RowWiseAdagrad on the PS). No model compute (``--compute-ms`` adds a
 sleep), so step time is the embedding traffic plus the cache's own work.
@@ -138,7 +141,7 @@ class Sizes:
     read_bound: int = 4
     write_bound: int = 4
     policy: Literal["lru", "lfu", "tinylfu"] = "tinylfu"
-    prefetch: bool = True
+    prefetch: Literal["auto", "on", "off"] = "auto"  # CacheConfig.prefetch of the cached runs
     groups: bool = True  # the 26 tables share one cache (CacheConfig.group_tables)
     compute_ms: float = 0.0
     max_fill: int = 2000  # warm-up steps at most while the caches fill
@@ -186,7 +189,6 @@ def step(
     nxt: list[torch.Tensor] | None,
     grad: torch.Tensor,
     compute_s: float,
-    prefetch: bool = True,
     per_table: bool = False,
 ) -> None:
     if per_table:  # one request per table (all issued, then waited)
@@ -200,7 +202,7 @@ def step(
         for h in pushes:
             h.wait()
         return
-    if nxt is not None and isinstance(store, cache.CachedStore) and prefetch:
+    if nxt is not None and isinstance(store, cache.CachedStore):
         store.prefetch_many([ps.PullRequest(n, i) for n, i in zip(names, nxt, strict=True)])
     store.pull_many([ps.PullRequest(n, i) for n, i in zip(names, ids, strict=True)])
     if compute_s:
@@ -220,7 +222,6 @@ def cached_step(
     nxt: list[torch.Tensor] | None,
     grad: torch.Tensor,
     compute_s: float,
-    prefetch: bool,
     spent: dict[str, float],
 ) -> None:
     """:func:`step` through the cache, adding each phase's seconds to ``spent`` (plan:
@@ -229,7 +230,7 @@ def cached_step(
     store's own share of each is in ``timed.seconds``."""
     t0 = time.perf_counter()
     timed.phase = "plan"
-    if nxt is not None and prefetch:
+    if nxt is not None:
         cached.prefetch_many([ps.PullRequest(n, i) for n, i in zip(names, nxt, strict=True)])
     h = cached.pull_many_async([ps.PullRequest(n, i) for n, i in zip(names, ids, strict=True)])
     t1 = time.perf_counter()
@@ -336,6 +337,8 @@ def _run_policy(z: Sizes, draws: ZipfDraws, policy: str) -> tuple[int, int, dict
         policy=policy,  # type: ignore[arg-type]
         group_tables=z.groups,
         sketch_period=z.sketch_period if policy == "tinylfu" else None,
+        # The rows a cache in front of a server moves: it prefetches there ("auto").
+        prefetch="on" if z.prefetch == "auto" else z.prefetch,
     )
     cached = cache.CachedStore(store, cfg)
     grad = torch.full((z.batch, z.dim), 1e-3)
@@ -349,7 +352,7 @@ def _run_policy(z: Sizes, draws: ZipfDraws, policy: str) -> tuple[int, int, dict
     before: dict[str, dict[str, Any]] = {}
     while True:  # fill until every cache is full (evicting or refusing), as compare() does
         cur, nxt = nxt, batch(s + 1)
-        step(cached, names, cur, nxt, grad, 0.0, z.prefetch)
+        step(cached, names, cur, nxt, grad, 0.0)
         s += 1
         stats = cached.cache_stats()
         if not filled and (
@@ -464,6 +467,7 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
         group_tables=z.groups,
         sole_writer=True,  # one worker, as the jobs' with_cache sets it
         local_step=z.local_step,
+        prefetch=z.prefetch,
     )
     timed = TimedStore(store_c)  # the store's share of the cached step, per phase
     cached = cache.CachedStore(timed, cfg)
@@ -480,14 +484,9 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
         t = time.perf_counter()
         for s in range(count):
             if which == "c":
-                cached_step(
-                    cached, timed, names, steps[s], steps[s + 1], grad, compute_s, z.prefetch,
-                    spent,
-                )  # fmt: skip
+                cached_step(cached, timed, names, steps[s], steps[s + 1], grad, compute_s, spent)
             else:
-                step(
-                    store, names, steps[s], steps[s + 1], grad, compute_s, z.prefetch, which == "p"
-                )
+                step(store, names, steps[s], steps[s + 1], grad, compute_s, which == "p")
         elapsed = time.perf_counter() - t
         after = store.request_counts()
         for key in messages[which]:
@@ -507,7 +506,7 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
     nxt = batch(0)
     while True:  # until every cache was full, then settle into the steady state
         cur, nxt = nxt, batch(s + 1)
-        step(cached, names_c, cur, nxt, grad, 0.0, z.prefetch)
+        step(cached, names_c, cur, nxt, grad, 0.0)
         s += 1
         full = all(st["evictions"] + st["rejected"] > 0 for st in cached.cache_stats().values())
         if full or s >= z.max_fill:
@@ -515,7 +514,7 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
     filled = s
     for _ in range(z.settle):
         cur, nxt = nxt, batch(s + 1)
-        step(cached, names_c, cur, nxt, grad, 0.0, z.prefetch)
+        step(cached, names_c, cur, nxt, grad, 0.0)
         s += 1
     cached.pull_many([ps.PullRequest(n, empty) for n in names_c])  # the last prefetch
     warm = [batch(i) for i in range(4)]
@@ -626,7 +625,7 @@ def run_mpi(
     quick: bool,
     compute_ms: float,
     policy: str,
-    prefetch: bool,
+    prefetch: str,
     groups: bool,
     settle: int | None,
     tables: int | None,
@@ -635,7 +634,7 @@ def run_mpi(
     mpirun = Path(sys.executable).parent / "mpirun"
     cmd = [str(mpirun if mpirun.exists() else "mpirun"), "-n", "2", sys.executable, __file__]
     cmd += ["--mpi-part", "--compute-ms", str(compute_ms), "--policy", policy]
-    cmd += (["--quick"] if quick else []) + ([] if prefetch else ["--no-prefetch"])
+    cmd += (["--quick"] if quick else []) + ["--prefetch", prefetch]
     cmd += [] if groups else ["--no-groups"]
     cmd += [] if settle is None else ["--settle", str(settle)]
     cmd += [] if tables is None else ["--tables", str(tables)]
@@ -705,7 +704,12 @@ def main() -> None:
     p.add_argument(
         "--sketch-period", type=int, default=None, help="TinyLFU: ids counted between halvings"
     )
-    p.add_argument("--no-prefetch", action="store_true", help="cached steps do not prefetch")
+    p.add_argument(
+        "--prefetch",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the cache's CacheConfig.prefetch (auto: not in front of the in-process store)",
+    )
     p.add_argument("--no-mpi", action="store_true", help="skip the MPI store")
     p.add_argument("--no-redis", action="store_true", help="skip the Redis store")
     p.add_argument("--redis-url", default=None, help="a Redis server to use (default: start one)")
@@ -721,7 +725,7 @@ def main() -> None:
     kw = dict(
         compute_ms=args.compute_ms,
         policy=args.policy,
-        prefetch=not args.no_prefetch,
+        prefetch=args.prefetch,
         groups=not args.no_groups,
         local_step=args.local_step,
     )
@@ -759,7 +763,7 @@ def main() -> None:
             args.quick,
             args.compute_ms,
             args.policy,
-            not args.no_prefetch,
+            args.prefetch,
             not args.no_groups,
             args.settle,
             args.tables,

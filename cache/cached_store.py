@@ -111,6 +111,10 @@ class CachedStore(Store):
             )
         self.inner = store
         self.config = config
+        self.in_process = store.in_process
+        # Whether announced batches are fetched ahead (CacheConfig.prefetch): not in
+        # front of an in-process store by default, where it would hide no latency.
+        self.prefetching = config.prefetches(store)
         # Where the cached rows live (None: host records); plain "cuda" is the current GPU.
         self.device = None if device is None else exact_device(device)
         self._owns = bool(owns_store)
@@ -421,13 +425,16 @@ class CachedStore(Store):
         """Hand the next batch's ids of several tables to the cache, without sending
         anything: they ride on the next pull of each table (:meth:`pull_many_async`),
         in the same message, and are installed right after it. A later call replaces
-        a table's ids that have not ridden yet."""
+        a table's ids that have not ridden yet. Without :attr:`prefetching` the ids are
+        checked and nothing more (the batch's own pull then fetches its misses)."""
         by_cache: dict[str, list[tuple[str, object]]] = {}  # cache name -> (table, ids)
         reqs = check_requests(requests, PullRequest, "prefetch_many")
         self._ensure([r.table for r in reqs])
         for r in reqs:
             by_cache.setdefault(self._members[r.table], []).append((r.table, r.ids))
         wanted = {name: self._pack(name, mine, "prefetch")[0] for name, mine in by_cache.items()}
+        if not self.prefetching:
+            return
         for name, ids in wanted.items():
             tc = self._caches[name]
             with tc.lock:
@@ -438,10 +445,13 @@ class CachedStore(Store):
 
         The next operation on ``table`` completes it (a pull of those ids then
         finds them cached); rows it fetched count as misses or refreshes of that
-        pull in :meth:`cache_stats`, not as hits.
+        pull in :meth:`cache_stats`, not as hits. Without :attr:`prefetching` the ids
+        are checked and nothing more.
         """
         tc, group = self._member(table)
         ids = self._packed(table, ids, "prefetch")
+        if not self.prefetching:
+            return
         with tc.lock:
             self._settle(tc)
             if ids.numel() > 0:

@@ -10,10 +10,11 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from ps import SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad, TableSpec
+from ps import SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad, Store, TableSpec
 
 POLICIES = ("lru", "lfu", "tinylfu")
 LOCAL_STEPS = ("optimizer", "sgd")
+PREFETCH = ("auto", "on", "off")
 
 #: TinyLFU defaults: sketch counters per cached row (rounded up to a power of 2), hash
 #: rows, and ids added between halvings per cached row.
@@ -84,6 +85,14 @@ class CacheConfig:
       asking the PS again unless this worker pushed them since (saves a round
       trip; with several workers, other workers' pushes during one step may then
       add to ``s_r``).
+    * ``prefetch``: what :meth:`cache.CachedStore.prefetch_many` and
+      :meth:`~cache.CachedStore.prefetch` do with the next batch's ids. ``"on"``: plan
+      and fetch them ahead (their misses ride on the current pull, or go at once).
+      ``"off"``: check them and nothing more; the batch's own pull fetches its misses.
+      ``"auto"`` (the default): on unless the wrapped store is in process
+      (``ps.Store.in_process``), where a request completes inside its call, so
+      fetching early hides no latency and only plans and admits the batch a second
+      time (the cache benchmark's in-process step: ~15 % of it).
     * ``sole_writer``: this cache is the only writer of its tables (one worker; what
       :func:`hybridrec.launch.job_cache.with_cache` sets for a job of one worker). The PS then
       applies only this cache's pushes, in order, so a cached row's PS clock is
@@ -117,6 +126,7 @@ class CacheConfig:
     local_step: Literal["optimizer", "sgd"] | None = None
     local_lr: float | None = None
     verify_prefetched: bool = True
+    prefetch: Literal["auto", "on", "off"] = "auto"
     sole_writer: bool = False
     exact_staleness: bool = False
     evict_chunk: int | None = None
@@ -174,6 +184,10 @@ class CacheConfig:
                 raise TypeError(
                     f"CacheConfig: {name} must be a bool, got {type(getattr(self, name)).__name__}"
                 )
+        if self.prefetch not in PREFETCH:
+            raise ValueError(
+                f"CacheConfig: prefetch must be one of {PREFETCH}, got {self.prefetch!r}"
+            )
         if self.evict_chunk is not None:
             _int("evict_chunk", self.evict_chunk, 1)
         for name in ("sketch_width", "sketch_depth", "sketch_period"):
@@ -206,6 +220,10 @@ class CacheConfig:
                 "use capacity_rows"
             )
         return math.ceil(self.capacity_fraction * spec.num_rows)
+
+    def prefetches(self, store: Store) -> bool:
+        """Whether a cache in front of ``store`` fetches announced batches ahead."""
+        return self.prefetch == "on" or (self.prefetch == "auto" and not store.in_process)
 
     def chunk(self, capacity: int) -> int:
         """Rows evicted at least at once in a cache of ``capacity`` rows."""

@@ -36,7 +36,7 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                           "ngram_max_age")),
     ("cache", ("cache_rows", "cache_fraction", "read_bound", "write_bound", "counted_pushes",
                "local_step", "cache_policy", "other_writers", "cache_groups", "cache_memory",
-               "cache_on", "sparse_pipeline")),
+               "cache_on", "cache_prefetch", "sparse_pipeline")),
     ("dense parallelism", ("compression", "zero_stage", "bucket_mb", "tp", "pp",
                            "microbatches", "schedule")),
     ("checkpoints", ("checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume",
@@ -102,6 +102,12 @@ class RunOptions(CacheOptions):
         help="where the cache keeps its rows: device (the worker's GPU: hits never leave it), "
         "host (records in host memory, as on a CPU worker) or auto (device on a GPU worker, "
         "host on a CPU worker)",
+    )
+    cache_prefetch: Literal["auto", "on", "off"] = option(
+        "auto",
+        help="the cache fetches the next batch's rows ahead, riding on this batch's pull: "
+        "on, off, or auto (on unless the --ps store is in process, where fetching early "
+        "hides no latency and only plans the batch twice)",
     )
     sparse_pipeline: Literal["auto", "on", "off"] = option(
         "auto",

@@ -50,7 +50,8 @@ def cache_config(
     ``device``; None without one. ``cfg``: a job config with the fields of
     :class:`hybridrec.cli.job_options.RunOptions` (``cache_rows``, ``cache_fraction``,
     ``cache_memory``, ``cache_on``, ``cache_policy``, ``read_bound``, ``write_bound``,
-    ``counted_pushes``, ``local_step``, ``cache_groups``). ``--cache-memory F`` sizes the
+    ``counted_pushes``, ``local_step``, ``cache_groups``, ``cache_prefetch``).
+    ``--cache-memory F`` sizes the
     cache's rows on the GPU to at most ``F`` of its memory
     (:func:`hybridrec.launch.memory_plan.cache_size_fitting`)."""
     if not cfg.wants_cache:
@@ -84,6 +85,7 @@ def cache_config(
         counted_pushes=cfg.counted_pushes,
         local_step=cfg.local_step,
         group_tables=cfg.cache_groups,
+        prefetch=cfg.cache_prefetch,
     )
 
 

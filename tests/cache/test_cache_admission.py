@@ -182,7 +182,7 @@ def test_bounds_zero_bit_identical(prefetch: bool, verify: bool, grouped: bool) 
         inner.create_table(spec)
     cfg = cache.CacheConfig(
         capacity_rows=30, policy="tinylfu", verify_prefetched=verify, group_tables=grouped,
-        sketch_width=256, sketch_period=200,
+        sketch_width=256, sketch_period=200, prefetch="on",
     )  # fmt: skip
     store = cache.CachedStore(inner, cfg)
     g = torch.Generator().manual_seed(0)
@@ -315,6 +315,7 @@ def test_installs_decide_by_the_estimates_of_their_plan(
     cfg = cache.CacheConfig(
         capacity_rows=30, policy="tinylfu", read_bound=1, write_bound=2,
         verify_prefetched=verify, sketch_width=128, sketch_period=150, evict_chunk=6,
+        prefetch="on",
     )  # fmt: skip
     store = cache.CachedStore(inner, cfg)
     checked = {"serving": 0, "prefetch": 0}

@@ -49,7 +49,7 @@ def test_direct_requests_bit_identical(opt: str, capacity: int, prefetch: bool, 
     plain, inner = ps.InProcessStore(), ps.InProcessStore()
     plain.create_table(spec)
     inner.create_table(spec)
-    cfg = cache.CacheConfig(capacity_rows=capacity, verify_prefetched=verify)
+    cfg = cache.CacheConfig(capacity_rows=capacity, verify_prefetched=verify, prefetch="on")
     store = cache.CachedStore(inner, cfg)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 40, (12,), generator=g) ** 2 % ROWS for _ in range(41)]

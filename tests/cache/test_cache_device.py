@@ -120,7 +120,7 @@ def test_device_rows_equal_host_records(
         for name in ("update_rows", "serve_rows", "copy_clocks", "install_rows"):
             monkeypatch.setattr(table_cache, name, lambda *a, **k: None)
     dev = torch.device(device)
-    config = cache.CacheConfig(capacity_rows=30, evict_chunk=4, **CASES[case])  # type: ignore[arg-type]
+    config = cache.CacheConfig(capacity_rows=30, evict_chunk=4, prefetch="on", **CASES[case])  # type: ignore[arg-type]
     opt = ps.Adam(lr=0.05)
     a_inner, b_inner = _store(opt), _store(opt)
     a = _train(cache.CachedStore(a_inner, config), a_inner, torch.device("cpu"))

@@ -176,7 +176,7 @@ def test_narrow_device_rows_equal_host_records(
         for name in KERNELS:
             monkeypatch.setattr(table_cache, name, lambda *a, **k: None)
     dev = torch.device(device)
-    config = cache.CacheConfig(capacity_rows=30, evict_chunk=4, **settings)
+    config = cache.CacheConfig(capacity_rows=30, evict_chunk=4, prefetch="on", **settings)
     a_inner, b_inner = _store(dtype, OPTIMIZERS[opt_name]), _store(dtype, OPTIMIZERS[opt_name])
     host = cache.CachedStore(a_inner, config)
     on_device = cache.CachedStore(b_inner, config, device=dev)

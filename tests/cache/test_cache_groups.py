@@ -64,7 +64,9 @@ def test_bounds_zero_bit_identical_to_the_plain_store(opt: ps.Optimizer, verify:
     for spec in _specs(opt):
         plain.create_table(spec)
         inner.create_table(spec)
-    cfg = cache.CacheConfig(capacity_rows=6, group_tables=True, verify_prefetched=verify)
+    cfg = cache.CacheConfig(
+        capacity_rows=6, group_tables=True, verify_prefetched=verify, prefetch="on"
+    )
     store = cache.CachedStore(inner, cfg)
     batches = _batches(31, seed=1)
     g = torch.Generator().manual_seed(2)

@@ -49,6 +49,7 @@ def _run(
             local_lr=lr,
             policy=policy,
             verify_prefetched=verify,
+            prefetch="on",
             sole_writer=sole,
             exact_staleness=not verify,
         ),  # fmt: skip

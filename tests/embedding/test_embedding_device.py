@@ -308,7 +308,7 @@ def test_boundary_moves_each_tensor_and_rejects_bad_input(device: str) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_prefetch_takes_host_or_device_batches(device: str) -> None:
     t = TableConfig(name="h", num_rows=30, dim=3, feature_names=["x"], placement="hybrid")
-    cached = CachedStore(ps.InProcessStore(), CacheConfig(capacity_rows=10))
+    cached = CachedStore(ps.InProcessStore(), CacheConfig(capacity_rows=10, prefetch="on"))
     ec = EmbeddingCollection([t], store=cached, device=device)
     first = KeyedJaggedIds.from_lists({"x": [[1, 2], [3]]})
     nxt = KeyedJaggedIds.from_lists({"x": [[4, 2], [6]]})

@@ -508,7 +508,7 @@ def test_prefetch_through_a_cache_and_store_kind() -> None:
         optimizer=ps.SGD(lr=0.5),
     )
     local = TableConfig(name="l", num_rows=5, dim=4, feature_names=["z"])
-    cached = CachedStore(ps.InProcessStore(), CacheConfig(capacity_rows=20))
+    cached = CachedStore(ps.InProcessStore(), CacheConfig(capacity_rows=20, prefetch="on"))
     ec = EmbeddingCollection([cfg, local], store=cached)
     assert ec.hybrid is not None and not ec.hybrid.store_is_shared  # a cache over a per-rank store
     kjt = KeyedJaggedIds.from_lists({"x": [[1, 2], [3]], "y": [[2, 9], []], "z": [[1], [1]]})
