@@ -92,7 +92,7 @@ class CacheConfig:
       ``"auto"`` (the default): on unless the wrapped store is in process
       (``ps.Store.in_process``), where a request completes inside its call, so
       fetching early hides no latency and only plans and admits the batch a second
-      time (the cache benchmark's in-process step: ~15 % of it).
+      time (the cache benchmark's in-process step: ~20 % of it).
     * ``sole_writer``: this cache is the only writer of its tables (one worker; what
       :func:`hybridrec.launch.job_cache.with_cache` sets for a job of one worker). The PS then
       applies only this cache's pushes, in order, so a cached row's PS clock is

@@ -7,7 +7,10 @@
    line, so an id's depth counters are distinct. */
 #include <stdint.h>
 
-#define AHEAD 8 /* ids hashed and prefetched ahead: their line misses overlap */
+/* Ids hashed and prefetched ahead, so that their line misses overlap. In the cache
+   benchmark's steps (~30 k ids over 1 M lines) 16 took the add 0.77 -> 0.59 ms and the
+   estimate 0.36 -> 0.27 ms against 8; a plain loop found 24 no faster and 32 slower. */
+#define AHEAD 16
 
 static inline int64_t line_of(uint64_t x, uint64_t m0, int64_t lines) {
     return (int64_t)((((x * m0) >> 32) * (uint64_t)lines) >> 32);
