@@ -32,12 +32,19 @@ from ps.validate import check_id_tensor, check_ids
 class TableGroup:
     """Fixed-size tables of one ``dim`` cached together (see the module docstring)."""
 
-    names: tuple[str, ...]
-    bases: np.ndarray  # int64 [k + 1]: where each table's packed ids start; the last: total
+    space: IdSpace  # the tables' names and bases, also what the store's group requests use
     spec: TableSpec  # the packed table the cache sees (first member's optimizer)
     members: tuple[TableSpec, ...]  # [k] the tables, in ``names`` order
     at: dict[str, int]  # name -> index in ``names``
-    space: IdSpace  # the same names and bases, for the store's group requests
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.space.names
+
+    @property
+    def bases(self) -> np.ndarray:
+        """int64 ``[k + 1]``: where each table's packed ids start; the last: the total."""
+        return self.space.bases
 
     @classmethod
     def of(cls, specs: list[TableSpec]) -> TableGroup:
@@ -55,7 +62,7 @@ class TableGroup:
         names = tuple(s.name for s in specs)
         spec = replace(specs[0], name="+".join(names), num_rows=int(bases[-1]))
         at = {n: i for i, n in enumerate(names)}
-        return cls(names, bases, spec, tuple(specs), at, IdSpace(names, bases))
+        return cls(IdSpace(names, bases), spec, tuple(specs), at)
 
     def index(self, table: str) -> int:
         return self.at[table]

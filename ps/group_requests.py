@@ -18,13 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from comm import Handle
-from ps.store import PullRequest, PullResult, PushRequest, Store, after
+from ps.store import PullRequest, PullResult, PushRequest, Store, after, check_requests
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -217,22 +216,11 @@ def split_push(request: GroupPush) -> list[PushRequest]:
     ]
 
 
-def _checked(requests: Sequence[object], kinds: tuple[type, type], what: str) -> list[Any]:
-    if isinstance(requests, str | bytes) or not isinstance(requests, Sequence):
-        raise TypeError(f"{what}: expected a sequence of requests, got {type(requests).__name__}")
-    out = list(requests)
-    names = " or ".join(f"ps.{k.__name__}" for k in kinds)
-    for i, r in enumerate(out):
-        if not isinstance(r, kinds):
-            raise TypeError(f"{what}: request {i} is a {type(r).__name__}, expected a {names}")
-    return out
-
-
 def pull_by_table(store: Store, requests: Sequence[PullRequest | GroupPull]) -> Handle:
     """:meth:`ps.Store.pull_groups_async` for any store: each group request cut into its
     tables' requests, everything sent as ONE ``pull_many_async``, each group's replies
     merged into its result."""
-    items = _checked(requests, (PullRequest, GroupPull), "pull_groups")
+    items = check_requests(requests, (PullRequest, GroupPull), "pull_groups")
     flat: list[PullRequest] = []
     routes: list[list[tuple[int, int]] | int] = []  # a group's (start, index) parts, or an index
     for r in items:
@@ -262,7 +250,7 @@ def pull_by_table(store: Store, requests: Sequence[PullRequest | GroupPull]) -> 
 def push_by_table(store: Store, requests: Sequence[PushRequest | GroupPush]) -> Handle:
     """:meth:`ps.Store.push_groups_async` for any store: each group request cut into its
     tables' pushes, everything sent as ONE ``push_many_async``."""
-    items = _checked(requests, (PushRequest, GroupPush), "push_groups")
+    items = check_requests(requests, (PushRequest, GroupPush), "push_groups")
     flat: list[PushRequest] = []
     for r in items:
         flat += split_push(r) if isinstance(r, GroupPush) else [r]

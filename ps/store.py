@@ -353,18 +353,18 @@ class Store(ABC):
         self.close()
 
 
-def check_requests(requests: Sequence[object], kind: type, what: str) -> list[Any]:
-    """``requests`` as a list, each checked to be a ``kind``."""
+def check_requests(
+    requests: Sequence[object], kind: type | tuple[type, ...], what: str
+) -> list[Any]:
+    """``requests`` as a list, each checked to be a ``kind`` (or one of the kinds)."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = " or ".join(f"ps.{k.__name__}" for k in kinds)
     if isinstance(requests, str | bytes) or not isinstance(requests, Sequence):
-        raise TypeError(
-            f"{what}: expected a sequence of ps.{kind.__name__}, got {type(requests).__name__}"
-        )
+        raise TypeError(f"{what}: expected a sequence of {names}, got {type(requests).__name__}")
     out = list(requests)
     for i, r in enumerate(out):
-        if not isinstance(r, kind):
-            raise TypeError(
-                f"{what}: request {i} is a {type(r).__name__}, expected a ps.{kind.__name__}"
-            )
+        if not isinstance(r, kinds):
+            raise TypeError(f"{what}: request {i} is a {type(r).__name__}, expected a {names}")
     return out
 
 
