@@ -29,6 +29,7 @@ search; with ``evict_chunk=1`` every call searches, so the order is exact.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from cache.kernels.victim_pool import pool_valid
 
@@ -56,6 +57,15 @@ def _smallest_keys(key: np.ndarray, k: int) -> np.ndarray | None:
     bound = np.partition(sample, rank)[rank]
     near = np.flatnonzero(key <= bound)
     return near if near.size >= k else None
+
+
+def _key_then_id_order(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The order of ``keys`` ``[K]`` (ties: smaller distinct ``ids`` ``[K]`` first), as
+    ``np.lexsort((ids, keys))`` gives it: two stable torch sorts, ~2.5x faster than numpy's
+    lexsort on a search's chunk of ~160 k victims."""
+    by_id = torch.sort(torch.from_numpy(ids), stable=True).indices  # [K]
+    by_key = torch.sort(torch.from_numpy(keys)[by_id], stable=True).indices  # [K]
+    return by_id[by_key].numpy()
 
 
 class EvictionPolicy:
@@ -134,8 +144,7 @@ class EvictionPolicy:
         got = self._from_pool(k, tick, protect) if chunk > 1 else self.pool[:0]
         if got.size < k:
             found = self.victims(max(k, chunk), tick, protect, row_id)
-            order = np.lexsort((row_id.take(found), self.key.take(found)))
-            self.pool = found.take(order)
+            self.pool = found.take(_key_then_id_order(self.key.take(found), row_id.take(found)))
             self.pool_key = self.key.take(self.pool)
             self.pool_at = 0
             got = self._from_pool(k, tick, protect)

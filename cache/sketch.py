@@ -95,7 +95,18 @@ class FrequencySketch:
         if not add_counts(ids, self.mult_flat, self.lines, self.counters):
             pos = torch.from_numpy(self.positions(ids).reshape(-1))
             self.counters.index_add_(0, pos, torch.ones(pos.numel(), dtype=torch.int32))
-        self.added += int(ids.size)
+        return self.counted(int(ids.size))
+
+    def kernel_view(self) -> tuple[np.ndarray, int, np.ndarray]:
+        """``(mult [depth], lines, counters [16 * lines])`` as numpy arrays (the counters a
+        view), for a C pass that counts ids as :meth:`add` does
+        (:mod:`cache.kernels.plan_pull`) and then calls :meth:`counted`."""
+        return self.mult_flat, self.lines, self.counters.numpy()
+
+    def counted(self, n: int) -> bool:
+        """``n`` ids were counted into the counters (by :meth:`add`, or a caller's pass
+        over :meth:`kernel_view`); True if the sketch was halved after."""
+        self.added += n
         if self.added < self.period:
             return False
         self.counters.bitwise_right_shift_(1)

@@ -38,6 +38,11 @@ class DenseSlotIndex:
     def __init__(self, num_rows: int) -> None:
         self._slot = np.full(num_rows, -1, dtype=np.int32)  # [num_rows]
 
+    @property
+    def map(self) -> np.ndarray:
+        """int32 ``[num_rows]``: each id's slot or -1 (for a C pass that looks ids up)."""
+        return self._slot
+
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         return self._slot.take(ids).astype(np.int64)
 

@@ -95,11 +95,13 @@ import torch
 
 from cache.config import CacheConfig
 from cache.device_rows import DeviceRows
+from cache.kernels.plan_pull import plan_pull
 from cache.kernels.records import (
     OWN8_MAX,
     ROW_KINDS,
     copy_clocks,
     install_rows,
+    pass_through,
     row_words,
     serve_rows,
     sole_writer_asks,
@@ -111,7 +113,7 @@ from cache.memory import record_floats, state_in_spare_word
 from cache.narrow_records import exact, rounded, widen
 from cache.policy import EvictionPolicy
 from cache.sketch import FrequencySketch
-from cache.slot_index import make_slot_index
+from cache.slot_index import DenseSlotIndex, make_slot_index
 from cache.stats import CacheStats
 from comm import Handle
 from ps import PullRequest, PullResult, RowWiseAdagrad, Store, TableSpec
@@ -306,7 +308,9 @@ class TableCache:
         self.inflight: Fetch | None = None
         self.deferred: torch.Tensor | None = None  # next batch's ids for the next pull
         self.reserved: np.ndarray | None = None  # slots a planned prefetch counts as cached
-        self.planned_hits: np.ndarray = _EMPTY_I64  # slots of the planned serving pull's hits
+        # The planned serving pull's slots [U] and hits [U]; a prefetch planned after it
+        # protects those slots (planned_hits), so they are cut out only then
+        self.planned: tuple[np.ndarray, np.ndarray] = (_EMPTY_I64, _EMPTY_I64 >= 0)
         # Pushes due (gradients numpy, or tensors on the rows' device).
         self.outbox: list[_Due] = []
         self.push_handles: list[Handle] = []
@@ -376,6 +380,12 @@ class TableCache:
         """``own8`` of ``slots`` ``[K]`` := their records' OWN (capped), after numpy
         wrote those records."""
         self.own8[slots] = np.minimum(self.meta[slots, OWN], OWN8_MAX)
+
+    @property
+    def planned_hits(self) -> np.ndarray:
+        """Slots of the planned serving pull's hits ``[H']``."""
+        slots, hit = self.planned
+        return slots[hit]
 
     def _slots_of(self, uniq: np.ndarray, known: _Known | None, tick: int | None) -> np.ndarray:
         """Slots of ``uniq``: from ``known`` when it holds the same ids and is current.
@@ -551,11 +561,18 @@ class TableCache:
             uniq = rest
             counts = inverse = None  # a prefetch returns no rows
         self.seq += 1
+        # A sole writer's serving pull: its slots and asks (and the sketch's count) in one
+        # pass where the kernel runs (None: the passes below)
+        fused = self._plan_pass(uniq) if not prefetch and self.sole_writer else None
         est = None
         if self.sketch is not None and not prefetch:
             # A batch counts once, when its serving pull is planned: the prefetch planned
             # with it and both installs then see the same counts (docs/cache_admission.md).
-            est, halved = self.sketch.count(uniq)  # [U]
+            if fused is None:
+                est, halved = self.sketch.count(uniq)  # [U]
+            else:  # counted by the pass; estimated after it, as count() does
+                halved = self.sketch.counted(uniq.size)
+                est = self.sketch.estimate(uniq)
             if halved:
                 self.policy.halve()
                 self.stats.add("sketch_halvings", 1)
@@ -566,15 +583,18 @@ class TableCache:
             self.tick += 1
             self.touched = 0
             tick = self.tick
-            slots = self._slots_of(uniq, self.prefetched, None)
+            slots = self._slots_of(uniq, self.prefetched, None) if fused is None else fused[0]
         hit = slots >= 0
         if exclude is not None:
             self.reserved = slots[hit]
         if not prefetch:
-            self.planned_hits = slots[hit]
+            self.planned = (slots, hit)
         fill = -1 - self.read_bound  # misses always come back
         if not prefetch and self.sole_writer:
-            return self._plan_sole_writer(uniq, counts, inverse, slots, hit, tick, fill, est)
+            asks = None if fused is None else fused[1:]
+            return self._plan_sole_writer(
+                uniq, counts, inverse, slots, hit, tick, fill, est, asks
+            )  # fmt: skip
         if prefetch and (self.verify_prefetched or self.sole_writer):
             # (a sole writer's serving pull asks about its cached rows only when needed)
             asked, est = self._admittable(uniq, hit, slots, misses_only=True)
@@ -627,13 +647,17 @@ class TableCache:
         tick: int,
         fill: int,
         est: np.ndarray | None,
+        asks: tuple[np.ndarray, np.ndarray] | None,
     ) -> Fetch:
         """A serving pull of the tables' only writer: ask about the misses and the rows
         pushed more than ``s_r`` times since their read (``PS clock = CLOCK + OWN``
-        exactly), nothing about the rest."""
-        found = sole_writer_asks(
-            self.slab, self.sd, slots, self.own8, self.read_bound, fill, kind=self.kind
-        )
+        exactly), nothing about the rest. ``asks``: ``(asked, clocks)`` found by
+        :meth:`_plan_pass` already."""
+        found = asks
+        if found is None:
+            found = sole_writer_asks(
+                self.slab, self.sd, slots, self.own8, self.read_bound, fill, kind=self.kind
+            )
         if found is None:
             meta = self.meta[slots]  # [U, 8] (garbage where not cached)
             asked = np.flatnonzero(~hit | (meta[:, OWN] > self.read_bound))  # [A]
@@ -652,6 +676,20 @@ class TableCache:
         return Fetch(
             uniq, counts, inverse, slots, hit, False, asked, request, self.seq, tick, False,
             est=est,
+        )  # fmt: skip
+
+    def _plan_pass(self, uniq: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """A sole writer's serving pull of the distinct ``uniq`` ``[U]`` planned in one C
+        pass (:mod:`cache.kernels.plan_pull`): ``(slots [U], asked [A], clocks [A])`` as
+        the map lookup and :func:`cache.kernels.records.sole_writer_asks` give them, with
+        every id counted in the sketch (not estimated). None (nothing counted) where the
+        pass does not run: no dense id map, or no kernel."""
+        if not isinstance(self.index, DenseSlotIndex):
+            return None
+        return plan_pull(
+            uniq, self.index.map, None if self.sketch is None else self.sketch.kernel_view(),
+            self.slab, self.meta_at, self.own8, own8_max=OWN8_MAX, clock_word=CLOCK,
+            own_word=OWN, bound=self.read_bound, fill=-1 - self.read_bound,
         )  # fmt: skip
 
     def _admittable(
@@ -693,7 +731,7 @@ class TableCache:
         miss_est = self.sketch.estimate(ids)  # [K]
         est = np.zeros(uniq.size, dtype=np.int64)  # [U]
         est[miss] = miss_est
-        protect = np.concatenate([slots[hit], self.planned_hits])
+        protect = np.concatenate([slots[hit], self.planned_hits])  # [H + H']
         order, n, _ = self._choose(ids, miss_est + 1, protect)
         chosen = np.sort(miss.take(order[:n]))  # [n] in id order
         if misses_only:
@@ -908,13 +946,17 @@ class TableCache:
         through_u = miss_u[n_adm:]  # [T] indices into uniq of the ids passed through
         through = miss_sel[n_adm:]  # [T] their rows in the reply
         self.served = _Known(uniq, final, self.gen, f.tick, through_u.size == 0)
+        rows_through = False  # the passed-through rows written into out
         if through_u.size > 0:
-            out_clock[through_u] = fresh_clock.take(through)
             self.stats.add("pass_through", through.size)
+            if self.data is None:
+                rows_through = pass_through(out, out_clock, through_u, fresh, through, fresh_clock)
+            if not rows_through:
+                out_clock[through_u] = fresh_clock.take(through)
         if f.inverse is not None:
             out_clock = out_clock.take(f.inverse)
         if self.data is None:
-            if through_u.size > 0:
+            if through_u.size > 0 and not rows_through:
                 out[through_u] = fresh.take(through, axis=0)
             if f.inverse is not None:
                 out = out.take(f.inverse, axis=0)
@@ -1205,6 +1247,10 @@ class TableCache:
         self.stats.add("updates", uniq.size)
         if self.data is None:
             g = np.ascontiguousarray(grads.numpy())  # [U, D]
+            in_order = self._update_in_order(uniq, slots, g)
+            if in_order is not None:
+                self._push(in_order)
+                return
         else:  # the records hold no row: the pass only counts and decides what is due
             g = np.empty((uniq.size, 0), dtype=np.float32)
         # [K] positions into uniq, [K, sd] sums, counted pushes: [K] counts, [K, Q] stats
@@ -1260,6 +1306,42 @@ class TableCache:
         self._set_rows(s, rows.numpy(), self.seq)
         self.slab[s, sa : sa + sn] = state.numpy()
 
+    def _local_step_args(self) -> tuple[float, int, float]:
+        """``(lr, acc_at, eps)`` of the records' pass: row-wise Adagrad's local step is the
+        C pass's own (its accumulator in the record, ``acc_at`` >= 0), else SGD's of ``lr``."""
+        opt = self.spec.optimizer
+        if self.state_dim > 0 and isinstance(opt, RowWiseAdagrad):
+            return opt.lr, self.state_at, opt.eps
+        return self.lr, -1, 0.0
+
+    def _update_in_order(self, uniq: np.ndarray, slots: np.ndarray, g: np.ndarray) -> _Due | None:
+        """The push's pass over host records (:meth:`_update_records`) writing the whole
+        push in id order (:func:`cache.kernels.records.update_rows` given the ids): the due
+        rows, the rows not cached (``slots`` -1) and the sums evicted since the last push,
+        merged, so the store need not sort it. None (nothing changed) without the kernel."""
+        lr, acc_at, eps = self._local_step_args()
+        evicted = None
+        if self.evicted:
+            ev = _Due.join(self.evicted)
+            if not _increasing(ev.ids):  # distinct ids: any sort is the order
+                o = np.argsort(ev.ids)
+                counted = (None, None) if ev.counts is None else (ev.counts[o], ev.stats[o])
+                ev = _Due(ev.ids[o], ev.grads[o], *counted)
+            evicted = (ev.ids, ev.grads, ev.counts, ev.stats)
+        got = update_rows(
+            self.slab, self.sd, slots, self.own8, g, lr=lr, write_bound=self.write_bound,
+            seq=self.seq, stat_dim=self.stat_dim, stat_at=self.stat_at, acc_at=acc_at, eps=eps,
+            kind=self.kind, seed=self.seed, row_ids=self.row_id, ids=uniq, evicted=evicted,
+        )  # fmt: skip
+        if got is None:
+            return None
+        if self.local is not None and acc_at < 0:
+            self._step_local(slots, g)
+        self.evicted = []
+        _, sums, counts, stats, ids = got
+        assert ids is not None
+        return _Due(ids, sums, counts, stats) if self.counted else _Due(ids, sums)
+
     def _update_records(
         self, slots: np.ndarray, g: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
@@ -1270,11 +1352,7 @@ class TableCache:
         q, at = self.stat_dim, self.stat_at
         if slots.size == 0:
             return self._counted(_EMPTY_I64, np.empty((0, self.sd), np.float32), _EMPTY_I64, None)
-        # Row-wise Adagrad's local step is the C pass's own (its accumulator in the record).
-        opt = self.spec.optimizer
-        lr, acc_at, eps = self.lr, -1, 0.0
-        if self.state_dim > 0 and isinstance(opt, RowWiseAdagrad):
-            lr, acc_at, eps = opt.lr, self.state_at, opt.eps
+        lr, acc_at, eps = self._local_step_args()
         got = update_rows(
             self.slab, self.sd, slots, self.own8, g, lr=lr, write_bound=self.write_bound,
             seq=self.seq, stat_dim=q, stat_at=at, acc_at=acc_at, eps=eps, kind=self.kind,
@@ -1284,7 +1362,7 @@ class TableCache:
         if self.local is not None and self.data is None and not stepped:
             self._step_local(slots, g)  # before the numpy path below reads the records
         if got is not None:
-            return self._counted(*got)
+            return self._counted(*got[:4])
         d = self.sd
         c_sel = np.flatnonzero(slots >= 0)  # [S] positions of the cached rows
         s, gc = slots.take(c_sel), g.take(c_sel, axis=0)  # [S], [S, D]

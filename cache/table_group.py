@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cache.kernels.pack_ids import pack_ids
 from ps import Store, TableSpec
 from ps.group_requests import GroupPull, IdSpace, split_pull
 from ps.validate import check_id_tensor, check_ids
@@ -76,19 +77,26 @@ class TableGroup:
     ) -> tuple[torch.Tensor, list[int]]:
         """Several member tables' ids checked (as :func:`ps.validate.check_ids` checks
         them, with its words) and packed, one part after the other: ``(packed [N], sizes
-        [k])``. One range check and one offset add for all parts (per-table tensor calls
-        cost more than a step's ~1 k ids a table): a segment min and max against each
-        part's table size; only a failed check looks at its part again, to name the id."""
+        [k])``. One pass for all parts (per-table tensor calls cost more than a step's ~1 k
+        ids a table): a C kernel (:mod:`cache.kernels.pack_ids`) checks and moves every id;
+        without it numpy checks a segment min and max against each part's table size and
+        adds the bases. Only a failed check looks at its part again, to name the id."""
         tables = [self.at[t] for t, _ in parts]
         ids = [
             check_id_tensor(self.members[i], x, op).cpu()
             for i, (_, x) in zip(tables, parts, strict=True)
         ]
         sizes = [int(x.numel()) for x in ids]
+        rows = np.diff(self.bases)[tables]  # [k] each part's table size
+        packed = pack_ids(ids, self.bases[tables], rows)
+        if packed is not None:
+            out, first_bad = packed
+            if first_bad >= 0:  # raises, naming the id
+                check_ids(self.members[tables[first_bad]], ids[first_bad], op)
+            return torch.from_numpy(out), sizes
         flat = (ids[0] if len(ids) == 1 else torch.cat(ids)).numpy()  # [N]
         if flat.size == 0:
             return torch.from_numpy(flat.copy()), sizes
-        rows = np.diff(self.bases)[tables]  # [k] each part's table size
         filled = np.flatnonzero(sizes)  # parts with ids (reduceat needs non-empty runs)
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])[filled]
         lo, hi = np.minimum.reduceat(flat, starts), np.maximum.reduceat(flat, starts)

@@ -119,6 +119,22 @@ void hr_cache_serve(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
     }
 }
 
+/* One row of the push at output k: id, gradient or sum g [d], update count c and
+   statistic st [q] (NULL: zeros). */
+static inline void emit(int64_t k, int64_t d, int64_t q, int64_t id, const float* g, int64_t c,
+                        const float* st, int64_t* out_ids, float* due_g, int64_t* due_k,
+                        float* due_s) {
+    if (out_ids) out_ids[k] = id;
+    memcpy(due_g + k * d, g, sizeof(float) * (size_t)d);
+    due_k[k] = c;
+    if (q > 0) {
+        if (st)
+            memcpy(due_s + k * q, st, sizeof(float) * (size_t)q);
+        else
+            memset(due_s + k * q, 0, sizeof(float) * (size_t)q);
+    }
+}
+
 /* The push's pass over the records: a cached row's copy takes its local step (acc_at < 0:
    an SGD step of lr; else row-wise Adagrad's with the row's accumulator at float acc_at
    of the record, acc += mean(g^2), row -= lr * g / (sqrt(acc) + eps), as
@@ -127,20 +143,40 @@ void hr_cache_serve(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
    mean(g^2), q = d the sums of g^2) and rows with more than write_bound pending updates
    are due: index into due_idx, sum into due_g [k, d], update count into due_k and
    statistic into due_s [k, q], and own8[s] follows the record's OWN (hr_cache_ask);
-   returns k. */
+   returns k.
+
+   ids [n] (NULL: the above only): the batch's ids, increasing; the pass then writes the
+   whole push in id order, the ids into out_ids: the rows not cached as they are (due_idx
+   i, one update, statistic zero) and the ne rows evicted since the last push (e_ids
+   increasing and not among ids; sums e_g [ne, d], counts e_k, statistics e_s [ne, q];
+   due_idx -1) merged in, so the store need not sort it. */
 int64_t hr_cache_update(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
                         const int64_t* slots, const int64_t* row_ids, int64_t seed,
                         const float* grads, float* slab, uint8_t* own8, float lr,
                         int64_t write_bound, int64_t seq, int64_t q, int64_t stat_at, int64_t acc_at, float eps,
-                        int64_t* due_idx, float* due_g, int64_t* due_k, float* due_s) {
+                        int64_t* due_idx, float* due_g, int64_t* due_k, float* due_s,
+                        const int64_t* ids, int64_t ne, const int64_t* e_ids, const float* e_g,
+                        const int64_t* e_k, const float* e_s, int64_t* out_ids) {
     int64_t m = rw + d;
     /* a narrow row steps on a float32 copy (buf [d]), then is rounded back */
     float* buf = kind ? (float*)malloc(sizeof(float) * (size_t)(d > 0 ? d : 1)) : NULL;
     if (kind && !buf) return -1;
     uint64_t seed_key = nr_seed_key(seed);
-    int64_t k = 0;
+    int64_t k = 0, je = 0;
     for (int64_t i = 0; i < n; ++i) {
         int64_t s = slots[i];
+        if (ids) {
+            for (; je < ne && e_ids[je] < ids[i]; ++je, ++k) {
+                emit(k, d, q, e_ids[je], e_g + je * d, e_k ? e_k[je] : 1,
+                     e_s ? e_s + je * q : NULL, out_ids, due_g, due_k, due_s);
+                due_idx[k] = -1;
+            }
+            if (s < 0) {
+                emit(k, d, q, ids[i], grads + i * d, 1, NULL, out_ids, due_g, due_k, due_s);
+                due_idx[k++] = i;
+                continue;
+            }
+        }
         if (s < 0) continue;
         float* rec = slab + s * w;
         float* row = kind ? buf : rec;
@@ -178,9 +214,7 @@ int64_t hr_cache_update(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
         if (kind && stepped)
             nr_store(kind, buf, d, nr_row_key(seed_key, row_ids[s], -1 - seq), (uint16_t*)rec);
         if (write_bound == 0) {
-            memcpy(due_g + k * d, g, sizeof(float) * (size_t)d);
-            due_k[k] = 1;
-            if (q > 0) memset(due_s + k * q, 0, sizeof(float) * (size_t)q);
+            emit(k, d, q, ids ? ids[i] : 0, g, 1, NULL, out_ids, due_g, due_k, due_s);
         } else {
             for (int64_t j = 0; j < d; ++j) pend[j] += g[j];
             if (q == 1) {
@@ -192,19 +226,20 @@ int64_t hr_cache_update(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
             }
             meta[COUNT] += 1;
             if (meta[COUNT] <= write_bound) continue;
-            memcpy(due_g + k * d, pend, sizeof(float) * (size_t)d);
+            emit(k, d, q, ids ? ids[i] : 0, pend, meta[COUNT], stat, out_ids, due_g, due_k, due_s);
             memset(pend, 0, sizeof(float) * (size_t)d);
-            due_k[k] = meta[COUNT];
-            if (q > 0) {
-                memcpy(due_s + k * q, stat, sizeof(float) * (size_t)q);
-                memset(stat, 0, sizeof(float) * (size_t)q);
-            }
+            if (q > 0) memset(stat, 0, sizeof(float) * (size_t)q);
             meta[COUNT] = 0;
         }
         meta[OWN] += 1;
         own8[s] = meta[OWN] < OWN8_MAX ? (uint8_t)meta[OWN] : OWN8_MAX;
         meta[PUSHED] = seq;
         due_idx[k++] = i;
+    }
+    for (; ids && je < ne; ++je, ++k) {
+        emit(k, d, q, e_ids[je], e_g + je * d, e_k ? e_k[je] : 1, e_s ? e_s + je * q : NULL,
+             out_ids, due_g, due_k, due_s);
+        due_idx[k] = -1;
     }
     free(buf);
     return k;
@@ -231,5 +266,16 @@ void hr_cache_install(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
         meta[CLOCK] = clocks[i];
         meta[PF_MARK] = pf;
         meta[CHECKED] = seq;
+    }
+}
+
+/* Rows the cache does not keep, served from the store's reply: out_rows[at[i]] :=
+   fresh[sel[i]] and out_clock[at[i]] := fresh_clock[sel[i]] (rows of d floats). */
+void hr_cache_pass_through(int64_t n, int64_t d, const int64_t* at, const int64_t* sel,
+                           const float* fresh, const int64_t* fresh_clock, float* out_rows,
+                           int64_t* out_clock) {
+    for (int64_t i = 0; i < n; ++i) {
+        memcpy(out_rows + at[i] * d, fresh + sel[i] * d, sizeof(float) * (size_t)d);
+        out_clock[at[i]] = fresh_clock[sel[i]];
     }
 }

@@ -91,9 +91,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_cache_update.argtypes = [i64, i64, i64, ctypes.c_int, i64, ptr, ptr, i64]
     lib.hr_cache_update.argtypes += [ptr, ptr, ptr, ctypes.c_float, i64, i64]
     lib.hr_cache_update.argtypes += [i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ptr]
+    lib.hr_cache_update.argtypes += [ptr, i64, ptr, ptr, ptr, ptr, ptr]
     lib.hr_cache_install.restype = None
     lib.hr_cache_install.argtypes = [i64, i64, i64, ctypes.c_int, i64, ptr, ptr, ptr, ptr]
     lib.hr_cache_install.argtypes += [i64, i64, ptr]
+    lib.hr_cache_pass_through.restype = None
+    lib.hr_cache_pass_through.argtypes = [i64, i64] + [ptr] * 6
 
 
 #: The largest value of a slot's ``own8`` (the C source's OWN8_MAX): at it, the record's
@@ -216,6 +219,33 @@ def serve_rows(
     return rows, clocks, lag, freq, int(pf[0]), int(pf[1])
 
 
+def pass_through(
+    out: np.ndarray,
+    out_clock: np.ndarray,
+    at: np.ndarray,
+    fresh: np.ndarray,
+    sel: np.ndarray,
+    fresh_clock: np.ndarray,
+) -> bool:
+    """The served rows the cache does not keep, from the store's reply: ``out[at[i]] =
+    fresh[sel[i]]`` (float32 ``[U, D]`` and ``[M, D]``) and ``out_clock[at[i]] =
+    fresh_clock[sel[i]]`` (int64 ``[U]``, ``[M]``), ``at`` and ``sel`` int64 ``[T]``.
+    False (nothing written) where the kernel is not available."""
+    lib = _library()
+    arrays = (out, out_clock, at, fresh, sel, fresh_clock)
+    if lib is None or not _ok(*arrays) or out.dtype != np.float32 or fresh.dtype != np.float32:
+        return False
+    if not at.dtype == sel.dtype == out_clock.dtype == fresh_clock.dtype == np.int64:
+        return False
+    d = out.shape[1]
+    assert fresh.shape[1] == d and at.size == sel.size
+    lib.hr_cache_pass_through(
+        at.size, d, at.ctypes.data, sel.ctypes.data, fresh.ctypes.data, fresh_clock.ctypes.data,
+        out.ctypes.data, out_clock.ctypes.data,
+    )  # fmt: skip
+    return True
+
+
 def install_rows(
     slab: np.ndarray,
     dim: int,
@@ -250,6 +280,9 @@ def install_rows(
     return True
 
 
+Evicted = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
+
+
 def update_rows(
     slab: np.ndarray,
     dim: int,
@@ -267,7 +300,9 @@ def update_rows(
     kind: int = 0,
     seed: int = 0,
     row_ids: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    ids: np.ndarray | None = None,
+    evicted: Evicted | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
     """Apply ``grads`` float32 ``[S, D]`` to the records of ``slots`` int64 ``[S]`` (-1:
     skipped) of ``slab`` float32 ``[C, W]`` in place, and ``own8`` uint8 ``[C]`` with
     their ``OWN`` (see the module docstring); with
@@ -278,28 +313,51 @@ def update_rows(
     step on a float32 copy, rounded back stochastically with ``ps.rounding``'s bits of
     ``(seed, row_ids[slot] int64 [C], version -1 - seq, column)``.
 
-    Returns ``(due, due_grads, due_counts, due_stats)``: positions int64 ``[K]`` into
-    ``slots`` of the rows to push now, their gradients float32 ``[K, D]``, update counts
-    int64 ``[K]`` and statistics float32 ``[K, Q]`` (fresh arrays), or None (nothing
-    changed) where the kernel is not available.
+    Returns ``(due, due_grads, due_counts, due_stats, None)``: positions int64 ``[K]``
+    into ``slots`` of the rows to push now, their gradients float32 ``[K, D]``, update
+    counts int64 ``[K]`` and statistics float32 ``[K, Q]`` (fresh arrays), or None
+    (nothing changed) where the kernel is not available.
+
+    With ``ids`` (the batch's, int64 ``[S]``, increasing) the pass writes the whole push
+    in id order, as the store walks it: the due rows, the rows not cached (their
+    gradient, one update, statistic zero; position ``i``) and ``evicted`` ``(ids [E],
+    sums [E, D], counts [E] or None: one each, statistics [E, Q] or None: zeros)``, the
+    pending sums of rows evicted since the last push (ids increasing, none among
+    ``ids``; position -1), merged in; the last item is then the push's ids ``[P]``.
     """
     lib = _library()
     if lib is None or not _ok(slab, grads, slots, own8, row_ids) or (kind and row_ids is None):
         return None
     if own8.dtype != np.uint8:
         return None
+    if ids is not None and not (
+        ids.dtype == np.int64 and ids.flags.c_contiguous and ids.size == slots.size
+    ):
+        return None
     n = slots.size
     assert grads.shape == (n, dim)
-    due = np.empty(n, dtype=np.int64)
-    due_g = np.empty((n, dim), dtype=np.float32)
-    due_k = np.empty(n, dtype=np.int64)
-    due_s = np.empty((n, stat_dim), dtype=np.float32)
+    e_ids = e_g = e_k = e_s = None
+    if evicted is not None:
+        e_ids, e_g, e_k, e_s = evicted
+        if not _ok(e_ids, e_g, e_k, e_s) or e_g.dtype != np.float32:
+            return None
+        assert e_g.shape == (e_ids.size, dim) and (e_s is None or e_s.shape[1] == stat_dim)
+    ne = 0 if e_ids is None else e_ids.size
+    due = np.empty(n + ne, dtype=np.int64)
+    due_g = np.empty((n + ne, dim), dtype=np.float32)
+    due_k = np.empty(n + ne, dtype=np.int64)
+    due_s = np.empty((n + ne, stat_dim), dtype=np.float32)
+    out_ids = None if ids is None else np.empty(n + ne, dtype=np.int64)
+
+    def ptr(a: np.ndarray | None) -> int | None:
+        return None if a is None else a.ctypes.data
+
     k = lib.hr_cache_update(
-        n, dim, row_words(dim, kind), kind, slab.shape[1], slots.ctypes.data,
-        None if row_ids is None else row_ids.ctypes.data, seed, grads.ctypes.data, slab.ctypes.data,
-        own8.ctypes.data, lr, write_bound, seq, stat_dim, stat_at, acc_at, eps, due.ctypes.data,
-        due_g.ctypes.data, due_k.ctypes.data, due_s.ctypes.data,
+        n, dim, row_words(dim, kind), kind, slab.shape[1], slots.ctypes.data, ptr(row_ids), seed,
+        grads.ctypes.data, slab.ctypes.data, own8.ctypes.data, lr, write_bound, seq, stat_dim,
+        stat_at, acc_at, eps, due.ctypes.data, due_g.ctypes.data, due_k.ctypes.data,
+        due_s.ctypes.data, ptr(ids), ne, ptr(e_ids), ptr(e_g), ptr(e_k), ptr(e_s), ptr(out_ids),
     )  # fmt: skip
     if k < 0:  # out of memory for a narrow row's float32 copy: nothing changed
         return None
-    return due[:k], due_g[:k], due_k[:k], due_s[:k]
+    return due[:k], due_g[:k], due_k[:k], due_s[:k], None if out_ids is None else out_ids[:k]

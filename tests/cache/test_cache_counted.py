@@ -19,11 +19,11 @@ import ps
 from cache import table_cache
 from cache.kernels import records
 from capturing_store import Capturing
+from tests.support.cache_kernels import force_numpy_paths
 
 pytestmark = pytest.mark.timeout(120)
 
 ROWS, DIM = 60, 8
-KERNELS = ("update_rows", "serve_rows", "copy_clocks", "install_rows", "sole_writer_asks")
 
 
 class Uncounting(Capturing):
@@ -119,8 +119,7 @@ def test_every_pushed_row_carries_its_updates(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if numpy_path:
-        for name in KERNELS:
-            monkeypatch.setattr(table_cache, name, lambda *a, **k: None)
+        force_numpy_paths(monkeypatch)
     elif not records.available():
         pytest.skip("no C compiler: numpy path only")
     store = Capturing()

@@ -22,11 +22,11 @@ import pytest
 import torch
 
 import cache
-import cache.table_cache as table_cache
 import ps
 from cache.kernels import records
 from embedding import EmbeddingCollection, KeyedJaggedIds, TableConfig
 from embedding_reference import Replayed
+from tests.support.cache_kernels import force_numpy_paths
 from tolerance import assert_close, assert_same
 
 REPLAY = "4 x the float32 reference's error against its float64 replay"
@@ -117,8 +117,7 @@ def test_device_rows_equal_host_records(
     if record_kernels == "c" and not records.available():
         pytest.skip("no C compiler: the numpy record path only")
     if record_kernels == "numpy":
-        for name in ("update_rows", "serve_rows", "copy_clocks", "install_rows"):
-            monkeypatch.setattr(table_cache, name, lambda *a, **k: None)
+        force_numpy_paths(monkeypatch)
     dev = torch.device(device)
     config = cache.CacheConfig(capacity_rows=30, evict_chunk=4, prefetch="on", **CASES[case])  # type: ignore[arg-type]
     opt = ps.Adam(lr=0.05)

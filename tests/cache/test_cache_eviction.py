@@ -392,3 +392,19 @@ def test_pool_victims_skip_each_calls_protected_slots_over_many_calls() -> None:
         )
         assert np.array_equal(got, pool[valid][:k]), call
         assert not np.isin(got, protect).any()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_pool_is_in_key_order_ties_by_row_id(seed: int) -> None:
+    """The pool a search leaves (``EvictionPolicy.ordered_victims``) is the victims sorted
+    by key, ties by smaller row id: ``np.lexsort`` of the two, over many ties."""
+    rng = np.random.default_rng(seed)
+    c, tick = 20_000, 30
+    policy = EvictionPolicy(c, "tinylfu")
+    policy.key[:] = (rng.integers(0, 3, c) << 32) + rng.integers(0, tick, c)  # many ties
+    row_id = rng.permutation(50 * c)[:c].astype(np.int64)
+    got = policy.ordered_victims(c // 4, tick, None, row_id, c // 2)
+    found = policy.victims(c // 2, tick, None, row_id)
+    want = found[np.lexsort((row_id.take(found), policy.key.take(found)))]
+    assert np.array_equal(policy.pool, want)
+    assert np.array_equal(got, want[: c // 4])

@@ -4,7 +4,8 @@ and ``split_push``).
 
 References: the same ids checked by ``ps.validate.check_ids`` and packed one table at a
 time (``TableGroup.pack``), and per-table requests cut out of the packed ones by hand.
-Integer work only, so every comparison is exact.
+The packing runs a C kernel where one can be built and numpy otherwise: the tests of
+``pack_many`` run both (``path``). Integer work only, so every comparison is exact.
 """
 
 from __future__ import annotations
@@ -13,13 +14,17 @@ import pytest
 import torch
 
 import cache
+import cache.table_group as table_group
 import ps
+from cache.kernels import pack_ids
 from cache.table_group import TableGroup
 from ps import PullRequest, PushRequest
 from ps.group_requests import GroupPull, GroupPush, split_pull, split_push
 from ps.validate import check_ids
 
 pytestmark = pytest.mark.timeout(60)
+
+PATHS = ["kernel", "numpy"]
 
 DIM = 4
 ROWS = {"a": 60, "b": 90, "c": 50}
@@ -39,14 +44,26 @@ def _store(specs: list[ps.TableSpec]) -> cache.CachedStore:
     return cache.CachedStore(inner, cache.CacheConfig(capacity_rows=8, group_tables=True))
 
 
+def _use(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pack with the C kernel (skipped where none can be built) or force numpy's path."""
+    if path == "numpy":
+        monkeypatch.setattr(table_group, "pack_ids", lambda *a, **k: None)
+    elif pack_ids._library() is None:
+        pytest.skip("no C compiler: numpy path only")
+
+
 def _one_by_one(group: TableGroup, parts: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     specs = {s.name: s for s in group.members}
     packed = [group.pack(t, check_ids(specs[t], i, "pull")) for t, i in parts]
     return torch.cat(packed) if packed else torch.empty(0, dtype=torch.int64)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("seed", range(6))
-def test_pack_many_equals_packing_each_table(seed: int) -> None:
+def test_pack_many_equals_packing_each_table(
+    seed: int, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _use(path, monkeypatch)
     g = torch.Generator().manual_seed(seed)
     group = TableGroup.of(_specs())
     order = torch.randperm(3, generator=g).tolist()  # any member order, some parts empty
@@ -54,23 +71,26 @@ def test_pack_many_equals_packing_each_table(seed: int) -> None:
     for k in order:
         name, rows = list(ROWS.items())[k]
         n = int(torch.randint(0, 6, (1,), generator=g)) if seed % 2 else 5
-        parts.append((name, torch.randint(0, rows, (n,), generator=g)))
+        ids = torch.randint(0, rows, (2 * n,), generator=g)
+        parts.append((name, ids[::2] if seed % 3 == 0 else ids[:n]))  # strided: not contiguous
     packed, sizes = group.pack_many(parts, "pull")
     assert sizes == [int(i.numel()) for _, i in parts]
     assert torch.equal(packed, _one_by_one(group, parts))
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("op", ["pull", "prefetch", "push"])
 @pytest.mark.parametrize("bad_at", [0, 1, 2])
-@pytest.mark.parametrize("value", [-1, "rows"])
+@pytest.mark.parametrize("value", [-1, "rows", "lowest"])
 def test_an_out_of_range_id_names_its_table_and_changes_nothing(
-    op: str, bad_at: int, value: object
+    op: str, bad_at: int, value: object, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _use(path, monkeypatch)
     store = _store(_specs())
     names = list(ROWS)
     ids = {n: torch.tensor([3, 1, 4]) for n in names}
     bad = names[bad_at]
-    wrong = -1 if value == -1 else ROWS[bad]
+    wrong = {-1: -1, "rows": ROWS[bad], "lowest": -(2**63)}[value]
     ids[bad] = torch.tensor([2, wrong, 0])
     with pytest.raises(ValueError) as want:
         check_ids(_specs()[bad_at], ids[bad], op)

@@ -13,6 +13,7 @@ import cache
 import cache.table_cache as table_cache
 import ps
 from cache.kernels import records
+from tests.support.cache_kernels import force_numpy_paths
 
 pytestmark = [
     pytest.mark.numerics,
@@ -21,9 +22,6 @@ pytestmark = [
 ]
 
 ROWS, DIM = 300, 12
-
-
-KERNELS = ("update_rows", "serve_rows", "copy_clocks", "install_rows", "sole_writer_asks")
 
 
 def _run(
@@ -35,9 +33,8 @@ def _run(
     verify: bool = True,
     sole: bool = False,
 ):
-    for name in KERNELS:
-        kernel = getattr(records, name)
-        monkeypatch.setattr(table_cache, name, (lambda *a, **k: None) if numpy_path else kernel)
+    if numpy_path:
+        force_numpy_paths(monkeypatch)
     inner = ps.InProcessStore()
     inner.create_table(ps.TableSpec(name="t", num_rows=ROWS, dim=DIM, optimizer=ps.Adam(lr=0.05)))
     store = cache.CachedStore(
@@ -155,7 +152,7 @@ def test_kernel_skips_uncached_and_reports_due_rows() -> None:
     grads = np.arange(3 * d, dtype=np.float32).reshape(3, d)
     got = records.update_rows(slab, d, slots, own8, grads, lr=0.5, write_bound=1, seq=9)
     assert got is not None
-    due, due_g, due_k, due_s = got
+    due, due_g, due_k, due_s, _ = got
     assert due.tolist() == [0]  # slot 1 passed the bound; slot 2 has one pending now
     assert np.array_equal(due_g, grads[:1])
     assert due_k.tolist() == [2] and due_s.shape == (1, 0)  # its two updates; no statistic
@@ -183,12 +180,107 @@ def test_kernel_sums_the_statistic_of_counted_pushes(q: int) -> None:
     assert first is not None and first[0].size == 0  # both rows pending
     got = records.update_rows(slab, d, slots, own8, g2, seq=2, **kw)
     assert got is not None
-    due, due_g, due_k, due_s = got
+    due, due_g, due_k, due_s, _ = got
     assert due.tolist() == [0, 1] and due_k.tolist() == [2, 2]
     assert np.array_equal(due_g, g1 + g2)
     want = (g1 * g1).mean(axis=1, keepdims=True) + (g2 * g2).mean(axis=1, keepdims=True)
     assert np.array_equal(due_s, want if q == 1 else g1 * g1 + g2 * g2)
     assert not slab[:, at : at + q].any() and not slab[:, d : 2 * d].any()  # pushed: zeroed
+
+
+@pytest.mark.parametrize("q", [0, 1, 4])
+@pytest.mark.parametrize("write_bound", [0, 1, 2])
+@pytest.mark.parametrize("evicted", [0, 1, 5])
+def test_the_push_in_id_order_is_the_push_sorted(q: int, write_bound: int, evicted: int) -> None:
+    """update_rows given the batch's ids: the same records and the same push as without
+    them, with the rows not cached (one update each, statistic zero) and the evicted sums
+    joined, then sorted by id; the evicted ids fall before, between and after the batch's."""
+    rng = np.random.default_rng(q * 100 + write_bound * 10 + evicted)
+    d, cap, n = 4, 40, 24
+    at = 2 * d + (14 if q == 1 else 16)
+    w = 48 if q > 1 else 32
+    slab = rng.standard_normal((cap, w)).astype(np.float32)
+    meta = slab[:, 2 * d : 2 * d + 16].view(np.int64)
+    meta[:] = 0
+    meta[:, 2] = rng.integers(0, write_bound + 1, cap)  # COUNT: pending updates so far
+    if q:
+        slab[:, at : at + q] = np.abs(slab[:, at : at + q])
+    ids = np.sort(rng.choice(np.arange(3, 1000, 3), n, replace=False)).astype(np.int64)
+    slots = rng.choice(cap, n, replace=False).astype(np.int64)
+    slots[rng.random(n) < 0.3] = -1  # not cached
+    grads = rng.standard_normal((n, d)).astype(np.float32)
+    e_ids = np.sort(rng.choice(np.arange(1, 999, 3), evicted, replace=False)).astype(np.int64)
+    e_ids[:1] = 0  # one before every batch id (which are 3, 6, ... 999)
+    e_ids[1:][-1:] = 1000  # and, with two or more, one after them
+    e_g = rng.standard_normal((evicted, d)).astype(np.float32)
+    e_k = rng.integers(1, 4, evicted).astype(np.int64)
+    e_s = rng.random((evicted, q)).astype(np.float32)
+    kw = dict(lr=0.25, write_bound=write_bound, seq=5, stat_dim=q, stat_at=at)
+
+    slab_a, own_a = slab.copy(), np.zeros(cap, dtype=np.uint8)
+    got_a = records.update_rows(slab_a, d, slots, own_a, grads, **kw)
+    assert got_a is not None
+    due, due_g, due_k, due_s, no_ids = got_a
+    assert no_ids is None
+    through = np.flatnonzero(slots < 0)
+    want_ids = np.concatenate([e_ids, ids[through], ids[due]])
+    want_g = np.concatenate([e_g, grads[through], due_g])
+    want_k = np.concatenate([e_k, np.ones(through.size, np.int64), due_k])
+    want_s = np.concatenate([e_s, np.zeros((through.size, q), np.float32), due_s])
+    order = np.argsort(want_ids)
+
+    slab_b, own_b = slab.copy(), np.zeros(cap, dtype=np.uint8)
+    ev = (e_ids, e_g, e_k, e_s) if evicted else None
+    got_b = records.update_rows(slab_b, d, slots, own_b, grads, ids=ids, evicted=ev, **kw)
+    assert got_b is not None
+    pos, sums, counts, stats, push_ids = got_b
+    assert np.array_equal(slab_b, slab_a) and np.array_equal(own_b, own_a)  # same records
+    assert np.array_equal(push_ids, want_ids[order])
+    assert np.array_equal(sums, want_g[order]) and np.array_equal(counts, want_k[order])
+    assert np.array_equal(stats, want_s[order])
+    batch_pos = np.concatenate([np.full(evicted, -1), through, due])[order]
+    assert np.array_equal(pos, batch_pos)  # positions into the batch; -1: evicted
+
+
+@pytest.mark.parametrize("sketched", [True, False])
+@pytest.mark.parametrize("seed", range(3))
+def test_plan_pass_equals_lookup_count_and_asks(seed: int, sketched: bool) -> None:
+    """plan_pull: the slots of the dense map's lookup, the asks of sole_writer_asks and
+    (with a sketch) the counters of FrequencySketch.add, from one pass."""
+    from cache.kernels.plan_pull import plan_pull
+    from cache.sketch import FrequencySketch
+    from cache.slot_index import DenseSlotIndex
+
+    rng = np.random.default_rng(seed)
+    rows, cap, d, w, bound = 5000, 300, 4, 32, 2
+    index = DenseSlotIndex(rows)
+    cached = rng.choice(rows, cap - 20, replace=False)
+    index.insert(cached, rng.permutation(cap)[: cached.size])
+    slab = np.zeros((cap, w), dtype=np.float32)
+    meta = slab[:, 2 * d : 2 * d + 16].view(np.int64)
+    meta[:, table_cache.CLOCK] = rng.integers(0, 50, cap)
+    meta[:, table_cache.OWN] = rng.integers(0, 400, cap)  # some past own8's cap of 255
+    own8 = np.minimum(meta[:, table_cache.OWN], records.OWN8_MAX).astype(np.uint8)
+    ids = np.unique(rng.integers(0, rows, 700))  # increasing, some cached
+    fill = -1 - bound
+    a, b = FrequencySketch(64, 4, 10_000), FrequencySketch(64, 4, 10_000)
+    a.add(rng.integers(0, rows, 300))  # earlier counts
+    b.counters.copy_(a.counters)
+    got = plan_pull(
+        ids, index.map, b.kernel_view() if sketched else None, slab, 2 * d, own8,
+        own8_max=records.OWN8_MAX, clock_word=table_cache.CLOCK, own_word=table_cache.OWN,
+        bound=bound, fill=fill,
+    )  # fmt: skip
+    assert got is not None
+    slots = index.lookup(ids)
+    want = records.sole_writer_asks(slab, d, slots, own8, bound, fill)
+    assert want is not None
+    assert np.array_equal(got[0], slots)
+    assert np.array_equal(got[1], want[0]) and np.array_equal(got[2], want[1])
+    assert got[1].size > 0 and (slots[got[1]] >= 0).any() and (slots[got[1]] < 0).any()
+    if sketched:
+        a.add(ids)
+    assert torch.equal(b.counters, a.counters)
 
 
 def test_sketch_kernels_equal_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import cache
-import cache.table_cache as table_cache
 import ps
 from cache.kernels import records
+from tests.support.cache_kernels import force_numpy_paths
 from tolerance import assert_close, sum_tol
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.numerics]
@@ -104,8 +104,7 @@ def test_the_copy_is_the_ps_row_without_a_write_bound(
     if record_kernels == "c" and not records.available():
         pytest.skip("no C compiler: the numpy record path only")
     if record_kernels == "numpy":
-        for name in ("update_rows", "serve_rows", "copy_clocks", "install_rows"):
-            monkeypatch.setattr(table_cache, name, lambda *a, **k: None)
+        force_numpy_paths(monkeypatch)
     config = cache.CacheConfig(
         capacity_rows=60,
         policy="tinylfu",

@@ -25,6 +25,7 @@ import cache.table_cache as table_cache
 import ps
 from cache.kernels import records
 from cache.memory import cache_bytes, record_floats
+from tests.support.cache_kernels import force_numpy_paths
 
 pytestmark = [pytest.mark.numerics, pytest.mark.timeout(120)]
 
@@ -35,7 +36,6 @@ OPTIMIZERS = {
     "rowwise_adagrad": ps.RowWiseAdagrad(lr=0.05),
     "adam": ps.Adam(lr=0.01),
 }
-KERNELS = ("update_rows", "serve_rows", "copy_clocks", "install_rows", "sole_writer_asks")
 
 
 def _spec(dtype: str, opt: ps.Optimizer, dim: int = DIM) -> ps.TableSpec:
@@ -54,8 +54,7 @@ def _batches(steps: int, seed: int):  # type: ignore[no-untyped-def]
 
 
 def _numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in KERNELS:
-        monkeypatch.setattr(table_cache, name, lambda *a, **k: None)
+    force_numpy_paths(monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", sorted(NARROW))
@@ -143,8 +142,7 @@ def test_kernels_equal_numpy_path_on_narrow_records(
     def run(numpy_path: bool):  # type: ignore[no-untyped-def]
         with monkeypatch.context() as m:
             if numpy_path:
-                for name in KERNELS:
-                    m.setattr(table_cache, name, lambda *a, **k: None)
+                force_numpy_paths(m)
             behind = ps.InProcessStore()
             behind.create_table(_spec(dtype, OPTIMIZERS[opt]))
             cfg = cache.CacheConfig(capacity_rows=40, read_bound=2, write_bound=write_bound)
