@@ -23,11 +23,13 @@ import numpy as np
 
 from comm.native import kernel_source, load_c_library
 
-_SOURCE = kernel_source(__package__, "sketch") + "\n" + kernel_source(__package__, "plan_pull")
+# plan_pull.c, compiled after the sketch's source (its line_of and slot_of) in one library
+_SOURCE = kernel_source(__package__, "plan_pull")
+_LIBRARY_SOURCE = kernel_source(__package__, "sketch") + "\n" + _SOURCE
 
 
 def _library() -> ctypes.CDLL | None:
-    return load_c_library("hr_cache_plan_pull", _SOURCE, _declare)
+    return load_c_library("hr_cache_plan_pull", _LIBRARY_SOURCE, _declare)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
