@@ -58,7 +58,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,11 +186,15 @@ SPARSE_PARTS = ("embedding forward", "embedding backward")  # the rest is the de
 class Variant:
     """A model, its pre-built inputs, and ``step()``: one full training step.
 
-    With ``parts`` set (a dict), a step adds the ``clock`` time of each phase in
-    :data:`PARTS` to it: forward phases are timed directly; "dense backward" ends
-    when the last dense parameter gradient is accumulated (see :meth:`_track`), the
-    rest of ``backward()`` is "embedding backward" (for TorchRec: FBGEMM's fused
-    backward + row-wise Adagrad; for plain PyTorch: sparse gradients + SparseAdam).
+    Every variant runs its forward in TorchRec's DLRM order: the bottom MLP, then the
+    embeddings, then the interaction and top MLP (for hybridrec, ``DLRMDense`` calls
+    the embeddings it is given as a function after its bottom MLP, as the DLRM job
+    does). With ``parts`` set (a dict), a step adds the ``clock`` time of each phase
+    in :data:`PARTS` to it: forward phases are timed directly; "embedding backward"
+    is the time autograd spends in the nodes behind the embedding outputs (see
+    :meth:`_time_embedding_backward`: for TorchRec, FBGEMM's fused backward +
+    row-wise Adagrad; for plain PyTorch, the sparse gradients, then SparseAdam), the
+    rest of ``backward()`` is "dense backward".
     """
 
     name: str
@@ -202,7 +206,8 @@ class Variant:
         self.parts: dict[str, float] | None = None
         self.clock: Callable[[], float] = time.perf_counter
         self._last = 0.0
-        self._grad_seen = 0.0
+        self._node_start = 0.0
+        self._emb_backward = 0.0
 
     def step(self) -> float:
         b = self.batches[self.i % len(self.batches)]
@@ -219,31 +224,39 @@ class Variant:
             self.parts[part] = self.parts.get(part, 0.0) + now - self._last
             self._last = now
 
-    def _track(self, dense_params: list[torch.Tensor]) -> None:
-        """Note when backward has accumulated the gradient of each dense parameter.
+    def _time_embedding_backward(self, outputs: Sequence[torch.Tensor]) -> None:
+        """When profiling, time every autograd node behind ``outputs`` (the embedding
+        outputs: nothing dense is behind them). Nodes run one at a time on the CPU,
+        so their times add up to the embedding backward, wherever autograd runs it."""
+        if self.parts is None:
+            return
 
-        Autograd runs a ready node with a higher sequence number first; every
-        variant runs its embedding forward before the dense forward, so the dense
-        backward (top MLP, interaction, bottom MLP) finishes before the embedding
-        backward starts, and the last dense accumulation splits the two.
-        """
+        def start(_: Any) -> None:
+            self._node_start = self.clock()
 
-        def seen(_: torch.Tensor) -> None:
-            if self.parts is not None:
-                self._grad_seen = self.clock()
+        def end(_: Any, __: Any) -> None:
+            self._emb_backward += self.clock() - self._node_start
 
-        for t in dense_params:
-            t.register_post_accumulate_grad_hook(seen)
+        seen: set[int] = set()
+        todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            node.register_prehook(start)
+            node.register_hook(end)
+            todo.extend(n for n, _ in node.next_functions if n is not None)
 
     def _backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, split into dense and embedding backward when profiling."""
-        self._grad_seen = 0.0
+        self._emb_backward = 0.0
         loss.backward()
         if self.parts is not None:
             end = self.clock()
-            seen = self._grad_seen or end
-            self.parts["dense backward"] = self.parts.get("dense backward", 0.0) + seen - self._last
-            emb = end - seen
+            emb = self._emb_backward
+            dense = end - self._last - emb
+            self.parts["dense backward"] = self.parts.get("dense backward", 0.0) + dense
             self.parts["embedding backward"] = self.parts.get("embedding backward", 0.0) + emb
             self._last = end
 
@@ -310,7 +323,6 @@ class HybridrecVariant(Variant):
         torch.manual_seed(cfg.seed)
         self.dense = DLRMDense(dlrm_config(cfg))
         self.opt = dense_optimizer(list(self.dense.parameters()), cfg)
-        self._track(list(self.dense.parameters()))
         self.kjts = _kjts(cfg, batches)
         self.hybrid = placement == "hybrid"
         self.embeddings.set_sparse_pipeline(self.pipelined)
@@ -319,10 +331,17 @@ class HybridrecVariant(Variant):
         kjt = self.kjts[i % len(self.kjts)]
         if self.hybrid:  # as the trainer does: the cache or the pipeline pulls it ahead
             self.embeddings.prefetch(self.kjts[(i + 1) % len(self.kjts)])
-        pooled = self.embeddings(kjt)  # {feature: [B, D]}
-        outs = [pooled[k] for k in kjt.keys]
         self._mark("embedding forward")
-        loss = self._loss(self.dense(batch.dense, outs), batch.labels)  # logits [B]
+
+        def pooled() -> list[torch.Tensor]:  # called after the bottom MLP, as the job does
+            self._mark("dense forward")
+            out = self.embeddings(kjt)  # {feature: [B, D]}
+            outs = [out[k] for k in kjt.keys]
+            self._mark("embedding forward")
+            self._time_embedding_backward(outs)
+            return outs
+
+        loss = self._loss(self.dense(batch.dense, pooled), batch.labels)  # logits [B]
         self.opt.zero_grad(set_to_none=True)
         self._mark("dense forward")
         self._backward(loss)  # embedding rows are updated in here
@@ -344,12 +363,16 @@ class PytorchVariant(Variant):
         )
         self.dense = DLRMDense(dlrm_config(cfg))
         self.opt = dense_optimizer(list(self.dense.parameters()), cfg)
-        self._track(list(self.dense.parameters()))
         self.sparse_opt = torch.optim.SparseAdam(list(self.bags.parameters()), lr=cfg.emb_lr)
 
     def _step(self, i: int, batch: Batch) -> float:
-        pooled = [bag(batch.ids[t].view(-1, 1)) for t, bag in enumerate(self.bags)]  # [B, D] each
-        self._mark("embedding forward")
+        def pooled() -> list[torch.Tensor]:  # after the bottom MLP, as the others
+            self._mark("dense forward")
+            outs = [bag(batch.ids[t].view(-1, 1)) for t, bag in enumerate(self.bags)]  # [B, D]
+            self._mark("embedding forward")
+            self._time_embedding_backward(outs)
+            return outs
+
         loss = self._loss(self.dense(batch.dense, pooled), batch.labels)
         self.opt.zero_grad(set_to_none=True)
         self.sparse_opt.zero_grad(set_to_none=True)
@@ -372,7 +395,6 @@ class DenseOnlyVariant(Variant):
         torch.manual_seed(cfg.seed)
         self.dense = DLRMDense(dlrm_config(cfg))
         self.opt = dense_optimizer(list(self.dense.parameters()), cfg)
-        self._track(list(self.dense.parameters()))
         self.fixed = [
             (0.01 * torch.randn(cfg.batch, cfg.dim)).requires_grad_(True) for _ in range(cfg.tables)
         ]  # [B, D] each, like the collection's output
@@ -439,7 +461,6 @@ class TorchrecVariant(Variant):
         )
         dense = [p for n, p in self.model.named_parameters() if not n.startswith("sparse_arch.")]
         self.opt = dense_optimizer(dense, cfg)
-        self._track(dense)
         keys = [f"f{t}" for t in range(cfg.tables)]
         lengths = torch.ones(cfg.tables * cfg.batch, dtype=torch.int32)
         self.kjts = [
@@ -448,12 +469,14 @@ class TorchrecVariant(Variant):
         ]
 
     def _step(self, i: int, batch: Batch) -> float:
-        # DLRM.forward = sparse_arch, dense_arch, inter_arch, over_arch; split it the
+        # DLRM.forward = dense_arch, sparse_arch, inter_arch, over_arch; split it the
         # same way so the embedding forward is timed on its own.
         m: Any = self.model
+        x = m.dense_arch(batch.dense)  # [B, D]
+        self._mark("dense forward")
         kt = m.sparse_arch(self.kjts[i % len(self.kjts)])  # [B, F, D]
         self._mark("embedding forward")
-        x = m.dense_arch(batch.dense)  # [B, D]
+        self._time_embedding_backward([kt.values()])
         logits = m.over_arch(m.inter_arch(dense_features=x, sparse_features=kt)).squeeze(1)
         loss = self._loss(logits, batch.labels)
         self.opt.zero_grad(set_to_none=True)

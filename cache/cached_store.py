@@ -517,8 +517,11 @@ class CachedStore(Store):
         # looks for the table and row to name.
         merged = []
         for name, parts in checked.items():
-            ids = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
-            grads = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
+            # Views of one tensor where the parts lie back to back: the packed ids are
+            # splits of one packing, and the hybrid tables' gradients of one group are
+            # slices of its [U, D].
+            ids = boundary.joined([p[0] for p in parts])
+            grads = boundary.joined([p[1] for p in parts])
             if self.device is None and grads.numel() > 0 and not all_finite(grads):
                 for _, g, spec, raw in parts:  # skip-policy parts were filtered above
                     if spec.nan_policy != "skip":

@@ -13,7 +13,8 @@ from the host to the device, does it through these four functions and nowhere el
 
 and ``constant(values, d)``: a small int64 tensor of values that change only with the
 layout (table bases, row bounds), made on ``d`` once and kept, so it crosses once, not
-per step.
+per step; ``joined(parts)``: parts that one copy left back to back (``to_host`` and
+``to_device`` results, a split), as one tensor without another copy.
 
 On a GPU each call of ``read`` or ``to_host`` is at most one host synchronisation (the
 host waits for the kernels that made the values), and each call of ``to_device`` or
@@ -129,3 +130,29 @@ def constant(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     table bases, a sharded table's row bounds. Made by a blocking copy, so it is complete
     for every stream that reads it later."""
     return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[sum n_i, *rest]``: the parts ``[n_i, *rest]`` one after the other. A view when
+    they lie back to back in one storage (what one copy or one ``split`` made), else a
+    concatenation (a copy)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    rest, offset = first.shape[1:], first.storage_offset()
+    ptr = first.untyped_storage().data_ptr()
+    for p in parts:
+        if (
+            p.untyped_storage().data_ptr() != ptr
+            or p.dtype != first.dtype
+            or p.shape[1:] != rest
+            or not p.is_contiguous()
+            or p.storage_offset() != offset
+        ):
+            return torch.cat(list(parts))
+        offset += p.numel()
+    strides = [1]
+    for d in reversed(rest):
+        strides.insert(0, strides[0] * d)  # row-major
+    rows = sum(int(p.shape[0]) for p in parts)
+    return torch.as_strided(first, (rows, *rest), strides, first.storage_offset())

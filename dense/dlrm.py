@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -289,13 +289,22 @@ def pairwise_interaction(features: torch.Tensor) -> torch.Tensor:
     return _interact(features, with_first=False, width=n * (n - 1) // 2)
 
 
+Pooled = Sequence[torch.Tensor] | torch.Tensor  # [B, D] per sparse feature, or [B, F, D]
+
+
 class DLRMDense(nn.Module):
     """Bottom MLP, interaction (pairwise dot products or a DCN-v2 cross network) and
     top MLP of DLRM.
 
     ``forward(dense, sparse)`` takes dense features ``[B, num_dense]`` and the
     pooled embeddings, either a list of ``num_sparse`` tensors ``[B, D]`` or one
-    ``[B, num_sparse, D]`` tensor, and returns logits ``[B]``.
+    ``[B, num_sparse, D]`` tensor, and returns logits ``[B]``. ``sparse`` may also be
+    a function returning them, called once the bottom MLP has run (TorchRec's DLRM
+    order: dense arch, then sparse arch). Autograd runs the ready node created last
+    first, so the embeddings' backward then runs right after the interaction's,
+    before the bottom MLP's: a sparse step handed to a background thread there
+    (hybrid tables' push) overlaps the bottom MLP's backward, and the next
+    forward's wait for it overlaps the next bottom MLP.
 
     Speed (the forward is the same function as the data flow above): the bottom
     output and the embeddings are copied once into ``T [B, F+1, D]``; the
@@ -317,7 +326,9 @@ class DLRMDense(nn.Module):
             self.cross = CrossNetwork(config.top_input_dim, config.dcn_layers, config.dcn_rank)
 
     def forward(
-        self, dense: torch.Tensor, sparse: Sequence[torch.Tensor] | torch.Tensor
+        self,
+        dense: torch.Tensor,
+        sparse: Sequence[torch.Tensor] | torch.Tensor | Callable[[], Pooled],
     ) -> torch.Tensor:
         cfg = self.config
         if dense.dim() != 2 or dense.shape[1] != cfg.num_dense:
@@ -326,8 +337,12 @@ class DLRMDense(nn.Module):
                 f"got shape {tuple(dense.shape)}"
             )
         batch = dense.shape[0]
-        parts = self._check_sparse(sparse, batch)
-        x = self.bottom(dense)  # [B, D]
+        if callable(sparse):
+            x = self.bottom(dense)  # [B, D]
+            parts = self._check_sparse(sparse(), batch)  # created after the bottom MLP
+        else:
+            parts = self._check_sparse(sparse, batch)  # before any compute: fail fast
+            x = self.bottom(dense)  # [B, D]
         if self.cross is not None:
             if isinstance(parts, torch.Tensor):
                 x0 = torch.cat([x, parts.reshape(batch, -1)], dim=1)  # [B, (F+1)D]

@@ -725,31 +725,7 @@ def _rows_to_device(
             (p[0] if len(p) == 1 else torch.cat(p)).to(device) for p in pulled
         ]  # on the cache's device already: .to() returns them
     flat = iter(boundary.to_device([r for p in pulled for r in p], device))
-    return [_joined([next(flat) for _ in p]) for p in pulled]
-
-
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``[U, D]``: the rows ``[U_t, D]`` of ``parts`` one after the other; a view when
-    they lie back to back in one buffer (one copy made them), else a concatenation."""
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-    offset, d = first.storage_offset(), first.shape[1]
-    ptr = first.untyped_storage().data_ptr()
-    adjacent = True
-    for p in parts:
-        if (
-            p.untyped_storage().data_ptr() != ptr
-            or not p.is_contiguous()
-            or p.storage_offset() != offset
-        ):
-            adjacent = False
-            break
-        offset += p.numel()
-    if not adjacent:
-        return torch.cat(parts)
-    rows = sum(int(p.shape[0]) for p in parts)
-    return torch.as_strided(first, (rows, d), (d, 1), first.storage_offset())
+    return [boundary.joined([next(flat) for _ in p]) for p in pulled]
 
 
 def _sums_to_store(sums: list[torch.Tensor], store: Store) -> list[torch.Tensor]:

@@ -35,8 +35,13 @@ class DLRM(nn.Module):
         self.dense = dense  # DLRMDense, or DataParallel(DLRMDense)
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        pooled = self.embeddings(batch.sparse)  # {feature: [B, D]}
-        return self.dense(batch.dense, [pooled[k] for k in batch.sparse.keys])  # [B]
+        def pooled() -> list[torch.Tensor]:  # [B, D] per feature
+            out = self.embeddings(batch.sparse)
+            return [out[k] for k in batch.sparse.keys]
+
+        # The embeddings are looked up after the bottom MLP (``DLRMDense`` calls them),
+        # so their backward runs before its backward and the sparse step overlaps it.
+        return self.dense(batch.dense, pooled)  # [B]
 
 
 def features_of(data: CTRData) -> list[Feature]:

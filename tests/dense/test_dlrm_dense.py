@@ -109,6 +109,57 @@ def test_forward_shapes_and_list_equals_stacked() -> None:
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("interaction", ["dot", "dcn"])
+def test_embeddings_given_as_a_function_equal_the_list(interaction: str) -> None:
+    """``sparse`` as a function (called after the bottom MLP) gives the same logits
+    and gradients as the list: the same operations on the same values, only created
+    in another order."""
+    torch.manual_seed(3)
+    model = DLRMDense(_config(interaction=interaction))
+    dense = torch.randn(6, 5)
+    leaves = [torch.randn(6, 4) for _ in range(3)]
+
+    def run(lazy: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        emb = [t.clone().requires_grad_(True) for t in leaves]
+        out = model(dense, (lambda: emb) if lazy else emb)
+        out.sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return out.detach(), [e.grad for e in emb if e.grad is not None], grads
+
+    eager, lazy = run(False), run(True)
+    why = "the same operations on the same tensors; only their creation order differs"
+    assert_same(lazy[0], eager[0], what="logits", why=why)
+    for a, b in zip(lazy[1] + lazy[2], eager[1] + eager[2], strict=True):
+        assert_same(a, b, what="gradients", why=why)
+
+
+def test_embeddings_called_after_the_bottom_mlp_run_their_backward_before_it() -> None:
+    """The order that lets a sparse step overlap the bottom MLP's backward: the
+    embeddings' backward node runs before any bottom gradient is accumulated, and
+    after every top gradient."""
+    torch.manual_seed(4)
+    model = DLRMDense(_config())
+    order: list[str] = []
+    for name, p in model.named_parameters():
+        part = name.split(".")[0]  # "bottom" or "top"
+        p.register_post_accumulate_grad_hook(lambda _, part=part: order.append(part))
+    table = torch.randn(10, 4, requires_grad=True)
+    called: list[bool] = []
+
+    def pooled() -> list[torch.Tensor]:
+        called.append(True)
+        rows = table[torch.tensor([1, 2, 3, 4, 5, 6])]  # [6, 4]
+        rows.register_hook(lambda g: order.append("embeddings") or g)
+        return [rows, rows * 2, rows * 3]
+
+    model(torch.randn(6, 5), pooled).sum().backward()
+    assert called == [True]
+    first_bottom = order.index("bottom")
+    assert order.index("embeddings") < first_bottom, order
+    assert "top" not in order[first_bottom:], order
+
+
 @torch.no_grad()
 def test_forward_matches_manual_composition() -> None:
     """Recompute the forward from the layers and an explicit interaction loop."""
