@@ -33,6 +33,11 @@ ids, what a cache shared by tables sends) goes to the same passes whole
 packed ids are cut into the tables' parts in place (one subtraction of each id's table
 base), and the reply is read back as one result, its rows a view of the pass's buffer;
 no per-table request or result is made.
+
+The parts of different tables are served on the caller's torch intra-op threads
+(``torch.get_num_threads()``, as local tables' kernels are), one part per thread: each
+part is its own table's rows and counters, stepped in order by one thread, so the bits
+are the same on any thread count.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from typing import TypeGuard
 import numpy as np
 import torch
 
+from comm import boundary
 from ps.group_requests import GroupPull, GroupPush
 from ps.kernels import message_pass
 from ps.kernels.message_pass import COUNTER_WORDS, TABLE_WORDS
@@ -239,7 +245,8 @@ class LocalBatchedPass:
                 return None
             reply = np.empty(sizes[0], dtype=np.int64)
             rows = np.empty(sizes[1], dtype=np.float32)
-            message_pass.pull_apply(toc, flat, words, counters, reply, rows, 1, with_state)
+            threads = torch.get_num_threads()
+            message_pass.pull_apply(toc, flat, words, counters, reply, rows, threads, with_state)
             _fold(tables, index, counters)
         self.served += 1
         return reply, rows
@@ -301,7 +308,13 @@ class LocalBatchedPass:
         toc[:, 0] = index
         toc[:, 1] = [a.size for a in ids]
         toc[:, 2] = [message_pass.width_word(t.spec.dim, t.spec.dtype) for t in tables]
-        flat_grads = _joined(grads)
+        # The gradients as one flat view where the parts lie back to back (the hybrid
+        # tables' slices of one [U, D]); a copy only where they do not.
+        flat_grads = (
+            _joined(grads)
+            if unsorted
+            else boundary.joined([r.grads.reshape(-1) for r in requests]).numpy()
+        )
         both = (_joined(counts), _joined(stats)) if counted else None
         return self._push_pass(tables, index, words, hyper, toc, flat_ids, flat_grads, both)
 
@@ -363,7 +376,8 @@ class LocalBatchedPass:
         with _locked(tables):
             if not message_pass.push_check(toc, ids, grads, words, counted):
                 return False
-            message_pass.push_apply(toc, ids, grads, words, hyper, counters, 1, counted)
+            threads = torch.get_num_threads()
+            message_pass.push_apply(toc, ids, grads, words, hyper, counters, threads, counted)
             _fold(tables, index, counters)
         self.served += 1
         return True

@@ -68,11 +68,20 @@ def _result_equal(a: ps.PullResult, b: ps.PullResult, what: str) -> None:
         assert_same(a.state, b.state, what=f"{what} state", why=SAME)
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """torch's intra-op threads, which the pass serves the parts of different tables on."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("counted", [False, True])
-def test_batched_requests_equal_part_by_part(counted: bool) -> None:
+def test_batched_requests_equal_part_by_part(counted: bool, threads: int) -> None:
     """Plain, conditional and with-state pulls; pushes with repeated, unsorted ids (counted:
     counts up to 5 and their statistics): rows, state, clocks and counters bit for bit,
-    and every batch served by the pass."""
+    and every batch served by the pass, on one thread or one per table part."""
     mine, ref = _stores(SPECS)
     gen = torch.Generator().manual_seed(3)
     served = 0
@@ -296,3 +305,29 @@ def test_empty_parts_and_parts_that_join_without_a_copy() -> None:
     _result_equal(got[1], ref.pull("a", ids), "the full part")
     joined = torch.as_strided(got[0].rows, (3, 4), (4, 1), got[0].rows.storage_offset())
     assert_same(joined, got[1].rows, what="rows after an empty part", why=SAME)
+
+
+def test_gradients_back_to_back_in_one_buffer_equal_part_by_part(threads: int) -> None:
+    """Sorted, distinct parts whose gradients are slices of one buffer (as the hybrid
+    tables push them: one [U, D] per dim group) are read in place, tables of different
+    widths included: the same rows and state as the part-by-part path."""
+    mine, ref = _stores(SPECS)
+    gen = torch.Generator().manual_seed(11)
+    for step in range(4):
+        parts = []
+        for spec in SPECS:
+            n = 20 + 7 * step
+            ids = torch.randperm(spec.num_rows or 0, generator=gen)[:n].sort().values
+            parts.append((spec, ids))
+        sizes = [ids.numel() * spec.dim for spec, ids in parts]
+        buf = torch.randn(sum(sizes), generator=gen)  # every table's gradients, back to back
+        pushes, at = [], 0
+        for (spec, ids), size in zip(parts, sizes, strict=True):
+            grads = buf[at : at + size].view(ids.numel(), spec.dim)
+            pushes.append(PushRequest(spec.name, ids, grads))
+            at += size
+        mine.push_many(pushes)
+        for r in pushes:
+            ref.push_many([r])
+        _same(mine, ref, SPECS)
+    assert mine._batched.served == 4
