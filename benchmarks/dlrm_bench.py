@@ -206,7 +206,7 @@ class Variant:
         self.parts: dict[str, float] | None = None
         self.clock: Callable[[], float] = time.perf_counter
         self._last = 0.0
-        self._node_start = 0.0
+        self._node_start: float | None = None  # when the embedding node running began
         self._emb_backward = 0.0
 
     def step(self) -> float:
@@ -234,8 +234,10 @@ class Variant:
         def start(_: Any) -> None:
             self._node_start = self.clock()
 
-        def end(_: Any, __: Any) -> None:
-            self._emb_backward += self.clock() - self._node_start
+        def end(_: Any, __: Any) -> None:  # once per run of a node, however many hooks
+            if self._node_start is not None:
+                self._emb_backward += self.clock() - self._node_start
+                self._node_start = None
 
         seen: set[int] = set()
         todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
