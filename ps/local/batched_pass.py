@@ -264,7 +264,9 @@ class LocalBatchedPass:
         if any(t.spec.narrow and (counted or t.row_table_ids is not None) for t in tables):
             return False
         ids: list[np.ndarray] = []  # [n_p] each part's ids
-        grads: list[np.ndarray] = []  # [n_p * D] each part's gradients, flat
+        # [n_p * D] each part's gradients, flat (torch: joined without a copy where the
+        # parts lie back to back, as the hybrid tables' slices of one [U, D] do)
+        grads: list[torch.Tensor] = []
         counts: list[np.ndarray] = []  # [n_p] (counted)
         stats: list[np.ndarray] = []  # [n_p] (counted: row-wise Adagrad's one statistic)
         for t, r in zip(tables, requests, strict=True):
@@ -282,7 +284,7 @@ class LocalBatchedPass:
             elif r.stats is not None:
                 return False
             ids.append(r.ids.numpy())
-            grads.append(r.grads.numpy().reshape(-1))
+            grads.append(r.grads.reshape(-1))
         # A part whose ids repeat or are out of order is summed and sorted by the table
         # push's own functions (the same sums in the same order), so the pass's rows get
         # the bits the part-by-part path gives. A cache's push is sorted and distinct in
@@ -300,7 +302,7 @@ class LocalBatchedPass:
                 counts[p], stats[p] = c.numpy(), q.numpy().reshape(-1)
             else:
                 u, g = coalesce(r.ids, r.grads)
-            ids[p], grads[p] = u.numpy(), g.numpy().reshape(-1)
+            ids[p], grads[p] = u.numpy(), g.reshape(-1)
         if unsorted:
             flat_ids = _joined(ids)
         index, words, hyper = self._describe(tables)
@@ -308,13 +310,7 @@ class LocalBatchedPass:
         toc[:, 0] = index
         toc[:, 1] = [a.size for a in ids]
         toc[:, 2] = [message_pass.width_word(t.spec.dim, t.spec.dtype) for t in tables]
-        # The gradients as one flat view where the parts lie back to back (the hybrid
-        # tables' slices of one [U, D]); a copy only where they do not.
-        flat_grads = (
-            _joined(grads)
-            if unsorted
-            else boundary.joined([r.grads.reshape(-1) for r in requests]).numpy()
-        )
+        flat_grads = boundary.joined(grads).numpy()
         both = (_joined(counts), _joined(stats)) if counted else None
         return self._push_pass(tables, index, words, hyper, toc, flat_ids, flat_grads, both)
 
