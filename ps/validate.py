@@ -83,11 +83,16 @@ def check_pull_bound(
 
 
 def all_finite(x: torch.Tensor) -> bool:
-    """Whether every value of ``x`` is finite: numpy's test on host float32 (several
-    times cheaper than torch's), one reduction and one sync on a device (read through
-    :func:`comm.boundary.read`). The stores' gradients are host tensors; a cache on a
-    device checks its own in one read for every table (``cache.CachedStore``)."""
+    """Whether every value of ``x`` is finite: on host float32 the sum first (a NaN or
+    an infinity makes it NaN or infinite, so a finite sum settles it; torch sums on every
+    intra-op thread, ~2.5x cheaper than numpy's element test at two), numpy's test only
+    when the sum is not finite (a NaN, or finite values that overflow); one reduction and
+    one sync on a device (read through :func:`comm.boundary.read`). The stores' gradients
+    are host tensors; a cache on a device checks its own in one read for every table
+    (``cache.CachedStore``)."""
     if x.is_cpu and x.dtype == torch.float32 and not x.requires_grad:
+        if math.isfinite(float(x.sum())):
+            return True
         return bool(np.isfinite(x.numpy()).all())
     verdict = torch.isfinite(x).all()
     return bool(verdict) if x.is_cpu else bool(boundary.read(verdict))

@@ -16,6 +16,11 @@ enum { CLOCK, OWN, COUNT, FREQ, PF_MARK, CHECKED, PUSHED };
 #define META(slab, s, m, w) ((int64_t*)((slab) + (s) * (w) + (m)))
 #define AHEAD 6 /* records prefetched ahead: their misses overlap */
 #define OWN8_MAX 255 /* own8's largest value: the record's OWN word is read then */
+/* The passes over a push's or a pull's ids run on up to this many OpenMP threads, each
+   taking at least PASS_MIN_IDS_PER_THREAD ids (fewer: the threads' start costs more than
+   they save). */
+#define PASS_MAX_THREADS 64
+#define PASS_MIN_IDS_PER_THREAD 2048
 
 /* ------------------------------------------------------------------ narrow rows
 
@@ -83,8 +88,16 @@ void hr_cache_serve(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
                     const int64_t* slots, float* slab, const uint8_t* old,
                     const int64_t* uses, int lfu, int64_t tick, float* out_rows,
                     int64_t* out_clock, int64_t* lag, int64_t* freq, int64_t* pf_counts,
-                    int64_t* keys, const int64_t* key_freq, int64_t fmax, int64_t tick_bits) {
+                    int64_t* keys, const int64_t* key_freq, int64_t fmax, int64_t tick_bits,
+                    int nthreads) {
     int64_t m = rw + d;
+    int64_t missed = 0, refreshed = 0;
+    /* The slots are distinct (a pull's ids are), so the ids can be served in any order:
+       nthreads > 1 splits them into contiguous ranges, one per OpenMP thread. */
+    int nt = nthreads < 1 ? 1 : (nthreads > PASS_MAX_THREADS ? PASS_MAX_THREADS : nthreads);
+    if (n / PASS_MIN_IDS_PER_THREAD < nt) nt = (int)(n / PASS_MIN_IDS_PER_THREAD);
+    if (nt < 1) nt = 1;
+#pragma omp parallel for num_threads(nt) schedule(static) reduction(+ : missed, refreshed)
     for (int64_t i = 0; i < n; ++i) {
         if (i + AHEAD < n && slots[i + AHEAD] >= 0) {
             const char* p = (const char*)(slab + slots[i + AHEAD] * w);
@@ -103,7 +116,10 @@ void hr_cache_serve(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
         if (old && old[i]) {
             int64_t pf = meta[PF_MARK];
             if (pf & 3) {
-                if ((pf >> 2) == tick) pf_counts[(pf & 3) == 1 ? 0 : 1] += 1;
+                if ((pf >> 2) == tick) {
+                    if ((pf & 3) == 1) missed += 1;
+                    else refreshed += 1;
+                }
                 meta[PF_MARK] = 0;
             }
             lag[i] = meta[OWN];
@@ -117,6 +133,8 @@ void hr_cache_serve(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
             keys[s] = ((f < fmax ? f : fmax) << tick_bits) + tick;
         }
     }
+    pf_counts[0] += missed;
+    pf_counts[1] += refreshed;
 }
 
 /* One row of the push at output k: id, gradient or sum g [d], update count c and
@@ -149,71 +167,89 @@ static inline void emit(int64_t k, int64_t d, int64_t q, int64_t id, const float
    whole push in id order, the ids into out_ids: the rows not cached as they are (due_idx
    i, one update, statistic zero) and the ne rows evicted since the last push (e_ids
    increasing and not among ids; sums e_g [ne, d], counts e_k, statistics e_s [ne, q];
-   due_idx -1) merged in, so the store need not sort it. */
-int64_t hr_cache_update(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
-                        const int64_t* slots, const int64_t* row_ids, int64_t seed,
-                        const float* grads, float* slab, uint8_t* own8, float lr,
-                        int64_t write_bound, int64_t seq, int64_t q, int64_t stat_at, int64_t acc_at, float eps,
-                        int64_t* due_idx, float* due_g, int64_t* due_k, float* due_s,
-                        const int64_t* ids, int64_t ne, const int64_t* e_ids, const float* e_g,
-                        const int64_t* e_k, const float* e_s, int64_t* out_ids) {
-    int64_t m = rw + d;
-    /* a narrow row steps on a float32 copy (buf [d]), then is rounded back */
-    float* buf = kind ? (float*)malloc(sizeof(float) * (size_t)(d > 0 ? d : 1)) : NULL;
-    if (kind && !buf) return -1;
-    uint64_t seed_key = nr_seed_key(seed);
-    int64_t k = 0, je = 0;
-    for (int64_t i = 0; i < n; ++i) {
+   due_idx -1) merged in, so the store need not sort it.
+
+   nthreads > 1 splits the ids into that many contiguous ranges, one per OpenMP thread
+   (the slots are distinct: every record belongs to one range). A range's rows are
+   emitted from output lo + (evicted ids before it), the most the ranges before it can
+   emit, and then moved down behind the previous ranges' rows. Each row takes the same
+   operations in either case, so the bits do not depend on nthreads. */
+
+typedef struct {
+    int64_t d, rw, w, write_bound, seq, q, stat_at, acc_at;
+    int kind;
+    uint64_t seed_key;
+    float lr, eps;
+    const int64_t *slots, *row_ids, *ids, *e_ids, *e_k;
+    const float *grads, *e_g, *e_s;
+    float* slab;
+    uint8_t* own8;
+    int64_t *due_idx, *due_k, *out_ids;
+    float *due_g, *due_s;
+} update_args;
+
+/* The pass over ids [lo, hi) and evicted ids [je, je_end), emitting from output k0 (buf:
+   d floats, a narrow row's float32 copy); returns how many rows it emitted. */
+static int64_t update_range(const update_args* a, int64_t lo, int64_t hi, int64_t je,
+                            int64_t je_end, int64_t k0, float* buf) {
+    const int64_t d = a->d, q = a->q, w = a->w, m = a->rw + a->d;
+    const int64_t *slots = a->slots, *ids = a->ids, *e_ids = a->e_ids, *e_k = a->e_k;
+    const float *e_g = a->e_g, *e_s = a->e_s;
+    int64_t *out_ids = a->out_ids, *due_idx = a->due_idx, *due_k = a->due_k;
+    float *due_g = a->due_g, *due_s = a->due_s, *slab = a->slab;
+    int64_t k = k0;
+    for (int64_t i = lo; i < hi; ++i) {
         int64_t s = slots[i];
         if (ids) {
-            for (; je < ne && e_ids[je] < ids[i]; ++je, ++k) {
+            for (; je < je_end && e_ids[je] < ids[i]; ++je, ++k) {
                 emit(k, d, q, e_ids[je], e_g + je * d, e_k ? e_k[je] : 1,
                      e_s ? e_s + je * q : NULL, out_ids, due_g, due_k, due_s);
                 due_idx[k] = -1;
             }
             if (s < 0) {
-                emit(k, d, q, ids[i], grads + i * d, 1, NULL, out_ids, due_g, due_k, due_s);
+                emit(k, d, q, ids[i], a->grads + i * d, 1, NULL, out_ids, due_g, due_k, due_s);
                 due_idx[k++] = i;
                 continue;
             }
         }
         if (s < 0) continue;
         float* rec = slab + s * w;
-        float* row = kind ? buf : rec;
-        float* pend = rec + rw;
-        float* stat = rec + stat_at;
+        float* row = a->kind ? buf : rec;
+        float* pend = rec + a->rw;
+        float* stat = rec + a->stat_at;
         int64_t* meta = META(slab, s, m, w);
-        const float* g = grads + i * d;
+        const float* g = a->grads + i * d;
         /* the whole record ahead (row, pending sum, statistic, state, meta: ~3 lines at
            d 16), so its misses overlap the rows being stepped */
-        if (i + AHEAD < n && slots[i + AHEAD] >= 0) {
+        if (i + AHEAD < hi && slots[i + AHEAD] >= 0) {
             const char* p = (const char*)(slab + slots[i + AHEAD] * w);
             for (int64_t c = 0; c < w * 4; c += 64) __builtin_prefetch(p + c, 1, 0);
-            __builtin_prefetch(own8 + slots[i + AHEAD], 1, 0);
+            __builtin_prefetch(a->own8 + slots[i + AHEAD], 1, 0);
         }
-        int stepped = acc_at >= 0 || lr != 0.0f;
-        if (kind && stepped) nr_widen(kind, (const uint16_t*)rec, d, buf);
-        if (acc_at >= 0) {
+        int stepped = a->acc_at >= 0 || a->lr != 0.0f;
+        if (a->kind && stepped) nr_widen(a->kind, (const uint16_t*)rec, d, buf);
+        if (a->acc_at >= 0) {
             float sq = 0.0f;
             for (int64_t j = 0; j < d; ++j) sq += g[j] * g[j];
-            float* acc = rec + acc_at;
+            float* acc = rec + a->acc_at;
             acc[0] += sq / (float)d;
-            float den = sqrtf(acc[0]) + eps;
+            float den = sqrtf(acc[0]) + a->eps;
             for (int64_t j = 0; j < d; ++j) {
-                float t = lr * (g[j] / den);
+                float t = a->lr * (g[j] / den);
                 row[j] = row[j] - t;
             }
-        } else if (lr != 0.0f) {
+        } else if (a->lr != 0.0f) {
             for (int64_t j = 0; j < d; ++j) {
-                float t = lr * g[j];
+                float t = a->lr * g[j];
                 row[j] = row[j] - t;
             }
         }
         /* version -1 - seq: the push's request number, unique per write of the row and
            never a PS clock (>= 0) */
-        if (kind && stepped)
-            nr_store(kind, buf, d, nr_row_key(seed_key, row_ids[s], -1 - seq), (uint16_t*)rec);
-        if (write_bound == 0) {
+        if (a->kind && stepped)
+            nr_store(a->kind, buf, d, nr_row_key(a->seed_key, a->row_ids[s], -1 - a->seq),
+                     (uint16_t*)rec);
+        if (a->write_bound == 0) {
             emit(k, d, q, ids ? ids[i] : 0, g, 1, NULL, out_ids, due_g, due_k, due_s);
         } else {
             for (int64_t j = 0; j < d; ++j) pend[j] += g[j];
@@ -225,23 +261,83 @@ int64_t hr_cache_update(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
                 for (int64_t j = 0; j < d; ++j) stat[j] += g[j] * g[j];
             }
             meta[COUNT] += 1;
-            if (meta[COUNT] <= write_bound) continue;
-            emit(k, d, q, ids ? ids[i] : 0, pend, meta[COUNT], stat, out_ids, due_g, due_k, due_s);
+            if (meta[COUNT] <= a->write_bound) continue;
+            emit(k, d, q, ids ? ids[i] : 0, pend, meta[COUNT], stat, out_ids, due_g, due_k,
+                 due_s);
             memset(pend, 0, sizeof(float) * (size_t)d);
             if (q > 0) memset(stat, 0, sizeof(float) * (size_t)q);
             meta[COUNT] = 0;
         }
         meta[OWN] += 1;
-        own8[s] = meta[OWN] < OWN8_MAX ? (uint8_t)meta[OWN] : OWN8_MAX;
-        meta[PUSHED] = seq;
+        a->own8[s] = meta[OWN] < OWN8_MAX ? (uint8_t)meta[OWN] : OWN8_MAX;
+        meta[PUSHED] = a->seq;
         due_idx[k++] = i;
     }
-    for (; ids && je < ne; ++je, ++k) {
+    for (; ids && je < je_end; ++je, ++k) {
         emit(k, d, q, e_ids[je], e_g + je * d, e_k ? e_k[je] : 1, e_s ? e_s + je * q : NULL,
              out_ids, due_g, due_k, due_s);
         due_idx[k] = -1;
     }
-    free(buf);
+    return k - k0;
+}
+
+/* How many of the increasing e_ids [ne] are below x. */
+static int64_t count_below(const int64_t* e_ids, int64_t ne, int64_t x) {
+    int64_t lo = 0, hi = ne;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (e_ids[mid] < x) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* Output rows [from, from + c) moved to [to, to + c), to <= from. */
+static void move_rows(const update_args* a, int64_t to, int64_t from, int64_t c) {
+    if (to == from || c == 0) return;
+    memmove(a->due_idx + to, a->due_idx + from, sizeof(int64_t) * (size_t)c);
+    memmove(a->due_k + to, a->due_k + from, sizeof(int64_t) * (size_t)c);
+    memmove(a->due_g + to * a->d, a->due_g + from * a->d, sizeof(float) * (size_t)(c * a->d));
+    if (a->q > 0)
+        memmove(a->due_s + to * a->q, a->due_s + from * a->q, sizeof(float) * (size_t)(c * a->q));
+    if (a->out_ids) memmove(a->out_ids + to, a->out_ids + from, sizeof(int64_t) * (size_t)c);
+}
+
+int64_t hr_cache_update(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
+                        const int64_t* slots, const int64_t* row_ids, int64_t seed,
+                        const float* grads, float* slab, uint8_t* own8, float lr,
+                        int64_t write_bound, int64_t seq, int64_t q, int64_t stat_at, int64_t acc_at, float eps,
+                        int64_t* due_idx, float* due_g, int64_t* due_k, float* due_s,
+                        const int64_t* ids, int64_t ne, const int64_t* e_ids, const float* e_g,
+                        const int64_t* e_k, const float* e_s, int64_t* out_ids, int nthreads) {
+    update_args a = {d, rw, w, write_bound, seq, q, stat_at, acc_at, kind, nr_seed_key(seed),
+                     lr, eps, slots, row_ids, ids, e_ids, e_k, grads, e_g, e_s, slab, own8,
+                     due_idx, due_k, out_ids, due_g, due_s};
+    if (!ids) ne = 0;
+    int nt = nthreads < 1 ? 1 : (nthreads > PASS_MAX_THREADS ? PASS_MAX_THREADS : nthreads);
+    if (n / PASS_MIN_IDS_PER_THREAD < nt) nt = (int)(n / PASS_MIN_IDS_PER_THREAD);
+    if (nt < 1) nt = 1;
+    /* a narrow row steps on a float32 copy (d floats a thread), then is rounded back */
+    float* bufs = kind ? (float*)malloc(sizeof(float) * (size_t)((d > 0 ? d : 1) * nt)) : NULL;
+    if (kind && !bufs) return -1;
+    int64_t lo[PASS_MAX_THREADS + 1], je[PASS_MAX_THREADS + 1], got[PASS_MAX_THREADS];
+    for (int t = 0; t <= nt; ++t) {
+        lo[t] = n * t / nt;
+        /* range t takes the evicted ids below its first id that range t - 1 leaves:
+           those above range t - 1's last id */
+        je[t] = t == 0 ? 0 : (t == nt ? ne : count_below(e_ids, ne, ids ? ids[lo[t] - 1] : 0));
+        if (!ids) je[t] = 0;
+    }
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+    for (int t = 0; t < nt; ++t)
+        got[t] = update_range(&a, lo[t], lo[t + 1], je[t], je[t + 1], lo[t] + je[t],
+                              bufs ? bufs + (int64_t)t * (d > 0 ? d : 1) : NULL);
+    int64_t k = 0;
+    for (int t = 0; t < nt; ++t) {
+        move_rows(&a, k, lo[t] + je[t], got[t]);
+        k += got[t];
+    }
+    free(bufs);
     return k;
 }
 

@@ -108,3 +108,27 @@ def test_a_raise_table_stops_the_push_next_to_skip_tables(device: str | None) ->
         store.push_many([ps.PushRequest("s", IDS, bad_s), ps.PushRequest("r", IDS, bad_r)])
     store.flush()
     assert int(inner.clocks("s", IDS).sum()) == 0 and int(inner.clocks("r", IDS).sum()) == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_all_finite_settles_by_the_sum_and_sees_past_an_overflow(threads: int) -> None:
+    """ps.validate.all_finite on host float32: a NaN or an infinity anywhere (the sum is
+    then not finite) is found; finite values whose sum overflows to infinity are finite."""
+    from ps.validate import all_finite
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(5000, 16)
+        assert all_finite(x) and all_finite(torch.zeros(0, 4))
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            y = x.clone()
+            y[4321, 7] = bad
+            assert not all_finite(y) and not all_finite(y.t())  # strided too
+        both = x.clone()
+        both[1, 0], both[2, 0] = float("inf"), float("-inf")  # a NaN sum
+        assert not all_finite(both)
+        huge = torch.full((64, 16), 3e38)  # finite, but the sum overflows
+        assert not torch.isfinite(huge.sum()) and all_finite(huge)
+    finally:
+        torch.set_num_threads(before)

@@ -357,3 +357,81 @@ def test_victim_pool_kernel_equals_numpy(seed: int, monkeypatch: pytest.MonkeyPa
         monkeypatch.undo()
         assert got_c.dtype == got_np.dtype == np.int64 and np.array_equal(got_c, got_np)
         assert 0 < got_c.size <= k
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """The array's bytes (NaN payloads included: bits, not values, are compared)."""
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+@pytest.mark.parametrize("kind", [0, 1])
+@pytest.mark.parametrize("q", [0, 1])
+@pytest.mark.parametrize("write_bound", [0, 2])
+@pytest.mark.parametrize("adagrad", [False, True])
+def test_the_passes_on_threads_equal_one_thread(
+    kind: int, q: int, write_bound: int, adagrad: bool
+) -> None:
+    """update_rows and serve_rows split their ids over OpenMP threads (at least 2048 ids
+    each): at 2 and 3 threads the records, own8, the push (in id order, evicted sums
+    merged before, between and after the ranges) and the served rows equal one thread's
+    bit for bit."""
+    rng = np.random.default_rng(kind * 8 + q * 4 + write_bound + adagrad)
+    d, cap, n = 16, 9000, 3 * 2048 + 17
+    rw = records.row_words(d, kind)
+    m = rw + d  # the meta words start here: 8 int64
+    stat_at, acc_at = m + 16, m + 16 + q
+    w = acc_at + 1
+    slab = rng.standard_normal((cap, w)).astype(np.float32)
+    if kind:  # the row's words hold fp16 values
+        slab[:, :rw] = rng.standard_normal((cap, d)).astype(np.float16).view(np.float32)
+    meta = slab[:, m : m + 16].view(np.int64)
+    meta[:] = 0
+    meta[:, 2] = rng.integers(0, write_bound + 1, cap)  # COUNT
+    meta[:, 3] = rng.integers(0, 9, cap)  # FREQ
+    slab[:, stat_at:w] = np.abs(slab[:, stat_at:w])  # statistic, accumulator >= 0
+    ids = np.sort(rng.choice(np.arange(3, 30 * n, 3), n, replace=False)).astype(np.int64)
+    slots = rng.choice(cap, n, replace=False).astype(np.int64)
+    slots[rng.random(n) < 0.3] = -1  # not cached
+    grads = rng.standard_normal((n, d)).astype(np.float32)
+    ne = 40
+    e_ids = np.sort(rng.choice(np.arange(1, 30 * n, 3), ne, replace=False)).astype(np.int64)
+    e_ids[0], e_ids[-1] = 0, 30 * n + 1  # one before and one after every batch id
+    evicted = (
+        e_ids,
+        rng.standard_normal((ne, d)).astype(np.float32),
+        rng.integers(1, 4, ne).astype(np.int64),
+        rng.random((ne, q)).astype(np.float32) if q else None,
+    )
+    row_ids = rng.permutation(cap).astype(np.int64)
+    kw = dict(
+        lr=0.25, write_bound=write_bound, seq=5, stat_dim=q, stat_at=stat_at,
+        acc_at=acc_at if adagrad else -1, eps=1e-6, kind=kind, seed=11, row_ids=row_ids,
+        ids=ids, evicted=evicted,
+    )  # fmt: skip
+    old = rng.random(n) < 0.5
+    uses = rng.integers(1, 4, n).astype(np.int64)
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            s, own8 = slab.copy(), np.zeros(cap, dtype=np.uint8)
+            keys = np.zeros(cap, dtype=np.int64)
+            pushed = records.update_rows(s, d, slots, own8, grads, **kw)
+            served = records.serve_rows(
+                s, d, slots, old, uses, lfu=True, tick=3, kind=kind, keys=keys
+            )
+            assert pushed is not None and served is not None
+            rows, clocks, lag, freq, pf_miss, pf_refresh = served
+            cached = slots >= 0  # the entries the pass sets
+            runs.append(
+                [s, own8, keys, *pushed[:4], pushed[4], rows[cached], clocks[cached],
+                 lag[cached & old], freq[cached], np.array([pf_miss, pf_refresh])]
+            )  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    push_ids = runs[0][7]  # every row not cached and every evicted sum, in id order
+    assert push_ids.size >= (slots < 0).sum() + ne and np.all(np.diff(push_ids) > 0)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert a.shape == b.shape and np.array_equal(_bits(a), _bits(b))
