@@ -61,7 +61,8 @@ before measuring, ``--tables`` the number of tables, ``--sketch-period`` TinyLFU
 halving period (ids counted).
 
 The cache's own time (``cache_ns_per_id``, ``cache_s_per_step``): each cached step is
-timed in three phases (plan: the prefetch hand-over, the pull's plan and send; serve:
+timed in three phases (plan: the prefetch hand-over where the cache prefetches, as the
+hybrid tables announce a batch only to such a cache, the pull's plan and send; serve:
 waiting for the reply, installing it, serving rows; push: the update and what is due
 sent) and the store is wrapped in ``_timed_store.TimedStore``, which times every call
 into it and every wait on its handles; a phase's own time is its seconds less the
@@ -202,7 +203,7 @@ def step(
         for h in pushes:
             h.wait()
         return
-    if nxt is not None and isinstance(store, cache.CachedStore):
+    if nxt is not None and isinstance(store, cache.CachedStore) and store.prefetching:
         store.prefetch_many([ps.PullRequest(n, i) for n, i in zip(names, nxt, strict=True)])
     store.pull_many([ps.PullRequest(n, i) for n, i in zip(names, ids, strict=True)])
     if compute_s:
@@ -230,7 +231,7 @@ def cached_step(
     store's own share of each is in ``timed.seconds``."""
     t0 = time.perf_counter()
     timed.phase = "plan"
-    if nxt is not None:
+    if nxt is not None and cached.prefetching:  # as the hybrid tables announce batches
         cached.prefetch_many([ps.PullRequest(n, i) for n, i in zip(names, nxt, strict=True)])
     h = cached.pull_many_async([ps.PullRequest(n, i) for n, i in zip(names, ids, strict=True)])
     t1 = time.perf_counter()
