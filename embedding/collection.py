@@ -282,7 +282,8 @@ class EmbeddingCollection(nn.Module):
 
     def prefetch(self, kjt: KeyedJaggedIds) -> None:
         """Announce a coming batch: each hybrid table's unique ids go to
-        ``store.prefetch(table, ids)`` when the store has one (a cache); else nothing.
+        ``store.prefetch(table, ids)`` when the store has one and fetches ahead (a cache
+        whose ``prefetching`` is on); else nothing.
         With the sparse pipeline on, the batch is pulled on the pipeline's thread once
         this step's rows are taken (:meth:`set_sparse_pipeline`)."""
         if not isinstance(kjt, KeyedJaggedIds):
