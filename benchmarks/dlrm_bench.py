@@ -32,7 +32,8 @@ Variants (each a full step: forward, BCE loss, backward, optimizer):
                  requires grad (the embedding gradient is still computed, as every
                  real step must): the limit for the local step.
 
-Batches are generated before timing and cycled. Every variant warms up, then the
+Batches are generated before timing and cycled. Every variant warms up (10 steps:
+every batch once, so a cache's first admissions are not timed), then the
 variants run in turns (A B C ..., the order rotated each window) for ``--windows``
 windows of ``--steps`` steps; a variant's figure is the median over its windows.
 Ratios therefore come from the same run. The last line is JSON
@@ -102,7 +103,10 @@ class BenchConfig:
     top_mlp: list[int] = field(default_factory=lambda: [512, 256, 1])
     zipf_a: float = 1.05
     n_batches: int = 8
-    warmup: int = 3
+    # Steps of each variant before timing: every batch once and two more, so a cache has
+    # admitted its first batches and the first touch of its records' pages is paid (a
+    # training run pays both once, not every step).
+    warmup: int = 10
     windows: int = 5
     steps: int = 5
     threads: int = 2
