@@ -32,7 +32,9 @@ Variants (each a full step: forward, BCE loss, backward, optimizer):
                  requires grad (the embedding gradient is still computed, as every
                  real step must): the limit for the local step.
 
-Batches are generated before timing and cycled. Every variant warms up (10 steps:
+The process's allocator keeps freed memory as the jobs set it (``--keep-freed-mb``,
+:mod:`hybridrec.launch.allocator`): a step's buffers are not faulted in again every
+step. Batches are generated before timing and cycled. Every variant warms up (10 steps:
 every batch once, so a cache's first admissions are not timed), then the
 variants run in turns (A B C ..., the order rotated each window) for ``--windows``
 windows of ``--steps`` steps; a variant's figure is the median over its windows.
@@ -71,6 +73,8 @@ from torch import nn
 
 from dense import DLRMConfig, DLRMDense
 from embedding import EmbeddingCollection, KeyedJaggedIds, RowWiseAdagrad, TableConfig
+from hybridrec.dlrm.config import DLRMJobConfig
+from hybridrec.launch.allocator import keep_freed_memory
 from ps import InProcessStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helper modules
@@ -616,6 +620,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, help="steps per timed window")
     p.add_argument("--threads", type=int)
     p.add_argument(
+        "--keep-freed-mb",
+        type=int,
+        default=DLRMJobConfig().keep_freed_mb,
+        help="the allocator keeps this many MiB of freed memory, as the jobs set it "
+        "(default: the jobs' default; 0: the C library's defaults)",
+    )
+    p.add_argument(
         "--parts",
         type=int,
         default=None,
@@ -638,6 +649,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             setattr(cfg, name, getattr(args, name))
     cfg.__post_init__()
     torch.set_num_threads(cfg.threads)
+    keep_freed_memory(args.keep_freed_mb)  # the process as a job sets it up
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -750,6 +762,7 @@ def _run(
             "windows": cfg.windows,
             "steps_per_window": cfg.steps,
             "warmup": cfg.warmup,
+            "keep_freed_mb": args.keep_freed_mb,
             "dense_optimizer": "Adagrad",
             "cache": {
                 "capacity_fraction": cfg.cache_fraction,

@@ -42,7 +42,7 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("checkpoints", ("checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume",
                      "overwrite_checkpoints")),
     ("output", ("metrics_out", "log_every", "metrics_window", "progress", "verbose")),
-    ("launch", ("device", "backend", "threads", "validate_comm")),
+    ("launch", ("device", "backend", "threads", "keep_freed_mb", "validate_comm")),
 )  # fmt: skip
 
 
@@ -173,6 +173,12 @@ class RunOptions(CacheOptions):
     backend: str = option("auto", help="auto (mpirun -> mpi, torchrun -> gloo), local, mpi, gloo")
     validate_comm: bool = option(False, help="cross-rank checks on every collective (slower)")
     threads: int = option(1, help="torch threads per rank; 0 = torch's default")
+    keep_freed_mb: int = option(
+        512,
+        help="the C library's malloc keeps up to this many MiB of freed memory for the next "
+        "step instead of returning it to the OS (no page faults on a step's buffers); 0: "
+        "its defaults",
+    )
 
     def dtype_overrides(self) -> dict[str, RowDtype]:
         """``emb_dtype_of`` as ``{table: dtype}``; ValueError naming the item, its table
@@ -257,7 +263,10 @@ class RunOptions(CacheOptions):
         if not 0 <= self.cache_fraction <= 1:
             raise ValueError(f"cache_fraction must be in [0, 1], got {self.cache_fraction}")
         self.check_cache_memory()
-        for name in ("threads", "checkpoint_every", "cache_rows", "read_bound", "write_bound"):
+        for name in (
+            "threads", "keep_freed_mb", "checkpoint_every", "cache_rows", "read_bound",
+            "write_bound",
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.checkpoint_keep < 1:

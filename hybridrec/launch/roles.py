@@ -31,6 +31,7 @@ import torch
 
 import comm
 from comm import ProcessGroup, Role, Topology
+from hybridrec.launch.allocator import keep_freed_memory
 from ps import InProcessStore, Store
 from ps.redact import redact_url
 
@@ -198,6 +199,7 @@ class LaunchOptions(Protocol):
     batch_size: int
     validate_comm: bool
     threads: int
+    keep_freed_mb: int
 
     @property
     def ranks_per_replica(self) -> int: ...
@@ -210,7 +212,9 @@ class Launch:
             if job.is_worker:  # server ranks served inside __enter__ and skip the body
                 train(cfg, job.group, job.store, roles=job.topology)
 
-    ``__enter__`` sets torch's thread count (``threads``, 0: torch's default), starts
+    ``__enter__`` sets torch's thread count (``threads``, 0: torch's default) and
+    the C library's allocator to keep freed memory (``keep_freed_mb``, 0: its defaults;
+    :mod:`hybridrec.launch.allocator`), starts
     the world (``comm.init``), checks the roles against the job on
     every rank before anything starts (``--ps`` needs the right backend and enough
     ranks; the global batch splits over the model replicas), then opens ``--ps``: a PS server
@@ -228,11 +232,13 @@ class Launch:
         validate: bool = False,
         timeout_s: float | None = None,
         threads: int = 0,
+        keep_freed_mb: int = 0,
     ) -> None:
         parse_ps(ps)  # a bad --ps fails before any process group starts
         self.backend, self.ps, self.batch_size = backend, ps, batch_size
         self.ranks_per_replica = ranks_per_replica
         self.validate, self.timeout_s, self.threads = validate, timeout_s, threads
+        self.keep_freed_mb = keep_freed_mb
         self._threads_before = torch.get_num_threads()
         self.world: ProcessGroup | None = None
         self.role: PSRole | None = None
@@ -240,18 +246,21 @@ class Launch:
     @classmethod
     def for_run(cls, cfg: LaunchOptions, *, training: bool = True) -> Launch:
         """The launch a job config asks for: its ``backend``, ``ps``, ``batch_size``,
-        ``validate_comm``, ``threads`` and ``ranks_per_replica`` (every job's config has
-        them: :class:`hybridrec.cli.job_options.RunOptions` and the job's own fields).
+        ``validate_comm``, ``threads``, ``keep_freed_mb`` and ``ranks_per_replica``
+        (every job's config has them: :class:`hybridrec.cli.job_options.RunOptions` and
+        the job's own fields).
         Not ``training`` (scoring a saved run): the training batch is not checked."""
         return cls(
             cfg.backend, ps=cfg.ps, batch_size=cfg.batch_size if training else None,
             ranks_per_replica=cfg.ranks_per_replica, validate=cfg.validate_comm,
-            threads=cfg.threads,
+            threads=cfg.threads, keep_freed_mb=cfg.keep_freed_mb,
         )  # fmt: skip
 
     def __enter__(self) -> Launch:
         if self.threads:  # torch threads per rank (restored on exit)
             torch.set_num_threads(self.threads)
+        # process-wide and kept after exit: glibc has no way back to its dynamic defaults
+        keep_freed_memory(self.keep_freed_mb)
         if self.timeout_s is None:
             self.world = comm.init(self.backend, validate=self.validate)
         else:
