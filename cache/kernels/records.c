@@ -325,8 +325,7 @@ int64_t hr_cache_update(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
         lo[t] = n * t / nt;
         /* range t takes the evicted ids below its first id that range t - 1 leaves:
            those above range t - 1's last id */
-        je[t] = t == 0 ? 0 : (t == nt ? ne : count_below(e_ids, ne, ids ? ids[lo[t] - 1] : 0));
-        if (!ids) je[t] = 0;
+        je[t] = t == 0 || ne == 0 ? 0 : (t == nt ? ne : count_below(e_ids, ne, ids[lo[t] - 1]));
     }
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
     for (int t = 0; t < nt; ++t)
