@@ -66,6 +66,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from cache.config import CacheConfig
@@ -75,7 +76,7 @@ from cache.table_group import GroupClocks, TableGroup
 from comm import Handle, boundary
 from comm.device import exact_device
 from ps import PullRequest, PullResult, PushRequest, Store, TableSpec
-from ps.group_requests import GroupPull, GroupPush
+from ps.group_requests import GroupPull, GroupPush, IdSpace
 from ps.store import after, check_requests, first_of
 from ps.validate import all_finite, check_grads, check_id_tensor, check_ids, finite_rows
 
@@ -349,6 +350,46 @@ class CachedStore(Store):
             if where is not None:
                 at = starts[where]
                 places[k] = (where, at[part], at[part + 1] - at[part])
+        return self._serve(wanted, places)
+
+    def pull_groups_async(self, requests: Sequence[PullRequest | GroupPull]) -> Handle:
+        """:meth:`pull_many_async` where a request may also be a group request. A lone
+        unconditional group request over the id space of one shared cache (its tables in
+        its order, with its bases: how the hybrid tables ask for a dim group's rows) is
+        that cache's ask as it comes: its packed ids are checked by their ends (sorted,
+        inside the space), not cut by table and packed again, and the reply is the
+        cache's own ``[U, D]``. Anything else goes the base class's way (each group
+        request cut into its tables' requests, one :meth:`pull_many_async`)."""
+        if isinstance(requests, Sequence) and len(requests) == 1:
+            (r,) = requests
+            if (
+                isinstance(r, GroupPull)
+                and r.clocks is None
+                and r.bound is None
+                and not r.with_state
+            ):
+                name = self._cache_of_space(r.space)
+                if name is not None:
+                    r.space.check(r.ids.numpy(), "cached pull")
+                    return self._serve({name: r.ids}, [(name, 0, int(r.ids.numel()))])
+        return super().pull_groups_async(requests)
+
+    def _cache_of_space(self, space: IdSpace) -> str | None:
+        """The shared cache whose tables are ``space``'s, in its order with its bases
+        (made now if none of them has a cache yet), or None."""
+        self._ensure(list(space.names))
+        name = self._members.get(space.names[0])
+        group = self._groups.get(name) if name is not None else None
+        if group is None or group.names != space.names:
+            return None
+        return name if np.array_equal(group.bases, space.bases) else None
+
+    def _serve(
+        self, wanted: dict[str, torch.Tensor], places: list[tuple[str | None, Any, int]]
+    ) -> Handle:
+        """Serve the caches' asks ``wanted`` (cache name -> its packed ids) in ONE batched
+        pull of the wrapped store; ``places`` gives each reply: ``(cache name, start,
+        count)`` among a cache's ids, or ``(None, request, 0)`` passed through."""
         caches = [self._caches[name] for name in wanted]
         for c in caches:
             with c.lock:
@@ -536,6 +577,42 @@ class CachedStore(Store):
             caches.append(tc)
         self._send(caches)
         return Handle.completed(None, what="cached push_many")
+
+    def push_groups_async(self, requests: Sequence[PushRequest | GroupPush]) -> Handle:
+        """:meth:`push_many_async` where a request may also be a group push. A lone
+        plain group push over the id space of one shared cache of host records (see
+        :meth:`pull_groups_async`) is applied as it comes, its packed ids neither cut by
+        table nor packed again; a bad one (an id outside the space, gradients of another
+        dtype or shape, or not finite) is cut by table instead, whose checks name the
+        table and row, and nothing is applied. Anything else goes the base class's way."""
+        if isinstance(requests, Sequence) and len(requests) == 1 and self.device is None:
+            (r,) = requests
+            if isinstance(r, GroupPush) and r.counts is None and r.stats is None:
+                name = self._cache_of_space(r.space)
+                if name is not None and self._push_packed(name, r):
+                    return Handle.completed(None, what="cached push_groups")
+        return super().push_groups_async(requests)
+
+    def _push_packed(self, name: str, r: GroupPush) -> bool:
+        """Apply group push ``r`` to shared cache ``name`` (False, nothing done, where
+        it is not a checked push of finite float32 ``[P, D]`` to tables without the
+        skip policy: the caller then cuts it by table)."""
+        group, tc = self._groups[name], self._caches[name]
+        ids, grads = r.ids, r.grads
+        if any(s.nan_policy == "skip" for s in group.members):
+            return False
+        if grads.dtype != torch.float32 or tuple(grads.shape) != (ids.numel(), group.spec.dim):
+            return False
+        packed = ids.numpy()
+        if packed.size and (int(packed.min()) < 0 or int(packed.max()) >= int(group.bases[-1])):
+            return False
+        if grads.numel() > 0 and not all_finite(grads):
+            return False
+        with tc.lock:
+            self._settle(tc, pushing=True)
+            tc.update(ids, grads.contiguous())
+        self._send([tc])
+        return True
 
     def _where_rows_are(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """``grads`` where the cached rows are: the host for host records, else the cache's

@@ -6,16 +6,18 @@ fused path, :func:`embedding.fused_ops.group_batch`)::
     ids of every feature of the group, table by table     [N]
     one sort -> unique (table, id) pairs, inverse, runs    [U], [N]   (one dedup for
                                                                        pull AND push)
-    pull every table's unique ids in ONE batched request   [U_t, D] -> rows [U, D]
-      (``Store.pull_many``: one message per server for all groups and tables)
+    pull every table's unique ids in ONE batched request   rows [U, D]
+      (``Store.pull_groups_async``: one message per server for all groups and tables;
+      fixed tables ask by their packed keys, one group request per group, which a
+      shared cache over the same tables takes as it is)
     ONE embedding_bag over rows, bags as in the local path -> [nbags, D] -> features
 
 Backward is fused with the push (as TorchRec fuses it with the optimizer): one
 autograd node for the whole module; its backward sums the output gradient per
-unique row with ONE ``embedding_bag`` over the dedup's runs (no ``[N, D]``
-temporary, no dense ``[U, D]`` zeros per table) and pushes each table's
-``(unique ids, row gradients)`` to the store in ONE batched push
-(``Store.push_many``), which applies each table's optimizer.
+unique row over the dedup's runs (no ``[N, D]`` temporary, no dense ``[U, D]``
+zeros per table) and pushes every group's ``(unique keys, row gradients)`` to the
+store in ONE batched push (``Store.push_groups_async``), which applies each table's
+optimizer.
 There is no separate optimizer step and no embedding ``nn.Parameter``.
 
 Data parallel (``group.size > 1``), two cases:
@@ -45,6 +47,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -67,6 +70,7 @@ from embedding.sparse_pipeline import SparsePipeline
 from embedding.table_state import part_from_state_dict, target_device
 from ps import InProcessStore, PullRequest, PushRequest, Store, TableSpec
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
+from ps.group_requests import GroupPull, GroupPush, IdSpace
 from ps.kernels import rowwise_adagrad as cpu_kernel
 
 
@@ -168,11 +172,26 @@ class _Group:
     batch: GroupBatch  # ids = index into the group's unique rows, bags as in local
     perm: torch.Tensor  # [N] positions of the ids, sorted by (table, id)
     counts: torch.Tensor  # [U] occurrences of each unique row (runs of ``perm``)
-    unique: list[torch.Tensor]  # per table: its unique ids [U_t], sorted (CPU)
-    # Fixed tables packed into one id space: the unique keys [U] (CPU, sorted) and each
-    # table's base (table t's id i is key bases[t] + i); None for a group with a dynamic table.
+    # Per table its unique ids [U_t], sorted (CPU); for packed tables cut from ``keys``
+    # on first use (:meth:`table_ids`): their pulls and pushes are group requests.
+    unique: list[torch.Tensor] | None
+    # Fixed tables packed into one id space: the unique keys [U] (CPU, sorted), each
+    # table's base (table t's id i is key bases[t] + i) and the space the store is asked
+    # in; None for a group with a dynamic table.
     keys: torch.Tensor | None = None
     bases: list[int] | None = None
+    space: IdSpace | None = None
+
+    def table_ids(self) -> list[torch.Tensor]:
+        """Per table of the group, its unique ids ``[U_t]`` sorted (CPU)."""
+        if self.unique is None:
+            assert self.keys is not None and self.space is not None
+            bases = self.space.bases  # [k + 1]
+            cut = np.searchsorted(self.keys.numpy(), bases).tolist()
+            self.unique = [
+                self.keys[cut[i] : cut[i + 1]] - int(bases[i]) for i in range(len(self.tables))
+            ]
+        return self.unique
 
 
 Plan = list[tuple[TableConfig, list[str]]]  # the hybrid tables of a batch, with their features
@@ -526,14 +545,21 @@ class HybridTables(nn.Module):
 
     def _pull(self, groups: list[_Group]) -> list[list[torch.Tensor]]:
         """Every table of every group in ONE batched pull (one message per server):
-        per group, its tables' rows ``[U_t, D]``."""
-        requests = [
-            PullRequest(cfg.name, u)
+        per group, its rows ``[U, D]`` (a group of fixed tables asks by its packed keys,
+        one group request) or its tables' rows ``[U_t, D]``."""
+        requests: list[PullRequest | GroupPull] = []
+        for g in groups:
+            if g.space is not None:
+                assert g.keys is not None
+                requests.append(GroupPull(g.space, g.keys))
+            else:
+                ids = g.table_ids()
+                requests += [PullRequest(c.name, u) for c, u in zip(g.tables, ids, strict=True)]
+        results = iter(self.store.pull_groups_async(requests).wait())
+        return [
+            [next(results).rows] if g.space is not None else [next(results).rows for _ in g.tables]
             for g in groups
-            for cfg, u in zip(g.tables, g.unique, strict=True)
         ]
-        results = iter(self.store.pull_many(requests))
-        return [[next(results).rows for _ in g.tables] for g in groups]
 
     def _dedup(self, kjt: KeyedJaggedIds, plan: Plan) -> list[_Group]:
         """Every dim group's dedup (:func:`_dedup_on_device`); the unique ids of every
@@ -563,12 +589,10 @@ class _Staged:
         if self.starts is None:
             return _Group(self.features, self.tables, self.batch, self.perm, self.counts, host)
         (keys,) = host  # [U] sorted packed keys
-        starts = self.starts
-        cut = torch.searchsorted(keys, torch.tensor(starts)).tolist()  # host: no device read
-        unique = [keys[cut[i] : cut[i + 1]] - starts[i] for i in range(len(self.tables))]
+        space = IdSpace(tuple(c.name for c in self.tables), np.array(self.starts, np.int64))
         return _Group(
-            self.features, self.tables, self.batch, self.perm, self.counts, unique, keys,
-            starts[:-1],
+            self.features, self.tables, self.batch, self.perm, self.counts, None, keys,
+            self.starts[:-1], space,
         )  # fmt: skip
 
 
@@ -592,8 +616,7 @@ def _dedup_on_device(kjt: KeyedJaggedIds, tables: Plan) -> _Staged:
     bases = [table_base[c.name] for c, _ in feats] if packed else [0] * len(feats)
     gb = group_batch(kjt, feats, bases)  # ids: packed keys (or raw ids) [N]
     if packed:
-        srt, perm = cpu_kernel.sort_ids(gb.ids) if gb.ids.is_cpu else torch.sort(gb.ids)  # [N]
-        keys, counts = torch.unique_consecutive(srt, return_counts=True)  # [U]
+        perm, keys, counts, index = cpu_kernel.dedup_ids(gb.ids)  # [N], [U], [U], [N]
         uniques = [keys]
     else:
         per_table = [sum(kjt.key_slice(f).ids.numel() for f in fs) for _, fs in tables]
@@ -607,10 +630,10 @@ def _dedup_on_device(kjt: KeyedJaggedIds, tables: Plan) -> _Staged:
             uniques.append(u)
             pos += n
         perm, counts = torch.cat(perms), torch.cat(all_counts)
-    index = torch.empty_like(perm)  # [N] each id's unique row
-    index[perm] = torch.repeat_interleave(
-        torch.arange(counts.numel(), device=perm.device), counts, output_size=perm.numel()
-    )
+        index = torch.empty_like(perm)  # [N] each id's unique row
+        index[perm] = torch.repeat_interleave(
+            torch.arange(counts.numel(), device=perm.device), counts, output_size=perm.numel()
+        )
     batch = GroupBatch(index, gb.offsets, gb.weights)
     return _Staged(feats, cfgs, batch, perm, counts, uniques, [*starts, base] if packed else None)
 
@@ -665,14 +688,7 @@ class _HybridLookup(torch.autograd.Function):
         # The same [U, D] where the store takes them: a cache with rows on this device
         # takes them as they are, any other store on the host.
         host = _sums_to_store([s for _, s in used], owner.store)
-        grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for (g, _), sums in zip(used, host, strict=True):
-            at = 0
-            for cfg, ids in zip(g.tables, g.unique, strict=True):
-                n = int(ids.numel())
-                grads[cfg.name] = (ids, sums[at : at + n])
-                at += n
-        _push(owner, grads, list(zip([g for g, _ in used], host, strict=True)))
+        _push(owner, list(zip([g for g, _ in used], host, strict=True)))
         return None, None, None, None, None
 
 
@@ -745,13 +761,9 @@ def _sums_to_store(sums: list[torch.Tensor], store: Store) -> list[torch.Tensor]
     return boundary.to_host(sums)
 
 
-def _push(
-    owner: HybridTables,
-    grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    sums: list[tuple[_Group, torch.Tensor]],
-) -> None:
-    """Push every table's ``(unique ids [U], row gradients [U, D])``, in table order
-    (``sums``: the same per group, ``[U, D]`` where the store takes them).
+def _push(owner: HybridTables, sums: list[tuple[_Group, torch.Tensor]]) -> None:
+    """Push every group's row gradients (``sums``: per group its ``[U, D]``, where the
+    store takes them, rows in the order of its tables' unique ids).
 
     Shared store (or one rank): each rank pushes its own gradients divided by the
     group size. Replicated store: every table of the module (empty where this rank's
@@ -763,14 +775,14 @@ def _push(
     """
     pipeline, ahead = owner.pipeline, owner._ahead
     if pipeline is None:
-        _push_now(owner, grads)
+        _push_now(owner, sums)
         return
     if ahead is None:  # on the pipeline's thread; its error is raised later
-        pipeline.submit_owed(lambda: _push_now(owner, grads))
+        pipeline.submit_owed(lambda: _push_now(owner, sums))
         return
 
     def push_then_pull_again() -> None:
-        _push_now(owner, grads)  # a bad gradient fails it before anything is applied
+        _push_now(owner, sums)  # a bad gradient fails it before anything is applied
         got = ahead.future.result()  # done: it ran before this job
         if got is None:
             return
@@ -811,7 +823,7 @@ def _used_by(pushed: list[_Group], ahead: list[_Group]) -> _Overlap:
                     used[cfg.name] = keys[cut[t] : cut[t + 1]] - gp.bases[t]
                     places.append((k, at[cut[t] : cut[t + 1]]))
             continue
-        for cfg, ids in zip(gp.tables, gp.unique, strict=True):  # table by table
+        for cfg, ids in zip(gp.tables, gp.table_ids(), strict=True):  # table by table
             where = next(
                 (
                     (k, t)
@@ -824,11 +836,11 @@ def _used_by(pushed: list[_Group], ahead: list[_Group]) -> _Overlap:
             if where is None or ids.numel() == 0:
                 continue
             k, t = where
-            mine = ahead[k].unique[t]  # [U_t] sorted
+            mine = ahead[k].table_ids()[t]  # [U_t] sorted
             mask = torch.isin(ids, mine)
             if bool(mask.any()):
                 used[cfg.name] = ids[mask]
-                offset = sum(int(u.numel()) for u in ahead[k].unique[:t])
+                offset = sum(int(u.numel()) for u in ahead[k].table_ids()[:t])
                 places.append((k, offset + torch.searchsorted(mine, ids[mask])))
     return _Overlap(used, places)
 
@@ -846,31 +858,42 @@ def _pull_again(owner: HybridTables, pulled: list[list[torch.Tensor]], rows: _Ov
         target[pos] = got.rows.to(target.device)  # the store serves them there: no copy
 
 
-def _push_now(owner: HybridTables, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _push_now(owner: HybridTables, sums: list[tuple[_Group, torch.Tensor]]) -> None:
     """:func:`_push`'s store calls (on the pipeline's thread when there is one)."""
     group, store = owner.group, owner.store
     if group.size == 1 or owner.store_is_shared:
         scale = 1.0 / group.size
-        requests = []
-        for name in owner.configs:
-            if name in grads:
-                ids, g = grads[name]
-                g = g.contiguous()
-                if scale != 1.0:
-                    g = g * scale
-                requests.append(PushRequest(name, ids, g))
-        store.push_many(requests)  # one batched push: one message per server
+        requests: list[PushRequest | GroupPush] = []
+        for g, rows in sums:
+            rows = rows.contiguous() if scale == 1.0 else rows * scale  # [U, D]
+            if g.space is not None and rows.is_cpu:  # one group push over the packed keys
+                assert g.keys is not None
+                requests.append(GroupPush(g.space, g.keys, rows))
+                continue
+            at = 0
+            for cfg, ids in zip(g.tables, g.table_ids(), strict=True):
+                n = int(ids.numel())
+                requests.append(PushRequest(cfg.name, ids, rows[at : at + n]))
+                at += n
+        store.push_groups_async(requests).wait()  # one batched push: one message per server
         return
+    grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for g, rows in sums:
+        at = 0
+        for cfg, ids in zip(g.tables, g.table_ids(), strict=True):
+            n = int(ids.numel())
+            grads[cfg.name] = (ids, rows[at : at + n])
+            at += n
     gathered = []
     for name, cfg in owner.configs.items():
         if name in grads:
-            ids, g = grads[name]
-            ids, g = ids.contiguous(), g.contiguous()
+            ids, part = grads[name]
+            ids, part = ids.contiguous(), part.contiguous()
         else:
             ids = torch.empty(0, dtype=torch.int64)
-            g = torch.empty(0, cfg.dim, dtype=torch.float32)
+            part = torch.empty(0, cfg.dim, dtype=torch.float32)
         all_ids = group.allgatherv(ids)  # [sum U_r]
-        all_grads = group.allgatherv(g)  # [sum U_r, D]
+        all_grads = group.allgatherv(part)  # [sum U_r, D]
         all_grads.div_(group.size)
         gathered.append(PushRequest(name, all_ids, all_grads))
     store.push_many(gathered)

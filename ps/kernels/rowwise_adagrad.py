@@ -57,6 +57,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_rowwise_adagrad_counted.argtypes = [i64] * 3 + [ptr] * 7 + [f32, f32]
     lib.hr_sort_ids.restype = ctypes.c_int
     lib.hr_sort_ids.argtypes = [i64, ptr, ptr, ptr]
+    lib.hr_dedup_ids.restype = i64
+    lib.hr_dedup_ids.argtypes = [i64] + [ptr] * 5
     parts = lib.hr_rowwise_adagrad_parts
     parts.restype = ctypes.c_int
     args: list[Any] = [i64] * 3 + [ptr] * 3 + [i64, ptr, i64] + [ptr] * 6
@@ -284,3 +286,31 @@ def sort_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if lib.hr_sort_ids(ids.numel(), ids.data_ptr(), srt.data_ptr(), perm.data_ptr()) != 0:
         srt, perm = torch.sort(ids, stable=True)
     return srt, perm
+
+
+def dedup_ids(
+    ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(perm [N], unique [U], counts [U], index [N])`` of int64 ``ids`` ``[N]``: the
+    stable sort's ``perm`` (``ids[perm]`` sorted), the sorted distinct ids, how often each
+    occurs (``perm``'s runs) and each id's place among them (``unique[index] == ids``).
+    One kernel call where available; else ``torch.sort``, ``unique_consecutive`` and a
+    scatter, which give the same tensors."""
+    lib = load()
+    if lib is not None and ids.is_cpu and ids.dtype == torch.int64:
+        ids = ids.contiguous()
+        n = ids.numel()
+        perm, unique, counts, index = (torch.empty_like(ids) for _ in range(4))
+        got = lib.hr_dedup_ids(
+            n, ids.data_ptr(), perm.data_ptr(), unique.data_ptr(), counts.data_ptr(),
+            index.data_ptr(),
+        )  # fmt: skip
+        if got >= 0:
+            return perm, unique[:got], counts[:got], index
+    srt, perm = torch.sort(ids, stable=True)
+    unique, counts = torch.unique_consecutive(srt, return_counts=True)
+    index = torch.empty_like(perm)
+    index[perm] = torch.repeat_interleave(
+        torch.arange(counts.numel(), device=perm.device), counts, output_size=perm.numel()
+    )
+    return perm, unique, counts, index

@@ -228,12 +228,39 @@ def test_collection_same_with_and_without_kernel() -> None:
             )  # fmt: skip
 
 
-@pytest.mark.parametrize("n, high", [(0, 5), (1, 5), (7, 3), (5000, 1), (53_000, 2_600_000),
-                                     (1000, 2**62)])  # fmt: skip
-def test_radix_sort_equals_stable_torch_sort(n: int, high: int) -> None:
-    gen = torch.Generator().manual_seed(n)
+# Id ranges on both sides of the one-word sort (keys below 2^32: 2**31 with negatives
+# spans just under it) and far past it.
+SORT_CASES = [(0, 5), (1, 5), (7, 3), (5000, 1), (53_000, 2_600_000), (1000, 2**31),
+              (1000, 2**32), (1000, 2**62)]  # fmt: skip
+
+
+def _ids(n: int, high: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(n + high % 997)
     ids = torch.randint(0, high, (n,), generator=gen)
     ids[::3] = -ids[::3]  # negative ids too (a full int64 range)
+    return ids
+
+
+@pytest.mark.parametrize("n, high", SORT_CASES)
+def test_radix_sort_equals_stable_torch_sort(n: int, high: int) -> None:
+    ids = _ids(n, high)
     got = rowwise_adagrad.sort_ids(ids)
     want = torch.sort(ids, stable=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("n, high", SORT_CASES)
+def test_dedup_equals_torch_unique_and_the_stable_sort(
+    n: int, high: int, kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not kernel:  # the path taken where no C compiler is found
+        monkeypatch.setattr(rowwise_adagrad, "load", lambda: None)
+    ids = _ids(n, high)
+    perm, unique, counts, index = rowwise_adagrad.dedup_ids(ids)
+    want_unique, want_index, want_counts = torch.unique(
+        ids, sorted=True, return_inverse=True, return_counts=True
+    )
+    assert torch.equal(perm, torch.sort(ids, stable=True)[1])
+    assert torch.equal(unique, want_unique) and torch.equal(counts, want_counts)
+    assert torch.equal(index, want_index) and torch.equal(unique[index], ids)
