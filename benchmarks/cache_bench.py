@@ -14,8 +14,11 @@ A step, as the hybrid embedding tables make it: hand the next step's ids to
 ``prefetch_many`` (cached only: they ride on this step's pull; ``--prefetch``, the
 cache's ``CacheConfig.prefetch``: by default not in front of the in-process store,
 where fetching early hides nothing), pull every table's
-distinct ids in ONE ``pull_many``, push one gradient row per distinct id in ONE
-``push_many`` (RowWiseAdagrad on the PS). No model compute (``--compute-ms`` adds a
+distinct ids in ONE group request over the tables' packed ids (``pull_groups_async``
+with a ``ps.group_requests.GroupPull``, as the hybrid tables ask for a dim group of fixed
+tables; a store without its own way cuts it by table into one ``pull_many``), push one
+gradient row per distinct id in ONE ``GroupPush`` the same way (RowWiseAdagrad on the
+PS). No model compute (``--compute-ms`` adds a
 sleep), so step time is the embedding traffic plus the cache's own work.
 
 * uncached: the store itself, batched (one pull and one push message per server);
@@ -92,6 +95,7 @@ JSON object
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -115,6 +119,7 @@ from _timed_store import TimedStore  # noqa: E402
 
 import cache  # noqa: E402
 import ps  # noqa: E402
+from ps.group_requests import GroupPull, GroupPush, IdSpace  # noqa: E402
 
 POLICIES = ("lru", "lfu", "tinylfu")
 
@@ -183,33 +188,59 @@ def make_tables(store: ps.Store, prefix: str, z: Sizes) -> list[str]:
     return names
 
 
+@dataclass(frozen=True, slots=True)
+class StepIds:
+    """One step's distinct ids: per table (``tables``, sorted int64 ``[U_t]`` each) and
+    packed over the tables' id space (``packed`` ``[U]``: table ``t``'s id ``i`` at
+    ``t * rows + i``, sorted), as the hybrid tables' dedup gives them."""
+
+    tables: list[torch.Tensor]
+    packed: torch.Tensor
+    space: IdSpace
+
+
+@functools.cache
+def _space(names: tuple[str, ...], rows: int) -> IdSpace:
+    return IdSpace(names, np.arange(len(names) + 1, dtype=np.int64) * rows)
+
+
+def step_ids(draws: ZipfDraws, s: int, names: list[str]) -> StepIds:
+    """Step ``s``'s ids of ``draws`` for the tables ``names`` (``draws.rows`` rows each)."""
+    per = [torch.from_numpy(b) for b in draws.batch(s)]
+    packed = torch.cat([b + t * draws.rows for t, b in enumerate(per)])
+    return StepIds(per, packed, _space(tuple(names), draws.rows))
+
+
 def step(
     store: ps.Store,
     names: list[str],
-    ids: list[torch.Tensor],
-    nxt: list[torch.Tensor] | None,
+    ids: StepIds,
+    nxt: StepIds | None,
     grad: torch.Tensor,
     compute_s: float,
     per_table: bool = False,
 ) -> None:
     if per_table:  # one request per table (all issued, then waited)
-        handles = [store.pull_async(n, i) for n, i in zip(names, ids, strict=True)]
+        handles = [store.pull_async(n, i) for n, i in zip(names, ids.tables, strict=True)]
         for h in handles:
             h.wait()
         if compute_s:
             time.sleep(compute_s)
-        pairs = zip(names, ids, strict=True)
+        pairs = zip(names, ids.tables, strict=True)
         pushes = [store.push_async(n, i, grad[: i.numel()]) for n, i in pairs]
         for h in pushes:
             h.wait()
         return
     if nxt is not None and isinstance(store, cache.CachedStore) and store.prefetching:
-        store.prefetch_many([ps.PullRequest(n, i) for n, i in zip(names, nxt, strict=True)])
-    store.pull_many([ps.PullRequest(n, i) for n, i in zip(names, ids, strict=True)])
+        announce = zip(names, nxt.tables, strict=True)  # per table, as the hybrid tables do
+        store.prefetch_many([ps.PullRequest(n, i) for n, i in announce])
+    # One group request over the tables' packed ids each way, as the hybrid tables send
+    # a dim group's (a store without its own way cuts it by table).
+    store.pull_groups_async([GroupPull(ids.space, ids.packed)]).wait()
     if compute_s:
         time.sleep(compute_s)
-    pairs = zip(names, ids, strict=True)
-    store.push_many([ps.PushRequest(n, i, grad[: i.numel()]) for n, i in pairs])
+    push = GroupPush(ids.space, ids.packed, grad[: ids.packed.numel()])
+    store.push_groups_async([push]).wait()
 
 
 PHASES = ("plan", "serve", "push")
@@ -219,8 +250,8 @@ def cached_step(
     cached: cache.CachedStore,
     timed: TimedStore,
     names: list[str],
-    ids: list[torch.Tensor],
-    nxt: list[torch.Tensor] | None,
+    ids: StepIds,
+    nxt: StepIds | None,
     grad: torch.Tensor,
     compute_s: float,
     spent: dict[str, float],
@@ -232,8 +263,9 @@ def cached_step(
     t0 = time.perf_counter()
     timed.phase = "plan"
     if nxt is not None and cached.prefetching:  # as the hybrid tables announce batches
-        cached.prefetch_many([ps.PullRequest(n, i) for n, i in zip(names, nxt, strict=True)])
-    h = cached.pull_many_async([ps.PullRequest(n, i) for n, i in zip(names, ids, strict=True)])
+        announce = zip(names, nxt.tables, strict=True)
+        cached.prefetch_many([ps.PullRequest(n, i) for n, i in announce])
+    h = cached.pull_groups_async([GroupPull(ids.space, ids.packed)])
     t1 = time.perf_counter()
     timed.phase = "serve"
     h.wait()
@@ -242,9 +274,8 @@ def cached_step(
         time.sleep(compute_s)
     timed.phase = "push"
     t3 = time.perf_counter()
-    cached.push_many(
-        [ps.PushRequest(n, i, grad[: i.numel()]) for n, i in zip(names, ids, strict=True)]
-    )
+    push = GroupPush(ids.space, ids.packed, grad[: ids.packed.numel()])
+    cached.push_groups_async([push]).wait()
     t4 = time.perf_counter()
     timed.phase = "other"
     spent["plan"] += t1 - t0
@@ -342,10 +373,10 @@ def _run_policy(z: Sizes, draws: ZipfDraws, policy: str) -> tuple[int, int, dict
         prefetch="on" if z.prefetch == "auto" else z.prefetch,
     )
     cached = cache.CachedStore(store, cfg)
-    grad = torch.full((z.batch, z.dim), 1e-3)
+    grad = torch.full((z.batch * z.tables, z.dim), 1e-3)  # room for every distinct id
 
-    def batch(s: int) -> list[torch.Tensor]:
-        return [torch.from_numpy(b) for b in draws.batch(s)]
+    def batch(s: int) -> StepIds:
+        return step_ids(draws, s, names)
 
     s, nxt = 0, batch(0)
     filled = 0
@@ -455,11 +486,13 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
     """Warm up, then alternate timed blocks of uncached and cached steps."""
     draws = ZipfDraws(z.rows, z.batch, z.tables, seed=0)
 
-    def batch(s: int) -> list[torch.Tensor]:
-        return [torch.from_numpy(b) for b in draws.batch(s)]
-
     names_u = make_tables(store_u, "u", z)
     names_c = make_tables(store_c, "c", z)
+
+    def batch(s: int) -> dict[str, StepIds]:
+        """Step ``s``'s ids for either variant's tables ("u": uncached, also per table)."""
+        return {"u": step_ids(draws, s, names_u), "c": step_ids(draws, s, names_c)}
+
     cfg = cache.CacheConfig(
         capacity_fraction=z.fraction,
         read_bound=z.read_bound,
@@ -472,22 +505,23 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
     )
     timed = TimedStore(store_c)  # the store's share of the cached step, per phase
     cached = cache.CachedStore(timed, cfg)
-    grad = torch.full((z.batch, z.dim), 1e-3)
+    grad = torch.full((z.batch * z.tables, z.dim), 1e-3)  # room for every distinct id
     compute_s = z.compute_ms / 1e3
 
     messages = {w: {"pull_messages": 0, "push_messages": 0} for w in ("u", "p", "c")}
     empty = torch.empty(0, dtype=torch.int64)
     spent = dict.fromkeys(PHASES, 0.0)  # the cached steps' seconds per phase
 
-    def run(which: str, first: int, count: int, steps: list[list[torch.Tensor]]) -> float:
+    def run(which: str, first: int, count: int, steps: list[dict[str, StepIds]]) -> float:
         store, names = (cached, names_c) if which == "c" else (store_u, names_u)
+        mine = [b["c" if which == "c" else "u"] for b in steps]
         before = store.request_counts()
         t = time.perf_counter()
         for s in range(count):
             if which == "c":
-                cached_step(cached, timed, names, steps[s], steps[s + 1], grad, compute_s, spent)
+                cached_step(cached, timed, names, mine[s], mine[s + 1], grad, compute_s, spent)
             else:
-                step(store, names, steps[s], steps[s + 1], grad, compute_s, which == "p")
+                step(store, names, mine[s], mine[s + 1], grad, compute_s, which == "p")
         elapsed = time.perf_counter() - t
         after = store.request_counts()
         for key in messages[which]:
@@ -507,7 +541,7 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
     nxt = batch(0)
     while True:  # until every cache was full, then settle into the steady state
         cur, nxt = nxt, batch(s + 1)
-        step(cached, names_c, cur, nxt, grad, 0.0)
+        step(cached, names_c, cur["c"], nxt["c"], grad, 0.0)
         s += 1
         full = all(st["evictions"] + st["rejected"] > 0 for st in cached.cache_stats().values())
         if full or s >= z.max_fill:
@@ -515,7 +549,7 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
     filled = s
     for _ in range(z.settle):
         cur, nxt = nxt, batch(s + 1)
-        step(cached, names_c, cur, nxt, grad, 0.0)
+        step(cached, names_c, cur["c"], nxt["c"], grad, 0.0)
         s += 1
     cached.pull_many([ps.PullRequest(n, empty) for n in names_c])  # the last prefetch
     warm = [batch(i) for i in range(4)]
@@ -533,7 +567,7 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
         nonlocal distinct
         now["first"] = first = s + r * z.block
         now["steps"] = steps = [batch(first + i) for i in range(z.block + 1)]
-        distinct += sum(int(i.numel()) for b in steps[: z.block] for i in b)
+        distinct += sum(int(b["u"].packed.numel()) for b in steps[: z.block])
 
     def block(which: str) -> Callable[[], float]:
         return lambda: run(which, now["first"], z.block, now["steps"])
