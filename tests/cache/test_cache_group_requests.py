@@ -1,6 +1,7 @@
 """Group requests through the cache (``CachedStore.pull_groups_async`` /
 ``push_groups_async``): a lone group request over exactly one shared cache's id space
-is that cache's ask as it comes, its packed ids not cut by table nor packed again.
+(what the hybrid tables send for a dim group of fixed tables) is that cache's ask as it
+comes, its packed ids not cut by table nor packed again.
 
 Reference: a second cache over an identical store fed the same rows as per-table
 requests (``pull_many`` / ``push_many``), which pack them into the same ids: the same
@@ -13,12 +14,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import cache
 import ps
 from cache.table_group import TableGroup
 from ps import PullRequest, PushRequest
 from ps.group_requests import GroupPull, GroupPush, IdSpace
+from tiny_hybrid import TinyHybrid, tiny_batch
 from tolerance import assert_same
 
 pytestmark = pytest.mark.timeout(60)
@@ -148,3 +151,51 @@ def test_a_group_request_over_another_space_is_cut_by_table() -> None:
         [PullRequest("b", torch.tensor([4])), PullRequest("a", torch.tensor([1]))]
     )
     assert_same(got_ba.rows, torch.cat([want_b.rows, want_a.rows]), what="b, a rows", why=SAME)
+
+
+@pytest.mark.parametrize("bounds", [(0, 0), (2, 3)])
+def test_hybrid_tables_train_the_same_through_their_group_requests(
+    bounds: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model on two hybrid tables of one dim behind a shared cache: its group requests
+    taken as they come (never packed again) against the same model whose requests the
+    cache cuts by table and packs (the route of any other request): the same cache code
+    on the same ids and gradients, so every loss and the final store bit for bit."""
+
+    def model() -> tuple[TinyHybrid, cache.CachedStore, torch.optim.Optimizer]:
+        cfg = cache.CacheConfig(
+            capacity_fraction=0.1, group_tables=True, read_bound=bounds[0],
+            write_bound=bounds[1],
+        )  # fmt: skip
+        store = cache.CachedStore(ps.InProcessStore(), cfg)
+        m = TinyHybrid(store, ps.RowWiseAdagrad(lr=0.1))
+        return m, store, torch.optim.SGD(m.top.parameters(), lr=0.1)
+
+    fast, fast_store, fast_opt = model()
+    cut, cut_store, cut_opt = model()
+    g = torch.Generator().manual_seed(3)
+    for step in range(15):
+        kjt, labels = tiny_batch(g)
+        losses = []
+        for m, opt, route in ((fast, fast_opt, "fast"), (cut, cut_opt, "cut")):
+            with monkeypatch.context() as patch:
+                if route == "fast":
+                    patch.setattr(TableGroup, "pack_many", _never)
+                else:  # no cache's space matches: cut by table
+                    patch.setattr(cache.CachedStore, "_cache_of_space", lambda *a: None)
+                loss = F.binary_cross_entropy_with_logits(m(kjt), labels)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            losses.append(loss.detach())
+        assert_same(losses[0], losses[1], what=f"step {step} loss", why=SAME)
+    assert fast_store.cache_stats() == cut_store.cache_stats()
+    assert fast_store.cache_stats()["user+item"]["evictions"] > 0
+    for s in (fast_store, cut_store):
+        s.flush()
+    for name, rows in (("user", 300), ("item", 500)):
+        every = torch.arange(rows)
+        a, b = fast_store.inner, cut_store.inner
+        assert_same(a.pull(name, every).rows, b.pull(name, every).rows, what=name, why=SAME)
+        assert torch.equal(a.clocks(name, every), b.clocks(name, every))
+        assert_same(a.state(name, every), b.state(name, every), what=f"{name} state", why=SAME)
