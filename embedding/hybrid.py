@@ -175,11 +175,10 @@ class _Group:
     # Per table its unique ids [U_t], sorted (CPU); for packed tables cut from ``keys``
     # on first use (:meth:`table_ids`): their pulls and pushes are group requests.
     unique: list[torch.Tensor] | None
-    # Fixed tables packed into one id space: the unique keys [U] (CPU, sorted), each
-    # table's base (table t's id i is key bases[t] + i) and the space the store is asked
-    # in; None for a group with a dynamic table.
+    # Fixed tables packed into one id space: the unique keys [U] (CPU, sorted) and the
+    # space the store is asked in (table t's id i is key space.bases[t] + i); None for a
+    # group with a dynamic table.
     keys: torch.Tensor | None = None
-    bases: list[int] | None = None
     space: IdSpace | None = None
 
     def table_ids(self) -> list[torch.Tensor]:
@@ -591,9 +590,8 @@ class _Staged:
         (keys,) = host  # [U] sorted packed keys
         space = IdSpace(tuple(c.name for c in self.tables), np.array(self.starts, np.int64))
         return _Group(
-            self.features, self.tables, self.batch, self.perm, self.counts, None, keys,
-            self.starts[:-1], space,
-        )  # fmt: skip
+            self.features, self.tables, self.batch, self.perm, self.counts, None, keys, space
+        )
 
 
 def _dedup_on_device(kjt: KeyedJaggedIds, tables: Plan) -> _Staged:
@@ -620,20 +618,16 @@ def _dedup_on_device(kjt: KeyedJaggedIds, tables: Plan) -> _Staged:
         uniques = [keys]
     else:
         per_table = [sum(kjt.key_slice(f).ids.numel() for f in fs) for _, fs in tables]
-        perms, all_counts, uniques = [], [], []
-        pos = 0
-        for n in per_table:
-            srt, p = torch.sort(gb.ids[pos : pos + n])
-            u, c = torch.unique_consecutive(srt, return_counts=True)
+        perms, all_counts, uniques, indices = [], [], [], []
+        pos = rows = 0
+        for n in per_table:  # table by table: positions and unique rows offset
+            p, u, cnt, i = cpu_kernel.dedup_ids(gb.ids[pos : pos + n])
             perms.append(p + pos)
-            all_counts.append(c)
+            all_counts.append(cnt)
             uniques.append(u)
-            pos += n
-        perm, counts = torch.cat(perms), torch.cat(all_counts)
-        index = torch.empty_like(perm)  # [N] each id's unique row
-        index[perm] = torch.repeat_interleave(
-            torch.arange(counts.numel(), device=perm.device), counts, output_size=perm.numel()
-        )
+            indices.append(i + rows)
+            pos, rows = pos + n, rows + int(u.numel())
+        perm, counts, index = torch.cat(perms), torch.cat(all_counts), torch.cat(indices)
     batch = GroupBatch(index, gb.offsets, gb.weights)
     return _Staged(feats, cfgs, batch, perm, counts, uniques, [*starts, base] if packed else None)
 
@@ -809,18 +803,20 @@ def _used_by(pushed: list[_Group], ahead: list[_Group]) -> _Overlap:
     for gp in pushed:
         k = by_tables.get(tuple(c.name for c in gp.tables))
         ga = ahead[k] if k is not None else None
-        if ga is not None and gp.keys is not None and ga.keys is not None and gp.bases == ga.bases:
-            assert gp.bases is not None and k is not None
+        if ga is not None and gp.space is not None and ga.space is not None:
+            # the same tables in the same order: the same id space
+            assert gp.keys is not None and ga.keys is not None and k is not None
             ka, kp = ga.keys, gp.keys  # [U_a], [U_p] packed, sorted
             if ka.numel() == 0:
                 continue
             pos = torch.searchsorted(ka, kp).clamp_(max=ka.numel() - 1)  # [U_p]
             hit = torch.nonzero(ka[pos] == kp).squeeze(1)  # [K] pushed rows the batch uses
             keys, at = kp[hit], pos[hit]  # [K] each
-            cut = torch.searchsorted(keys, torch.tensor([*gp.bases, 1 << 62])).tolist()
+            bases = gp.space.bases  # [k + 1], the last above every key
+            cut = torch.searchsorted(keys, torch.from_numpy(bases)).tolist()
             for t, cfg in enumerate(gp.tables):
                 if cut[t + 1] > cut[t]:
-                    used[cfg.name] = keys[cut[t] : cut[t + 1]] - gp.bases[t]
+                    used[cfg.name] = keys[cut[t] : cut[t + 1]] - int(bases[t])
                     places.append((k, at[cut[t] : cut[t + 1]]))
             continue
         for cfg, ids in zip(gp.tables, gp.table_ids(), strict=True):  # table by table
@@ -858,6 +854,17 @@ def _pull_again(owner: HybridTables, pulled: list[list[torch.Tensor]], rows: _Ov
         target[pos] = got.rows.to(target.device)  # the store serves them there: no copy
 
 
+def _by_table(g: _Group, rows: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Group ``g``'s ``[U, D]`` row gradients ``rows`` cut by table:
+    ``{table: (its unique ids [U_t], its rows [U_t, D])}``."""
+    out, at = {}, 0
+    for cfg, ids in zip(g.tables, g.table_ids(), strict=True):
+        n = int(ids.numel())
+        out[cfg.name] = (ids, rows[at : at + n])
+        at += n
+    return out
+
+
 def _push_now(owner: HybridTables, sums: list[tuple[_Group, torch.Tensor]]) -> None:
     """:func:`_push`'s store calls (on the pipeline's thread when there is one)."""
     group, store = owner.group, owner.store
@@ -869,21 +876,11 @@ def _push_now(owner: HybridTables, sums: list[tuple[_Group, torch.Tensor]]) -> N
             if g.space is not None and rows.is_cpu:  # one group push over the packed keys
                 assert g.keys is not None
                 requests.append(GroupPush(g.space, g.keys, rows))
-                continue
-            at = 0
-            for cfg, ids in zip(g.tables, g.table_ids(), strict=True):
-                n = int(ids.numel())
-                requests.append(PushRequest(cfg.name, ids, rows[at : at + n]))
-                at += n
+            else:
+                requests += [PushRequest(n, i, r) for n, (i, r) in _by_table(g, rows).items()]
         store.push_groups_async(requests).wait()  # one batched push: one message per server
         return
-    grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for g, rows in sums:
-        at = 0
-        for cfg, ids in zip(g.tables, g.table_ids(), strict=True):
-            n = int(ids.numel())
-            grads[cfg.name] = (ids, rows[at : at + n])
-            at += n
+    grads = {n: part for g, rows in sums for n, part in _by_table(g, rows).items()}
     gathered = []
     for name, cfg in owner.configs.items():
         if name in grads:

@@ -22,6 +22,14 @@ enum { CLOCK, OWN, COUNT, FREQ, PF_MARK, CHECKED, PUSHED };
 #define PASS_MAX_THREADS 64
 #define PASS_MIN_IDS_PER_THREAD 2048
 
+/* The threads a pass over n ids runs on: nthreads, within [1, PASS_MAX_THREADS], and
+   no more than give each thread PASS_MIN_IDS_PER_THREAD ids. */
+static int pass_threads(int64_t n, int nthreads) {
+    int nt = nthreads < 1 ? 1 : (nthreads > PASS_MAX_THREADS ? PASS_MAX_THREADS : nthreads);
+    if (n / PASS_MIN_IDS_PER_THREAD < nt) nt = (int)(n / PASS_MIN_IDS_PER_THREAD);
+    return nt < 1 ? 1 : nt;
+}
+
 /* ------------------------------------------------------------------ narrow rows
 
    A narrow table's record holds its row as d fp16 or bf16 values (kind NR_F16 or
@@ -94,9 +102,7 @@ void hr_cache_serve(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
     int64_t missed = 0, refreshed = 0;
     /* The slots are distinct (a pull's ids are), so the ids can be served in any order:
        nthreads > 1 splits them into contiguous ranges, one per OpenMP thread. */
-    int nt = nthreads < 1 ? 1 : (nthreads > PASS_MAX_THREADS ? PASS_MAX_THREADS : nthreads);
-    if (n / PASS_MIN_IDS_PER_THREAD < nt) nt = (int)(n / PASS_MIN_IDS_PER_THREAD);
-    if (nt < 1) nt = 1;
+    int nt = pass_threads(n, nthreads);
 #pragma omp parallel for num_threads(nt) schedule(static) reduction(+ : missed, refreshed)
     for (int64_t i = 0; i < n; ++i) {
         if (i + AHEAD < n && slots[i + AHEAD] >= 0) {
@@ -314,9 +320,7 @@ int64_t hr_cache_update(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
                      lr, eps, slots, row_ids, ids, e_ids, e_k, grads, e_g, e_s, slab, own8,
                      due_idx, due_k, out_ids, due_g, due_s};
     if (!ids) ne = 0;
-    int nt = nthreads < 1 ? 1 : (nthreads > PASS_MAX_THREADS ? PASS_MAX_THREADS : nthreads);
-    if (n / PASS_MIN_IDS_PER_THREAD < nt) nt = (int)(n / PASS_MIN_IDS_PER_THREAD);
-    if (nt < 1) nt = 1;
+    int nt = pass_threads(n, nthreads);
     /* a narrow row steps on a float32 copy (d floats a thread), then is rounded back */
     float* bufs = kind ? (float*)malloc(sizeof(float) * (size_t)((d > 0 ? d : 1) * nt)) : NULL;
     if (kind && !bufs) return -1;
