@@ -14,7 +14,8 @@ Two parts, each in one run:
   scikit-learn colorlog colorama tabulate texttable thop pyyaml psutil tensorboard tqdm``;
   missing: ``null`` with a note), and the popularity baseline: test HR@10 and NDCG@10,
   and training samples/s (a sample is one predicted next item: RecBole's samples are
-  every prefix of a training sequence, ours every position of it), medians over the seeds.
+  every prefix of a training sequence, ours every scored position of a training window),
+  medians over the seeds.
   Both train for at most ``--epochs`` epochs with early stopping on their validation metric.
   RecBole trains at ``--peer-batch-size 256`` rather than its default 2048: on a CPU
   thread its SASRec runs 823 samples/s at 256 against 435 at 2048 (both compute all 50
@@ -99,7 +100,8 @@ def catalogue_jobs(items: int, quick: bool, threads: int) -> dict[str, Any]:
     users = 400 if quick else 2_000
     base = dict(
         data="synthetic", synthetic_items=items, synthetic_users=users, synthetic_length=40,
-        verbose=False, progress=False, epochs=1, dropout=0.0,
+        verbose=False, progress=False, epochs=1, dropout=0.0, batch_unit="users",
+        train_context=0,  # a step's batch is whole users, every position predicted
     )  # fmt: skip
 
     def job(**over: Any) -> SeqJob:

@@ -404,14 +404,20 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 class SequenceBatches:
     """This rank's batches of a :class:`LeaveOneOut` split.
 
-    Training: each step's GLOBAL batch is ``batch_size`` users (of those with a
-    training sample, i.e. at least 2 training interactions), in an order shuffled per
-    epoch from ``(seed, epoch)`` only (numpy ``PCG64``), never from the rank count. The
-    global batch is dealt to ranks by user: rank ``r`` takes users ``[r*b, (r+1)*b)``,
-    ``b = batch_size // size`` (``batch_size`` must split evenly). The last global batch
-    of an epoch may be partial: it is kept and dealt as evenly as possible (some ranks
-    get one user fewer, a rank may get none: an empty :class:`SeqBatch`). So the ranks'
-    batches of step ``k``, concatenated in rank order, are the one-process batch of step ``k``.
+    Training (``unit="users"``): each step's GLOBAL batch is ``batch_size`` users (of
+    those with a training sample, i.e. at least 2 training interactions), in an order
+    shuffled per epoch from ``(seed, epoch)`` only (numpy ``PCG64``), never from the rank
+    count. The global batch is dealt to ranks by user: rank ``r`` takes users
+    ``[r*b, (r+1)*b)``, ``b = batch_size // size`` (``batch_size`` must split evenly).
+    The last global batch of an epoch may be partial: it is kept and dealt as evenly as
+    possible (some ranks get one user fewer, a rank may get none: an empty
+    :class:`SeqBatch`). So the ranks' batches of step ``k``, concatenated in rank order,
+    are the one-process batch of step ``k``. ``unit="windows"``: the same, with the
+    training windows (below) of every user in place of the users: a global batch is
+    ``batch_size`` windows drawn from all users' windows, shuffled across users per
+    epoch (as RecBole batches its training prefixes), so a user's windows are spread
+    over an epoch's steps and one step sees as many users as windows; each window is
+    dealt to one rank whole.
 
     A user's training samples (``windows="all"``): its training sequence ``s``, inputs
     ``s[:-1]`` and targets ``s[1:]``, cut into windows of ``max_seq_len`` inputs counted
@@ -423,9 +429,10 @@ class SequenceBatches:
     predicting their next items, so every target is still predicted once, from at least
     ``C`` earlier items where the history has them (an evaluation sample reads up to
     ``max_seq_len``). ``windows="last"``: the most recent window only (``s`` cut to its
-    last ``max_seq_len + 1`` items), every position scored. A user's windows stay
-    together, oldest first, in the user's batch (so a batch has ``batch_size`` users and
-    at least as many samples; ``users`` names each sample's user). An evaluation
+    last ``max_seq_len + 1`` items), every position scored. With ``unit="users"`` a
+    user's windows stay together, oldest first, in the user's batch (so a batch has
+    ``batch_size`` users and at least as many samples); ``users`` names each sample's
+    user. An evaluation
     sample: the most recent ``max_seq_len`` items before the target as inputs (the
     training part for "val"; the training part and the validation item for "test").
     """
@@ -441,9 +448,12 @@ class SequenceBatches:
         seed: int,
         windows: Literal["all", "last"] = "all",
         context: int = 0,
+        unit: Literal["users", "windows"] = "users",
     ) -> None:
         if windows not in ("all", "last"):
             raise ValueError(f"SequenceBatches: windows must be 'all' or 'last', got {windows!r}")
+        if unit not in ("users", "windows"):
+            raise ValueError(f"SequenceBatches: unit must be 'users' or 'windows', got {unit!r}")
         if max_seq_len < 1:
             raise ValueError(f"SequenceBatches: max_seq_len must be >= 1, got {max_seq_len}")
         if not 0 <= context < max_seq_len:
@@ -468,19 +478,31 @@ class SequenceBatches:
         self.split = split
         self.max_seq_len, self.batch_size = max_seq_len, batch_size
         self.rank, self.size, self.seed = rank, size, seed
-        self.windows, self.context = windows, context
+        self.windows, self.context, self.unit = windows, context, unit
         self.train_users = np.flatnonzero(split.train_lengths() >= 2).astype(np.int64)
+        # unit "windows": every training window's (start, scored_from, end, user), [W] each
+        self._all_windows = self._train_window(self.train_users) if unit == "windows" else None
+
+    @property
+    def _units(self) -> int:
+        """What an epoch shuffles and deals: training users, or their windows."""
+        if self._all_windows is None:
+            return len(self.train_users)
+        return len(self._all_windows[0])
 
     @property
     def steps_per_epoch(self) -> int:
-        return -(-len(self.train_users) // self.batch_size)
+        return -(-self._units // self.batch_size)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """The training users of ``epoch`` in their shuffled order (every rank alike)."""
+        """The training users of ``epoch`` in their shuffled order (``unit="windows"``:
+        the indices of the windows of :meth:`_train_window` over all training users), the
+        same on every rank."""
         if epoch < 0:
             raise ValueError(f"SequenceBatches: epoch must be >= 0, got {epoch}")
         rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
-        return self.train_users[rng.permutation(len(self.train_users))]
+        order = rng.permutation(self._units)
+        return order if self._all_windows is not None else self.train_users[order]
 
     def train_batches(
         self, epoch: int, skip: int = 0, start: torch.Tensor | None = None
@@ -492,7 +514,14 @@ class SequenceBatches:
         for step in range(skip, self.steps_per_epoch):
             glob = order[step * self.batch_size : (step + 1) * self.batch_size]
             lo, hi = deal(len(glob), self.rank, self.size)
-            batch = self.train_batch(glob[lo:hi], self._train_targets(glob))
+            if self._all_windows is None:
+                batch = self.train_batch(glob[lo:hi], self._train_targets(glob))
+            else:
+                w_start, scored_from, end, owner = (w.take(glob) for w in self._all_windows)
+                batch = self._window_batch(
+                    w_start[lo:hi], scored_from[lo:hi], end[lo:hi], owner[lo:hi],
+                    int((end - scored_from).sum()),
+                )  # fmt: skip
             batch.epoch, batch.step = epoch, step
             yield batch, None
 
@@ -525,8 +554,19 @@ class SequenceBatches:
 
     def train_batch(self, users: np.ndarray, global_targets: int) -> SeqBatch:
         """The training samples of ``users`` (each with >= 2 training interactions)."""
+        return self._window_batch(*self._train_window(users), global_targets)
+
+    def _window_batch(
+        self,
+        start: np.ndarray,
+        scored_from: np.ndarray,
+        end: np.ndarray,
+        owner: np.ndarray,
+        global_targets: int,
+    ) -> SeqBatch:
+        """The samples of the windows ``(start, scored_from, end, owner)`` (``[W]`` each,
+        as :meth:`_train_window` gives them), in that order."""
         d = self.split.data
-        start, scored_from, end, owner = self._train_window(users)
         idx, offsets = _ranges(start, end)
         scored = None
         target_at = idx  # [T] global positions whose next item is predicted

@@ -49,10 +49,11 @@ class SeqConfig(RunOptions):
         help="all: a history longer than --max-seq-len trains in windows of that many items, "
         "every training item predicted once per epoch; last: only its most recent window",
     )
-    train_context: int = option(
-        0,
+    train_context: int | None = option(
+        None,
         help="--train-windows all: consecutive windows overlap by this many inputs, read "
-        "but not predicted again, so each predicted item has that much history before it",
+        "but not predicted again, so each predicted item has that much history before it; "
+        "default 9/10 of --max-seq-len (45 of 50)",
     )
     # ---- model
     model: Literal["sasrec", "hstu"] = option(
@@ -86,7 +87,14 @@ class SeqConfig(RunOptions):
     # ---- schedule
     epochs: int = option(200, help="passes over the training users (ended by --patience)")
     max_steps: int = option(0, help="stop after this many steps in total; 0 = no limit")
-    batch_size: int = option(128, help="users per global step, split evenly over the ranks")
+    batch_size: int = option(
+        64, help="windows (or users, --batch-unit) per global step, split evenly over the ranks"
+    )
+    batch_unit: Literal["users", "windows"] = option(
+        "windows",
+        help="what --batch-size counts: users, each with all its training windows; or "
+        "windows, drawn from every user's and shuffled across users each epoch",
+    )
     eval_batch_size: int = option(256, help="users per evaluation batch")
     eval_every: int = option(0, help="steps between validation passes; 0 = after each epoch")
     keep_best: bool = option(
@@ -145,7 +153,7 @@ class SeqConfig(RunOptions):
         for name in ("negatives", "max_steps", "eval_every", "patience", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.train_context < self.max_seq_len:
+        if self.train_context is not None and not 0 <= self.train_context < self.max_seq_len:
             raise ValueError(
                 f"train_context must be in [0, max_seq_len = {self.max_seq_len}), "
                 f"got {self.train_context}"
@@ -171,6 +179,15 @@ class SeqConfig(RunOptions):
                 f"patience {self.patience} needs keep_best (early stopping keeps the best epoch)"
             )
         parse_ps(self.ps)  # checks the --ps syntax
+
+    @property
+    def window_context(self) -> int:
+        """The inputs each training window reads before its first predicted one:
+        ``--train-context``, by default 9/10 of ``--max-seq-len`` (0 for ``--train-windows
+        last``, whose one window predicts every position)."""
+        if self.train_context is not None:
+            return self.train_context
+        return 0 if self.train_windows == "last" else self.max_seq_len * 9 // 10
 
     @property
     def model_dropout(self) -> float:

@@ -175,7 +175,7 @@ class SeqJob:
         self.source = SequenceBatches(
             self.split, max_seq_len=cfg.max_seq_len, batch_size=cfg.batch_size,
             rank=group.rank, size=group.size, seed=cfg.seed, windows=cfg.train_windows,
-            context=cfg.train_context,
+            context=cfg.window_context, unit=cfg.batch_unit,
         )  # fmt: skip
         self.num_items = items = self.data.num_items
         self.full_softmax = cfg.uses_full_softmax(items)
@@ -466,7 +466,7 @@ class SeqJob:
             "world_size": self.group.size,
             "device": str(self.device),
             "train_seconds": run.train_seconds,
-            "users_per_s": run.samples_per_s,
+            f"{cfg.batch_unit}_per_s": run.samples_per_s,  # what --batch-size counts
             # a training sample is one predicted position (one next item), as in RecBole,
             # whose samples are every prefix of a user's training sequence
             "samples_per_s": self.trained_targets / run.train_seconds if run.train_seconds else 0.0,

@@ -455,6 +455,52 @@ def test_context_windows_read_earlier_items_and_predict_each_target_once(
             assert sum(p.num_targets for p in parts) == whole.global_targets
 
 
+@pytest.mark.parametrize(("max_len", "context"), [(3, 0), (5, 2), (10, 9)])
+def test_window_batches_deal_every_window_once_shuffled_across_users(
+    max_len: int, context: int
+) -> None:
+    """``unit="windows"``: an epoch's batches hold the windows of ``unit="users"`` (the
+    loop reference), each once, ``batch_size`` of them a step, in an order drawn from
+    ``(seed, epoch)`` across users (a user's windows spread over steps); the ranks'
+    batches concatenated equal one process's at 2 and 4 ranks, and a skip builds the
+    same later steps."""
+    split = LeaveOneOut.of(_synthetic(users=30, seed=2))
+
+    def make(rank: int, size: int, seed: int = 0) -> SequenceBatches:
+        return SequenceBatches(split, max_seq_len=max_len, batch_size=8, rank=rank, size=size,
+                               seed=seed, context=context, unit="windows")  # fmt: skip
+
+    want = _context_windows(split, max_len, context)
+    one = make(0, 1)
+    assert one.steps_per_epoch == math.ceil(len(want) / 8) and len(want) % 8
+    for epoch in (0, 1):
+        single = [b for b, _ in one.train_batches(epoch)]
+        windows = [_windows_of(b) for b in single]
+        assert sorted(w for ws in windows for w in ws) == sorted(want)
+        assert [len(ws) for ws in windows] == [8] * (len(single) - 1) + [len(want) % 8]
+        for b, ws in zip(single, windows, strict=True):
+            assert b.global_targets == b.num_targets == sum(len(w[3]) for w in ws)
+        steps_of: dict[int, set[int]] = {}
+        for step, ws in enumerate(windows):
+            for w in ws:
+                steps_of.setdefault(w[0], set()).add(step)
+        assert any(len(steps) > 1 for steps in steps_of.values())
+        for size in (2, 4):
+            per_rank = [[b for b, _ in make(r, size).train_batches(epoch)] for r in range(size)]
+            assert {len(b) for b in per_rank} == {one.steps_per_epoch}
+            for step, whole in enumerate(single):
+                parts = [per_rank[r][step] for r in range(size)]
+                assert [w for p in parts for w in _windows_of(p)] == windows[step]
+                assert {p.global_targets for p in parts} == {whole.num_targets}
+                assert {(p.epoch, p.step) for p in parts} == {(epoch, step)}
+        for skip in (1, len(single) - 1):
+            later = [_windows_of(b) for b, _ in one.train_batches(epoch, skip=skip)]
+            assert later == windows[skip:]
+    assert [_windows_of(b) for b, _ in make(0, 1, seed=1).train_batches(0)] != [
+        _windows_of(b) for b, _ in one.train_batches(0)
+    ]
+
+
 def test_context_errors() -> None:
     split = LeaveOneOut.of(_synthetic())
     with pytest.raises(ValueError, match=r"context must be in \[0, max_seq_len = 3\), got 3"):
@@ -462,3 +508,6 @@ def test_context_errors() -> None:
     with pytest.raises(ValueError, match="context 1 needs windows='all'"):
         SequenceBatches(split, max_seq_len=3, batch_size=4, rank=0, size=1, seed=0,
                         windows="last", context=1)  # fmt: skip
+    with pytest.raises(ValueError, match="unit must be 'users' or 'windows', got 'items'"):
+        SequenceBatches(split, max_seq_len=3, batch_size=4, rank=0, size=1, seed=0,
+                        unit="items")  # type: ignore[arg-type]  # fmt: skip

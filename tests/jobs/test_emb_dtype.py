@@ -201,7 +201,7 @@ SEQ = dict(
     data="synthetic", synthetic_items=300, synthetic_users=96, synthetic_length=14,
     synthetic_zipf=0.6, max_seq_len=12, dim=16, n_layer=1, n_head=2, batch_size=16, epochs=3,
     patience=0, lr=1e-2, emb_lr=1e-2, eval_batch_size=40, dropout=0.0, verbose=False,
-    progress=False, placement="hybrid",
+    progress=False, placement="hybrid", batch_unit="users", train_context=0,
 )  # fmt: skip
 
 

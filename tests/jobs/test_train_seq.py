@@ -31,11 +31,12 @@ from ps import InProcessStore
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_seq.py"
 # Small and quick: synthetic histories the encoder can learn (each item's usual
-# successor), full softmax over 300 items; a few seconds per run.
+# successor), full softmax over 300 items; a few seconds per run. Batches of users
+# without context windows: 6 steps an epoch (the default windows have their own tests).
 SMALL: dict[str, Any] = dict(
     data="synthetic", synthetic_items=300, synthetic_users=96, synthetic_length=14,
     synthetic_zipf=0.6, max_seq_len=12, dim=16, n_layer=1, n_head=2, batch_size=16, epochs=3,
-    patience=0,
+    patience=0, batch_unit="users", train_context=0,
     lr=1e-2, emb_lr=1e-2, eval_batch_size=40, dropout=0.0,
 )  # fmt: skip
 
@@ -58,6 +59,12 @@ def test_defaults_and_errors() -> None:
     cfg = parse_args(["--model", "hstu", "--loss", "sampled", "--negatives", "64"])
     assert (cfg.model, cfg.loss, cfg.negatives, cfg.model_dropout) == ("hstu", "sampled", 64, 0.2)
     assert SeqConfig().model_dropout == 0.5
+    assert (SeqConfig().batch_unit, SeqConfig().batch_size) == ("windows", 64)
+    assert SeqConfig().window_context == 45 and SeqConfig(max_seq_len=20).window_context == 18
+    assert SeqConfig(train_windows="last").window_context == 0
+    assert SeqConfig(train_context=3).window_context == 3
+    with pytest.raises(ValueError, match=r"train_context must be in \[0, max_seq_len = 50\), got"):
+        SeqConfig(train_context=50)
     with pytest.raises(ValueError, match="dim 30 must be a multiple of n_head 4"):
         SeqConfig(dim=30, n_head=4)
     with pytest.raises(ValueError, match="data 'recbole' needs data_path DIR"):
@@ -185,6 +192,20 @@ def test_context_positions_are_read_not_predicted(loss: str) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_default_windows_learn_and_beat_popularity() -> None:
+    """The default batches: windows shuffled across users, each predicting its last
+    targets after 9/10 of ``max_seq_len`` inputs (here 10 of 12); the run learns the
+    successors as the user batches do."""
+    cfg = SeqConfig(**(SMALL | dict(batch_unit="windows", train_context=None)))  # type: ignore[arg-type]
+    assert cfg.window_context == 10
+    r = _run(batch_unit="windows", train_context=None)
+    # ~11 targets per user, 2 per window: > 4 windows a user, > 24 steps of 16 an epoch
+    assert r["steps"] > 3 * 24, r["steps"]
+    assert _losses(r)[-1] < _losses(r)[0]
+    assert r["test_hr@10"] >= 2 * r["popularity_hr@10"], r
+
+
+@pytest.mark.timeout(120)
 def test_exclude_seen_only_lowers_ranks() -> None:
     """Leaving the user's earlier items out of the ranking can only move targets up."""
     plain = _run(epochs=1)
@@ -214,6 +235,8 @@ def _assert_matches(final: dict[str, Any], reference: dict[str, Any], nprocs: in
         ("gloo", 2, "sharded", {}, []),
         ("mpi", 2, "local", {"loss": "sampled", "negatives": 32}, []),
         ("mpi", 2, "local", {"train_context": 5}, []),
+        ("mpi", 4, "local", {"batch_unit": "windows", "train_context": 5}, []),
+        ("gloo", 2, "local", {"batch_unit": "windows"}, []),
     ],
 )
 def test_ranks_match_one_process(
