@@ -1,7 +1,7 @@
 """Next-item recommenders side by side: hybridrec's SASRec and HSTU against RecBole's SASRec.
 
     python benchmarks/seq_bench.py                     # full: 3 seeds, MovieLens + 1 M items
-    python benchmarks/seq_bench.py --quick             # < 1 minute smoke run
+    python benchmarks/seq_bench.py --quick             # ~2 minutes smoke run
     python benchmarks/seq_bench.py --peer-python /path/to/venv/bin/python   # RecBole's env
 
 Two parts, each in one run:
