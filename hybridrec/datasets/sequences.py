@@ -478,7 +478,7 @@ class SequenceBatches:
         self.split = split
         self.max_seq_len, self.batch_size = max_seq_len, batch_size
         self.rank, self.size, self.seed = rank, size, seed
-        self.windows, self.context, self.unit = windows, context, unit
+        self.windows, self.context = windows, context
         self.train_users = np.flatnonzero(split.train_lengths() >= 2).astype(np.int64)
         # unit "windows": every training window's (start, scored_from, end, user), [W] each
         self._all_windows = self._train_window(self.train_users) if unit == "windows" else None
