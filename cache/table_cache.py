@@ -585,6 +585,11 @@ class TableCache:
             tick = self.tick
             slots = self._slots_of(uniq, self.prefetched, None) if fused is None else fused[0]
         hit = slots >= 0
+        if not prefetch and fused is None:  # (the pass marked them)
+            # This batch's cached rows are in use from now: no victim search (of this
+            # batch's misses, or of a prefetch planned after it) takes them. LFU and
+            # TinyLFU keys get their frequency when the rows are served.
+            self.policy.use(slots[hit], None, tick)
         if exclude is not None:
             self.reserved = slots[hit]
         if not prefetch:
@@ -682,14 +687,16 @@ class TableCache:
         """A sole writer's serving pull of the distinct ``uniq`` ``[U]`` planned in one C
         pass (:mod:`cache.kernels.plan_pull`): ``(slots [U], asked [A], clocks [A])`` as
         the map lookup and :func:`cache.kernels.records.sole_writer_asks` give them, with
-        every id counted in the sketch (not estimated). None (nothing counted) where the
-        pass does not run: no dense id map, or no kernel."""
+        every id counted in the sketch (not estimated) and every cached row's eviction key
+        marked used at the coming tick. None (nothing counted or written) where the pass
+        does not run: no dense id map, or no kernel."""
         if not isinstance(self.index, DenseSlotIndex):
             return None
         return plan_pull(
             uniq, self.index.map, None if self.sketch is None else self.sketch.kernel_view(),
             self.slab, self.meta_at, self.own8, own8_max=OWN8_MAX, clock_word=CLOCK,
             own_word=OWN, bound=self.read_bound, fill=-1 - self.read_bound,
+            keys=self.policy.key, tick=self.tick + 1,
         )  # fmt: skip
 
     def _admittable(
@@ -881,11 +888,7 @@ class TableCache:
             self.own8[ref_slots] = 0
 
         # Misses: admit into free (or freed) slots; those that do not fit pass through.
-        if not f.prefetch:  # this batch's cached rows are in use (protected from eviction)
-            # LFU and TinyLFU keys are rewritten by the serve below, so without misses to
-            # admit (no victim search in between) their keys need no write here
-            if miss_u.size or not (self.lfu or self.sketch is not None):
-                self.policy.use(slots[hit], None, f.tick)
+        if not f.prefetch:  # this batch's cached rows: in use since the plan (their keys)
             self.touched += int(np.count_nonzero(hit))
         protect = slots[hit] if f.prefetch else None
         adm_freq = None  # TinyLFU: the admitted rows' frequencies (their key)

@@ -5,14 +5,15 @@ Planning a serving pull of a cache that is its tables' only writer
 ids, each a random access per id into a structure larger than the CPU caches: counting
 each id in TinyLFU's sketch (:mod:`cache.sketch`), looking its slot up in the dense id ->
 slot map (:class:`cache.slot_index.DenseSlotIndex`), and deciding what to ask the store
-(:func:`cache.kernels.records.sole_writer_asks`). One pass does the three, with the
-sketch line and map entry of the ids ahead prefetched, so their misses overlap. The
+(:func:`cache.kernels.records.sole_writer_asks`); then every cached row is marked used
+by the batch in the eviction policy's keys. One pass does the four, with the sketch
+line, map entry and key of the ids ahead prefetched, so their misses overlap. The
 sketch's estimates are a second pass (:func:`cache.kernels.sketch.min_counts`), after
 every id was counted (and the sketch halved if that count brought it), as before.
 
 Built by :mod:`comm.native` from ``sketch.c`` and ``plan_pull.c`` (the sketch's own hash);
 :func:`plan_pull` returns None where that is not possible and the caller takes the three
-passes (the same counts, slots and asks: ``tests/cache/test_cache_kernel.py``).
+passes (the same counts, slots, asks and keys: ``tests/cache/test_cache_kernel.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.hr_plan_pull.restype = i64
     lib.hr_plan_pull.argtypes = [i64, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr]
-    lib.hr_plan_pull.argtypes += [i64] * 5 + [ptr, ptr]
+    lib.hr_plan_pull.argtypes += [i64] * 5 + [ptr, ptr, ptr, i64]
 
 
 def _ok(*arrays: np.ndarray | None) -> bool:
@@ -56,6 +57,8 @@ def plan_pull(
     own_word: int,
     bound: int,
     fill: int,
+    keys: np.ndarray | None = None,
+    tick: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """``(slots [U], asked [A], clocks [A])`` of the batch's distinct ``ids`` int64 ``[U]``
     (increasing): each id's slot in ``slot_map`` (int32, -1: not cached); the indices into
@@ -64,12 +67,17 @@ def plan_pull(
     their copy clocks (word ``clock_word``; ``fill`` for a miss). A record's int64 words
     start ``meta_at`` floats into its row of ``slab`` float32 ``[C, W]``. ``sketch``
     ``(mult uint64 [depth], lines, counters int32 [16 * lines])``: each id is also counted
-    once there (:meth:`cache.sketch.FrequencySketch.add`, without its bookkeeping). None
-    (nothing counted) where the kernel is not available."""
+    once there (:meth:`cache.sketch.FrequencySketch.add`, without its bookkeeping).
+    ``keys`` (int64 ``[C]``, the eviction policy's keys; None: untouched): each cached
+    row's key is set to ``tick``, as :meth:`cache.policy.EvictionPolicy.use` without a
+    frequency sets it (the row is in use by batch ``tick``). None (nothing counted or
+    written) where the kernel is not available."""
     lib = _library()
     if lib is None or not _ok(ids, slot_map, slab, own8):
         return None
     if ids.dtype != np.int64 or slot_map.dtype != np.int32 or own8.dtype != np.uint8:
+        return None
+    if keys is not None and (keys.dtype != np.int64 or not _ok(keys)):
         return None
     depth, mult_p, lines, counters_p = 0, None, 0, None
     if sketch is not None:
@@ -85,5 +93,6 @@ def plan_pull(
         n, ids.ctypes.data, slot_map.ctypes.data, slots.ctypes.data, depth, mult_p, lines,
         counters_p, meta_at, slab.shape[1], slab.ctypes.data, own8.ctypes.data, own8_max,
         clock_word, own_word, bound, fill, asked.ctypes.data, clocks.ctypes.data,
+        None if keys is None else keys.ctypes.data, tick,
     )  # fmt: skip
     return slots, asked[:k], clocks[:k]

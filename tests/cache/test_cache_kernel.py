@@ -242,12 +242,15 @@ def test_the_push_in_id_order_is_the_push_sorted(q: int, write_bound: int, evict
     assert np.array_equal(pos, batch_pos)  # positions into the batch; -1: evicted
 
 
+@pytest.mark.parametrize("keyed", [True, False])
 @pytest.mark.parametrize("sketched", [True, False])
 @pytest.mark.parametrize("seed", range(3))
-def test_plan_pass_equals_lookup_count_and_asks(seed: int, sketched: bool) -> None:
-    """plan_pull: the slots of the dense map's lookup, the asks of sole_writer_asks and
-    (with a sketch) the counters of FrequencySketch.add, from one pass."""
+def test_plan_pass_equals_lookup_count_and_asks(seed: int, sketched: bool, keyed: bool) -> None:
+    """plan_pull: the slots of the dense map's lookup, the asks of sole_writer_asks,
+    (with a sketch) the counters of FrequencySketch.add and (with keys) the eviction
+    keys of EvictionPolicy.use marking the cached rows used, from one pass."""
     from cache.kernels.plan_pull import plan_pull
+    from cache.policy import EvictionPolicy
     from cache.sketch import FrequencySketch
     from cache.slot_index import DenseSlotIndex
 
@@ -266,13 +269,20 @@ def test_plan_pass_equals_lookup_count_and_asks(seed: int, sketched: bool) -> No
     a, b = FrequencySketch(64, 4, 10_000), FrequencySketch(64, 4, 10_000)
     a.add(rng.integers(0, rows, 300))  # earlier counts
     b.counters.copy_(a.counters)
+    policy, want_policy = EvictionPolicy(cap, "tinylfu"), EvictionPolicy(cap, "tinylfu")
+    for p in (policy, want_policy):  # keys of earlier uses, some slots empty
+        p.use(np.arange(cap - 20), np.arange(cap - 20) % 7, 40)
+    tick = 41
     got = plan_pull(
         ids, index.map, b.kernel_view() if sketched else None, slab, 2 * d, own8,
         own8_max=records.OWN8_MAX, clock_word=table_cache.CLOCK, own_word=table_cache.OWN,
-        bound=bound, fill=fill,
+        bound=bound, fill=fill, keys=policy.key if keyed else None, tick=tick,
     )  # fmt: skip
     assert got is not None
     slots = index.lookup(ids)
+    if keyed:
+        want_policy.use(slots[slots >= 0], None, tick)
+    assert np.array_equal(policy.key, want_policy.key)
     want = records.sole_writer_asks(slab, d, slots, own8, bound, fill)
     assert want is not None
     assert np.array_equal(got[0], slots)
