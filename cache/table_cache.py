@@ -1092,9 +1092,9 @@ class TableCache:
         n_pf_ref: int,
     ) -> None:
         """Hits, misses, refreshes (now, ``n_ref``/``n_miss``, or by this batch's
-        prefetch, ``n_pf_*``) and the staleness served (``lag`` ``[U]`` at the
-        hits ``old``: own pushes since the read, a lower bound; exact PS clocks
-        with ``exact_staleness``)."""
+        prefetch, ``n_pf_*``) and the staleness served (``lag`` ``[U]``: own pushes
+        since the read at the hits ``old``, a lower bound, 0 elsewhere; exact PS
+        clocks with ``exact_staleness``)."""
         st = self.stats
         n_old = int(np.count_nonzero(old))
         n_pf = n_pf_miss + n_pf_ref
@@ -1103,11 +1103,11 @@ class TableCache:
         st.add("misses", n_miss + n_pf_miss)
         st.add("prefetched", n_pf)
         st.add("hits", n_old - n_pf)
-        old_lag = lag[old]  # [H]
         if self.exact and n_old > 0:
             now = self.store.clocks(self.name, torch.from_numpy(f.uniq[old])).numpy()
-            old_lag = now - self.meta[f.slots[old], CLOCK]
-        st.served(f.uniq.size - n_old, old_lag)
+            st.served(f.uniq.size - n_old, now - self.meta[f.slots[old], CLOCK])
+        else:  # lag is 0 where not old: the fresh rows' count at staleness 0
+            st.served(0, lag)
 
     def _admit(
         self, ids: np.ndarray, protect: np.ndarray | None, victims: np.ndarray | None = None

@@ -205,9 +205,9 @@ def serve_rows(
 
     Returns ``(rows [U, D], clocks [U], lag [U], freq [U], prefetched misses,
     prefetched refreshes)``; entries where ``slots`` is -1 are left unset (rows and
-    clocks: the caller fills them), ``lag`` is set where ``old``, ``freq`` with
-    ``lfu``; rows of a narrow ``kind`` are served widened. None where the kernel is not
-    available.
+    clocks: the caller fills them), ``lag`` is each row's ``OWN`` where ``old`` and 0
+    elsewhere, ``freq`` set with ``lfu``; rows of a narrow ``kind`` are served widened.
+    None where the kernel is not available.
     """
     lib = _library()
     if lib is None or not _ok(slab, slots, old, uses, keys, key_freq):
@@ -217,7 +217,7 @@ def serve_rows(
     n = slots.size
     rows = np.empty((n, dim), dtype=np.float32)
     clocks = np.empty(n, dtype=np.int64)
-    lag = np.empty(n, dtype=np.int64)
+    lag = np.zeros(n, dtype=np.int64)  # the pass writes it where old
     freq = np.empty(n, dtype=np.int64) if lfu else _no_uses()
     pf = np.zeros(2, dtype=np.int64)
     lib.hr_cache_serve(
