@@ -581,15 +581,17 @@ class TableCache:
             slots = self.index.lookup(uniq)  # [U], -1: not cached
         else:
             self.tick += 1
-            self.touched = 0
             tick = self.tick
             slots = self._slots_of(uniq, self.prefetched, None) if fused is None else fused[0]
         hit = slots >= 0
-        if not prefetch and fused is None:  # (the pass marked them)
+        if not prefetch:
             # This batch's cached rows are in use from now: no victim search (of this
-            # batch's misses, or of a prefetch planned after it) takes them. LFU and
-            # TinyLFU keys get their frequency when the rows are served.
-            self.policy.use(slots[hit], None, tick)
+            # batch's misses, or of a prefetch planned after it) takes them, and a
+            # prefetch planned after it counts them in use (touched). LFU and TinyLFU
+            # keys get their frequency when the rows are served.
+            if fused is None:  # (the pass marked them)
+                self.policy.use(slots[hit], None, tick)
+            self.touched = int(np.count_nonzero(hit))
         if exclude is not None:
             self.reserved = slots[hit]
         if not prefetch:
@@ -712,9 +714,10 @@ class TableCache:
         misses = hit.size - n_hit
         room = misses
         if misses > self.n_free and misses > self.capacity - self.touched - n_hit:
-            # At most `touched` slots were used by the current batch (or prefetched), and
-            # `n_hit` are wanted by the next one; other cached rows are evictable. Only
-            # when that bound does not settle it, count exactly (O(capacity)).
+            # At most `touched` slots are used by the current batch (its hits from its
+            # plan on, then its admissions, or prefetched), and `n_hit` are wanted by the
+            # next one; other cached rows are evictable. Only when that bound does not
+            # settle it, count exactly (O(capacity)).
             evictable = self.policy.evictable(self.tick)  # free slots are not
             evictable[slots[hit]] = False
             room = min(misses, self.n_free + int(np.count_nonzero(evictable)))
@@ -888,8 +891,6 @@ class TableCache:
             self.own8[ref_slots] = 0
 
         # Misses: admit into free (or freed) slots; those that do not fit pass through.
-        if not f.prefetch:  # this batch's cached rows: in use since the plan (their keys)
-            self.touched += int(np.count_nonzero(hit))
         protect = slots[hit] if f.prefetch else None
         adm_freq = None  # TinyLFU: the admitted rows' frequencies (their key)
         if self.sketch is not None and miss_u.size > 0:

@@ -125,3 +125,31 @@ def test_prefetch_then_push_first_keeps_order() -> None:
         what="store rows",
         why="one push of the same rows and gradients through the same store kernel",
     )
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "tinylfu"])
+def test_a_full_cache_prefetches_only_the_misses_it_has_room_for(policy: str) -> None:
+    """A prefetch riding on a serving pull that uses most of a full cache asks the store
+    only for the misses the rest of the cache can take: the serving pull's cached rows are
+    in use from its plan on, so no victim search, and no count of room, takes them.
+
+    50 slots, all cached; the serving pull reads 40 of them, the prefetch asks for 30 rows
+    not cached: 10 slots can take them (the 10 cached rows the batch does not read), so
+    LRU and LFU fetch 10 rows and keep them, none fetched in vain; TinyLFU fetches only
+    those of the 10 whose estimate beats their victim's, and keeps them."""
+    inner = ps.InProcessStore()
+    inner.create_table(ps.TableSpec(name="t", num_rows=100, dim=DIM, optimizer=ps.SGD(lr=0.1)))
+    store = cache.CachedStore(
+        inner, cache.CacheConfig(capacity_rows=50, policy=policy, prefetch="on", evict_chunk=1)
+    )
+    store.pull("t", torch.arange(0, 50))  # fills the cache
+    pulled = inner.stats()["t"]["rows_pulled"]
+    store.prefetch_many([ps.PullRequest("t", torch.arange(50, 80))])  # rides on the next pull
+    store.pull("t", torch.arange(0, 40))  # and the prefetch, in the same request
+    # the serving pull's 40 cached rows are current (bounds: nothing pushed): not sent back
+    fetched = inner.stats()["t"]["rows_pulled"] - pulled
+    assert fetched == 10 if policy != "tinylfu" else 0 < fetched <= 10, policy
+    kept = store.pull("t", torch.arange(50, 80))  # installs the prefetch first
+    st = store.cache_stats()["t"]
+    assert st["prefetched"] == fetched and st["cached_rows"] == 50  # every row fetched kept
+    assert_same(kept.rows, inner.pull("t", torch.arange(50, 80)).rows, what="rows", why="no push")
