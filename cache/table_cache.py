@@ -68,7 +68,10 @@ Nothing else may touch the table in between: the owner finishes a table's in-fli
 fetch before any other operation on that table. A prefetch planned together with a
 serving pull (the next batch's ids riding on this batch's request) leaves out the
 serving pull's ids and *reserves* the slots of its cached ids, so the serving pull's
-admissions cannot evict them before the prefetch is installed right after it.
+admissions cannot evict them before the prefetch is installed right after it. A serving
+pull marks its own cached rows in use when it is planned (their eviction keys, and
+``touched``), so no victim search from then on takes them and a prefetch planned after
+it does not count them as room.
 
 With TinyLFU (``policy="tinylfu"``) every serving pull also counts its distinct ids in
 a frequency sketch (:mod:`cache.sketch`) when it is planned, and a miss is admitted only
@@ -308,9 +311,6 @@ class TableCache:
         self.inflight: Fetch | None = None
         self.deferred: torch.Tensor | None = None  # next batch's ids for the next pull
         self.reserved: np.ndarray | None = None  # slots a planned prefetch counts as cached
-        # The planned serving pull's slots [U] and hits [U]; a prefetch planned after it
-        # protects those slots (planned_hits), so they are cut out only then
-        self.planned: tuple[np.ndarray, np.ndarray] = (_EMPTY_I64, _EMPTY_I64 >= 0)
         # Pushes due (gradients numpy, or tensors on the rows' device).
         self.outbox: list[_Due] = []
         self.push_handles: list[Handle] = []
@@ -380,12 +380,6 @@ class TableCache:
         """``own8`` of ``slots`` ``[K]`` := their records' OWN (capped), after numpy
         wrote those records."""
         self.own8[slots] = np.minimum(self.meta[slots, OWN], OWN8_MAX)
-
-    @property
-    def planned_hits(self) -> np.ndarray:
-        """Slots of the planned serving pull's hits ``[H']``."""
-        slots, hit = self.planned
-        return slots[hit]
 
     def _slots_of(self, uniq: np.ndarray, known: _Known | None, tick: int | None) -> np.ndarray:
         """Slots of ``uniq``: from ``known`` when it holds the same ids and is current.
@@ -594,8 +588,6 @@ class TableCache:
             self.touched = int(np.count_nonzero(hit))
         if exclude is not None:
             self.reserved = slots[hit]
-        if not prefetch:
-            self.planned = (slots, hit)
         fill = -1 - self.read_bound  # misses always come back
         if not prefetch and self.sole_writer:
             asks = None if fused is None else fused[1:]
@@ -741,7 +733,9 @@ class TableCache:
         miss_est = self.sketch.estimate(ids)  # [K]
         est = np.zeros(uniq.size, dtype=np.int64)  # [U]
         est[miss] = miss_est
-        protect = np.concatenate([slots[hit], self.planned_hits])  # [H + H']
+        # The victims spare the prefetch's own cached rows; the serving pull planned
+        # before it marked its rows in use (their keys) at its plan.
+        protect = slots[hit]  # [H]
         order, n, _ = self._choose(ids, miss_est + 1, protect)
         chosen = np.sort(miss.take(order[:n]))  # [n] in id order
         if misses_only:
