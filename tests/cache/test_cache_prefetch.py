@@ -148,7 +148,7 @@ def test_a_full_cache_prefetches_only_the_misses_it_has_room_for(policy: str) ->
     store.pull("t", torch.arange(0, 40))  # and the prefetch, in the same request
     # the serving pull's 40 cached rows are current (bounds: nothing pushed): not sent back
     fetched = inner.stats()["t"]["rows_pulled"] - pulled
-    assert fetched == 10 if policy != "tinylfu" else 0 < fetched <= 10, policy
+    assert (fetched == 10) if policy != "tinylfu" else (0 < fetched <= 10), policy
     kept = store.pull("t", torch.arange(50, 80))  # installs the prefetch first
     st = store.cache_stats()["t"]
     assert st["prefetched"] == fetched and st["cached_rows"] == 50  # every row fetched kept
