@@ -16,8 +16,10 @@ remaining ties: the smaller row id first. An empty slot holds ``FREE``. The low
 (uses since the row entered the cache) lives in the slot's record
 (:mod:`cache.table_cache`) and is passed in.
 
-A search is O(capacity) (a few passes over the keys; :func:`_smallest_keys`), which is why the
-cache evicts in chunks (:meth:`cache.CacheConfig.chunk`); a use is one scatter.
+A search is O(capacity) (one C pass over the keys,
+:func:`cache.kernels.victim_pool.search_near`; a few numpy passes without it,
+:func:`_smallest_keys`), which is why the cache evicts in chunks
+(:meth:`cache.CacheConfig.chunk`); a use is one scatter.
 TinyLFU evicts only rows that a candidate beats, so instead of evicting a chunk it
 keeps the chunk it found as a *pool* of victims in key order
 (:meth:`EvictionPolicy.ordered_victims`): later steps take victims from the pool while
@@ -31,7 +33,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cache.kernels.victim_pool import pool_valid
+from cache.kernels.victim_pool import pool_valid, search_near
+from ps.kernels.rowwise_adagrad import sort_ids
 
 TICK_BITS = 32  # a key's low bits: the last use
 _LOW = (1 << TICK_BITS) - 1
@@ -59,12 +62,35 @@ def _smallest_keys(key: np.ndarray, k: int) -> np.ndarray | None:
     return near if near.size >= k else None
 
 
+def _first_k(slots: np.ndarray, keys: np.ndarray, k: int, row_id: np.ndarray) -> np.ndarray:
+    """The ``k`` of ``slots`` ``[n]`` (increasing, ``n > k``) with the smallest ``keys``
+    ``[n]``, ties at the ``k``-th by the smaller row id (``row_id`` int64 ``[C]``): those
+    below the cut in slot order, then those at it."""
+    cut = np.partition(keys, k - 1)[k - 1]  # the k-th smallest key
+    below, at = slots[keys < cut], slots[keys == cut]
+    if below.size + at.size > k:
+        at = at[np.argsort(row_id.take(at), kind="stable")][: k - below.size]
+    return np.concatenate([below, at])
+
+
 def _key_then_id_order(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """The order of ``keys`` ``[K]`` (ties: smaller distinct ``ids`` ``[K]`` first), as
-    ``np.lexsort((ids, keys))`` gives it: two stable torch sorts, ~2.5x faster than numpy's
-    lexsort on a search's chunk of ~160 k victims."""
-    by_id = torch.sort(torch.from_numpy(ids), stable=True).indices  # [K]
-    by_key = torch.sort(torch.from_numpy(keys)[by_id], stable=True).indices  # [K]
+    """The order of ``keys`` ``[K]`` (ties: smaller ``ids`` ``[K]`` first, then the earlier
+    entry), as ``np.lexsort((ids, keys))`` gives it, by the stable radix sort of
+    :func:`ps.kernels.rowwise_adagrad.sort_ids`: one sort of ``key * span + id`` (both
+    less their least) where that fits in int64, as it does for a search's victims (a few
+    frequencies and ticks; ~1 ms for ~160 k victims, where two stable torch sorts took
+    ~9), else a sort by id, then a stable one by key."""
+    if keys.size == 0:
+        return np.empty(0, dtype=np.int64)
+    keys, ids = keys.astype(np.int64, copy=False), ids.astype(np.int64, copy=False)
+    k_lo, k_hi = int(keys.min()), int(keys.max())
+    i_lo, i_hi = int(ids.min()), int(ids.max())
+    span = i_hi - i_lo + 1
+    if (k_hi - k_lo + 1) * span <= np.iinfo(np.int64).max:  # Python ints: no overflow
+        joint = (keys - k_lo) * span + (ids - i_lo)  # [K] int64, in range
+        return sort_ids(torch.from_numpy(joint))[1].numpy()
+    by_id = sort_ids(torch.from_numpy(ids))[1]  # [K]
+    by_key = sort_ids(torch.from_numpy(keys)[by_id])[1]  # [K]
     return by_id[by_key].numpy()
 
 
@@ -113,23 +139,23 @@ class EvictionPolicy:
         so the order is fully defined. O(capacity)."""
         if k <= 0:
             return np.empty(0, dtype=np.int64)
+        low = _LOW if self.lfu else -1  # the bits of a key that hold its last use
+        got = search_near(self.key, low, tick, protect, self.marked, k)  # one C pass
+        if got is not None:
+            near, cand = got  # [>= min(k, cand)] increasing
+            if k >= cand:
+                return near
+            return _first_k(near, self.key.take(near), k, row_id)
         key = np.where(self.evictable(tick), self.key, FREE)  # [C]; FREE: not evictable
         if protect is not None and protect.size > 0:
-            key[protect] = FREE
+            key[protect[protect >= 0]] = FREE
         cand = int(np.count_nonzero(key != FREE))
         if k >= cand:
             return np.flatnonzero(key != FREE)
-        near = _smallest_keys(key, k)  # [>= k] every slot whose key is among the k smallest
-        if near is None:
-            cut = np.partition(key, k - 1)[k - 1]  # the k-th smallest key
-            below, at = np.flatnonzero(key < cut), np.flatnonzero(key == cut)
-        else:
-            sub = key.take(near)
-            cut = np.partition(sub, k - 1)[k - 1]
-            below, at = near[sub < cut], near[sub == cut]
-        if below.size + at.size > k:
-            at = at[np.argsort(row_id.take(at), kind="stable")][: k - below.size]
-        return np.concatenate([below, at])
+        bounded = _smallest_keys(key, k)  # [>= k] every slot whose key is among the k smallest
+        if bounded is None:
+            return _first_k(np.arange(key.size), key, k, row_id)
+        return _first_k(bounded, key.take(bounded), k, row_id)
 
     def ordered_victims(
         self, k: int, tick: int, protect: np.ndarray | None, row_id: np.ndarray, chunk: int

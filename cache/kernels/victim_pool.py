@@ -1,5 +1,7 @@
-"""C kernel of TinyLFU's pool of victims (:meth:`cache.policy.EvictionPolicy.ordered_victims`):
-the first ``k`` entries still valid, in one pass.
+"""C kernels of the victim search (:meth:`cache.policy.EvictionPolicy.victims`): the slots
+whose keys are among the smallest, in one pass over the keys; and of TinyLFU's pool of
+victims (:meth:`cache.policy.EvictionPolicy.ordered_victims`): the first ``k`` entries
+still valid, in one pass.
 
 The numpy path reads the pool in windows that double until they hold ``k`` valid
 entries, each window a gather of keys and marks and a few temporaries, after marking
@@ -7,8 +9,9 @@ the protected slots (every cached id of the current and the next batch: ~90 k ra
 writes a step in the cache benchmark, and as many to clear them). This pass marks,
 scans with the keys and marks of the entries ahead prefetched, stops at the ``k``-th
 valid entry and clears. The same entries in the same order (``tests/cache/
-test_cache_kernel.py``). Built by :mod:`comm.native`; :func:`pool_valid` returns None
-where that is not possible and the caller takes its numpy path.
+test_cache_kernel.py``). Built by :mod:`comm.native`; :func:`search_near` and
+:func:`pool_valid` return None where that is not possible and the caller takes its numpy
+path.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.hr_pool_valid.restype = i64
     lib.hr_pool_valid.argtypes = [i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr]
+    lib.hr_search_near.restype = i64
+    lib.hr_search_near.argtypes = [i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr]
 
 
 def _plain(*arrays: np.ndarray) -> bool:
@@ -64,3 +69,34 @@ def pool_valid(
         protect.size, protect.ctypes.data, marks.ctypes.data, out.size, out.ctypes.data,
     )  # fmt: skip
     return out[:r]
+
+
+SAMPLE = 65536  # keys in the search's strided sample, about
+
+
+def search_near(
+    key: np.ndarray, low: int, tick: int, protect: np.ndarray | None, marks: np.ndarray, k: int
+) -> tuple[np.ndarray, int] | None:
+    """``(near, candidates)`` for a victim search of ``k >= 1`` rows among the slots of
+    ``key`` int64 ``[C]`` that may be evicted (key not ``FREE``, ``key & low < tick``, not
+    in ``protect`` int64 ``[m]``, entries < 0 ignored): ``near`` int64 ``[r]``, increasing,
+    holds every such slot whose key is among the ``k`` smallest (ties at the ``k``-th
+    included; every such slot where there are at most ``k``), and ``candidates`` counts
+    them all. A bound read off a strided sample of about :data:`SAMPLE` keys keeps ``near``
+    near ``k`` long. ``marks`` bool ``[C]``, all False, is the scratch for the protected
+    slots (all False again on return). None where the kernel is not available."""
+    lib = _library()
+    protect = np.empty(0, dtype=np.int64) if protect is None else protect
+    protect = np.ascontiguousarray(protect, dtype=np.int64)
+    if lib is None or not _plain(key) or marks.dtype != np.bool_ or not marks.flags.c_contiguous:
+        return None
+    c = key.size
+    step = max(1, c // SAMPLE)
+    sample = np.empty(c // step + 1, dtype=np.int64)
+    out = np.empty(c, dtype=np.int64)  # pages touched only as far as it is written
+    cand = np.zeros(1, dtype=np.int64)
+    r = lib.hr_search_near(
+        c, key.ctypes.data, low, tick, protect.size, protect.ctypes.data, marks.ctypes.data,
+        k, step, sample.ctypes.data, out.ctypes.data, cand.ctypes.data,
+    )  # fmt: skip
+    return out[:r].copy(), int(cand[0])

@@ -369,6 +369,65 @@ def test_victim_pool_kernel_equals_numpy(seed: int, monkeypatch: pytest.MonkeyPa
         assert 0 < got_c.size <= k
 
 
+@pytest.mark.parametrize("kind", ["lru", "lfu", "tinylfu"])
+@pytest.mark.parametrize("seed", range(3))
+def test_victim_search_kernel_equals_numpy(
+    kind: str, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The victim search's C pass (``search_near``) picks the slots numpy's passes pick, in
+    the same order: over many ties, free slots, rows used at or after the tick, protected
+    slots (with -1 among them), every ``k`` from one to all, and keys laid out so that the
+    strided sample's bound falls short (the pass then takes every candidate); the marks
+    are clear after."""
+    import cache.policy as policy_mod
+    from cache.kernels.victim_pool import search_near
+
+    four, no_marks = np.arange(4, dtype=np.int64), np.zeros(4, dtype=bool)
+    # built here: else the comparison below would be numpy's path against itself
+    assert search_near(four, -1, 9, None, no_marks, 2) is not None
+    rng = np.random.default_rng(seed)
+    c, tick = 300_000, 50  # the sample is one key in 4
+    pol = policy_mod.EvictionPolicy(c, kind)
+    last = rng.integers(0, tick + 3, c)  # some used at or after tick: not evictable
+    freq = rng.integers(0, 4, c) if pol.lfu else np.zeros(c, dtype=np.int64)
+    row_id = rng.permutation(10 * c)[:c].astype(np.int64)
+    protect = np.concatenate([rng.integers(0, c, c // 20), [-1, -1]]).astype(np.int64)
+    # Short: the sampled slots (one in 4) hold half the key-1 rows the sample promises.
+    short = np.where(np.arange(c) % 8 == 0, 1, np.where(np.arange(c) % 4 == 0, 3, 2))
+    layouts = {"random": (freq << 32) + last if pol.lfu else last, "short": short}
+    for layout, keys in layouts.items():
+        pol.key[:] = keys
+        if layout == "random":
+            pol.key[rng.integers(0, c, c // 50)] = policy_mod.FREE
+        for k in (1, 3, 1000, c // 16, c // 6, c // 5, c // 2, c):
+            got_c = pol.victims(k, tick, protect, row_id)
+            assert not pol.marked.any()
+            monkeypatch.setattr(policy_mod, "search_near", lambda *a: None)
+            got_np = pol.victims(k, tick, protect, row_id)
+            monkeypatch.undo()
+            assert got_c.dtype == got_np.dtype == np.int64, (layout, k)
+            assert np.array_equal(got_c, got_np), (layout, k)
+            assert not np.isin(got_c, protect).any()
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_key_then_id_order_equals_lexsort(wide: bool) -> None:
+    """The pool's order (``_key_then_id_order``: one radix sort of key and id joined, or
+    two where they do not fit in 64 bits) is ``np.lexsort((ids, keys))``: by key, ties by
+    id, ties of both by the earlier entry."""
+    from cache.policy import TICK_BITS, _key_then_id_order
+
+    rng = np.random.default_rng(7)
+    n = 50_000
+    freq_hi = (1 << 30) if wide else 4  # a frequency of 2^30 makes key x id overflow
+    keys = (rng.integers(0, freq_hi, n) << TICK_BITS) + rng.integers(0, 30, n)
+    ids = rng.integers(0, 3_000_000, n)  # repeats too
+    ids[: n // 10] = ids[n // 10 : n // 5]
+    got = _key_then_id_order(keys, ids)
+    assert np.array_equal(got, np.lexsort((ids, keys)))
+    assert _key_then_id_order(keys[:0], ids[:0]).size == 0
+
+
 def _bits(a: np.ndarray) -> np.ndarray:
     """The array's bytes (NaN payloads included: bits, not values, are compared)."""
     return np.ascontiguousarray(a).view(np.uint8)
