@@ -103,6 +103,7 @@ from cache.kernels.records import (
     OWN8_MAX,
     ROW_KINDS,
     copy_clocks,
+    evict_rows,
     install_rows,
     pass_through,
     row_words,
@@ -114,7 +115,7 @@ from cache.kernels.sorted_ids import sorted_difference
 from cache.local_step import LocalStep
 from cache.memory import record_floats, state_in_spare_word
 from cache.narrow_records import exact, rounded, widen
-from cache.policy import EvictionPolicy
+from cache.policy import FREE, EvictionPolicy
 from cache.sketch import FrequencySketch
 from cache.slot_index import DenseSlotIndex, make_slot_index
 from cache.stats import CacheStats
@@ -1138,8 +1139,38 @@ class TableCache:
         return slots
 
     def _evict(self, victims: np.ndarray) -> None:
+        """Free the distinct slots ``victims`` ``[K]``; the pending sums of those with
+        pending updates wait in ``evicted`` for the next push."""
         if victims.size == 0:
             return
+        if not self._evict_pass(victims):
+            self._evict_numpy(victims)
+        self.free[self.n_free : self.n_free + victims.size] = victims
+        self.n_free += victims.size
+        self.gen += 1
+        self.stats.add("evictions", victims.size)
+
+    def _evict_pass(self, victims: np.ndarray) -> bool:
+        """:meth:`_evict`'s records, id map, row ids and keys in one C pass
+        (:func:`cache.kernels.records.evict_rows`): records on the host and a dense id
+        map. False (nothing changed) where it does not run."""
+        if self.data is not None or not isinstance(self.index, DenseSlotIndex):
+            return False
+        got = evict_rows(
+            self.slab, self.sd, victims, self.row_id, self.index.map, self.policy.key,
+            row_floats=self.rw, meta_at=self.meta_at, stat_at=self.stat_at,
+            stat_dim=self.stat_dim, counted=self.counted, free_key=FREE,
+        )  # fmt: skip
+        if got is None:
+            return False
+        ids, sums, counts, stats = got
+        if ids.size > 0:
+            self.evicted.append(_Due(ids, sums, counts, stats))
+            self.stats.add("evicted_pending", ids.size)
+        return True
+
+    def _evict_numpy(self, victims: np.ndarray) -> None:
+        """:meth:`_evict_pass` on numpy (and for records on a device or a hashed id map)."""
         rec = self._gather(victims)
         meta = self._meta(rec)
         pend = np.flatnonzero(meta[:, COUNT])
@@ -1158,10 +1189,6 @@ class TableCache:
         self.index.remove(self.row_id.take(victims))
         self.row_id[victims] = -1
         self.policy.free(victims)
-        self.free[self.n_free : self.n_free + victims.size] = victims
-        self.n_free += victims.size
-        self.gen += 1
-        self.stats.add("evictions", victims.size)
 
     # ------------------------------------------------------------ updates
 

@@ -378,3 +378,44 @@ void hr_cache_pass_through(int64_t n, int64_t d, const int64_t* at, const int64_
         out_clock[at[i]] = fresh_clock[sel[i]];
     }
 }
+
+/* An eviction (cache.table_cache TableCache._evict) of the distinct slots victims [n]:
+   the records with pending updates (COUNT > 0), in victims' order, give their row ids,
+   pending sums (d floats at rw), counts and statistics (q floats at stat_at; counts
+   NULL: pushes not counted) to out_* and their COUNT becomes 0; every victim leaves the
+   dense id map (map[row_id] = -1), and its row id becomes -1 and its eviction key
+   free_key. Returns how many had pending updates. The records, row ids and the map are
+   random accesses, prefetched AHEAD victims ahead (numpy gathered whole records, then
+   took their words apart in ~10 calls). */
+int64_t hr_cache_evict(int64_t n, int64_t d, int64_t rw, int64_t w, int64_t m, int64_t stat_at,
+                       int64_t q, const int64_t* victims, float* slab, int64_t* row_id,
+                       int32_t* map, int64_t* key, int64_t free_key, int64_t* out_ids,
+                       float* out_sums, int64_t* out_counts, float* out_stats) {
+    int64_t p = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (i + AHEAD < n) {
+            int64_t a = victims[i + AHEAD];
+            __builtin_prefetch(META(slab, a, m, w) + COUNT, 1, 0);
+            __builtin_prefetch(row_id + a, 1, 0);
+            __builtin_prefetch(key + a, 1, 0);
+        }
+        if (i + 2 < n) __builtin_prefetch(map + row_id[victims[i + 2]], 1, 0);
+        int64_t s = victims[i];
+        int64_t* meta = META(slab, s, m, w);
+        int64_t id = row_id[s];
+        if (meta[COUNT] != 0) {
+            out_ids[p] = id;
+            memcpy(out_sums + p * d, slab + s * w + rw, sizeof(float) * (size_t)d);
+            if (out_counts) {
+                out_counts[p] = meta[COUNT];
+                memcpy(out_stats + p * q, slab + s * w + stat_at, sizeof(float) * (size_t)q);
+            }
+            meta[COUNT] = 0;
+            ++p;
+        }
+        map[id] = -1;
+        row_id[s] = -1;
+        key[s] = free_key;
+    }
+    return p;
+}

@@ -14,6 +14,9 @@ skipped):
   pushes since the read (the staleness lower bound); with LFU, ``FREQ += uses``;
 * :func:`install_rows` (installing admitted misses): each new record written once, in
   place, from the store's reply (numpy would build the records, then scatter them);
+* :func:`evict_rows` (evicting): the pending sums, counts and statistics of the
+  victims with pending updates taken out, their ``COUNT`` cleared, and every victim's
+  id map entry, row id and eviction key freed, in one pass;
 * :func:`update_rows` (a push)::
 
       for i, s in enumerate(slots):
@@ -108,6 +111,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_cache_install.argtypes += [i64, i64, ptr]
     lib.hr_cache_pass_through.restype = None
     lib.hr_cache_pass_through.argtypes = [i64, i64] + [ptr] * 6
+    lib.hr_cache_evict.restype = i64
+    lib.hr_cache_evict.argtypes = [i64] * 7 + [ptr] * 5 + [i64] + [ptr] * 4
 
 
 #: The largest value of a slot's ``own8`` (the C source's OWN8_MAX): at it, the record's
@@ -374,3 +379,48 @@ def update_rows(
     if k < 0:  # out of memory for a narrow row's float32 copy: nothing changed
         return None
     return due[:k], due_g[:k], due_k[:k], due_s[:k], None if out_ids is None else out_ids[:k]
+
+
+def evict_rows(
+    slab: np.ndarray,
+    dim: int,
+    victims: np.ndarray,
+    row_id: np.ndarray,
+    index_map: np.ndarray,
+    key: np.ndarray,
+    *,
+    row_floats: int,
+    meta_at: int,
+    stat_at: int,
+    stat_dim: int,
+    counted: bool,
+    free_key: int,
+) -> Evicted | None:
+    """Evict the distinct ``victims`` int64 ``[n]`` (slots) of ``slab`` float32 ``[C, W]``:
+    for the records with pending updates (``COUNT`` > 0), in ``victims``' order, their row
+    ids int64 ``[p]``, pending sums float32 ``[p, dim]`` (at float ``row_floats``) and,
+    where pushes are ``counted``, their counts int64 ``[p]`` and statistics float32 ``[p,
+    stat_dim]`` (at float ``stat_at``; else None and None), their ``COUNT`` cleared; every
+    victim's entry of the dense id map ``index_map`` int32 ``[num_rows]`` set to -1, its
+    ``row_id`` (int64 ``[C]``) to -1 and its eviction ``key`` (int64 ``[C]``) to
+    ``free_key``. None (nothing changed) where the kernel is not available."""
+    lib = _library()
+    if lib is None or not _ok(slab, victims, row_id, index_map, key) or slab.dtype != np.float32:
+        return None
+    if not victims.dtype == row_id.dtype == key.dtype == np.int64 or index_map.dtype != np.int32:
+        return None
+    n = victims.size
+    ids = np.empty(n, dtype=np.int64)
+    sums = np.empty((n, dim), dtype=np.float32)
+    counts = np.empty(n, dtype=np.int64) if counted else None
+    stats = np.empty((n, stat_dim), dtype=np.float32) if counted else None
+    p = lib.hr_cache_evict(
+        n, dim, row_floats, slab.shape[1], meta_at, stat_at, stat_dim if counted else 0,
+        victims.ctypes.data, slab.ctypes.data, row_id.ctypes.data, index_map.ctypes.data,
+        key.ctypes.data, free_key, ids.ctypes.data, sums.ctypes.data,
+        None if counts is None else counts.ctypes.data,
+        None if stats is None else stats.ctypes.data,
+    )  # fmt: skip
+    if counts is None or stats is None:
+        return ids[:p], sums[:p], None, None
+    return ids[:p], sums[:p], counts[:p], stats[:p]
