@@ -23,7 +23,11 @@ sleep), so step time is the embedding traffic plus the cache's own work.
 
 * uncached: the store itself, batched (one pull and one push message per server);
 * per-table: the store itself, one pull and one push request per table (all issued,
-  then waited), on the same tables: what batching saves;
+  then waited): what batching saves. On tables of its own, made and trained alike: on
+  the uncached variant's tables it ran right after that variant on the same ids and
+  found their rows in the CPU caches (on an Intel Xeon with 2 MB of L2 a core, the
+  second of the two on the same ids took ~5 ms a step against ~8 ms for the first,
+  whichever went first);
 * cached: ``cache.CachedStore`` with 10 % of each table's rows, bounds (4, 4), TinyLFU
   admission (``--policy lru`` / ``lfu`` for the others), the tables sharing one cache of
   the summed capacity as the jobs do (``--no-groups``: one per table).
@@ -487,11 +491,14 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
     draws = ZipfDraws(z.rows, z.batch, z.tables, seed=0)
 
     names_u = make_tables(store_u, "u", z)
+    names_p = make_tables(store_u, "p", z)  # per table: rows no other variant warmed
     names_c = make_tables(store_c, "c", z)
+    names = {"u": names_u, "p": names_p, "c": names_c}
 
     def batch(s: int) -> dict[str, StepIds]:
-        """Step ``s``'s ids for either variant's tables ("u": uncached, also per table)."""
-        return {"u": step_ids(draws, s, names_u), "c": step_ids(draws, s, names_c)}
+        """Step ``s``'s ids for each variant's tables ("u": uncached, "p": per table,
+        "c": cached)."""
+        return {w: step_ids(draws, s, n) for w, n in names.items()}
 
     cfg = cache.CacheConfig(
         capacity_fraction=z.fraction,
@@ -513,15 +520,15 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
     spent = dict.fromkeys(PHASES, 0.0)  # the cached steps' seconds per phase
 
     def run(which: str, first: int, count: int, steps: list[dict[str, StepIds]]) -> float:
-        store, names = (cached, names_c) if which == "c" else (store_u, names_u)
-        mine = [b["c" if which == "c" else "u"] for b in steps]
+        store, tables = (cached, names_c) if which == "c" else (store_u, names[which])
+        mine = [b[which] for b in steps]
         before = store.request_counts()
         t = time.perf_counter()
         for s in range(count):
             if which == "c":
-                cached_step(cached, timed, names, mine[s], mine[s + 1], grad, compute_s, spent)
+                cached_step(cached, timed, tables, mine[s], mine[s + 1], grad, compute_s, spent)
             else:
-                step(store, names, mine[s], mine[s + 1], grad, compute_s, which == "p")
+                step(store, tables, mine[s], mine[s + 1], grad, compute_s, which == "p")
         elapsed = time.perf_counter() - t
         after = store.request_counts()
         for key in messages[which]:
@@ -554,6 +561,7 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
     cached.pull_many([ps.PullRequest(n, empty) for n in names_c])  # the last prefetch
     warm = [batch(i) for i in range(4)]
     run("u", 0, 3, warm)
+    run("p", 0, 3, warm)
     for counts in messages.values():  # count the timed blocks only
         counts.update(pull_messages=0, push_messages=0)
     say(f"warm-up: caches full after {filled} steps, {s} steps in {time.perf_counter() - t0:.1f} s")
