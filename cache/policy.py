@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cache.kernels.victim_pool import pool_valid, search_near
+from cache.kernels.victim_pool import halve_keys, pool_valid, search_near
 from ps.kernels.rowwise_adagrad import sort_ids
 
 TICK_BITS = 32  # a key's low bits: the last use
@@ -116,11 +116,14 @@ class EvictionPolicy:
         return self.key.take(slots) >> TICK_BITS
 
     def halve(self) -> None:
-        """Halve the frequency of every cached row (the sketch was halved)."""
+        """Halve the frequency of every cached row (the sketch was halved): one C pass
+        over the keys, else numpy."""
+        self.pool_at = self.pool.size  # the keys change: search again
+        if halve_keys(self.key, FREE, TICK_BITS):
+            return
         used = self.key != FREE
         k = self.key[used]
         self.key[used] = (((k >> TICK_BITS) >> 1) << TICK_BITS) + (k & _LOW)
-        self.pool_at = self.pool.size  # the keys changed: search again
 
     def free(self, slots: np.ndarray) -> None:
         """``slots`` were emptied."""

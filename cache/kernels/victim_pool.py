@@ -1,7 +1,8 @@
 """C kernels of the victim search (:meth:`cache.policy.EvictionPolicy.victims`): the slots
 whose keys are among the smallest, in one pass over the keys; and of TinyLFU's pool of
 victims (:meth:`cache.policy.EvictionPolicy.ordered_victims`): the first ``k`` entries
-still valid, in one pass.
+still valid, in one pass; and TinyLFU's halving of every key's frequency
+(:func:`halve_keys`).
 
 The numpy path reads the pool in windows that double until they hold ``k`` valid
 entries, each window a gather of keys and marks and a few temporaries, after marking
@@ -10,8 +11,8 @@ writes a step in the cache benchmark, and as many to clear them). This pass mark
 scans with the keys and marks of the entries ahead prefetched, stops at the ``k``-th
 valid entry and clears. The same entries in the same order (``tests/cache/
 test_cache_kernel.py``). Built by :mod:`comm.native`; :func:`search_near` and
-:func:`pool_valid` return None where that is not possible and the caller takes its numpy
-path.
+:func:`pool_valid` return None (:func:`halve_keys` False) where that is not possible and
+the caller takes its numpy path.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_pool_valid.argtypes = [i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr]
     lib.hr_search_near.restype = i64
     lib.hr_search_near.argtypes = [i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr]
+    lib.hr_halve_keys.restype = None
+    lib.hr_halve_keys.argtypes = [i64, ptr, i64, i64]
 
 
 def _plain(*arrays: np.ndarray) -> bool:
@@ -100,3 +103,15 @@ def search_near(
         k, step, sample.ctypes.data, out.ctypes.data, cand.ctypes.data,
     )  # fmt: skip
     return out[:r].copy(), int(cand[0])
+
+
+def halve_keys(key: np.ndarray, free: int, low_bits: int) -> bool:
+    """In place: every entry of ``key`` int64 ``[C]`` other than ``free`` becomes
+    ``((k >> low_bits) >> 1 << low_bits) + (k & (2**low_bits - 1))`` (its high bits
+    halved, its low ``low_bits`` kept). False where the kernel is not available (nothing
+    changed)."""
+    lib = _library()
+    if lib is None or not _plain(key) or not key.flags.writeable:
+        return False
+    lib.hr_halve_keys(key.size, key.ctypes.data, free, low_bits)
+    return True

@@ -410,6 +410,40 @@ def test_victim_search_kernel_equals_numpy(
             assert not np.isin(got_c, protect).any()
 
 
+@pytest.mark.parametrize("kind", ["lfu", "tinylfu"])
+def test_halving_kernel_equals_numpy(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The halving's C pass (``halve_keys``) writes the keys numpy's path writes: free
+    slots stay free, every other key keeps its last use and has its frequency halved
+    (odd, even, zero and the largest frequency), and the pool is searched again after."""
+    import cache.policy as policy_mod
+    from cache.kernels.victim_pool import halve_keys
+
+    assert halve_keys(np.zeros(2, dtype=np.int64), 1, 32)  # built: else numpy against itself
+    rng = np.random.default_rng(0)
+    c = 100_003  # not a multiple of a vector's width
+    freq = rng.integers(0, 9, c)
+    freq[:4] = [0, 1, policy_mod.FREQ_MAX, policy_mod.FREQ_MAX - 1]
+    keys = (freq << policy_mod.TICK_BITS) + rng.integers(0, 1 << policy_mod.TICK_BITS, c)
+    keys[rng.integers(0, c, c // 20)] = policy_mod.FREE
+    got = {}
+    for path in ("c", "numpy"):
+        pol = policy_mod.EvictionPolicy(c, kind)
+        pol.key[:] = keys
+        pol.pool = np.arange(10, dtype=np.int64)
+        if path == "numpy":
+            monkeypatch.setattr(policy_mod, "halve_keys", lambda *a: False)
+        pol.halve()
+        monkeypatch.undo()
+        assert pol.pool_at == pol.pool.size  # the pool's keys changed: search again
+        got[path] = pol.key.copy()
+    assert np.array_equal(got["c"], got["numpy"])
+    free = keys == policy_mod.FREE
+    assert np.array_equal(got["c"][free], keys[free])
+    low = (1 << policy_mod.TICK_BITS) - 1
+    assert np.array_equal(got["c"][~free] & low, keys[~free] & low)
+    assert np.array_equal(got["c"][~free] >> policy_mod.TICK_BITS, freq[~free] // 2)
+
+
 @pytest.mark.parametrize("wide", [False, True])
 def test_key_then_id_order_equals_lexsort(wide: bool) -> None:
     """The pool's order (``_key_then_id_order``: one radix sort of key and id joined, or

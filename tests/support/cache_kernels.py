@@ -17,7 +17,7 @@ TABLE_CACHE_KERNELS = (
     "copy_clocks", "sole_writer_asks", "plan_pull", "serve_rows", "pass_through",
     "install_rows", "update_rows", "evict_rows",
 )  # fmt: skip
-POLICY_KERNELS = ("search_near", "pool_valid")
+POLICY_KERNELS = ("search_near", "pool_valid", "halve_keys")
 
 
 def force_numpy_paths(monkeypatch: pytest.MonkeyPatch) -> None:
