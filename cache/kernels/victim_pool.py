@@ -105,13 +105,13 @@ def search_near(
     return out[:r].copy(), int(cand[0])
 
 
-def halve_keys(key: np.ndarray, free: int, low_bits: int) -> bool:
-    """In place: every entry of ``key`` int64 ``[C]`` other than ``free`` becomes
+def halve_keys(key: np.ndarray, free_key: int, low_bits: int) -> bool:
+    """In place: every entry of ``key`` int64 ``[C]`` other than ``free_key`` becomes
     ``((k >> low_bits) >> 1 << low_bits) + (k & (2**low_bits - 1))`` (its high bits
     halved, its low ``low_bits`` kept). False where the kernel is not available (nothing
     changed)."""
     lib = _library()
     if lib is None or not _plain(key) or not key.flags.writeable:
         return False
-    lib.hr_halve_keys(key.size, key.ctypes.data, free, low_bits)
+    lib.hr_halve_keys(key.size, key.ctypes.data, free_key, low_bits)
     return True
