@@ -101,6 +101,9 @@ class EvictionPolicy:
         self.pool = np.empty(0, dtype=np.int64)  # TinyLFU: victims found, in key order
         self.pool_key = np.empty(0, dtype=np.int64)  # their keys when found
         self.pool_at = 0  # entries of the pool used up
+        # [n] positions in ``pool`` of the entries the last ``_from_pool`` gave, so that
+        # ``consumed`` moves ``pool_at`` past them without scanning the pool
+        self.taken = np.empty(0, dtype=np.int64)
         self.marked = np.zeros(capacity, dtype=bool)  # [C] scratch: the protected slots
 
     def use(self, slots: np.ndarray, freq: np.ndarray | None, tick: int) -> None:
@@ -189,9 +192,17 @@ class EvictionPolicy:
         where ``np.isin`` would sort or hash both arrays every call)."""
         rest = self.pool[self.pool_at :]
         keys_then = self.pool_key[self.pool_at :]
-        got = pool_valid(rest, keys_then, self.key, _LOW, tick, protect, self.marked, k)
-        if got is not None:
-            return got
+        at = pool_valid(rest, keys_then, self.key, _LOW, tick, protect, self.marked, k)
+        if at is None:
+            at = self._valid_numpy(rest, keys_then, k, tick, protect)
+        self.taken = at + self.pool_at
+        return rest.take(at)
+
+    def _valid_numpy(
+        self, rest: np.ndarray, keys_then: np.ndarray, k: int, tick: int, protect: np.ndarray | None
+    ) -> np.ndarray:
+        """:func:`cache.kernels.victim_pool.pool_valid` on numpy: positions ``[<= k]`` in
+        ``rest``."""
         marks = protect is not None and protect.size > 0
         if marks:
             assert protect is not None
@@ -206,7 +217,7 @@ class EvictionPolicy:
                 ok = (key == keys_then[lo : lo + window]) & ((key & _LOW) < tick)
                 if marks:
                     ok &= ~self.marked.take(part)
-                valid = part[ok]
+                valid = np.flatnonzero(ok) + lo  # [v] positions in rest
                 found.append(valid[: k - have])
                 have += min(valid.size, k - have)
                 lo += window
@@ -214,7 +225,7 @@ class EvictionPolicy:
         finally:
             if marks:
                 self.marked[protect] = False
-        return np.concatenate(found) if found else rest[:0]
+        return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
     def consumed(self, slots: np.ndarray) -> None:
         """``slots`` (the first valid pool entries, as :meth:`ordered_victims` gave them)
@@ -222,6 +233,12 @@ class EvictionPolicy:
         if slots.size == 0 or self.pool_at >= self.pool.size:
             return
         last = int(slots[-1])
+        n = slots.size
+        if n <= self.taken.size:  # the usual case: a prefix of what the pool last gave
+            j = int(self.taken[n - 1])
+            if self.pool_at <= j < self.pool.size and int(self.pool[j]) == last:
+                self.pool_at = j + 1
+                return
         where = np.flatnonzero(self.pool[self.pool_at :] == last)
         if where.size:
             self.pool_at += int(where[0]) + 1

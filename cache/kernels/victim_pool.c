@@ -13,9 +13,10 @@ static void mark(int64_t m, const int64_t* protect, uint8_t* marks, uint8_t v) {
     }
 }
 
-/* out[0 .. r) = the first k entries s of pool [n] (in pool order) still valid: key[s] ==
-   then[j] (unchanged since the search that found it), (key[s] & low) < tick (not used by
-   the current batch) and s not among protect [m] (entries < 0 ignored). Returns r.
+/* out[0 .. r) = the positions j (increasing) of the first k entries s = pool[j] of pool
+   [n] still valid: key[s] == then[j] (unchanged since the search that found it), (key[s]
+   & low) < tick (not used by the current batch) and s not among protect [m] (entries < 0
+   ignored). Returns r.
 
    marks [capacity] is all zero on entry and on return: protect's slots are marked for
    the scan and cleared after it. The pool holds a chunk of the capacity while a step
@@ -31,7 +32,7 @@ int64_t hr_pool_valid(int64_t n, const int64_t* pool, const int64_t* then, const
             __builtin_prefetch(marks + pool[j + AHEAD], 0, 0);
         }
         int64_t s = pool[j], v = key[s];
-        if (v == then[j] && (v & low) < tick && !marks[s]) out[r++] = s;
+        if (v == then[j] && (v & low) < tick && !marks[s]) out[r++] = j;
     }
     mark(m, protect, marks, 0);
     return r;

@@ -54,11 +54,11 @@ def pool_valid(
     marks: np.ndarray,
     k: int,
 ) -> np.ndarray | None:
-    """The first ``k`` entries ``s`` of ``pool`` int64 ``[n]`` (in its order) with
-    ``key[s] == then[j]``, ``key[s] & low < tick`` and ``s`` not in ``protect`` int64
-    ``[m]`` (entries < 0 ignored): int64 ``[<= k]``. ``key`` int64 ``[C]``; ``marks``
-    bool ``[C]``, all False, is the scratch the protected slots are marked in (all False
-    again on return). None where the kernel is not available."""
+    """The positions ``j`` (increasing) of the first ``k`` entries ``s = pool[j]`` of
+    ``pool`` int64 ``[n]`` with ``key[s] == then[j]``, ``key[s] & low < tick`` and ``s``
+    not in ``protect`` int64 ``[m]`` (entries < 0 ignored): int64 ``[<= k]``. ``key``
+    int64 ``[C]``; ``marks`` bool ``[C]``, all False, is the scratch the protected slots
+    are marked in (all False again on return). None where the kernel is not available."""
     lib = _library()
     protect = np.empty(0, dtype=np.int64) if protect is None else protect
     protect = np.ascontiguousarray(protect, dtype=np.int64)

@@ -361,12 +361,20 @@ def test_victim_pool_kernel_equals_numpy(seed: int, monkeypatch: pytest.MonkeyPa
         pol.key[changed] += 1 << policy_mod.TICK_BITS  # used since the search: invalid
         protect = np.concatenate([rng.choice(cap, 800), [-1, -1]]).astype(np.int64)
         got_c = pol._from_pool(k, tick, protect)
+        taken_c = pol.taken.copy()
         assert not pol.marked.any()
         monkeypatch.setattr(policy_mod, "pool_valid", lambda *a: None)
         got_np = pol._from_pool(k, tick, protect)
         monkeypatch.undo()
         assert got_c.dtype == got_np.dtype == np.int64 and np.array_equal(got_c, got_np)
         assert 0 < got_c.size <= k
+        # the positions consumed() moves past: where the entries sit in the whole pool
+        assert np.array_equal(taken_c, pol.taken) and np.array_equal(pol.pool[taken_c], got_c)
+        assert np.all(np.diff(taken_c) > 0) and taken_c[0] >= pol.pool_at
+        n = (got_c.size + 1) // 2
+        scan_at = pol.pool_at + int(np.flatnonzero(pol.pool[pol.pool_at :] == got_c[n - 1])[0]) + 1
+        pol.consumed(got_c[:n])
+        assert pol.pool_at == scan_at  # as a scan for the last consumed entry finds it
 
 
 @pytest.mark.parametrize("kind", ["lru", "lfu", "tinylfu"])
@@ -460,6 +468,28 @@ def test_key_then_id_order_equals_lexsort(wide: bool) -> None:
     got = _key_then_id_order(keys, ids)
     assert np.array_equal(got, np.lexsort((ids, keys)))
     assert _key_then_id_order(keys[:0], ids[:0]).size == 0
+
+
+@pytest.mark.parametrize("case", ["sorted", "unsorted", "wide", "negative"])
+def test_score_then_id_order_equals_lexsort(case: str) -> None:
+    """The admission's candidate order (highest score first, ties by smaller id) is
+    ``np.lexsort((ids, -scores))`` on its fast path (ids increasing, scores in int16) and
+    off it (ids out of order, scores past int16, negative scores)."""
+    from cache.table_cache import _score_then_id_order
+
+    rng = np.random.default_rng(11)
+    n = 20_000
+    ids = np.sort(rng.choice(5_000_000, n, replace=False)).astype(np.int64)
+    scores = rng.integers(0, 40, n)  # many ties
+    if case == "unsorted":
+        ids = rng.permutation(ids)
+    elif case == "wide":
+        scores[::7] += 1 << 20
+    elif case == "negative":
+        scores[::5] -= 100
+    got = _score_then_id_order(ids, scores)
+    assert np.array_equal(got, np.lexsort((ids, -scores)))
+    assert _score_then_id_order(ids[:0], scores[:0]).size == 0
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
