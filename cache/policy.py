@@ -73,17 +73,22 @@ def _first_k(slots: np.ndarray, keys: np.ndarray, k: int, row_id: np.ndarray) ->
     return np.concatenate([below, at])
 
 
-def _key_then_id_order(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
+def key_then_id_order(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """The order of ``keys`` ``[K]`` (ties: smaller ``ids`` ``[K]`` first, then the earlier
     entry), as ``np.lexsort((ids, keys))`` gives it, by the stable radix sort of
     :func:`ps.kernels.rowwise_adagrad.sort_ids`: one sort of ``key * span + id`` (both
     less their least) where that fits in int64, as it does for a search's victims (a few
     frequencies and ticks; ~2 ms for ~160 k victims, where two stable torch sorts took
-    ~9), else a sort by id, then a stable one by key."""
+    ~9), else a sort by id, then a stable one by key. Where the ids come in order (as
+    TinyLFU's admission candidates do) and the keys span less than 2**15 (their sketch
+    estimates), ties are in order already: one stable radix sort of the keys as int16
+    (~40 us for a step's ~8 k candidates, where the joined sort took ~130)."""
     if keys.size == 0:
         return np.empty(0, dtype=np.int64)
     keys, ids = keys.astype(np.int64, copy=False), ids.astype(np.int64, copy=False)
     k_lo, k_hi = int(keys.min()), int(keys.max())
+    if k_hi - k_lo < 2**15 and bool((ids[1:] >= ids[:-1]).all()):
+        return np.argsort((keys - k_lo).astype(np.int16), kind="stable")
     i_lo, i_hi = int(ids.min()), int(ids.max())
     span = i_hi - i_lo + 1
     if (k_hi - k_lo + 1) * span <= np.iinfo(np.int64).max:  # Python ints: no overflow
@@ -176,7 +181,7 @@ class EvictionPolicy:
         got = self._from_pool(k, tick, protect) if chunk > 1 else self.pool[:0]
         if got.size < k:
             found = self.victims(max(k, chunk), tick, protect, row_id)
-            self.pool = found.take(_key_then_id_order(self.key.take(found), row_id.take(found)))
+            self.pool = found.take(key_then_id_order(self.key.take(found), row_id.take(found)))
             self.pool_key = self.key.take(self.pool)
             self.pool_at = 0
             got = self._from_pool(k, tick, protect)

@@ -115,7 +115,7 @@ from cache.kernels.sorted_ids import sorted_difference
 from cache.local_step import LocalStep
 from cache.memory import record_floats, state_in_spare_word
 from cache.narrow_records import exact, rounded, widen
-from cache.policy import FREE, EvictionPolicy
+from cache.policy import FREE, EvictionPolicy, key_then_id_order
 from cache.sketch import FrequencySketch
 from cache.slot_index import DenseSlotIndex, make_slot_index
 from cache.stats import CacheStats
@@ -177,17 +177,6 @@ class _Known:
 
 def _increasing(ids: np.ndarray) -> bool:
     return ids.size < 2 or bool((ids[1:] > ids[:-1]).all())
-
-
-def _score_then_id_order(ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
-    """The order of ``scores`` ``[K]`` highest first, ties: smaller ``ids`` ``[K]`` first,
-    as ``np.lexsort((ids, -scores))`` gives it. The admission's candidates come in id
-    order and their scores are small sketch counts, so where both hold this is one
-    stable radix sort of the negated scores as int16 (~4x faster than the lexsort for a
-    step's ~8 k misses)."""
-    if scores.size and _increasing(ids) and int(scores.min()) >= 0 and int(scores.max()) < 2**15:
-        return np.argsort(-scores.astype(np.int16), kind="stable")
-    return np.lexsort((ids, -scores))
 
 
 def _aligned_records(rows: int, words: int) -> np.ndarray:
@@ -772,7 +761,7 @@ class TableCache:
         Victims exclude ``protect``, the reserved slots and rows of the current batch.
         """
         k = ids.size
-        order = _score_then_id_order(ids, scores)  # [K]
+        order = key_then_id_order(-scores, ids)  # [K] highest score first, ties: smaller id
         free = min(k, self.n_free)
         if self.reserved is not None and self.reserved.size:
             protect = self.reserved if protect is None else np.concatenate([protect, self.reserved])

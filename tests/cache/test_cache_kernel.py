@@ -454,10 +454,10 @@ def test_halving_kernel_equals_numpy(kind: str, monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.parametrize("wide", [False, True])
 def test_key_then_id_order_equals_lexsort(wide: bool) -> None:
-    """The pool's order (``_key_then_id_order``: one radix sort of key and id joined, or
+    """The pool's order (``key_then_id_order``: one radix sort of key and id joined, or
     two where they do not fit in 64 bits) is ``np.lexsort((ids, keys))``: by key, ties by
     id, ties of both by the earlier entry."""
-    from cache.policy import TICK_BITS, _key_then_id_order
+    from cache.policy import TICK_BITS, key_then_id_order
 
     rng = np.random.default_rng(7)
     n = 50_000
@@ -465,17 +465,18 @@ def test_key_then_id_order_equals_lexsort(wide: bool) -> None:
     keys = (rng.integers(0, freq_hi, n) << TICK_BITS) + rng.integers(0, 30, n)
     ids = rng.integers(0, 3_000_000, n)  # repeats too
     ids[: n // 10] = ids[n // 10 : n // 5]
-    got = _key_then_id_order(keys, ids)
+    got = key_then_id_order(keys, ids)
     assert np.array_equal(got, np.lexsort((ids, keys)))
-    assert _key_then_id_order(keys[:0], ids[:0]).size == 0
+    assert key_then_id_order(keys[:0], ids[:0]).size == 0
 
 
 @pytest.mark.parametrize("case", ["sorted", "unsorted", "wide", "negative"])
-def test_score_then_id_order_equals_lexsort(case: str) -> None:
-    """The admission's candidate order (highest score first, ties by smaller id) is
-    ``np.lexsort((ids, -scores))`` on its fast path (ids increasing, scores in int16) and
-    off it (ids out of order, scores past int16, negative scores)."""
-    from cache.table_cache import _score_then_id_order
+def test_admission_order_equals_lexsort(case: str) -> None:
+    """The admission's candidate order (``key_then_id_order`` of the negated scores:
+    highest score first, ties by smaller id) is ``np.lexsort((ids, -scores))`` on the
+    int16 path (ids in order, scores spanning less than 2**15, negative ones too) and
+    off it (ids out of order, scores spanning more)."""
+    from cache.policy import key_then_id_order
 
     rng = np.random.default_rng(11)
     n = 20_000
@@ -487,9 +488,9 @@ def test_score_then_id_order_equals_lexsort(case: str) -> None:
         scores[::7] += 1 << 20
     elif case == "negative":
         scores[::5] -= 100
-    got = _score_then_id_order(ids, scores)
+    got = key_then_id_order(-scores, ids)
     assert np.array_equal(got, np.lexsort((ids, -scores)))
-    assert _score_then_id_order(ids[:0], scores[:0]).size == 0
+    assert key_then_id_order(-scores[:0], ids[:0]).size == 0
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
