@@ -565,9 +565,12 @@ class TableCache:
             # with it and both installs then see the same counts (docs/cache_admission.md).
             if fused is None:
                 est, halved = self.sketch.count(uniq)  # [U]
-            else:  # counted by the pass; estimated after it, as count() does
+            else:  # counted and then estimated by the pass, as count() does
                 halved = self.sketch.counted(uniq.size)
-                est = self.sketch.estimate(uniq)
+                est = fused[3]
+                assert est is not None
+                if halved:  # estimates after the halving: min(c >> 1) == min(c) >> 1
+                    est >>= 1
             if halved:
                 self.policy.halve()
                 self.stats.add("sketch_halvings", 1)
@@ -591,7 +594,7 @@ class TableCache:
             self.reserved = slots[hit]
         fill = -1 - self.read_bound  # misses always come back
         if not prefetch and self.sole_writer:
-            asks = None if fused is None else fused[1:]
+            asks = None if fused is None else fused[1:3]
             return self._plan_sole_writer(
                 uniq, counts, inverse, slots, hit, tick, fill, est, asks
             )  # fmt: skip
@@ -678,12 +681,15 @@ class TableCache:
             est=est,
         )  # fmt: skip
 
-    def _plan_pass(self, uniq: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    def _plan_pass(
+        self, uniq: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
         """A sole writer's serving pull of the distinct ``uniq`` ``[U]`` planned in one C
-        pass (:mod:`cache.kernels.plan_pull`): ``(slots [U], asked [A], clocks [A])`` as
-        the map lookup and :func:`cache.kernels.records.sole_writer_asks` give them, with
-        every id counted in the sketch (not estimated) and every cached row's eviction key
-        marked used at the coming tick. None (nothing counted or written) where the pass
+        pass (:mod:`cache.kernels.plan_pull`): ``(slots [U], asked [A], clocks [A], est
+        [U])`` as the map lookup and :func:`cache.kernels.records.sole_writer_asks` give
+        them, with every id counted in the sketch and then estimated (``est``, before a
+        halving the count brings; None without a sketch) and every cached row's eviction
+        key marked used at the coming tick. None (nothing counted or written) where the pass
         does not run: no dense id map, or no kernel."""
         if not isinstance(self.index, DenseSlotIndex):
             return None

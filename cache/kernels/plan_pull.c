@@ -18,14 +18,17 @@
      own8_max, else the record's word own_at) exceeds bound, their indices into asked [n]
      and copy clocks (record word clock_at; fill for a miss) into clock [n], in order;
    - keys (NULL: none), the eviction policy's keys [C] (cache.policy): keys[s] := tick for
-     each cached row s, which marks it used by batch `tick` (no victim search takes it).
+     each cached row s, which marks it used by batch `tick` (no victim search takes it);
+   - est (NULL, or no sketch: none): each id's estimate once every id is counted, as
+     hr_sketch_estimate, in a second loop. The batch's sketch lines (~64 bytes an id) were
+     all just touched, so that loop reads the CPU caches, not memory as a later call did.
    Record words are int64 words m floats into a record of w floats. Returns the asks. */
 int64_t hr_plan_pull(int64_t n, const int64_t* ids, const int32_t* map, int64_t* slots,
                      int64_t depth, const uint64_t* mult, int64_t lines, int32_t* counters,
                      int64_t m, int64_t w, const float* slab, const uint8_t* own8,
                      int64_t own8_max, int64_t clock_at, int64_t own_at, int64_t bound,
                      int64_t fill, int64_t* asked, int64_t* clock, int64_t* keys,
-                     int64_t tick) {
+                     int64_t tick, int64_t* est) {
     int64_t k = 0, per = depth > 0 ? 16 / depth : 0;
     for (int64_t i = 0; i < n; ++i) {
         if (i + PLAN_AHEAD < n) {
@@ -56,5 +59,6 @@ int64_t hr_plan_pull(int64_t n, const int64_t* ids, const int32_t* map, int64_t*
         asked[k] = i;
         clock[k++] = s < 0 ? fill : meta[clock_at];
     }
+    if (counters && est) hr_sketch_estimate(n, ids, depth, mult, lines, counters, est);
     return k;
 }

@@ -8,8 +8,10 @@ slot map (:class:`cache.slot_index.DenseSlotIndex`), and deciding what to ask th
 (:func:`cache.kernels.records.sole_writer_asks`); then every cached row is marked used
 by the batch in the eviction policy's keys. One pass does the four, with the sketch
 line, map entry and key of the ids ahead prefetched, so their misses overlap. The
-sketch's estimates are a second pass (:func:`cache.kernels.sketch.min_counts`), after
-every id was counted (and the sketch halved if that count brought it), as before.
+sketch's estimates need every id counted first, so they are a second loop of the same
+call (:func:`cache.kernels.sketch.min_counts`'s): the batch's sketch lines were just
+touched and are read from the CPU caches. Where the count brings a halving, the caller
+halves the estimates too: ``min(c >> 1) == min(c) >> 1``, shifting being monotone.
 
 Built by :mod:`comm.native` from ``sketch.c`` and ``plan_pull.c`` (the sketch's own hash);
 :func:`plan_pull` returns None where that is not possible and the caller takes the three
@@ -37,7 +39,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.hr_plan_pull.restype = i64
     lib.hr_plan_pull.argtypes = [i64, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr]
-    lib.hr_plan_pull.argtypes += [i64] * 5 + [ptr, ptr, ptr, i64]
+    lib.hr_plan_pull.argtypes += [i64] * 5 + [ptr, ptr, ptr, i64, ptr]
 
 
 def _ok(*arrays: np.ndarray | None) -> bool:
@@ -59,15 +61,17 @@ def plan_pull(
     fill: int,
     keys: np.ndarray | None = None,
     tick: int = 0,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """``(slots [U], asked [A], clocks [A])`` of the batch's distinct ``ids`` int64 ``[U]``
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """``(slots [U], asked [A], clocks [A], est [U])`` of the batch's distinct ``ids`` int64 ``[U]``
     (increasing): each id's slot in ``slot_map`` (int32, -1: not cached); the indices into
     ``ids`` of the misses and of the cached rows whose ``OWN`` (``own8`` uint8 ``[C]``
     below ``own8_max``, else the record's int64 word ``own_word``) exceeds ``bound``, with
     their copy clocks (word ``clock_word``; ``fill`` for a miss). A record's int64 words
     start ``meta_at`` floats into its row of ``slab`` float32 ``[C, W]``. ``sketch``
     ``(mult uint64 [depth], lines, counters int32 [16 * lines])``: each id is also counted
-    once there (:meth:`cache.sketch.FrequencySketch.add`, without its bookkeeping).
+    once there (:meth:`cache.sketch.FrequencySketch.add`, without its bookkeeping),
+    and ``est`` int64 ``[U]`` holds their estimates after that
+    (:meth:`cache.sketch.FrequencySketch.estimate`; None without a sketch).
     ``keys`` (int64 ``[C]``, the eviction policy's keys; None: untouched): each cached
     row's key is set to ``tick``, as :meth:`cache.policy.EvictionPolicy.use` without a
     frequency sets it (the row is in use by batch ``tick``). None (nothing counted or
@@ -79,12 +83,13 @@ def plan_pull(
         return None
     if keys is not None and (keys.dtype != np.int64 or not _ok(keys)):
         return None
-    depth, mult_p, lines, counters_p = 0, None, 0, None
+    depth, mult_p, lines, counters_p, est = 0, None, 0, None, None
     if sketch is not None:
         mult, lines, counters = sketch
         if not (_ok(mult, counters) and mult.dtype == np.uint64 and counters.dtype == np.int32):
             return None
         depth, mult_p, counters_p = mult.size, mult.ctypes.data, counters.ctypes.data
+        est = np.empty(ids.size, dtype=np.int64)
     n = ids.size
     slots = np.empty(n, dtype=np.int64)
     asked = np.empty(n, dtype=np.int64)
@@ -93,6 +98,6 @@ def plan_pull(
         n, ids.ctypes.data, slot_map.ctypes.data, slots.ctypes.data, depth, mult_p, lines,
         counters_p, meta_at, slab.shape[1], slab.ctypes.data, own8.ctypes.data, own8_max,
         clock_word, own_word, bound, fill, asked.ctypes.data, clocks.ctypes.data,
-        None if keys is None else keys.ctypes.data, tick,
+        None if keys is None else keys.ctypes.data, tick, None if est is None else est.ctypes.data,
     )  # fmt: skip
-    return slots, asked[:k], clocks[:k]
+    return slots, asked[:k], clocks[:k], est

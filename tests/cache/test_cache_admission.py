@@ -117,8 +117,9 @@ class Model:
         return set(admitted)
 
 
+@pytest.mark.parametrize("sole", [False, True], ids=["shared", "sole-writer"])
 @pytest.mark.parametrize("chunk", [1, 6, 24])
-def test_matches_the_per_id_model(chunk: int) -> None:
+def test_matches_the_per_id_model(chunk: int, sole: bool) -> None:
     rows, capacity, dim = 400, 40, 4
     width, depth, period = 128, 3, 120
     spec = ps.TableSpec(name="t", num_rows=rows, dim=dim, optimizer=ps.SGD(lr=0.1))
@@ -127,6 +128,7 @@ def test_matches_the_per_id_model(chunk: int) -> None:
     cfg = cache.CacheConfig(
         capacity_rows=capacity, policy="tinylfu", read_bound=1, write_bound=2,
         evict_chunk=chunk, sketch_width=width, sketch_depth=depth, sketch_period=period,
+        sole_writer=sole,
     )  # fmt: skip
     store = cache.CachedStore(inner, cfg)
     model = Model(capacity, width, depth, period, chunk)
@@ -298,10 +300,11 @@ def test_default_sketch_size() -> None:
     assert cfg.sketch(1025) == (2048, 4, 10_250)
 
 
+@pytest.mark.parametrize("sole", [False, True], ids=["shared", "sole-writer"])
 @pytest.mark.parametrize("verify", [True, False], ids=["misses-only", "trusted"])
 @pytest.mark.parametrize("riding", [True, False], ids=["riding", "standalone"])
 def test_installs_decide_by_the_estimates_of_their_plan(
-    monkeypatch: pytest.MonkeyPatch, riding: bool, verify: bool
+    monkeypatch: pytest.MonkeyPatch, riding: bool, verify: bool, sole: bool
 ) -> None:
     """A fetch's install decides admissions with the estimates its plan took
     (``Fetch.est``), which needs nothing counted in between: at every install, for a
@@ -315,7 +318,7 @@ def test_installs_decide_by_the_estimates_of_their_plan(
     cfg = cache.CacheConfig(
         capacity_rows=30, policy="tinylfu", read_bound=1, write_bound=2,
         verify_prefetched=verify, sketch_width=128, sketch_period=150, evict_chunk=6,
-        prefetch="on",
+        prefetch="on", sole_writer=sole,
     )  # fmt: skip
     store = cache.CachedStore(inner, cfg)
     checked = {"serving": 0, "prefetch": 0}

@@ -247,8 +247,9 @@ def test_the_push_in_id_order_is_the_push_sorted(q: int, write_bound: int, evict
 @pytest.mark.parametrize("seed", range(3))
 def test_plan_pass_equals_lookup_count_and_asks(seed: int, sketched: bool, keyed: bool) -> None:
     """plan_pull: the slots of the dense map's lookup, the asks of sole_writer_asks,
-    (with a sketch) the counters of FrequencySketch.add and (with keys) the eviction
-    keys of EvictionPolicy.use marking the cached rows used, from one pass."""
+    (with a sketch) the counters of FrequencySketch.add and the estimates of
+    FrequencySketch.estimate after it, and (with keys) the eviction keys of
+    EvictionPolicy.use marking the cached rows used, from one call."""
     from cache.kernels.plan_pull import plan_pull
     from cache.policy import EvictionPolicy
     from cache.sketch import FrequencySketch
@@ -290,6 +291,10 @@ def test_plan_pass_equals_lookup_count_and_asks(seed: int, sketched: bool, keyed
     assert got[1].size > 0 and (slots[got[1]] >= 0).any() and (slots[got[1]] < 0).any()
     if sketched:
         a.add(ids)
+        assert np.array_equal(got[3], a.estimate(ids))
+        assert (got[3] >= 1).all() and (got[3] > 1).any()  # the earlier counts show
+    else:
+        assert got[3] is None
     assert torch.equal(b.counters, a.counters)
 
 
