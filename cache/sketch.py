@@ -103,11 +103,16 @@ class FrequencySketch:
         (:mod:`cache.kernels.plan_pull`) and then calls :meth:`counted`."""
         return self.mult_flat, self.lines, self.counters.numpy()
 
+    def halves_after(self, n: int) -> bool:
+        """Whether counting ``n`` more ids brings a halving (:meth:`counted` then says
+        True)."""
+        return self.added + n >= self.period
+
     def counted(self, n: int) -> bool:
         """``n`` ids were counted into the counters (by :meth:`add`, or a caller's pass
         over :meth:`kernel_view`); True if the sketch was halved after."""
-        self.added += n
-        if self.added < self.period:
+        if not self.halves_after(n):
+            self.added += n
             return False
         self.counters.bitwise_right_shift_(1)
         self.added = 0

@@ -162,6 +162,10 @@ class Fetch:
     # batch was counted; a prefetch's for its misses (0 at its cached ids). Nothing
     # counts between a plan and its install, so the install decides by these.
     est: np.ndarray | None = None
+    # A serving pull whose plan pass gave its cached rows their eviction keys with
+    # ``est`` already (TinyLFU, a sole writer; not where its count halved the sketch):
+    # serving writes only the other rows' keys.
+    keyed: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -557,8 +561,14 @@ class TableCache:
             counts = inverse = None  # a prefetch returns no rows
         self.seq += 1
         # A sole writer's serving pull: its slots and asks (and the sketch's count) in one
-        # pass where the kernel runs (None: the passes below)
-        fused = self._plan_pass(uniq) if not prefetch and self.sole_writer else None
+        # pass where the kernel runs (None: the passes below). With TinyLFU that pass
+        # also gives the cached rows their keys with their estimates, unless the count
+        # halves the sketch (the keys are halved then, the estimates after it).
+        fused, keyed = None, False
+        if not prefetch and self.sole_writer:
+            keyed = self.sketch is not None and not self.sketch.halves_after(uniq.size)
+            fused = self._plan_pass(uniq, keyed)
+            keyed = keyed and fused is not None
         est = None
         if self.sketch is not None and not prefetch:
             # A batch counts once, when its serving pull is planned: the prefetch planned
@@ -596,7 +606,7 @@ class TableCache:
         if not prefetch and self.sole_writer:
             asks = None if fused is None else fused[1:3]
             return self._plan_sole_writer(
-                uniq, counts, inverse, slots, hit, tick, fill, est, asks
+                uniq, counts, inverse, slots, hit, tick, fill, est, asks, keyed
             )  # fmt: skip
         if prefetch and (self.verify_prefetched or self.sole_writer):
             # (a sole writer's serving pull asks about its cached rows only when needed)
@@ -651,11 +661,12 @@ class TableCache:
         fill: int,
         est: np.ndarray | None,
         asks: tuple[np.ndarray, np.ndarray] | None,
+        keyed: bool,
     ) -> Fetch:
         """A serving pull of the tables' only writer: ask about the misses and the rows
         pushed more than ``s_r`` times since their read (``PS clock = CLOCK + OWN``
         exactly), nothing about the rest. ``asks``: ``(asked, clocks)`` found by
-        :meth:`_plan_pass` already."""
+        :meth:`_plan_pass` already; ``keyed``: it gave the hits their keys too."""
         found = asks
         if found is None:
             found = sole_writer_asks(
@@ -678,26 +689,27 @@ class TableCache:
             )
         return Fetch(
             uniq, counts, inverse, slots, hit, False, asked, request, self.seq, tick, False,
-            est=est,
+            est=est, keyed=keyed,
         )  # fmt: skip
 
     def _plan_pass(
-        self, uniq: np.ndarray
+        self, uniq: np.ndarray, keyed: bool
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
         """A sole writer's serving pull of the distinct ``uniq`` ``[U]`` planned in one C
         pass (:mod:`cache.kernels.plan_pull`): ``(slots [U], asked [A], clocks [A], est
         [U])`` as the map lookup and :func:`cache.kernels.records.sole_writer_asks` give
         them, with every id counted in the sketch and then estimated (``est``, before a
         halving the count brings; None without a sketch) and every cached row's eviction
-        key marked used at the coming tick. None (nothing counted or written) where the pass
-        does not run: no dense id map, or no kernel."""
+        key marked used at the coming tick (``keyed``: with its estimate, as serving it
+        writes the key). None (nothing counted or written) where the pass does not run: no
+        dense id map, or no kernel."""
         if not isinstance(self.index, DenseSlotIndex):
             return None
         return plan_pull(
             uniq, self.index.map, None if self.sketch is None else self.sketch.kernel_view(),
             self.slab, self.meta_at, self.own8, own8_max=OWN8_MAX, clock_word=CLOCK,
             own_word=OWN, bound=self.read_bound, fill=-1 - self.read_bound,
-            keys=self.policy.key, tick=self.tick + 1,
+            keys=self.policy.key, tick=self.tick + 1, keys_with_estimates=keyed,
         )  # fmt: skip
 
     def _admittable(
@@ -933,7 +945,7 @@ class TableCache:
         keyed = self.lfu or est is not None
         served = serve_rows(
             self.slab, self.sd, final, old, f.counts, lfu=self.lfu, tick=f.tick, kind=self.kind,
-            keys=self.policy.key if keyed else None, key_freq=est,
+            keys=self.policy.key if keyed else None, key_freq=est, old_keyed=f.keyed,
         )  # fmt: skip
         keys_written = keyed and served is not None
         if served is None:

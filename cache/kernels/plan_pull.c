@@ -21,15 +21,21 @@
      each cached row s, which marks it used by batch `tick` (no victim search takes it);
    - est (NULL, or no sketch: none): each id's estimate once every id is counted, as
      hr_sketch_estimate, in a second loop. The batch's sketch lines (~64 bytes an id) were
-     all just touched, so that loop reads the CPU caches, not memory as a later call did.
+     all just touched, so that loop reads the CPU caches, not memory as a later call did;
+   - with est, keys and fmax > 0, the second loop, not the first, writes each cached row's
+     key, as TinyLFU's use does: keys[s] := min(est[i], fmax) << tick_bits | tick (one
+     access to the key where the serving pass would make another).
    Record words are int64 words m floats into a record of w floats. Returns the asks. */
 int64_t hr_plan_pull(int64_t n, const int64_t* ids, const int32_t* map, int64_t* slots,
                      int64_t depth, const uint64_t* mult, int64_t lines, int32_t* counters,
                      int64_t m, int64_t w, const float* slab, const uint8_t* own8,
                      int64_t own8_max, int64_t clock_at, int64_t own_at, int64_t bound,
                      int64_t fill, int64_t* asked, int64_t* clock, int64_t* keys,
-                     int64_t tick, int64_t* est) {
+                     int64_t tick, int64_t* est, int64_t fmax, int64_t tick_bits) {
     int64_t k = 0, per = depth > 0 ? 16 / depth : 0;
+    /* the keys with the estimates, in the second loop */
+    int64_t* keys_est = counters && est && keys && fmax > 0 ? keys : 0;
+    if (keys_est) keys = 0;
     for (int64_t i = 0; i < n; ++i) {
         if (i + PLAN_AHEAD < n) {
             uint64_t y = (uint64_t)ids[i + PLAN_AHEAD];
@@ -59,6 +65,18 @@ int64_t hr_plan_pull(int64_t n, const int64_t* ids, const int32_t* map, int64_t*
         asked[k] = i;
         clock[k++] = s < 0 ? fill : meta[clock_at];
     }
-    if (counters && est) hr_sketch_estimate(n, ids, depth, mult, lines, counters, est);
+    if (!counters || !est) return k;
+    for (int64_t i = 0; i < n; ++i) {
+        if (i + SKETCH_AHEAD < n) {
+            uint64_t y = (uint64_t)ids[i + SKETCH_AHEAD];
+            __builtin_prefetch(counters + 16 * line_of(y, mult[0], lines), 0, 0);
+            if (keys_est && slots[i + SKETCH_AHEAD] >= 0)
+                __builtin_prefetch(keys_est + slots[i + SKETCH_AHEAD], 1, 0);
+        }
+        int64_t e = min_count((uint64_t)ids[i], depth, mult, lines, counters, per);
+        est[i] = e;
+        if (keys_est && slots[i] >= 0)
+            keys_est[slots[i]] = ((e < fmax ? e : fmax) << tick_bits) + tick;
+    }
     return k;
 }

@@ -24,6 +24,7 @@ import ctypes
 
 import numpy as np
 
+from cache.policy import FREQ_MAX, TICK_BITS
 from comm.native import kernel_source, load_c_library
 
 # plan_pull.c, compiled after the sketch's source (its line_of and slot_of) in one library
@@ -39,7 +40,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.hr_plan_pull.restype = i64
     lib.hr_plan_pull.argtypes = [i64, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr]
-    lib.hr_plan_pull.argtypes += [i64] * 5 + [ptr, ptr, ptr, i64, ptr]
+    lib.hr_plan_pull.argtypes += [i64] * 5 + [ptr, ptr, ptr, i64, ptr, i64, i64]
 
 
 def _ok(*arrays: np.ndarray | None) -> bool:
@@ -61,6 +62,7 @@ def plan_pull(
     fill: int,
     keys: np.ndarray | None = None,
     tick: int = 0,
+    keys_with_estimates: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
     """``(slots [U], asked [A], clocks [A], est [U])`` of the batch's distinct ``ids`` int64 ``[U]``
     (increasing): each id's slot in ``slot_map`` (int32, -1: not cached); the indices into
@@ -74,8 +76,11 @@ def plan_pull(
     (:meth:`cache.sketch.FrequencySketch.estimate`; None without a sketch).
     ``keys`` (int64 ``[C]``, the eviction policy's keys; None: untouched): each cached
     row's key is set to ``tick``, as :meth:`cache.policy.EvictionPolicy.use` without a
-    frequency sets it (the row is in use by batch ``tick``). None (nothing counted or
-    written) where the kernel is not available."""
+    frequency sets it (the row is in use by batch ``tick``); with a sketch and
+    ``keys_with_estimates``, then to what ``use`` with the frequencies ``est`` sets
+    (TinyLFU's key of a served row, which the serving pass then need not write: its
+    ``old_keyed``). None (nothing counted or written) where the kernel is not
+    available."""
     lib = _library()
     if lib is None or not _ok(ids, slot_map, slab, own8):
         return None
@@ -99,5 +104,6 @@ def plan_pull(
         counters_p, meta_at, slab.shape[1], slab.ctypes.data, own8.ctypes.data, own8_max,
         clock_word, own_word, bound, fill, asked.ctypes.data, clocks.ctypes.data,
         None if keys is None else keys.ctypes.data, tick, None if est is None else est.ctypes.data,
+        FREQ_MAX if keys_with_estimates else 0, TICK_BITS,
     )  # fmt: skip
     return slots, asked[:k], clocks[:k], est

@@ -95,15 +95,17 @@ int64_t hr_cache_ask(int64_t n, int64_t m, int64_t w, const int64_t* slots,
    `tick`, and cleared; lag[i] := OWN. lfu: FREQ += uses[i] (1 if uses NULL), and
    freq[i] := FREQ. keys [C] (NULL: none) are the eviction policy's keys
    (cache.policy): keys[s] := min(f, fmax) << tick_bits | tick, f = key_freq[i] (the
-   TinyLFU estimates) or, with key_freq NULL, FREQ. */
+   TinyLFU estimates) or, with key_freq NULL, FREQ; with old_keyed, only where not old
+   (the plan wrote the hits' keys already: cache/kernels/plan_pull.c). */
 void hr_cache_serve(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
                     const int64_t* slots, float* slab, const uint8_t* old,
                     const int64_t* uses, int lfu, int64_t tick, float* out_rows,
                     int64_t* out_clock, int64_t* lag, int64_t* freq, int64_t* pf_counts,
                     int64_t* keys, const int64_t* key_freq, int64_t fmax, int64_t tick_bits,
-                    int nthreads) {
+                    int old_keyed, int nthreads) {
     int64_t m = rw + d;
     int64_t missed = 0, refreshed = 0;
+    const int keyed = old_keyed && old;
     /* The slots are distinct (a pull's ids are), so the ids can be served in any order:
        nthreads > 1 splits them into contiguous ranges, one per OpenMP thread. */
     int nt = pass_threads(n, nthreads);
@@ -113,7 +115,8 @@ void hr_cache_serve(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
             const char* p = (const char*)(slab + slots[i + AHEAD] * w);
             for (int64_t c = 0; c < rw * 4; c += 64) __builtin_prefetch(p + c, 0, 0);
             __builtin_prefetch(META(slab, slots[i + AHEAD], m, w), 1, 0);
-            if (keys) __builtin_prefetch(keys + slots[i + AHEAD], 1, 0);
+            if (keys && !(keyed && old[i + AHEAD]))
+                __builtin_prefetch(keys + slots[i + AHEAD], 1, 0);
         }
         int64_t s = slots[i];
         if (s < 0) continue;
@@ -138,7 +141,7 @@ void hr_cache_serve(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
             meta[FREQ] += uses ? uses[i] : 1;
             freq[i] = meta[FREQ];
         }
-        if (keys) {
+        if (keys && !(keyed && old[i])) {
             int64_t f = key_freq ? key_freq[i] : meta[FREQ];
             keys[s] = ((f < fmax ? f : fmax) << tick_bits) + tick;
         }

@@ -100,7 +100,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_cache_serve.restype = None
     lib.hr_cache_serve.argtypes = [i64, i64, i64, ctypes.c_int, i64, ptr, ptr, ptr, ptr]
     lib.hr_cache_serve.argtypes += [ctypes.c_int, i64] + [ptr] * 5 + [ptr, ptr, i64, i64]
-    lib.hr_cache_serve.argtypes += [ctypes.c_int]
+    lib.hr_cache_serve.argtypes += [ctypes.c_int, ctypes.c_int]
     lib.hr_cache_update.restype = i64
     lib.hr_cache_update.argtypes = [i64, i64, i64, ctypes.c_int, i64, ptr, ptr, i64]
     lib.hr_cache_update.argtypes += [ptr, ptr, ptr, ctypes.c_float, i64, i64]
@@ -198,6 +198,7 @@ def serve_rows(
     kind: int = 0,
     keys: np.ndarray | None = None,
     key_freq: np.ndarray | None = None,
+    old_keyed: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int] | None:
     """The served pass over ``slots`` int64 ``[U]`` (see the module docstring), ``old``
     bool ``[U]`` the hits, ``uses`` int64 ``[U]`` (None: 1 each).
@@ -206,7 +207,8 @@ def serve_rows(
     None: untouched): each served slot's key is set for its use at ``tick`` with the
     frequency ``key_freq[i]`` (int64 ``[U]``, TinyLFU's estimates), or with ``lfu`` and no
     ``key_freq`` the record's use count: what :meth:`EvictionPolicy.use` writes, in the
-    same pass.
+    same pass. ``old_keyed``: the ``old`` rows' keys hold that already (the plan wrote
+    them: :func:`cache.kernels.plan_pull.plan_pull`), only the other rows' are written.
 
     Returns ``(rows [U, D], clocks [U], lag [U], freq [U], prefetched misses,
     prefetched refreshes)``; entries where ``slots`` is -1 are left unset (rows and
@@ -230,7 +232,7 @@ def serve_rows(
         old.view(np.uint8).ctypes.data, None if uses is None else uses.ctypes.data,
         int(lfu), tick, rows.ctypes.data, clocks.ctypes.data, lag.ctypes.data,
         freq.ctypes.data, pf.ctypes.data, None if keys is None else keys.ctypes.data,
-        None if key_freq is None else key_freq.ctypes.data, FREQ_MAX, TICK_BITS,
+        None if key_freq is None else key_freq.ctypes.data, FREQ_MAX, TICK_BITS, int(old_keyed),
         torch.get_num_threads(),
     )  # fmt: skip
     return rows, clocks, lag, freq, int(pf[0]), int(pf[1])

@@ -35,6 +35,18 @@ void hr_sketch_add(int64_t n, const int64_t* ids, int64_t depth, const uint64_t*
     }
 }
 
+/* The minimum over rows d of id x's counters (k = 16 / depth). */
+static inline int32_t min_count(uint64_t x, int64_t depth, const uint64_t* mult, int64_t lines,
+                                const int32_t* counters, int64_t k) {
+    const int32_t* line = counters + 16 * line_of(x, mult[0], lines);
+    int32_t m = line[slot_of(x, mult[0], 0, k)];
+    for (int64_t d = 1; d < depth; ++d) {
+        int32_t c = line[slot_of(x, mult[d], d, k)];
+        if (c < m) m = c;
+    }
+    return m;
+}
+
 /* out[i] = min over rows d of counters[pos_d(ids[i])]. */
 void hr_sketch_estimate(int64_t n, const int64_t* ids, int64_t depth, const uint64_t* mult,
                         int64_t lines, const int32_t* counters, int64_t* out) {
@@ -44,13 +56,6 @@ void hr_sketch_estimate(int64_t n, const int64_t* ids, int64_t depth, const uint
             uint64_t y = (uint64_t)ids[i + SKETCH_AHEAD];
             __builtin_prefetch(counters + 16 * line_of(y, mult[0], lines), 0, 0);
         }
-        uint64_t x = (uint64_t)ids[i];
-        const int32_t* line = counters + 16 * line_of(x, mult[0], lines);
-        int32_t m = line[slot_of(x, mult[0], 0, k)];
-        for (int64_t d = 1; d < depth; ++d) {
-            int32_t c = line[slot_of(x, mult[d], d, k)];
-            if (c < m) m = c;
-        }
-        out[i] = m;
+        out[i] = min_count((uint64_t)ids[i], depth, mult, lines, counters, k);
     }
 }

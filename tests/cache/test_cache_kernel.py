@@ -119,6 +119,41 @@ def test_kernels_equal_numpy_paths_sole_writer(
     b = _run(1, None, numpy_path=True, monkeypatch=monkeypatch, policy=policy, sole=True)
     _same_runs(a, b)
     assert a[3]["hits"] > 0
+    if policy == "tinylfu":  # plans that keyed their hits, and plans whose count halved
+        assert a[3]["sketch_halvings"] > 0
+
+
+def test_serve_pass_leaves_keyed_hits_keys() -> None:
+    """serve_rows with ``old_keyed`` (the plan wrote the hits' keys) writes the keys of
+    the other served rows as without it and leaves the hits' keys as they are; every
+    other output is the same."""
+    rng = np.random.default_rng(5)
+    d, cap, n = 4, 64, 40
+    w = 2 * d + 16
+    slab = rng.standard_normal((cap, w)).astype(np.float32)
+    slab[:, 2 * d :].view(np.int64)[:] = rng.integers(0, 9, (cap, 8))
+    slots = rng.choice(cap, n, replace=False).astype(np.int64)
+    slots[rng.random(n) < 0.2] = -1
+    old = (rng.random(n) < 0.6) & (slots >= 0)
+    est = rng.integers(0, 50, n).astype(np.int64)
+    runs = []
+    for old_keyed in (False, True):
+        s, keys = slab.copy(), np.full(cap, -7, dtype=np.int64)
+        got = records.serve_rows(
+            s, d, slots, old, None, lfu=False, tick=3, keys=keys, key_freq=est,
+            old_keyed=old_keyed,
+        )  # fmt: skip
+        assert got is not None
+        runs.append((s, keys, got))
+    (s0, k0, g0), (s1, k1, g1) = runs
+    assert np.array_equal(s0.view(np.int32), s1.view(np.int32))
+    cached = slots >= 0
+    for a, b in zip(g0[:3], g1[:3], strict=True):  # rows, clocks, lag (no freq: not LFU)
+        assert np.array_equal(a[cached], b[cached])
+    assert g0[4:] == g1[4:]
+    written = slots[cached & ~old]
+    assert np.array_equal(k1[written], k0[written]) and (k0[written] != -7).all()
+    assert (k1[slots[old]] == -7).all() and old.any()
 
 
 def test_sole_writer_asks_misses_and_rows_past_the_bound() -> None:
@@ -242,14 +277,15 @@ def test_the_push_in_id_order_is_the_push_sorted(q: int, write_bound: int, evict
     assert np.array_equal(pos, batch_pos)  # positions into the batch; -1: evicted
 
 
-@pytest.mark.parametrize("keyed", [True, False])
+@pytest.mark.parametrize("keyed", ["no", "tick", "estimates"])
 @pytest.mark.parametrize("sketched", [True, False])
 @pytest.mark.parametrize("seed", range(3))
-def test_plan_pass_equals_lookup_count_and_asks(seed: int, sketched: bool, keyed: bool) -> None:
+def test_plan_pass_equals_lookup_count_and_asks(seed: int, sketched: bool, keyed: str) -> None:
     """plan_pull: the slots of the dense map's lookup, the asks of sole_writer_asks,
     (with a sketch) the counters of FrequencySketch.add and the estimates of
     FrequencySketch.estimate after it, and (with keys) the eviction keys of
-    EvictionPolicy.use marking the cached rows used, from one call."""
+    EvictionPolicy.use marking the cached rows used (with the estimates: as TinyLFU's
+    serving writes them), from one call."""
     from cache.kernels.plan_pull import plan_pull
     from cache.policy import EvictionPolicy
     from cache.sketch import FrequencySketch
@@ -277,12 +313,18 @@ def test_plan_pass_equals_lookup_count_and_asks(seed: int, sketched: bool, keyed
     got = plan_pull(
         ids, index.map, b.kernel_view() if sketched else None, slab, 2 * d, own8,
         own8_max=records.OWN8_MAX, clock_word=table_cache.CLOCK, own_word=table_cache.OWN,
-        bound=bound, fill=fill, keys=policy.key if keyed else None, tick=tick,
+        bound=bound, fill=fill, keys=None if keyed == "no" else policy.key, tick=tick,
+        keys_with_estimates=keyed == "estimates",
     )  # fmt: skip
     assert got is not None
     slots = index.lookup(ids)
-    if keyed:
-        want_policy.use(slots[slots >= 0], None, tick)
+    if sketched:
+        a.add(ids)
+    cached = slots >= 0
+    if keyed == "estimates" and sketched:
+        want_policy.use(slots[cached], a.estimate(ids)[cached], tick)
+    elif keyed != "no":  # (without a sketch there are no estimates: the tick alone)
+        want_policy.use(slots[cached], None, tick)
     assert np.array_equal(policy.key, want_policy.key)
     want = records.sole_writer_asks(slab, d, slots, own8, bound, fill)
     assert want is not None
@@ -290,7 +332,6 @@ def test_plan_pass_equals_lookup_count_and_asks(seed: int, sketched: bool, keyed
     assert np.array_equal(got[1], want[0]) and np.array_equal(got[2], want[1])
     assert got[1].size > 0 and (slots[got[1]] >= 0).any() and (slots[got[1]] < 0).any()
     if sketched:
-        a.add(ids)
         assert np.array_equal(got[3], a.estimate(ids))
         assert (got[3] >= 1).all() and (got[3] > 1).any()  # the earlier counts show
     else:
