@@ -123,6 +123,12 @@ class EvictionPolicy:
         """The frequencies ``[K]`` the keys of ``slots`` hold (LFU, TinyLFU)."""
         return self.key.take(slots) >> TICK_BITS
 
+    def taken_frequency(self) -> np.ndarray:
+        """:meth:`frequency` of the victims the last :meth:`ordered_victims` gave, in its
+        order: read from the keys the pool kept, in pool order, where :meth:`frequency`
+        gathers the keys at random (a valid entry's key is the one it was found with)."""
+        return self.pool_key.take(self.taken) >> TICK_BITS
+
     def halve(self) -> None:
         """Halve the frequency of every cached row (the sketch was halved): one C pass
         over the keys, else numpy."""
@@ -177,7 +183,8 @@ class EvictionPolicy:
         new search of ``max(k, chunk)`` rows when the pool cannot give ``k``; with
         ``chunk`` 1, a new search every time (the exact order)."""
         if k <= 0:
-            return np.empty(0, dtype=np.int64)
+            self.taken = np.empty(0, dtype=np.int64)
+            return self.taken
         got = self._from_pool(k, tick, protect) if chunk > 1 else self.pool[:0]
         if got.size < k:
             found = self.victims(max(k, chunk), tick, protect, row_id)

@@ -786,7 +786,7 @@ class TableCache:
         victims = self.policy.ordered_victims(
             k - free, self.tick, protect, self.row_id, self.chunk
         )  # [M] lowest key first
-        beats = scores.take(order[free : free + victims.size]) > self.policy.frequency(victims)
+        beats = scores.take(order[free : free + victims.size]) > self.policy.taken_frequency()
         n_beat = victims.size if beats.all() else int(np.argmin(beats))  # a True prefix
         return order, free + n_beat, victims[:n_beat]
 

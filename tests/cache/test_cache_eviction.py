@@ -392,6 +392,7 @@ def test_pool_victims_skip_each_calls_protected_slots_over_many_calls() -> None:
         )
         assert np.array_equal(got, pool[valid][:k]), call
         assert not np.isin(got, protect).any()
+        assert np.array_equal(policy.taken_frequency(), policy.frequency(got))
 
 
 @pytest.mark.parametrize("seed", range(3))
