@@ -5,11 +5,12 @@
 
 /* Ids ahead whose slot map entry and sketch line are prefetched, and how far ahead of
    the current id its slot's own8 byte and eviction key are (the map entry read then was
-   prefetched PLAN_AHEAD - PLAN_OWN_AHEAD ids before). 10 rather than 6 once the pass
-   also wrote the keys (a line of a [C] int64 array, larger than the CPU caches): in
-   the cache benchmark's steady state the pass took ~0.05 ms less of its ~1.9 ms. */
-#define PLAN_AHEAD 16
-#define PLAN_OWN_AHEAD 10
+   prefetched PLAN_AHEAD - PLAN_OWN_AHEAD ids before). In the cache benchmark's steady
+   state (~30 k ids a step, TinyLFU: the keys written by the second loop) 24 and 12 took
+   the call ~0.09 ms less of its ~1.6 ms than 16 and 10 did; 32 and 16 were no faster,
+   12 and 8 slower. */
+#define PLAN_AHEAD 24
+#define PLAN_OWN_AHEAD 12
 
 /* For the batch's distinct ids [n] (increasing):
    - slots[i] := map[ids[i]] (the dense id -> slot map, int32, -1: not cached);
