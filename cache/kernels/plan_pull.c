@@ -21,8 +21,7 @@
    - keys (NULL: none), the eviction policy's keys [C] (cache.policy): keys[s] := tick for
      each cached row s, which marks it used by batch `tick` (no victim search takes it);
    - est (NULL, or no sketch: none): each id's estimate once every id is counted, as
-     hr_sketch_estimate, in a second loop. The batch's sketch lines (~64 bytes an id) were
-     all just touched, so that loop reads the CPU caches, not memory as a later call did;
+     hr_sketch_estimate, in a second loop (the estimates need the whole batch counted);
    - with est, keys and fmax > 0, the second loop, not the first, writes each cached row's
      key, as TinyLFU's use does: keys[s] := min(est[i], fmax) << tick_bits | tick (one
      access to the key where the serving pass would make another).

@@ -9,9 +9,10 @@ slot map (:class:`cache.slot_index.DenseSlotIndex`), and deciding what to ask th
 by the batch in the eviction policy's keys. One pass does the four, with the sketch
 line, map entry and key of the ids ahead prefetched, so their misses overlap. The
 sketch's estimates need every id counted first, so they are a second loop of the same
-call (:func:`cache.kernels.sketch.min_counts`'s): the batch's sketch lines were just
-touched and are read from the CPU caches. Where the count brings a halving, the caller
-halves the estimates too: ``min(c >> 1) == min(c) >> 1``, shifting being monotone.
+call (:func:`cache.kernels.sketch.min_counts`'s), which with TinyLFU also writes the
+cached rows' keys with their estimates (as serving them would). Where the count brings
+a halving, the caller halves the estimates too: ``min(c >> 1) == min(c) >> 1``,
+shifting being monotone.
 
 Built by :mod:`comm.native` from ``sketch.c`` and ``plan_pull.c`` (the sketch's own hash);
 :func:`plan_pull` returns None where that is not possible and the caller takes the three
