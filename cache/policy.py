@@ -119,14 +119,11 @@ class EvictionPolicy:
         else:
             self.key[slots] = (np.minimum(freq, FREQ_MAX) << TICK_BITS) + tick
 
-    def frequency(self, slots: np.ndarray) -> np.ndarray:
-        """The frequencies ``[K]`` the keys of ``slots`` hold (LFU, TinyLFU)."""
-        return self.key.take(slots) >> TICK_BITS
-
     def taken_frequency(self) -> np.ndarray:
-        """:meth:`frequency` of the victims the last :meth:`ordered_victims` gave, in its
-        order: read from the keys the pool kept, in pool order, where :meth:`frequency`
-        gathers the keys at random (a valid entry's key is the one it was found with)."""
+        """The frequencies ``[K]`` (LFU, TinyLFU: the keys' high bits) of the victims the
+        last :meth:`ordered_victims` gave, in its order: read from the keys the pool kept,
+        in pool order, not gathered from ``key`` at random (a valid entry's key is the
+        one it was found with)."""
         return self.pool_key.take(self.taken) >> TICK_BITS
 
     def halve(self) -> None:
