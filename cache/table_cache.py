@@ -98,6 +98,7 @@ import torch
 
 from cache.config import CacheConfig
 from cache.device_rows import DeviceRows
+from cache.kernels.admit import Records, admit_rows
 from cache.kernels.plan_pull import plan_pull
 from cache.kernels.records import (
     OWN8_MAX,
@@ -808,16 +809,23 @@ class TableCache:
                 order, n_ok, victims = self._choose(ids, freq, slots[f.hit])
                 take = order[:n_ok]
                 self.stats.add("prefetch_rejected", asked.size - n_ok)
-                new_slots = self._admit(ids.take(take), slots[f.hit], victims)
+                ids = ids.take(take)
             else:
-                new_slots = self._admit(ids, slots[f.hit])  # [n]
+                victims = None
+            new_slots = self._admit_rows(
+                ids,
+                slots[f.hit],
+                victims,
+                fresh,
+                take,
+                fresh_clock,
+                f.seq,
+                fresh_state,
+                pf=f.tick * 4 + _MISS,
+            )  # [n] fmt: skip
             n = new_slots.size
             if n > 0:
                 sel = take[:n]
-                self._install(
-                    new_slots, fresh, sel, fresh_clock.take(sel), f.seq, fresh_state,
-                    pf=f.tick * 4 + _MISS,
-                )  # fmt: skip
                 self.policy.use(new_slots, None if freq is None else freq.take(sel), f.tick)
                 self.touched += n
                 final = slots.copy()
@@ -914,16 +922,17 @@ class TableCache:
             miss_u, miss_sel = miss_u.take(order), miss_sel.take(order)  # admitted first
             adm_freq = score.take(order[:n_ok])
             self.stats.add("rejected", miss_u.size - n_ok)
-            new_slots = self._admit(uniq.take(miss_u[:n_ok]), protect, victims)
+            ids = ids.take(order[:n_ok])
         else:
-            new_slots = self._admit(uniq.take(miss_u), protect)
+            ids, victims = uniq.take(miss_u), None
+        new_slots = self._admit_rows(
+            ids, protect, victims, fresh, miss_sel, fresh_clock, f.seq, fresh_state
+        )  # [n_adm]
         n_adm = new_slots.size
         adm_u = miss_u[:n_adm]
         final = slots.copy()
         if n_adm > 0:
             final[adm_u] = new_slots
-            adm = miss_sel[:n_adm]
-            self._install(new_slots, fresh, adm, fresh_clock.take(adm), f.seq, fresh_state)
             self.touched += n_adm
 
         if f.prefetch:
@@ -1135,17 +1144,11 @@ class TableCache:
         k = ids.size
         if k == 0:
             return _EMPTY_I64
-        need = k - self.n_free
         if victims is not None:
             self._evict(victims)
             self.policy.consumed(victims)
-        elif need > 0 and self.capacity > 0:
-            if self.reserved is not None and self.reserved.size:
-                protect = (
-                    self.reserved if protect is None else np.concatenate([protect, self.reserved])
-                )
-            victims = self.policy.victims(max(need, self.chunk), self.tick, protect, self.row_id)
-            self._evict(victims)
+        else:
+            self._evict(self._victims_for(k, protect))
         n = min(k, self.n_free)
         top = self.n_free
         slots = self.free[top - n : top][::-1].copy()
@@ -1155,6 +1158,71 @@ class TableCache:
             self.row_id[slots] = ids[:n]
             self.gen += 1
         return slots
+
+    def _victims_for(self, k: int, protect: np.ndarray | None) -> np.ndarray:
+        """The slots to evict (LRU, LFU: a chunk, by :meth:`EvictionPolicy.victims`) so
+        that ``k`` new rows fit, sparing ``protect``, the reserved slots and rows of the
+        current batch; none where the free slots suffice."""
+        need = k - self.n_free
+        if need <= 0 or self.capacity == 0:
+            return _EMPTY_I64
+        if self.reserved is not None and self.reserved.size:
+            protect = self.reserved if protect is None else np.concatenate([protect, self.reserved])
+        return self.policy.victims(max(need, self.chunk), self.tick, protect, self.row_id)
+
+    def _admit_rows(
+        self,
+        ids: np.ndarray,
+        protect: np.ndarray | None,
+        victims: np.ndarray | None,
+        fresh: Any,
+        sel: np.ndarray,
+        fresh_clock: np.ndarray,
+        seq: int,
+        fresh_state: Any,
+        pf: int = 0,
+    ) -> np.ndarray:
+        """:meth:`_admit` of the new ids ``[K]`` and :meth:`_install` of the ``n`` that
+        fit: their slots ``[n]``. Candidate ``i``'s row is ``fresh[sel[i]]`` (``sel``
+        ``[K]``) of the store's reply, read at ``fresh_clock[sel[i]]`` (``[M]``), with its
+        state ``fresh_state[sel[i]]``. One C pass (:func:`cache.kernels.admit.admit_rows`)
+        for records on the host under a dense id map, else the steps one by one."""
+        if ids.size and self.data is None and isinstance(self.index, DenseSlotIndex):
+            pooled = victims is not None  # TinyLFU's: taken from the policy's pool
+            if victims is None:
+                victims = self._victims_for(ids.size, protect)
+            state = None if fresh_state is None else fresh_state.numpy()
+            got = admit_rows(
+                self._records(), self.n_free, victims, ids, fresh, sel, fresh_clock, state,
+                seq=seq, pf=pf,
+            )  # fmt: skip
+            if got is not None:
+                if victims.size:  # as _evict
+                    if got.ids.size:
+                        self.evicted.append(_Due(got.ids, got.sums, got.counts, got.stats))
+                        self.stats.add("evicted_pending", got.ids.size)
+                    self.gen += 1
+                    self.stats.add("evictions", victims.size)
+                if pooled:
+                    self.policy.consumed(victims)
+                self.n_free += victims.size - got.slots.size
+                if got.slots.size:
+                    self.gen += 1
+                return got.slots
+        new_slots = self._admit(ids, protect, victims)
+        sel = sel[: new_slots.size]  # [n] the admitted rows' rows in the reply
+        if sel.size > 0:
+            self._install(new_slots, fresh, sel, fresh_clock.take(sel), seq, fresh_state, pf)
+        return new_slots
+
+    def _records(self) -> Records:
+        """The host records and indexes :func:`cache.kernels.admit.admit_rows` writes."""
+        assert isinstance(self.index, DenseSlotIndex)
+        return Records(
+            self.slab, self.sd, self.kind, self.rw, self.stat_at, self.stat_dim, self.counted,
+            self.state_at, self.state_dim, self.row_id, self.index.map, self.policy.key, FREE,
+            self.own8, self.free,
+        )  # fmt: skip
 
     def _evict(self, victims: np.ndarray) -> None:
         """Free the distinct slots ``victims`` ``[K]``; the pending sums of those with

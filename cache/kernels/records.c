@@ -351,27 +351,39 @@ int64_t hr_cache_update(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
     return k;
 }
 
-/* Fresh records in slots[i] (distinct): row := fresh[sel[i]] (d floats, fresh [m, d]),
-   nothing pending, CLOCK := clocks[i], CHECKED := seq, PF_MARK := pf, every other word 0. */
+/* A fresh record in slot s: row := the d values at row (float32; a narrow kind stores
+   them as they are), nothing pending, CLOCK := clock, CHECKED := seq, PF_MARK := pf, every
+   other word 0. */
+static inline void install_one(int64_t d, int64_t rw, int kind, int64_t w, int64_t s,
+                               const float* row, int64_t clock, int64_t seq, int64_t pf,
+                               float* slab) {
+    float* rec = slab + s * w;
+    memset(rec, 0, sizeof(float) * (size_t)w);
+    if (d > 0 && kind)
+        rec_store_exact(kind, row, d, (uint16_t*)rec);
+    else if (d > 0)
+        memcpy(rec, row, sizeof(float) * (size_t)d);
+    int64_t* meta = META(slab, s, rw + d, w);
+    meta[CLOCK] = clock;
+    meta[PF_MARK] = pf;
+    meta[CHECKED] = seq;
+}
+
+/* The lines of slot s's record prefetched for writing. */
+static inline void prefetch_record(const float* slab, int64_t s, int64_t w) {
+    const char* p = (const char*)(slab + s * w);
+    for (int64_t c = 0; c < w * 4; c += 64) __builtin_prefetch(p + c, 1, 0);
+}
+
+/* Fresh records in slots[i] (distinct): install_one of fresh[sel[i]] (d floats, fresh
+   [m, d]) read at clocks[i]. */
 void hr_cache_install(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
                       const int64_t* slots, const float* fresh, const int64_t* sel,
                       const int64_t* clocks, int64_t seq, int64_t pf, float* slab) {
-    int64_t m = rw + d;
     for (int64_t i = 0; i < n; ++i) {
-        if (i + AHEAD < n) {
-            const char* p = (const char*)(slab + slots[i + AHEAD] * w);
-            for (int64_t c = 0; c < w * 4; c += 64) __builtin_prefetch(p + c, 1, 0);
-        }
-        float* rec = slab + slots[i] * w;
-        memset(rec, 0, sizeof(float) * (size_t)w);
-        if (d > 0 && kind)
-            rec_store_exact(kind, fresh + sel[i] * d, d, (uint16_t*)rec);
-        else if (d > 0)
-            memcpy(rec, fresh + sel[i] * d, sizeof(float) * (size_t)d);
-        int64_t* meta = META(slab, slots[i], m, w);
-        meta[CLOCK] = clocks[i];
-        meta[PF_MARK] = pf;
-        meta[CHECKED] = seq;
+        if (i + AHEAD < n) prefetch_record(slab, slots[i + AHEAD], w);
+        install_one(d, rw, kind, w, slots[i], d > 0 ? fresh + sel[i] * d : 0, clocks[i], seq,
+                    pf, slab);
     }
 }
 
@@ -386,43 +398,60 @@ void hr_cache_pass_through(int64_t n, int64_t d, const int64_t* at, const int64_
     }
 }
 
-/* An eviction (cache.table_cache TableCache._evict) of the distinct slots victims [n]:
-   the records with pending updates (COUNT > 0), in victims' order, give their row ids,
-   pending sums (d floats at rw), counts and statistics (q floats at stat_at; counts
-   NULL: pushes not counted) to out_* and their COUNT becomes 0; every victim leaves the
-   dense id map (map[row_id] = -1), and its row id becomes -1 and its eviction key
-   free_key. Returns how many had pending updates. The records, row ids and the map are
-   random accesses, prefetched AHEAD victims ahead (numpy gathered whole records, then
-   took their words apart in ~10 calls). */
+/* Slot s evicted (cache.table_cache TableCache._evict): with pending updates (COUNT >
+   0) its row id, pending sum (d floats at rw), count and statistics (q floats at stat_at;
+   out_counts NULL: pushes not counted) go to out_*[p] and its COUNT becomes 0; it leaves
+   the dense id map (map[row_id] = -1), its row id becomes -1 and its eviction key
+   free_key. Returns 1 where it had pending updates, else 0. */
+static inline int64_t evict_one(int64_t s, int64_t d, int64_t rw, int64_t w, int64_t m,
+                                int64_t stat_at, int64_t q, float* slab, int64_t* row_id,
+                                int32_t* map, int64_t* key, int64_t free_key, int64_t p,
+                                int64_t* out_ids, float* out_sums, int64_t* out_counts,
+                                float* out_stats) {
+    int64_t* meta = META(slab, s, m, w);
+    int64_t id = row_id[s], pending = meta[COUNT] != 0;
+    if (pending) {
+        out_ids[p] = id;
+        memcpy(out_sums + p * d, slab + s * w + rw, sizeof(float) * (size_t)d);
+        if (out_counts) {
+            out_counts[p] = meta[COUNT];
+            memcpy(out_stats + p * q, slab + s * w + stat_at, sizeof(float) * (size_t)q);
+        }
+        meta[COUNT] = 0;
+    }
+    map[id] = -1;
+    row_id[s] = -1;
+    key[s] = free_key;
+    return pending;
+}
+
+/* The record words, row id and key of victim a prefetched for evict_one, and (once its
+   row id is in) the map entry of victim b. */
+static inline void prefetch_victim(const float* slab, int64_t a, int64_t m, int64_t w,
+                                   const int64_t* row_id, const int64_t* key,
+                                   const int32_t* map, int64_t b) {
+    if (a >= 0) {
+        __builtin_prefetch(META(slab, a, m, w) + COUNT, 1, 0);
+        __builtin_prefetch(row_id + a, 1, 0);
+        __builtin_prefetch(key + a, 1, 0);
+    }
+    if (b >= 0) __builtin_prefetch(map + row_id[b], 1, 0);
+}
+
+/* An eviction of the distinct slots victims [n]: evict_one of each, in order, the ones
+   with pending updates packed into out_* from 0. Returns how many had pending updates.
+   The records, row ids and the map are random accesses, prefetched AHEAD victims ahead
+   (numpy gathered whole records, then took their words apart in ~10 calls). */
 int64_t hr_cache_evict(int64_t n, int64_t d, int64_t rw, int64_t w, int64_t m, int64_t stat_at,
                        int64_t q, const int64_t* victims, float* slab, int64_t* row_id,
                        int32_t* map, int64_t* key, int64_t free_key, int64_t* out_ids,
                        float* out_sums, int64_t* out_counts, float* out_stats) {
     int64_t p = 0;
     for (int64_t i = 0; i < n; ++i) {
-        if (i + AHEAD < n) {
-            int64_t a = victims[i + AHEAD];
-            __builtin_prefetch(META(slab, a, m, w) + COUNT, 1, 0);
-            __builtin_prefetch(row_id + a, 1, 0);
-            __builtin_prefetch(key + a, 1, 0);
-        }
-        if (i + 2 < n) __builtin_prefetch(map + row_id[victims[i + 2]], 1, 0);
-        int64_t s = victims[i];
-        int64_t* meta = META(slab, s, m, w);
-        int64_t id = row_id[s];
-        if (meta[COUNT] != 0) {
-            out_ids[p] = id;
-            memcpy(out_sums + p * d, slab + s * w + rw, sizeof(float) * (size_t)d);
-            if (out_counts) {
-                out_counts[p] = meta[COUNT];
-                memcpy(out_stats + p * q, slab + s * w + stat_at, sizeof(float) * (size_t)q);
-            }
-            meta[COUNT] = 0;
-            ++p;
-        }
-        map[id] = -1;
-        row_id[s] = -1;
-        key[s] = free_key;
+        prefetch_victim(slab, i + AHEAD < n ? victims[i + AHEAD] : -1, m, w, row_id, key, map,
+                        i + 2 < n ? victims[i + 2] : -1);
+        p += evict_one(victims[i], d, rw, w, m, stat_at, q, slab, row_id, map, key, free_key, p,
+                       out_ids, out_sums, out_counts, out_stats);
     }
     return p;
 }

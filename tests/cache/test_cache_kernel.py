@@ -66,11 +66,13 @@ def _run(
     # own8 is the records' OWN capped, on both paths
     assert np.array_equal(tc.own8, np.minimum(tc.meta[:, table_cache.OWN], records.OWN8_MAX))
     keys = tc.policy.key.copy()  # eviction keys: the serve pass writes LFU's and TinyLFU's
+    # which row sits in which slot, and the free stack's order (the next admissions' slots)
+    placed = (tc.row_id.copy(), tc.index.lookup(np.arange(ROWS)), tc.free[: tc.n_free].copy())
     stats = store.cache_stats()["t"]
     store.flush()
     every = torch.arange(ROWS)
     final = (inner.pull("t", every).rows, inner.clocks("t", every), inner.state("t", every))
-    return served, slab, final, stats, keys
+    return served, slab, final, stats, keys, placed
 
 
 @pytest.mark.parametrize("write_bound", [0, 1, 4])
@@ -87,6 +89,8 @@ def test_kernel_equals_numpy_path(
         assert torch.equal(x, y)
     assert a[3] == b[3]
     assert np.array_equal(a[4], b[4])
+    for x, y in zip(a[5], b[5], strict=True):
+        assert np.array_equal(x, y)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "tinylfu"])
@@ -109,6 +113,24 @@ def _same_runs(a, b) -> None:  # type: ignore[no-untyped-def]
         assert torch.equal(x, y)
     assert a[3] == b[3]
     assert np.array_equal(a[4], b[4])
+    for x, y in zip(a[5], b[5], strict=True):
+        assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "tinylfu"])
+@pytest.mark.parametrize("sole", [False, True])
+def test_admission_pass_equals_its_steps(
+    policy: str, sole: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-pass admission (evict, free stack, id map, row ids, records, state) against
+    the separate eviction and install passes and numpy between them, every other pass in
+    C on both sides: the same bits everywhere, with victims that hold pending sums."""
+    a = _run(3, None, numpy_path=False, monkeypatch=monkeypatch, policy=policy, sole=sole)
+    monkeypatch.setattr(table_cache, "admit_rows", lambda *a, **k: None)
+    b = _run(3, None, numpy_path=False, monkeypatch=monkeypatch, policy=policy, sole=sole)
+    monkeypatch.undo()
+    _same_runs(a, b)
+    assert a[3]["evictions"] > 0 and a[3]["evicted_pending"] > 0
 
 
 @pytest.mark.parametrize("policy", ["lru", "tinylfu"])

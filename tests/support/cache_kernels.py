@@ -15,7 +15,7 @@ import cache.table_cache as table_cache
 #: The C passes ``cache.table_cache`` and ``cache.policy`` call (their names for them).
 TABLE_CACHE_KERNELS = (
     "copy_clocks", "sole_writer_asks", "plan_pull", "serve_rows", "pass_through",
-    "install_rows", "update_rows", "evict_rows",
+    "install_rows", "update_rows", "evict_rows", "admit_rows",
 )  # fmt: skip
 POLICY_KERNELS = ("search_near", "pool_valid", "halve_keys")
 
