@@ -244,6 +244,33 @@ int64_t hr_dedup_ids(int64_t n, const int64_t* ids, int64_t* perm, int64_t* uniq
     return u;
 }
 
+/* k > 1 sub-steps of row-wise Adagrad on row [d] with the mean gradient g / k and the
+   accumulator *acc: each adds stat / k to it, then row -= lr * (g / k) / (sqrt(acc) + eps).
+   The row goes in blocks of SUBSTEP_BLOCK columns, each taking every sub-step in order
+   with its mean gradient divided by k once (the sub-steps' accumulators are recomputed
+   per block, the same values): each value takes the operations of k separate sub-steps,
+   in their order, with half their divisions (the pass is division-bound: 34 k rows of
+   64 columns at k = 5 took 4.7 ms on one thread dividing g by k in every sub-step). */
+#define SUBSTEP_BLOCK 64
+static inline void counted_substeps(float* row, float* acc, const float* g, int64_t d,
+                                    int64_t k, float stat, float lr, float eps) {
+    float kf = (float)k, q = stat / kf, a0 = *acc, a = a0;
+    float mean[SUBSTEP_BLOCK];
+    for (int64_t j0 = 0; j0 < d; j0 += SUBSTEP_BLOCK) {
+        int64_t b = d - j0 < SUBSTEP_BLOCK ? d - j0 : SUBSTEP_BLOCK;
+        for (int64_t j = 0; j < b; ++j) mean[j] = g[j0 + j] / kf;
+        a = a0;
+        for (int64_t s = 0; s < k; ++s) {
+            a = a + q;
+            float denom = sqrtf(a) + eps;
+            for (int64_t j = 0; j < b; ++j) row[j0 + j] += -lr * (mean[j] / denom);
+        }
+    }
+    if (d == 0)
+        for (int64_t s = 0; s < k; ++s) a = a + q;
+    *acc = a;
+}
+
 /* A counted push of distinct rows [n] (ps.Optimizer.apply_counted): row i stands for
    counts[i] updates whose gradients sum to grad[i] [d] and whose mean squares sum to
    stats[i]. A row of one update takes the plain step (adagrad_step: its statistic is not
@@ -265,15 +292,7 @@ void hr_rowwise_adagrad_counted(int64_t n, int64_t d, int64_t s_stride, const in
             adagrad_step(row, state + r * s_stride, g, d, lr, eps);
             continue;
         }
-        float k = (float)counts[i];
-        float q = stats[i] / k;
-        float acc = state[r * s_stride];
-        for (int64_t s = 0; s < counts[i]; ++s) {
-            acc = acc + q;
-            float denom = sqrtf(acc) + eps;
-            for (int64_t j = 0; j < d; ++j) row[j] += -lr * ((g[j] / k) / denom);
-        }
-        state[r * s_stride] = acc;
+        counted_substeps(row, state + r * s_stride, g, d, counts[i], stats[i], lr, eps);
     }
 }
 

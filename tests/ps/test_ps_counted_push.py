@@ -16,6 +16,7 @@ order of the additions), Adam's step count by ``k``, and the row's clock by one.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -261,3 +262,41 @@ def test_one_update_per_row_is_the_plain_push_and_its_unused_statistics_go_unche
         counted.push_many(
             [ps.PushRequest("t", ids, grads, torch.ones(3, dtype=torch.int64), unused[:, :0])]
         )
+
+
+@pytest.mark.parametrize("dim", [8, 64, 100, 130])
+def test_counted_kernel_is_the_substeps_replayed_in_order(dim: int) -> None:
+    """The C kernel's counted rows against a numpy replay of its sub-steps, one value at a
+    time in float32 (numpy fuses nothing, as the kernel's ``fp-contract=off``): ``k``
+    times ``acc += s / k``, ``row += -lr * ((g / k) / (sqrt(acc) + eps))``. Bit for bit,
+    at dims below, at and past the kernel's blocks of columns."""
+    from ps.kernels import rowwise_adagrad
+
+    if rowwise_adagrad.load() is None:
+        pytest.skip("no C compiler: the torch path runs instead")
+    gen = torch.Generator().manual_seed(dim)
+    n, lr, eps = 12, 0.05, 1e-8
+    weight = torch.randn(20, dim, generator=gen)
+    state = torch.rand(20, 1, generator=gen) + 0.1
+    clocks = torch.zeros(20, dtype=torch.int64)
+    rows = torch.randperm(20, generator=gen)[:n]
+    counts = torch.randint(2, 9, (n,), generator=gen)  # k > 1: the sub-steps' path
+    grad = torch.randn(n, dim, generator=gen) * counts.unsqueeze(1)
+    stats = torch.rand(n, 1, generator=gen) * counts.unsqueeze(1)
+    want_w, want_s = weight.numpy().copy(), state.numpy().copy()
+    f32 = np.float32
+    for i, r in enumerate(rows.tolist()):
+        k = f32(counts[i].item())
+        q, acc = f32(stats[i, 0].item()) / k, want_s[r, 0]
+        mean = grad[i].numpy() / k  # [D] float32
+        for _ in range(int(counts[i])):
+            acc = f32(acc + q)
+            denom = f32(np.sqrt(acc) + f32(eps))
+            want_w[r] = want_w[r] + f32(-lr) * (mean / denom)
+        want_s[r, 0] = acc
+    assert rowwise_adagrad.rowwise_adagrad_counted_(
+        weight, state, clocks, rows, grad, counts, stats, lr=lr, eps=eps
+    )
+    assert_same(weight, torch.from_numpy(want_w), what="rows", why="the same float32 operations")
+    assert_same(state, torch.from_numpy(want_s), what="state", why="the same float32 operations")
+    assert torch.equal(clocks[rows], torch.ones(n, dtype=torch.int64))
