@@ -1188,24 +1188,23 @@ class TableCache:
         state ``fresh_state[sel[i]]``. One C pass (:func:`cache.kernels.admit.admit_rows`)
         for records on the host under a dense id map, else the steps one by one."""
         if ids.size and self.data is None and isinstance(self.index, DenseSlotIndex):
-            pooled = victims is not None  # TinyLFU's: taken from the policy's pool
-            if victims is None:
-                victims = self._victims_for(ids.size, protect)
+            # TinyLFU's victims come from the policy's pool; the others' are searched now
+            evict = victims if victims is not None else self._victims_for(ids.size, protect)
             state = None if fresh_state is None else fresh_state.numpy()
             got = admit_rows(
-                self._records(), self.n_free, victims, ids, fresh, sel, fresh_clock, state,
+                self._records(), self.n_free, evict, ids, fresh, sel, fresh_clock, state,
                 seq=seq, pf=pf,
             )  # fmt: skip
             if got is not None:
-                if victims.size:  # as _evict
+                if evict.size:  # as _evict
                     if got.ids.size:
                         self.evicted.append(_Due(got.ids, got.sums, got.counts, got.stats))
                         self.stats.add("evicted_pending", got.ids.size)
                     self.gen += 1
-                    self.stats.add("evictions", victims.size)
-                if pooled:
+                    self.stats.add("evictions", evict.size)
+                if victims is not None:
                     self.policy.consumed(victims)
-                self.n_free += victims.size - got.slots.size
+                self.n_free += evict.size - got.slots.size
                 if got.slots.size:
                     self.gen += 1
                 return got.slots
