@@ -82,15 +82,7 @@ def test_kernel_equals_numpy_path(
 ) -> None:
     a = _run(write_bound, lr, numpy_path=False, monkeypatch=monkeypatch)
     b = _run(write_bound, lr, numpy_path=True, monkeypatch=monkeypatch)
-    for x, y in zip(a[0], b[0], strict=True):
-        assert torch.equal(x, y)
-    assert np.array_equal(a[1].view(np.int32), b[1].view(np.int32))  # bits, NaN-safe
-    for x, y in zip(a[2], b[2], strict=True):
-        assert torch.equal(x, y)
-    assert a[3] == b[3]
-    assert np.array_equal(a[4], b[4])
-    for x, y in zip(a[5], b[5], strict=True):
-        assert np.array_equal(x, y)
+    _same_runs(a, b)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "tinylfu"])
@@ -105,7 +97,8 @@ def test_kernels_equal_numpy_paths_policies(
 
 
 def _same_runs(a, b) -> None:  # type: ignore[no-untyped-def]
-    """Two :func:`_run` results, bit for bit: served rows, slab, final store, stats."""
+    """Two :func:`_run` results, bit for bit: served rows, slab, final store, stats, keys,
+    and which row sits in which slot."""
     for x, y in zip(a[0], b[0], strict=True):
         assert torch.equal(x, y)
     assert np.array_equal(a[1].view(np.int32), b[1].view(np.int32))  # bits, NaN-safe
