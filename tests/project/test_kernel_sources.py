@@ -24,6 +24,7 @@ SOURCES = sorted(p.relative_to(ROOT) for p in ROOT.glob("*/kernels/*.c"))
 
 def test_every_c_source_follows_the_convention_and_is_package_data() -> None:
     assert {str(p) for p in SOURCES} == {
+        "cache/kernels/admit.c",
         "cache/kernels/pack_ids.c",
         "cache/kernels/plan_pull.c",
         "cache/kernels/records.c",
