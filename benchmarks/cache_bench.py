@@ -12,8 +12,8 @@ pulls and pushes its ~1100 distinct ids).
 
 A step, as the hybrid embedding tables make it: hand the next step's ids to
 ``prefetch_many`` (cached only: they ride on this step's pull; ``--prefetch``, the
-cache's ``CacheConfig.prefetch``: by default not in front of the in-process store,
-where fetching early hides nothing), pull every table's
+cache's ``CacheConfig.prefetch``: by default not, since riding on the pull hides
+nothing), pull every table's
 distinct ids in ONE group request over the tables' packed ids (``pull_groups_async``
 with a ``ps.group_requests.GroupPull``, as the hybrid tables ask for a dim group of fixed
 tables; a store without its own way cuts it by table into one ``pull_many``), push one
@@ -373,7 +373,8 @@ def _run_policy(z: Sizes, draws: ZipfDraws, policy: str) -> tuple[int, int, dict
         policy=policy,  # type: ignore[arg-type]
         group_tables=z.groups,
         sketch_period=z.sketch_period if policy == "tinylfu" else None,
-        # The rows a cache in front of a server moves: it prefetches there ("auto").
+        # The rows a prefetching cache moves, as the study has always compared them
+        # ("auto", the caches' default, is off: "on" here unless told otherwise).
         prefetch="on" if z.prefetch == "auto" else z.prefetch,
     )
     cached = cache.CachedStore(store, cfg)
@@ -751,7 +752,7 @@ def main() -> None:
         "--prefetch",
         choices=("auto", "on", "off"),
         default="auto",
-        help="the cache's CacheConfig.prefetch (auto: not in front of the in-process store)",
+        help="the cache's CacheConfig.prefetch (auto: off; the admission study prefetches)",
     )
     p.add_argument("--no-mpi", action="store_true", help="skip the MPI store")
     p.add_argument("--no-redis", action="store_true", help="skip the Redis store")

@@ -113,9 +113,9 @@ class CachedStore(Store):
         self.inner = store
         self.config = config
         self.in_process = store.in_process
-        # Whether announced batches are fetched ahead (CacheConfig.prefetch): not in
-        # front of an in-process store by default, where it would hide no latency.
-        self.prefetching = config.prefetches(store)
+        # Whether announced batches are fetched ahead (CacheConfig.prefetch): not by
+        # default, since riding on the current pull hides no latency.
+        self.prefetching = config.prefetches()
         # Where the cached rows live (None: host records); plain "cuda" is the current GPU.
         self.device = None if device is None else exact_device(device)
         self._owns = bool(owns_store)

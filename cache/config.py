@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from ps import SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad, Store, TableSpec
+from ps import SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad, TableSpec
 
 POLICIES = ("lru", "lfu", "tinylfu")
 LOCAL_STEPS = ("optimizer", "sgd")
@@ -89,10 +89,14 @@ class CacheConfig:
       :meth:`~cache.CachedStore.prefetch` do with the next batch's ids. ``"on"``: plan
       and fetch them ahead (their misses ride on the current pull, or go at once).
       ``"off"``: check them and nothing more; the batch's own pull fetches its misses.
-      ``"auto"`` (the default): on unless the wrapped store is in process
-      (``ps.Store.in_process``), where a request completes inside its call, so
-      fetching early hides no latency and only plans and admits the batch a second
-      time (the cache benchmark's in-process step: ~20 % of it).
+      ``"auto"`` (the default): off. A prefetch that rides on the current pull moves
+      the next batch's misses in the same request as this batch's rows, so it hides
+      no latency (the batch's own pull would move the same rows one request later)
+      and plans and admits the batch a second time: in the cache benchmark ~20 % of
+      the in-process cached step, ~80 ns of the cache's own time per id over MPI,
+      and the DLRM job over MPI on one host trained 1.06-1.16x faster without it.
+      ``"on"`` is for the immediate :meth:`~cache.CachedStore.prefetch` of a loop that
+      computes while it travels, and for studies of what a prefetch moves.
     * ``sole_writer``: this cache is the only writer of its tables (one worker; what
       :func:`hybridrec.launch.job_cache.with_cache` sets for a job of one worker). The PS then
       applies only this cache's pushes, in order, so a cached row's PS clock is
@@ -221,9 +225,9 @@ class CacheConfig:
             )
         return math.ceil(self.capacity_fraction * spec.num_rows)
 
-    def prefetches(self, store: Store) -> bool:
-        """Whether a cache in front of ``store`` fetches announced batches ahead."""
-        return self.prefetch == "on" or (self.prefetch == "auto" and not store.in_process)
+    def prefetches(self) -> bool:
+        """Whether the cache fetches announced batches ahead (``prefetch="on"``)."""
+        return self.prefetch == "on"
 
     def chunk(self, capacity: int) -> int:
         """Rows evicted at least at once in a cache of ``capacity`` rows."""

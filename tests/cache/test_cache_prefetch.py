@@ -58,6 +58,7 @@ class SlowStore(WrappedStore):
 def _cached(delay: float, **kw: object) -> tuple[cache.CachedStore, SlowStore]:
     slow = SlowStore(delay)
     slow.create_table(ps.TableSpec(name="t", num_rows=100, dim=DIM, optimizer=ps.SGD(lr=0.1)))
+    kw.setdefault("prefetch", "on")  # the prefetch is what these tests are about
     cfg = cache.CacheConfig(capacity_rows=50, **kw)  # type: ignore[arg-type]
     return cache.CachedStore(slow, cfg), slow
 

@@ -1,10 +1,10 @@
 """Whether a cache fetches announced batches ahead (``CacheConfig.prefetch``).
 
-By default (``"auto"``) it does in front of a store with latency to hide and not in
-front of an in-process store (``ps.Store.in_process``), whose requests complete inside
-their call. Reference: the plain store fed the same requests (bounds (0, 0), one
-worker: bit for bit with and without prefetching, as ``test_cache_groups`` argues); a
-prefetch that fetches nothing still checks its ids.
+By default (``"auto"``) it does not, in front of any store: a prefetch riding on the
+current pull hides no latency and plans each batch twice; ``"on"`` turns it on.
+Reference: the plain store fed the same requests (bounds (0, 0), one worker: bit for
+bit with and without prefetching, as ``test_cache_groups`` argues); a prefetch that
+fetches nothing still checks its ids.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _batches(steps: int) -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def test_auto_prefetches_only_in_front_of_a_store_with_latency() -> None:
+def test_auto_does_not_prefetch_in_front_of_any_store() -> None:
     assert ps.InProcessStore.in_process
     assert not MPIStore.in_process and not RedisStore.in_process
     assert not ps.Store.in_process  # a store says so itself; wrappers do not inherit it
@@ -53,8 +53,9 @@ def test_auto_prefetches_only_in_front_of_a_store_with_latency() -> None:
         return cache.CachedStore(store, cfg).prefetching
 
     assert not prefetching(ps.InProcessStore(), "auto")
-    assert prefetching(WrappedStore(), "auto")  # a store of unknown latency
+    assert not prefetching(WrappedStore(), "auto")  # a store of unknown latency
     assert prefetching(ps.InProcessStore(), "on")
+    assert prefetching(WrappedStore(), "on")
     assert not prefetching(WrappedStore(), "off")
     assert cache.CachedStore(ps.InProcessStore(), cache.CacheConfig(capacity_rows=4)).in_process
 

@@ -77,6 +77,7 @@ def main() -> None:
             exact_staleness=True,
             evict_chunk=4,
             group_tables=True,
+            prefetch="on",  # the bounds hold for prefetched rows too
         )
         store = cache.CachedStore(mpi, cfg, device=device)
         on = device or torch.device("cpu")
