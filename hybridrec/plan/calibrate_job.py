@@ -49,8 +49,10 @@ def calibrate_job(
     the share of the modelled overlap it achieved is the last value returned."""
 
     def cache_opts(fraction: float, shared: bool) -> list[str]:
-        # The cache's work as in front of a server, which it prefetches for (--ps local
-        # would not: an in-process store hides no latency).
+        # The cache's work with its prefetch on: the step the model counts (a serving
+        # pull, a prefetch and a push). The jobs' caches no longer prefetch by default,
+        # so for them the model counts the prefetch's plan and install on top: an upper
+        # bound of the cache's work.
         return ["--cache-fraction", str(fraction), "--cache-policy", "lfu", "--read-bound", "4",
                 "--write-bound", "4", "--cache-prefetch", "on",
                 *(["--other-writers"] if shared else [])]  # fmt: skip
