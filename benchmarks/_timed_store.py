@@ -29,7 +29,6 @@ class TimedStore(WrappedStore):
     def __init__(self, inner: ps.Store) -> None:
         super().__init__(inner)
         self.counted_pushes = inner.counted_pushes  # its batched pushes go to inner whole
-        self.in_process = inner.in_process  # what the inner store says of itself
         self.phase = "other"
         self.seconds: defaultdict[str, float] = defaultdict(float)
 

@@ -112,7 +112,6 @@ class CachedStore(Store):
             )
         self.inner = store
         self.config = config
-        self.in_process = store.in_process
         # Whether announced batches are fetched ahead (CacheConfig.prefetch): not by
         # default, since riding on the current pull hides no latency.
         self.prefetching = config.prefetches()

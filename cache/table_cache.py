@@ -491,7 +491,8 @@ class TableCache:
                 raise ValueError(
                     f"cache of table {self.name!r}: saved ids outside [0, {self.spec.num_rows})"
                 )
-        slots = self._admit(ids_np, None)  # [K'] (the cache is empty: no eviction)
+        # [K'] (the cache is empty: no eviction)
+        slots = self._admit(ids_np, self._victims_for(ids_np.size, None), pooled=False)
         rec = np.zeros((slots.size, self.width), dtype=np.float32)
         sd = self.sd
         # saved copies of a narrow table are its values widened: written back exactly
@@ -812,17 +813,10 @@ class TableCache:
                 ids = ids.take(take)
             else:
                 victims = None
-            new_slots = self._admit_rows(
-                ids,
-                slots[f.hit],
-                victims,
-                fresh,
-                take,
-                fresh_clock,
-                f.seq,
-                fresh_state,
+            new_slots = self._admit_rows(  # [n]
+                ids, slots[f.hit], victims, fresh, take, fresh_clock, f.seq, fresh_state,
                 pf=f.tick * 4 + _MISS,
-            )  # [n] fmt: skip
+            )  # fmt: skip
             n = new_slots.size
             if n > 0:
                 sel = take[:n]
@@ -1132,24 +1126,16 @@ class TableCache:
         else:  # lag is 0 where not old: the fresh rows' count at staleness 0
             st.served(0, lag)
 
-    def _admit(
-        self, ids: np.ndarray, protect: np.ndarray | None, victims: np.ndarray | None = None
-    ) -> np.ndarray:
-        """Slots for the first of the new ids ``[K]`` that fit (evicting if needed).
-
-        Never evicts ``protect`` slots or rows used by the current batch (or
-        prefetched for the next one): their gradients are still to come.
-        ``victims`` (TinyLFU, from :meth:`_choose`): evict exactly these instead.
-        """
-        k = ids.size
-        if k == 0:
+    def _admit(self, ids: np.ndarray, victims: np.ndarray, *, pooled: bool) -> np.ndarray:
+        """Slots for the first of the new ids ``[K]`` that fit, after evicting ``victims``
+        (:meth:`_victims_for`'s, or TinyLFU's from :meth:`_choose`: ``pooled``, taken from
+        the policy's pool of victims)."""
+        if ids.size == 0:
             return _EMPTY_I64
-        if victims is not None:
-            self._evict(victims)
+        self._evict(victims)
+        if pooled:
             self.policy.consumed(victims)
-        else:
-            self._evict(self._victims_for(k, protect))
-        n = min(k, self.n_free)
+        n = min(ids.size, self.n_free)
         top = self.n_free
         slots = self.free[top - n : top][::-1].copy()
         self.n_free = top - n
@@ -1187,32 +1173,35 @@ class TableCache:
         ``[K]``) of the store's reply, read at ``fresh_clock[sel[i]]`` (``[M]``), with its
         state ``fresh_state[sel[i]]``. One C pass (:func:`cache.kernels.admit.admit_rows`)
         for records on the host under a dense id map, else the steps one by one."""
-        if ids.size and self.data is None and isinstance(self.index, DenseSlotIndex):
-            # TinyLFU's victims come from the policy's pool; the others' are searched now
-            evict = victims if victims is not None else self._victims_for(ids.size, protect)
+        if ids.size == 0:
+            return _EMPTY_I64
+        # Never evicted: ``protect`` and rows used by the current batch (or prefetched
+        # for the next one), whose gradients are still to come.
+        pooled = victims is not None  # TinyLFU's, from _choose; the others' found now
+        evict = victims if victims is not None else self._victims_for(ids.size, protect)
+        got = None
+        if self.data is None and isinstance(self.index, DenseSlotIndex):
             state = None if fresh_state is None else fresh_state.numpy()
             got = admit_rows(
                 self._records(), self.n_free, evict, ids, fresh, sel, fresh_clock, state,
                 seq=seq, pf=pf,
             )  # fmt: skip
-            if got is not None:
-                if evict.size:  # as _evict
-                    if got.ids.size:
-                        self.evicted.append(_Due(got.ids, got.sums, got.counts, got.stats))
-                        self.stats.add("evicted_pending", got.ids.size)
-                    self.gen += 1
-                    self.stats.add("evictions", evict.size)
-                if victims is not None:
-                    self.policy.consumed(victims)
-                self.n_free += evict.size - got.slots.size
-                if got.slots.size:
-                    self.gen += 1
-                return got.slots
-        new_slots = self._admit(ids, protect, victims)
-        sel = sel[: new_slots.size]  # [n] the admitted rows' rows in the reply
-        if sel.size > 0:
-            self._install(new_slots, fresh, sel, fresh_clock.take(sel), seq, fresh_state, pf)
-        return new_slots
+        if got is None:  # the steps one by one
+            new_slots = self._admit(ids, evict, pooled=pooled)
+            sel = sel[: new_slots.size]  # [n] the admitted rows' rows in the reply
+            if sel.size > 0:
+                self._install(new_slots, fresh, sel, fresh_clock.take(sel), seq, fresh_state, pf)
+            return new_slots
+        if evict.size:  # what _evict counts
+            self._hold_evicted(_Due(got.ids, got.sums, got.counts, got.stats))
+            self.gen += 1
+            self.stats.add("evictions", evict.size)
+        if pooled:
+            self.policy.consumed(evict)
+        self.n_free += evict.size - got.slots.size
+        if got.slots.size:
+            self.gen += 1
+        return got.slots
 
     def _records(self) -> Records:
         """The host records and indexes :func:`cache.kernels.admit.admit_rows` writes."""
@@ -1248,11 +1237,14 @@ class TableCache:
         )  # fmt: skip
         if got is None:
             return False
-        ids, sums, counts, stats = got
-        if ids.size > 0:
-            self.evicted.append(_Due(ids, sums, counts, stats))
-            self.stats.add("evicted_pending", ids.size)
+        self._hold_evicted(_Due(*got))
         return True
+
+    def _hold_evicted(self, due: _Due) -> None:
+        """Evicted rows' pending sums ``due`` (none: nothing), kept for the next push."""
+        if due.ids.size > 0:
+            self.evicted.append(due)
+            self.stats.add("evicted_pending", due.ids.size)
 
     def _evict_numpy(self, victims: np.ndarray) -> None:
         """:meth:`_evict_pass` on numpy (and for records on a device or a hashed id map)."""
@@ -1268,8 +1260,7 @@ class TableCache:
                 (at,) = self.data.indices(victims.take(pend))
                 sums = self.data.pending_of(at)
                 counts, stats = self._counted_of(rec[pend], self.data.stats_of(at))
-            self.evicted.append(_Due(self.row_id.take(victims.take(pend)), sums, counts, stats))
-            self.stats.add("evicted_pending", pend.size)
+            self._hold_evicted(_Due(self.row_id.take(victims.take(pend)), sums, counts, stats))
             self.meta[victims.take(pend), COUNT] = 0  # free slots hold no count
         self.index.remove(self.row_id.take(victims))
         self.row_id[victims] = -1

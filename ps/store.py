@@ -163,9 +163,6 @@ class Store(ABC):
 
     #: Whether pushes may be counted (:class:`PushRequest` ``counts`` and ``stats``).
     counted_pushes: bool = False
-    #: Whether every request completes inside the call that makes it, in the caller's
-    #: process (no server, no wire): sending a request early then hides nothing.
-    in_process: bool = False
 
     # ------------------------------------------------------------ tables
 

@@ -51,7 +51,6 @@ class InProcessStore(Store):
     """
 
     counted_pushes = True
-    in_process = True
 
     def __init__(self, *, init_device: torch.device | str | None = None) -> None:
         self.init_device: torch.device | None = None

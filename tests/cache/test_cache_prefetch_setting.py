@@ -17,8 +17,6 @@ import ps
 from hybridrec.dlrm.config import DLRMJobConfig
 from hybridrec.launch.job_cache import cache_config
 from ps import PullRequest, PushRequest
-from ps.mpi.store import MPIStore
-from ps.redis.store import RedisStore
 from tolerance import assert_same
 from wrapped_store import WrappedStore
 
@@ -44,10 +42,6 @@ def _batches(steps: int) -> list[dict[str, torch.Tensor]]:
 
 
 def test_auto_does_not_prefetch_in_front_of_any_store() -> None:
-    assert ps.InProcessStore.in_process
-    assert not MPIStore.in_process and not RedisStore.in_process
-    assert not ps.Store.in_process  # a store says so itself; wrappers do not inherit it
-
     def prefetching(store: ps.Store, mode: str) -> bool:
         cfg = cache.CacheConfig(capacity_rows=4, prefetch=mode)  # type: ignore[arg-type]
         return cache.CachedStore(store, cfg).prefetching
@@ -57,7 +51,6 @@ def test_auto_does_not_prefetch_in_front_of_any_store() -> None:
     assert prefetching(ps.InProcessStore(), "on")
     assert prefetching(WrappedStore(), "on")
     assert not prefetching(WrappedStore(), "off")
-    assert cache.CachedStore(ps.InProcessStore(), cache.CacheConfig(capacity_rows=4)).in_process
 
 
 def test_config_names_a_bad_prefetch_value() -> None:
