@@ -83,7 +83,8 @@ from mpi4py import MPI
 
 from comm import CommTimeoutError, Handle, ProcessGroup, Topology
 from ps import checkpoint
-from ps.mpi import wire
+from ps.group_requests import GroupPull, GroupPush, sorted_push
+from ps.mpi import group_messages, wire
 from ps.mpi.server import check_mpi_topology, check_push_grads
 from ps.mpi.wire import HEADER_LEN, Op
 from ps.routing import group_by_shard
@@ -602,14 +603,13 @@ class MPIStore(Store):
             words: list[np.ndarray] = [toc]
             data = []
             for j, (i, a, c) in enumerate(parts):
-                name, t, ids_np, g, _, _ = plans[i]
+                _, t, ids_np, g, _, _ = plans[i]
                 toc[j] = (t.index[s], c, wire.width_word(t.spec.dim, t.spec.dtype))
                 words.append(ids_np[a : a + c])
                 data.append(wire.pack_values(g[a : a + c]))
-                self._count(name, "worker_push_calls")
-            flags = seq = 0
+            both = None
             if any(plans[i][5] is not None for i, _, _ in parts):
-                # Every part's counts, then (data) every part's statistics.
+                # Every part's counts and statistics (a plain part's ones and zeros).
                 k_parts, q_parts = [], []
                 for i, a, c in parts:
                     spec, counted = plans[i][1].spec, plans[i][5]
@@ -620,40 +620,133 @@ class MPIStore(Store):
                     else:
                         k_parts.append(counted[0][a : a + c].numpy())
                         q_parts.append(counted[1][a : a + c].numpy().reshape(-1))
-                packed, wide = wire.pack_counts(np.concatenate(k_parts))
-                words.append(packed)
-                data += q_parts
-                flags = wire.FLAG_COUNTED | (wire.FLAG_WIDE_COUNTS if wide else 0)
-            if self._sequenced:
-                seq = self._seq.get(s, 0) + 1
-                self._seq[s] = seq
-                flags |= wire.FLAG_SEQ
-                words.append(np.array([self._session], dtype=np.int64))
-            call = self._start(
-                s,
-                Op.PUSH_MANY,
-                payload=tuple(words),
-                # One copy: the caller may reuse its gradient buffers while in flight.
-                data=np.concatenate(data),
-                table=len(parts),
-                n=sum(c for _, _, c in parts),
-                flags=flags,
-                arg=seq,
-                resendable=True,
+                both = (np.concatenate(k_parts), np.concatenate(q_parts))
+            names = [plans[i][0] for i, _, _ in parts]
+            calls.append(self._send_push(s, toc, words, data, both, names))
+
+        return self._handle(
+            calls, lambda: self._pushed(calls), "push_many " + ", ".join(repr(p[0]) for p in plans)
+        )
+
+    def _send_push(
+        self,
+        s: int,
+        toc: np.ndarray,
+        words: list[np.ndarray],
+        data: list[np.ndarray],
+        counted: tuple[np.ndarray, np.ndarray] | None,
+        names: list[str],
+    ) -> _Call:
+        """Send server number ``s`` one ``PUSH_MANY``: table of contents ``toc`` ``[k, 3]``
+        and the parts' ids (``words``, after it), their gradients (``data``); ``counted``:
+        every part's update counts ``[n]`` and statistics (flat), a plain part's ones and
+        zeros. ``names``: the parts' tables, for the push counters."""
+        flags = seq = 0
+        if counted is not None:
+            packed, wide = wire.pack_counts(counted[0])
+            words.append(packed)
+            data.append(counted[1])
+            flags = wire.FLAG_COUNTED | (wire.FLAG_WIDE_COUNTS if wide else 0)
+        if self._sequenced:
+            seq = self._seq.get(s, 0) + 1
+            self._seq[s] = seq
+            flags |= wire.FLAG_SEQ
+            words.append(np.array([self._session], dtype=np.int64))
+        call = self._start(
+            s,
+            Op.PUSH_MANY,
+            payload=tuple(words),
+            # One copy: the caller may reuse its gradient buffers while in flight.
+            data=np.concatenate(data),
+            table=len(toc),
+            n=int(toc[:, 1].sum()),
+            flags=flags,
+            arg=seq,
+            resendable=True,
+        )
+        call.names = names
+        for name in names:
+            self._count(name, "worker_push_calls")
+        return call
+
+    def _pushed(self, calls: list[_Call]) -> None:
+        """Count the retries and repeats of push ``calls`` that have their replies."""
+        for c in calls:
+            repeat = int(c.reply[wire.W_FLAGS]) & wire.FLAG_DUPLICATE
+            for name in c.names:
+                if c.retries:
+                    self._count(name, "worker_push_retries", c.retries)
+                if repeat:
+                    self._count(name, "worker_push_duplicates")
+
+    # ------------------------------------------------------------ group requests
+
+    def pull_groups_async(self, requests: Sequence[PullRequest | GroupPull]) -> Handle:
+        """A lone group request goes out in bulk (:mod:`ps.mpi.group_messages`: one
+        ``PULL_MANY`` per server, built from the packed ids with no request per table);
+        anything else, or what that cannot take, the base class's way."""
+        if isinstance(requests, Sequence) and len(requests) == 1:
+            (r,) = requests
+            if isinstance(r, GroupPull):
+                tables = [self._table(name) for name in r.space.names]
+                plan = group_messages.pull_plan(
+                    r, [t.spec for t in tables], [t.index for t in tables], len(self._servers)
+                )
+                if plan is not None:
+                    return self._pull_group(plan, r.with_state)
+        return super().pull_groups_async(requests)
+
+    def _pull_group(self, plan: group_messages.PullPlan, with_state: bool) -> Handle:
+        calls = [
+            self._start(
+                m.block.server,
+                Op.PULL_MANY,
+                payload=m.words,
+                reply_words=m.reply_words,
+                reply_data=np.empty(m.floats, dtype=np.float32),
+                table=len(m.block.parts),
+                n=m.block.size,
+                flags=wire.FLAG_STATE if with_state else 0,
             )
-            call.names = [plans[i][0] for i, _, _ in parts]
-            calls.append(call)
+            for m in plan.messages
+        ]
 
-        def finish() -> None:
-            for c in calls:
-                repeat = int(c.reply[wire.W_FLAGS]) & wire.FLAG_DUPLICATE
-                for name in c.names:
-                    if c.retries:
-                        self._count(name, "worker_push_retries", c.retries)
-                    if repeat:
-                        self._count(name, "worker_push_duplicates")
+        def finish() -> list[PullResult]:
+            return [plan.result([(c.reply, c.data, c.server) for c in calls])]
 
-        return self._handle(calls, finish, "push_many " + ", ".join(repr(p[0]) for p in plans))
+        return self._handle(calls, finish, "pull_groups " + "+".join(plan.names))
+
+    def push_groups_async(self, requests: Sequence[PushRequest | GroupPush]) -> Handle:
+        """A lone group push goes out in bulk (:mod:`ps.mpi.group_messages`: one
+        ``PUSH_MANY`` per server, its ids sorted first); anything else, or what that
+        cannot take, the base class's way."""
+        if isinstance(requests, Sequence) and len(requests) == 1:
+            (r,) = requests
+            if isinstance(r, GroupPush):
+                tables = [self._table(name) for name in r.space.names]
+                messages = group_messages.push_messages(
+                    sorted_push(r),
+                    [t.spec for t in tables],
+                    [t.index for t in tables],
+                    len(self._servers),
+                )
+                if messages is not None:
+                    names = r.space.names
+                    calls = [
+                        self._send_push(
+                            m.block.server,
+                            m.toc,
+                            [m.toc, m.ids],
+                            [m.grads],
+                            m.counted,
+                            [names[i] for i, _, _ in m.block.parts],
+                        )
+                        for m in messages
+                    ]
+                    return self._handle(
+                        calls, lambda: self._pushed(calls), "push_groups " + "+".join(names)
+                    )
+        return super().push_groups_async(requests)
 
     # ------------------------------------------------------------ inspection
 
