@@ -18,7 +18,11 @@ unique row over the dedup's runs (no ``[N, D]`` temporary, no dense ``[U, D]``
 zeros per table) and pushes every group's ``(unique keys, row gradients)`` to the
 store in ONE batched push (``Store.push_groups_async``), which applies each table's
 optimizer.
-There is no separate optimizer step and no embedding ``nn.Parameter``.
+There is no separate optimizer step and no embedding ``nn.Parameter``. A rank that
+trains alone and unpipelined does not wait for its push's reply in backward: a store
+applies one worker's requests in order, so the next pull sees the push, and the rank
+waits for it at its next store call (``wait_push``; ``drain``, ``flush`` and every
+save or load wait too), while the servers apply it beside the rest of the step.
 
 Data parallel (``group.size > 1``), two cases:
 
@@ -51,7 +55,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from comm import ProcessGroup, boundary
+from comm import Handle, ProcessGroup, boundary
 from comm.agreement import run_on_rank0
 from comm.device import module_device
 from embedding.checks import check_batch_ids, check_ids, check_weights
@@ -267,6 +271,12 @@ class HybridTables(nn.Module):
         self.pipeline: SparsePipeline | None = None
         self._announced: tuple[KeyedJaggedIds, Plan] | None = None  # the next batch
         self._ahead: _Ahead | None = None  # its pull, in flight
+        # This rank's last push, sent and not yet waited for, when the rank is alone and
+        # unpipelined. A store applies one worker's requests in order, so every later
+        # request of this rank sees it; waiting at the rank's next store call lets the
+        # servers apply it while the rank runs the rest of its step (the dense backward's
+        # tail, the optimizer, the next batch) instead of idling until they are done.
+        self._push_in_flight: Handle | None = None
 
     # ------------------------------------------------------------ the sparse pipeline
 
@@ -287,6 +297,7 @@ class HybridTables(nn.Module):
         Needs a store shared by the ranks, or one rank: with per-rank replicas every push
         is a collective (``allgatherv``), which must not run beside the dense allreduce.
         """
+        self.wait_push()
         if on and self.pipeline is None:
             if self.group.size > 1 and not self.store_is_shared:
                 raise ValueError(
@@ -307,9 +318,18 @@ class HybridTables(nn.Module):
         return call() if self.pipeline is None else self.pipeline.run(call)
 
     def drain(self) -> None:
-        """Wait for every store call of the pipeline (raising a failed push's error)."""
+        """Wait for every store call of this rank: the pipeline's, or the last push
+        (raising a failed push's error)."""
+        self.wait_push()
         if self.pipeline is not None:
             self.pipeline.drain()
+
+    def wait_push(self) -> None:
+        """Wait for the push still in flight, if any (its error, if it failed, is
+        raised here: a dead or timed-out server; bad gradients raise when pushed)."""
+        handle, self._push_in_flight = self._push_in_flight, None
+        if handle is not None:
+            handle.wait()
 
     def settle(self) -> None:
         """:meth:`drain`, and drop the rows pulled ahead: before the store is read or
@@ -506,6 +526,7 @@ class HybridTables(nn.Module):
                 for r in requests:
                     one(r.table, r.ids)
 
+        self.wait_push()
         self._store_call(announce)
 
     def forward(
@@ -514,6 +535,7 @@ class HybridTables(nn.Module):
         check_batch_ids(kjt, tables)  # one host sync on a GPU (bad ids raise here)
         for cfg, feats in tables:
             check_weights(cfg, feats, kjt.weights is not None)
+        self.wait_push()  # the last step's push, applied meanwhile
         train = self.training and torch.is_grad_enabled()
         got = self._take_ahead(kjt, tables) if train and self.pipeline is not None else None
         if got is None:
@@ -878,7 +900,12 @@ def _push_now(owner: HybridTables, sums: list[tuple[_Group, torch.Tensor]]) -> N
                 requests.append(GroupPush(g.space, g.keys, rows))
             else:
                 requests += [PushRequest(n, i, r) for n, (i, r) in _by_table(g, rows).items()]
-        store.push_groups_async(requests).wait()  # one batched push: one message per server
+        handle = store.push_groups_async(requests)  # one batched push: one message per server
+        if group.size == 1 and owner.pipeline is None:
+            owner.wait_push()  # (a second backward before the next forward)
+            owner._push_in_flight = handle  # waited for at this rank's next store call
+        else:
+            handle.wait()  # the other ranks' next pulls must see it (or the pipeline's)
         return
     grads = {n: part for g, rows in sums for n, part in _by_table(g, rows).items()}
     gathered = []
