@@ -340,32 +340,53 @@ int hr_pull_apply(int64_t k, const int64_t* toc, const int64_t* words, const int
    its table's type (part_words). A counted push of a narrow table goes the Python path. */
 int hr_push_check(int64_t k, const int64_t* toc, int64_t nids, const int64_t* ids,
                   int64_t nfloats, const float* grads, const int64_t* counts, int64_t nstats,
-                  const float* stats, const int64_t* tables, int64_t ntables, int packed) {
+                  const float* stats, const int64_t* tables, int64_t ntables, int packed,
+                  int nthreads) {
     if (counts) {
         if (nstats != nids || !all_finite(stats, nstats)) return 1;
         for (int64_t i = 0; i < nids; ++i)
             if (counts[i] < 1 || !(stats[i] >= 0.0f)) return 1;
     }
-    int64_t at = 0, fat = 0;
+    /* First the table of contents (where each part's ids and gradients start), then the
+       parts' values, parts of different tables on up to nthreads threads: each part
+       reads only its own slices, so the verdict does not depend on the threads. */
+    int64_t* at = (int64_t*)malloc(sizeof(int64_t) * (size_t)(2 * k + 2));
+    if (!at) return 1;
+    int64_t* fat = at + k + 1;
+    at[0] = fat[0] = 0;
     for (int64_t p = 0; p < k; ++p) {
         table_desc t;
-        if (!part_ok(toc, 3, p, tables, ntables, &t) || t.push != 1) return 1;
-        if (t.dtype && counts) return 1;
-        int64_t n = toc[p * 3 + 1], size = part_words(&t, n, 0, packed);
-        if (at + n > nids || fat + size > nfloats) return 1;
-        const int64_t* part = ids + at;
-        if (!ids_ok(&t, part, n)) return 1;
-        for (int64_t i = 1; i < n; ++i)
-            if (part[i] <= part[i - 1]) return 1;
-        if (t.dtype && packed) {
-            if (!all_finite_narrow(t.dtype, (const uint16_t*)(grads + fat), n * t.dim)) return 1;
-        } else if (!all_finite(grads + fat, n * t.dim)) {
+        int ok = part_ok(toc, 3, p, tables, ntables, &t) && t.push == 1 && !(t.dtype && counts);
+        int64_t n = ok ? toc[p * 3 + 1] : 0, size = ok ? part_words(&t, n, 0, packed) : 0;
+        if (!ok || at[p] + n > nids || fat[p] + size > nfloats) {
+            free(at);
             return 1;
         }
-        at += n;
-        fat += size;
+        at[p + 1] = at[p] + n;
+        fat[p + 1] = fat[p] + size;
     }
-    return at == nids && fat == nfloats ? 0 : 1;
+    int whole = at[k] == nids && fat[k] == nfloats;
+    int threads = whole && k > 1 && nthreads > 1 ? (nthreads < k ? nthreads : (int)k) : 1;
+    int bad = !whole;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : bad)
+    for (int64_t p = 0; p < k; ++p) {
+        if (bad) continue; /* this thread saw a bad part already: its verdict stands */
+        table_desc t = desc(tables, toc[p * 3]);
+        int64_t n = at[p + 1] - at[p];
+        const int64_t* part = ids + at[p];
+        if (!ids_ok(&t, part, n)) {
+            bad = 1;
+            continue;
+        }
+        for (int64_t i = 1; i < n && !bad; ++i) bad |= part[i] <= part[i - 1];
+        if (bad) continue;
+        if (t.dtype && packed)
+            bad |= !all_finite_narrow(t.dtype, (const uint16_t*)(grads + fat[p]), n * t.dim);
+        else
+            bad |= !all_finite(grads + fat[p], n * t.dim);
+    }
+    free(at);
+    return bad ? 1 : 0;
 }
 
 /* One part of n rows of a narrow table (strictly increasing table ids [n], their local

@@ -73,7 +73,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_pull_apply.restype = ctypes.c_int
     lib.hr_pull_apply.argtypes = [i64, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, ptr, c_int]
     lib.hr_push_check.restype = ctypes.c_int
-    lib.hr_push_check.argtypes = [i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, c_int]
+    lib.hr_push_check.argtypes = [
+        i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, c_int, c_int
+    ]  # fmt: skip
     lib.hr_push_apply.restype = ctypes.c_int
     lib.hr_push_apply.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, c_int, c_int]
 
@@ -150,10 +152,12 @@ def push_check(
     tables: np.ndarray,
     counted: Counted,
     packed: bool = False,
+    threads: int = 1,
 ) -> bool:
     """Whether the pass can apply a ``PUSH_MANY``: ``toc`` int64 ``[k, 3]``, ``ids`` int64
     ``[N]``, ``grads`` float32 ``[sum n * dim]`` (``packed``: a narrow part's in data
-    words of its table's type), ``counted`` (see :data:`Counted`)."""
+    words of its table's type), ``counted`` (see :data:`Counted`); the parts' values
+    checked on up to ``threads`` OpenMP threads (the same verdict on any number)."""
     lib = _library()
     if lib is None:
         return False
@@ -161,7 +165,7 @@ def push_check(
     rc = lib.hr_push_check(
         toc.shape[0], toc.ctypes.data, ids.size, ids.ctypes.data, grads.size, grads.ctypes.data,
         _address(counts), 0 if stats is None else stats.size, _address(stats),
-        tables.ctypes.data, tables.shape[0], int(packed),
+        tables.ctypes.data, tables.shape[0], int(packed), max(1, int(threads)),
     )  # fmt: skip
     return rc == 0
 

@@ -370,9 +370,9 @@ class LocalBatchedPass:
         locks) and count it; False: the check refused it and nothing changed."""
         counters = np.zeros((words.shape[0], COUNTER_WORDS), dtype=np.int64)
         with _locked(tables):
-            if not message_pass.push_check(toc, ids, grads, words, counted):
-                return False
             threads = torch.get_num_threads()
+            if not message_pass.push_check(toc, ids, grads, words, counted, threads=threads):
+                return False
             message_pass.push_apply(toc, ids, grads, words, hyper, counters, threads, counted)
             _fold(tables, index, counters)
         self.served += 1

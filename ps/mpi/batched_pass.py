@@ -122,7 +122,7 @@ class BatchedPass:
         int64 words, and the statistics the gradients)."""
         parts = self._parts(k, payload, data, sequenced, counted, wide)
         if parts is None or not message_pass.push_check(
-            *parts[:3], self.tables, parts[3], packed=True
+            *parts[:3], self.tables, parts[3], packed=True, threads=self.threads
         ):
             return None
         return parts
