@@ -29,6 +29,7 @@ from ps.mpi import wire
 from ps.routing import shard_of
 from ps.store import PullResult
 from ps.table import TableSpec
+from ps.validate import all_finite
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +119,9 @@ def push_messages(
     dim = int(r.grads.shape[1])
     if not in_bulk(specs, space, dim) or not space.inside(packed):
         return None
-    grads = r.grads.detach().numpy()  # [N, D]
-    if not math.isfinite(float(r.grads.sum())) and not bool(np.isfinite(grads).all()):
+    if not all_finite(r.grads.detach()):
         return None  # the per-table path names the row (or drops it: nan_policy "skip")
+    grads = r.grads.detach().numpy()  # [N, D]
     plain = _plain_tables(r, specs, packed)
     if plain is None:
         return None

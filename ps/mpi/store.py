@@ -622,7 +622,7 @@ class MPIStore(Store):
                         q_parts.append(counted[1][a : a + c].numpy().reshape(-1))
                 both = (np.concatenate(k_parts), np.concatenate(q_parts))
             names = [plans[i][0] for i, _, _ in parts]
-            calls.append(self._send_push(s, toc, words, data, both, names))
+            calls.append(self._send_push(s, words, data, both, names))
 
         return self._handle(
             calls, lambda: self._pushed(calls), "push_many " + ", ".join(repr(p[0]) for p in plans)
@@ -631,16 +631,16 @@ class MPIStore(Store):
     def _send_push(
         self,
         s: int,
-        toc: np.ndarray,
         words: list[np.ndarray],
         data: list[np.ndarray],
         counted: tuple[np.ndarray, np.ndarray] | None,
         names: list[str],
     ) -> _Call:
-        """Send server number ``s`` one ``PUSH_MANY``: table of contents ``toc`` ``[k, 3]``
-        and the parts' ids (``words``, after it), their gradients (``data``); ``counted``:
-        every part's update counts ``[n]`` and statistics (flat), a plain part's ones and
+        """Send server number ``s`` one ``PUSH_MANY``: ``words`` its table of contents
+        ``[k, 3]``, then the parts' ids; ``data`` their gradients; ``counted``: every
+        part's update counts ``[n]`` and statistics (flat), a plain part's ones and
         zeros. ``names``: the parts' tables, for the push counters."""
+        toc = words[0]
         flags = seq = 0
         if counted is not None:
             packed, wide = wire.pack_counts(counted[0])
@@ -735,7 +735,6 @@ class MPIStore(Store):
                     calls = [
                         self._send_push(
                             m.block.server,
-                            m.toc,
                             [m.toc, m.ids],
                             [m.grads],
                             m.counted,
