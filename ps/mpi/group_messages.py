@@ -286,13 +286,7 @@ def _read_reply(
     [M], rows [M, width])``, checked against what was asked."""
     parts = m.block.parts
     k = len(parts)
-    if int(reply[wire.W_N]) != k:
-        raise RuntimeError(
-            f"pull_many reply from server rank {server} has {int(reply[wire.W_N])} parts for "
-            f"a request of {k}; the protocol is out of step"
-        )
-    body = reply[wire.HEADER_LEN :]
-    toc = body[: k * wire.REPLY_PART_WORDS].reshape(k, wire.REPLY_PART_WORDS)
+    body, toc = wire.pull_reply_parts(reply, k, server)
     got, flags = toc[:, 0], toc[:, 1]  # [k] rows each part returned, and its flags
     asked = np.array([c for _, _, c in parts], dtype=np.int64)
     has_positions = (flags & wire.FLAG_POSITIONS) != 0
@@ -300,10 +294,8 @@ def _read_reply(
     ok &= has_positions == conditional
     if not bool(ok.all()):
         j = int(np.flatnonzero(~ok)[0])
-        raise RuntimeError(
-            f"pull_many reply from server rank {server} has {int(got[j])} rows (positions: "
-            f"{bool(has_positions[j])}) for table {names[parts[j][0]]!r} where {int(asked[j])} "
-            "were asked; the table may have been reloaded with another spec by another worker"
+        raise wire.pull_part_error(
+            server, int(got[j]), bool(has_positions[j]), names[parts[j][0]], int(asked[j])
         )
     total = int(got.sum())
     rows = data[: total * width].reshape(total, width)

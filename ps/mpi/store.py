@@ -1041,13 +1041,7 @@ def _split_pull_reply(
     """Cut one server's ``PULL_MANY`` reply into its tables' parts (checked against
     what was asked) and append them to ``got``."""
     k = len(parts)
-    if int(call.reply[wire.W_N]) != k:
-        raise RuntimeError(
-            f"pull_many reply from server rank {call.server} has {int(call.reply[wire.W_N])} "
-            f"parts for a request of {k}; the protocol is out of step"
-        )
-    body = call.reply[HEADER_LEN:]
-    toc = body[: k * wire.REPLY_PART_WORDS].reshape(k, wire.REPLY_PART_WORDS)
+    body, toc = wire.pull_reply_parts(call.reply, k, call.server)
     at, fat = k * wire.REPLY_PART_WORDS, 0
     for (i, a, c), (m, flags) in zip(parts, toc.tolist(), strict=True):
         p = plans[i]
@@ -1055,11 +1049,7 @@ def _split_pull_reply(
         positions = bool(flags & wire.FLAG_POSITIONS)
         ok = (0 <= m <= c) if conditional else m == c
         if not ok or positions != conditional:
-            raise RuntimeError(
-                f"pull_many reply from server rank {call.server} has {m} rows (positions: "
-                f"{positions}) for table {p.name!r} where {c} were asked; the table may "
-                "have been reloaded with another spec by another worker"
-            )
+            raise wire.pull_part_error(call.server, m, positions, p.name, c)
         clk = body[at : at + m]
         at += m
         pos = None

@@ -206,6 +206,29 @@ def raise_if_error(meta: np.ndarray, what: str) -> None:
     raise kind.exception(f"{what}: {text}" if what else text)
 
 
+def pull_reply_parts(reply: np.ndarray, k: int, server: int) -> tuple[np.ndarray, np.ndarray]:
+    """A ``PULL_MANY`` reply of ``k`` parts from server rank ``server``: its body (the
+    words after the header) and table of contents ``[k, REPLY_PART_WORDS]`` (each part's
+    rows returned, its flags); RuntimeError if it holds another number of parts."""
+    if int(reply[W_N]) != k:
+        raise RuntimeError(
+            f"pull_many reply from server rank {server} has {int(reply[W_N])} parts for a "
+            f"request of {k}; the protocol is out of step"
+        )
+    body = reply[HEADER_LEN:]
+    return body, body[: k * REPLY_PART_WORDS].reshape(k, REPLY_PART_WORDS)
+
+
+def pull_part_error(server: int, got: int, positions: bool, table: str, asked: int) -> RuntimeError:
+    """The error of a ``PULL_MANY`` reply part that returned ``got`` rows (``positions``:
+    flagged with positions) for ``table`` where ``asked`` were asked."""
+    return RuntimeError(
+        f"pull_many reply from server rank {server} has {got} rows (positions: {positions}) "
+        f"for table {table!r} where {asked} were asked; the table may have been reloaded "
+        "with another spec by another worker"
+    )
+
+
 def count_words(n: int, wide: bool) -> int:
     """Payload words of a counted ``PUSH_MANY``'s ``n`` update counts: one byte each,
     padded to whole words (``wide``: one word each, for counts above 255)."""

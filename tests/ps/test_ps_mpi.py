@@ -68,6 +68,20 @@ def test_wire_messages_round_trip() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_pull_reply_parts_are_checked() -> None:
+    """A ``PULL_MANY`` reply's table of contents is read after its header, and a reply
+    with another number of parts is refused, naming the server."""
+    toc = np.array([[3, 0], [2, wire.FLAG_POSITIONS]], dtype=np.int64)
+    reply = wire.message(wire.header(wire.Op.PULL_MANY, 5, n=2), toc, np.arange(5))
+    body, got = wire.pull_reply_parts(reply, 2, server=1)
+    assert got.tolist() == toc.tolist() and body[4:].tolist() == list(range(5))
+    with pytest.raises(RuntimeError, match="server rank 1 has 2 parts for a request of 3"):
+        wire.pull_reply_parts(reply, 3, server=1)
+    err = wire.pull_part_error(1, 4, False, "t0", 3)
+    assert "4 rows (positions: False) for table 't0' where 3 were asked" in str(err)
+
+
+@pytest.mark.timeout(10)
 def test_servers_take_workers_round_robin() -> None:
     """After serving worker w a server looks at the workers after w first, so a worker
     with many requests in flight cannot starve the others."""
