@@ -29,6 +29,7 @@ class TimedStore(WrappedStore):
     def __init__(self, inner: ps.Store) -> None:
         super().__init__(inner)
         self.counted_pushes = inner.counted_pushes  # its batched pushes go to inner whole
+        self.value_writes = inner.value_writes  # and its writes
         self.phase = "other"
         self.seconds: defaultdict[str, float] = defaultdict(float)
 
@@ -74,6 +75,9 @@ class TimedStore(WrappedStore):
 
     def push_groups_async(self, requests: Sequence[ps.PushRequest | GroupPush]) -> Handle:
         return self._wrap(self._timed(self.inner.push_groups_async, requests))
+
+    def write_many_async(self, requests: Sequence[ps.WriteRequest]) -> Handle:
+        return self._wrap(self._timed(self.inner.write_many_async, requests))
 
     def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self._timed(self.inner.clocks, table, ids)

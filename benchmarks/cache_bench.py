@@ -157,6 +157,8 @@ class Sizes:
     max_fill: int = 2000  # warm-up steps at most while the caches fill
     sketch_period: int | None = None  # TinyLFU: ids between halvings (None: the default)
     local_step: Literal["optimizer", "sgd"] = "optimizer"  # how the cached copies move
+    # CacheConfig.write_back of the cached runs (auto: the copies where the store takes them)
+    write_back: Literal["auto", "gradients", "values"] = "auto"
 
     @staticmethod
     def of(
@@ -510,6 +512,7 @@ def compare(store_u: ps.Store, store_c: ps.Store, z: Sizes, say: Any) -> dict[st
         sole_writer=True,  # one worker, as the jobs' with_cache sets it
         local_step=z.local_step,
         prefetch=z.prefetch,
+        write_back=z.write_back,
     )
     timed = TimedStore(store_c)  # the store's share of the cached step, per phase
     cached = cache.CachedStore(timed, cfg)
@@ -661,7 +664,7 @@ def _config(z: Sizes) -> dict[str, Any]:
         "settle_steps": z.settle, "block_steps": z.block, "rounds": z.rounds,
         "compute_ms": z.compute_ms, "optimizer": "rowwise_adagrad", "policy": z.policy,
         "prefetch": z.prefetch, "groups": z.groups, "sketch_period": z.sketch_period,
-        "zipf_a": 1.05, "local_step": z.local_step,
+        "zipf_a": 1.05, "local_step": z.local_step, "write_back": z.write_back,
     }  # fmt: skip
 
 
@@ -674,6 +677,7 @@ def run_mpi(
     settle: int | None,
     tables: int | None,
     local_step: str = "optimizer",
+    write_back: str = "auto",
 ) -> dict[str, Any]:
     mpirun = Path(sys.executable).parent / "mpirun"
     cmd = [str(mpirun if mpirun.exists() else "mpirun"), "-n", "2", sys.executable, __file__]
@@ -682,7 +686,7 @@ def run_mpi(
     cmd += [] if groups else ["--no-groups"]
     cmd += [] if settle is None else ["--settle", str(settle)]
     cmd += [] if tables is None else ["--tables", str(tables)]
-    cmd += ["--local-step", local_step]
+    cmd += ["--local-step", local_step, "--write-back", write_back]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, check=False)
@@ -762,6 +766,10 @@ def main() -> None:
         "--local-step", choices=["optimizer", "sgd"], default="optimizer",
         help="how the cached copies move between refreshes (CacheConfig.local_step)",
     )  # fmt: skip
+    p.add_argument(
+        "--write-back", choices=["auto", "gradients", "values"], default="auto",
+        help="what the cached runs send for due rows (CacheConfig.write_back)",
+    )  # fmt: skip
     p.add_argument("--no-dlrm", action="store_true", help="skip the DLRM bounds part")
     p.add_argument("--dlrm-seeds", type=int, default=3, help="seeds of the DLRM bounds part")
     p.add_argument("--mpi-part", action="store_true", help=argparse.SUPPRESS)
@@ -772,6 +780,7 @@ def main() -> None:
         prefetch=args.prefetch,
         groups=not args.no_groups,
         local_step=args.local_step,
+        write_back=args.write_back,
     )
     if args.mpi_part:
         mpi_part(args.quick, settle=args.settle, tables=args.tables, **kw)
@@ -812,6 +821,7 @@ def main() -> None:
             args.settle,
             args.tables,
             args.local_step,
+            args.write_back,
         )
         _show("mpi", mpi["figures"])
         figures["mpi"] = mpi["figures"]

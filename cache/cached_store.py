@@ -75,8 +75,8 @@ from cache.table_cache import Fetch, TableCache
 from cache.table_group import GroupClocks, TableGroup
 from comm import Handle, boundary
 from comm.device import exact_device
-from ps import PullRequest, PullResult, PushRequest, Store, TableSpec
-from ps.group_requests import GroupPull, GroupPush, IdSpace
+from ps import PullRequest, PullResult, PushRequest, Store, TableSpec, WriteRequest
+from ps.group_requests import GroupPull, GroupPush, IdSpace, split_write
 from ps.store import after, check_requests, first_of
 from ps.validate import all_finite, check_grads, check_id_tensor, check_ids, finite_rows
 
@@ -171,8 +171,12 @@ class CachedStore(Store):
     ) -> str:
         """Make the cache of ``specs`` (one table, or a group), filled from ``state``."""
         counted = self.inner.counted_pushes  # the PS applies a pushed row's updates
+        values = self.inner.value_writes  # the PS takes rows written back
         if len(specs) == 1:
-            tc = TableCache(specs[0], self.config, self.inner, device=self.device, counted=counted)
+            tc = TableCache(
+                specs[0], self.config, self.inner, device=self.device, counted=counted,
+                values=values,
+            )  # fmt: skip
             group = None
         else:
             group = TableGroup.of(specs)
@@ -185,6 +189,7 @@ class CachedStore(Store):
                 largest_table=max(int(s.num_rows or 0) for s in specs),
                 device=self.device,
                 counted=counted,
+                values=values,
             )
             self._groups[tc.name] = group
         if state is not None:
@@ -236,16 +241,29 @@ class CachedStore(Store):
             self._send([tc])
 
     def _send(self, caches: Sequence[TableCache]) -> None:
-        """Send what the outboxes of ``caches`` hold as one batched push (nothing if
-        they are empty); each table keeps the handle for :meth:`flush`."""
-        pushes, senders = [], []  # (cache, ids, grads, counted)
+        """Send what the outboxes of ``caches`` hold as one batched push and one batched
+        write of copies (nothing if they are empty; the two hold distinct rows); each
+        table keeps the handles for :meth:`flush`."""
+        pushes: list[Any] = []  # (cache, ids, grads, counted)
+        writes: list[Any] = []  # (cache, ids, rows, (clocks, state))
+        senders = []
         for tc in caches:
             box = tc.take_outbox()
-            pushes += [(tc, *pushed) for pushed in box]
+            for ids, grads, counted, write in box:
+                (writes if write else pushes).append((tc, ids, grads, counted))
             if box:
                 senders.append(tc)
-        if not pushes:
-            return
+        handles = []
+        if pushes:
+            handles.append(self._send_pushes(pushes))
+        if writes:
+            handles.append(self._send_writes(writes))
+        for handle in handles:
+            for tc in senders:
+                tc.sent(handle)
+
+    def _send_pushes(self, pushes: list[Any]) -> Handle:
+        """One batched push of ``(cache, ids, grads, counted)`` items."""
         # Rows on a device: every table's pushed rows (and statistics) in one copy (host
         # records hold host rows on every worker: nothing crosses).
         stats = {k: c[1] for k, (_, _, _, c) in enumerate(pushes) if c is not None}
@@ -263,9 +281,19 @@ class CachedStore(Store):
                 requests.append(PushRequest(tc.name, ids, grads, counts, stat))
             else:
                 requests.append(GroupPush(group.space, ids, grads, counts, stat))
-        handle = self.inner.push_groups_async(requests)
-        for tc in senders:
-            tc.sent(handle)
+        return self.inner.push_groups_async(requests)
+
+    def _send_writes(self, writes: list[Any]) -> Handle:
+        """One batched write of copies, ``(cache, ids, rows, (clocks, state))`` items
+        (host arrays), a shared cache's cut by table."""
+        requests: list[WriteRequest] = []
+        for tc, ids, rows, (clocks, state) in writes:
+            group = self._groups.get(tc.name)
+            if group is None:
+                requests.append(WriteRequest(tc.name, ids, rows, state, clocks))
+            else:
+                requests += split_write(group.space, ids, rows, state, clocks)
+        return self.inner.write_many_async(requests)
 
     # ------------------------------------------------------------ tables
 

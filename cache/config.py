@@ -15,6 +15,7 @@ from ps import SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad, TableSpec
 POLICIES = ("lru", "lfu", "tinylfu")
 LOCAL_STEPS = ("optimizer", "sgd")
 PREFETCH = ("auto", "on", "off")
+WRITE_BACK = ("auto", "gradients", "values")
 
 #: TinyLFU defaults: sketch counters per cached row (rounded up to a power of 2), hash
 #: rows, and ids added between halvings per cached row.
@@ -104,6 +105,22 @@ class CacheConfig:
       the PS only about the misses and the rows pushed more than ``s_r`` times since
       their read: provably fresh rows cost no request (ids, clocks and round trip).
       Wrong with another writer (the bound would not hold), so False by default.
+    * ``write_back``: what a cached row's due updates send to the PS. ``"gradients"``:
+      their pending sum (counted, see ``counted_pushes``), which the PS steps with the
+      table's optimizer. ``"values"``: the copy itself, its row, optimizer state and
+      the clock the PS then has (:class:`ps.WriteRequest`), which the PS stores as they
+      are: the copy already took every update, in order, with the optimizer the PS would
+      run, so the PS applies no sub-steps and the cache keeps no pending sums; the rows
+      end as ``k`` separate pushes would leave them, where a counted push approximates
+      them (``docs/cache.md``). It needs a cache that is the rows' only writer
+      (``sole_writer``), a store that takes writes (:attr:`ps.Store.value_writes`),
+      float32 host records of fixed tables and row-wise Adagrad stepping the copies
+      (``local_step="optimizer"``: the records' pass runs the store kernel's step, so a
+      copy is the row the PS would hold, bit for bit); a serving pull
+      then asks only for misses (a written-back copy is never older than the PS's
+      row). Rows not cached are still pushed as gradients. ``"auto"`` (the default):
+      ``"values"`` where all of that holds, else ``"gradients"``; ``"values"`` where it
+      does not is a ValueError naming what is missing.
     * ``exact_staleness``: also read the PS clocks of served cache hits (one
       extra clocks request per pull; 8 bytes per row) so the staleness histogram
       is exact instead of a lower bound. For tests and diagnosis.
@@ -132,6 +149,7 @@ class CacheConfig:
     verify_prefetched: bool = True
     prefetch: Literal["auto", "on", "off"] = "auto"
     sole_writer: bool = False
+    write_back: Literal["auto", "gradients", "values"] = "auto"
     exact_staleness: bool = False
     evict_chunk: int | None = None
     group_tables: bool = False
@@ -188,6 +206,10 @@ class CacheConfig:
                 raise TypeError(
                     f"CacheConfig: {name} must be a bool, got {type(getattr(self, name)).__name__}"
                 )
+        if self.write_back not in WRITE_BACK:
+            raise ValueError(
+                f"CacheConfig: write_back must be one of {WRITE_BACK}, got {self.write_back!r}"
+            )
         if self.prefetch not in PREFETCH:
             raise ValueError(
                 f"CacheConfig: prefetch must be one of {PREFETCH}, got {self.prefetch!r}"

@@ -84,6 +84,13 @@ Pushes are not sent by the table either: the rows due (and the sums of evicted r
 go to :attr:`TableCache.outbox`, which the owner sends with the other tables' as one
 batched push.
 
+A cache that writes its copies back (``values``, ``CacheConfig.write_back``: a sole
+writer of row-wise Adagrad rows on a store that takes writes) uses the same records
+without their pending sums and statistics: a row due, evicted or flushed goes to the
+outbox as a write of its row, state and the clock the PS then has (``CLOCK + OWN +
+1``), and a serving pull asks only for misses (the copy is never older than the PS's
+row). Rows not cached are still pushed, as plain pushes of one update.
+
 Not thread-safe by itself: the owner holds :attr:`TableCache.lock`.
 """
 
@@ -191,20 +198,28 @@ def _aligned_records(rows: int, words: int) -> np.ndarray:
     return buf[start : start + rows * words].reshape(rows, words)
 
 
-#: One push of a table's cache as the owner sends it: ``(ids [P], grads [P, D], counted)``
-#: with ``counted`` the ``(counts [P], stats [P, Q])`` of a counted push, or None.
-Pushed = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]
+#: One push of a table's cache as the owner sends it: ``(ids [P], grads [P, D], counted,
+#: write)`` with ``counted`` the ``(counts [P], stats [P, Q])`` of a counted push, or None;
+#: ``write`` True for a write of copies (``grads`` the rows, ``counted`` their ``(clocks
+#: [P], state [P, S])``).
+Pushed = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, bool]
+
+#: A sole writer's asks in value mode: no count of its own writes makes a copy stale.
+_NEVER = 1 << 62
 
 
 @dataclass(slots=True)
 class _Due:
     """Rows to push: ``ids`` ``[P]``, ``grads`` ``[P, D]`` (numpy, or a tensor on the rows'
-    device) and, where pushes are counted, ``counts`` ``[P]`` and ``stats`` ``[P, Q]``."""
+    device) and, where pushes are counted, ``counts`` ``[P]`` and ``stats`` ``[P, Q]``.
+    A write of copies (``write``): ``grads`` the rows, ``counts`` their clocks and
+    ``stats`` their optimizer state ``[P, S]``."""
 
     ids: np.ndarray
     grads: Any
     counts: np.ndarray | None = None
     stats: Any = None  # numpy, or a tensor on the rows' device
+    write: bool = False
 
     @staticmethod
     def join(parts: list[_Due], *, on_device: bool = False) -> _Due:
@@ -216,7 +231,15 @@ class _Due:
         if parts[0].counts is None:
             return _Due(ids, grads)
         counts = np.concatenate([p.counts for p in parts if p.counts is not None])
-        return _Due(ids, grads, counts, cat([p.stats for p in parts]))
+        return _Due(ids, grads, counts, cat([p.stats for p in parts]), parts[0].write)
+
+    def take(self, at: np.ndarray, *, write: bool) -> _Due:
+        """The rows at positions ``at`` ``[K]`` (host arrays), as a write or a plain push."""
+        ids, grads = self.ids.take(at), self.grads.take(at, axis=0)
+        if not write:
+            return _Due(ids, grads)
+        assert self.counts is not None
+        return _Due(ids, grads, self.counts.take(at), self.stats.take(at, axis=0), True)
 
     def tensors(self, *, on_device: bool) -> Pushed:
         def tensor(x: Any) -> torch.Tensor:
@@ -225,7 +248,7 @@ class _Due:
         counted = None
         if self.counts is not None:
             counted = (torch.from_numpy(self.counts), tensor(self.stats))
-        return torch.from_numpy(self.ids), tensor(self.grads), counted
+        return torch.from_numpy(self.ids), tensor(self.grads), counted, self.write
 
 
 class TableCache:
@@ -241,13 +264,19 @@ class TableCache:
         largest_table: int | None = None,
         device: torch.device | None = None,
         counted: bool = False,
+        values: bool = False,
     ) -> None:
-        """``counted``: the store takes counted pushes (see the module docstring)."""
+        """``counted``: the store takes counted pushes; ``values``: it takes writes of
+        rows (see the module docstring)."""
         cap = config.capacity(spec) if capacity is None else capacity
         d = spec.dim
         self.spec, self.name, self.dim = spec, spec.name, d
         # Rows on a device: the records keep only metadata (a row width of 0 in the slab).
         self.write_bound = config.write_bound
+        # A sole writer's copies written back (CacheConfig.write_back): rows not cached
+        # are still pushed, one update each, as plain pushes.
+        self.values = _writes_values(config, spec, values=values, host=device is None)
+        counted = counted and not self.values
         # Counted pushes (a write bound, a store that takes them): Q statistic floats per
         # row; with host rows in the record at float `stat_at` (Q = 1: the spare meta
         # word; Q = D: after the metadata), else on the rows' device.
@@ -670,13 +699,15 @@ class TableCache:
         exactly), nothing about the rest. ``asks``: ``(asked, clocks)`` found by
         :meth:`_plan_pass` already; ``keyed``: it gave the hits their keys too."""
         found = asks
+        # Written back, a copy is the newest value of its row: only misses are asked for.
+        bound = _NEVER if self.values else self.read_bound
         if found is None:
             found = sole_writer_asks(
-                self.slab, self.sd, slots, self.own8, self.read_bound, fill, kind=self.kind
+                self.slab, self.sd, slots, self.own8, bound, fill, kind=self.kind
             )
         if found is None:
             meta = self.meta[slots]  # [U, 8] (garbage where not cached)
-            asked = np.flatnonzero(~hit | (meta[:, OWN] > self.read_bound))  # [A]
+            asked = np.flatnonzero(~hit | (meta[:, OWN] > bound))  # [A]
             clock = np.where(hit, meta[:, CLOCK], fill).take(asked)  # [A]
         else:
             asked, clock = found
@@ -710,7 +741,8 @@ class TableCache:
         return plan_pull(
             uniq, self.index.map, None if self.sketch is None else self.sketch.kernel_view(),
             self.slab, self.meta_at, self.own8, own8_max=OWN8_MAX, clock_word=CLOCK,
-            own_word=OWN, bound=self.read_bound, fill=-1 - self.read_bound,
+            own_word=OWN, bound=_NEVER if self.values else self.read_bound,
+            fill=-1 - self.read_bound,
             keys=self.policy.key, tick=self.tick + 1, keys_with_estimates=keyed,
         )  # fmt: skip
 
@@ -1120,7 +1152,9 @@ class TableCache:
         st.add("misses", n_miss + n_pf_miss)
         st.add("prefetched", n_pf)
         st.add("hits", n_old - n_pf)
-        if self.exact and n_old > 0:
+        if self.values:  # a written-back copy is never behind the PS's row
+            st.served(f.uniq.size, lag[:0])
+        elif self.exact and n_old > 0:
             now = self.store.clocks(self.name, torch.from_numpy(f.uniq[old])).numpy()
             st.served(f.uniq.size - n_old, now - self.meta[f.slots[old], CLOCK])
         else:  # lag is 0 where not old: the fresh rows' count at staleness 0
@@ -1179,8 +1213,10 @@ class TableCache:
         # for the next one), whose gradients are still to come.
         pooled = victims is not None  # TinyLFU's, from _choose; the others' found now
         evict = victims if victims is not None else self._victims_for(ids.size, protect)
-        got = None
+        got, clocks = None, None
         if self.data is None and isinstance(self.index, DenseSlotIndex):
+            if self.values and evict.size:
+                clocks = self._write_clocks(evict)
             state = None if fresh_state is None else fresh_state.numpy()
             got = admit_rows(
                 self._records(), self.n_free, evict, ids, fresh, sel, fresh_clock, state,
@@ -1193,7 +1229,10 @@ class TableCache:
                 self._install(new_slots, fresh, sel, fresh_clock.take(sel), seq, fresh_state, pf)
             return new_slots
         if evict.size:  # what _evict counts
-            self._hold_evicted(_Due(got.ids, got.sums, got.counts, got.stats))
+            if self.values:  # their copies: rows, clocks, state
+                self._hold_evicted(_Due(got.ids, got.sums, clocks, got.stats, True))
+            else:
+                self._hold_evicted(_Due(got.ids, got.sums, got.counts, got.stats))
             self.gen += 1
             self.stats.add("evictions", evict.size)
         if pooled:
@@ -1209,7 +1248,7 @@ class TableCache:
         return Records(
             self.slab, self.sd, self.kind, self.rw, self.stat_at, self.stat_dim, self.counted,
             self.state_at, self.state_dim, self.row_id, self.index.map, self.policy.key, FREE,
-            self.own8, self.free,
+            self.own8, self.free, self.values,
         )  # fmt: skip
 
     def _evict(self, victims: np.ndarray) -> None:
@@ -1230,6 +1269,18 @@ class TableCache:
         map. False (nothing changed) where it does not run."""
         if self.data is not None or not isinstance(self.index, DenseSlotIndex):
             return False
+        if self.values:  # the copies go back: rows and state (as if counted), clocks
+            clocks = self._write_clocks(victims)
+            got = evict_rows(
+                self.slab, self.sd, victims, self.row_id, self.index.map, self.policy.key,
+                row_floats=0, meta_at=self.meta_at, stat_at=self.state_at,
+                stat_dim=self.state_dim, counted=True, free_key=FREE,
+            )  # fmt: skip
+            if got is None:
+                return False
+            ids, rows, _, state = got
+            self._hold_evicted(_Due(ids, rows, clocks, state, True))
+            return True
         got = evict_rows(
             self.slab, self.sd, victims, self.row_id, self.index.map, self.policy.key,
             row_floats=self.rw, meta_at=self.meta_at, stat_at=self.stat_at,
@@ -1251,7 +1302,10 @@ class TableCache:
         rec = self._gather(victims)
         meta = self._meta(rec)
         pend = np.flatnonzero(meta[:, COUNT])
-        if pend.size > 0:  # never dropped: push their gradient sums first
+        if pend.size > 0 and self.values:  # never dropped: written back first
+            self._hold_evicted(self._written(self.row_id.take(victims.take(pend)), rec[pend]))
+            self.meta[victims.take(pend), COUNT] = 0
+        elif pend.size > 0:  # never dropped: push their gradient sums first
             sums: Any
             if self.data is None:
                 sums = self._pend(rec)[pend]  # [K, D]
@@ -1301,18 +1355,37 @@ class TableCache:
             none = self.data.no_stats(ids.size)
         return _Due(ids, grads, np.ones(ids.size, dtype=np.int64), none)
 
-    def _push(self, due: _Due) -> None:
-        """Queue the push ``due`` (fresh arrays; gradients on the cache's device for rows
-        on a device) in the outbox, with the evicted rows' sums not sent yet (distinct
-        from its ids: a row evicted since the last push was cached, so it is not in a
-        batch's pass-through ids, and it is not cached now, so it is not due)."""
-        if self.evicted:
-            due = _Due.join([*self.evicted, due], on_device=self.data is not None)
+    def _write_clocks(self, victims: np.ndarray) -> np.ndarray:
+        """The clocks ``[P]`` the writes of the victims ``[V]`` with pending updates give
+        their rows at the PS, in the victims' order (read before they are evicted)."""
+        meta = self.meta[victims]  # [V, 8]
+        dirty = meta[:, COUNT] != 0
+        return meta[dirty, CLOCK] + meta[dirty, OWN] + 1
+
+    def _written(self, ids: np.ndarray, rec: np.ndarray) -> _Due:
+        """The write of the copies ``rec`` ``[K, W]`` of rows ``ids`` ``[K]``: rows, state
+        and the clock each then has at the PS (``CLOCK + OWN + 1``)."""
+        meta = self._meta(rec)
+        state = rec[:, self.state_at : self.state_at + self.state_dim].copy()
+        return _Due(ids, self._rec_rows(rec), meta[:, CLOCK] + meta[:, OWN] + 1, state, True)
+
+    def _push(self, *dues: _Due) -> None:
+        """Queue the pushes ``dues`` (fresh arrays; gradients on the cache's device for
+        rows on a device) in the outbox, with the evicted rows' sums not sent yet
+        (distinct from their ids: a row evicted since the last push was cached, so it is
+        not in a batch's pass-through ids, and it is not cached now, so it is not due).
+        Writes of copies go as one more item: they are not summed with anything."""
+        if self.evicted and self.values:
+            dues = (_Due.join(self.evicted), *dues)
             self.evicted = []
-        if due.ids.size == 0:
-            return
-        self.outbox.append(due)
-        self.stats.pushed(due.ids.size)
+        elif self.evicted:
+            (due,) = dues
+            dues = (_Due.join([*self.evicted, due], on_device=self.data is not None),)
+            self.evicted = []
+        for due in dues:
+            if due.ids.size > 0:
+                self.outbox.append(due)
+                self.stats.pushed(due.ids.size)
 
     def take_outbox(self) -> list[Pushed]:
         """The pushes queued since the last call, in order (each one is a separate push
@@ -1350,7 +1423,7 @@ class TableCache:
             g = np.ascontiguousarray(grads.numpy())  # [U, D]
             in_order = self._update_in_order(uniq, slots, g)
             if in_order is not None:
-                self._push(in_order)
+                self._push(*in_order)
                 return
         else:  # the records hold no row: the pass only counts and decides what is due
             g = np.empty((uniq.size, 0), dtype=np.float32)
@@ -1360,7 +1433,7 @@ class TableCache:
         if slots.size and slots.min() < 0:  # rows not cached are pushed at once
             uncached = np.flatnonzero(slots < 0)
         if self.data is None:
-            pushed = _Due(uniq.take(due_at), due_g, *due_counted)
+            pushed = _Due(uniq.take(due_at), due_g, due_counted[0], due_counted[1])
             if uncached.size:
                 through = self._due(uniq.take(uncached), g.take(uncached, axis=0))
                 pushed = _Due.join([through, pushed])
@@ -1415,11 +1488,17 @@ class TableCache:
             return opt.lr, self.state_at, opt.eps
         return self.lr, -1, 0.0
 
-    def _update_in_order(self, uniq: np.ndarray, slots: np.ndarray, g: np.ndarray) -> _Due | None:
+    def _update_in_order(
+        self, uniq: np.ndarray, slots: np.ndarray, g: np.ndarray
+    ) -> tuple[_Due, ...] | None:
         """The push's pass over host records (:meth:`_update_records`) writing the whole
         push in id order (:func:`cache.kernels.records.update_rows` given the ids): the due
         rows, the rows not cached (``slots`` -1) and the sums evicted since the last push,
-        merged, so the store need not sort it. None (nothing changed) without the kernel."""
+        merged, so the store need not sort it. Writing copies back, the rows not cached
+        are cut out of it as a plain push of their gradients and the rest is one write.
+        None (nothing changed) without the kernel."""
+        if self.values:
+            return self._write_in_order(uniq, slots, g)
         lr, acc_at, eps = self._local_step_args()
         evicted = None
         if self.evicted:
@@ -1441,7 +1520,64 @@ class TableCache:
         self.evicted = []
         _, sums, counts, stats, ids = got
         assert ids is not None
-        return _Due(ids, sums, counts, stats) if self.counted else _Due(ids, sums)
+        return (_Due(ids, sums, counts, stats) if self.counted else _Due(ids, sums),)
+
+    def _write_in_order(
+        self, uniq: np.ndarray, slots: np.ndarray, g: np.ndarray
+    ) -> tuple[_Due, ...] | None:
+        """:meth:`_update_in_order` of a cache that writes its copies back: the pass
+        emits the due rows' copies, state and clocks, the evicted rows' writes and the
+        rows not cached (their gradients) in id order; ``(push, write)``."""
+        lr, acc_at, eps = self._local_step_args()
+        evicted = None
+        if self.evicted:
+            ev = _Due.join(self.evicted)
+            if not _increasing(ev.ids):  # distinct ids: any sort is the order
+                ev = ev.take(np.argsort(ev.ids), write=True)
+            evicted = (ev.ids, ev.grads, ev.counts, ev.stats)
+        got = update_rows(
+            self.slab, self.sd, slots, self.own8, g, lr=lr, write_bound=self.write_bound,
+            seq=self.seq, stat_dim=self.state_dim, stat_at=self.state_at, acc_at=acc_at,
+            eps=eps, row_ids=self.row_id, ids=np.ascontiguousarray(uniq), evicted=evicted,
+            values=True,
+        )  # fmt: skip
+        if got is None:
+            return self._write_numpy(uniq, slots, g)
+        self.evicted = []
+        at, rows, clocks, state, ids = got
+        assert ids is not None
+        emitted = _Due(ids, rows, clocks, state, True)
+        # [P] the rows not cached: positions into the batch (evicted rows: -1) of free slots
+        through = (at >= 0) & (slots.take(np.maximum(at, 0)) < 0)
+        if not through.any():
+            return (emitted,)
+        return (
+            emitted.take(np.flatnonzero(through), write=False),
+            emitted.take(np.flatnonzero(~through), write=True),
+        )
+
+    def _write_numpy(self, uniq: np.ndarray, slots: np.ndarray, g: np.ndarray) -> tuple[_Due, ...]:
+        """:meth:`_write_in_order` on numpy: the optimizer's local step of the cached rows,
+        then their counts; ``(push of the rows not cached, write of the rows due)`` (the
+        evicted rows' writes stay for :meth:`_push`)."""
+        self._step_local(slots, g)
+        cached = slots >= 0
+        through = np.flatnonzero(~cached)
+        push = _Due(uniq.take(through), g.take(through, axis=0))
+        s = slots[cached]  # [S]
+        if s.size == 0:
+            return (push,)
+        rec = self._gather(s)  # [S, W]
+        meta = self._meta(rec)
+        meta[:, COUNT] += 1
+        due = np.flatnonzero(meta[:, COUNT] > self.write_bound)  # [K]
+        write = self._written(uniq[cached].take(due), rec[due])
+        meta[due, COUNT] = 0
+        meta[due, OWN] += 1
+        meta[due, PUSHED] = self.seq
+        self._scatter(s, rec)
+        self._copy_own(s)
+        return push, write
 
     def _update_records(
         self, slots: np.ndarray, g: np.ndarray
@@ -1525,6 +1661,15 @@ class TableCache:
             self.seq += 1
             rec = self._gather(slots)
             meta = self._meta(rec)
+            if self.values:
+                self._push(self._written(self.row_id.take(slots), rec))
+                meta[:, COUNT] = 0
+                meta[:, OWN] += 1
+                meta[:, PUSHED] = self.seq
+                self._scatter(slots, rec)
+                self._copy_own(slots)
+                self.send_evicted()
+                return
             sums: Any
             if self.data is None:
                 sums = self._pend(rec).copy()  # [K, D]
@@ -1553,3 +1698,33 @@ def _coalesce(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, tor
     uniq, inverse = torch.unique(ids, return_inverse=True)  # [U], [N]
     sums = torch.zeros(uniq.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
     return uniq, sums.index_add_(0, inverse.to(grads.device), grads)
+
+
+def _writes_values(config: CacheConfig, spec: TableSpec, *, values: bool, host: bool) -> bool:
+    """Whether a cache of ``spec`` writes its copies back (``CacheConfig.write_back``):
+    ``"auto"`` where it can, ``"values"`` or a ValueError saying why it cannot.
+
+    It can where it is the rows' only writer (``sole_writer``: no other update reaches
+    the PS, so its copy is the newest value of each row), the store takes writes
+    (``values``), the rows are float32 host records of a fixed table and the table's
+    optimizer is row-wise Adagrad stepping the copies (``local_step="optimizer"``), which
+    the records' C pass runs as the store's kernel does: then each copy has taken every
+    update, in order, as the PS would have, bit for bit (without the C pass, by the
+    optimizer's torch step: within its roundings). Plain SGD's pushed sums are exact
+    already, and its store step rounds otherwise than the records' pass."""
+    if config.write_back == "gradients":
+        return False
+    opt = spec.optimizer
+    in_pass = config.local_step == "optimizer" and isinstance(opt, RowWiseAdagrad)
+    why = None
+    if not config.sole_writer:
+        why = "the cache is not its tables' only writer (sole_writer=False)"
+    elif not values:
+        why = "the store does not take writes of rows"
+    elif not host or spec.narrow or spec.num_rows is None:
+        why = "its rows are not float32 host records of a fixed table"
+    elif not in_pass:
+        why = f"its optimizer is {opt.name}, not row-wise Adagrad stepping the copies"
+    if why is not None and config.write_back == "values":
+        raise ValueError(f"CacheConfig: write_back='values' for table {spec.name!r}, but {why}")
+    return why is None

@@ -54,7 +54,15 @@ from ps.optimizers import (
     optimizer_from_json,
 )
 from ps.routing import shard_of, splitmix64
-from ps.store import REQUEST_KEYS, STAT_KEYS, PullRequest, PullResult, PushRequest, Store
+from ps.store import (
+    REQUEST_KEYS,
+    STAT_KEYS,
+    PullRequest,
+    PullResult,
+    PushRequest,
+    Store,
+    WriteRequest,
+)
 from ps.table import TableSpec, UniformInit, default_init
 
 _LAZY = {
@@ -95,6 +103,7 @@ __all__ = [
     "PullRequest",
     "PullResult",
     "PushRequest",
+    "WriteRequest",
     "REQUEST_KEYS",
     "RowWiseAdagrad",
     "Store",

@@ -23,7 +23,15 @@ import numpy as np
 import torch
 
 from comm import Handle
-from ps.store import PullRequest, PullResult, PushRequest, Store, after, check_requests
+from ps.store import (
+    PullRequest,
+    PullResult,
+    PushRequest,
+    Store,
+    WriteRequest,
+    after,
+    check_requests,
+)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -212,6 +220,30 @@ def split_push(request: GroupPush) -> list[PushRequest]:
             None if counts is None else counts[a:b],
             None if stats is None else stats[a:b],
         )
+        for i, a, b in segments
+    ]
+
+
+def split_write(
+    space: IdSpace,
+    ids: torch.Tensor,
+    rows: torch.Tensor,
+    state: torch.Tensor,
+    clocks: torch.Tensor,
+) -> list[WriteRequest]:
+    """The per-table writes (:class:`ps.WriteRequest`) of rows over ``space``'s packed
+    ``ids`` ``[P]`` (distinct; sorted here if they are not), each a slice in id order."""
+    packed = ids.numpy()
+    if packed.size > 1 and not bool((packed[1:] > packed[:-1]).all()):
+        order = torch.from_numpy(np.argsort(packed))  # [P]
+        ids, rows, clocks = ids[order], rows.index_select(0, order), clocks[order]
+        state = state.index_select(0, order)
+        packed = ids.numpy()
+    space.check(packed, "write")
+    segments = space.segments(packed)
+    local = torch.from_numpy(space.local(packed, segments))  # [P] table ids
+    return [
+        WriteRequest(space.names[i], local[a:b], rows[a:b], state[a:b], clocks[a:b])
         for i, a, b in segments
     ]
 

@@ -23,6 +23,14 @@ Push semantics (all stores):
   touches that do not exist yet (from the table's initializer, clock 0) before
   applying the optimizer.
 
+Write semantics (stores with :attr:`Store.value_writes`): a *write*
+(:class:`WriteRequest`) sets rows, their optimizer state and their clocks to the values
+it carries, for distinct ids of a fixed float32 table, checked whole before anything
+changes (finite rows and state, clocks >= 0). No optimizer runs. It is what a cache
+that is its tables' only writer sends instead of gradient sums: its copies already took
+every update, in order, with the table's optimizer, so the store need not step them
+again (``cache.CacheConfig.write_back``).
+
 Pull semantics (all stores):
 
 * ``pull(table, ids)`` returns every row, in the order of ``ids`` (duplicates
@@ -150,6 +158,19 @@ class PushRequest:
     stats: torch.Tensor | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class WriteRequest:
+    """One table's part of a batched write: ``rows`` float32 ``[N, D]``, ``state`` float32
+    ``[N, S]`` (``S`` the optimizer's ``state_dim``) and ``clocks`` int64 ``[N]`` of the
+    distinct ``ids`` ``[N]`` replace the store's (see the module docstring)."""
+
+    table: str
+    ids: torch.Tensor
+    rows: torch.Tensor
+    state: torch.Tensor
+    clocks: torch.Tensor
+
+
 #: Keys of :meth:`Store.request_counts`.
 REQUEST_KEYS: tuple[str, ...] = (
     "pull_messages",  # pull messages (or round trips) the servers received, all tables
@@ -163,6 +184,8 @@ class Store(ABC):
 
     #: Whether pushes may be counted (:class:`PushRequest` ``counts`` and ``stats``).
     counted_pushes: bool = False
+    #: Whether the store takes writes of rows, state and clocks (:class:`WriteRequest`).
+    value_writes: bool = False
 
     # ------------------------------------------------------------ tables
 
@@ -289,6 +312,19 @@ class Store(ABC):
         from ps.group_requests import push_by_table  # (that module builds on this one)
 
         return push_by_table(self, requests)
+
+    def write_many_async(self, requests: Sequence[WriteRequest]) -> Handle:
+        """Start the writes of several tables at once (:class:`WriteRequest`, see the
+        module docstring); ``wait()`` returns None once every one is applied, in order.
+        Every request is checked before any is sent. Stores without
+        :attr:`value_writes` refuse them."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not take writes of rows (value_writes is False)"
+        )
+
+    def write_many(self, requests: Sequence[WriteRequest]) -> None:
+        """``write_many_async(...).wait()``."""
+        self.write_many_async(requests).wait()
 
     # ------------------------------------------------------------ inspection
 

@@ -205,3 +205,45 @@ def plain_counted(spec: TableSpec, ids: torch.Tensor, counts: torch.Tensor) -> b
     a = ids.detach().cpu().numpy()
     distinct = a.size < 2 or bool((a[1:] > a[:-1]).all())
     return distinct and bool((counts == 1).all())
+
+
+def check_write(spec: TableSpec, ids: object, rows: object, state: object, clocks: object) -> None:
+    """A write (:class:`ps.WriteRequest`) of ``spec``'s table: distinct ``ids`` in range of a
+    fixed float32 table, finite ``rows`` float32 ``[N, D]`` and ``state`` float32 ``[N,
+    S]``, ``clocks`` int64 ``[N]`` >= 0; raises naming the table and the value."""
+    what = f"write table {spec.name!r}"
+    if spec.num_rows is None or spec.narrow:
+        kind = "a dynamic table" if spec.num_rows is None else f"a {spec.dtype} table"
+        raise ValueError(f"{what}: writes take fixed float32 tables, got {kind}")
+    ids = check_ids(spec, ids, "write")
+    n, s = int(ids.shape[0]), spec.state_dim
+    a = ids.numpy()
+    increasing = a.size < 2 or bool((a[1:] > a[:-1]).all())  # what a cache sends
+    if not increasing and np.unique(a).size != a.size:
+        raise ValueError(f"{what}: ids must be distinct (a write sets each row once)")
+    for name, x, dtype, shape in (
+        ("rows", rows, torch.float32, (n, spec.dim)),
+        ("state", state, torch.float32, (n, s)),
+        ("clocks", clocks, torch.int64, (n,)),
+    ):
+        if not isinstance(x, torch.Tensor) or x.dtype != dtype:
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"{what}: {name} must be a {dtype} tensor, got {got}")
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{what}: {name} have shape {tuple(x.shape)}, expected {shape}")
+        if x.device.type != "cpu":
+            raise ValueError(f"{what}: {name} must be on the host, got {x.device}")
+    assert isinstance(rows, torch.Tensor) and isinstance(state, torch.Tensor)
+    assert isinstance(clocks, torch.Tensor)
+    for name, x in (("rows", rows), ("state", state)):
+        if x.numel() and not all_finite(x):
+            pos = int(torch.nonzero(~torch.isfinite(x).all(dim=1))[0, 0])
+            raise ValueError(
+                f"{what}: {name} of row id {int(a[pos])} (position {pos}) contain NaN or Inf; "
+                "nothing was written"
+            )
+    if n and int(clocks.min()) < 0:
+        pos = int(torch.nonzero(clocks < 0)[0, 0])
+        raise ValueError(
+            f"{what}: clock {int(clocks[pos])} for row id {int(a[pos])}; clocks are >= 0"
+        )

@@ -14,7 +14,9 @@
       install_one from fresh [m, d] at row sel[i] read at fresh_clock[sel[i]] by request
       seq with prefetch mark pf, own8[slots[i]] := 0, and (fresh_state not NULL) the
       record's state_dim floats at state_at := fresh_state[sel[i]] ([m, state_dim]).
-   Record words are int64 words rw + d floats into a record of w floats. *pending := how
+   Record words are int64 words rw + d floats into a record of w floats. A victim's d
+   floats out of its record are those at sum_at: rw (its pending sum) or 0 (its row, for
+   a cache that writes its copies back; q floats at stat_at are then its state). *pending := how
    many victims had pending updates. Returns n (the caller's stack holds n_free + nv - n
    slots after). */
 int64_t hr_cache_admit(int64_t nv, const int64_t* victims, int64_t k, const int64_t* ids,
@@ -25,12 +27,12 @@ int64_t hr_cache_admit(int64_t nv, const int64_t* victims, int64_t k, const int6
                        const int64_t* sel, const int64_t* fresh_clock, const float* fresh_state,
                        int64_t seq, int64_t pf, int64_t* out_ids, float* out_sums,
                        int64_t* out_counts, float* out_stats, int64_t* pending,
-                       int64_t* slots) {
+                       int64_t* slots, int64_t sum_at) {
     int64_t m = rw + d, p = 0;
     for (int64_t j = 0; j < nv; ++j) {
         prefetch_victim(slab, j + AHEAD < nv ? victims[j + AHEAD] : -1, m, w, row_id, key, map,
                         j + 2 < nv ? victims[j + 2] : -1);
-        p += evict_one(victims[j], d, rw, w, m, stat_at, q, slab, row_id, map, key, free_key, p,
+        p += evict_one(victims[j], d, sum_at, w, m, stat_at, q, slab, row_id, map, key, free_key, p,
                        out_ids, out_sums, out_counts, out_stats);
         free_slots[n_free + j] = victims[j];
     }

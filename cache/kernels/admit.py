@@ -40,7 +40,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_cache_admit.restype = i64
     lib.hr_cache_admit.argtypes = [i64, ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.hr_cache_admit.argtypes += [i64] * 5 + [ptr] * 4 + [i64] + [ptr] * 5 + [i64, i64]
-    lib.hr_cache_admit.argtypes += [ptr] * 6
+    lib.hr_cache_admit.argtypes += [ptr] * 6 + [i64]
 
 
 class Admitted(NamedTuple):
@@ -63,7 +63,9 @@ class Records(NamedTuple):
     ``stat_at`` where pushes are ``counted``, optimizer state ``[state_dim]`` at
     ``state_at``), ``row_id`` int64 ``[C]``, the dense id map int32 ``[num_rows]``, the
     eviction keys int64 ``[C]`` (``free_key``: an empty slot), ``own8`` uint8 ``[C]`` and
-    the free stack int64 ``[C]``."""
+    the free stack int64 ``[C]``. ``values``: the cache writes its copies back, so a
+    victim with pending updates gives its row and state instead of a sum and statistics
+    (as if counted: ``counts`` are then its ``COUNT``)."""
 
     slab: np.ndarray
     dim: int
@@ -80,6 +82,7 @@ class Records(NamedTuple):
     free_key: int
     own8: np.ndarray
     free: np.ndarray
+    values: bool = False
 
 
 def _fits(rec: Records, *arrays: np.ndarray) -> bool:
@@ -127,22 +130,26 @@ def admit_rows(
         return None
     v, k, d = victims.size, ids.size, rec.dim
     assert sel.size >= min(k, n_free + v)
-    q = rec.stat_dim if rec.counted else 0
+    counted, sum_at, stat_at, q = rec.counted, rec.row_floats, rec.stat_at, rec.stat_dim
+    if rec.values:  # the victims' rows and state (as if counted)
+        counted, sum_at, stat_at, q = True, 0, rec.state_at, rec.state_dim
     out_ids = np.empty(v, dtype=np.int64)
     sums = np.empty((v, d), dtype=np.float32)
-    counts = np.empty(v, dtype=np.int64) if rec.counted else None
-    stats = np.empty((v, rec.stat_dim), dtype=np.float32) if rec.counted else None
+    counts = np.empty(v, dtype=np.int64) if counted else None
+    stats = np.empty((v, q), dtype=np.float32) if counted else None
+    q = q if counted else 0
     slots = np.empty(min(k, n_free + v), dtype=np.int64)
     pending = np.zeros(1, dtype=np.int64)
     n = lib.hr_cache_admit(
         v, victims.ctypes.data, k, ids.ctypes.data, rec.free.ctypes.data, n_free, d,
-        rec.row_floats, rec.kind, rec.slab.shape[1], rec.stat_at, q, rec.state_at,
+        rec.row_floats, rec.kind, rec.slab.shape[1], stat_at, q, rec.state_at,
         rec.state_dim, rec.slab.ctypes.data, rec.row_id.ctypes.data, rec.index_map.ctypes.data,
         rec.key.ctypes.data, rec.free_key, rec.own8.ctypes.data,
         fresh.ctypes.data if d else None, sel.ctypes.data, fresh_clock.ctypes.data,
         None if fresh_state is None else fresh_state.ctypes.data, seq, pf,
         out_ids.ctypes.data, sums.ctypes.data, None if counts is None else counts.ctypes.data,
         None if stats is None else stats.ctypes.data, pending.ctypes.data, slots.ctypes.data,
+        sum_at,
     )  # fmt: skip
     assert n == slots.size
     p = int(pending[0])

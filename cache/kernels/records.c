@@ -176,6 +176,10 @@ static inline void emit(int64_t k, int64_t d, int64_t q, int64_t id, const float
    statistic into due_s [k, q], and own8[s] follows the record's OWN (hr_cache_ask);
    returns k.
 
+   values != 0 (a cache that writes its copies back, fp32 rows only): nothing is summed;
+   a row due emits its copy's row after the step, its state (q floats at stat_at) and,
+   as its count, the PS clock the write gives it (CLOCK + OWN + 1).
+
    ids [n] (NULL: the above only): the batch's ids, increasing; the pass then writes the
    whole push in id order, the ids into out_ids: the rows not cached as they are (due_idx
    i, one update, statistic zero) and the ne rows evicted since the last push (e_ids
@@ -190,7 +194,7 @@ static inline void emit(int64_t k, int64_t d, int64_t q, int64_t id, const float
 
 typedef struct {
     int64_t d, rw, w, write_bound, seq, q, stat_at, acc_at;
-    int kind;
+    int kind, values;
     uint64_t seed_key;
     float lr, eps;
     const int64_t *slots, *row_ids, *ids, *e_ids, *e_k;
@@ -262,7 +266,15 @@ static int64_t update_range(const update_args* a, int64_t lo, int64_t hi, int64_
         if (a->kind && stepped)
             nr_store(a->kind, buf, d, nr_row_key(a->seed_key, a->row_ids[s], -1 - a->seq),
                      (uint16_t*)rec);
-        if (a->write_bound == 0) {
+        if (a->values) {
+            /* a write of the copy: row, state (q floats at stat_at) and the PS clock it
+               will have, CLOCK + OWN + 1 (a sole writer's: the rows' only writer) */
+            meta[COUNT] += 1;
+            if (meta[COUNT] <= a->write_bound) continue;
+            emit(k, d, q, ids ? ids[i] : 0, rec, meta[CLOCK] + meta[OWN] + 1, stat, out_ids,
+                 due_g, due_k, due_s);
+            meta[COUNT] = 0;
+        } else if (a->write_bound == 0) {
             emit(k, d, q, ids ? ids[i] : 0, g, 1, NULL, out_ids, due_g, due_k, due_s);
         } else {
             for (int64_t j = 0; j < d; ++j) pend[j] += g[j];
@@ -319,11 +331,11 @@ static void move_rows(const update_args* a, int64_t to, int64_t from, int64_t c)
 int64_t hr_cache_update(int64_t n, int64_t d, int64_t rw, int kind, int64_t w,
                         const int64_t* slots, const int64_t* row_ids, int64_t seed,
                         const float* grads, float* slab, uint8_t* own8, float lr,
-                        int64_t write_bound, int64_t seq, int64_t q, int64_t stat_at, int64_t acc_at, float eps,
+                        int64_t write_bound, int values, int64_t seq, int64_t q, int64_t stat_at, int64_t acc_at, float eps,
                         int64_t* due_idx, float* due_g, int64_t* due_k, float* due_s,
                         const int64_t* ids, int64_t ne, const int64_t* e_ids, const float* e_g,
                         const int64_t* e_k, const float* e_s, int64_t* out_ids, int nthreads) {
-    update_args a = {d, rw, w, write_bound, seq, q, stat_at, acc_at, kind, nr_seed_key(seed),
+    update_args a = {d, rw, w, write_bound, seq, q, stat_at, acc_at, kind, values, nr_seed_key(seed),
                      lr, eps, slots, row_ids, ids, e_ids, e_k, grads, e_g, e_s, slab, own8,
                      due_idx, due_k, out_ids, due_g, due_s};
     if (!ids) ne = 0;

@@ -103,7 +103,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_cache_serve.argtypes += [ctypes.c_int, ctypes.c_int]
     lib.hr_cache_update.restype = i64
     lib.hr_cache_update.argtypes = [i64, i64, i64, ctypes.c_int, i64, ptr, ptr, i64]
-    lib.hr_cache_update.argtypes += [ptr, ptr, ptr, ctypes.c_float, i64, i64]
+    lib.hr_cache_update.argtypes += [ptr, ptr, ptr, ctypes.c_float, i64, ctypes.c_int, i64]
     lib.hr_cache_update.argtypes += [i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ptr]
     lib.hr_cache_update.argtypes += [ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.hr_cache_install.restype = None
@@ -321,6 +321,7 @@ def update_rows(
     row_ids: np.ndarray | None = None,
     ids: np.ndarray | None = None,
     evicted: Evicted | None = None,
+    values: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
     """Apply ``grads`` float32 ``[S, D]`` to the records of ``slots`` int64 ``[S]`` (-1:
     skipped) of ``slab`` float32 ``[C, W]`` in place, and ``own8`` uint8 ``[C]`` with
@@ -343,10 +344,17 @@ def update_rows(
     sums [E, D], counts [E] or None: one each, statistics [E, Q] or None: zeros)``, the
     pending sums of rows evicted since the last push (ids increasing, none among
     ``ids``; position -1), merged in; the last item is then the push's ids ``[P]``.
+
+    ``values`` (float32 rows only): the cache writes its copies back instead of gradient
+    sums. Nothing is summed; a row due gives its row after the step in ``due_grads``, its
+    optimizer state (``stat_dim`` floats at ``stat_at``: pass the state's) in
+    ``due_stats`` and in ``due_counts`` the PS clock the write gives it, ``CLOCK + OWN +
+    1``. ``evicted`` then holds writes in the same form (rows, clocks, state).
     """
     lib = _library()
     if lib is None or not _ok(slab, grads, slots, own8, row_ids) or (kind and row_ids is None):
         return None
+    assert not (values and kind), "writes of copies take float32 rows"
     if own8.dtype != np.uint8:
         return None
     if ids is not None and not (
@@ -373,7 +381,8 @@ def update_rows(
 
     k = lib.hr_cache_update(
         n, dim, row_words(dim, kind), kind, slab.shape[1], slots.ctypes.data, ptr(row_ids), seed,
-        grads.ctypes.data, slab.ctypes.data, own8.ctypes.data, lr, write_bound, seq, stat_dim,
+        grads.ctypes.data, slab.ctypes.data, own8.ctypes.data, lr, write_bound, int(values),
+        seq, stat_dim,
         stat_at, acc_at, eps, due.ctypes.data, due_g.ctypes.data, due_k.ctypes.data,
         due_s.ctypes.data, ptr(ids), ne, ptr(e_ids), ptr(e_g), ptr(e_k), ptr(e_s), ptr(out_ids),
         torch.get_num_threads(),

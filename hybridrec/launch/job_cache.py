@@ -50,7 +50,8 @@ def cache_config(
     ``device``; None without one. ``cfg``: a job config with the fields of
     :class:`hybridrec.cli.job_options.RunOptions` (``cache_rows``, ``cache_fraction``,
     ``cache_memory``, ``cache_on``, ``cache_policy``, ``read_bound``, ``write_bound``,
-    ``counted_pushes``, ``local_step``, ``cache_groups``, ``cache_prefetch``).
+    ``counted_pushes``, ``local_step``, ``cache_groups``, ``cache_prefetch``,
+    ``cache_write_back``).
     ``--cache-memory F`` sizes the
     cache's rows on the GPU to at most ``F`` of its memory
     (:func:`hybridrec.launch.memory_plan.cache_size_fitting`)."""
@@ -86,6 +87,7 @@ def cache_config(
         local_step=cfg.local_step,
         group_tables=cfg.cache_groups,
         prefetch=cfg.cache_prefetch,
+        write_back=cfg.cache_write_back,
     )
 
 

@@ -25,9 +25,16 @@ from ps.errors import check_existing
 from ps.group_requests import GroupPull, GroupPush, sorted_push
 from ps.local.batched_pass import LocalBatchedPass
 from ps.local.table import LocalTable
-from ps.store import PullRequest, PullResult, PushRequest, Store, check_requests
+from ps.store import PullRequest, PullResult, PushRequest, Store, WriteRequest, check_requests
 from ps.table import TableSpec
-from ps.validate import check_counted, check_grads, check_ids, check_pull_bound, unknown_table
+from ps.validate import (
+    check_counted,
+    check_grads,
+    check_ids,
+    check_pull_bound,
+    check_write,
+    unknown_table,
+)
 
 #: Rows per checkpoint part file (bounds the size of one ``.npy``).
 PART_ROWS = 1 << 20
@@ -47,10 +54,12 @@ class InProcessStore(Store):
     128), the host's share with a GPU being one copy of the rows on every core. The
     tables stay on the host either way.
 
-    Takes counted pushes (:class:`ps.PushRequest` ``counts``, ``stats``).
+    Takes counted pushes (:class:`ps.PushRequest` ``counts``, ``stats``) and writes
+    (:class:`ps.WriteRequest`).
     """
 
     counted_pushes = True
+    value_writes = True
 
     def __init__(self, *, init_device: torch.device | str | None = None) -> None:
         self.init_device: torch.device | None = None
@@ -151,6 +160,19 @@ class InProcessStore(Store):
         for p in pushes:
             self._apply_push(*p)
         return Handle.completed(None, what="push_many")
+
+    def write_many_async(self, requests: Sequence[WriteRequest]) -> Handle:
+        """Every table's write is checked first (nothing changes if one is bad), then
+        applied in order under its table's lock (one message)."""
+        requests = check_requests(requests, WriteRequest, "write_many")
+        tables = [self._get(r.table) for r in requests]
+        for t, r in zip(tables, requests, strict=True):
+            check_write(t.spec, r.ids, r.rows, r.state, r.clocks)
+        for t, r in zip(tables, requests, strict=True):
+            with t.lock:
+                t.write(r.ids, r.rows.detach(), r.state.detach(), r.clocks)
+        self._messages["push_messages"] += bool(requests)
+        return Handle.completed(None, what="write_many")
 
     def pull_groups_async(self, requests: Sequence[PullRequest | GroupPull]) -> Handle:
         """A lone group request is served whole by the batched C pass (one message, no

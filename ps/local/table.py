@@ -80,6 +80,10 @@ COUNTERS = (
     "rows_evicted",
 )
 
+#: Counters of writes (:meth:`LocalTable.write`), beside :data:`COUNTERS` (which the C
+#: passes count in their order).
+WRITE_COUNTERS = ("write_requests", "rows_written")
+
 
 _ALIGN = 64  # bytes: a cache line
 
@@ -292,7 +296,7 @@ class LocalTable:
         as pushes come."""
         self.spec = spec
         self.lock = threading.Lock()
-        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.counters: dict[str, int] = dict.fromkeys((*COUNTERS, *WRITE_COUNTERS), 0)
         # The table's id of each fixed row, where a row is not its id (a server's
         # shard sets it): stochastic rounding is keyed by table ids, so every shard
         # layout rounds alike.
@@ -496,6 +500,22 @@ class LocalTable:
                 self._apply(slots, summed, None)
         if self.dynamic:
             self._evict()
+
+    def write(
+        self, ids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, clocks: torch.Tensor
+    ) -> None:
+        """Apply a validated write (:func:`ps.validate.check_write`) of a fixed float32
+        table: ``rows`` ``[N, D]``, ``state`` ``[N, S]`` and ``clocks`` ``[N]`` of the
+        distinct ``ids`` ``[N]`` replace the table's; no optimizer runs."""
+        self.counters["write_requests"] += 1
+        if ids.numel() == 0:
+            return
+        a = ids.numpy()
+        self.weights.numpy()[a] = rows.numpy()
+        if self.state.shape[1]:
+            self.state.numpy()[a] = state.numpy()
+        self.clocks.numpy()[a] = clocks.numpy()
+        self.counters["rows_written"] += int(a.size)
 
     def _apply(
         self,

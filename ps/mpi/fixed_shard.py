@@ -82,6 +82,11 @@ class FixedShard:
     ) -> None:
         self.table.push(self._rows(ids), grads, checked=checked, counted=counted)
 
+    def write(
+        self, ids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, clocks: torch.Tensor
+    ) -> None:
+        self.table.write(self._rows(ids), rows, state, clocks)
+
     def read_clocks(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table.read_clocks(self._rows(ids))
 

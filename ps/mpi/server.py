@@ -72,6 +72,7 @@ from ps.validate import (
     check_grads,
     check_ids,
     check_pull_bound,
+    check_write,
     unknown_table,
 )
 
@@ -401,6 +402,13 @@ class ShardServer:
                 return self.push(src, meta, payload, data)
             finally:
                 self.busy["push_s"] += time.perf_counter() - t
+        if op == Op.WRITE:
+            self.messages["push_messages"] += 1
+            t = time.perf_counter()
+            try:
+                return self.write(meta, payload, data)
+            finally:
+                self.busy["push_s"] += time.perf_counter() - t
         if op in (Op.CLOCKS, Op.STATE):
             return self.inspect(op, meta, payload, data)
         _expect_sizes(meta, data, payload.size, 0)
@@ -448,12 +456,12 @@ class ShardServer:
             )
         name = self.names[index]
         spec = self.specs[name]
-        if op in ("pull", "push") and dim != spec.dim:
+        if op in ("pull", "push", "write") and dim != spec.dim:
             raise ValueError(
                 f"{op} table {name!r}: the request is for rows of width {dim} but the table "
                 f"has dim={spec.dim} (was it reloaded with another spec?)"
             )
-        if op in ("pull", "push") and row_type != spec.dtype:
+        if op in ("pull", "push", "write") and row_type != spec.dtype:
             raise ValueError(
                 f"{op} table {name!r}: the request is for {row_type} rows on the wire but the "
                 f"table holds {spec.dtype} rows (was it reloaded with another spec?)"
@@ -694,6 +702,45 @@ class ShardServer:
         if self.reply_lost(src, rid):
             return None
         return wire.message(wire.header(op, rid)), _EMPTY_F32
+
+    def write(self, meta: np.ndarray, payload: np.ndarray, data: np.ndarray) -> Any:
+        """A batched write (:class:`ps.WriteRequest` of ``k`` tables): the table of
+        contents, then each table's ids and clocks in the payload; each table's rows, then
+        their state, in the data. Every part is checked before any table changes."""
+        k = wire.check_parts(int(meta[wire.W_N]), "write")
+        toc, types = _toc(payload, k, wire.WRITE_PART_WORDS, "write")
+        specs = [
+            self.table_at(index, dim, "write", row_type)
+            for (index, dim), row_type in zip(toc[:, [0, 2]].tolist(), types, strict=True)
+        ]
+        sizes = toc[:, 1].tolist()
+        for (spec, _), s in zip(specs, toc[:, 3].tolist(), strict=True):
+            if s != spec.state_dim:
+                raise ValueError(
+                    f"write table {spec.name!r}: the request carries state of width {s}, the "
+                    f"table's optimizer has {spec.state_dim}"
+                )
+        words = k * wire.WRITE_PART_WORDS + 2 * sum(sizes)
+        floats = sum(n * (s.dim + s.state_dim) for (s, _), n in zip(specs, sizes, strict=True))
+        if payload.size != words or data.size != floats:
+            raise ValueError(
+                f"write: message sizes do not match its table of contents: {payload.size} int64 "
+                f"payload words and {data.size} floats, expected {words} and {floats}"
+            )
+        at, fat, parts = k * wire.WRITE_PART_WORDS, 0, []
+        for (spec, table), n in zip(specs, sizes, strict=True):
+            d, s = spec.dim, spec.state_dim
+            ids = self.check_ids(spec, payload[at : at + n], "write")
+            clocks = torch.from_numpy(payload[at + n : at + 2 * n])
+            rows = torch.from_numpy(data[fat : fat + n * d]).view(n, d)
+            state = torch.from_numpy(data[fat + n * d : fat + n * (d + s)]).view(n, s)
+            check_write(spec, ids, rows, state, clocks)
+            parts.append((table, ids, rows, state, clocks))
+            at, fat = at + 2 * n, fat + n * (d + s)
+        for table, ids, rows, state, clocks in parts:  # back to back
+            with table.lock:
+                table.write(ids, rows, state, clocks)
+        return wire.message(wire.header(Op.WRITE, int(meta[wire.W_ID]))), _EMPTY_F32
 
     def inspect(self, op: int, meta: np.ndarray, payload: np.ndarray, data: np.ndarray) -> Any:
         what = "clocks" if op == Op.CLOCKS else "state"

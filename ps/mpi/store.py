@@ -88,13 +88,22 @@ from ps.mpi import group_messages, wire
 from ps.mpi.server import check_mpi_topology, check_push_grads
 from ps.mpi.wire import HEADER_LEN, Op
 from ps.routing import group_by_shard
-from ps.store import PullRequest, PullResult, PushRequest, Store, check_requests, first_of
+from ps.store import (
+    PullRequest,
+    PullResult,
+    PushRequest,
+    Store,
+    WriteRequest,
+    check_requests,
+    first_of,
+)
 from ps.table import TableSpec
 from ps.validate import (
     all_finite,
     check_counted,
     check_ids,
     check_pull_bound,
+    check_write,
     finite_rows,
     unknown_table,
 )
@@ -171,6 +180,7 @@ class MPIStore(Store):
     # to show what a resend does without them.
     _sequenced = True
     counted_pushes = True
+    value_writes = True
 
     def __init__(
         self,
@@ -748,6 +758,46 @@ class MPIStore(Store):
         return super().push_groups_async(requests)
 
     # ------------------------------------------------------------ inspection
+
+    def write_many_async(self, requests: Sequence[WriteRequest]) -> Handle:
+        """Every table's write is checked first (nothing is sent if one is bad), then each
+        server gets ONE ``WRITE`` message with its rows of every table (per table: ids and
+        clocks, then the rows and their state); a server applies one worker's messages in
+        order. A write is not resent: a late reply is a timeout (a resent write could
+        land after a newer one of the same row)."""
+        reqs = check_requests(requests, WriteRequest, "write_many")
+        tables = [self._table(r.table) for r in reqs]
+        for t, r in zip(tables, reqs, strict=True):
+            check_write(t.spec, r.ids, r.rows, r.state, r.clocks)
+        n_servers = len(self._servers)
+        toc: list[list[list[int]]] = [[] for _ in range(n_servers)]  # per server: parts
+        words: list[list[np.ndarray]] = [[] for _ in range(n_servers)]  # ids, clocks
+        floats: list[list[np.ndarray]] = [[] for _ in range(n_servers)]  # rows, state
+        for t, r in zip(tables, reqs, strict=True):
+            d, s = t.spec.dim, t.spec.state_dim
+            order, counts = self._split(r.ids)
+            ids, clocks = _sorted_np(r.ids, order), _sorted_np(r.clocks, order)
+            rows, state = _sorted_np(r.rows, order), _sorted_np(r.state, order)  # [N, D], [N, S]
+            a = 0
+            for k, c in enumerate(counts):
+                if c:
+                    toc[k].append([t.index[k], c, wire.width_word(d, "fp32"), s])
+                    words[k] += [ids[a : a + c], clocks[a : a + c]]
+                    floats[k] += [rows[a : a + c].reshape(-1), state[a : a + c].reshape(-1)]
+                a += c
+        calls = [
+            self._start(
+                k,
+                Op.WRITE,
+                payload=(np.asarray(toc[k], dtype=np.int64).reshape(-1), *words[k]),
+                data=np.concatenate(floats[k]),
+                n=len(toc[k]),
+            )  # fmt: skip
+            for k in range(n_servers)
+            if toc[k]
+        ]
+        names = ", ".join(repr(r.table) for r in reqs)
+        return self._handle(calls, lambda: None, f"write_many of tables {names}")
 
     def _gather(self, table: str, ids: torch.Tensor, op: int, what: str) -> torch.Tensor:
         """Clocks (int64 ``[N]``) or state (float32 ``[N, S]``) of rows ``ids``, from servers."""

@@ -22,7 +22,7 @@ import torch
 from ps.errors import TableExistsError, TableSpecMismatch
 from ps.table import ROW_DTYPES, TORCH_ROW_DTYPES
 
-PROTOCOL = 7
+PROTOCOL = 8
 MAGIC = 0x48525053  # "HRPS"
 MAGIC_VERSION = (MAGIC << 16) | PROTOCOL
 HEADER_LEN = 8
@@ -32,8 +32,9 @@ MAX_IDS = 1 << 27
 MAX_PARTS = 1 << 16
 #: Table-of-contents words per table of a batched request: PULL_MANY (table index, n,
 #: dim, bound; bound -1 is a plain pull), PUSH_MANY (table index, n, dim), and of a
-#: PULL_MANY reply (m rows, flags).
+#: PULL_MANY reply (m rows, flags); WRITE (table index, n, dim, state width).
 PULL_PART_WORDS, PUSH_PART_WORDS, REPLY_PART_WORDS = 4, 3, 2
+WRITE_PART_WORDS = 4
 MAX_ERROR_BYTES = 4000  # longer error messages are cut; bounds the reply buffers
 ERROR_WORDS = (MAX_ERROR_BYTES + 7) // 8
 #: Largest text / JSON reply (table list, stats, save parts); a worker's reply buffer.
@@ -77,6 +78,7 @@ class Op(enum.IntEnum):
     DROP = 12
     PULL_MANY = 13
     PUSH_MANY = 14
+    WRITE = 15
 
 
 class ErrorKind(enum.IntEnum):

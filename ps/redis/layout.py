@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ps.local.table import COUNTERS
+from ps.local.table import COUNTERS, WRITE_COUNTERS
 from ps.redis.hints import AbsentHints
 from ps.redis.narrow import stored_bytes, widen
 from ps.redis.sequencing import PushNumbers, PushSettle
@@ -58,7 +58,7 @@ META_FORMAT = "hybridrec-redis/3"
 FP32_FORMAT = "hybridrec-redis/2"
 
 #: This client's counters per table: the in-process store's, and the exactly-once ones.
-CLIENT_COUNTERS = (*COUNTERS, "push_calls", "push_retries")
+CLIENT_COUNTERS = (*COUNTERS, *WRITE_COUNTERS, "push_calls", "push_retries")
 
 
 def check_key_part(what: str, value: object) -> str:

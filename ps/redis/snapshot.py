@@ -93,9 +93,19 @@ def write_rows(
 ) -> None:
     """Write ``part``'s rows (weights | clock, state, touch stamp 0) into their buckets;
     ``order`` sorts them by bucket and ``calls`` are the ``(bucket, lo, hi)`` runs."""
+    cmds = row_commands(t, part, order, calls)
+    for start in range(0, len(cmds), _BATCH_COMMANDS):
+        link.run(cmds[start : start + _BATCH_COMMANDS], what)
+
+
+def row_commands(
+    t: RedisTable, part: TablePart, order: torch.Tensor, calls: list[tuple[int, int, int]]
+) -> list[Command]:
+    """The commands of :func:`write_rows` (``HSET`` of the rows with their clocks and of
+    their state, ``ZADD`` of a touch stamp 0 where the table evicts), not sent."""
     n = part.num_rows
     if n == 0:
-        return
+        return []
     ids = part.ids[order].numpy().astype("<i8").view(np.uint8).reshape(n, 8)
     w = t.stored(part.weights[order])  # [n, wb] (narrow tables: rounded to nearest)
     c = part.clocks[order].numpy().astype("<i8").view(np.uint8).reshape(n, 8)
@@ -114,5 +124,4 @@ def write_rows(
                 cmds.append(raw(t.s_keys[b], pack_fixed(["HSET", t.s_keys[b]], s_rows[s:e], 2)))
             if t.evicts:
                 cmds.append(raw(t.t_keys[b], pack_fixed(["ZADD", t.t_keys[b]], z_rows[s:e], 2)))
-    for start in range(0, len(cmds), _BATCH_COMMANDS):
-        link.run(cmds[start : start + _BATCH_COMMANDS], what)
+    return cmds

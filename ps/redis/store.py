@@ -121,15 +121,16 @@ from ps.redis.lua import (
 )
 from ps.redis.narrow import NarrowRows
 from ps.redis.sequencing import PushNumbers, PushSettle
-from ps.redis.snapshot import table_parts, write_rows
+from ps.redis.snapshot import row_commands, table_parts, write_rows
 from ps.routing import shard_of
-from ps.store import PullRequest, PullResult, PushRequest, Store, check_requests
+from ps.store import PullRequest, PullResult, PushRequest, Store, WriteRequest, check_requests
 from ps.table import TableSpec
 from ps.validate import (
     check_counted,
     check_grads,
     check_ids,
     check_pull_bound,
+    check_write,
     plain_counted,
     unknown_table,
 )
@@ -229,6 +230,7 @@ class RedisStore(Store):
     """
 
     counted_pushes = True
+    value_writes = True
 
     def __init__(
         self,
@@ -1033,6 +1035,34 @@ class RedisStore(Store):
 
         p.calls, p.seqs, p.command = calls, seqs, command
         p.first = [command(k, None, seqs[k], 0) for k in range(len(calls))]
+
+    def write_many_async(self, requests: Sequence[WriteRequest]) -> Handle:
+        """Every table's write is checked first (nothing is sent if one is bad), then
+        every table's rows go in one pipelined round trip per Redis node, as a
+        checkpoint's rows are written (``HSET`` of each bucket's rows with their clocks,
+        and of their state; no script: a write sets values, so a resent one changes
+        nothing more), before this call returns. A written row exists in Redis, so the
+        read hints that it was missing are used up."""
+        reqs = check_requests(requests, WriteRequest, "write_many")
+        checked = []
+        for r in reqs:
+            t = self._get(r.table)
+            check_write(t.spec, r.ids, r.rows, r.state, r.clocks)
+            checked.append((t, r))
+        names = ", ".join(repr(t.spec.name) for t, _ in checked)
+        what = f"write_many of tables {names} to Redis {self.address}"
+        cmds = []
+        for t, r in checked:
+            part = TablePart(r.ids, r.rows.detach(), r.state.detach(), r.clocks)
+            cmds += row_commands(t, part, *self._split(t, r.ids))
+        if cmds:
+            self._replies(None, cmds, what, None, label=PUSH)
+        for t, r in checked:
+            with self._lock:
+                t.absent.take(r.ids.numpy())
+                t.counters["write_requests"] += 1
+                t.counters["rows_written"] += int(r.ids.numel())
+        return Handle.completed(None, what=what)
 
     def _numbers(self, t: RedisTable, buckets: list[int]) -> list[tuple[int, int]]:
         with self._lock:

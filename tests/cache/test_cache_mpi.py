@@ -63,3 +63,14 @@ def test_the_copy_is_the_servers_row_over_mpi(nprocs: int) -> None:
     outs = run_ranks("cache_mpi_local_step.py", nprocs, "mpi", [], timeout=130)
     assert _oks(outs, "worker") == [0], outs
     assert _oks(outs, "server") == list(range(1, nprocs)), outs
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("nprocs", [2, 3, 4], ids=["1server", "2servers", "3servers"])
+def test_written_back_copies_over_mpi(nprocs: int) -> None:
+    """``tests/cache/ranks/cache_mpi_write_back.py``: one worker writes its copies back to
+    the servers (``WRITE`` messages); served rows and the servers' rows and accumulators
+    equal an uncached in-process run bit for bit."""
+    outs = run_ranks("cache_mpi_write_back.py", nprocs, "mpi", [], timeout=130)
+    assert _oks(outs, "worker") == [0], outs
+    assert _oks(outs, "server") == list(range(1, nprocs)), outs

@@ -119,3 +119,12 @@ def test_the_jobs_cache_prefetch_option_reaches_the_cache(mode: str) -> None:
     got = cache_config(job, [spec], torch.device("cpu"))
     assert got is not None and got.prefetch == mode
     assert DLRMJobConfig(cache_rows=5).cache_prefetch == "auto"
+
+
+@pytest.mark.parametrize("mode", ["auto", "gradients", "values"])
+def test_the_jobs_write_back_option_reaches_the_cache(mode: str) -> None:
+    spec = ps.TableSpec(name="t", num_rows=10, dim=DIM, optimizer=ps.SGD(lr=0.1))
+    job = DLRMJobConfig(cache_rows=5, cache_write_back=mode)  # type: ignore[arg-type]
+    got = cache_config(job, [spec], torch.device("cpu"))
+    assert got is not None and got.write_back == mode
+    assert DLRMJobConfig(cache_rows=5).cache_write_back == "auto"
