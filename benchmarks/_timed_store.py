@@ -21,7 +21,7 @@ import torch
 
 import ps
 from comm import Handle
-from ps.group_requests import GroupPull, GroupPush
+from ps.group_requests import GroupPull, GroupPush, GroupWrite
 from tests.support.wrapped_store import WrappedStore  # the repository root is on the path
 
 
@@ -78,6 +78,9 @@ class TimedStore(WrappedStore):
 
     def write_many_async(self, requests: Sequence[ps.WriteRequest]) -> Handle:
         return self._wrap(self._timed(self.inner.write_many_async, requests))
+
+    def write_groups_async(self, requests: Sequence[ps.WriteRequest | GroupWrite]) -> Handle:
+        return self._wrap(self._timed(self.inner.write_groups_async, requests))
 
     def clocks(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self._timed(self.inner.clocks, table, ids)

@@ -76,7 +76,7 @@ from cache.table_group import GroupClocks, TableGroup
 from comm import Handle, boundary
 from comm.device import exact_device
 from ps import PullRequest, PullResult, PushRequest, Store, TableSpec, WriteRequest
-from ps.group_requests import GroupPull, GroupPush, IdSpace, split_write
+from ps.group_requests import GroupPull, GroupPush, GroupWrite, IdSpace
 from ps.store import after, check_requests, first_of
 from ps.validate import all_finite, check_grads, check_id_tensor, check_ids, finite_rows
 
@@ -285,15 +285,15 @@ class CachedStore(Store):
 
     def _send_writes(self, writes: list[Any]) -> Handle:
         """One batched write of copies, ``(cache, ids, rows, (clocks, state))`` items
-        (host arrays), a shared cache's cut by table."""
-        requests: list[WriteRequest] = []
+        (host arrays), a shared cache's as a group write over its tables' id space."""
+        requests: list[WriteRequest | GroupWrite] = []
         for tc, ids, rows, (clocks, state) in writes:
             group = self._groups.get(tc.name)
             if group is None:
                 requests.append(WriteRequest(tc.name, ids, rows, state, clocks))
             else:
-                requests += split_write(group.space, ids, rows, state, clocks)
-        return self.inner.write_many_async(requests)
+                requests.append(GroupWrite(group.space, ids, rows, state, clocks))
+        return self.inner.write_groups_async(requests)
 
     # ------------------------------------------------------------ tables
 

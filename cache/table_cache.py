@@ -1661,33 +1661,32 @@ class TableCache:
             self.seq += 1
             rec = self._gather(slots)
             meta = self._meta(rec)
-            if self.values:
+            if self.values:  # the copies themselves
                 self._push(self._written(self.row_id.take(slots), rec))
-                meta[:, COUNT] = 0
-                meta[:, OWN] += 1
-                meta[:, PUSHED] = self.seq
-                self._scatter(slots, rec)
-                self._copy_own(slots)
-                self.send_evicted()
-                return
-            sums: Any
-            if self.data is None:
-                sums = self._pend(rec).copy()  # [K, D]
-                counted = self._counted_of(rec)
             else:
-                (at,) = self.data.indices(slots)
-                sums = self.data.take_pending(at)
-                counted = self._counted_of(rec, self.data.take_stats(at) if self.counted else None)
-            self._push(_Due(self.row_id.take(slots), sums, *counted))
-            self._pend(rec)[:] = 0.0
-            if self.counted:
-                rec[:, self.stat_at : self.stat_at + self.stat_dim] = 0.0
+                self._flush_sums(slots, rec)
             meta[:, COUNT] = 0
             meta[:, OWN] += 1
             meta[:, PUSHED] = self.seq
             self._scatter(slots, rec)
             self._copy_own(slots)
         self.send_evicted()
+
+    def _flush_sums(self, slots: np.ndarray, rec: np.ndarray) -> None:
+        """:meth:`flush`'s push of the pending sums (counts, statistics) of ``slots``
+        ``[K]`` whose records are ``rec`` ``[K, W]``, cleared in ``rec``."""
+        sums: Any
+        if self.data is None:
+            sums = self._pend(rec).copy()  # [K, D]
+            counted = self._counted_of(rec)
+        else:
+            (at,) = self.data.indices(slots)
+            sums = self.data.take_pending(at)
+            counted = self._counted_of(rec, self.data.take_stats(at) if self.counted else None)
+        self._push(_Due(self.row_id.take(slots), sums, *counted))
+        self._pend(rec)[:] = 0.0
+        if self.counted:
+            rec[:, self.stat_at : self.stat_at + self.stat_dim] = 0.0
 
 
 def _coalesce(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

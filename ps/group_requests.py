@@ -128,6 +128,19 @@ class GroupPush:
             _check_host("push", self.space, "stats", self.stats, None, (n, -1))
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class GroupWrite:
+    """A write (:class:`ps.WriteRequest`) of every table of ``space`` at once: ``rows``
+    float32 ``[P, D]``, ``state`` float32 ``[P, S]`` and ``clocks`` int64 ``[P]`` of the
+    distinct packed ``ids`` ``[P]``."""
+
+    space: IdSpace
+    ids: torch.Tensor
+    rows: torch.Tensor
+    state: torch.Tensor
+    clocks: torch.Tensor
+
+
 def _check_host(
     what: str,
     space: IdSpace,
@@ -224,21 +237,18 @@ def split_push(request: GroupPush) -> list[PushRequest]:
     ]
 
 
-def split_write(
-    space: IdSpace,
-    ids: torch.Tensor,
-    rows: torch.Tensor,
-    state: torch.Tensor,
-    clocks: torch.Tensor,
-) -> list[WriteRequest]:
-    """The per-table writes (:class:`ps.WriteRequest`) of rows over ``space``'s packed
-    ``ids`` ``[P]`` (distinct; sorted here if they are not), each a slice in id order."""
+def split_write(request: GroupWrite) -> list[WriteRequest]:
+    """The per-table writes of ``request``, each a slice of its ids in id order (sorted
+    here where they are not)."""
+    r = request
+    ids, rows, state, clocks = r.ids, r.rows, r.state, r.clocks
     packed = ids.numpy()
     if packed.size > 1 and not bool((packed[1:] > packed[:-1]).all()):
         order = torch.from_numpy(np.argsort(packed))  # [P]
         ids, rows, clocks = ids[order], rows.index_select(0, order), clocks[order]
         state = state.index_select(0, order)
         packed = ids.numpy()
+    space = r.space
     space.check(packed, "write")
     segments = space.segments(packed)
     local = torch.from_numpy(space.local(packed, segments))  # [P] table ids
@@ -246,6 +256,15 @@ def split_write(
         WriteRequest(space.names[i], local[a:b], rows[a:b], state[a:b], clocks[a:b])
         for i, a, b in segments
     ]
+
+
+def write_by_table(store: Store, requests: Sequence[WriteRequest | GroupWrite]) -> Handle:
+    """:meth:`ps.Store.write_groups_async` for any store: each group write cut into its
+    tables' writes, everything sent as one :meth:`ps.Store.write_many_async`."""
+    reqs: list[WriteRequest] = []
+    for r in check_requests(requests, (WriteRequest, GroupWrite), "write_groups"):
+        reqs += split_write(r) if isinstance(r, GroupWrite) else [r]
+    return store.write_many_async(reqs)
 
 
 def pull_by_table(store: Store, requests: Sequence[PullRequest | GroupPull]) -> Handle:

@@ -78,6 +78,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]  # fmt: skip
     lib.hr_push_apply.restype = ctypes.c_int
     lib.hr_push_apply.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, c_int, c_int]
+    lib.hr_write_check.restype = ctypes.c_int
+    lib.hr_write_check.argtypes = [i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, c_int]
+    lib.hr_write_apply.restype = ctypes.c_int
+    lib.hr_write_apply.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, c_int]
 
 
 def available() -> bool:
@@ -195,3 +199,40 @@ def push_apply(
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("push_many: the server could not allocate a buffer of the push pass")
+
+
+def write(
+    toc: np.ndarray,
+    words: np.ndarray,
+    data: np.ndarray,
+    tables: np.ndarray,
+    clocks: np.ndarray | None = None,
+    state: np.ndarray | None = None,
+) -> bool:
+    """Check, then apply a write (``hr_write_check``, ``hr_write_apply``): parts ``toc``
+    int64 ``[k, 4]`` (table row, n, width word, state width) of float32 fixed tables
+    ``tables`` int64 ``[T, TABLE_WORDS]``. As an MPI ``WRITE`` carries them (``clocks``
+    and ``state`` None): ``words`` int64 holds per part its ids then its clocks, ``data``
+    float32 per part its rows then its state. Apart (the in-process store): ``words`` the
+    ids ``[N]``, ``clocks`` ``[N]``, ``data`` the rows ``[N * dim]``, ``state`` ``[N *
+    swidth]``, part after part. False: nothing changed (no kernel, or a check refused
+    it: the Python path says why)."""
+    lib = _library()
+    if lib is None:
+        return False
+    message = clocks is None
+    arrays = [a for a in (toc, words, data, tables, clocks, state) if a is not None]
+    assert all(a.flags.c_contiguous for a in arrays)
+    if message:
+        clocks, state = words, data  # (unread: the parts are in words and data)
+    assert clocks is not None and state is not None
+    k = toc.shape[0]
+    if lib.hr_write_check(
+        k, toc.ctypes.data, words.size, words.ctypes.data, clocks.ctypes.data, data.size,
+        data.ctypes.data, state.ctypes.data, tables.ctypes.data, tables.shape[0], int(message),
+    ):  # fmt: skip
+        return False
+    return lib.hr_write_apply(
+        k, toc.ctypes.data, words.ctypes.data, clocks.ctypes.data, data.ctypes.data,
+        state.ctypes.data, tables.ctypes.data, int(message),
+    ) == 0  # fmt: skip

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from comm import boundary
-from ps.group_requests import GroupPull, GroupPush
+from ps.group_requests import GroupPull, GroupPush, GroupWrite
 from ps.kernels import message_pass
 from ps.kernels.message_pass import COUNTER_WORDS, TABLE_WORDS
 from ps.local.table import COUNTERS, LocalTable, coalesce, coalesce_counted
@@ -375,6 +375,53 @@ class LocalBatchedPass:
                 return False
             message_pass.push_apply(toc, ids, grads, words, hyper, counters, threads, counted)
             _fold(tables, index, counters)
+        self.served += 1
+        return True
+
+    # ------------------------------------------------------------ writes
+
+    def write_group(self, tables: Sequence[LocalTable], request: GroupWrite) -> bool:
+        """Apply ``request`` (the tables of its id space, ``tables``, in that order: fixed
+        float32 tables of one dim and state width) in one checked C pass
+        (:func:`ps.kernels.message_pass.write`: ids in range and increasing, clocks >= 0,
+        rows and state finite). False: nothing changed; the per-table path applies it or
+        says what is wrong."""
+        r, space = request, request.space
+        if not self.enabled or any(t.dynamic or t.spec.narrow for t in tables):
+            return False
+        if len({(t.spec.dim, t.spec.state_dim) for t in tables}) != 1:
+            return False
+        hosted = _host(r.ids, torch.int64, 1) and _host(r.clocks, torch.int64, 1)
+        if (
+            not hosted
+            or not _host(r.rows, torch.float32, 2)
+            or not _host(r.state, torch.float32, 2)
+        ):
+            return False
+        packed, n = r.ids.numpy(), r.ids.shape[0]
+        d, s = tables[0].spec.dim, tables[0].spec.state_dim
+        if n == 0 or r.rows.shape != (n, d) or r.state.shape != (n, s) or r.clocks.shape != (n,):
+            return False
+        if not bool((packed[1:] > packed[:-1]).all()) or not space.inside(packed):
+            return False
+        segments = space.segments(packed)
+        parts = [tables[i] for i, _, _ in segments]
+        index, words, _ = self._describe(parts)
+        toc = np.empty((len(parts), 4), dtype=np.int64)  # table row, n, width word, state
+        toc[:, 0] = index
+        toc[:, 1] = [b - a for _, a, b in segments]
+        toc[:, 2] = d
+        toc[:, 3] = s
+        ids = np.ascontiguousarray(space.local(packed, segments))  # [P] table ids
+        rows = np.ascontiguousarray(r.rows.numpy()).reshape(-1)
+        state = np.ascontiguousarray(r.state.numpy()).reshape(-1)
+        clocks = np.ascontiguousarray(r.clocks.numpy())
+        with _locked(parts):
+            if not message_pass.write(toc, ids, rows, words, clocks, state):
+                return False
+            for t, size in zip(parts, toc[:, 1].tolist(), strict=True):
+                t.counters["write_requests"] += 1
+                t.counters["rows_written"] += size
         self.served += 1
         return True
 

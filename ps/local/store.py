@@ -22,7 +22,7 @@ from comm import Handle
 from comm.device import exact_device
 from ps.checkpoint import TablePart, read_checkpoint, write_checkpoint
 from ps.errors import check_existing
-from ps.group_requests import GroupPull, GroupPush, sorted_push
+from ps.group_requests import GroupPull, GroupPush, GroupWrite, sorted_push
 from ps.local.batched_pass import LocalBatchedPass
 from ps.local.table import LocalTable
 from ps.store import PullRequest, PullResult, PushRequest, Store, WriteRequest, check_requests
@@ -173,6 +173,19 @@ class InProcessStore(Store):
                 t.write(r.ids, r.rows.detach(), r.state.detach(), r.clocks)
         self._messages["push_messages"] += bool(requests)
         return Handle.completed(None, what="write_many")
+
+    def write_groups_async(self, requests: Sequence[WriteRequest | GroupWrite]) -> Handle:
+        """A lone group write is applied whole by one C pass (its checks vectorised over
+        every table's part); anything else, or what that pass does not take (it says
+        nothing of why: the per-table path raises the error), goes the base class's way."""
+        if isinstance(requests, Sequence) and len(requests) == 1:
+            (r,) = requests
+            if isinstance(r, GroupWrite):
+                tables = [self._get(name) for name in r.space.names]
+                if self._batched.write_group(tables, r):
+                    self._messages["push_messages"] += 1
+                    return Handle.completed(None, what="write_groups")
+        return super().write_groups_async(requests)
 
     def pull_groups_async(self, requests: Sequence[PullRequest | GroupPull]) -> Handle:
         """A lone group request is served whole by the batched C pass (one message, no

@@ -171,6 +171,26 @@ class BatchedPass:
         grads, stats = data[: data.size - n], data[data.size - n :]
         return toc, ids, grads, (counts, stats)
 
+    def write(self, k: int, payload: np.ndarray, data: np.ndarray) -> bool:
+        """Apply a ``WRITE`` of ``k`` parts in one checked C pass
+        (:func:`ps.kernels.message_pass.write`); False: nothing changed, serve it in
+        Python (which says what is wrong, if anything)."""
+        width = wire.WRITE_PART_WORDS
+        if not self.enabled or payload.size < k * width:
+            return False
+        toc = np.ascontiguousarray(payload[: k * width].reshape(k, width))
+        words = np.ascontiguousarray(payload[k * width :])
+        if not message_pass.write(toc, words, np.ascontiguousarray(data), self.tables):
+            return False
+        for index, n in toc[:, :2].tolist():
+            shard = self.shards[index]
+            assert shard is not None  # (the pass takes only described tables)
+            own = _engine(shard).counters
+            own["write_requests"] += 1
+            own["rows_written"] += n
+        self.served += 1
+        return True
+
 
 def _engine(shard: Shard) -> LocalTable:
     """The fixed table that holds ``shard``'s rows."""

@@ -12,17 +12,20 @@ they equal those of a cache that pushes gradient sums on the same schedule.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import cache
 import ps
 from cache.kernels import records
+from ps.group_requests import GroupWrite, IdSpace
+from ps.kernels import message_pass
 from redis_server import redis_server
 from tests.support.cache_kernels import force_numpy_paths
 from tolerance import sum_tol
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.numerics]
 
 ROWS, DIM, NAMES, LR = 400, 8, ("a", "b"), 0.05
 BOUNDS = [(0, 0), (4, 4), (2, 7)]
@@ -210,3 +213,32 @@ def test_a_bad_write_changes_nothing(kind: str) -> None:
             assert clocks[ids].tolist() == [5, 6]
         finally:
             store.close()
+
+
+def test_a_group_write_is_one_c_pass() -> None:
+    """The in-process store applies a shared cache's write (every table of its id space)
+    in one checked C pass; a write the pass's checks refuse goes the per-table way,
+    which says what is wrong and changes nothing."""
+    if not records.available():
+        pytest.skip("no C compiler")
+    assert message_pass.available(), "the records' kernels build but the message passes do not"
+    store = ps.InProcessStore()
+    for spec in _specs():
+        store.create_table(spec)
+    space = IdSpace(NAMES, np.array([0, ROWS, 2 * ROWS], dtype=np.int64))
+    packed = torch.tensor([3, 50, ROWS + 7, 2 * ROWS - 1])  # two rows of each table
+    g = torch.Generator().manual_seed(1)
+    rows, acc = torch.randn(4, DIM, generator=g), torch.rand(4, 1, generator=g)
+    served = store._batched.served
+    store.write_groups_async([GroupWrite(space, packed, rows, acc, torch.tensor([4, 5, 6, 7]))])
+    assert store._batched.served == served + 1, "the group write did not take the C pass"
+    got = store.pull("b", torch.tensor([7, ROWS - 1]))
+    assert torch.equal(got.rows, rows[2:]) and got.clocks.tolist() == [6, 7]
+    assert torch.equal(store.state("a", torch.tensor([3, 50])), acc[:2])
+    before = _table(store, "a")
+    nan = rows.clone()
+    nan[1, 0] = float("nan")
+    with pytest.raises(ValueError, match="write table 'a': rows of row id 50"):
+        store.write_groups_async([GroupWrite(space, packed, nan, acc, torch.tensor([1, 1, 1, 1]))])
+    for x, y in zip(_table(store, "a"), before, strict=True):
+        assert torch.equal(x, y)
