@@ -483,92 +483,53 @@ int hr_push_apply(int64_t k, const int64_t* toc, const int64_t* ids, const float
 
 /* Writes (ps.WriteRequest parts of float32 fixed tables). Part p of toc [k, 4] (table
    row, n, width word, state width) carries n ids, their clocks, rows [n, dim] and state
-   [n, swidth]. Laid out "apart" (the in-process store): ids [N], clocks [N], rows and
-   state each in its own array, part after part; or "message" (an MPI WRITE): words holds
-   per part its ids then its clocks, data per part its rows then its state. */
-typedef struct {
-    const int64_t *ids, *clocks;
-    const float *rows, *state;
-} write_span;
-
-static void write_spans(int64_t k, const int64_t* toc, const int64_t* words,
-                        const int64_t* clocks, const float* data, const float* state,
-                        int message, write_span* out) {
-    int64_t w = 0, c = 0, f = 0, s = 0;
-    for (int64_t p = 0; p < k; ++p) {
-        int64_t n = toc[p * 4 + 1], d = toc[p * 4 + 2] & 0xFFFFFFFF, sw = toc[p * 4 + 3];
-        if (message) {
-            out[p] = (write_span){words + w, words + w + n, data + f, data + f + n * d};
-            w += 2 * n;
-            f += n * (d + sw);
-        } else {
-            out[p] = (write_span){words + w, clocks + c, data + f, state + s};
-            w += n;
-            c += n;
-            f += n * d;
-            s += n * sw;
-        }
-    }
-}
+   [n, swidth]; each of ids, clocks, rows and state holds the parts' values back to back
+   (the caller sized them from toc). */
 
 /* Whether the pass can apply the write exactly: every part a usable float32 table of
    its dim and state width, ids in range, routed here and strictly increasing, clocks >=
-   0, rows and state finite (nwords, nfloats: the message's sizes, checked for "message";
-   else the caller sized the arrays). 0: yes; 1: take the Python path. */
-int hr_write_check(int64_t k, const int64_t* toc, int64_t nwords, const int64_t* words,
-                   const int64_t* clocks, int64_t nfloats, const float* data,
-                   const float* state, const int64_t* tables, int64_t ntables, int message) {
-    int64_t need_w = 0, need_f = 0;
+   0, rows and state finite. 0: yes; 1: take the Python path. */
+int hr_write_check(int64_t k, const int64_t* toc, const int64_t* ids, const int64_t* clocks,
+                   const float* rows, const float* state, const int64_t* tables,
+                   int64_t ntables) {
+    int64_t at = 0, fr = 0, fs = 0;
     for (int64_t p = 0; p < k; ++p) {
         table_desc t;
         if (!part_ok(toc, 4, p, tables, ntables, &t) || t.dtype != 0) return 1;
         int64_t n = toc[p * 4 + 1];
-        if (toc[p * 4 + 3] != t.swidth) return 1;
-        need_w += 2 * n;
-        need_f += n * (t.dim + t.swidth);
+        if (toc[p * 4 + 3] != t.swidth || !ids_ok(&t, ids + at, n)) return 1;
+        for (int64_t i = 1; i < n; ++i)
+            if (ids[at + i] <= ids[at + i - 1]) return 1;
+        for (int64_t i = 0; i < n; ++i)
+            if (clocks[at + i] < 0) return 1;
+        if (!all_finite(rows + fr, n * t.dim) || !all_finite(state + fs, n * t.swidth)) return 1;
+        at += n;
+        fr += n * t.dim;
+        fs += n * t.swidth;
     }
-    if (message && (need_w != nwords || need_f != nfloats)) return 1;
-    write_span* parts = (write_span*)malloc(sizeof(write_span) * (size_t)(k > 0 ? k : 1));
-    if (!parts) return 1;
-    write_spans(k, toc, words, clocks, data, state, message, parts);
-    int bad = 0;
-    for (int64_t p = 0; p < k && !bad; ++p) {
-        table_desc t = desc(tables, toc[p * 4]);
-        int64_t n = toc[p * 4 + 1];
-        const write_span* q = parts + p;
-        if (!ids_ok(&t, q->ids, n)) bad = 1;
-        for (int64_t i = 1; i < n && !bad; ++i) bad = q->ids[i] <= q->ids[i - 1];
-        for (int64_t i = 0; i < n && !bad; ++i) bad = q->clocks[i] < 0;
-        if (!bad && !(all_finite(q->rows, n * t.dim) && all_finite(q->state, n * t.swidth)))
-            bad = 1;
-    }
-    free(parts);
-    return bad;
+    return 0;
 }
 
 /* Apply a checked write: each part's rows, the first swidth floats of their state rows
    and their clocks set in place (local rows through the table's map); the rows are
-   scattered, so each is prefetched PULL_PF ids ahead. Returns 1 (nothing changed) when
-   a buffer could not be allocated, else 0. */
-int hr_write_apply(int64_t k, const int64_t* toc, const int64_t* words, const int64_t* clocks,
-                   const float* data, const float* state, const int64_t* tables, int message) {
-    write_span* parts = (write_span*)malloc(sizeof(write_span) * (size_t)(k > 0 ? k : 1));
-    if (!parts) return 1;
-    write_spans(k, toc, words, clocks, data, state, message, parts);
+   scattered, so each is prefetched PULL_PF ids ahead. */
+void hr_write_apply(int64_t k, const int64_t* toc, const int64_t* ids, const int64_t* clocks,
+                    const float* rows, const float* state, const int64_t* tables) {
+    int64_t at = 0, fr = 0, fs = 0;
     for (int64_t p = 0; p < k; ++p) {
         int64_t n = toc[p * 4 + 1];
         table_desc t = desc(tables, toc[p * 4]);
-        const write_span* q = parts + p;
         for (int64_t i = 0; i < n; ++i) {
-            if (i + PULL_PF < n) prefetch_row(&t, local_row(&t, q->ids[i + PULL_PF]));
-            int64_t r = local_row(&t, q->ids[i]);
-            memcpy(t.weights + r * t.dim, q->rows + i * t.dim, sizeof(float) * (size_t)t.dim);
+            if (i + PULL_PF < n) prefetch_row(&t, local_row(&t, ids[at + i + PULL_PF]));
+            int64_t r = local_row(&t, ids[at + i]);
+            memcpy(t.weights + r * t.dim, rows + fr + i * t.dim, sizeof(float) * (size_t)t.dim);
             if (t.swidth > 0)
-                memcpy(t.state + r * t.sstride, q->state + i * t.swidth,
+                memcpy(t.state + r * t.sstride, state + fs + i * t.swidth,
                        sizeof(float) * (size_t)t.swidth);
-            t.clocks[r] = q->clocks[i];
+            t.clocks[r] = clocks[at + i];
         }
+        at += n;
+        fr += n * t.dim;
+        fs += n * t.swidth;
     }
-    free(parts);
-    return 0;
 }

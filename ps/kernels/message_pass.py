@@ -79,9 +79,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hr_push_apply.restype = ctypes.c_int
     lib.hr_push_apply.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, c_int, c_int]
     lib.hr_write_check.restype = ctypes.c_int
-    lib.hr_write_check.argtypes = [i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, c_int]
-    lib.hr_write_apply.restype = ctypes.c_int
-    lib.hr_write_apply.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, c_int]
+    lib.hr_write_check.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, i64]
+    lib.hr_write_apply.restype = None
+    lib.hr_write_apply.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr]
 
 
 def available() -> bool:
@@ -203,36 +203,27 @@ def push_apply(
 
 def write(
     toc: np.ndarray,
-    words: np.ndarray,
-    data: np.ndarray,
+    ids: np.ndarray,
+    clocks: np.ndarray,
+    rows: np.ndarray,
+    state: np.ndarray,
     tables: np.ndarray,
-    clocks: np.ndarray | None = None,
-    state: np.ndarray | None = None,
 ) -> bool:
     """Check, then apply a write (``hr_write_check``, ``hr_write_apply``): parts ``toc``
     int64 ``[k, 4]`` (table row, n, width word, state width) of float32 fixed tables
-    ``tables`` int64 ``[T, TABLE_WORDS]``. As an MPI ``WRITE`` carries them (``clocks``
-    and ``state`` None): ``words`` int64 holds per part its ids then its clocks, ``data``
-    float32 per part its rows then its state. Apart (the in-process store): ``words`` the
-    ids ``[N]``, ``clocks`` ``[N]``, ``data`` the rows ``[N * dim]``, ``state`` ``[N *
-    swidth]``, part after part. False: nothing changed (no kernel, or a check refused
-    it: the Python path says why)."""
+    ``tables`` int64 ``[T, TABLE_WORDS]``; ``ids`` and ``clocks`` int64 ``[N]``, ``rows``
+    float32 ``[sum n * dim]`` and ``state`` ``[sum n * swidth]``, each the parts' values
+    back to back. False: nothing changed (no kernel, or a check refused it: the Python
+    path says why)."""
     lib = _library()
     if lib is None:
         return False
-    message = clocks is None
-    arrays = [a for a in (toc, words, data, tables, clocks, state) if a is not None]
+    arrays = (toc, ids, clocks, rows, state, tables)
     assert all(a.flags.c_contiguous for a in arrays)
-    if message:
-        clocks, state = words, data  # (unread: the parts are in words and data)
-    assert clocks is not None and state is not None
-    k = toc.shape[0]
-    if lib.hr_write_check(
-        k, toc.ctypes.data, words.size, words.ctypes.data, clocks.ctypes.data, data.size,
-        data.ctypes.data, state.ctypes.data, tables.ctypes.data, tables.shape[0], int(message),
-    ):  # fmt: skip
+    n, k = int(toc[:, 1].sum()), toc.shape[0]
+    assert ids.size == n and clocks.size == n, "the caller sizes the arrays from toc"
+    ptrs = [a.ctypes.data for a in (toc, ids, clocks, rows, state, tables)]
+    if lib.hr_write_check(k, *ptrs, tables.shape[0]):
         return False
-    return lib.hr_write_apply(
-        k, toc.ctypes.data, words.ctypes.data, clocks.ctypes.data, data.ctypes.data,
-        state.ctypes.data, tables.ctypes.data, int(message),
-    ) == 0  # fmt: skip
+    lib.hr_write_apply(k, *ptrs)
+    return True

@@ -417,7 +417,7 @@ class LocalBatchedPass:
         state = np.ascontiguousarray(r.state.numpy()).reshape(-1)
         clocks = np.ascontiguousarray(r.clocks.numpy())
         with _locked(parts):
-            if not message_pass.write(toc, ids, rows, words, clocks, state):
+            if not message_pass.write(toc, ids, clocks, rows, state, words):
                 return False
             for t, size in zip(parts, toc[:, 1].tolist(), strict=True):
                 t.counters["write_requests"] += 1

@@ -171,16 +171,24 @@ class BatchedPass:
         grads, stats = data[: data.size - n], data[data.size - n :]
         return toc, ids, grads, (counts, stats)
 
-    def write(self, k: int, payload: np.ndarray, data: np.ndarray) -> bool:
-        """Apply a ``WRITE`` of ``k`` parts in one checked C pass
+    def write(
+        self,
+        toc: np.ndarray,
+        ids: np.ndarray,
+        clocks: np.ndarray,
+        rows: np.ndarray,
+        state: np.ndarray,
+    ) -> bool:
+        """Apply a ``WRITE`` (its table of contents ``[k, 4]`` as sent, its ids, clocks,
+        rows and state, each the parts' back to back) in one checked C pass
         (:func:`ps.kernels.message_pass.write`); False: nothing changed, serve it in
         Python (which says what is wrong, if anything)."""
-        width = wire.WRITE_PART_WORDS
-        if not self.enabled or payload.size < k * width:
+        if not self.enabled:
             return False
-        toc = np.ascontiguousarray(payload[: k * width].reshape(k, width))
-        words = np.ascontiguousarray(payload[k * width :])
-        if not message_pass.write(toc, words, np.ascontiguousarray(data), self.tables):
+        toc = np.ascontiguousarray(toc)
+        ids, clocks = np.ascontiguousarray(ids), np.ascontiguousarray(clocks)
+        rows, state = np.ascontiguousarray(rows), np.ascontiguousarray(state)
+        if not message_pass.write(toc, ids, clocks, rows, state, self.tables):
             return False
         for index, n in toc[:, :2].tolist():
             shard = self.shards[index]

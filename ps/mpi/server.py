@@ -705,12 +705,10 @@ class ShardServer:
 
     def write(self, meta: np.ndarray, payload: np.ndarray, data: np.ndarray) -> Any:
         """A batched write (:class:`ps.WriteRequest` of ``k`` tables): the table of
-        contents, then each table's ids and clocks in the payload; each table's rows, then
-        their state, in the data. Every part is checked before any table changes."""
+        contents, then every part's ids, then every part's clocks in the payload; every
+        part's rows, then every part's state in the data. Checked whole (in the C pass, or
+        part by part here) before any table changes."""
         k = wire.check_parts(int(meta[wire.W_N]), "write")
-        reply = wire.message(wire.header(Op.WRITE, int(meta[wire.W_ID]))), _EMPTY_F32
-        if self.batched.write(k, payload, data):  # every part at once, in C
-            return reply
         toc, types = _toc(payload, k, wire.WRITE_PART_WORDS, "write")
         specs = [
             self.table_at(index, dim, "write", row_type)
@@ -723,23 +721,32 @@ class ShardServer:
                     f"write table {spec.name!r}: the request carries state of width {s}, the "
                     f"table's optimizer has {spec.state_dim}"
                 )
-        words = k * wire.WRITE_PART_WORDS + 2 * sum(sizes)
-        floats = sum(n * (s.dim + s.state_dim) for (s, _), n in zip(specs, sizes, strict=True))
+        n_all = sum(sizes)
+        row_floats = sum(n * s.dim for (s, _), n in zip(specs, sizes, strict=True))
+        floats = row_floats + sum(n * s.state_dim for (s, _), n in zip(specs, sizes, strict=True))
+        words = k * wire.WRITE_PART_WORDS + 2 * n_all
         if payload.size != words or data.size != floats:
             raise ValueError(
                 f"write: message sizes do not match its table of contents: {payload.size} int64 "
                 f"payload words and {data.size} floats, expected {words} and {floats}"
             )
-        at, fat, parts = k * wire.WRITE_PART_WORDS, 0, []
+        at = k * wire.WRITE_PART_WORDS
+        ids_all, clocks_all = payload[at : at + n_all], payload[at + n_all :]
+        rows_all, state_all = data[:row_floats], data[row_floats:]
+        reply = wire.message(wire.header(Op.WRITE, int(meta[wire.W_ID]))), _EMPTY_F32
+        raw_toc = payload[: k * wire.WRITE_PART_WORDS].reshape(k, wire.WRITE_PART_WORDS)
+        if self.batched.write(raw_toc, ids_all, clocks_all, rows_all, state_all):
+            return reply  # every part at once, in C
+        a, fr, fs, parts = 0, 0, 0, []
         for (spec, table), n in zip(specs, sizes, strict=True):
             d, s = spec.dim, spec.state_dim
-            ids = self.check_ids(spec, payload[at : at + n], "write")
-            clocks = torch.from_numpy(payload[at + n : at + 2 * n])
-            rows = torch.from_numpy(data[fat : fat + n * d]).view(n, d)
-            state = torch.from_numpy(data[fat + n * d : fat + n * (d + s)]).view(n, s)
+            ids = self.check_ids(spec, ids_all[a : a + n], "write")
+            clocks = torch.from_numpy(clocks_all[a : a + n])
+            rows = torch.from_numpy(rows_all[fr : fr + n * d]).view(n, d)
+            state = torch.from_numpy(state_all[fs : fs + n * s]).view(n, s)
             check_write(spec, ids, rows, state, clocks)
             parts.append((table, ids, rows, state, clocks))
-            at, fat = at + 2 * n, fat + n * (d + s)
+            a, fr, fs = a + n, fr + n * d, fs + n * s
         for table, ids, rows, state, clocks in parts:  # back to back
             with table.lock:
                 table.write(ids, rows, state, clocks)

@@ -83,7 +83,7 @@ from mpi4py import MPI
 
 from comm import CommTimeoutError, Handle, ProcessGroup, Topology
 from ps import checkpoint
-from ps.group_requests import GroupPull, GroupPush, sorted_push
+from ps.group_requests import GroupPull, GroupPush, GroupWrite, sorted_push
 from ps.mpi import group_messages, wire
 from ps.mpi.server import check_mpi_topology, check_push_grads
 from ps.mpi.wire import HEADER_LEN, Op
@@ -769,35 +769,65 @@ class MPIStore(Store):
         tables = [self._table(r.table) for r in reqs]
         for t, r in zip(tables, reqs, strict=True):
             check_write(t.spec, r.ids, r.rows, r.state, r.clocks)
+        parts = [(t, r.ids, r.clocks, r.rows, r.state) for t, r in zip(tables, reqs, strict=True)]
+        return self._send_writes(parts, ", ".join(repr(r.table) for r in reqs))
+
+    def write_groups_async(self, requests: Sequence[WriteRequest | GroupWrite]) -> Handle:
+        """A lone group write whose checks pass over the whole request at once (packed ids
+        strictly increasing inside its space, rows and state finite, clocks >= 0: what a
+        cache sends) goes out as :meth:`write_many_async` does, its tables' parts sliced
+        out of it; anything else goes the base class's way (which checks table by table
+        and says what is wrong)."""
+        if isinstance(requests, Sequence) and len(requests) == 1:
+            (r,) = requests
+            if isinstance(r, GroupWrite) and _plain_group_write(r):
+                space, packed = r.space, r.ids.numpy()
+                segments = space.segments(packed)
+                local = torch.from_numpy(space.local(packed, segments))  # [P] table ids
+                parts = [
+                    (self._table(space.names[i]), local[a:b], r.clocks[a:b], r.rows[a:b],
+                     r.state[a:b])
+                    for i, a, b in segments
+                ]  # fmt: skip
+                if all(_writable(t.spec, rows, state) for t, _, _, rows, state in parts):
+                    return self._send_writes(parts, f"tables {', '.join(space.names)}")
+        return super().write_groups_async(requests)
+
+    def _send_writes(self, parts: list[Any], names: str) -> Handle:
+        """One ``WRITE`` message per server of the checked ``(table, ids, clocks, rows,
+        state)`` parts, each table's rows split by the server that holds them: the table
+        of contents, every part's ids, every part's clocks; as data every part's rows,
+        then every part's state."""
         n_servers = len(self._servers)
         toc: list[list[list[int]]] = [[] for _ in range(n_servers)]  # per server: parts
-        words: list[list[np.ndarray]] = [[] for _ in range(n_servers)]  # ids, clocks
-        floats: list[list[np.ndarray]] = [[] for _ in range(n_servers)]  # rows, state
-        for t, r in zip(tables, reqs, strict=True):
+        # per server: each part's ids, clocks, rows and state
+        cols: list[list[list[np.ndarray]]] = [[[], [], [], []] for _ in range(n_servers)]
+        for t, ids_t, clocks_t, rows_t, state_t in parts:
             d, s = t.spec.dim, t.spec.state_dim
-            order, counts = self._split(r.ids)
-            ids, clocks = _sorted_np(r.ids, order), _sorted_np(r.clocks, order)
-            rows, state = _sorted_np(r.rows, order), _sorted_np(r.state, order)  # [N, D], [N, S]
+            order, counts = self._split(ids_t)
+            got = [_sorted_np(x, order) for x in (ids_t, clocks_t, rows_t, state_t)]
             a = 0
             for k, c in enumerate(counts):
                 if c:
                     toc[k].append([t.index[k], c, wire.width_word(d, "fp32"), s])
-                    words[k] += [ids[a : a + c], clocks[a : a + c]]
-                    floats[k] += [rows[a : a + c].reshape(-1), state[a : a + c].reshape(-1)]
+                    for col, x in zip(cols[k], got, strict=True):
+                        col.append(x[a : a + c].reshape(-1))
                 a += c
-        calls = [
-            self._start(
-                k,
-                Op.WRITE,
-                payload=(np.asarray(toc[k], dtype=np.int64).reshape(-1), *words[k]),
-                data=np.concatenate(floats[k]),
-                n=len(toc[k]),
-            )  # fmt: skip
-            for k in range(n_servers)
-            if toc[k]
-        ]
-        names = ", ".join(repr(r.table) for r in reqs)
-        return self._handle(calls, lambda: None, f"write_many of tables {names}")
+        calls = []
+        for k in range(n_servers):
+            if toc[k]:
+                ids, clocks, rows, state = (_joined(col) for col in cols[k])
+                head = np.asarray(toc[k], dtype=np.int64).reshape(-1)
+                calls.append(
+                    self._start(
+                        k,
+                        Op.WRITE,
+                        payload=(head, ids, clocks),
+                        data=np.concatenate([rows, state]),
+                        n=len(toc[k]),
+                    )  # fmt: skip
+                )
+        return self._handle(calls, lambda: None, f"write_many of {names}")
 
     def _gather(self, table: str, ids: torch.Tensor, op: int, what: str) -> torch.Tensor:
         """Clocks (int64 ``[N]``) or state (float32 ``[N, S]``) of rows ``ids``, from servers."""
@@ -1109,6 +1139,37 @@ def _split_pull_reply(
         size = p.data_words(m)
         got[i].append((a, c, clk, pos, p.rows(call.data[fat : fat + size], m)))
         fat += size
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """``parts`` back to back (the one part itself where there is one)."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _plain_group_write(r: GroupWrite) -> bool:
+    """Whether the group write ``r`` passes every check of a write at once: host tensors
+    of the right kinds and shapes, packed ids strictly increasing inside its space, rows
+    and state finite, clocks >= 0 (else the per-table path finds what is wrong)."""
+    ints = all(isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.dim() == 1
+               and not x.is_cuda for x in (r.ids, r.clocks))  # fmt: skip
+    floats = all(isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.dim() == 2
+                 and not x.is_cuda for x in (r.rows, r.state))  # fmt: skip
+    if not (ints and floats):
+        return False
+    n = r.ids.shape[0]
+    if n == 0 or r.clocks.shape[0] != n or r.rows.shape[0] != n or r.state.shape[0] != n:
+        return False
+    packed = r.ids.numpy()
+    if not bool((packed[1:] > packed[:-1]).all()) or not r.space.inside(packed):
+        return False
+    return all_finite(r.rows) and all_finite(r.state) and int(r.clocks.min()) >= 0
+
+
+def _writable(spec: TableSpec, rows: torch.Tensor, state: torch.Tensor) -> bool:
+    """Whether ``spec``'s table takes a write of ``rows`` ``[n, D]`` and ``state`` ``[n, S]``
+    as they are (a fixed float32 table of that dim and state width)."""
+    shapes = rows.shape[1] == spec.dim and state.shape[1] == spec.state_dim
+    return spec.num_rows is not None and not spec.narrow and shapes
 
 
 def wire_grads(spec: TableSpec, ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
