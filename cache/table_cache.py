@@ -110,6 +110,7 @@ from cache.kernels.plan_pull import plan_pull
 from cache.kernels.records import (
     OWN8_MAX,
     ROW_KINDS,
+    Evicted,
     copy_clocks,
     evict_rows,
     install_rows,
@@ -232,6 +233,16 @@ class _Due:
             return _Due(ids, grads)
         counts = np.concatenate([p.counts for p in parts if p.counts is not None])
         return _Due(ids, grads, counts, cat([p.stats for p in parts]), parts[0].write)
+
+    def sorted(self) -> _Due:
+        """The rows in increasing id order (host arrays; the ids are distinct), as every
+        store walks a request."""
+        if _increasing(self.ids):
+            return self
+        o = np.argsort(self.ids)
+        if self.counts is None:
+            return _Due(self.ids[o], self.grads[o], write=self.write)
+        return _Due(self.ids[o], self.grads[o], self.counts[o], self.stats[o], self.write)
 
     def take(self, at: np.ndarray, *, write: bool) -> _Due:
         """The rows at positions ``at`` ``[K]`` (host arrays), as a write or a plain push."""
@@ -1367,7 +1378,8 @@ class TableCache:
         and the clock each then has at the PS (``CLOCK + OWN + 1``)."""
         meta = self._meta(rec)
         state = rec[:, self.state_at : self.state_at + self.state_dim].copy()
-        return _Due(ids, self._rec_rows(rec), meta[:, CLOCK] + meta[:, OWN] + 1, state, True)
+        clocks = meta[:, CLOCK] + meta[:, OWN] + 1
+        return _Due(ids, self._rec_rows(rec), clocks, state, True).sorted()
 
     def _push(self, *dues: _Due) -> None:
         """Queue the pushes ``dues`` (fresh arrays; gradients on the cache's device for
@@ -1376,7 +1388,7 @@ class TableCache:
         not in a batch's pass-through ids, and it is not cached now, so it is not due).
         Writes of copies go as one more item: they are not summed with anything."""
         if self.evicted and self.values:
-            dues = (_Due.join(self.evicted), *dues)
+            dues = (_Due.join(self.evicted).sorted(), *dues)
             self.evicted = []
         elif self.evicted:
             (due,) = dues
@@ -1500,18 +1512,11 @@ class TableCache:
         if self.values:
             return self._write_in_order(uniq, slots, g)
         lr, acc_at, eps = self._local_step_args()
-        evicted = None
-        if self.evicted:
-            ev = _Due.join(self.evicted)
-            if not _increasing(ev.ids):  # distinct ids: any sort is the order
-                o = np.argsort(ev.ids)
-                counted = (None, None) if ev.counts is None else (ev.counts[o], ev.stats[o])
-                ev = _Due(ev.ids[o], ev.grads[o], *counted)
-            evicted = (ev.ids, ev.grads, ev.counts, ev.stats)
         got = update_rows(
             self.slab, self.sd, slots, self.own8, g, lr=lr, write_bound=self.write_bound,
             seq=self.seq, stat_dim=self.stat_dim, stat_at=self.stat_at, acc_at=acc_at, eps=eps,
-            kind=self.kind, seed=self.seed, row_ids=self.row_id, ids=uniq, evicted=evicted,
+            kind=self.kind, seed=self.seed, row_ids=self.row_id, ids=uniq,
+            evicted=self._evicted_in_order(),
         )  # fmt: skip
         if got is None:
             return None
@@ -1522,6 +1527,14 @@ class TableCache:
         assert ids is not None
         return (_Due(ids, sums, counts, stats) if self.counted else _Due(ids, sums),)
 
+    def _evicted_in_order(self) -> Evicted | None:
+        """The rows evicted since the last push (sums, or writes of copies), joined in id
+        order as the push's pass merges them: ``(ids, rows, counts, stats)``; None: none."""
+        if not self.evicted:
+            return None
+        ev = _Due.join(self.evicted).sorted()
+        return ev.ids, ev.grads, ev.counts, ev.stats
+
     def _write_in_order(
         self, uniq: np.ndarray, slots: np.ndarray, g: np.ndarray
     ) -> tuple[_Due, ...] | None:
@@ -1529,17 +1542,11 @@ class TableCache:
         emits the due rows' copies, state and clocks, the evicted rows' writes and the
         rows not cached (their gradients) in id order; ``(push, write)``."""
         lr, acc_at, eps = self._local_step_args()
-        evicted = None
-        if self.evicted:
-            ev = _Due.join(self.evicted)
-            if not _increasing(ev.ids):  # distinct ids: any sort is the order
-                ev = ev.take(np.argsort(ev.ids), write=True)
-            evicted = (ev.ids, ev.grads, ev.counts, ev.stats)
         got = update_rows(
             self.slab, self.sd, slots, self.own8, g, lr=lr, write_bound=self.write_bound,
             seq=self.seq, stat_dim=self.state_dim, stat_at=self.state_at, acc_at=acc_at,
-            eps=eps, row_ids=self.row_id, ids=np.ascontiguousarray(uniq), evicted=evicted,
-            values=True,
+            eps=eps, row_ids=self.row_id, ids=np.ascontiguousarray(uniq),
+            evicted=self._evicted_in_order(), values=True,
         )  # fmt: skip
         if got is None:
             return self._write_numpy(uniq, slots, g)

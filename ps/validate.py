@@ -217,7 +217,7 @@ def check_write(spec: TableSpec, ids: object, rows: object, state: object, clock
         raise ValueError(f"{what}: writes take fixed float32 tables, got {kind}")
     ids = check_ids(spec, ids, "write")
     n, s = int(ids.shape[0]), spec.state_dim
-    a = ids.numpy()
+    a = ids.cpu().numpy()
     increasing = a.size < 2 or bool((a[1:] > a[:-1]).all())  # what a cache sends
     if not increasing and np.unique(a).size != a.size:
         raise ValueError(f"{what}: ids must be distinct (a write sets each row once)")
